@@ -1,0 +1,49 @@
+"""breakgraph: run almost all of a model under CUDA graphs, with declared eager breaks.
+
+::
+
+    import breakgraph
+
+    @breakgraph.eager_on_graph            # runs eagerly on every replay
+    def plan_attention(meta): ...
+
+    g = breakgraph.BreakableCUDAGraph()
+    with breakgraph.capture(g):           # warm up first, as with torch.cuda.graph
+        out = model(static_input)         # segments are captured around each eager call
+    static_input.copy_(new_input)
+    g.replay()                            # segment, eager fn, segment, ..., segment
+
+See ``docs/concepts.md`` for the semantics and ``examples/`` for runnable scripts.
+"""
+
+from .eager import break_graph, eager_on_graph
+from .errors import (
+    BackendError,
+    BreakgraphError,
+    CaptureError,
+    CopyBackError,
+    HostSyncError,
+    InputError,
+    ReplayError,
+    StreamError,
+)
+from .graph import BreakableCUDAGraph, capture, is_capturing, replay_context
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BreakableCUDAGraph",
+    "capture",
+    "eager_on_graph",
+    "break_graph",
+    "is_capturing",
+    "replay_context",
+    "BreakgraphError",
+    "BackendError",
+    "CaptureError",
+    "HostSyncError",
+    "StreamError",
+    "ReplayError",
+    "CopyBackError",
+    "InputError",
+]

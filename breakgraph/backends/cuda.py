@@ -1,0 +1,127 @@
+"""The CUDA backend: every segment is one ``torch.cuda.CUDAGraph``.
+
+All segments of a graph are captured into one private memory pool (and several
+graphs can share it with ``pool=other.pool()``), on one capture stream, exactly as
+``torch.cuda.graph`` does for a single graph. Each segment is replayed once right
+after it is captured, so the eager function that follows sees real inputs and the
+capture pass computes real outputs (as the emulated backend does).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from ..errors import CaptureError
+from ..streams import StreamTracker
+from ..syncs import SegmentMode
+
+_default_capture_streams: dict = {}
+
+
+class CudaSegment:
+    """One captured CUDA graph; ``replay`` is the bound ``CUDAGraph.replay`` (hot path)."""
+
+    __slots__ = ("graph", "replay", "operations")
+
+    def __init__(self, graph: "torch.cuda.CUDAGraph", operations: int):
+        self.graph = graph
+        self.replay = graph.replay
+        self.operations = operations
+
+    def reset(self) -> None:
+        self.graph.reset()
+
+
+class CudaSession:
+    """The state of one capture: stream, pool, stream tracker, the segment being captured."""
+
+    def __init__(self, pool, stream: Optional["torch.cuda.Stream"], capture_error_mode: str,
+                 detect_syncs: bool):
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise CaptureError(f"breakgraph.capture: stream must be a torch.cuda.Stream, got {stream!r}")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        device = torch.cuda.current_device()
+        if stream is None:
+            stream = _default_capture_streams.get(device)
+            if stream is None:
+                stream = _default_capture_streams[device] = torch.cuda.Stream(device)
+        self.device = device
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = stream
+        self.capture_error_mode = capture_error_mode
+        self.detect_syncs = detect_syncs
+        self.tracker = StreamTracker(stream)
+        self._stream_context = torch.cuda.stream(stream)
+        self._stream_context.__enter__()
+        self.tracker.install()
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._mode: Optional[SegmentMode] = None
+
+    def begin_segment(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+        self._graph = graph
+        self.tracker.begin_segment()
+        self._mode = SegmentMode(check_syncs=self.detect_syncs)
+        self._mode.__enter__()
+
+    def end_segment(self) -> CudaSegment:
+        graph, mode = self._graph, self._mode
+        self._graph = self._mode = None
+        mode.__exit__(None, None, None)
+        self.tracker.join_all()
+        with warnings.catch_warnings():
+            if mode.operations == 0:  # a break right after another: an empty segment is expected
+                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            graph.capture_end()
+        graph.replay()  # real values for the eager code that follows
+        return CudaSegment(graph, mode.operations)
+
+    def abort(self) -> None:
+        """Abandon the segment being captured (if any), leaving the allocator and stream clean."""
+        graph, mode = self._graph, self._mode
+        self._graph = self._mode = None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        if graph is not None:
+            self.tracker.active = False
+            try:
+                graph.capture_end()
+            except Exception:  # the capture was invalidated: CUDA ended it, tell the allocator
+                _end_allocate_to_pool(self.device, self.pool)
+            try:
+                graph.reset()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        self.tracker.uninstall()
+        self._stream_context.__exit__(None, None, None)
+
+
+def _end_allocate_to_pool(device: int, pool) -> None:
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    try:
+        if end is not None:
+            end(device, pool)
+        else:  # older spelling
+            torch._C._cuda_endAllocateCurrentStreamToPool(device, pool)
+    except Exception:
+        pass
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def open(self, pool, stream, capture_error_mode: str, detect_syncs: bool) -> CudaSession:
+        return CudaSession(pool, stream, capture_error_mode, detect_syncs)
+
+
+CUDA_BACKEND = CudaBackend()

@@ -1,0 +1,101 @@
+"""``@eager_on_graph`` and ``break_graph()``: where a captured graph breaks.
+
+A decorated function behaves exactly like the function it wraps, except inside
+a segment being captured by :func:`breakgraph.capture`: there it ends the
+segment, runs once eagerly, is registered to run again on every replay (with the
+same arguments; its fresh results are copied into the capture-time outputs) and a
+new segment begins. Built on ``wrapt`` so that signatures, ``__wrapped__``,
+methods, classmethods, staticmethods and ``nn.Module.forward`` behave as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import wrapt
+
+from . import graph as _graph
+
+__all__ = ["eager_on_graph", "break_graph"]
+
+
+def _name_of(function: Any) -> str:
+    return getattr(function, "__qualname__", None) or getattr(function, "__name__", None) or repr(function)
+
+
+def eager_on_graph(
+    function: Optional[Callable] = None,
+    *,
+    enable: bool = True,
+    capture_stub: Optional[Callable] = None,
+    check_values: bool = True,
+):
+    """Run ``function`` eagerly between captured segments, on capture and on every replay.
+
+    Use it on host-dependent code: ``.item()``-driven control flow, attention
+    metadata built from the live batch, loops over active experts, kernels that
+    need exact host ints. Usable bare (``@eager_on_graph``) or with options:
+
+    * ``enable=False`` returns ``function`` itself, unchanged (a switch for A/B runs);
+    * ``capture_stub`` runs *instead of* ``function`` during the capture pass only
+      (for rank-coupled or expensive work); it must return the same structure,
+      shapes and dtypes. Replays run the real function;
+    * ``check_values=False`` accepts Python values in the output (ints, strings)
+      that differ from the capture-time ones, for values that are informational
+      only; tensors are always checked.
+
+    On replay the function is called with its capture-time arguments: read
+    per-step state from static tensors or from :func:`breakgraph.replay_context`.
+    It may return new tensors (copied into the capture-time ones, checked for
+    shape, dtype and device) or the very tensors it was given (no copy).
+
+    Example::
+
+        >>> import torch, breakgraph
+        >>> @breakgraph.eager_on_graph
+        ... def keep_positive(x):
+        ...     return x[x > 0].sum().reshape(1)    # data-dependent: cannot be captured
+        >>> x = torch.tensor([1.0, -2.0, 3.0])
+        >>> g = breakgraph.BreakableCUDAGraph()
+        >>> with breakgraph.capture(g, backend="emulated"):
+        ...     total = keep_positive(x * 1) + 1
+        >>> x.copy_(torch.tensor([5.0, 5.0, -1.0])); g.replay(); total.tolist()
+        [11.0]
+    """
+
+    def decorate(wrapped: Callable):
+        if not enable:
+            return wrapped
+        name = _name_of(wrapped)
+
+        @wrapt.decorator
+        def wrapper(inner, instance, args, kwargs):
+            capture = _graph._state.capture
+            if capture is None or not capture.in_segment or torch.compiler.is_compiling():
+                return inner(*args, **kwargs)
+            return capture.run_break(inner, name, args, kwargs, capture_stub, check_values)
+
+        return wrapper(wrapped)
+
+    if function is not None:
+        if not callable(function):
+            raise TypeError(f"eager_on_graph: expected a callable, got {function!r}")
+        return decorate(function)
+    return decorate
+
+
+def break_graph() -> None:
+    """End the current segment and begin a new one, with nothing run between them.
+
+    Outside a capture it does nothing. Useful to bound segment sizes, to measure
+    per-break overhead, or to place a point where side streams are joined.
+
+    Example::
+
+        >>> import breakgraph
+        >>> breakgraph.break_graph()   # no capture: a no-op
+    """
+    capture = _graph._state.capture
+    if capture is not None and capture.in_segment and not torch.compiler.is_compiling():
+        capture.run_break(None, "break_graph", (), {}, None, True)

@@ -1,0 +1,80 @@
+"""The one exception hierarchy of breakgraph.
+
+Every error the library raises derives from :class:`BreakgraphError`, so callers
+can catch the library's failures without catching their own. Subclasses also
+derive from the closest built-in (``ValueError``, ``TypeError``, ``RuntimeError``)
+so that code written against plain PyTorch keeps working.
+
+Messages follow one rule: name the function, the tensor path and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BreakgraphError",
+    "BackendError",
+    "CaptureError",
+    "HostSyncError",
+    "StreamError",
+    "ReplayError",
+    "CopyBackError",
+    "InputError",
+]
+
+
+class BreakgraphError(RuntimeError):
+    """Base class of every error raised by breakgraph.
+
+    Example::
+
+        try:
+            g.replay()
+        except breakgraph.BreakgraphError as e:
+            print("breakgraph refused:", e)
+    """
+
+
+class BackendError(BreakgraphError):
+    """No usable backend: no GPU and no ``backend="emulated"`` / ``BREAKGRAPH_BACKEND``."""
+
+
+class CaptureError(BreakgraphError):
+    """A capture could not start or could not be completed (nested, already captured, ...)."""
+
+
+class HostSyncError(CaptureError):
+    """Code inside a captured segment needed the host to see device values.
+
+    A CUDA graph runs no Python on replay, so ``.item()``, ``nonzero``, ``if tensor:``
+    and friends cannot be recorded. Move that code into a function decorated with
+    :func:`breakgraph.eager_on_graph`.
+    """
+
+
+class StreamError(CaptureError):
+    """A stream dependency that a captured segment cannot express (never dropped silently)."""
+
+
+class ReplayError(BreakgraphError):
+    """``replay()`` was called on a graph that holds no capture."""
+
+
+class CopyBackError(BreakgraphError, TypeError):
+    """An eager function returned something that cannot be copied into its capture-time output.
+
+    Attributes ``function``, ``path``, ``captured`` and ``got`` describe the mismatch.
+    """
+
+    def __init__(self, function: str, path: str, problem: str, captured: str, got: str):
+        self.function, self.path, self.captured, self.got = function, path, captured, got
+        super().__init__(
+            f"eager function {function!r} returned {problem} at {path}: "
+            f"captured {captured}, got {got}. Captured segments keep reading the capture-time "
+            f"object, so on replay {function!r} must return the same structure, shapes, dtypes "
+            f"and devices (and equal Python values, unless decorated with "
+            f"@eager_on_graph(check_values=False))."
+        )
+
+
+class InputError(BreakgraphError, ValueError):
+    """An input cannot be placed into a static buffer (rank, dtype, device or size)."""

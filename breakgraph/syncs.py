@@ -1,0 +1,138 @@
+"""Host-synchronisation detection for captured segments.
+
+A CUDA graph runs no Python on replay, so any operation whose *result reaches
+the host* (``.item()``, ``if tensor:``, ``nonzero`` whose output size depends on
+the data, a blocking device-to-host copy) cannot be captured. CUDA reports such
+an operation late and far from its cause (often as an invalidated capture at
+``capture_end``). breakgraph watches the aten operations of every segment with a
+``TorchDispatchMode`` and raises :class:`~breakgraph.HostSyncError` *before* the
+operation runs, naming the operation and the user's line, so the capture is
+never invalidated and can be abandoned cleanly.
+
+Example::
+
+    >>> import torch
+    >>> from breakgraph.syncs import SegmentMode
+    >>> with SegmentMode(all_devices=True):
+    ...     torch.ones(2).sum().item()
+    Traceback (most recent call last):
+    breakgraph.errors.HostSyncError: ...
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .errors import HostSyncError
+
+__all__ = ["SegmentMode", "SYNC_OPERATIONS"]
+
+aten = torch.ops.aten
+
+#: aten operations that need the host to see device values, with the Python spelling users wrote.
+SYNC_OPERATIONS: dict = {
+    aten._local_scalar_dense: "`.item()`, `float(t)`, `int(t)` or a tensor used as a Python number",
+    aten.is_nonzero: "`if tensor:` / `bool(tensor)` (a Python branch on a device value)",
+    aten.item: "`.item()`",
+    aten.nonzero: "`nonzero()` / `torch.where(cond)` (its output size depends on the data)",
+    aten.masked_select: "`masked_select` / boolean-mask indexing (its output size depends on the data)",
+    aten._unique: "`unique` (its output size depends on the data)",
+    aten._unique2: "`unique` (its output size depends on the data)",
+    aten.unique_dim: "`unique(dim=...)` (its output size depends on the data)",
+    aten.unique_consecutive: "`unique_consecutive` (its output size depends on the data)",
+    aten.unique_dim_consecutive: "`unique_consecutive(dim=...)` (its output size depends on the data)",
+    aten.equal: "`torch.equal` (returns a Python bool)",
+    aten.allclose: "`torch.allclose` (returns a Python bool)",
+    aten.bincount: "`bincount` (its output size depends on the data)",
+}
+
+_COPY_OPERATIONS = {aten._to_copy, aten.copy_}
+
+_PACKAGE_DIRS = (
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.dirname(os.path.abspath(torch.__file__)),
+)
+
+
+def _user_frame() -> str:
+    """The innermost stack frame outside torch and breakgraph: the line that caused it."""
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_PACKAGE_DIRS) and "contextlib" not in path:
+            code = f": `{frame.line.strip()}`" if frame.line else ""
+            return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
+    return "<unknown location>"
+
+
+def _sync_reason(func, args, kwargs, all_devices: bool) -> Optional[str]:
+    packet = func.overloadpacket
+    if packet in SYNC_OPERATIONS:
+        if packet is aten.repeat_interleave and kwargs.get("output_size") is not None:
+            return None
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if all_devices or any(t.device.type != "cpu" for t in tensors):
+            return SYNC_OPERATIONS[packet]
+        return None
+    if packet in _COPY_OPERATIONS and not all_devices:
+        if kwargs.get("non_blocking", False) or (packet is aten.copy_ and len(args) > 2 and args[2]):
+            return None
+        if packet is aten._to_copy:
+            source, target = args[0], kwargs.get("device")
+            target_is_cpu = target is not None and torch.device(target).type == "cpu"
+        else:
+            target, source = args[0], args[1]
+            target_is_cpu = isinstance(target, torch.Tensor) and target.device.type == "cpu"
+        if target_is_cpu and isinstance(source, torch.Tensor) and source.device.type != "cpu":
+            return "a blocking device-to-host copy (`.cpu()`, `.tolist()`, `.numpy()`, `print(t)`)"
+    return None
+
+
+SYNC_OPERATIONS[aten.repeat_interleave] = (
+    "`repeat_interleave` with a tensor of repeats and no `output_size` (its output size depends on the data)"
+)
+
+
+class SegmentMode(TorchDispatchMode):
+    """Watches (and optionally records) the aten operations of one captured segment.
+
+    ``all_devices=True`` treats CPU tensors as device tensors: the emulated
+    backend runs everything on the CPU and must flag ``.item()`` there too.
+    ``on_operation(func, args, kwargs, out)`` is called after each operation ran.
+    """
+
+    def __init__(
+        self,
+        all_devices: bool = False,
+        on_operation: Optional[Callable[[Any, tuple, dict, Any], None]] = None,
+        check_syncs: bool = True,
+    ):
+        super().__init__()
+        self.all_devices = all_devices
+        self.on_operation = on_operation
+        self.check_syncs = check_syncs
+        self.operations = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.check_syncs:
+            reason = _sync_reason(func, args, kwargs, self.all_devices)
+            if reason is not None:
+                raise HostSyncError(
+                    f"host synchronisation inside a captured segment: {func} ({reason}) at "
+                    f"{_user_frame()}. A CUDA graph runs no Python on replay, so this value would "
+                    f"be frozen at capture time (and CUDA invalidates the capture). Move the code "
+                    f"that needs it into a function decorated with @breakgraph.eager_on_graph (it "
+                    f"then runs eagerly on every replay), or keep it on the device (for example "
+                    f"torch.where(mask, a, b) instead of indexing with nonzero())."
+                )
+        out = func(*args, **kwargs)
+        self.operations += 1
+        if self.on_operation is not None:
+            self.on_operation(func, args, kwargs, out)
+        return out

@@ -1,0 +1,1 @@
+"""HuggingFace transformers integration (see docs/integration-transformers.md)."""
