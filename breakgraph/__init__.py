@@ -27,7 +27,7 @@ from .errors import (
     ReplayError,
     StreamError,
 )
-from .graph import BreakableCUDAGraph, capture, is_capturing, replay_context
+from .graph import BreakableCUDAGraph, capture, context_scope, is_capturing, replay_context
 
 __version__ = "0.1.0"
 
@@ -38,6 +38,7 @@ __all__ = [
     "break_graph",
     "is_capturing",
     "replay_context",
+    "context_scope",
     "BreakgraphError",
     "BackendError",
     "CaptureError",

@@ -79,7 +79,8 @@ def eager_on_graph(
         return wrapper(wrapped)
 
     if function is not None:
-        if not callable(function):
+        # classmethod objects are not callable, but wrapt wraps them correctly (both orders).
+        if not (callable(function) or isinstance(function, (classmethod, staticmethod))):
             raise TypeError(f"eager_on_graph: expected a callable, got {function!r}")
         return decorate(function)
     return decorate

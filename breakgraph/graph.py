@@ -32,7 +32,7 @@ from .backends import select_backend
 from .copyback import build_copy_back
 from .errors import CaptureError, HostSyncError, ReplayError
 
-__all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context"]
+__all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "context_scope"]
 
 
 class _ThreadState(threading.local):
@@ -379,3 +379,25 @@ class _Capture:
         _state.capture, _state.context = None, self._previous_context
         if self._gc_was_enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def context_scope(context: Any) -> Iterator[None]:
+    """Make ``replay_context()`` return ``context`` while eager code runs outside any graph.
+
+    Runners use it for eager fallbacks, so eager functions find the same state
+    whether they run from a replay or from a plain call.
+
+    Example::
+
+        >>> import breakgraph
+        >>> with breakgraph.context_scope({"n": 3}):
+        ...     breakgraph.replay_context()["n"]
+        3
+    """
+    previous = _state.context
+    _state.context = context
+    try:
+        yield
+    finally:
+        _state.context = previous

@@ -1,1 +1,24 @@
-"""HuggingFace transformers integration (see docs/integration-transformers.md)."""
+"""HuggingFace transformers integration: graph-speed prefill of unmodified causal LMs.
+
+See ``docs/integration-transformers.md``.
+
+Example::
+
+    from breakgraph.integrations.transformers import PrefillRunner
+    runner = PrefillRunner(model, token_buckets=(64, 256, 1024), max_prompts=16)
+    out = runner.prefill([ids_a, ids_b])
+    out.logits          # [2, vocab]
+"""
+
+from .attention import ATTENTION_KEY, breakgraph_attention, packed_attention
+from .prefill import SUPPORTED_MODEL_TYPES, PrefillOutput, PrefillRunner, UnsupportedModelError
+
+__all__ = [
+    "PrefillRunner",
+    "PrefillOutput",
+    "UnsupportedModelError",
+    "SUPPORTED_MODEL_TYPES",
+    "ATTENTION_KEY",
+    "breakgraph_attention",
+    "packed_attention",
+]

@@ -1,0 +1,390 @@
+"""Bucketed graphs for variable-size inputs: one breakable graph per size bucket.
+
+Real inputs change size every step; a graph is frozen to one size. A
+``BucketedRunner`` captures one :class:`~breakgraph.BreakableCUDAGraph` per bucket
+(say token counts 64, 256, 1024) at start-up, all in one memory pool, and serves
+any input by copying it into the static buffers of the smallest bucket that fits
+and filling the rest of the bucket (the *tail*) with a defined value.
+
+Rules it enforces (each one a bug in a peer):
+
+* inputs are validated before copying: rank, dtype, device and every
+  non-bucketed dimension must match; a wrong shape never broadcasts;
+* the tail is written on every call, so stale or NaN rows never linger;
+* capture happens only in an explicit capture phase: the constructor (all
+  buckets, largest first so smaller ones reuse the pool, warm-up before each) or
+  ``with runner.capture_window():``. Outside it a size with no bucket runs
+  eagerly or raises (``on_miss``), it never captures on the fly;
+* the bucket choice can be made to agree across ranks (``agree_size``), so
+  collectives inside segments see the same graph on every rank.
+
+Outputs live in graph memory and are overwritten by the next call; pass
+``owned=True`` to get a copy.
+
+Example::
+
+    >>> import torch
+    >>> from breakgraph.runner import BucketedRunner
+    >>> w = torch.randn(8, 8)
+    >>> runner = BucketedRunner(lambda x: (x @ w).relu(), buckets=(4, 16),
+    ...                         example_inputs=(torch.randn(1, 8),), backend="emulated")
+    >>> x = torch.randn(3, 8)
+    >>> torch.allclose(runner(x), (x @ w).relu())
+    True
+    >>> dict(sorted(runner.stats.calls.items()))
+    {4: 1, 16: 0}
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .errors import CaptureError, InputError
+from .graph import BreakableCUDAGraph, capture, context_scope
+
+__all__ = ["BucketedRunner", "RunnerStats", "all_reduce_max"]
+
+logger = logging.getLogger("breakgraph")
+
+
+@dataclass
+class RunnerStats:
+    """Counters of a :class:`BucketedRunner`; ``str(stats)`` prints a small table."""
+
+    calls: Dict[int, int] = field(default_factory=dict)
+    padded_elements: Dict[int, int] = field(default_factory=dict)  # tail rows filled, per bucket
+    eager_fallbacks: Dict[str, int] = field(default_factory=dict)  # by reason
+    capture_seconds: Dict[int, float] = field(default_factory=dict)
+    graph_memory_bytes: Dict[int, int] = field(default_factory=dict)  # pool growth per capture
+
+    def __str__(self) -> str:
+        rows = ["bucket   calls  padded rows  capture s  graph MiB"]
+        for size in sorted(self.calls):
+            rows.append(
+                f"{size:>6} {self.calls[size]:>7} {self.padded_elements.get(size, 0):>12} "
+                f"{self.capture_seconds.get(size, 0.0):>10.3f} "
+                f"{self.graph_memory_bytes.get(size, 0) / 2**20:>10.1f}"
+            )
+        fallbacks = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items())) or "none"
+        rows.append(f"eager fallbacks: {fallbacks}")
+        return "\n".join(rows)
+
+
+class _Bucket:
+    __slots__ = ("size", "graph", "inputs", "output")
+
+    def __init__(self, size: int, graph: BreakableCUDAGraph, inputs: tuple, output: Any):
+        self.size, self.graph, self.inputs, self.output = size, graph, inputs, output
+
+
+class BucketedRunner:
+    """Serve ``fn(*inputs)`` from one captured breakable graph per size bucket.
+
+    Args:
+        fn: the callable to capture; it takes the static input tensors and may
+            call ``@eager_on_graph`` functions (they read per-call state from
+            :func:`breakgraph.replay_context`, which is the ``context`` of the call).
+        buckets: the sizes of the bucketed dimension to capture, e.g. ``(64, 256, 1024)``.
+        example_inputs: one tensor per input of ``fn``; their dtype, device and
+            non-bucketed dimensions define the static buffers (their values are unused).
+        dims: the bucketed dimension of each input (one int for all).
+        pad_values: the value written into each input's tail (one value for all).
+        on_miss: ``"eager"`` (run ``fn`` on the live inputs) or ``"raise"`` when the
+            size exceeds the largest bucket.
+        max_padding_fraction: run eagerly when the tail would exceed this fraction
+            of the bucket (None: always pad).
+        slice_outputs: trim output tensors whose bucketed dimension equals the
+            bucket back to the input size (views); False returns them whole, or a
+            callable ``(output, size) -> output`` does it your way.
+        agree_size: ``size -> size`` called before every decision; make it return
+            the same value on every rank (see :func:`all_reduce_max`).
+        warmup: eager runs of ``fn`` before each capture.
+        backend, pool, context: as for :func:`breakgraph.capture`.
+        capture_context: ``size -> context`` for the warm-up and capture of bucket
+            ``size`` (default: ``context``), when eager functions need a batch
+            description that matches the bucket.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        buckets: Sequence[int],
+        example_inputs: Sequence[torch.Tensor],
+        *,
+        dims: Union[int, Sequence[int]] = 0,
+        pad_values: Union[float, Sequence[float]] = 0,
+        on_miss: str = "eager",
+        max_padding_fraction: Optional[float] = None,
+        slice_outputs: Union[bool, Callable[[Any, int], Any]] = True,
+        agree_size: Optional[Callable[[int], int]] = None,
+        warmup: int = 2,
+        backend: Optional[str] = None,
+        pool: Any = None,
+        context: Any = None,
+        capture_context: Optional[Callable[[int], Any]] = None,
+    ):
+        sizes = sorted({int(b) for b in buckets})
+        if not sizes or sizes[0] <= 0:
+            raise InputError(f"BucketedRunner: buckets must be positive sizes, got {list(buckets)}.")
+        if on_miss not in ("eager", "raise"):
+            raise InputError(f"BucketedRunner: on_miss must be 'eager' or 'raise', got {on_miss!r}.")
+        if max_padding_fraction is not None and not 0.0 <= max_padding_fraction < 1.0:
+            raise InputError("BucketedRunner: max_padding_fraction must be in [0, 1).")
+        examples = tuple(example_inputs)
+        if not examples or not all(isinstance(t, torch.Tensor) for t in examples):
+            raise InputError("BucketedRunner: example_inputs must be a non-empty sequence of tensors.")
+        n = len(examples)
+        self._dims = _per_input(dims, n, "dims")
+        self._pads = _per_input(pad_values, n, "pad_values")
+        for i, (t, d) in enumerate(zip(examples, self._dims)):
+            if not -t.dim() <= d < t.dim():
+                raise InputError(f"BucketedRunner: dims[{i}]={d} is out of range for a {t.dim()}-D input.")
+        self._dims = tuple(d % t.dim() for t, d in zip(examples, self._dims))
+        self._examples = tuple((t.dtype, t.device, tuple(t.shape)) for t in examples)
+        self.fn = fn
+        self.on_miss = on_miss
+        self.max_padding_fraction = max_padding_fraction
+        self.slice_outputs = slice_outputs
+        self.agree_size = agree_size
+        self.warmup = warmup
+        self.backend = backend
+        self.context = context
+        self.capture_context = capture_context
+        self.stats = RunnerStats()
+        self._pool = pool
+        self._buckets: Dict[int, _Bucket] = {}
+        self._sizes: list = []
+        self._window_open = True
+        try:
+            self._capture_buckets(sizes)
+        finally:
+            self._window_open = False
+
+    # -- capture phase ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture_window(self) -> Iterator["BucketedRunner"]:
+        """Allow new captures (``add_buckets``, and calls larger than every bucket).
+
+        Capturing mid-run can grow shared workspaces and move addresses that earlier
+        graphs baked in: open the window only at a quiet point, e.g. start-up.
+        """
+        self._window_open = True
+        try:
+            yield self
+        finally:
+            self._window_open = False
+
+    def add_buckets(self, buckets: Sequence[int]) -> None:
+        """Capture more buckets; only inside ``capture_window()``."""
+        if not self._window_open:
+            raise CaptureError(
+                "BucketedRunner.add_buckets: the capture phase is over; open it again with "
+                "`with runner.capture_window(): runner.add_buckets(...)`."
+            )
+        self._capture_buckets(sorted({int(b) for b in buckets} - set(self._buckets)))
+
+    def _capture_buckets(self, sizes: list) -> None:
+        for size in sorted(sizes, reverse=True):  # largest first: smaller ones reuse its pool
+            self._capture_one(size)
+
+    def _capture_one(self, size: int) -> None:
+        inputs = tuple(
+            torch.full(_with_dim(shape, d, size), pad, dtype=dtype, device=device)
+            for (dtype, device, shape), d, pad in zip(self._examples, self._dims, self._pads)
+        )
+        context = self.capture_context(size) if self.capture_context else self.context
+        logger.info("breakgraph: capturing bucket %d", size)
+        start = time.perf_counter()
+        with context_scope(context):
+            self._warm_up(inputs)
+        reserved_before = _reserved_bytes(inputs[0].device)
+        graph = BreakableCUDAGraph()
+        with capture(graph, pool=self._pool, backend=self.backend, context=context):
+            output = self.fn(*inputs)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.stats.graph_memory_bytes[size] = _reserved_bytes(inputs[0].device) - reserved_before
+        self.stats.capture_seconds[size] = time.perf_counter() - start
+        self.stats.calls.setdefault(size, 0)
+        self.stats.padded_elements.setdefault(size, 0)
+        self._buckets[size] = _Bucket(size, graph, inputs, output)
+        self._sizes = sorted(self._buckets)
+        logger.info("breakgraph: bucket %d captured in %.3f s (%s)", size,
+                    self.stats.capture_seconds[size], graph)
+
+    def _warm_up(self, inputs: tuple) -> None:
+        if self.warmup <= 0:
+            return
+        if inputs[0].device.type == "cuda" and self.backend != "emulated":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self.fn(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            for _ in range(self.warmup):
+                self.fn(*inputs)
+
+    # -- serving ------------------------------------------------------------------------
+    @property
+    def buckets(self) -> Tuple[int, ...]:
+        """The captured bucket sizes, ascending."""
+        return tuple(self._sizes)
+
+    def bucket_for(self, size: int) -> Optional[int]:
+        """The bucket a call of ``size`` would use, or None when it would not replay a graph."""
+        index = bisect.bisect_left(self._sizes, size)
+        if index == len(self._sizes):
+            return None
+        bucket = self._sizes[index]
+        if self.max_padding_fraction is not None and bucket - size > self.max_padding_fraction * bucket:
+            return None
+        return bucket
+
+    def graph(self, size: int) -> BreakableCUDAGraph:
+        """The captured graph of bucket ``size``."""
+        return self._buckets[size].graph
+
+    def __call__(self, *inputs: torch.Tensor, context: Any = None, owned: bool = False) -> Any:
+        """Run ``fn(*inputs)`` through the smallest bucket that fits (or eagerly).
+
+        ``context`` is what eager functions see through ``replay_context()`` (default:
+        the runner's). The result lives in graph memory and is overwritten by the next
+        call unless ``owned=True``.
+        """
+        size = self._validate(inputs)
+        agreed = self.agree_size(size) if self.agree_size is not None else size
+        context = self.context if context is None else context
+        index = bisect.bisect_left(self._sizes, agreed)
+        if index == len(self._sizes):
+            if self._window_open:
+                self._capture_buckets([agreed])
+                index = self._sizes.index(agreed)
+            elif self.on_miss == "raise":
+                raise InputError(
+                    f"BucketedRunner: input size {size} exceeds the largest bucket "
+                    f"{self._sizes[-1]}; add a bucket (inside runner.capture_window()) or "
+                    f"construct the runner with on_miss='eager'."
+                )
+            else:
+                return self._eager(inputs, context, "larger than every bucket")
+        bucket = self._buckets[self._sizes[index]]
+        if (
+            self.max_padding_fraction is not None
+            and (bucket.size - size) > self.max_padding_fraction * bucket.size
+        ):
+            return self._eager(inputs, context, "too much padding")
+        for buffer, value, d, pad in zip(bucket.inputs, inputs, self._dims, self._pads):
+            buffer.narrow(d, 0, size).copy_(value)
+            if size < bucket.size:
+                buffer.narrow(d, size, bucket.size - size).fill_(pad)
+        bucket.graph.replay(context=context)
+        self.stats.calls[bucket.size] += 1
+        self.stats.padded_elements[bucket.size] += bucket.size - size
+        output = self._slice(bucket.output, size, bucket.size)
+        return tree_map(_clone, output) if owned else output
+
+    def _eager(self, inputs: tuple, context: Any, reason: str) -> Any:
+        self.stats.eager_fallbacks[reason] = self.stats.eager_fallbacks.get(reason, 0) + 1
+        with context_scope(context):
+            return self.fn(*inputs)
+
+    def _validate(self, inputs: tuple) -> int:
+        if len(inputs) != len(self._examples):
+            raise InputError(f"BucketedRunner: expected {len(self._examples)} inputs, got {len(inputs)}.")
+        size = None
+        for i, (value, (dtype, device, shape), d) in enumerate(zip(inputs, self._examples, self._dims)):
+            if not isinstance(value, torch.Tensor):
+                raise InputError(f"BucketedRunner: input {i} must be a tensor, got {type(value).__name__}.")
+            problem = None
+            if value.dim() != len(shape):
+                problem = f"{value.dim()} dimensions, expected {len(shape)}"
+            elif value.dtype != dtype:
+                problem = f"dtype {value.dtype}, expected {dtype}"
+            elif value.device != device:
+                problem = f"device {value.device}, expected {device}"
+            elif any(value.shape[j] != shape[j] for j in range(len(shape)) if j != d):
+                expected = list(_with_dim(shape, d, "N"))
+                problem = f"shape {tuple(value.shape)}, expected {expected} (N is the bucketed dimension {d})"
+            elif size is not None and value.shape[d] != size:
+                problem = f"bucketed size {value.shape[d]}, but input 0 has {size}"
+            if problem is not None:
+                raise InputError(f"BucketedRunner: input {i} has {problem}. Nothing was copied.")
+            size = value.shape[d]
+        if size == 0:
+            raise InputError("BucketedRunner: inputs are empty along the bucketed dimension.")
+        return size
+
+    def _slice(self, output: Any, size: int, bucket_size: int) -> Any:
+        if self.slice_outputs is False or size == bucket_size:
+            return output
+        if callable(self.slice_outputs):
+            return self.slice_outputs(output, size)
+        d = self._dims[0]
+
+        def trim(t):
+            if isinstance(t, torch.Tensor) and t.dim() > d and t.shape[d] == bucket_size:
+                return t.narrow(d, 0, size)
+            return t
+
+        return tree_map(trim, output)
+
+    def close(self) -> None:
+        """Release every graph and static buffer."""
+        for bucket in self._buckets.values():
+            bucket.graph.reset()
+        self._buckets.clear()
+        self._sizes = []
+
+
+def all_reduce_max(group: Any = None) -> Callable[[int], int]:
+    """An ``agree_size`` for :class:`BucketedRunner`: the largest size over all ranks.
+
+    Every rank then pads to the same bucket (or goes eager together), so collectives
+    inside captured segments line up. Needs ``torch.distributed`` to be initialised.
+
+    Example::
+
+        runner = BucketedRunner(fn, (64, 256), examples, agree_size=all_reduce_max())
+    """
+    import torch.distributed as dist
+
+    def agree(size: int) -> int:
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        t = torch.tensor([size], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    return agree
+
+
+def _per_input(value: Any, n: int, name: str) -> tuple:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InputError(f"BucketedRunner: {name} has {len(value)} entries for {n} inputs.")
+        return tuple(value)
+    return (value,) * n
+
+
+def _with_dim(shape: tuple, dim: int, size: Any) -> tuple:
+    return tuple(size if j == dim else s for j, s in enumerate(shape))
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _reserved_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_reserved(device)
+    return 0

@@ -1,0 +1,291 @@
+"""``PrefillRunner``: graph-speed prefill of unmodified HuggingFace causal LMs.
+
+Prompts of different lengths are packed into one token row (no padding between
+prompts) with per-prompt ``position_ids``; the row is padded to a token bucket
+whose tail is a dummy sequence. One breakable graph per bucket captures the whole
+forward except attention, which runs as an eager break per layer with the exact
+boundaries of the live batch (see :mod:`.attention`). Each prompt's last hidden
+state is gathered on the device (``logits_to_keep`` with an index tensor), so the
+graph produces ``[max_prompts, vocab]`` logits, not ``[tokens, vocab]``.
+
+Example::
+
+    >>> import torch, transformers
+    >>> from breakgraph.integrations.transformers import PrefillRunner
+    >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+    ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    >>> model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    >>> runner = PrefillRunner(model, token_buckets=(16, 32), max_prompts=4, backend="emulated")
+    >>> out = runner.prefill([torch.randint(128, (5,)), torch.randint(128, (9,))])
+    >>> out.logits.shape
+    torch.Size([2, 128])
+    >>> runner.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional, Sequence
+
+import torch
+
+import breakgraph
+from breakgraph.errors import CaptureError, InputError
+from breakgraph.runner import BucketedRunner
+
+from . import attention as _attention
+
+__all__ = ["PrefillRunner", "PrefillOutput", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
+_STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(breakgraph.BreakgraphError, ValueError):
+    """The model or configuration cannot be served correctly by the prefill runner."""
+
+
+class PrefillOutput:
+    """The result of :meth:`PrefillRunner.prefill`.
+
+    ``logits`` is ``[num_prompts, vocab]`` (owned: it survives the next prefill);
+    ``cache(i)`` is prompt ``i``'s KV cache, valid until the next prefill.
+    """
+
+    def __init__(self, runner: "PrefillRunner", logits: torch.Tensor, bounds: list, step: int,
+                 layers: Optional[list]):
+        self.logits = logits
+        self.bounds = bounds
+        self._runner, self._step, self._layers = runner, step, layers
+
+    def cache(self, i: int):
+        """Prompt ``i``'s keys and values as a ``transformers.DynamicCache`` for ``generate()``.
+
+        Example::
+
+            out = runner.prefill([ids])
+            first = out.logits[0].argmax()
+            more = model.generate(torch.cat([ids, first[None]])[None],
+                                  past_key_values=out.cache(0), max_new_tokens=8)
+        """
+        from transformers import DynamicCache
+
+        if self._layers is None:
+            raise InputError("PrefillOutput.cache: this prefill ran eagerly and kept no KV cache.")
+        if self._runner._step != self._step:
+            raise InputError(
+                "PrefillOutput.cache: the KV cache lives in graph memory and a later prefill has "
+                "overwritten it; call cache(i) before the next prefill."
+            )
+        if not 0 <= i < len(self.bounds):
+            raise IndexError(f"PrefillOutput.cache: prompt {i} out of range ({len(self.bounds)} prompts).")
+        start, end = self.bounds[i]
+        cache = DynamicCache(config=self._runner.model.config)
+        for layer, key, value in sorted(self._layers, key=lambda entry: entry[0]):
+            cache.update(key[:, :, start:end].clone(), value[:, :, start:end].clone(), layer)
+        return cache
+
+
+class PrefillRunner:
+    """Prefill batches of variable-length prompts through captured breakable graphs.
+
+    Args:
+        model: a transformers causal LM (``SUPPORTED_MODEL_TYPES``) in eval mode.
+        token_buckets: total-token sizes to capture; a batch pads to the smallest
+            that fits.
+        max_prompts: most prompts in one batch.
+        backend: ``"cuda"`` or ``"emulated"`` (see :func:`breakgraph.capture`).
+        on_miss: ``"raise"`` (default) or ``"eager"`` when a batch has more tokens
+            than the largest bucket.
+        attention: ``"auto"`` (varlen FlashAttention on CUDA in bf16/fp16, else the
+            per-sequence reference), ``"varlen"`` or ``"reference"``.
+        pad_token_id: token id written into the bucket tail.
+
+    The model is left as it was: the attention implementation is switched to
+    ``"breakgraph"`` only while capturing or running eagerly through the runner.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        token_buckets: Sequence[int] = (64, 256, 1024),
+        max_prompts: int = 16,
+        *,
+        backend: Optional[str] = None,
+        on_miss: str = "raise",
+        attention: str = "auto",
+        pad_token_id: int = 0,
+        warmup: int = 2,
+    ):
+        _check_model(model)
+        if max_prompts < 1:
+            raise InputError(f"PrefillRunner: max_prompts must be >= 1, got {max_prompts}.")
+        if attention not in ("auto", "varlen", "reference"):
+            raise InputError(f"PrefillRunner: attention must be 'auto', 'varlen' or 'reference', got {attention!r}.")
+        parameter = next(model.parameters())
+        self.model = model
+        self.device, self.dtype = parameter.device, parameter.dtype
+        can_varlen = _attention.varlen_available(self.dtype, self.device) and backend != "emulated"
+        if attention == "varlen" and not can_varlen:
+            raise UnsupportedModelError(
+                "PrefillRunner: attention='varlen' needs CUDA, bf16/fp16 weights and "
+                "torch.nn.attention.varlen.varlen_attn; use attention='reference'."
+            )
+        self.use_varlen = can_varlen if attention == "auto" else attention == "varlen"
+        self.max_prompts = max_prompts
+        longest = max(token_buckets)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise UnsupportedModelError(
+                f"PrefillRunner: bucket {longest} exceeds max_position_embeddings={limit}."
+            )
+        self._positions = torch.arange(longest, device=self.device)
+        self._last_index = torch.zeros(max_prompts, dtype=torch.long, device=self.device)
+        self._cu_seqlens = torch.zeros(max_prompts + 2, dtype=torch.int32, device=self.device)
+        self._recorders: dict = {}
+        self._step = 0
+        _attention.register()
+        example = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self._runner = BucketedRunner(
+            self._forward, token_buckets, (example, example), dims=1,
+            pad_values=(pad_token_id, 0), on_miss=on_miss, slice_outputs=False,
+            warmup=warmup, backend=backend, capture_context=self._capture_batch,
+        )
+
+    # -- the captured forward ------------------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        size = input_ids.shape[1]
+        recorder = None
+        if breakgraph.is_capturing():
+            recorder = self._recorders[size] = _attention.AttentionRecorder()
+        with self._attention_installed(recorder), torch.no_grad():
+            return self.model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                logits_to_keep=self._last_index,
+            ).logits
+
+    @contextlib.contextmanager
+    def _attention_installed(self, recorder) -> Iterator[None]:
+        """Switch the model to breakgraph attention and MoE experts to eager breaks, then back."""
+        original = self.model.config._attn_implementation
+        patched = []
+        self.model.set_attn_implementation(_attention.ATTENTION_KEY)
+        _attention.set_recorder(recorder)
+        try:
+            for module in self.model.modules():
+                if type(module).__name__.endswith("Experts"):
+                    # data-dependent loop over active experts (nonzero): an eager break of its own
+                    patched.append(module)
+                    module.forward = breakgraph.eager_on_graph(module.forward)
+            yield
+        finally:
+            for module in patched:
+                del module.forward
+            _attention.set_recorder(None)
+            self.model.set_attn_implementation(original)
+
+    def _capture_batch(self, size: int) -> _attention.PackedBatch:
+        """During capture of a bucket: one sequence filling it (any batch shape would do)."""
+        return self._describe([size], size)
+
+    def _describe(self, lengths: List[int], bucket: int) -> _attention.PackedBatch:
+        bounds, start = [], 0
+        for n in lengths:
+            bounds.append((start, start + n))
+            start += n
+        if bucket > start:
+            bounds.append((start, bucket))  # the tail: a dummy sequence, so every row is written
+        cu = [0] + [end for _, end in bounds]
+        cu_seqlens = None
+        if self.use_varlen:
+            cu_seqlens = self._cu_seqlens[: len(cu)]
+            cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32))
+        return _attention.PackedBatch(
+            bounds, cu_seqlens, max(end - begin for begin, end in bounds), self.use_varlen
+        )
+
+    # -- serving ---------------------------------------------------------------------------
+    @property
+    def buckets(self) -> tuple:
+        return self._runner.buckets
+
+    @property
+    def stats(self):
+        """Counters of the underlying :class:`~breakgraph.runner.BucketedRunner`."""
+        return self._runner.stats
+
+    def graph(self, bucket: int) -> breakgraph.BreakableCUDAGraph:
+        return self._runner.graph(bucket)
+
+    def prefill(self, prompts: Sequence[torch.Tensor]) -> PrefillOutput:
+        """Prefill ``prompts`` (1-D LongTensors) together; see :class:`PrefillOutput`."""
+        lengths = self._validate(prompts)
+        total = sum(lengths)
+        bucket = self._runner.bucket_for(total)
+        ids = torch.cat([p.to(self.device, non_blocking=True) for p in prompts]).view(1, total)
+        positions = torch.cat([self._positions[:n] for n in lengths]).view(1, total)
+        ends = torch.tensor(lengths).cumsum(0) - 1
+        self._last_index.zero_()
+        self._last_index[: len(lengths)].copy_(ends)
+        self._step += 1
+        batch = self._describe(lengths, bucket if bucket is not None else total)
+        logits = self._runner(ids, positions, context=batch)
+        layers = self._recorders[bucket].layers if bucket is not None else None
+        return PrefillOutput(self, logits[0, : len(lengths)].clone(), batch.bounds[: len(lengths)],
+                             self._step, layers)
+
+    def _validate(self, prompts: Sequence[torch.Tensor]) -> List[int]:
+        if isinstance(prompts, torch.Tensor) or not len(prompts):
+            raise InputError("PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors.")
+        if len(prompts) > self.max_prompts:
+            raise InputError(
+                f"PrefillRunner.prefill: {len(prompts)} prompts exceed max_prompts={self.max_prompts}; "
+                f"split the batch or build the runner with a larger max_prompts."
+            )
+        lengths = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype != torch.long or p.numel() == 0:
+                raise InputError(
+                    f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of token ids, "
+                    f"got {type(p).__name__}"
+                    + (f" of shape {tuple(p.shape)} and dtype {p.dtype}" if isinstance(p, torch.Tensor) else "")
+                )
+            lengths.append(p.numel())
+        return lengths
+
+    def close(self) -> None:
+        """Release graphs and buffers; the model is exactly as before."""
+        self._runner.close()
+        self._recorders.clear()
+
+
+def _check_model(model: Any) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"PrefillRunner: model type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or hasattr(
+        getattr(model, "forward", None), "_torchdynamo_orig_callable"
+    ):
+        raise UnsupportedModelError(
+            "PrefillRunner: the model is compiled with torch.compile; pass the uncompiled model "
+            "(breakgraph captures it itself)."
+        )
+    if model.training:
+        raise UnsupportedModelError("PrefillRunner: the model is in training mode; call model.eval() first.")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"PrefillRunner: rope_type {rope_type!r} recomputes its frequencies from the live "
+            f"sequence length on the host; only static RoPE ({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) "
+            f"can be captured."
+        )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise UnsupportedModelError(f"PrefillRunner: {name} is not supported.")
+    if len({p.device for p in model.parameters()}) != 1:
+        raise UnsupportedModelError("PrefillRunner: all parameters must be on one device.")

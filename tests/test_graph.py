@@ -1,0 +1,529 @@
+"""BreakableCUDAGraph and capture(): topology, replay, lifetimes, errors, per-replay state.
+
+Every test runs on both backends through the ``capture``/``device`` fixtures
+(the CUDA one is skipped without a GPU). Replays always use fresh random inputs
+copied into the static input and are compared with eager results on the same
+inputs.
+"""
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import breakgraph
+from breakgraph import (
+    BackendError,
+    BreakableCUDAGraph,
+    CaptureError,
+    ReplayError,
+    break_graph,
+    eager_on_graph,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+
+# Taken before any test runs a capture: what every capture must leave in place.
+ORIGINAL_IS_CAPTURING = torch.cuda.is_current_stream_capturing
+ORIGINAL_GRAPHS_IS_CAPTURING = torch.cuda.graphs.is_current_stream_capturing
+ORIGINAL_EVENT_RECORD = torch.cuda.Event.record
+ORIGINAL_EVENT_WAIT = torch.cuda.Event.wait
+
+
+# ---------------------------------------------------------------------------------------
+# Host-dependent eager functions and a small multi-break model
+# ---------------------------------------------------------------------------------------
+
+
+@eager_on_graph
+def data_dependent_loop(x):
+    """A Python loop whose trip count depends on the data (needs .item())."""
+    out = x.clone()
+    steps = int((x > 0).sum().item()) % 4 + 1
+    for _ in range(steps):
+        out = out * 0.75 + 0.1
+    return out
+
+
+@eager_on_graph
+def square_negatives(x):
+    """Boolean indexing: the selected set has a data-dependent size."""
+    out = x.clone()
+    mask = x < 0
+    out[mask] = x[mask] ** 2
+    return out
+
+
+@eager_on_graph
+def row_stats(x):
+    """Returns two tensors computed with host-side decisions per row."""
+    rows = []
+    for row in x:
+        positives = row[row > 0]
+        rows.append(positives.sum() if positives.numel() else row.min())
+    stacked = torch.stack(rows)
+    return stacked, x - stacked[:, None]
+
+
+class Layer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x)) + x  # captured
+        h = data_dependent_loop(h)  # break
+        h = h * 1.5 - 0.25  # captured
+        return square_negatives(h)  # break
+
+
+class Stack(nn.Module):
+    def __init__(self, layers, width):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(width) for _ in range(layers))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        stats, centred = row_stats(x)  # break returning a tuple
+        return self.head(centred) + stats[:, None]
+
+
+def fresh_into(static):
+    """Draw a fresh random tensor like ``static``, copy it in and return it."""
+    new = torch.randn_like(static)
+    static.copy_(new)
+    return new
+
+
+def assert_clean(graph=None):
+    """Nothing left behind by a capture (finished or failed)."""
+    assert not breakgraph.is_capturing()
+    assert torch.cuda.is_current_stream_capturing is ORIGINAL_IS_CAPTURING
+    assert torch.cuda.graphs.is_current_stream_capturing is ORIGINAL_GRAPHS_IS_CAPTURING
+    assert torch.cuda.Event.record is ORIGINAL_EVENT_RECORD
+    assert torch.cuda.Event.wait is ORIGINAL_EVENT_WAIT
+    assert gc.isenabled()
+    if HAS_CUDA:
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    if graph is not None:
+        assert graph.num_segments == 0 and graph.num_breaks == 0
+        assert repr(graph) == "BreakableCUDAGraph(empty)"
+        with pytest.raises(ReplayError):
+            graph.replay()
+
+
+# ---------------------------------------------------------------------------------------
+# Multi-break model, shared pools
+# ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_multi_break_model_replays_match_eager(capture, device):
+    model = Stack(layers=3, width=16).to(device)
+    static_x = torch.randn(6, 16, device=device)
+    model(static_x)  # warm up
+
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = model(static_x)
+    assert g.num_breaks == 3 * 2 + 1
+    assert g.num_segments == g.num_breaks + 1
+    torch.testing.assert_close(out, model(static_x.clone()))  # the capture pass is real
+
+    for _ in range(12):
+        new = fresh_into(static_x)
+        g.replay()
+        torch.testing.assert_close(out, model(new))
+
+
+@torch.no_grad()
+def test_two_graphs_sharing_a_pool_replay_interleaved(capture, device):
+    model_a = Stack(layers=2, width=16).to(device)
+    model_b = Stack(layers=3, width=16).to(device)
+    static_a = torch.randn(5, 16, device=device)
+    static_b = torch.randn(7, 16, device=device)
+    model_a(static_a), model_b(static_b)  # warm up
+
+    ga = BreakableCUDAGraph()
+    with capture(ga):
+        out_a = model_a(static_a)
+    gb = BreakableCUDAGraph()
+    with capture(gb, pool=ga.pool()):
+        out_b = model_b(static_b)
+    assert gb.pool() == ga.pool()
+    assert ga.num_breaks == 5 and gb.num_breaks == 7
+    gc.collect()  # nothing the graphs need may depend on a Python reference we dropped
+
+    for _ in range(6):
+        new_a = fresh_into(static_a)
+        ga.replay()
+        torch.testing.assert_close(out_a, model_a(new_a))
+        new_b = fresh_into(static_b)
+        gb.replay()
+        torch.testing.assert_close(out_b, model_b(new_b))
+        torch.testing.assert_close(out_a, model_a(new_a))  # B's replay left A's output alone
+
+
+# ---------------------------------------------------------------------------------------
+# Topology
+# ---------------------------------------------------------------------------------------
+
+
+@eager_on_graph
+def double_on_host(x):
+    return x * 2
+
+
+@eager_on_graph
+def add_one_on_host(x):
+    return x + 1
+
+
+def test_topology_and_repr(capture, device):
+    x = torch.randn(8, device=device)
+    g = BreakableCUDAGraph()
+    assert (g.num_segments, g.num_breaks, g.backend) == (0, 0, None)
+    assert repr(g) == "BreakableCUDAGraph(empty)"
+
+    with capture(g):
+        a = x.sin()
+        b = double_on_host(a)
+        break_graph()
+        c = add_one_on_host(b.cos())
+        d = c * 3
+
+    assert g.num_segments == 4
+    assert g.num_breaks == 3
+    assert g.backend == ("cuda" if device == "cuda" else "emulated")
+    assert g.break_names == ["double_on_host", "break_graph", "add_one_on_host"]
+    backend = g.backend
+    assert repr(g) == (
+        f"BreakableCUDAGraph(backend={backend!r}, segments=4, breaks=3: [segment 0] -> "
+        "double_on_host -> [segment 1] -> break_graph -> [segment 2] -> add_one_on_host "
+        "-> [segment 3])"
+    )
+
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(d, ((new.sin() * 2).cos() + 1) * 3)
+
+
+def test_empty_break_runs_nothing_on_replay(capture, device):
+    x = torch.randn(8, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = x * 2
+        break_graph()
+        break_graph()
+        z = y + x
+    assert (g.num_segments, g.num_breaks) == (3, 2)
+    assert g.break_names == ["break_graph", "break_graph"]
+    # An empty break registers no replay function: replay is segment, segment, segment.
+    assert all(brk.function is None and brk.replay is None for brk in g._breaks)
+    assert len(g._steps) == g.num_segments
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(z, new * 3)
+
+
+def test_break_graph_outside_capture_is_a_no_op():
+    assert break_graph() is None
+    assert_clean()
+
+
+# ---------------------------------------------------------------------------------------
+# Errors on misuse; reset
+# ---------------------------------------------------------------------------------------
+
+
+def test_replay_before_capture_raises():
+    with pytest.raises(ReplayError, match="nothing was captured"):
+        BreakableCUDAGraph().replay()
+
+
+def test_pool_before_capture_raises():
+    with pytest.raises(CaptureError):
+        BreakableCUDAGraph().pool()
+
+
+def test_capture_into_captured_graph_raises_and_keeps_it(capture, device):
+    x = torch.randn(5, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = double_on_host(x + 1)
+    with pytest.raises(CaptureError, match="already holds a capture"):
+        with capture(g):
+            pytest.fail("the body must not run")  # pragma: no cover
+    assert_clean()
+    assert (g.num_segments, g.num_breaks) == (2, 1)  # the failed attempt did not touch it
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, (new + 1) * 2)
+
+
+def test_reset_then_capture_again(capture, device):
+    x = torch.randn(5, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = double_on_host(x + 1)
+    g.reset()
+    assert_clean(g)
+    with pytest.raises(CaptureError):
+        g.pool()
+
+    with capture(g):
+        z = add_one_on_host(x * 3) - x
+    assert g.break_names == ["add_one_on_host"]
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(z, new * 3 + 1 - new)
+
+
+@pytest.mark.parametrize("target", ["other graph", "same graph"])
+def test_nested_capture_raises_and_outer_capture_completes(capture, device, target):
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    other = g if target == "same graph" else BreakableCUDAGraph()
+    with capture(g):
+        y = x * 2
+        with pytest.raises(CaptureError):
+            with capture(other):
+                pytest.fail("the nested body must not run")  # pragma: no cover
+        z = double_on_host(y) + 1
+    assert_clean()
+    if other is not g:
+        assert other.num_segments == 0
+    assert (g.num_segments, g.num_breaks) == (2, 1)
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(z, new * 4 + 1)
+
+
+def test_nested_capture_error_aborts_outer_cleanly(capture, device):
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with pytest.raises(CaptureError):
+        with capture(g):
+            y = double_on_host(x * 2)
+            with capture(BreakableCUDAGraph()):
+                pass  # pragma: no cover
+    assert_clean(g)
+    with capture(g):  # the lock was released and the graph reset: capture again
+        y = double_on_host(x * 2) + 1
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 4 + 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Per-replay host state
+# ---------------------------------------------------------------------------------------
+
+
+@eager_on_graph
+def scale_by_context(x):
+    return x * breakgraph.replay_context()["factor"]
+
+
+def test_replay_context_per_replay(capture, device):
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, context={"factor": 2.0}):
+        y = scale_by_context(x + 1) - 1
+    torch.testing.assert_close(y, (x + 1) * 2 - 1)  # capture pass saw the capture context
+
+    for factor in (3.0, -0.5, 7.25):
+        new = fresh_into(x)
+        g.replay(context={"factor": factor})
+        torch.testing.assert_close(y, (new + 1) * factor - 1)
+
+    new = fresh_into(x)
+    g.replay()  # no context: the capture's context is the default
+    torch.testing.assert_close(y, (new + 1) * 2 - 1)
+
+    with pytest.raises(ReplayError):  # restored after each replay
+        breakgraph.replay_context()
+
+
+def test_replay_context_is_a_live_host_object(capture, device):
+    state = {"factor": 1.0}
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, context=state):
+        y = scale_by_context(x) + x
+    for factor in (4.0, -2.0):
+        state["factor"] = factor  # the caller updates the host object before replay()
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, new * factor + new)
+
+
+def test_replay_context_outside_replay_raises():
+    with pytest.raises(ReplayError, match="no context is set"):
+        breakgraph.replay_context()
+
+
+@eager_on_graph
+def add_host_int(x, n):
+    return x + n
+
+
+def test_python_int_argument_is_frozen_at_capture(capture, device):
+    step = {"n": 3}
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = add_host_int(x * 1, step["n"])
+    step["n"] = 10  # too late: replay calls add_host_int with its capture-time arguments
+    for _ in range(2):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, new + 3)
+        assert not torch.allclose(y, new + 10)
+
+
+# ---------------------------------------------------------------------------------------
+# A failed capture leaves nothing behind
+# ---------------------------------------------------------------------------------------
+
+
+class UserFailure(Exception):
+    pass
+
+
+@eager_on_graph
+def failing_eager(x):
+    raise UserFailure("raised by an eager function")
+
+
+@pytest.mark.parametrize("where", ["first segment", "later segment", "eager function"])
+def test_failure_inside_capture_leaves_nothing_behind(capture, device, where):
+    assert gc.isenabled()
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with pytest.raises(UserFailure):
+        with capture(g):
+            y = x * 2
+            if where == "first segment":
+                raise UserFailure("raised in a segment")
+            y = double_on_host(y)  # a complete segment and a break exist already
+            if where == "later segment":
+                raise UserFailure("raised in a segment")
+            failing_eager(y)
+    assert_clean(g)
+
+    with capture(g):  # a new capture into the same graph works
+        z = double_on_host(x + 1) * x
+    assert (g.num_segments, g.num_breaks) == (2, 1)
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(z, (new + 1) * 2 * new)
+    assert_clean()
+
+
+def test_gc_disabled_during_capture_only(capture, device):
+    assert gc.isenabled()
+    seen = []
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        seen.append(gc.isenabled())
+        double_on_host(x)
+        seen.append(gc.isenabled())
+    assert seen == [False, False]
+    assert gc.isenabled()
+
+
+# ---------------------------------------------------------------------------------------
+# Backend selection
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a CUDA device is available: the default backend is 'cuda'")
+def test_no_gpu_no_backend_raises_backend_error(monkeypatch):
+    monkeypatch.delenv("BREAKGRAPH_BACKEND", raising=False)
+    g = BreakableCUDAGraph()
+    with pytest.raises(BackendError) as info:
+        with breakgraph.capture(g):
+            pytest.fail("the body must not run")  # pragma: no cover
+    message = str(info.value)
+    assert "backend='emulated'" in message
+    assert "BREAKGRAPH_BACKEND" in message
+    assert_clean(g)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a CUDA device is available")
+def test_cuda_backend_without_gpu_raises_backend_error():
+    with pytest.raises(BackendError, match="emulated"):
+        with breakgraph.capture(BreakableCUDAGraph(), backend="cuda"):
+            pass  # pragma: no cover
+    assert_clean()
+
+
+def test_backend_from_environment(monkeypatch):
+    monkeypatch.setenv("BREAKGRAPH_BACKEND", "emulated")
+    x = torch.randn(4)
+    g = BreakableCUDAGraph()
+    with breakgraph.capture(g):
+        y = double_on_host(x.exp())
+    assert g.backend == "emulated"
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new.exp() * 2)
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_unknown_backend_raises_backend_error(monkeypatch, how):
+    g = BreakableCUDAGraph()
+    kwargs = {}
+    if how == "argument":
+        kwargs["backend"] = "tpu"
+    else:
+        monkeypatch.setenv("BREAKGRAPH_BACKEND", "tpu")
+    with pytest.raises(BackendError, match="unknown backend 'tpu'"):
+        with breakgraph.capture(g, **kwargs):
+            pass  # pragma: no cover
+    assert_clean(g)
+    assert issubclass(BackendError, breakgraph.BreakgraphError)
+
+
+# ---------------------------------------------------------------------------------------
+# is_capturing()
+# ---------------------------------------------------------------------------------------
+
+
+def test_is_capturing(capture, device):
+    seen = {}
+
+    @eager_on_graph
+    def probe(x):
+        seen.setdefault("eager", []).append(breakgraph.is_capturing())
+        return x + 1
+
+    x = torch.randn(4, device=device)
+    seen["before"] = breakgraph.is_capturing()
+    g = BreakableCUDAGraph()
+    with capture(g):
+        seen["segment 0"] = breakgraph.is_capturing()
+        y = probe(x * 2)
+        seen["segment 1"] = breakgraph.is_capturing()
+    seen["after"] = breakgraph.is_capturing()
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 2 + 1)
+
+    assert seen == {
+        "before": False,
+        "segment 0": True,
+        "eager": [False, False],  # at capture and at replay
+        "segment 1": True,
+        "after": False,
+    }
