@@ -10,7 +10,7 @@ Example::
     out.logits          # [2, vocab]
 """
 
-from .attention import ATTENTION_KEY, breakgraph_attention, packed_attention
+from .attention import ATTENTION_KEY, LayerAttention, PackedBatch, breakgraph_attention
 from .prefill import SUPPORTED_MODEL_TYPES, PrefillOutput, PrefillRunner, UnsupportedModelError
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ATTENTION_KEY",
     "breakgraph_attention",
-    "packed_attention",
+    "LayerAttention",
+    "PackedBatch",
 ]

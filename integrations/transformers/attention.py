@@ -8,16 +8,20 @@ norms, projections, RoPE, MLPs, lm_head) is captured; the attention itself runs
 eagerly on every replay with the *exact* metadata of the live batch (sequence
 boundaries, maximum length), read from :func:`breakgraph.replay_context`.
 
-Kernels: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside ATen)
-on CUDA in bf16/fp16; otherwise a per-sequence ``scaled_dot_product_attention``
+Kernels: FlashAttention-2's varlen kernel inside ATen (what
+``torch.nn.attention.varlen.varlen_attn`` calls; no ``flash_attn`` package) on
+CUDA in bf16/fp16; otherwise a per-sequence ``scaled_dot_product_attention``
 reference (CPU, fp32), exact to the model's own attention.
+
+The break of each layer is a small callable built once at capture with its views
+of the capture-time ``q``/``k``/``v`` prepared, so a replay pays one kernel launch
+and one copy-back per layer.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +30,9 @@ import breakgraph
 
 ATTENTION_KEY = "breakgraph"
 
-try:  # torch >= 2.9
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-
-    _VARLEN_HAS_WINDOW = "window_size" in inspect.signature(_varlen_attn).parameters
-except ImportError:  # pragma: no cover - older torch
-    _varlen_attn, _VARLEN_HAS_WINDOW = None, False
+_flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
+_flash = getattr(_flash, "default", None)
+_FLASH_HAS_WINDOW = _flash is not None and "window_size_left" in str(_flash._schema)
 
 
 @dataclass
@@ -39,46 +40,78 @@ class PackedBatch:
     """Host description of one packed batch: what the eager attention reads on every replay.
 
     ``bounds`` are ``(start, end)`` token ranges of each sequence in the packed
-    row, the padding tail included as a last dummy sequence so every row is written;
-    ``cu_seqlens`` is the same on the device (int32), ``max_seqlen`` the longest.
+    row, the padding tail included as a last dummy sequence so every row is
+    written; ``cu_seqlens`` holds the same boundaries on the device (int32) and
+    ``max_seqlen`` the longest sequence.
     """
 
     bounds: list
     cu_seqlens: Optional[torch.Tensor]
     max_seqlen: int
-    use_varlen: bool
 
 
-def varlen_available(dtype: torch.dtype, device: torch.device) -> bool:
+def flash_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the FlashAttention varlen kernel can serve this dtype and device."""
-    return (
-        _varlen_attn is not None
-        and _VARLEN_HAS_WINDOW
-        and device.type == "cuda"
-        and dtype in (torch.float16, torch.bfloat16)
-    )
+    return _FLASH_HAS_WINDOW and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-@breakgraph.eager_on_graph
-def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scaling: float, window: Optional[int]) -> torch.Tensor:
-    """Causal attention over the packed sequences of the live batch: the per-layer eager break.
+class RunnerState:
+    """What the registered attention function needs from the runner while it captures.
 
-    ``query`` is ``[1, Hq, N, D]``, ``key``/``value`` ``[1, Hkv, N, D]`` (RoPE applied,
-    GQA not expanded); returns ``[1, N, Hq, D]``. ``window`` is the model's sliding
-    window (a token sees itself and the ``window - 1`` tokens before it) or None.
+    ``kernel`` is ``"flash"`` or ``"reference"``; ``captured_cu`` (a static
+    ``[max_prompts + 2]`` int32 buffer) switches to *captured* attention: the kernel
+    is recorded inside the graph with upper-bound lengths and no break (the
+    baseline that breakgraph is measured against). ``layers`` collects
+    ``(layer, key, value)`` seen during capture.
     """
-    batch: PackedBatch = breakgraph.replay_context()
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    if batch.use_varlen:
-        out = _varlen_attn(
-            q.contiguous(), k.contiguous(), v.contiguous(), batch.cu_seqlens, batch.cu_seqlens,
-            batch.max_seqlen, batch.max_seqlen, scale=scaling,
-            window_size=(-1 if window is None else window - 1, 0),
-        )
-    else:
-        out = _reference_attention(q, k, v, batch.bounds, scaling, window)
-    return out.unsqueeze(0)
+
+    def __init__(self, kernel: str, captured_cu: Optional[torch.Tensor] = None):
+        self.kernel = kernel
+        self.captured_cu = captured_cu
+        self.layers: List[tuple] = []
+
+
+_active: Optional[RunnerState] = None
+
+
+def set_active(state: Optional[RunnerState]) -> None:
+    global _active
+    _active = state
+
+
+class LayerAttention:
+    """Causal attention of one layer over the packed sequences: the eager break.
+
+    Built at capture from ``query`` ``[1, Hq, N, D]`` and ``key``/``value``
+    ``[1, Hkv, N, D]`` (RoPE applied, GQA not expanded); calling it returns
+    ``[N, Hq, D]`` for the batch described by ``breakgraph.replay_context()``.
+    ``window`` is the sliding window (a token sees itself and ``window - 1``
+    tokens before it) or None.
+    """
+
+    def __init__(self, layer: int, query, key, value, scaling: float, window: Optional[int],
+                 kernel: str):
+        self.__qualname__ = self.__name__ = f"attention[layer {layer}]"
+        self.q, self.k, self.v = (t[0].transpose(0, 1) for t in (query, key, value))
+        self.scaling, self.window, self.kernel = scaling, window, kernel
+        self.contiguous = all(t.stride(-1) == 1 for t in (self.q, self.k, self.v))
+        self.causal = window is None
+        self.left = -1 if window is None else window - 1
+
+    def __call__(self) -> torch.Tensor:
+        batch: PackedBatch = breakgraph.replay_context()
+        if self.kernel == "flash":
+            return self.flash(batch.cu_seqlens, batch.max_seqlen)
+        return _reference_attention(self.q, self.k, self.v, batch.bounds, self.scaling, self.window)
+
+    def flash(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        q, k, v = self.q, self.k, self.v
+        if not self.contiguous:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return _flash(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, self.causal, False,
+            scale=self.scaling, window_size_left=self.left, window_size_right=0,
+        )[0]
 
 
 def _reference_attention(q, k, v, bounds, scaling, window):
@@ -89,8 +122,7 @@ def _reference_attention(q, k, v, bounds, scaling, window):
         qs = q[start:end].transpose(0, 1)
         ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         vs = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        n = end - start
-        i = torch.arange(n, device=q.device)
+        i = torch.arange(end - start, device=q.device)
         distance = i[:, None] - i[None, :]
         mask = distance >= 0
         if window is not None:
@@ -101,48 +133,35 @@ def _reference_attention(q, k, v, bounds, scaling, window):
     return out
 
 
-class AttentionRecorder:
-    """Collects the ``(layer, key, value)`` tensors seen while a bucket is captured.
-
-    After a replay those capture-time tensors hold the batch's keys and values (they
-    are segment outputs held by the graph), which is how ``PrefillOutput.cache(i)``
-    reads the KV cache without an extra copy per layer.
-    """
-
-    def __init__(self) -> None:
-        self.layers: list = []
-
-    def record(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.layers.append((layer, key, value))
-
-
-_recorder: Optional[AttentionRecorder] = None
-
-
-def set_recorder(recorder: Optional[AttentionRecorder]) -> None:
-    global _recorder
-    _recorder = recorder
-
-
 def breakgraph_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
                          dropout: float = 0.0, sliding_window: Optional[int] = None,
                          softcap: Optional[float] = None, **kwargs: Any):
     """The function registered as ``AttentionInterface["breakgraph"]``."""
-    if softcap is not None:
+    state = _active
+    if state is None:
         raise breakgraph.CaptureError(
-            "breakgraph attention: attention softcapping is not supported by the prefill runner."
+            "breakgraph attention was called outside a PrefillRunner; the runner sets the "
+            "model's attention implementation only while it captures or runs."
         )
+    if softcap is not None:
+        raise breakgraph.CaptureError("breakgraph attention: attention softcapping is not supported.")
     if attention_mask is not None:
         raise breakgraph.CaptureError(
-            "breakgraph attention: the model built an attention mask; the prefill runner "
-            "packs prompts itself and needs the mask to be None (do not pass attention_mask)."
+            "breakgraph attention: the model built an attention mask; the prefill runner packs "
+            "prompts itself and needs the mask to be None (do not pass attention_mask)."
         )
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    if breakgraph.is_capturing() and _recorder is not None:
-        _recorder.record(getattr(module, "layer_idx", len(_recorder.layers)), key, value)
-    return packed_attention(query, key, value, scaling, sliding_window), None
+    layer = getattr(module, "layer_idx", len(state.layers))
+    if breakgraph.is_capturing():
+        state.layers.append((layer, key, value))
+    call = LayerAttention(layer, query, key, value,
+                          query.shape[-1] ** -0.5 if scaling is None else scaling,
+                          sliding_window, state.kernel)
+    if state.captured_cu is not None:
+        out = call.flash(state.captured_cu, query.shape[2])  # upper bound: the bucket size
+    else:
+        out = breakgraph.eager_on_graph(call)()
+    return out.unsqueeze(0), None
 
 
 def register() -> None:

@@ -97,8 +97,11 @@ class PrefillRunner:
         backend: ``"cuda"`` or ``"emulated"`` (see :func:`breakgraph.capture`).
         on_miss: ``"raise"`` (default) or ``"eager"`` when a batch has more tokens
             than the largest bucket.
-        attention: ``"auto"`` (varlen FlashAttention on CUDA in bf16/fp16, else the
-            per-sequence reference), ``"varlen"`` or ``"reference"``.
+        attention: ``"auto"`` (FlashAttention varlen on CUDA in bf16/fp16, else the
+            per-sequence reference), ``"flash"``, ``"reference"``, or ``"captured"``:
+            FlashAttention recorded *inside* the graph with upper-bound lengths and no
+            breaks at all (a baseline; it relies on the kernel tolerating upper-bound
+            ``max_seqlen`` and holds at most ``max_prompts`` sequences).
         pad_token_id: token id written into the bucket tail.
 
     The model is left as it was: the attention implementation is switched to
@@ -120,18 +123,21 @@ class PrefillRunner:
         _check_model(model)
         if max_prompts < 1:
             raise InputError(f"PrefillRunner: max_prompts must be >= 1, got {max_prompts}.")
-        if attention not in ("auto", "varlen", "reference"):
-            raise InputError(f"PrefillRunner: attention must be 'auto', 'varlen' or 'reference', got {attention!r}.")
+        if attention not in ("auto", "flash", "reference", "captured"):
+            raise InputError(
+                f"PrefillRunner: attention must be 'auto', 'flash', 'reference' or 'captured', "
+                f"got {attention!r}."
+            )
         parameter = next(model.parameters())
         self.model = model
         self.device, self.dtype = parameter.device, parameter.dtype
-        can_varlen = _attention.varlen_available(self.dtype, self.device) and backend != "emulated"
-        if attention == "varlen" and not can_varlen:
+        can_flash = _attention.flash_available(self.dtype, self.device) and backend != "emulated"
+        if attention in ("flash", "captured") and not can_flash:
             raise UnsupportedModelError(
-                "PrefillRunner: attention='varlen' needs CUDA, bf16/fp16 weights and "
-                "torch.nn.attention.varlen.varlen_attn; use attention='reference'."
+                f"PrefillRunner: attention={attention!r} needs the CUDA backend, bf16/fp16 weights "
+                f"and torch's FlashAttention varlen kernel; use attention='reference'."
             )
-        self.use_varlen = can_varlen if attention == "auto" else attention == "varlen"
+        self.attention = ("flash" if can_flash else "reference") if attention == "auto" else attention
         self.max_prompts = max_prompts
         longest = max(token_buckets)
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -142,7 +148,7 @@ class PrefillRunner:
         self._positions = torch.arange(longest, device=self.device)
         self._last_index = torch.zeros(max_prompts, dtype=torch.long, device=self.device)
         self._cu_seqlens = torch.zeros(max_prompts + 2, dtype=torch.int32, device=self.device)
-        self._recorders: dict = {}
+        self._layers: dict = {}  # bucket -> [(layer, key, value)] seen at capture
         self._step = 0
         _attention.register()
         example = torch.zeros(1, 1, dtype=torch.long, device=self.device)
@@ -154,23 +160,25 @@ class PrefillRunner:
 
     # -- the captured forward ------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        size = input_ids.shape[1]
-        recorder = None
+        state = _attention.RunnerState(
+            "reference" if self.attention == "reference" else "flash",
+            self._cu_seqlens if self.attention == "captured" else None,
+        )
         if breakgraph.is_capturing():
-            recorder = self._recorders[size] = _attention.AttentionRecorder()
-        with self._attention_installed(recorder), torch.no_grad():
+            self._layers[input_ids.shape[1]] = state.layers
+        with self._attention_installed(state), torch.no_grad():
             return self.model(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False,
                 logits_to_keep=self._last_index,
             ).logits
 
     @contextlib.contextmanager
-    def _attention_installed(self, recorder) -> Iterator[None]:
+    def _attention_installed(self, state: _attention.RunnerState) -> Iterator[None]:
         """Switch the model to breakgraph attention and MoE experts to eager breaks, then back."""
         original = self.model.config._attn_implementation
         patched = []
         self.model.set_attn_implementation(_attention.ATTENTION_KEY)
-        _attention.set_recorder(recorder)
+        _attention.set_active(state)
         try:
             for module in self.model.modules():
                 if type(module).__name__.endswith("Experts"):
@@ -181,7 +189,7 @@ class PrefillRunner:
         finally:
             for module in patched:
                 del module.forward
-            _attention.set_recorder(None)
+            _attention.set_active(None)
             self.model.set_attn_implementation(original)
 
     def _capture_batch(self, size: int) -> _attention.PackedBatch:
@@ -197,12 +205,12 @@ class PrefillRunner:
             bounds.append((start, bucket))  # the tail: a dummy sequence, so every row is written
         cu = [0] + [end for _, end in bounds]
         cu_seqlens = None
-        if self.use_varlen:
+        if self.attention != "reference":
+            # trailing entries repeat the end: zero-length sequences for the captured kernel
+            full = cu + [cu[-1]] * (self.max_prompts + 2 - len(cu))
+            self._cu_seqlens.copy_(torch.tensor(full, dtype=torch.int32))
             cu_seqlens = self._cu_seqlens[: len(cu)]
-            cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int32))
-        return _attention.PackedBatch(
-            bounds, cu_seqlens, max(end - begin for begin, end in bounds), self.use_varlen
-        )
+        return _attention.PackedBatch(bounds, cu_seqlens, max(end - begin for begin, end in bounds))
 
     # -- serving ---------------------------------------------------------------------------
     @property
@@ -230,7 +238,7 @@ class PrefillRunner:
         self._step += 1
         batch = self._describe(lengths, bucket if bucket is not None else total)
         logits = self._runner(ids, positions, context=batch)
-        layers = self._recorders[bucket].layers if bucket is not None else None
+        layers = self._layers[bucket] if bucket is not None else None
         return PrefillOutput(self, logits[0, : len(lengths)].clone(), batch.bounds[: len(lengths)],
                              self._step, layers)
 
@@ -256,7 +264,7 @@ class PrefillRunner:
     def close(self) -> None:
         """Release graphs and buffers; the model is exactly as before."""
         self._runner.close()
-        self._recorders.clear()
+        self._layers.clear()
 
 
 def _check_model(model: Any) -> None:

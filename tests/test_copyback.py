@@ -1,0 +1,329 @@
+"""Copy-back: fresh eager results are written into the capture-time outputs, or refused."""
+
+import collections
+import dataclasses
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import breakgraph
+from breakgraph import BreakableCUDAGraph, BreakgraphError, CopyBackError, eager_on_graph
+from breakgraph.copyback import build_copy_back
+
+try:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+except ImportError:  # transformers is an optional extra: only the ModelOutput cases need it
+    CausalLMOutputWithPast = None
+
+NEEDS_TRANSFORMERS = [
+    pytest.mark.transformers,
+    pytest.mark.skipif(CausalLMOutputWithPast is None, reason="needs transformers"),
+]
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+@dataclasses.dataclass
+class Result:
+    hidden: torch.Tensor
+    extra: dict
+    count: int
+    note: Optional[str] = None
+
+
+class Plain:
+    def __init__(self, weights, rest):
+        self.weights = weights
+        self.rest = rest
+        self.tag = "plain"
+
+
+def build(kind: str, x: torch.Tensor) -> Any:
+    """A structure of kind ``kind`` whose tensors are fresh functions of ``x`` ([4, 3])."""
+    a, b, c = x * 2, x.sum(-1), x[:2] + 1
+    if kind == "tensor":
+        return a
+    if kind == "tuple":
+        return (a, b)
+    if kind == "list":
+        return [a, b, c]
+    if kind == "namedtuple":
+        return Pair(a, b)
+    if kind == "dict":
+        return {"k": a, "v": b}
+    if kind == "nested dict in tuple":
+        return (a, {"k": b, "v": [c, None, 3], "w": {"deep": x - 1}})
+    if kind == "dataclass":
+        return Result(hidden=a, extra={"b": b, "c": c}, count=5)
+    if kind == "object":
+        return Plain(a, (b, [c]))
+    if kind == "ModelOutput":
+        return CausalLMOutputWithPast(logits=a)
+    if kind == "ModelOutput with tuple":
+        return CausalLMOutputWithPast(logits=a, hidden_states=(b, c))
+    raise AssertionError(kind)
+
+
+KINDS = [
+    "tensor", "tuple", "list", "namedtuple", "dict", "nested dict in tuple", "dataclass",
+    "object",
+    pytest.param("ModelOutput", marks=NEEDS_TRANSFORMERS),
+    pytest.param("ModelOutput with tuple", marks=NEEDS_TRANSFORMERS),
+]
+
+
+def leaves(value: Any) -> list:
+    """Every leaf (tensors and Python values) of a structure, in a fixed order."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (int, float, str)):
+        return [value]
+    if isinstance(value, collections.abc.Mapping):
+        return [leaf for k in value.keys() for leaf in leaves(value[k])]
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in leaves(item)]
+    if dataclasses.is_dataclass(value):
+        return [leaf for f in dataclasses.fields(value) for leaf in leaves(getattr(value, f.name))]
+    return [leaf for k in vars(value) for leaf in leaves(getattr(value, k))]
+
+
+def assert_same_values(got: Any, expected: Any) -> None:
+    got_leaves, expected_leaves = leaves(got), leaves(expected)
+    assert len(got_leaves) == len(expected_leaves)
+    for g, e in zip(got_leaves, expected_leaves):
+        if isinstance(e, torch.Tensor):
+            torch.testing.assert_close(g, e)
+        else:
+            assert g == e
+
+
+def tensor_leaves(value: Any) -> list:
+    return [leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+# ---------------------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_direct(device, kind):
+    captured = build(kind, torch.randn(4, 3, device=device))
+    objects = [id(t) for t in tensor_leaves(captured)]
+    copy = build_copy_back(captured, "producer")
+    for _ in range(3):
+        new = build(kind, torch.randn(4, 3, device=device))
+        assert copy(new) is None
+        assert_same_values(captured, new)
+        assert [id(t) for t in tensor_leaves(captured)] == objects  # copied into, not replaced
+    assert type(captured) is type(build(kind, torch.randn(4, 3, device=device)))
+    if kind.startswith("ModelOutput"):
+        assert captured.loss is None and captured.past_key_values is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_through_replay(capture, device, kind):
+    @eager_on_graph
+    def producer(x):
+        return build(kind, x.clone())
+
+    x = torch.randn(4, 3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = producer(x * 1)
+        # A later segment reads every tensor of the capture-time structure.
+        total = sum(t.sum() * (i + 1) for i, t in enumerate(tensor_leaves(out)))
+    for _ in range(3):
+        new = fresh = torch.randn_like(x)
+        x.copy_(fresh)
+        g.replay()
+        expected = build(kind, new)
+        assert_same_values(out, expected)
+        torch.testing.assert_close(
+            total, sum(t.sum() * (i + 1) for i, t in enumerate(tensor_leaves(expected)))
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------------------
+
+
+def _t(device, *shape, dtype=torch.float32):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+# (name, captured, new, path, what was captured, what arrived)
+ERROR_CASES = [
+    ("shape", lambda d: (_t(d, 3, 4), {"k": _t(d, 2)}), lambda d: (_t(d, 3, 4), {"k": _t(d, 3)}),
+     "output[1]['k']", "shape=(2,)", "shape=(3,)"),
+    ("no broadcasting", lambda d: _t(d, 3, 4), lambda d: _t(d, 1, 4),
+     "output", "shape=(3, 4)", "shape=(1, 4)"),
+    ("dtype", lambda d: [_t(d, 2), _t(d, 5)], lambda d: [_t(d, 2), _t(d, 5, dtype=torch.float64)],
+     "output[1]", "dtype=torch.float32", "dtype=torch.float64"),
+    ("device", lambda d: {"a": _t(d, 4)}, lambda d: {"a": torch.empty(4, device="meta")},
+     "output['a']", "device=", "device=meta"),
+    ("None for a tensor",
+     lambda d: Result(hidden=_t(d, 2), extra={}, count=1),
+     lambda d: Result(hidden=None, extra={}, count=1),
+     "output.hidden", "Tensor(shape=(2,)", "NoneType None"),
+    ("tensor for None",
+     lambda d: Result(hidden=_t(d, 2), extra={}, count=1),
+     lambda d: Result(hidden=_t(d, 2), extra={}, count=1, note=_t(d, 2)),
+     "output.note", "None", "Tensor(shape=(2,)"),
+    ("other dict keys", lambda d: {"a": _t(d, 2), "b": _t(d, 2)}, lambda d: {"a": _t(d, 2), "c": _t(d, 2)},
+     "output", "keys ['a', 'b']", "keys ['a', 'c']"),
+    ("other sequence length", lambda d: (_t(d, 1), [_t(d, 2), _t(d, 2)]),
+     lambda d: (_t(d, 1), [_t(d, 2), _t(d, 2), _t(d, 2)]),
+     "output[1]", "list of length 2", "list of length 3"),
+    ("tuple vs list", lambda d: {"x": (_t(d, 2), _t(d, 2))}, lambda d: {"x": [_t(d, 2), _t(d, 2)]},
+     "output['x']", "tuple of length 2", "list of length 2"),
+    ("changed Python value", lambda d: (_t(d, 2), 3), lambda d: (_t(d, 2), 4),
+     "output[1]", "int 3", "int 4"),
+    ("namedtuple field", lambda d: Pair(_t(d, 2), _t(d, 3)), lambda d: Pair(_t(d, 2), _t(d, 4)),
+     "output.second", "shape=(3,)", "shape=(4,)"),
+    ("object attribute", lambda d: Plain(_t(d, 2), (_t(d, 2), [_t(d, 2)])),
+     lambda d: Plain(_t(d, 2), (_t(d, 2), [_t(d, 2, dtype=torch.float16)])),
+     "output.rest[1][0]", "dtype=torch.float32", "dtype=torch.float16"),
+    ("ModelOutput field", lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5)),
+     lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 6)),
+     "output['logits']", "shape=(2, 5)", "shape=(2, 6)"),
+    ("ModelOutput gained a field", lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5)),
+     lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5), loss=_t(d, 1)),
+     "output", "keys ['logits']", "keys ['loss', 'logits']"),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c[0], marks=NEEDS_TRANSFORMERS if "ModelOutput" in c[0] else ())
+        for c in ERROR_CASES
+    ],
+)
+def test_mismatch_raises_copy_back_error(device, case):
+    _, make_captured, make_new, path, captured_text, got_text = case
+    copy = build_copy_back(make_captured(device), "my_eager_fn")
+    with pytest.raises(CopyBackError) as info:
+        copy(make_new(device))
+    error = info.value
+    assert isinstance(error, BreakgraphError)
+    assert error.function == "my_eager_fn"
+    assert error.path == path
+    message = str(error)
+    assert "'my_eager_fn'" in message
+    assert f" at {path}: " in message
+    assert f"captured {error.captured}, got {error.got}" in message
+    assert captured_text in error.captured, error.captured
+    assert got_text in error.got, error.got
+
+
+def test_mismatch_on_replay_names_function_and_path(capture, device):
+    @eager_on_graph
+    def plan(x):
+        rows = breakgraph.replay_context()["rows"]
+        return {"meta": (x.sum(), x[:rows] * 2)}
+
+    x = torch.randn(4, 3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, context={"rows": 2}):
+        out = plan(x + 1)
+        y = out["meta"][1] * 3
+    with pytest.raises(CopyBackError) as info:
+        g.replay(context={"rows": 3})
+    message = str(info.value)
+    assert "plan" in info.value.function
+    assert info.value.path == "output['meta'][1]"
+    assert "shape=(2, 3)" in message and "shape=(3, 3)" in message
+
+    new = torch.randn_like(x)  # the graph still works with a consistent context
+    x.copy_(new)
+    g.replay(context={"rows": 2})
+    torch.testing.assert_close(y, (new + 1)[:2] * 6)
+
+
+def test_check_values_false_accepts_values_not_tensors(device):
+    captured = (_t(device, 3), 3, "note")
+    copy = build_copy_back(captured, "informational", check_values=False)
+    new = (_t(device, 3), 4, "other note")
+    copy(new)
+    torch.testing.assert_close(captured[0], new[0])
+    with pytest.raises(CopyBackError, match="another shape"):
+        copy((_t(device, 4), 4, "note"))
+    with pytest.raises(CopyBackError, match="changed structure"):
+        copy((_t(device, 3), None, "note"))  # a value turning into None is structure
+
+    strict = build_copy_back(captured, "strict")
+    with pytest.raises(CopyBackError, match="changed Python value"):
+        strict((_t(device, 3), 4, "note"))
+
+
+def test_equal_python_values_and_nan_are_accepted(device):
+    captured = (_t(device, 2), 3, float("nan"), torch.float32, "s")
+    copy = build_copy_back(captured, "values")
+    new = (_t(device, 2), 3, float("nan"), torch.float32, "s")
+    copy(new)
+    torch.testing.assert_close(captured[0], new[0])
+
+
+# ---------------------------------------------------------------------------------------
+# No copy for in-place functions
+# ---------------------------------------------------------------------------------------
+
+
+class CountCopies(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.copy_:
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_same_tensor_is_not_copied(device):
+    captured = _t(device, 5)
+    copy = build_copy_back(captured, "in_place")
+    before = captured.clone()
+    with CountCopies() as counter:
+        copy(captured)
+    assert counter.copies == 0
+    torch.testing.assert_close(captured, before)
+
+    fresh = _t(device, 5)
+    with CountCopies() as counter:
+        copy(fresh)
+    assert counter.copies == 1
+    torch.testing.assert_close(captured, fresh)
+
+
+def test_mixed_structure_copies_only_fresh_tensors(device):
+    kept, replaced = _t(device, 3), _t(device, 3)
+    copy = build_copy_back({"kept": kept, "replaced": replaced}, "mixed")
+    fresh = _t(device, 3)
+    with CountCopies() as counter:
+        copy({"kept": kept, "replaced": fresh})
+    assert counter.copies == 1
+    torch.testing.assert_close(replaced, fresh)
+
+
+def test_in_place_eager_function_replays(capture, device):
+    @eager_on_graph
+    def scale_in_place(x):
+        x.mul_(x.abs().max())  # a host-free stand-in for a library's in-place kernel
+        return x
+
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        h = x + 1
+        out = scale_in_place(h)
+        y = out * 2
+    assert out is h
+    for _ in range(3):
+        new = torch.randn_like(x)
+        x.copy_(new)
+        g.replay()
+        expected_h = new + 1
+        torch.testing.assert_close(y, expected_h * expected_h.abs().max() * 2)

@@ -1,0 +1,294 @@
+"""The emulated backend (CPU): CUDA-graph semantics without a GPU, bugs included."""
+
+import functools
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import breakgraph
+from breakgraph import BreakableCUDAGraph, HostSyncError, eager_on_graph
+
+HAS_CUDA = torch.cuda.is_available()
+ORIGINAL_IS_CAPTURING = torch.cuda.is_current_stream_capturing
+ORIGINAL_GRAPHS_IS_CAPTURING = torch.cuda.graphs.is_current_stream_capturing
+
+capture = functools.partial(breakgraph.capture, backend="emulated")
+
+
+def fresh_into(static):
+    new = torch.randn_like(static)
+    static.copy_(new)
+    return new
+
+
+def assert_clean(graph=None):
+    assert not breakgraph.is_capturing()
+    assert torch.cuda.is_current_stream_capturing is ORIGINAL_IS_CAPTURING
+    assert torch.cuda.graphs.is_current_stream_capturing is ORIGINAL_GRAPHS_IS_CAPTURING
+    assert gc.isenabled()
+    if graph is not None:
+        assert graph.num_segments == 0 and graph.num_breaks == 0
+
+
+# ---------------------------------------------------------------------------------------
+# torch.cuda.is_current_stream_capturing()
+# ---------------------------------------------------------------------------------------
+
+
+def test_is_current_stream_capturing_follows_segments():
+    seen = {}
+    probing = [True]
+
+    @eager_on_graph
+    def probe(x):
+        if probing[0]:  # only during the capture: after it the CPU build's original raises
+            seen["eager"] = torch.cuda.is_current_stream_capturing()
+        return x * 2
+
+    x = torch.randn(4)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        seen["segment 0"] = torch.cuda.is_current_stream_capturing()
+        seen["graphs module"] = torch.cuda.graphs.is_current_stream_capturing()
+        y = probe(x + 1)
+        seen["segment 1"] = torch.cuda.is_current_stream_capturing()
+    probing[0] = False
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, (new + 1) * 2)
+
+    assert seen == {
+        "segment 0": True,
+        "graphs module": True,
+        "eager": False,
+        "segment 1": True,
+    }
+    assert_clean()
+    if HAS_CUDA:
+        assert torch.cuda.is_current_stream_capturing() is False
+    else:  # the CPU build's own function raises, and it is the one installed again
+        with pytest.raises(Exception):
+            torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------------------------
+# Host synchronisations
+# ---------------------------------------------------------------------------------------
+
+# name -> (the sync as written in user code, the aten operation the message names,
+#          the same computation as a fixed-shape function of x)
+SYNC_OPS = {
+    "item": (
+        lambda x: x.sum().item(),
+        "aten._local_scalar_dense",
+        lambda x: x * x.sum().item(),
+    ),
+    "if tensor": (
+        lambda x: 1 if x.sum() > 0 else 0,
+        "aten._local_scalar_dense",
+        lambda x: x * 2 if x.sum() > 0 else x * -3,
+    ),
+    "nonzero": (
+        lambda x: torch.nonzero(x > 0),
+        "aten.nonzero",
+        lambda x: x + torch.nonzero(x > 0).shape[0],
+    ),
+    "masked_select": (
+        lambda x: torch.masked_select(x, x > 0),
+        "aten.masked_select",
+        lambda x: x + torch.masked_select(x, x > 0).sum(),
+    ),
+    "unique": (
+        lambda x: torch.unique(torch.round(x)),
+        "aten._unique2",
+        lambda x: x * torch.unique(torch.round(x)).numel(),
+    ),
+    "equal": (
+        lambda x: torch.equal(x[:2] > 0, x[2:4] > 0),
+        "aten.equal",
+        lambda x: x * (5.0 if torch.equal(x[:2] > 0, x[2:4] > 0) else 0.5),
+    ),
+}
+
+
+@pytest.mark.parametrize("op", list(SYNC_OPS))
+def test_host_sync_in_segment_raises(op):
+    sync, aten_name, _ = SYNC_OPS[op]
+    x = torch.randn(8)
+    g = BreakableCUDAGraph()
+    with pytest.raises(HostSyncError) as info:
+        with capture(g):
+            y = x * 2
+            sync(y)  # the line the message must point at
+    message = str(info.value)
+    assert aten_name in message
+    assert "@breakgraph.eager_on_graph" in message
+    assert "test_emulated.py" in message  # the user line that did it
+    assert_clean(g)
+
+    with capture(g):  # a new capture works afterwards
+        z = x.exp()
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(z, new.exp())
+
+
+@pytest.mark.parametrize("op", list(SYNC_OPS))
+def test_host_sync_in_eager_function_is_fine(op):
+    _, _, compute = SYNC_OPS[op]
+    eager = eager_on_graph(compute)
+    x = torch.randn(8)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = eager(x * 3) + 1
+    assert g.num_breaks == 1
+    for _ in range(4):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, compute(new * 3) + 1)
+
+
+def test_detect_syncs_false_lets_item_freeze():
+    # Without the check the emulator records .item() like any op: the value is frozen.
+    x = torch.randn(8)
+    g = BreakableCUDAGraph()
+    with capture(g, detect_syncs=False):
+        y = x * x.sum().item()
+    captured_sum = x.sum().item()
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * captured_sum)
+
+
+# ---------------------------------------------------------------------------------------
+# In-place, out=, views, random
+# ---------------------------------------------------------------------------------------
+
+
+def inplace_out_views(x, buf):
+    y = x * 2
+    y.add_(1)  # in-place
+    torch.add(y, x, out=buf)  # out=
+    flat = buf.view(-1)  # view
+    tail = buf[1:]  # view
+    tail.mul_(3)  # in-place through a view: buf changes too
+    head = x[0] + flat[:4].sum()  # reads a view of the static input
+    return flat * 1, head, x.t().contiguous()
+
+
+def test_in_place_out_and_views_replay():
+    x = torch.randn(4, 3)
+    buf = torch.randn(4, 3)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        flat, head, xt = inplace_out_views(x, buf)
+    for _ in range(4):
+        new = fresh_into(x)
+        g.replay()
+        expected = inplace_out_views(new, torch.empty_like(buf))
+        torch.testing.assert_close(flat, expected[0])
+        torch.testing.assert_close(head, expected[1])
+        torch.testing.assert_close(xt, expected[2])
+        torch.testing.assert_close(buf.view(-1), expected[0])
+
+
+def test_random_ops_draw_fresh_numbers_each_replay():
+    x = torch.randn(1000)
+    dropout = nn.Dropout(p=0.5).train()
+    g = BreakableCUDAGraph()
+    with capture(g):
+        r = torch.rand_like(x)
+        d = dropout(x) + 0
+        f = F.dropout(x, p=0.25, training=True) * 1
+    draws = [(r.clone(), d.clone(), f.clone())]
+    for _ in range(2):
+        g.replay()
+        draws.append((r.clone(), d.clone(), f.clone()))
+    for (r1, d1, f1), (r2, d2, f2) in zip(draws, draws[1:]):
+        assert not torch.equal(r1, r2)
+        assert not torch.equal(d1 == 0, d2 == 0)  # another mask
+        assert not torch.equal(f1 == 0, f2 == 0)
+    for r_, d_, f_ in draws:
+        assert ((r_ >= 0) & (r_ < 1)).all()
+        assert torch.all((d_ == 0) | torch.isclose(d_, x * 2))  # kept values scaled by 1/(1-p)
+        assert torch.all((f_ == 0) | torch.isclose(f_, x / 0.75))
+        assert 0.35 < (d_ == 0).float().mean() < 0.65
+
+
+# ---------------------------------------------------------------------------------------
+# The emulator reproduces graph bugs instead of hiding them
+# ---------------------------------------------------------------------------------------
+
+CONFIG = {"scale_positive": True}
+
+
+def branchy(x):
+    n = x.shape[0]  # a host int from the static input's shape
+    if n > 2 and CONFIG["scale_positive"]:  # a Python branch on host values
+        return x * 2
+    return x * -1
+
+
+def test_python_branch_is_frozen_on_replay(monkeypatch):
+    monkeypatch.setitem(CONFIG, "scale_positive", True)
+    x = torch.randn(4, 3)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = branchy(x)
+    CONFIG["scale_positive"] = False  # eager code would now take the other branch
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 2)  # the frozen branch, as a CUDA graph gives
+    assert not torch.allclose(y, branchy(new))
+
+
+def test_stale_input_buffer_is_read_on_replay():
+    weight = torch.randn(3, 3)
+    static = torch.randn(4, 3)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = (static @ weight).relu() + static
+    at_capture = out.clone()
+
+    new = torch.randn(4, 3)
+    static = new  # the bug: rebinding the name instead of static.copy_(new)
+    g.replay()
+    torch.testing.assert_close(out, at_capture)  # still computed from the old buffer
+    assert not torch.allclose(out, (new @ weight).relu() + new)
+
+
+# ---------------------------------------------------------------------------------------
+# A tiny HuggingFace model
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.transformers
+@torch.no_grad()
+def test_tiny_llama_logits_match_eager():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.eval()
+    static_ids = torch.randint(0, 128, (2, 16))
+    model(input_ids=static_ids, use_cache=False)  # warm up
+
+    g = BreakableCUDAGraph()
+    with capture(g):
+        logits = model(input_ids=static_ids, use_cache=False).logits
+    assert logits.shape == (2, 16, 128)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 16))
+        static_ids.copy_(ids)
+        g.replay()
+        expected = model(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)

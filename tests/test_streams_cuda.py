@@ -1,0 +1,180 @@
+"""Side streams inside a CUDA capture: forks are tracked and joined at every segment end.
+
+CUDA only (the emulated backend cannot see streams); skipped without a GPU.
+"""
+
+import functools
+import gc
+
+import pytest
+import torch
+
+import breakgraph
+from breakgraph import BreakableCUDAGraph, StreamError, eager_on_graph
+
+pytestmark = pytest.mark.cuda
+
+ORIGINAL_EVENT_RECORD = torch.cuda.Event.record
+ORIGINAL_EVENT_WAIT = torch.cuda.Event.wait
+ORIGINAL_IS_CAPTURING = torch.cuda.is_current_stream_capturing
+
+capture = functools.partial(breakgraph.capture, backend="cuda")
+
+N = 1 << 16  # big enough that a missing dependency between streams shows up as a race
+
+
+@eager_on_graph
+def host_scale(x):
+    """Host-dependent: scales by the number of positive entries (needs .item())."""
+    return x * (int((x > 0).sum().item()) / x.numel())
+
+
+def fresh_into(static):
+    new = torch.randn_like(static)
+    static.copy_(new)
+    return new
+
+
+def assert_clean(graph=None):
+    assert not breakgraph.is_capturing()
+    assert torch.cuda.Event.record is ORIGINAL_EVENT_RECORD
+    assert torch.cuda.Event.wait is ORIGINAL_EVENT_WAIT
+    assert torch.cuda.is_current_stream_capturing is ORIGINAL_IS_CAPTURING
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert gc.isenabled()
+    if graph is not None:
+        assert graph.num_segments == 0 and graph.num_breaks == 0
+
+
+def check_replays(graph, static, out, body, replays=5):
+    for _ in range(replays):
+        new = fresh_into(static)
+        graph.replay()
+        expected = body(new.clone())
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expected)
+
+
+@torch.no_grad()
+def test_side_stream_joined_by_user_then_break():
+    side = torch.cuda.Stream()
+
+    def body(x):
+        current = torch.cuda.current_stream()
+        side.wait_stream(current)  # fork
+        with torch.cuda.stream(side):
+            a = (x.sin() * 2).exp()
+        b = x.cos()
+        current.wait_stream(side)  # join
+        c = host_scale(a + b)  # break
+        return c * 3 - b
+
+    x = torch.randn(N, device="cuda")
+    body(x)
+    torch.cuda.synchronize()
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = body(x)
+    assert (g.num_segments, g.num_breaks) == (2, 1)
+    assert_clean()
+    check_replays(g, x, out, body)
+
+
+@torch.no_grad()
+def test_side_stream_not_joined_before_break():
+    side = torch.cuda.Stream()
+
+    def body(x):
+        current = torch.cuda.current_stream()
+        side.wait_stream(current)  # fork ...
+        with torch.cuda.stream(side):
+            a = (x * 1.5).tanh()
+        c = host_scale(x.cos())  # ... break while `side` is still forked
+        with torch.cuda.stream(side):
+            a2 = a * a + 1  # more side work after the break
+        d = c * 2
+        current.wait_stream(side)  # the user joins only now
+        return d + a2
+
+    x = torch.randn(N, device="cuda")
+    body(x)
+    torch.cuda.synchronize()
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = body(x)
+    assert (g.num_segments, g.num_breaks) == (2, 1)
+    assert_clean()
+    check_replays(g, x, out, body)
+
+
+@torch.no_grad()
+def test_fork_and_join_through_events():
+    side = torch.cuda.Stream()
+
+    def body(x):
+        current = torch.cuda.current_stream()
+        forked = torch.cuda.Event()
+        forked.record()  # on the capture stream
+        side.wait_event(forked)  # fork
+        with torch.cuda.stream(side):
+            a = x.sigmoid() * 4
+        y = host_scale(x + 1)  # break while forked
+        with torch.cuda.stream(side):
+            a = a - 1
+        joined = side.record_event()
+        current.wait_event(joined)  # join
+        return a * y
+
+    x = torch.randn(N, device="cuda")
+    body(x)
+    torch.cuda.synchronize()
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = body(x)
+    assert (g.num_segments, g.num_breaks) == (2, 1)
+    assert_clean()
+    check_replays(g, x, out, body)
+
+
+@pytest.mark.parametrize("how", ["wait_stream", "event recorded before capture"])
+@torch.no_grad()
+def test_waiting_on_work_outside_the_capture_raises(how):
+    other = torch.cuda.Stream()
+    x = torch.randn(N, device="cuda")
+    with torch.cuda.stream(other):
+        queued = x * 2  # work queued before the capture
+    event = other.record_event()
+
+    g = BreakableCUDAGraph()
+    with pytest.raises(StreamError) as info:
+        with capture(g):
+            y = x + 1
+            if how == "wait_stream":
+                torch.cuda.current_stream().wait_stream(other)
+            else:
+                torch.cuda.current_stream().wait_event(event)
+            y = y + queued  # pragma: no cover
+    assert "cannot be recorded in a CUDA graph" in str(info.value)
+    assert isinstance(info.value, breakgraph.CaptureError)
+    assert_clean(g)
+
+    with capture(g):  # a new capture works
+        z = host_scale(x.exp()) + 1
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(z, host_scale(new.exp()) + 1)
+    assert_clean()
+
+
+def test_hooks_are_removed_after_captures():
+    x = torch.randn(8, device="cuda")
+    g = BreakableCUDAGraph()
+    with capture(g):
+        host_scale(x)
+    assert_clean()
+    event = torch.cuda.Event()
+    event.record()  # the originals work as before
+    torch.cuda.current_stream().wait_event(event)
+    event.synchronize()

@@ -1,0 +1,113 @@
+"""Host synchronisations inside a CUDA capture: named early, or translated when CUDA fails.
+
+CUDA only; skipped without a GPU.
+"""
+
+import functools
+import gc
+
+import pytest
+import torch
+
+import breakgraph
+from breakgraph import BreakableCUDAGraph, BreakgraphError, HostSyncError, eager_on_graph
+
+pytestmark = pytest.mark.cuda
+
+ORIGINAL_EVENT_RECORD = torch.cuda.Event.record
+ORIGINAL_EVENT_WAIT = torch.cuda.Event.wait
+
+capture = functools.partial(breakgraph.capture, backend="cuda")
+
+
+def fresh_into(static):
+    new = torch.randn_like(static)
+    static.copy_(new)
+    return new
+
+
+def assert_clean(graph=None):
+    assert not breakgraph.is_capturing()
+    assert torch.cuda.Event.record is ORIGINAL_EVENT_RECORD
+    assert torch.cuda.Event.wait is ORIGINAL_EVENT_WAIT
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert gc.isenabled()
+    if graph is not None:
+        assert graph.num_segments == 0 and graph.num_breaks == 0
+
+
+@eager_on_graph
+def host_weight(x):
+    return x * x.abs().max().item()
+
+
+def assert_new_capture_works(graph, x):
+    with capture(graph):
+        y = host_weight(x.sin()) - x
+    assert (graph.num_segments, graph.num_breaks) == (2, 1)
+    for _ in range(3):
+        new = fresh_into(x)
+        graph.replay()
+        expected = host_weight(new.sin()) - new
+        torch.testing.assert_close(y, expected)
+    assert_clean()
+
+
+SYNCS = {
+    ".item()": (lambda t: t.sum().item(), "aten._local_scalar_dense"),
+    ".cpu()": (lambda t: t.cpu(), "device-to-host"),
+    ".to('cpu')": (lambda t: t.to("cpu"), "device-to-host"),
+    ".tolist()": (lambda t: t.tolist(), None),
+    "if tensor": (lambda t: 1 if t.sum() > 0 else 0, "aten._local_scalar_dense"),
+    "nonzero": (lambda t: t.nonzero(), "aten.nonzero"),
+}
+
+
+@pytest.mark.parametrize("op", list(SYNCS))
+@torch.no_grad()
+def test_host_sync_on_cuda_tensor_raises(op):
+    sync, fragment = SYNCS[op]
+    x = torch.randn(64, device="cuda")
+    g = BreakableCUDAGraph()
+    with pytest.raises(HostSyncError) as info:
+        with capture(g):
+            y = x * 2
+            sync(y)
+    message = str(info.value)
+    assert "@breakgraph.eager_on_graph" in message
+    if fragment is not None:
+        assert fragment in message
+    assert "test_syncs_cuda.py" in message  # the user's line
+    assert_clean(g)
+    assert_new_capture_works(g, x)
+
+
+@torch.no_grad()
+def test_item_on_cpu_tensor_is_allowed():
+    host = torch.randn(3)  # a CPU tensor: no device sync, its value is frozen like any host value
+    x = torch.randn(64, device="cuda")
+    g = BreakableCUDAGraph()
+    with capture(g):
+        value = host.sum().item()
+        y = x * value
+    assert_clean()
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, new * value)
+
+
+@torch.no_grad()
+def test_item_without_detection_still_raises_breakgraph_error():
+    x = torch.randn(64, device="cuda")
+    g = BreakableCUDAGraph()
+    with pytest.raises(HostSyncError) as info:
+        with capture(g, detect_syncs=False):
+            y = x * 2
+            y.sum().item()  # CUDA itself fails here
+    assert isinstance(info.value, BreakgraphError)
+    assert "@breakgraph.eager_on_graph" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert_clean(g)
+    assert_new_capture_works(g, x)
