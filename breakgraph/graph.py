@@ -204,7 +204,8 @@ def replay_context() -> Any:
     if context is None:
         raise ReplayError(
             "breakgraph.replay_context(): no context is set. Pass one with "
-            "g.replay(context=...) and capture(g, context=...)."
+            "g.replay(context=...) and capture(g, context=...), or wrap eager calls in "
+            "`with breakgraph.context_scope(...)`."
         )
     return context
 
