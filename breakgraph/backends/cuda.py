@@ -90,7 +90,9 @@ class CudaSession:
         if graph is not None:
             self.tracker.active = False
             try:
-                graph.capture_end()
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+                    graph.capture_end()
             except Exception:  # the capture was invalidated: CUDA ended it, tell the allocator
                 _end_allocate_to_pool(self.device, self.pool)
             try:

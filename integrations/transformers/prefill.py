@@ -30,7 +30,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 
 import breakgraph
-from breakgraph.errors import CaptureError, InputError
+from breakgraph.errors import CaptureError, InputError, ReplayError
 from breakgraph.runner import BucketedRunner
 
 from . import attention as _attention
@@ -150,6 +150,7 @@ class PrefillRunner:
         self._cu_seqlens = torch.zeros(max_prompts + 2, dtype=torch.int32, device=self.device)
         self._layers: dict = {}  # bucket -> [(layer, key, value)] seen at capture
         self._step = 0
+        self._closed = False
         _attention.register()
         example = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self._runner = BucketedRunner(
@@ -227,6 +228,8 @@ class PrefillRunner:
 
     def prefill(self, prompts: Sequence[torch.Tensor]) -> PrefillOutput:
         """Prefill ``prompts`` (1-D LongTensors) together; see :class:`PrefillOutput`."""
+        if self._closed:
+            raise ReplayError("PrefillRunner.prefill: the runner is closed; build a new PrefillRunner.")
         lengths = self._validate(prompts)
         total = sum(lengths)
         bucket = self._runner.bucket_for(total)
@@ -263,6 +266,7 @@ class PrefillRunner:
 
     def close(self) -> None:
         """Release graphs and buffers; the model is exactly as before."""
+        self._closed = True
         self._runner.close()
         self._layers.clear()
 
@@ -275,8 +279,10 @@ def _check_model(model: Any) -> None:
             f"PrefillRunner: model type {model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or hasattr(
-        getattr(model, "forward", None), "_torchdynamo_orig_callable"
+    if (
+        isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+        or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
+        or getattr(model, "_compiled_call_impl", None) is not None  # nn.Module.compile(), in place
     ):
         raise UnsupportedModelError(
             "PrefillRunner: the model is compiled with torch.compile; pass the uncompiled model "

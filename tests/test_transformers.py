@@ -1,0 +1,498 @@
+"""The HuggingFace transformers integration: ``PrefillRunner`` against the eager model.
+
+Every behavioural test runs on both backends (``backend`` fixture, see conftest):
+
+* ``emulated``: CPU, fp32 weights, the per-sequence reference attention. Expect
+  near-exact agreement with the eager model (``atol=rtol=1e-4`` on logits) and
+  equal greedy tokens.
+* ``cuda``: bf16 weights, so the runner uses FlashAttention (varlen) while the
+  reference is the model's own SDPA attention. Tolerance (``assert_logits_close``):
+  ``max|diff| <= 0.05 * max(1, max|ref|)`` on a prompt's last-token logits, and
+  the argmax must agree wherever the reference's top-2 margin exceeds
+  ``ARGMAX_MARGIN`` (near-ties may flip in bf16). Tests that compare greedy
+  continuations use fp32 on CUDA too (the runner then uses the reference
+  attention, still inside CUDA graphs) so that no near-tie can make them flaky.
+
+Models are tiny and randomly initialised from configs (no download): vocab 160,
+hidden 64, intermediate 128, 2 layers, 4 query heads, 2 KV heads, head_dim 16.
+Runners use buckets ``(16, 48)``, ``max_prompts=4`` and one warm-up run to keep
+the file fast on a small CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import breakgraph  # noqa: E402
+from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
+from breakgraph.integrations.transformers import (  # noqa: E402
+    ATTENTION_KEY,
+    PrefillRunner,
+    UnsupportedModelError,
+)
+from breakgraph.integrations.transformers import attention as bg_attention  # noqa: E402
+
+pytestmark = pytest.mark.transformers
+
+VOCAB = 160
+BUCKETS = (16, 48)
+MAX_PROMPTS = 4
+MAX_LEN = 20  # longest random prompt
+ARGMAX_MARGIN = 0.05  # bf16 (cuda): argmax compared only where the reference's top-2 gap exceeds this
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+# name -> (config class name, extra config kwargs, number of MoE layers)
+ARCHS = {
+    "llama": ("LlamaConfig", dict(head_dim=16), 0),
+    "qwen2": ("Qwen2Config", dict(), 0),
+    "qwen3": ("Qwen3Config", dict(head_dim=16), 0),
+    # a window shorter than the prompts: the runner must apply it like the eager model does
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=8), 0),
+    "gemma": ("GemmaConfig", dict(head_dim=16), 0),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+             mlp_only_layers=[]),
+        2,
+    ),
+    "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2), 2),
+}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def make_config(arch: str, **overrides):
+    cls_name, extra, _ = ARCHS[arch]
+    kwargs = {**COMMON, **extra, **overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def build_model(arch: str, device: str, dtype: torch.dtype, seed: int = 0, **overrides):
+    """A tiny random-weight causal LM, SDPA attention, eval mode, reproducible weights."""
+    config = make_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def device_dtype(backend: str):
+    """emulated: fp32 on CPU; cuda: bf16 on the GPU (FlashAttention inside the runner)."""
+    return ("cuda", torch.bfloat16) if backend == "cuda" else ("cpu", torch.float32)
+
+
+def model_for(arch: str, backend: str, **overrides):
+    device, dtype = device_dtype(backend)
+    return build_model(arch, device, dtype, **overrides)
+
+
+def make_runner(model, backend: str, **kwargs) -> PrefillRunner:
+    kwargs.setdefault("token_buckets", BUCKETS)
+    kwargs.setdefault("max_prompts", MAX_PROMPTS)
+    kwargs.setdefault("warmup", 1)
+    return PrefillRunner(model, backend=backend, **kwargs)
+
+
+def prompt(n: int, device, generator=None) -> torch.Tensor:
+    return torch.randint(VOCAB, (n,), generator=generator).to(device)
+
+
+def prompts_of(lengths, device, generator=None) -> list:
+    return [prompt(n, device, generator) for n in lengths]
+
+
+@torch.no_grad()
+def eager_last_logits(model, p: torch.Tensor) -> torch.Tensor:
+    """The reference: the unmodified model on this prompt alone."""
+    return model(p[None], use_cache=False).logits[0, -1]
+
+
+def assert_logits_close(got: torch.Tensor, ref: torch.Tensor, backend: str, what: str = "") -> None:
+    got, ref = got.float(), ref.float()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite logits"
+    if backend == "emulated":
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+        top2 = ref.topk(2).values
+        if top2[0] - top2[1] > 1e-3:
+            assert got.argmax() == ref.argmax(), f"{what}: argmax differs"
+        return
+    scale = max(1.0, ref.abs().max().item())
+    err = (got - ref).abs().max().item()
+    assert err <= 0.05 * scale, f"{what}: max|diff| {err:.4f} > {0.05 * scale:.4f} (bf16 tolerance)"
+    top2 = ref.topk(2).values
+    if (top2[0] - top2[1]).item() > ARGMAX_MARGIN:
+        assert got.argmax() == ref.argmax(), f"{what}: argmax differs with a clear top-2 margin"
+
+
+def random_batches(generator: torch.Generator, count: int) -> list:
+    """``count`` batches of 1..MAX_PROMPTS prompts of 1..MAX_LEN tokens that fit the largest bucket."""
+    batches = []
+    while len(batches) < count:
+        n = int(torch.randint(1, MAX_PROMPTS + 1, (1,), generator=generator))
+        lengths = torch.randint(1, MAX_LEN + 1, (n,), generator=generator).tolist()
+        if sum(lengths) <= max(BUCKETS):
+            batches.append(lengths)
+    return batches
+
+
+def experts_modules(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+
+
+def instance_forwards(model) -> list:
+    return [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
+@pytest.fixture
+def closing():
+    """Close every runner a test made, even when it fails."""
+    runners = []
+
+    def track(runner):
+        runners.append(runner)
+        return runner
+
+    yield track
+    for runner in runners:
+        runner.close()
+
+
+# -- 1. every architecture: many batches through one capture -------------------------------------
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_prefill_matches_eager_per_prompt(arch, backend, closing):
+    model = model_for(arch, backend)
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend))
+
+    # topology: one eager break per attention layer, plus one per MoE layer (experts loop)
+    layers = model.config.num_hidden_layers
+    moe_layers = ARCHS[arch][2]
+    assert runner.buckets == BUCKETS
+    for bucket in runner.buckets:
+        graph = runner.graph(bucket)
+        assert graph.num_breaks == layers + moe_layers, graph
+        assert graph.num_segments == graph.num_breaks + 1
+        names = graph.break_names
+        assert [n for n in names if n.startswith("attention")] == [f"attention[layer {i}]" for i in range(layers)]
+        assert sum("Experts" in n for n in names) == moe_layers, names
+
+    generator = torch.Generator().manual_seed(1234)
+    # two batches filling each bucket exactly (no tail), then random ones
+    batches = [[20, 20, 8], [9, 7]] + random_batches(generator, 6)
+    for lengths in batches:
+        prompts = prompts_of(lengths, device, generator)
+        out = runner.prefill(prompts)
+        assert out.logits.shape == (len(prompts), VOCAB)
+        assert out.bounds[-1][1] == sum(lengths)
+        for i, p in enumerate(prompts):
+            assert_logits_close(out.logits[i], eager_last_logits(model, p), backend,
+                                f"{arch} batch {lengths} prompt {i}")
+
+    assert runner.stats.calls[16] >= 1 and runner.stats.calls[48] >= 1, runner.stats
+    assert sum(runner.stats.calls.values()) == len(batches)
+    assert not runner.stats.eager_fallbacks
+
+
+def test_sliding_window_is_applied(backend, closing):
+    """Mistral with sliding_window=8: runner == windowed eager model != the same weights without a window."""
+    windowed = model_for("mistral", backend)
+    unwindowed = model_for("mistral", backend, sliding_window=None)
+    device = next(windowed.parameters()).device
+    runner = closing(make_runner(windowed, backend))
+    prompts = prompts_of([20, 3, 12], device)
+    out = runner.prefill(prompts)
+    for i, p in enumerate(prompts):
+        ref = eager_last_logits(windowed, p)
+        assert_logits_close(out.logits[i], ref, backend, f"prompt {i} (length {p.numel()})")
+        full = eager_last_logits(unwindowed, p)
+        if p.numel() <= 8:  # the window does not matter
+            assert_logits_close(full, ref, backend, "short prompt")
+        else:  # it does, clearly more than the tolerance
+            scale = max(1.0, ref.abs().max().item())
+            assert (full.float() - ref.float()).abs().max().item() > 0.1 * scale
+
+
+# -- 2. greedy continuation from the runner's KV cache ---------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_generate_continues_from_prefill_cache(arch, backend, closing):
+    # fp32 on both backends: greedy decoding must not depend on bf16 near-ties
+    # (on CUDA fp32 the runner uses its reference attention, still inside CUDA graphs).
+    device = "cuda" if backend == "cuda" else "cpu"
+    model = build_model(arch, device, torch.float32)
+    runner = closing(make_runner(model, backend))
+    prompts = prompts_of([6, 13, 3], device)
+    out = runner.prefill(prompts)
+    for i, p in enumerate(prompts):
+        cache = out.cache(i)
+        # the keys/values are the model's own (post-RoPE, windowed caches trimmed alike)
+        with torch.no_grad():
+            own = model(p[None], use_cache=True).past_key_values
+        assert cache.get_seq_length() == own.get_seq_length() > 0
+        assert len(cache.layers) == len(own.layers) == model.config.num_hidden_layers
+        for layer, (mine, theirs) in enumerate(zip(cache.layers, own.layers)):
+            torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"prompt {i} layer {layer} keys: {m}")
+            torch.testing.assert_close(mine.values, theirs.values, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"prompt {i} layer {layer} values: {m}")
+
+        first = out.logits[i].argmax()
+        continued = model.generate(torch.cat([p, first[None]])[None], past_key_values=out.cache(i),
+                                   max_new_tokens=4, do_sample=False)
+        reference = model.generate(p[None], max_new_tokens=5, do_sample=False)
+        assert continued.tolist() == reference.tolist(), f"prompt {i}"
+
+
+# -- 3. the KV cache lives in graph memory --------------------------------------------------------
+def test_cache_is_invalidated_by_next_prefill(backend, closing):
+    model = model_for("llama", backend)
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend))
+    first = runner.prefill(prompts_of([5, 7], device))
+    logits = first.logits.clone()
+    first.cache(1)  # fine before the next prefill
+    with pytest.raises(IndexError, match="out of range"):
+        first.cache(2)
+    with pytest.raises(IndexError, match="out of range"):
+        first.cache(-1)
+
+    second = runner.prefill(prompts_of([4], device))
+    with pytest.raises(InputError, match="later prefill"):
+        first.cache(0)
+    assert second.cache(0).get_seq_length() == 4
+    # logits are owned: the next prefill does not touch them
+    assert torch.equal(first.logits, logits)
+
+
+# -- 4. the model is left alone ----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_model_untouched_and_usable(arch, backend):
+    model = model_for(arch, backend)
+    device = next(model.parameters()).device
+    original_impl = model.config._attn_implementation
+    assert original_impl == "sdpa"
+    p = prompt(9, device)
+    baseline = eager_last_logits(model, p)
+    baseline_generate = model.generate(p[None], max_new_tokens=3, do_sample=False)
+    if ARCHS[arch][2]:
+        assert experts_modules(model)
+    assert instance_forwards(model) == []
+
+    def assert_untouched():
+        assert model.config._attn_implementation == original_impl
+        assert instance_forwards(model) == []
+        assert bg_attention._active is None
+        assert torch.equal(eager_last_logits(model, p), baseline)
+        assert torch.equal(model.generate(p[None], max_new_tokens=3, do_sample=False), baseline_generate)
+
+    runner = make_runner(model, backend)
+    try:
+        assert_untouched()  # after capture
+        other = prompts_of([4, 11], device)
+        out = runner.prefill(other)
+        assert_untouched()  # after a replay
+        # the runner still works after the model ran eagerly in between
+        again = runner.prefill(other)
+        assert torch.equal(again.logits, out.logits)
+        for i, q in enumerate(other):
+            assert_logits_close(again.logits[i], eager_last_logits(model, q), backend, f"prompt {i}")
+    finally:
+        runner.close()
+    assert_untouched()
+    with pytest.raises(ReplayError, match="closed"):
+        runner.prefill([p])
+
+
+def test_attention_outside_runner_raises(backend):
+    model = model_for("llama", backend)
+    model.set_attn_implementation(ATTENTION_KEY)
+    with pytest.raises(CaptureError, match="outside a PrefillRunner"), torch.no_grad():
+        model(prompt(3, next(model.parameters()).device)[None], use_cache=False)
+
+
+# -- 5. errors -----------------------------------------------------------------------------------------
+def test_input_errors(backend, closing):
+    model = model_for("llama", backend)
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend))
+    with pytest.raises(InputError, match="exceed max_prompts=4"):
+        runner.prefill(prompts_of([2] * 5, device))
+    with pytest.raises(InputError, match="exceeds the largest bucket 48"):
+        runner.prefill(prompts_of([20, 20, 9], device))
+    with pytest.raises(InputError, match="non-empty list"):
+        runner.prefill([])
+    with pytest.raises(InputError, match="non-empty list"):
+        runner.prefill(prompt(5, device))  # a bare tensor, not a list
+    bad = {
+        "2-D": prompt(6, device)[None],
+        "int32": prompt(6, device).int(),
+        "float": prompt(6, device).float(),
+        "empty": prompt(0, device),
+        "list of ints": [1, 2, 3],
+    }
+    for what, p in bad.items():
+        with pytest.raises(InputError, match="1-D LongTensor"):
+            runner.prefill([prompt(3, device), p])
+    # a refused call leaves the runner working
+    p = prompt(7, device)
+    assert_logits_close(runner.prefill([p]).logits[0], eager_last_logits(model, p), backend, "after errors")
+    assert not runner.stats.eager_fallbacks
+
+
+def test_on_miss_eager_runs_and_matches(backend, closing):
+    model = model_for("llama", backend)
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend, on_miss="eager"))
+    prompts = prompts_of([20, 20, 19], device)  # 59 tokens > 48
+    out = runner.prefill(prompts)
+    assert runner.stats.eager_fallbacks == {"larger than every bucket": 1}
+    assert sum(runner.stats.calls.values()) == 0
+    for i, p in enumerate(prompts):
+        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"eager prompt {i}")
+    with pytest.raises(InputError, match="ran eagerly"):
+        out.cache(0)
+    # and the graphs still serve batches that fit
+    small = prompts_of([3, 5], device)
+    out = runner.prefill(small)
+    assert runner.stats.calls[16] == 1
+    for i, p in enumerate(small):
+        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"graph prompt {i}")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def _assert_unsupported(model, match, **kwargs):
+    with pytest.raises(UnsupportedModelError, match=match) as info:
+        PrefillRunner(model, token_buckets=BUCKETS, max_prompts=MAX_PROMPTS, backend="emulated",
+                      warmup=1, **kwargs)
+    assert isinstance(info.value, BreakgraphError) and isinstance(info.value, ValueError)
+
+
+def _tiny(config_cls, **kwargs):
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**kwargs)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_unsupported_models():
+    # these checks run before anything is captured: CPU and the emulated backend suffice
+    gpt2 = _tiny("GPT2Config", vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, n_positions=64)
+    _assert_unsupported(gpt2, "model type 'gpt2' is not supported")
+
+    dynamic = _tiny("LlamaConfig", **COMMON,
+                    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert dynamic.config.rope_parameters["rope_type"] == "dynamic"
+    _assert_unsupported(dynamic, "rope_type 'dynamic'")
+
+    training = _tiny("LlamaConfig", **COMMON).train()
+    _assert_unsupported(training, "training mode")
+
+    compiled = torch.compile(_tiny("LlamaConfig", **COMMON))  # an OptimizedModule; never run
+    _assert_unsupported(compiled, "torch.compile")
+
+    in_place = _tiny("LlamaConfig", **COMMON)
+    in_place.compile()  # nn.Module.compile(): compiled in place, same class
+    _assert_unsupported(in_place, "torch.compile")
+
+    too_long = _tiny("LlamaConfig", **{**COMMON, "max_position_embeddings": 32})
+    _assert_unsupported(too_long, "max_position_embeddings=32")
+
+    if hasattr(transformers, "Gemma2Config"):  # softcapped attention and logits
+        gemma2 = _tiny("Gemma2Config", **COMMON, head_dim=16)
+        assert gemma2.config.attn_logit_softcapping is not None
+        _assert_unsupported(gemma2, "gemma2")
+    # the softcapping check itself, on a type that is otherwise supported
+    softcapped = _tiny("GemmaConfig", **COMMON, head_dim=16)
+    softcapped.config.attn_logit_softcapping = 50.0
+    _assert_unsupported(softcapped, "attn_logit_softcapping")
+
+
+def test_bad_runner_arguments():
+    model = _tiny("LlamaConfig", **COMMON)
+    with pytest.raises(InputError, match="max_prompts must be >= 1"):
+        PrefillRunner(model, token_buckets=BUCKETS, max_prompts=0, backend="emulated")
+    with pytest.raises(InputError, match="attention must be"):
+        PrefillRunner(model, token_buckets=BUCKETS, attention="sdpa", backend="emulated")
+    with pytest.raises(InputError, match="on_miss"):
+        PrefillRunner(model, token_buckets=BUCKETS, on_miss="pad", backend="emulated", warmup=1)
+    assert model.config._attn_implementation == "sdpa"
+
+
+# -- 6. padding hygiene ----------------------------------------------------------------------------------
+PAD_ID = 7
+
+
+def test_small_batch_after_big_batch_same_bucket(backend, closing):
+    """Stale rows of an earlier, bigger batch never reach a later batch's logits."""
+    model = model_for("llama", backend)
+    device = next(model.parameters()).device
+    small = prompts_of([3, 5], device)
+    cases = {16: small, 48: [prompt(20, device)] + small}  # bucket -> a batch with a tail
+
+    # reference: each batch run first in its bucket, on a fresh runner
+    fresh = closing(make_runner(model, backend, pad_token_id=PAD_ID))
+    expected = {bucket: fresh.prefill(prompts).logits for bucket, prompts in cases.items()}
+
+    runner = closing(make_runner(model, backend, pad_token_id=PAD_ID))
+    runner.prefill(prompts_of([8, 7], device))  # 15 tokens: bucket 16 almost full
+    runner.prefill(prompts_of([12, 11, 13, 10], device))  # 46 tokens: bucket 48 almost full
+    for bucket, prompts in cases.items():
+        lengths = [p.numel() for p in prompts]
+        assert runner._runner.bucket_for(sum(lengths)) == bucket
+        got = runner.prefill(prompts).logits
+        if backend == "emulated":
+            assert torch.equal(got, expected[bucket]), f"bucket {bucket}: stale rows changed the logits"
+        else:
+            torch.testing.assert_close(got, expected[bucket], atol=1e-2, rtol=0)
+        for i, p in enumerate(prompts):
+            assert_logits_close(got[i], eager_last_logits(model, p), backend, f"bucket {bucket} prompt {i}")
+        # every static input row beyond the batch was rewritten
+        ids, positions = runner._runner._buckets[bucket].inputs
+        total = sum(lengths)
+        assert ids.shape == positions.shape == (1, bucket)
+        assert torch.equal(ids[0, :total].cpu(), torch.cat(prompts).cpu())
+        assert (ids[0, total:] == PAD_ID).all(), ids
+        assert (positions[0, total:] == 0).all(), positions
+        assert torch.equal(positions[0, :total].cpu(), torch.cat([torch.arange(n) for n in lengths]))
+
+
+# -- 7. attention kernels by backend ---------------------------------------------------------------------
+def test_captured_attention_needs_cuda_flash(backend):
+    model = model_for("llama", backend)
+    if backend == "emulated":
+        # fp32 on CPU: no FlashAttention; the emulated backend never uses it (it reproduces the
+        # CUDA graph semantics, not the kernels), so "captured"/"flash" are refused up front
+        for attention in ("captured", "flash"):
+            _assert_unsupported(model, "needs the CUDA backend", attention=attention)
+        return
+    # on a GPU in bf16: the emulated backend still refuses them...
+    for attention in ("captured", "flash"):
+        _assert_unsupported(model, "needs the CUDA backend", attention=attention)
+    # ...and the CUDA backend records attention inside the graph: no breaks at all
+    runner = make_runner(model, backend, attention="captured")
+    try:
+        assert runner.attention == "captured"
+        assert all(runner.graph(b).num_breaks == 0 for b in runner.buckets)
+        for lengths in ([5, 9], [20, 20, 1, 7], [16]):
+            prompts = prompts_of(lengths, "cuda")
+            out = runner.prefill(prompts)
+            for i, p in enumerate(prompts):
+                assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{lengths} {i}")
+    finally:
+        runner.close()
+
+
+def test_auto_attention_choice(backend, closing):
+    runner = closing(make_runner(model_for("llama", backend), backend))
+    assert runner.attention == ("flash" if backend == "cuda" else "reference")
