@@ -156,6 +156,15 @@ def instance_forwards(model) -> list:
     return [name for name, m in model.named_modules() if "forward" in vars(m)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_cpu_thread():
+    """These models are tiny: intra-op threads cost far more than they save (10-100x on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def closing():
     """Close every runner a test made, even when it fails."""
