@@ -89,6 +89,8 @@ def run_model(name: str, config, with_compile: bool) -> dict:
     model = make_model(config)
     vocab = config.vocab_size
     result = {"model": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    from breakgraph.integrations.transformers.attention import FLASH_WRITES_IN_PLACE
+    result["attention_writes_in_place"] = FLASH_WRITES_IN_PLACE
     t0 = time.perf_counter()
     runner = PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16)
     result["capture_s"] = time.perf_counter() - t0

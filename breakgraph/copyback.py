@@ -91,6 +91,11 @@ def _is_python_value(value: Any) -> bool:
 def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
     shape, dtype, device = captured.shape, captured.dtype, captured.device
     copy_ = captured.copy_
+    if captured.is_inference():  # captured under inference_mode: only writable inside it
+
+        def copy_(new: torch.Tensor, _copy=captured.copy_) -> None:
+            with torch.inference_mode():
+                _copy(new)
 
     def copy_tensor(new: Any) -> None:
         if new is captured:  # in-place function: nothing to copy

@@ -317,7 +317,11 @@ class _Capture:
         graph._capturing = True
         graph._backend, graph._pool, graph._context = backend.name, self.session.pool, context
         _state.capture, _state.context = self, context
-        self._begin_segment()
+        try:
+            self._begin_segment()
+        except BaseException:  # capture() holds no session to abort yet: clean up here
+            self.abort()
+            raise
 
     def _begin_segment(self) -> None:
         self.session.begin_segment()

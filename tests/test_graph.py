@@ -429,6 +429,67 @@ def test_failure_inside_capture_leaves_nothing_behind(capture, device, where):
     assert_clean()
 
 
+class InjectedFailure(Exception):
+    pass
+
+
+def _session_class(backend):
+    if backend == "cuda":
+        from breakgraph.backends.cuda import CudaSession
+
+        return CudaSession
+    from breakgraph.backends.emulated import EmulatedSession
+
+    return EmulatedSession
+
+
+@pytest.mark.parametrize("which", ["first segment", "segment after a break"])
+def test_failure_beginning_a_segment_leaves_nothing_behind(capture, backend, device, monkeypatch,
+                                                          which):
+    # Stands in for a backend failing to begin a segment (e.g. CUDAGraph.capture_begin raising).
+    session_class = _session_class(backend)
+    original_begin = session_class.begin_segment
+    calls = []
+
+    def failing_begin(self):
+        calls.append(None)
+        if which == "first segment" or len(calls) == 2:
+            raise InjectedFailure("capture_begin failed")
+        return original_begin(self)
+
+    monkeypatch.setattr(session_class, "begin_segment", failing_begin)
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with pytest.raises(InjectedFailure):
+        with capture(g):
+            double_on_host(x * 2)
+    monkeypatch.undo()
+    assert_clean(g)
+    assert not g._capturing
+
+    with capture(g):  # a new capture into the same graph works
+        y = double_on_host(x * 2) + 1
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 4 + 1)
+
+
+@pytest.mark.cuda
+def test_invalid_pool_leaves_nothing_behind():
+    x = torch.randn(6, device="cuda")
+    g = BreakableCUDAGraph()
+    with pytest.raises(Exception):
+        with breakgraph.capture(g, pool="not a pool handle", backend="cuda"):
+            pytest.fail("the body must not run")  # pragma: no cover
+    assert_clean(g)
+    assert not g._capturing
+    with breakgraph.capture(g, backend="cuda"):
+        y = double_on_host(x * 2) + 1
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 4 + 1)
+
+
 def test_gc_disabled_during_capture_only(capture, device):
     assert gc.isenabled()
     seen = []
@@ -527,3 +588,19 @@ def test_is_capturing(capture, device):
         "segment 1": True,
         "after": False,
     }
+
+
+# ---------------------------------------------------------------------------------------
+# inference_mode
+# ---------------------------------------------------------------------------------------
+
+
+def test_capture_under_inference_mode_replays_outside_it(capture, device):
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with torch.inference_mode():
+        with capture(g):
+            y = double_on_host(x + 1) + 1
+    new = fresh_into(x)
+    g.replay()  # torch.cuda.graph allows this: replay does not involve autograd
+    torch.testing.assert_close(y, (new + 1) * 2 + 1)

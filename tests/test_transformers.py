@@ -7,7 +7,8 @@ Every behavioural test runs on both backends (``backend`` fixture, see conftest)
   equal greedy tokens.
 * ``cuda``: bf16 weights, so the runner uses FlashAttention (varlen) while the
   reference is the model's own SDPA attention. Tolerance (``assert_logits_close``):
-  ``max|diff| <= 0.05 * max(1, max|ref|)`` on a prompt's last-token logits, and
+  ``max|diff| <= max(0.01, 0.05 * max|ref|)`` on a prompt's last-token logits
+  (random-init logits are ~0.5 in size; an H200 run showed errors <= 0.002), and
   the argmax must agree wherever the reference's top-2 margin exceeds
   ``ARGMAX_MARGIN`` (near-ties may flip in bf16). Tests that compare greedy
   continuations use fp32 on CUDA too (the runner then uses the reference
@@ -129,12 +130,17 @@ def assert_logits_close(got: torch.Tensor, ref: torch.Tensor, backend: str, what
         if top2[0] - top2[1] > 1e-3:
             assert got.argmax() == ref.argmax(), f"{what}: argmax differs"
         return
-    scale = max(1.0, ref.abs().max().item())
+    tol = cuda_tolerance(ref)
     err = (got - ref).abs().max().item()
-    assert err <= 0.05 * scale, f"{what}: max|diff| {err:.4f} > {0.05 * scale:.4f} (bf16 tolerance)"
+    assert err <= tol, f"{what}: max|diff| {err:.4f} > {tol:.4f} (bf16 tolerance)"
     top2 = ref.topk(2).values
     if (top2[0] - top2[1]).item() > ARGMAX_MARGIN:
         assert got.argmax() == ref.argmax(), f"{what}: argmax differs with a clear top-2 margin"
+
+
+def cuda_tolerance(ref: torch.Tensor) -> float:
+    """bf16: 5% of the reference's largest |logit| (floor 0.01). Observed on an H200: <= 0.4%."""
+    return max(0.01, 0.05 * ref.float().abs().max().item())
 
 
 def random_batches(generator: torch.Generator, count: int) -> list:
@@ -215,10 +221,20 @@ def test_prefill_matches_eager_per_prompt(arch, backend, closing):
     assert not runner.stats.eager_fallbacks
 
 
-def test_sliding_window_is_applied(backend, closing):
-    """Mistral with sliding_window=8: runner == windowed eager model != the same weights without a window."""
-    windowed = model_for("mistral", backend)
-    unwindowed = model_for("mistral", backend, sliding_window=None)
+SLIDING = {
+    # every layer windowed
+    "mistral": dict(),
+    # mixed: layer 0 full attention, layer 1 sliding (the window is passed per layer)
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+}
+
+
+@pytest.mark.parametrize("arch", list(SLIDING))
+def test_sliding_window_is_applied(arch, backend, closing):
+    """sliding_window=8: runner == windowed eager model != the same weights without a window."""
+    windowed = model_for(arch, backend, **SLIDING[arch])
+    assert windowed.config.sliding_window == 8
+    unwindowed = model_for(arch, backend, sliding_window=None)
     device = next(windowed.parameters()).device
     runner = closing(make_runner(windowed, backend))
     prompts = prompts_of([20, 3, 12], device)
@@ -230,8 +246,22 @@ def test_sliding_window_is_applied(backend, closing):
         if p.numel() <= 8:  # the window does not matter
             assert_logits_close(full, ref, backend, "short prompt")
         else:  # it does, clearly more than the tolerance
-            scale = max(1.0, ref.abs().max().item())
-            assert (full.float() - ref.float()).abs().max().item() > 0.1 * scale
+            assert (full.float() - ref.float()).abs().max().item() > 2 * cuda_tolerance(ref)
+
+
+def test_two_runners_interleaved(backend, closing):
+    """Runners of two models (and a second one of the same model) do not disturb each other."""
+    llama, moe = model_for("llama", backend), model_for("qwen3_moe", backend)
+    device = next(llama.parameters()).device
+    runners = [(llama, closing(make_runner(llama, backend))), (moe, closing(make_runner(moe, backend))),
+               (llama, closing(make_runner(llama, backend, token_buckets=(32,))))]
+    for lengths in ([4, 9], [13, 2, 1], [30]):
+        for model, runner in runners:
+            prompts = prompts_of(lengths, device)
+            out = runner.prefill(prompts)
+            for i, p in enumerate(prompts):
+                assert_logits_close(out.logits[i], eager_last_logits(model, p), backend,
+                                    f"{model.config.model_type} {lengths} prompt {i}")
 
 
 # -- 2. greedy continuation from the runner's KV cache ---------------------------------------------
@@ -354,9 +384,10 @@ def test_input_errors(backend, closing):
     for what, p in bad.items():
         with pytest.raises(InputError, match="1-D LongTensor"):
             runner.prefill([prompt(3, device), p])
-    # a refused call leaves the runner working
+    # a refused call leaves the runner working; prompts may live on the CPU
     p = prompt(7, device)
     assert_logits_close(runner.prefill([p]).logits[0], eager_last_logits(model, p), backend, "after errors")
+    assert_logits_close(runner.prefill([p.cpu()]).logits[0], eager_last_logits(model, p), backend, "CPU prompt")
     assert not runner.stats.eager_fallbacks
 
 

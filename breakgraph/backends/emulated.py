@@ -81,14 +81,15 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Optional[Callable
 class EmulatedSegment:
     """A recorded segment; ``replay`` re-executes its operations in order."""
 
-    __slots__ = ("steps", "operations")
+    __slots__ = ("steps", "operations", "inference")
 
-    def __init__(self, steps: tuple, operations: int):
+    def __init__(self, steps: tuple, operations: int, inference: bool):
         self.steps = steps
         self.operations = operations
+        self.inference = inference  # captured under inference_mode: its tensors need it
 
     def replay(self) -> None:
-        with torch.no_grad():
+        with torch.inference_mode() if self.inference else torch.no_grad():
             for step in self.steps:
                 step()
 
@@ -140,6 +141,7 @@ class EmulatedSession:
 
     def begin_segment(self) -> None:
         self._steps = []
+        self._inference = torch.is_inference_mode_enabled()
         self._mode = SegmentMode(all_devices=True, on_operation=self._record,
                                  check_syncs=self.detect_syncs)
         self._mode.__enter__()
@@ -149,7 +151,7 @@ class EmulatedSession:
         mode, self._mode = self._mode, None
         _capturing.active = False
         mode.__exit__(None, None, None)
-        return EmulatedSegment(tuple(self._steps), mode.operations)
+        return EmulatedSegment(tuple(self._steps), mode.operations, self._inference)
 
     def abort(self) -> None:
         mode, self._mode = self._mode, None

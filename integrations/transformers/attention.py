@@ -33,6 +33,11 @@ ATTENTION_KEY = "breakgraph"
 _flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
 _flash = getattr(_flash, "default", None)
 _FLASH_HAS_WINDOW = _flash is not None and "window_size_left" in str(_flash._schema)
+# torch >= 2.12 (the op behind varlen_attn_out): writes into a given output, so the break
+# returns the very tensor the graph reads and copy-back costs nothing
+_flash_into = getattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace", None)
+_flash_into = getattr(_flash_into, "default", None)
+FLASH_WRITES_IN_PLACE = _flash_into is not None
 
 
 @dataclass
@@ -97,6 +102,9 @@ class LayerAttention:
         self.contiguous = all(t.stride(-1) == 1 for t in (self.q, self.k, self.v))
         self.causal = window is None
         self.left = -1 if window is None else window - 1
+        self.out = None
+        if kernel == "flash" and FLASH_WRITES_IN_PLACE:
+            self.out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
 
     def __call__(self) -> torch.Tensor:
         batch: PackedBatch = breakgraph.replay_context()
@@ -108,6 +116,13 @@ class LayerAttention:
         q, k, v = self.q, self.k, self.v
         if not self.contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if self.out is not None:
+            _flash_into(
+                self.out, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
+                self.causal, False, scale=self.scaling, window_size_left=self.left,
+                window_size_right=0,
+            )
+            return self.out
         return _flash(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, self.causal, False,
             scale=self.scaling, window_size_left=self.left, window_size_right=0,
