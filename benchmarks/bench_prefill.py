@@ -11,6 +11,8 @@ Variants, all measured in the same run on the same inputs:
   full_graph         the same packed forward in ONE CUDA graph, attention captured with
                      upper-bound lengths (PrefillRunner(attention="captured"): same kernels, no breaks)
   compile_ro         torch.compile(mode="reduce-overhead") of the HF forward (single prompts only)
+  bg_compiled        PrefillRunner(compile=True): segments hold Inductor-fused kernels
+  full_compiled      the same compiled forward in ONE CUDA graph (attention="captured", compile=True)
 """
 
 from __future__ import annotations
@@ -125,6 +127,23 @@ def run_model(name: str, config, with_compile: bool) -> dict:
     row["full_graph"] = bench(lambda: full.prefill(batch))
     rows.append(row)
     if with_compile:
+        try:  # breakgraph with Inductor-fused segments, and its no-break twin, on the small buckets
+            t0 = time.perf_counter()
+            bg_c = PrefillRunner(model, token_buckets=(32, 128), max_prompts=16, compile=True)
+            result["bg_compiled_capture_s"] = time.perf_counter() - t0
+            full_c = PrefillRunner(model, token_buckets=(32, 128), max_prompts=16,
+                                   attention="captured", compile=True)
+            result["correctness_bg_compiled"] = check(model, bg_c, [single[32]])
+            for row in rows[:2]:
+                p = single[row["tokens"]]
+                row["bg_compiled"] = bench(lambda: bg_c.prefill([p]))
+                row["full_compiled"] = bench(lambda: full_c.prefill([p]))
+                row["bgc_over_fullc"] = row["bg_compiled"] / row["full_compiled"]
+                row["eager_over_bgc"] = row["hf_eager"] / row["bg_compiled"]
+            bg_c.close()
+            full_c.close()
+        except Exception as exc:
+            result["bg_compiled_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
         for row in rows[:2]:
             p = single[row["tokens"]]
@@ -210,6 +229,13 @@ def print_summary(results: dict) -> None:
             fmt = lambda k: f"{r[k]:>9.3f}" if k in r else f"{'-':>9}"  # noqa: E731
             print(f"  {r['workload']:<28}{fmt('hf_eager')}{fmt('hf_eager_padded')}{fmt('breakgraph')}"
                   f"{fmt('full_graph')}{fmt('compile_ro')}{r['bg_over_full']:>9.3f}{r['eager_over_bg']:>9.2f}")
+        for r in m["rows"]:
+            if "bg_compiled" in r:
+                print(f"  compiled segments, {r['workload']}: bg {r['bg_compiled']:.3f} ms, full "
+                      f"{r['full_compiled']:.3f} ms, bg/full {r['bgc_over_fullc']:.3f}, eager/bg "
+                      f"{r['eager_over_bgc']:.2f}")
+        if "bg_compiled_error" in m:
+            print(f"  compiled segments failed: {m['bg_compiled_error']}")
     if "moe" in results:
         print(f"\nMoE: {results['moe']}")
 

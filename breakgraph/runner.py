@@ -63,7 +63,7 @@ class RunnerStats:
     padded_elements: Dict[int, int] = field(default_factory=dict)  # tail rows filled, per bucket
     eager_fallbacks: Dict[str, int] = field(default_factory=dict)  # by reason
     capture_seconds: Dict[int, float] = field(default_factory=dict)
-    graph_memory_bytes: Dict[int, int] = field(default_factory=dict)  # pool growth per capture
+    graph_memory_bytes: Dict[int, int] = field(default_factory=dict)  # pool growth per capture (CUDA)
 
     def __str__(self) -> str:
         rows = ["bucket   calls  padded rows  capture s  graph MiB"]
@@ -205,13 +205,13 @@ class BucketedRunner:
         start = time.perf_counter()
         with context_scope(context):
             self._warm_up(inputs)
-        reserved_before = _reserved_bytes(inputs[0].device)
         graph = BreakableCUDAGraph()
+        pool_before = _pool_bytes(self._pool, inputs[0].device)
         with capture(graph, pool=self._pool, backend=self.backend, context=context):
             output = self.fn(*inputs)
         if self._pool is None:
             self._pool = graph.pool()
-        self.stats.graph_memory_bytes[size] = _reserved_bytes(inputs[0].device) - reserved_before
+        self.stats.graph_memory_bytes[size] = _pool_bytes(self._pool, inputs[0].device) - pool_before
         self.stats.capture_seconds[size] = time.perf_counter() - start
         self.stats.calls.setdefault(size, 0)
         self.stats.padded_elements.setdefault(size, 0)
@@ -383,8 +383,9 @@ def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _reserved_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.memory_reserved(device)
-    return 0
+def _pool_bytes(pool: Any, device: torch.device) -> int:
+    """Bytes the caching allocator holds in the graphs' private pool (0 off CUDA)."""
+    if pool is None or device.type != "cuda" or not isinstance(pool, tuple):
+        return 0
+    segments = torch.cuda.memory._snapshot(device)["segments"]
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from .errors import HostSyncError
 
-__all__ = ["SegmentMode", "SYNC_OPERATIONS"]
+__all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS"]
 
 aten = torch.ops.aten
 
@@ -136,3 +136,20 @@ class SegmentMode(TorchDispatchMode):
         if self.on_operation is not None:
             self.on_operation(func, args, kwargs, out)
         return out
+
+
+class CompileTransparentSegmentMode(SegmentMode):
+    """A :class:`SegmentMode` under which ``torch.compile``'d code still runs compiled.
+
+    Dynamo refuses to run compiled code while a dispatch mode is active unless the
+    mode declares that it ignores compile internals. The CUDA backend only *watches*
+    for host syncs, so compiled regions (which cannot contain a sync: Dynamo breaks
+    its graph there and runs the sync eagerly, where this mode sees it) may run
+    unobserved and get captured as compiled kernels. The emulated backend must see
+    every operation to replay it, so it uses the plain :class:`SegmentMode` and
+    compiled functions run eagerly inside emulated segments.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True

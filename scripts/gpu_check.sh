@@ -23,5 +23,5 @@ fi
 echo "================ summary ================"
 [ -f "$OUT/pytest.log" ] && echo "tests: $(tail -1 "$OUT/pytest.log")"
 [ -f "$OUT/overhead.log" ] && tail -4 "$OUT/overhead.log" | cut -c1-120
-[ -f "$OUT/prefill.log" ] && grep -E "^  (single|batch)|^[a-z].*params|MoE" "$OUT/prefill.log" | cut -c1-200
+[ -f "$OUT/prefill.log" ] && grep -E "^  (single|batch|compiled)|^[a-z].*params|MoE" "$OUT/prefill.log" | cut -c1-220
 exit $status

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CaptureError
 from ..streams import StreamTracker
-from ..syncs import SegmentMode
+from ..syncs import CompileTransparentSegmentMode, SegmentMode
 
 _default_capture_streams: dict = {}
 
@@ -66,7 +66,7 @@ class CudaSession:
         graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
         self._graph = graph
         self.tracker.begin_segment()
-        self._mode = SegmentMode(check_syncs=self.detect_syncs)
+        self._mode = CompileTransparentSegmentMode(check_syncs=self.detect_syncs)
         self._mode.__enter__()
 
     def end_segment(self) -> CudaSegment:

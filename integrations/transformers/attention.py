@@ -148,6 +148,7 @@ def _reference_attention(q, k, v, bounds, scaling, window):
     return out
 
 
+@torch.compiler.disable  # with PrefillRunner(compile=...), Dynamo's graph breaks here too
 def breakgraph_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
                          dropout: float = 0.0, sliding_window: Optional[int] = None,

@@ -103,6 +103,10 @@ class PrefillRunner:
             breaks at all (a baseline; it relies on the kernel tolerating upper-bound
             ``max_seqlen`` and holds at most ``max_prompts`` sequences).
         pad_token_id: token id written into the bucket tail.
+        compile: ``torch.compile`` the model's forward (True, or a dict of
+            ``torch.compile`` keyword arguments) so segments hold fused kernels;
+            attention and MoE experts stay eager breaks (Dynamo breaks its graph
+            there too). Compilation happens during the warm-up of each bucket.
 
     The model is left as it was: the attention implementation is switched to
     ``"breakgraph"`` only while capturing or running eagerly through the runner.
@@ -119,6 +123,7 @@ class PrefillRunner:
         attention: str = "auto",
         pad_token_id: int = 0,
         warmup: int = 2,
+        compile: Any = False,
     ):
         _check_model(model)
         if max_prompts < 1:
@@ -145,6 +150,10 @@ class PrefillRunner:
             raise UnsupportedModelError(
                 f"PrefillRunner: bucket {longest} exceeds max_position_embeddings={limit}."
             )
+        self._forward_model = model
+        if compile:
+            options = compile if isinstance(compile, dict) else {}
+            self._forward_model = torch.compile(model, **options)
         self._positions = torch.arange(longest, device=self.device)
         self._last_index = torch.zeros(max_prompts, dtype=torch.long, device=self.device)
         self._cu_seqlens = torch.zeros(max_prompts + 2, dtype=torch.int32, device=self.device)
@@ -168,7 +177,7 @@ class PrefillRunner:
         if breakgraph.is_capturing():
             self._layers[input_ids.shape[1]] = state.layers
         with self._attention_installed(state), torch.no_grad():
-            return self.model(
+            return self._forward_model(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False,
                 logits_to_keep=self._last_index,
             ).logits
@@ -185,7 +194,7 @@ class PrefillRunner:
                 if type(module).__name__.endswith("Experts"):
                     # data-dependent loop over active experts (nonzero): an eager break of its own
                     patched.append(module)
-                    module.forward = breakgraph.eager_on_graph(module.forward)
+                    module.forward = torch.compiler.disable(breakgraph.eager_on_graph(module.forward))
             yield
         finally:
             for module in patched:
