@@ -37,7 +37,7 @@ aten = torch.ops.aten
 
 #: aten operations that need the host to see device values, with the Python spelling users wrote.
 SYNC_OPERATIONS: dict = {
-    aten._local_scalar_dense: "`.item()`, `float(t)`, `int(t)` or a tensor used as a Python number",
+    aten._local_scalar_dense: "`.item()`, `if tensor:` / `bool(t)`, `float(t)` or `int(t)`: a device value read on the host",
     aten.is_nonzero: "`if tensor:` / `bool(tensor)` (a Python branch on a device value)",
     aten.item: "`.item()`",
     aten.nonzero: "`nonzero()` / `torch.where(cond)` (its output size depends on the data)",
