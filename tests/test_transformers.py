@@ -81,11 +81,18 @@ def make_config(arch: str, **overrides):
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def build_model(arch: str, device: str, dtype: torch.dtype, seed: int = 0, **overrides):
-    """A tiny random-weight causal LM, SDPA attention, eval mode, reproducible weights."""
+def build_model(arch: str, device: str, dtype: torch.dtype, seed: int = 0,
+                experts_implementation: str = "eager", **overrides):
+    """A tiny random-weight causal LM, SDPA attention, eval mode, reproducible weights.
+
+    MoE models use transformers' eager experts loop (data-dependent ``nonzero`` and a
+    Python loop: the case that needs an eager break) unless told otherwise.
+    """
     config = make_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    extra = {"experts_implementation": experts_implementation} if ARCHS[arch][2] else {}
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation="sdpa", **extra)
     return model.to(device).eval()
 
 
@@ -186,6 +193,23 @@ def closing():
 
 
 # -- 1. every architecture: many batches through one capture -------------------------------------
+def test_grouped_mm_experts_are_captured_not_broken(backend, closing):
+    """transformers' default grouped_mm experts are sync-free: they stay inside the segments."""
+    model = model_for("qwen3_moe", backend, experts_implementation="grouped_mm")
+    assert model.config._experts_implementation == "grouped_mm"
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend))
+    for bucket in runner.buckets:
+        assert runner.graph(bucket).num_breaks == model.config.num_hidden_layers
+    generator = torch.Generator().manual_seed(7)
+    for lengths in ([5, 11], [30, 2, 9]):
+        prompts = prompts_of(lengths, device, generator)
+        out = runner.prefill(prompts)
+        for i, p in enumerate(prompts):
+            assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"prompt {i}")
+
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_prefill_matches_eager_per_prompt(arch, backend, closing):
     model = model_for(arch, backend)

@@ -184,13 +184,18 @@ class PrefillRunner:
 
     @contextlib.contextmanager
     def _attention_installed(self, state: _attention.RunnerState) -> Iterator[None]:
-        """Switch the model to breakgraph attention and MoE experts to eager breaks, then back."""
+        """Switch the model to breakgraph attention and MoE experts to eager breaks, then back.
+
+        Only transformers' ``"eager"`` experts loop (``nonzero`` and a Python loop over
+        the active experts) needs a break; ``grouped_mm``/``batched_mm`` are captured.
+        """
         original = self.model.config._attn_implementation
         patched = []
         self.model.set_attn_implementation(_attention.ATTENTION_KEY)
         _attention.set_active(state)
         try:
-            for module in self.model.modules():
+            experts = getattr(self.model.config, "_experts_implementation", None)
+            for module in self.model.modules() if experts in (None, "eager") else ():
                 if type(module).__name__.endswith("Experts"):
                     # data-dependent loop over active experts (nonzero): an eager break of its own
                     patched.append(module)
