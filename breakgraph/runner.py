@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Uni
 import torch
 from torch.utils._pytree import tree_map
 
-from .errors import CaptureError, InputError
+from .errors import CaptureError, InputError, ReplayError
 from .graph import BreakableCUDAGraph, capture, context_scope
 
 __all__ = ["BucketedRunner", "RunnerStats", "all_reduce_max"]
@@ -60,7 +60,7 @@ class RunnerStats:
     """Counters of a :class:`BucketedRunner`; ``str(stats)`` prints a small table."""
 
     calls: Dict[int, int] = field(default_factory=dict)
-    padded_elements: Dict[int, int] = field(default_factory=dict)  # tail rows filled, per bucket
+    padded_elements: Dict[int, int] = field(default_factory=dict)  # tail size (along the bucketed dim)
     eager_fallbacks: Dict[str, int] = field(default_factory=dict)  # by reason
     capture_seconds: Dict[int, float] = field(default_factory=dict)
     graph_memory_bytes: Dict[int, int] = field(default_factory=dict)  # pool growth per capture (CUDA)
@@ -261,6 +261,8 @@ class BucketedRunner:
         the runner's). The result lives in graph memory and is overwritten by the next
         call unless ``owned=True``.
         """
+        if not self._sizes:
+            raise ReplayError("BucketedRunner: the runner is closed; build a new one.")
         size = self._validate(inputs)
         agreed = self.agree_size(size) if self.agree_size is not None else size
         context = self.context if context is None else context
@@ -278,9 +280,9 @@ class BucketedRunner:
             else:
                 return self._eager(inputs, context, "larger than every bucket")
         bucket = self._buckets[self._sizes[index]]
-        if (
+        if (  # decided on the agreed size, so every rank takes the same path
             self.max_padding_fraction is not None
-            and (bucket.size - size) > self.max_padding_fraction * bucket.size
+            and (bucket.size - agreed) > self.max_padding_fraction * bucket.size
         ):
             return self._eager(inputs, context, "too much padding")
         for buffer, value, d, pad in zip(bucket.inputs, inputs, self._dims, self._pads):

@@ -41,7 +41,7 @@ SYNC_OPERATIONS: dict = {
     aten.is_nonzero: "`if tensor:` / `bool(tensor)` (a Python branch on a device value)",
     aten.item: "`.item()`",
     aten.nonzero: "`nonzero()` / `torch.where(cond)` (its output size depends on the data)",
-    aten.masked_select: "`masked_select` / boolean-mask indexing (its output size depends on the data)",
+    aten.masked_select: "`masked_select` (its output size depends on the data)",
     aten._unique: "`unique` (its output size depends on the data)",
     aten._unique2: "`unique` (its output size depends on the data)",
     aten.unique_dim: "`unique(dim=...)` (its output size depends on the data)",
@@ -53,6 +53,10 @@ SYNC_OPERATIONS: dict = {
 }
 
 _COPY_OPERATIONS = {aten._to_copy, aten.copy_}
+# indexing with a boolean mask runs nonzero() inside: the result size depends on the data
+_MASK_INDEXING = {aten.index: "`x[mask]` (boolean-mask indexing: its output size depends on the data)",
+                  aten.index_put_: "`x[mask] = v` (boolean-mask assignment runs nonzero inside)",
+                  aten.index_put: "`x[mask] = v` (boolean-mask assignment runs nonzero inside)"}
 
 _PACKAGE_DIRS = (
     os.path.dirname(os.path.abspath(__file__)),
@@ -78,6 +82,11 @@ def _sync_reason(func, args, kwargs, all_devices: bool) -> Optional[str]:
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if all_devices or any(t.device.type != "cpu" for t in tensors):
             return SYNC_OPERATIONS[packet]
+        return None
+    if packet in _MASK_INDEXING and len(args) > 1:
+        masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+        if masks and (all_devices or args[0].device.type != "cpu"):
+            return _MASK_INDEXING[packet]
         return None
     if packet in _COPY_OPERATIONS and not all_devices:
         if kwargs.get("non_blocking", False) or (packet is aten.copy_ and len(args) > 2 and args[2]):

@@ -111,6 +111,16 @@ SYNC_OPS = {
         "aten.equal",
         lambda x: x * (5.0 if torch.equal(x[:2] > 0, x[2:4] > 0) else 0.5),
     ),
+    "mask indexing": (
+        lambda x: x[x > 0],
+        "aten.index",
+        lambda x: x + x[x > 0].sum(),
+    ),
+    "mask assignment": (
+        lambda x: x.clone().__setitem__(x > 0, 0.0),
+        "aten.index_put",
+        lambda x: x.masked_fill(x > 0, 0.0) + 1,
+    ),
 }
 
 

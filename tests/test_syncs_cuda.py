@@ -61,6 +61,7 @@ SYNCS = {
     ".tolist()": (lambda t: t.tolist(), None),
     "if tensor": (lambda t: 1 if t.sum() > 0 else 0, "aten._local_scalar_dense"),
     "nonzero": (lambda t: t.nonzero(), "aten.nonzero"),
+    "x[mask]": (lambda t: t[t > 0], "boolean-mask"),
 }
 
 
@@ -111,3 +112,30 @@ def test_item_without_detection_still_raises_breakgraph_error():
     assert isinstance(info.value.__cause__, RuntimeError)
     assert_clean(g)
     assert_new_capture_works(g, x)
+
+
+@torch.no_grad()
+def test_random_numbers_work_right_after_an_invalidated_capture():
+    # CUDA invalidates the capture (no detection); torch's RNG must not be left "capturing"
+    x = torch.randn(64, device="cuda")
+    g = BreakableCUDAGraph()
+    with pytest.raises(HostSyncError):
+        with capture(g, detect_syncs=False):
+            (x * 2).sum().item()
+    r = torch.randn(16, device="cuda")  # raised "Offset increment outside graph capture" before
+    assert torch.isfinite(r).all()
+    assert_new_capture_works(g, x)
+
+
+@torch.no_grad()
+def test_outputs_are_ready_for_the_callers_stream_right_after_capture():
+    # the capture pass runs on the capture stream; the caller's stream must wait for it
+    x = torch.randn(1 << 20, device="cuda")
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = x
+        for _ in range(20):
+            y = torch.sin(y) * 1.0001
+    early = y.clone()  # on the caller's stream, no explicit synchronisation
+    torch.cuda.synchronize()
+    torch.testing.assert_close(early, y)

@@ -422,6 +422,9 @@ def test_on_miss_eager_runs_and_matches(backend, closing):
     prompts = prompts_of([20, 20, 19], device)  # 59 tokens > 48
     out = runner.prefill(prompts)
     assert runner.stats.eager_fallbacks == {"larger than every bucket": 1}
+    long = prompts_of([60], device)[0]  # one prompt longer than the largest bucket
+    torch.testing.assert_close(runner.prefill([long]).logits[0].float(),
+                               eager_last_logits(model, long).float(), atol=0.1, rtol=0.05)
     assert sum(runner.stats.calls.values()) == 0
     for i, p in enumerate(prompts):
         assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"eager prompt {i}")

@@ -95,6 +95,7 @@ class CudaSession:
                     graph.capture_end()
             except Exception:  # the capture was invalidated: CUDA ended it, tell the allocator
                 _end_allocate_to_pool(self.device, self.pool)
+                _reset_capture_state(self.pool)
             try:
                 graph.reset()
             except Exception:
@@ -103,6 +104,23 @@ class CudaSession:
     def close(self) -> None:
         self.tracker.uninstall()
         self._stream_context.__exit__(None, None, None)
+        # the capture pass ran (segment replays, eager breaks) on the capture stream: make the
+        # caller's stream wait for it before it reads outputs or refills static inputs
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+
+def _reset_capture_state(pool) -> None:
+    """After CUDA invalidated a capture, torch's RNG still believes it is capturing
+    ("Offset increment outside graph capture"); one empty capture resets it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool)
+            graph.capture_end()
+            graph.reset()
+    except Exception:
+        pass
 
 
 def _end_allocate_to_pool(device: int, pool) -> None:

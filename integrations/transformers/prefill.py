@@ -31,6 +31,7 @@ import torch
 
 import breakgraph
 from breakgraph.errors import CaptureError, InputError, ReplayError
+from breakgraph.backends import select_backend
 from breakgraph.runner import BucketedRunner
 
 from . import attention as _attention
@@ -103,6 +104,7 @@ class PrefillRunner:
             breaks at all (a baseline; it relies on the kernel tolerating upper-bound
             ``max_seqlen`` and holds at most ``max_prompts`` sequences).
         pad_token_id: token id written into the bucket tail.
+        warmup: eager runs of the forward before each bucket is captured.
         compile: ``torch.compile`` the model's forward (True, or a dict of
             ``torch.compile`` keyword arguments) so segments hold fused kernels;
             attention and MoE experts stay eager breaks (Dynamo breaks its graph
@@ -136,7 +138,8 @@ class PrefillRunner:
         parameter = next(model.parameters())
         self.model = model
         self.device, self.dtype = parameter.device, parameter.dtype
-        can_flash = _attention.flash_available(self.dtype, self.device) and backend != "emulated"
+        can_flash = (_attention.flash_available(self.dtype, self.device)
+                     and select_backend(backend).name == "cuda")
         if attention in ("flash", "captured") and not can_flash:
             raise UnsupportedModelError(
                 f"PrefillRunner: attention={attention!r} needs the CUDA backend, bf16/fp16 weights "
@@ -248,13 +251,16 @@ class PrefillRunner:
         total = sum(lengths)
         bucket = self._runner.bucket_for(total)
         ids = torch.cat([p.to(self.device, non_blocking=True) for p in prompts]).view(1, total)
-        positions = torch.cat([self._positions[:n] for n in lengths]).view(1, total)
+        positions = torch.cat([
+            self._positions[:n] if n <= len(self._positions) else torch.arange(n, device=self.device)
+            for n in lengths
+        ]).view(1, total)
         ends = torch.tensor(lengths).cumsum(0) - 1
         self._last_index.zero_()
         self._last_index[: len(lengths)].copy_(ends)
-        self._step += 1
         batch = self._describe(lengths, bucket if bucket is not None else total)
         logits = self._runner(ids, positions, context=batch)
+        self._step += 1
         layers = self._layers[bucket] if bucket is not None else None
         return PrefillOutput(self, logits[0, : len(lengths)].clone(), batch.bounds[: len(lengths)],
                              self._step, layers)

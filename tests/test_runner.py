@@ -1,0 +1,188 @@
+"""BucketedRunner: buckets, padding hygiene, validation, capture-phase discipline, counters.
+
+Every test runs on both backends through the ``backend``/``device`` fixtures.
+"""
+
+import pytest
+import torch
+
+import breakgraph
+from breakgraph import CaptureError, InputError, ReplayError
+from breakgraph.runner import BucketedRunner
+
+BUCKETS = (4, 16, 64)
+
+
+@breakgraph.eager_on_graph
+def scale_real_rows(h):
+    """Host-dependent: only the live rows (the call's context) are normalised."""
+    n = breakgraph.replay_context()
+    out = h.clone()
+    out[:n] = h[:n] / (h[:n].abs().amax() + 1)
+    return out
+
+
+def make(device, backend, **kwargs):
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, device=device)
+
+    def model(x):
+        return scale_real_rows(torch.relu(x @ w)) @ w.t()
+
+    kwargs.setdefault("capture_context", lambda size: size)
+    runner = BucketedRunner(model, BUCKETS, (torch.randn(1, 8, device=device),), backend=backend,
+                            warmup=1, **kwargs)
+    return runner, model
+
+
+def eager(model, x):
+    with breakgraph.context_scope(x.shape[0]):
+        return model(x)
+
+
+def test_random_sizes_match_eager(backend, device):
+    runner, model = make(device, backend)
+    assert runner.buckets == BUCKETS
+    sizes = torch.randint(1, 65, (25,), generator=torch.Generator().manual_seed(3)).tolist()
+    for n in sizes + [4, 16, 64, 1]:
+        x = torch.randn(n, 8, device=device)
+        out = runner(x, context=n)
+        assert out.shape == (n, 8)
+        torch.testing.assert_close(out, eager(model, x), atol=1e-5, rtol=1e-5)
+    assert sum(runner.stats.calls.values()) == len(sizes) + 4
+    assert all(runner.stats.calls[b] > 0 for b in BUCKETS)
+    assert runner.stats.eager_fallbacks == {}
+
+
+def test_poisoned_tail_never_reaches_outputs(backend, device):
+    runner, model = make(device, backend)
+    bucket = runner._buckets[16]
+    for n in (5, 9, 15):  # all served by bucket 16
+        bucket.inputs[0].fill_(float("nan"))  # stale garbage in the whole static buffer
+        x = torch.randn(n, 8, device=device)
+        out = runner(x, context=n)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, eager(model, x), atol=1e-5, rtol=1e-5)
+        assert (bucket.inputs[0][n:] == 0).all()  # the tail was written with the pad value
+
+
+def test_pad_values_are_written(backend, device):
+    runner, _ = make(device, backend, pad_values=-3.0)
+    runner(torch.randn(5, 8, device=device), context=5)
+    assert (runner._buckets[16].inputs[0][5:] == -3.0).all()
+
+
+def test_outputs_live_in_graph_memory_unless_owned(backend, device):
+    runner, model = make(device, backend)
+    x1, x2 = torch.randn(10, 8, device=device), torch.randn(10, 8, device=device)
+    shared = runner(x1, context=10)
+    owned = runner(x1, context=10, owned=True)
+    runner(x2, context=10)
+    torch.testing.assert_close(shared, eager(model, x2), atol=1e-5, rtol=1e-5)  # overwritten
+    torch.testing.assert_close(owned, eager(model, x1), atol=1e-5, rtol=1e-5)  # kept
+
+
+@pytest.mark.parametrize(
+    "bad, phrase",
+    [
+        (lambda d: torch.randn(3, 8, 1, device=d), "dimensions"),
+        (lambda d: torch.randn(3, 8, device=d).double(), "dtype"),
+        (lambda d: torch.randn(3, 7, device=d), "shape"),
+        (lambda d: torch.randn(0, 8, device=d), "empty"),
+        (lambda d: [[1.0] * 8], "must be a tensor"),
+        (lambda d: torch.randn(3, 8, device="meta"), "device"),
+    ],
+)
+def test_bad_inputs_raise_before_copying(backend, device, bad, phrase):
+    runner, _ = make(device, backend)
+    buffer = runner._buckets[4].inputs[0]
+    before = buffer.clone()
+    with pytest.raises(InputError, match=phrase):
+        runner(bad(device), context=3)
+    assert torch.equal(buffer, before) or torch.isnan(before).any()
+
+
+def test_oversize_raises_or_runs_eagerly(backend, device):
+    runner, model = make(device, backend, on_miss="raise")
+    with pytest.raises(InputError, match="exceeds the largest bucket 64"):
+        runner(torch.randn(65, 8, device=device), context=65)
+    runner, model = make(device, backend, on_miss="eager")
+    x = torch.randn(100, 8, device=device)
+    torch.testing.assert_close(runner(x, context=100), eager(model, x), atol=1e-5, rtol=1e-5)
+    assert runner.stats.eager_fallbacks == {"larger than every bucket": 1}
+    assert runner.buckets == BUCKETS  # nothing was captured on the fly
+
+
+def test_capture_only_inside_a_window(backend, device):
+    runner, model = make(device, backend)
+    with pytest.raises(CaptureError, match="capture_window"):
+        runner.add_buckets([128])
+    with runner.capture_window():
+        runner.add_buckets([128])
+        x = torch.randn(200, 8, device=device)  # a miss inside the window captures its size
+        torch.testing.assert_close(runner(x, context=200), eager(model, x), atol=1e-5, rtol=1e-5)
+    assert runner.buckets == BUCKETS + (128, 200)
+    x = torch.randn(100, 8, device=device)
+    torch.testing.assert_close(runner(x, context=100), eager(model, x), atol=1e-5, rtol=1e-5)
+    assert runner.stats.calls[128] == 1
+
+
+def test_padding_fraction_falls_back_to_eager(backend, device):
+    runner, model = make(device, backend, max_padding_fraction=0.5)
+    x = torch.randn(17, 8, device=device)  # bucket 64 would be 73% padding
+    torch.testing.assert_close(runner(x, context=17), eager(model, x), atol=1e-5, rtol=1e-5)
+    assert runner.stats.eager_fallbacks == {"too much padding": 1}
+    runner(torch.randn(40, 8, device=device), context=40)
+    assert runner.stats.calls[64] == 1
+
+
+def test_agree_size_picks_the_same_bucket_for_every_rank(backend, device):
+    seen = []
+
+    def agree(size):  # stands in for an all-reduce MAX across ranks
+        seen.append(size)
+        return 50
+
+    runner, model = make(device, backend, agree_size=agree, max_padding_fraction=0.5)
+    x = torch.randn(3, 8, device=device)  # alone it would take bucket 4 (or go eager)
+    torch.testing.assert_close(runner(x, context=3), eager(model, x), atol=1e-5, rtol=1e-5)
+    assert seen == [3] and runner.stats.calls[64] == 1 and runner.stats.eager_fallbacks == {}
+
+
+def test_stats_table_and_close(backend, device):
+    runner, _ = make(device, backend)
+    runner(torch.randn(3, 8, device=device), context=3)
+    table = str(runner.stats)
+    assert "bucket" in table and "eager fallbacks: none" in table
+    assert runner.stats.padded_elements[4] == 1
+    assert set(runner.stats.capture_seconds) == set(BUCKETS)
+    runner.close()
+    with pytest.raises(ReplayError, match="closed"):
+        runner(torch.randn(3, 8, device=device), context=3)
+
+
+def test_all_buckets_share_one_pool(backend, device):
+    runner, _ = make(device, backend)
+    pools = {id(runner.graph(b).pool()) if backend == "emulated" else runner.graph(b).pool()
+             for b in BUCKETS}
+    assert len(pools) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, phrase",
+    [
+        (dict(buckets=()), "positive"),
+        (dict(buckets=(0, 4)), "positive"),
+        (dict(on_miss="maybe"), "on_miss"),
+        (dict(max_padding_fraction=1.5), "max_padding_fraction"),
+        (dict(example_inputs=()), "example_inputs"),
+        (dict(dims=5), "out of range"),
+        (dict(pad_values=(0, 1)), "pad_values"),
+    ],
+)
+def test_bad_configuration(backend, device, kwargs, phrase):
+    args = dict(fn=lambda x: x * 2, buckets=(4,), example_inputs=(torch.randn(1, 8, device=device),),
+                backend=backend)
+    args.update(kwargs)
+    with pytest.raises(InputError, match=phrase):
+        BucketedRunner(**args)
