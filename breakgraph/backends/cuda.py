@@ -59,6 +59,7 @@ class CudaSession:
         self._stream_context.__enter__()
         self.tracker.install()
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._invalidated = False
         self._mode: Optional[SegmentMode] = None
 
     def begin_segment(self) -> None:
@@ -95,7 +96,7 @@ class CudaSession:
                     graph.capture_end()
             except Exception:  # the capture was invalidated: CUDA ended it, tell the allocator
                 _end_allocate_to_pool(self.device, self.pool)
-                _reset_capture_state(self.pool)
+                self._invalidated = True
             try:
                 graph.reset()
             except Exception:
@@ -107,20 +108,24 @@ class CudaSession:
         # the capture pass ran (segment replays, eager breaks) on the capture stream: make the
         # caller's stream wait for it before it reads outputs or refills static inputs
         torch.cuda.current_stream().wait_stream(self.stream)
+        if self._invalidated:
+            _reset_capture_state()
 
 
-def _reset_capture_state(pool) -> None:
+def _reset_capture_state() -> None:
     """After CUDA invalidated a capture, torch's RNG still believes it is capturing
-    ("Offset increment outside graph capture"); one empty capture resets it."""
+    ("Offset increment outside graph capture"); one complete empty capture resets it."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=pool)
-            graph.capture_end()
+            with torch.cuda.graph(graph):
+                torch.cuda.current_stream()
             graph.reset()
-    except Exception:
-        pass
+    except Exception as exc:  # report, never hide: random numbers may fail until a capture succeeds
+        warnings.warn(f"breakgraph: could not reset torch's CUDA capture state after an "
+                      f"invalidated capture ({exc}); CUDA random numbers may fail until the next "
+                      f"successful capture.", RuntimeWarning, stacklevel=2)
 
 
 def _end_allocate_to_pool(device: int, pool) -> None:
