@@ -25,7 +25,6 @@ import time
 import torch
 import transformers
 
-import breakgraph
 from breakgraph.integrations.transformers import PrefillRunner
 
 CONFIGS = {

@@ -1,7 +1,6 @@
 """The emulated backend (CPU): CUDA-graph semantics without a GPU, bugs included."""
 
 import functools
-import gc
 
 import pytest
 import torch
@@ -10,27 +9,14 @@ from torch import nn
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, HostSyncError, eager_on_graph
+from helpers import HAS_CUDA, assert_clean, fresh_into
 
-HAS_CUDA = torch.cuda.is_available()
-ORIGINAL_IS_CAPTURING = torch.cuda.is_current_stream_capturing
-ORIGINAL_GRAPHS_IS_CAPTURING = torch.cuda.graphs.is_current_stream_capturing
 
 capture = functools.partial(breakgraph.capture, backend="emulated")
 
 
-def fresh_into(static):
-    new = torch.randn_like(static)
-    static.copy_(new)
-    return new
 
 
-def assert_clean(graph=None):
-    assert not breakgraph.is_capturing()
-    assert torch.cuda.is_current_stream_capturing is ORIGINAL_IS_CAPTURING
-    assert torch.cuda.graphs.is_current_stream_capturing is ORIGINAL_GRAPHS_IS_CAPTURING
-    assert gc.isenabled()
-    if graph is not None:
-        assert graph.num_segments == 0 and graph.num_breaks == 0
 
 
 # ---------------------------------------------------------------------------------------

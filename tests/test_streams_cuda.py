@@ -4,19 +4,16 @@ CUDA only (the emulated backend cannot see streams); skipped without a GPU.
 """
 
 import functools
-import gc
 
 import pytest
 import torch
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, StreamError, eager_on_graph
+from helpers import assert_clean, fresh_into
 
 pytestmark = pytest.mark.cuda
 
-ORIGINAL_EVENT_RECORD = torch.cuda.Event.record
-ORIGINAL_EVENT_WAIT = torch.cuda.Event.wait
-ORIGINAL_IS_CAPTURING = torch.cuda.is_current_stream_capturing
 
 capture = functools.partial(breakgraph.capture, backend="cuda")
 
@@ -29,22 +26,8 @@ def host_scale(x):
     return x * (int((x > 0).sum().item()) / x.numel())
 
 
-def fresh_into(static):
-    new = torch.randn_like(static)
-    static.copy_(new)
-    return new
 
 
-def assert_clean(graph=None):
-    assert not breakgraph.is_capturing()
-    assert torch.cuda.Event.record is ORIGINAL_EVENT_RECORD
-    assert torch.cuda.Event.wait is ORIGINAL_EVENT_WAIT
-    assert torch.cuda.is_current_stream_capturing is ORIGINAL_IS_CAPTURING
-    assert not torch.cuda.is_current_stream_capturing()
-    assert torch.cuda.current_stream() == torch.cuda.default_stream()
-    assert gc.isenabled()
-    if graph is not None:
-        assert graph.num_segments == 0 and graph.num_breaks == 0
 
 
 def check_replays(graph, static, out, body, replays=5):

@@ -4,37 +4,22 @@ CUDA only; skipped without a GPU.
 """
 
 import functools
-import gc
 
 import pytest
 import torch
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, BreakgraphError, HostSyncError, eager_on_graph
+from helpers import assert_clean, fresh_into
 
 pytestmark = pytest.mark.cuda
 
-ORIGINAL_EVENT_RECORD = torch.cuda.Event.record
-ORIGINAL_EVENT_WAIT = torch.cuda.Event.wait
 
 capture = functools.partial(breakgraph.capture, backend="cuda")
 
 
-def fresh_into(static):
-    new = torch.randn_like(static)
-    static.copy_(new)
-    return new
 
 
-def assert_clean(graph=None):
-    assert not breakgraph.is_capturing()
-    assert torch.cuda.Event.record is ORIGINAL_EVENT_RECORD
-    assert torch.cuda.Event.wait is ORIGINAL_EVENT_WAIT
-    assert not torch.cuda.is_current_stream_capturing()
-    assert torch.cuda.current_stream() == torch.cuda.default_stream()
-    assert gc.isenabled()
-    if graph is not None:
-        assert graph.num_segments == 0 and graph.num_breaks == 0
 
 
 @eager_on_graph

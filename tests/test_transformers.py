@@ -22,14 +22,12 @@ the file fast on a small CPU.
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-import breakgraph  # noqa: E402
 from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
 from breakgraph.integrations.transformers import (  # noqa: E402
     ATTENTION_KEY,

@@ -30,7 +30,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 
 import breakgraph
-from breakgraph.errors import CaptureError, InputError, ReplayError
+from breakgraph.errors import InputError, ReplayError
 from breakgraph.backends import select_backend
 from breakgraph.runner import BucketedRunner
 
