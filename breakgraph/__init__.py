@@ -25,9 +25,15 @@ from .errors import (
     HostSyncError,
     InputError,
     ReplayError,
+    StaleTensorError,
     StreamError,
+    BreakgraphWarning,
 )
 from .graph import BreakableCUDAGraph, capture, context_scope, is_capturing, replay_context
+
+import logging as _logging
+
+_logging.getLogger("breakgraph").addHandler(_logging.NullHandler())  # nothing printed by default
 
 __version__ = "0.1.0"
 
@@ -47,6 +53,8 @@ __all__ = [
     "ReplayError",
     "CopyBackError",
     "InputError",
+    "StaleTensorError",
+    "BreakgraphWarning",
 ]
 
 

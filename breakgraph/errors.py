@@ -19,6 +19,8 @@ __all__ = [
     "ReplayError",
     "CopyBackError",
     "InputError",
+    "StaleTensorError",
+    "BreakgraphWarning",
 ]
 
 
@@ -78,3 +80,15 @@ class CopyBackError(BreakgraphError, TypeError):
 
 class InputError(BreakgraphError, ValueError):
     """An input cannot be placed into a static buffer (rank, dtype, device or size)."""
+
+
+class StaleTensorError(ReplayError):
+    """Debug mode: a tensor the graph reads was freed or moved since capture.
+
+    Captured kernels read it at its capture-time address; keep it alive and refill it
+    in place (``copy_``) instead of replacing it.
+    """
+
+
+class BreakgraphWarning(UserWarning):
+    """Something breakgraph fixed for you but you may want to know (debug mode)."""

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from . import debug as _debug
 from .backends import select_backend
 from .copyback import build_copy_back
 from .errors import CaptureError, HostSyncError, ReplayError
@@ -88,6 +89,8 @@ class BreakableCUDAGraph:
         self._backend: Optional[str] = None
         self._context: Any = None
         self._capturing = False
+        self._timers: Optional[list] = None  # debug mode: host time of each break
+        self._unjoined: dict = {}  # debug mode: segment -> side streams breakgraph had to join
 
     @property
     def num_segments(self) -> int:
@@ -149,7 +152,34 @@ class BreakableCUDAGraph:
         for segment in self._segments:
             segment.reset()
         self._segments, self._breaks, self._steps = [], [], ()
-        self._pool = self._backend = self._context = None
+        self._pool = self._backend = self._context = self._timers = None
+        self._unjoined = {}
+
+    def report(self) -> "_debug.GraphReport":
+        """The coverage report: segments (aten ops each), breaks (names, host time per
+        replay when captured in debug mode), graph-pool memory (CUDA).
+
+        Example::
+
+            >>> import torch, breakgraph
+            >>> g = breakgraph.BreakableCUDAGraph()
+            >>> with breakgraph.capture(g, backend="emulated"):
+            ...     y = torch.randn(2).exp()
+            ...     breakgraph.break_graph()
+            >>> g.report().segment_ops
+            [2, 0]
+        """
+        if not self._segments:
+            raise ReplayError("BreakableCUDAGraph.report(): nothing was captured.")
+        timers = self._timers or [None] * len(self._breaks)
+        return _debug.GraphReport(
+            backend=self._backend,
+            segment_ops=[s.operations for s in self._segments],
+            break_names=self.break_names,
+            break_host_us=[t.mean_us() if t is not None else None for t in timers],
+            graph_memory_bytes=_debug.pool_bytes(self._pool) if self._backend == "cuda" else None,
+            unjoined_streams=dict(self._unjoined),
+        )
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -220,6 +250,7 @@ def capture(
     backend: Optional[str] = None,
     context: Any = None,
     detect_syncs: bool = True,
+    debug: Optional[bool] = None,
 ) -> Iterator[BreakableCUDAGraph]:
     """Capture the work in the ``with`` block into ``graph``, breaking at eager functions.
 
@@ -230,7 +261,8 @@ def capture(
     ``"cuda"`` or ``"emulated"`` (default: ``$BREAKGRAPH_BACKEND``, else CUDA).
     ``context`` is what :func:`replay_context` returns during this capture and, by
     default, during replays. ``detect_syncs=False`` turns off the check that names
-    host synchronisations inside segments.
+    host synchronisations inside segments. ``debug=True`` (default:
+    ``$BREAKGRAPH_DEBUG``) adds the checks of :mod:`breakgraph.debug` to every replay.
 
     Unlike ``torch.cuda.graph``, the capture pass computes real values: each
     segment is replayed once as soon as it is captured, so eager functions see real
@@ -268,7 +300,8 @@ def capture(
         )
     session = None
     try:
-        session = _Capture(graph, chosen, pool, stream, capture_error_mode, context, detect_syncs)
+        session = _Capture(graph, chosen, pool, stream, capture_error_mode, context, detect_syncs,
+                           _debug.debug_enabled(debug))
         yield graph
         session.finish()
     except BaseException as exc:
@@ -286,6 +319,10 @@ def capture(
         _capture_lock.release()
 
 
+def graph_is_cuda(graph: BreakableCUDAGraph) -> bool:
+    return graph._backend == "cuda"
+
+
 def _is_cuda_capture_failure(exc: BaseException) -> bool:
     if isinstance(exc, HostSyncError) or not isinstance(exc, RuntimeError):
         return False
@@ -296,7 +333,8 @@ def _is_cuda_capture_failure(exc: BaseException) -> bool:
 class _Capture:
     """One running capture: opens the backend session, cuts segments at breaks."""
 
-    def __init__(self, graph, backend, pool, stream, capture_error_mode, context, detect_syncs):
+    def __init__(self, graph, backend, pool, stream, capture_error_mode, context, detect_syncs,
+                 debug: bool = False):
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise CaptureError(
                 f"breakgraph.capture: capture_error_mode must be 'global', 'thread_local' or "
@@ -305,12 +343,14 @@ class _Capture:
         self.graph = graph
         self.in_segment = False
         self._closed = False
+        self.watch = _debug.InputWatch() if debug else None
         self._gc_was_enabled = gc.isenabled()
         self._previous_context = _state.context
         gc.collect()  # once, not once per segment: it dominated capture time in peers
         gc.disable()
         try:
-            self.session = backend.open(pool, stream, capture_error_mode, detect_syncs)
+            self.session = backend.open(pool, stream, capture_error_mode, detect_syncs,
+                                        self.watch.observe if debug else None)
         except BaseException:
             self._restore()
             raise
@@ -329,7 +369,14 @@ class _Capture:
 
     def _end_segment(self) -> None:
         self.in_segment = False
-        self.graph._segments.append(self.session.end_segment())
+        segment = self.session.end_segment()
+        self.graph._segments.append(segment)
+        if self.watch is not None:
+            index = self.watch.segment
+            if segment.unjoined:
+                self.graph._unjoined[index] = [repr(s) for s in segment.unjoined]
+                _debug.warn_unjoined(index, segment.unjoined)
+            self.watch.segment += 1
 
     def run_break(self, function: Callable, name: str, args: tuple, kwargs: dict,
                   capture_stub: Optional[Callable], check_values: bool) -> Any:
@@ -347,20 +394,41 @@ class _Capture:
                 copy_back(function(*args, **kwargs))
 
         self.graph._breaks.append(_Break(name, function, args, kwargs, output, replay))
+        if self.watch is not None:
+            self.watch.observe_break(name, args, kwargs, output)
         self._begin_segment()
         return output
 
     def finish(self) -> None:
         self._end_segment()
         graph = self.graph
-        steps = [graph._segments[0].replay]
-        for brk, segment in zip(graph._breaks, graph._segments[1:]):
-            if brk.replay is not None:
-                steps.append(brk.replay)
-            steps.append(segment.replay)
+        if self.watch is None:
+            steps = [graph._segments[0].replay]
+            for brk, segment in zip(graph._breaks, graph._segments[1:]):
+                if brk.replay is not None:
+                    steps.append(brk.replay)
+                steps.append(segment.replay)
+        else:
+            steps = self._debug_steps()
         graph._steps = tuple(steps)
         graph._capturing = False
         self._close()
+
+    def _debug_steps(self) -> list:
+        """Replay steps with input checks, break timers and NVTX ranges (debug mode only)."""
+        graph, cuda = self.graph, graph_is_cuda(self.graph)
+        graph._timers = [_debug.BreakTimer() for _ in graph._breaks]
+        steps = []
+        for i, segment in enumerate(graph._segments):
+            check = self.watch.checker(i)
+            if check is not None:
+                steps.append(check)
+            steps.append(_debug.nvtx(segment.replay, f"segment {i}") if cuda else segment.replay)
+            if i < len(graph._breaks) and graph._breaks[i].replay is not None:
+                brk = graph._breaks[i]
+                step = graph._timers[i].wrap(brk.replay)
+                steps.append(_debug.nvtx(step, f"break {i}: {brk.name}") if cuda else step)
+        return steps
 
     def abort(self) -> None:
         """Leave nothing behind: no half-built graph, no hook, the previous stream current."""

@@ -47,6 +47,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Uni
 import torch
 from torch.utils._pytree import tree_map
 
+from .debug import pool_bytes
+from .eager import eager_on_graph
 from .errors import CaptureError, InputError, ReplayError
 from .graph import BreakableCUDAGraph, capture, context_scope
 
@@ -111,6 +113,10 @@ class BucketedRunner:
         capture_context: ``size -> context`` for the warm-up and capture of bucket
             ``size`` (default: ``context``), when eager functions need a batch
             description that matches the bucket.
+        debug: capture every bucket in debug mode (see :mod:`breakgraph.debug`).
+        eager_region: run all of ``fn`` as ONE eager break through the same buffers,
+            padding and replay path: if results are right then and wrong without it,
+            the bug is in what was captured, not in the runner.
     """
 
     def __init__(
@@ -130,6 +136,8 @@ class BucketedRunner:
         pool: Any = None,
         context: Any = None,
         capture_context: Optional[Callable[[int], Any]] = None,
+        debug: Optional[bool] = None,
+        eager_region: bool = False,
     ):
         sizes = sorted({int(b) for b in buckets})
         if not sizes or sizes[0] <= 0:
@@ -150,6 +158,8 @@ class BucketedRunner:
         self._dims = tuple(d % t.dim() for t, d in zip(examples, self._dims))
         self._examples = tuple((t.dtype, t.device, tuple(t.shape)) for t in examples)
         self.fn = fn
+        self._captured_fn = eager_on_graph(fn) if eager_region else fn
+        self.debug = debug
         self.on_miss = on_miss
         self.max_padding_fraction = max_padding_fraction
         self.slice_outputs = slice_outputs
@@ -206,12 +216,13 @@ class BucketedRunner:
         with context_scope(context):
             self._warm_up(inputs)
         graph = BreakableCUDAGraph()
-        pool_before = _pool_bytes(self._pool, inputs[0].device)
-        with capture(graph, pool=self._pool, backend=self.backend, context=context):
-            output = self.fn(*inputs)
+        pool_before = (pool_bytes(self._pool, inputs[0].device) or 0)
+        with capture(graph, pool=self._pool, backend=self.backend, context=context,
+                     debug=self.debug):
+            output = self._captured_fn(*inputs)
         if self._pool is None:
             self._pool = graph.pool()
-        self.stats.graph_memory_bytes[size] = _pool_bytes(self._pool, inputs[0].device) - pool_before
+        self.stats.graph_memory_bytes[size] = (pool_bytes(self._pool, inputs[0].device) or 0) - pool_before
         self.stats.capture_seconds[size] = time.perf_counter() - start
         self.stats.calls.setdefault(size, 0)
         self.stats.padded_elements.setdefault(size, 0)
@@ -383,11 +394,3 @@ def _with_dim(shape: tuple, dim: int, size: Any) -> tuple:
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def _pool_bytes(pool: Any, device: torch.device) -> int:
-    """Bytes the caching allocator holds in the graphs' private pool (0 off CUDA)."""
-    if pool is None or device.type != "cuda" or not isinstance(pool, tuple):
-        return 0
-    segments = torch.cuda.memory._snapshot(device)["segments"]
-    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))

@@ -110,8 +110,11 @@ class StreamTracker:
                 self._members[stream] = True  # forked from the capture
 
     # -- segment boundaries -------------------------------------------------------------
-    def join_all(self) -> None:
-        """Join every stream that took part in this segment into the capture stream."""
+    def join_all(self) -> list:
+        """Join every stream that took part in this segment into the capture stream.
+
+        Returns the streams the user had left unjoined (debug mode names them).
+        """
         with self._lock:
             members = list(self._members.items())
             self._refork = [s for s, still_forked in members if still_forked]
@@ -122,6 +125,7 @@ class StreamTracker:
             self._original_wait(event, self.capture_stream)
         self._members.clear()
         self._recorded_on.clear()
+        return list(self._refork)
 
     def begin_segment(self) -> None:
         """Start tracking a new segment, forking again the streams the user had left open."""

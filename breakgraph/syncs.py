@@ -64,14 +64,21 @@ _PACKAGE_DIRS = (
 )
 
 
-def _user_frame() -> str:
+def _user_stack_frame():
     """The innermost stack frame outside torch and breakgraph: the line that caused it."""
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
         if not path.startswith(_PACKAGE_DIRS) and "contextlib" not in path:
-            code = f": `{frame.line.strip()}`" if frame.line else ""
-            return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
-    return "<unknown location>"
+            return frame
+    return None
+
+
+def _user_frame() -> str:
+    frame = _user_stack_frame()
+    if frame is None:
+        return "<unknown location>"
+    code = f": `{frame.line.strip()}`" if frame.line else ""
+    return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
 
 
 def _sync_reason(func, args, kwargs, all_devices: bool) -> Optional[str]:
@@ -132,13 +139,15 @@ class SegmentMode(TorchDispatchMode):
         if self.check_syncs:
             reason = _sync_reason(func, args, kwargs, self.all_devices)
             if reason is not None:
+                frame = _user_stack_frame()
+                target = f"`{frame.name}`" if frame is not None else "the function that contains it"
                 raise HostSyncError(
                     f"host synchronisation inside a captured segment: {func} ({reason}) at "
                     f"{_user_frame()}. A CUDA graph runs no Python on replay, so this value would "
-                    f"be frozen at capture time (and CUDA invalidates the capture). Move the code "
-                    f"that needs it into a function decorated with @breakgraph.eager_on_graph (it "
-                    f"then runs eagerly on every replay), or keep it on the device (for example "
-                    f"torch.where(mask, a, b) instead of indexing with nonzero())."
+                    f"be frozen at capture time (and CUDA invalidates the capture). Decorate "
+                    f"{target} (or a smaller function holding this code) with "
+                    f"@breakgraph.eager_on_graph so it runs eagerly on every replay, or keep it on "
+                    f"the device (for example torch.where(mask, a, b) instead of nonzero())."
                 )
         out = func(*args, **kwargs)
         self.operations += 1

@@ -450,7 +450,7 @@ def test_failure_beginning_a_segment_leaves_nothing_behind(capture, backend, dev
     torch.testing.assert_close(y, new * 4 + 1)
 
 
-@pytest.mark.cuda
+@pytest.mark.requires_cuda
 def test_invalid_pool_leaves_nothing_behind():
     x = torch.randn(6, device="cuda")
     g = BreakableCUDAGraph()

@@ -12,7 +12,7 @@ import breakgraph
 from breakgraph import BreakableCUDAGraph, StreamError, eager_on_graph
 from helpers import assert_clean, fresh_into
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.requires_cuda
 
 
 capture = functools.partial(breakgraph.capture, backend="cuda")

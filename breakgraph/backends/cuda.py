@@ -24,12 +24,13 @@ _default_capture_streams: dict = {}
 class CudaSegment:
     """One captured CUDA graph; ``replay`` is the bound ``CUDAGraph.replay`` (hot path)."""
 
-    __slots__ = ("graph", "replay", "operations")
+    __slots__ = ("graph", "replay", "operations", "unjoined")
 
-    def __init__(self, graph: "torch.cuda.CUDAGraph", operations: int):
+    def __init__(self, graph: "torch.cuda.CUDAGraph", operations: int, unjoined: list):
         self.graph = graph
         self.replay = graph.replay
         self.operations = operations
+        self.unjoined = unjoined  # side streams breakgraph had to join at this segment's end
 
     def reset(self) -> None:
         self.graph.reset()
@@ -39,7 +40,7 @@ class CudaSession:
     """The state of one capture: stream, pool, stream tracker, the segment being captured."""
 
     def __init__(self, pool, stream: Optional["torch.cuda.Stream"], capture_error_mode: str,
-                 detect_syncs: bool):
+                 detect_syncs: bool, observer=None):
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise CaptureError(f"breakgraph.capture: stream must be a torch.cuda.Stream, got {stream!r}")
         torch.cuda.synchronize()
@@ -54,6 +55,7 @@ class CudaSession:
         self.stream = stream
         self.capture_error_mode = capture_error_mode
         self.detect_syncs = detect_syncs
+        self.observer = observer
         self.tracker = StreamTracker(stream)
         self._stream_context = torch.cuda.stream(stream)
         self._stream_context.__enter__()
@@ -67,20 +69,21 @@ class CudaSession:
         graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
         self._graph = graph
         self.tracker.begin_segment()
-        self._mode = CompileTransparentSegmentMode(check_syncs=self.detect_syncs)
+        self._mode = CompileTransparentSegmentMode(check_syncs=self.detect_syncs,
+                                                   on_operation=self.observer)
         self._mode.__enter__()
 
     def end_segment(self) -> CudaSegment:
         graph, mode = self._graph, self._mode
         self._graph = self._mode = None
         mode.__exit__(None, None, None)
-        self.tracker.join_all()
+        unjoined = self.tracker.join_all()
         with warnings.catch_warnings():
             if mode.operations == 0:  # a break right after another: an empty segment is expected
                 warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             graph.capture_end()
         graph.replay()  # real values for the eager code that follows
-        return CudaSegment(graph, mode.operations)
+        return CudaSegment(graph, mode.operations, unjoined)
 
     def abort(self) -> None:
         """Abandon the segment being captured (if any), leaving the allocator and stream clean."""
@@ -145,8 +148,9 @@ class CudaBackend:
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
 
-    def open(self, pool, stream, capture_error_mode: str, detect_syncs: bool) -> CudaSession:
-        return CudaSession(pool, stream, capture_error_mode, detect_syncs)
+    def open(self, pool, stream, capture_error_mode: str, detect_syncs: bool,
+             observer=None) -> CudaSession:
+        return CudaSession(pool, stream, capture_error_mode, detect_syncs, observer)
 
 
 CUDA_BACKEND = CudaBackend()

@@ -81,12 +81,13 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Optional[Callable
 class EmulatedSegment:
     """A recorded segment; ``replay`` re-executes its operations in order."""
 
-    __slots__ = ("steps", "operations", "inference")
+    __slots__ = ("steps", "operations", "inference", "unjoined")
 
     def __init__(self, steps: tuple, operations: int, inference: bool):
         self.steps = steps
         self.operations = operations
         self.inference = inference  # captured under inference_mode: its tensors need it
+        self.unjoined: list = []  # no streams here
 
     def replay(self) -> None:
         with torch.inference_mode() if self.inference else torch.no_grad():
@@ -127,7 +128,8 @@ def _patch_is_capturing(install: bool) -> None:
 
 
 class EmulatedSession:
-    def __init__(self, pool, stream, capture_error_mode: str, detect_syncs: bool):
+    def __init__(self, pool, stream, capture_error_mode: str, detect_syncs: bool, observer=None):
+        self.observer = observer
         self.pool = pool if pool is not None else EmulatedPool()
         self.detect_syncs = detect_syncs
         self._mode: Optional[SegmentMode] = None
@@ -138,6 +140,8 @@ class EmulatedSession:
         step = _replay_step(func, args, kwargs, out)
         if step is not None:
             self._steps.append(step)
+        if self.observer is not None:
+            self.observer(func, args, kwargs, out)
 
     def begin_segment(self) -> None:
         self._steps = []
@@ -170,8 +174,9 @@ class EmulatedBackend:
     def new_pool(self) -> EmulatedPool:
         return EmulatedPool()
 
-    def open(self, pool, stream, capture_error_mode: str, detect_syncs: bool) -> EmulatedSession:
-        return EmulatedSession(pool, stream, capture_error_mode, detect_syncs)
+    def open(self, pool, stream, capture_error_mode: str, detect_syncs: bool,
+             observer=None) -> EmulatedSession:
+        return EmulatedSession(pool, stream, capture_error_mode, detect_syncs, observer)
 
 
 EMULATED_BACKEND = EmulatedBackend()

@@ -1,0 +1,231 @@
+"""Debug mode and the coverage report: make graph bugs loud, show what was captured.
+
+Turn it on per capture with ``capture(g, debug=True)`` or for the process with
+``BREAKGRAPH_DEBUG=1``. Debug mode:
+
+1. stops at the Python line of a host synchronisation inside a segment (always on;
+   see :mod:`breakgraph.syncs`), naming the function to mark ``@eager_on_graph``;
+2. records every tensor the graph reads but did not produce (static inputs,
+   parameters, break arguments) and, before each segment of every replay, checks it
+   is still alive at its captured address: a freed tensor or one whose storage was
+   replaced (``.set_()``, ``resize_``, ``model.half()`` after capture) raises
+   :class:`~breakgraph.StaleTensorError` naming its shape, dtype and the line that
+   first read it;
+3. names side streams your code left unjoined at a segment end (a
+   :class:`~breakgraph.BreakgraphWarning`; breakgraph joins them either way);
+4. times every break on the host and marks segments and breaks with NVTX ranges
+   (CUDA), so :meth:`BreakableCUDAGraph.report` and a profiler timeline show the
+   structure.
+
+To tell capture bugs from runner bugs, run the whole region as one eager break:
+``BucketedRunner(..., eager_region=True)`` (or capture ``eager_on_graph(fn)``).
+
+With debug mode off none of this exists: ``replay()`` runs the same prebuilt steps.
+
+Example::
+
+    >>> import torch, breakgraph
+    >>> x = torch.randn(3)
+    >>> g = breakgraph.BreakableCUDAGraph()
+    >>> with breakgraph.capture(g, backend="emulated", debug=True):
+    ...     y = x * 2
+    >>> x.set_(torch.randn(3))   # the bug: the static input's storage was replaced
+    tensor(...)
+    >>> g.replay()
+    Traceback (most recent call last):
+    breakgraph.errors.StaleTensorError: ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .errors import BreakgraphWarning, StaleTensorError
+from .syncs import _user_frame
+
+__all__ = ["debug_enabled", "InputWatch", "GraphReport", "pool_bytes"]
+
+logger = logging.getLogger("breakgraph")
+
+
+def debug_enabled(flag: Optional[bool]) -> bool:
+    """``flag`` if given, else the environment variable ``BREAKGRAPH_DEBUG``."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get("BREAKGRAPH_DEBUG", "").lower() not in ("", "0", "false", "no")
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@dataclass
+class _Watched:
+    ref: Any  # weakref to the tensor
+    ptr: int
+    storage_ptr: int
+    nbytes: int
+    shape: tuple
+    stride: tuple
+    description: str
+
+    def problem(self) -> Optional[str]:
+        t = self.ref()
+        if t is None:
+            return "was freed"
+        if t.data_ptr() != self.ptr or _storage_ptr(t) != self.storage_ptr:
+            return "was moved to new memory (its storage was replaced)"
+        if t.untyped_storage().nbytes() < self.nbytes:
+            return "was resized smaller"
+        if tuple(t.shape) != self.shape or t.stride() != self.stride:
+            return f"changed its shape to {tuple(t.shape)} (or its strides)"
+        return None
+
+
+class InputWatch:
+    """Records the tensors each segment reads without producing them, and checks them on replay."""
+
+    def __init__(self) -> None:
+        self.segment = 0
+        self._produced: set = set()
+        self._seen: set = set()
+        self.by_segment: Dict[int, List[_Watched]] = {}
+
+    def observe(self, func, args, kwargs, out) -> None:
+        """The per-operation observer handed to the backend while a segment is captured."""
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._watch(t, f"{func} at {_user_frame()}")
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._produced.add(_storage_ptr(t))
+
+    def observe_break(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
+        """Watch what crosses a break; checked before the segment that precedes the break."""
+        segment = self.segment - 1
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self._watch(t, f"the arguments of eager function {name!r}", True, segment)
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor):
+                self._produced.add(_storage_ptr(t))
+                self._watch(t, f"the output of eager function {name!r}", True, segment)
+
+    def _watch(self, t: torch.Tensor, where: str, force: bool = False,
+               segment: Optional[int] = None) -> None:
+        storage = _storage_ptr(t)
+        key = (id(t), t.data_ptr())
+        if key in self._seen or (storage in self._produced and not force) or storage == 0:
+            return
+        self._seen.add(key)
+        description = (f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}) "
+                       f"first read by {where}")
+        self.by_segment.setdefault(self.segment if segment is None else segment, []).append(
+            _Watched(weakref.ref(t), t.data_ptr(), storage, t.untyped_storage().nbytes(),
+                     tuple(t.shape), t.stride(), description)
+        )
+
+    def checker(self, segment: int) -> Optional[Callable[[], None]]:
+        watched = tuple(self.by_segment.get(segment, ()))
+        if not watched:
+            return None
+
+        def check_inputs() -> None:
+            for w in watched:
+                problem = w.problem()
+                if problem is not None:
+                    raise StaleTensorError(
+                        f"segment {segment} reads a tensor that {problem} since capture: "
+                        f"{w.description}. The graph reads it at its captured address; keep it "
+                        f"alive and refill it in place (static.copy_(new)) instead of replacing it."
+                    )
+
+        return check_inputs
+
+
+@dataclass
+class GraphReport:
+    """What a captured graph holds: see :meth:`BreakableCUDAGraph.report`."""
+
+    backend: str
+    segment_ops: List[int]
+    break_names: List[str]
+    break_host_us: List[Optional[float]]  # mean host time per replay (debug mode only)
+    graph_memory_bytes: Optional[int]
+    unjoined_streams: Dict[int, List[str]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        rows = [f"breakgraph report ({self.backend}): {len(self.segment_ops)} segments, "
+                f"{len(self.break_names)} breaks"]
+        for i, ops in enumerate(self.segment_ops):
+            note = f"  (unjoined side streams: {', '.join(self.unjoined_streams[i])})" \
+                if i in self.unjoined_streams else ""
+            rows.append(f"  segment {i:<3} {ops:>6} aten ops{note}")
+            if i < len(self.break_names):
+                t = self.break_host_us[i]
+                timing = f"{t:8.1f} us/replay" if t is not None else "       - (timed in debug mode)"
+                rows.append(f"    break {i:<3} {self.break_names[i]:<40}{timing}")
+        memory = "n/a" if self.graph_memory_bytes is None else f"{self.graph_memory_bytes / 2**20:.1f} MiB"
+        rows.append(f"  graph memory (pool): {memory}")
+        return "\n".join(rows)
+
+
+class BreakTimer:
+    """Accumulates host time of one break across replays (debug mode)."""
+
+    __slots__ = ("seconds", "calls")
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def wrap(self, step: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:
+            start = time.perf_counter()
+            step()
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+        return timed
+
+    def mean_us(self) -> Optional[float]:
+        return self.seconds / self.calls * 1e6 if self.calls else None
+
+
+def nvtx(step: Callable[[], None], label: str) -> Callable[[], None]:
+    """Wrap a replay step in an NVTX range (CUDA profilers show segments and breaks)."""
+    push, pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+
+    def ranged() -> None:
+        push(label)
+        try:
+            step()
+        finally:
+            pop()
+
+    return ranged
+
+
+def warn_unjoined(segment: int, streams: list) -> None:
+    message = (f"breakgraph: segment {segment} ended with side streams your code had not joined "
+               f"({', '.join(map(repr, streams))}); breakgraph joined them and forks them again "
+               f"in the next segment. Join them yourself (current.wait_stream(side)) to make the "
+               f"dependency explicit.")
+    logger.warning(message)
+    warnings.warn(message, BreakgraphWarning, stacklevel=4)
+
+
+def pool_bytes(pool: Any, device: Any = None) -> Optional[int]:
+    """Bytes the caching allocator holds in a CUDA graph pool (None off CUDA)."""
+    if not isinstance(pool, tuple) or not torch.cuda.is_available():
+        return None
+    segments = torch.cuda.memory._snapshot(device)["segments"]
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))

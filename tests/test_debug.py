@@ -1,0 +1,239 @@
+"""Debug mode, the coverage report, testing helpers, the pytest plugin and logging."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+import breakgraph
+from breakgraph import BreakableCUDAGraph, BreakgraphWarning, HostSyncError, StaleTensorError, eager_on_graph
+from breakgraph.runner import BucketedRunner
+from breakgraph.testing import assert_replay_matches_eager
+from helpers import fresh_into
+
+
+@eager_on_graph
+def host_scale(x):
+    return x * float((x > 0).float().mean().item() + 1)
+
+
+def model(x, w):
+    return host_scale(torch.relu(x @ w)) @ w
+
+
+# -- 1. host syncs: stop at the line, name the function to mark ------------------------------------
+def planted_sync(x):
+    y = x * 2
+    return y * y.sum().item()  # the planted host sync
+
+
+def test_host_sync_names_line_and_function(capture, device):
+    x = torch.randn(8, device=device)
+    with pytest.raises(HostSyncError) as info:
+        with capture(BreakableCUDAGraph(), debug=True):
+            planted_sync(x)
+    message = str(info.value)
+    assert "test_debug.py" in message and "planted host sync" in message
+    assert "Decorate `planted_sync`" in message
+
+
+# -- 2. tensors the graph reads must stay alive at their captured address ---------------------------
+def test_replaced_static_input_is_named(capture, device):
+    x, w = torch.randn(4, 8, device=device), torch.randn(8, 8, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, debug=True):
+        y = model(x, w)
+    for _ in range(2):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, model(new, w), atol=1e-4, rtol=1e-4)
+    x.set_(torch.randn(4, 8, device=device))  # the planted bug: new storage, graph keeps the old
+    with pytest.raises(StaleTensorError) as info:
+        g.replay()
+    message = str(info.value)
+    assert "segment 0" in message and "moved to new memory" in message
+    assert "shape=(4, 8)" in message and "aten.mm" in message and "test_debug.py" in message
+
+
+def test_replaced_parameter_after_capture_is_named(capture, device):
+    lin = torch.nn.Linear(8, 8).to(device)
+    x = torch.randn(2, 8, device=device)
+    g = BreakableCUDAGraph()
+    with torch.no_grad(), capture(g, debug=True):
+        y = host_scale(lin(x)) + 1
+    g.replay()
+    lin.weight.data = torch.randn(8, 8, device=device)  # e.g. reloading weights by rebinding
+    with pytest.raises(StaleTensorError, match="shape=\\(8, 8\\)"):
+        g.replay()
+
+
+def test_resized_break_argument_is_named(capture, device):
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, debug=True):
+        y = host_scale(x) * 3  # x crosses the break as an argument
+    g.replay()
+    x.resize_(2)
+    with pytest.raises(StaleTensorError, match="host_scale"):
+        g.replay()
+
+
+@pytest.mark.requires_cuda
+def test_freed_input_is_named_on_cuda():
+    w = torch.randn(8, 8, device="cuda")
+    x = torch.randn(4, 8, device="cuda")
+    g = BreakableCUDAGraph()
+    with breakgraph.capture(g, backend="cuda", debug=True):
+        y = torch.relu(x @ w)
+    del x  # the graph does not own its inputs: the memory is free for anyone now
+    torch.cuda.synchronize()
+    with pytest.raises(StaleTensorError, match="was freed"):
+        g.replay()
+
+
+def test_debug_off_pays_nothing(capture, device):
+    x = torch.randn(4, 8, device=device)
+    w = torch.randn(8, 8, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        model(x, w)
+    # the replay steps are exactly the segments' replays and the breaks' replays
+    expected = (g._segments[0].replay, g._breaks[0].replay, g._segments[1].replay)
+    assert g._steps == expected
+    x.set_(torch.randn(4, 8, device=device))
+    g.replay()  # no check: the documented cost of turning debug mode off
+
+
+def test_environment_variable_turns_debug_on(capture, device, monkeypatch):
+    monkeypatch.setenv("BREAKGRAPH_DEBUG", "1")
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = x.exp()
+    x.set_(torch.randn(3, device=device))
+    with pytest.raises(StaleTensorError):
+        g.replay()
+
+
+# -- 3. unjoined side streams are named (CUDA) --------------------------------------------------------
+@pytest.mark.requires_cuda
+def test_unjoined_side_stream_is_named():
+    x = torch.randn(1 << 16, device="cuda")
+    side = torch.cuda.Stream()
+    g = BreakableCUDAGraph()
+    with pytest.warns(BreakgraphWarning, match="not joined"):
+        with breakgraph.capture(g, backend="cuda", debug=True):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                y = x * 2
+            z = host_scale(x)  # the segment ends here with `side` unjoined
+            torch.cuda.current_stream().wait_stream(side)
+            out = y + z
+    assert 0 in g.report().unjoined_streams
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(out, new * 2 + host_scale(new))
+
+
+# -- 4. the whole region as one eager break, through the same runner ---------------------------------
+def test_eager_region_runs_everything_in_one_break(backend, device):
+    w = torch.randn(8, 8, device=device)
+    runner = BucketedRunner(lambda x: torch.relu(x @ w) * 2, (4, 16), (torch.randn(1, 8, device=device),),
+                            backend=backend, eager_region=True, warmup=1)
+    assert runner.graph(16).num_breaks == 1 and runner.graph(16).report().segment_ops == [0, 0]
+    x = torch.randn(11, 8, device=device)
+    torch.testing.assert_close(runner(x), torch.relu(x @ w) * 2)
+
+
+# -- coverage report -----------------------------------------------------------------------------------
+def test_report_lists_segments_breaks_and_host_time(capture, device):
+    x, w = torch.randn(4, 8, device=device), torch.randn(8, 8, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, debug=True):
+        y = model(x, w)
+        breakgraph.break_graph()
+        y = y + 1
+    for _ in range(3):
+        fresh_into(x)
+        g.replay()
+    report = g.report()
+    assert report.break_names == ["host_scale", "break_graph"]
+    assert len(report.segment_ops) == 3 and report.segment_ops[0] >= 2 and report.segment_ops[2] == 1
+    assert report.break_host_us[0] is not None and report.break_host_us[0] > 0
+    assert report.break_host_us[1] is None  # break_graph runs nothing
+    text = str(report)
+    assert "host_scale" in text and "us/replay" in text and "aten ops" in text
+    if device == "cuda":
+        assert report.graph_memory_bytes > 0
+    else:
+        assert report.graph_memory_bytes is None
+
+
+def test_report_without_debug_has_no_timings(capture, device):
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        host_scale(x)
+    assert g.report().break_host_us == [None]
+    with pytest.raises(breakgraph.ReplayError):
+        BreakableCUDAGraph().report()
+
+
+# -- testing helpers --------------------------------------------------------------------------------
+def test_assert_replay_matches_eager_passes_on_good_code(backend, device):
+    w = torch.randn(8, 8, device=device)
+    graph = assert_replay_matches_eager(
+        lambda x: {"out": model(x, w), "aux": (x.sum(0),)},
+        lambda: (torch.randn(4, 8, device=device),), backend=backend, replays=4, atol=1e-4, rtol=1e-4)
+    assert graph.num_breaks == 1
+
+
+def test_assert_replay_matches_eager_catches_a_stale_buffer(backend, device):
+    state = {"bias": torch.randn(8, device=device)}
+
+    def fn(x):
+        return {"out": x + 1, "biased": (x * 2, x + state["bias"])}
+
+    def make_inputs():
+        state["bias"] = torch.randn(8, device=device)  # the bug: rebinding, not copy_
+        return (torch.randn(8, device=device),)
+
+    with pytest.raises(AssertionError, match=r"replay 0: output\['biased'\]\[1\] differs from eager"):
+        assert_replay_matches_eager(fn, make_inputs, backend=backend)
+
+
+def test_assert_replay_matches_eager_catches_a_frozen_branch(backend, device):
+    calls = {"n": 0}
+
+    def fn(x):
+        calls["n"] += 1
+        return x * 2 if calls["n"] % 2 else x * 3  # a host decision that eager code re-takes
+
+    with pytest.raises(AssertionError, match="replay"):
+        assert_replay_matches_eager(fn, lambda: torch.randn(4, device=device), backend=backend)
+
+
+# -- plugin and logging ---------------------------------------------------------------------------
+@pytest.mark.requires_cuda
+def test_requires_cuda_marker_skips_without_a_gpu():
+    assert torch.cuda.is_available()  # only ever runs with a GPU
+
+
+def test_backend_fixture(breakgraph_backend):
+    assert breakgraph_backend == ("cuda" if torch.cuda.is_available() else "emulated")
+
+
+def test_nothing_is_printed_by_default(capsys, backend, device):
+    assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("breakgraph").handlers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        BucketedRunner(lambda x: x * 2, (4,), (torch.randn(1, device=device),), backend=backend)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_runner_logs_captures_on_the_breakgraph_logger(caplog, backend, device):
+    with caplog.at_level(logging.INFO, logger="breakgraph"):
+        BucketedRunner(lambda x: x * 2, (4,), (torch.randn(1, device=device),), backend=backend)
+    assert any("bucket 4 captured" in r.getMessage() for r in caplog.records)
