@@ -60,7 +60,7 @@ def eager_on_graph(
         >>> g = breakgraph.BreakableCUDAGraph()
         >>> with breakgraph.capture(g, backend="emulated"):
         ...     total = keep_positive(x * 1) + 1
-        >>> x.copy_(torch.tensor([5.0, 5.0, -1.0])); g.replay(); total.tolist()
+        >>> _ = x.copy_(torch.tensor([5.0, 5.0, -1.0])); g.replay(); total.tolist()
         [11.0]
     """
 

@@ -76,7 +76,7 @@ class BreakableCUDAGraph:
         ...     out = host_scale(static_x + 1) - 1
         >>> g
         BreakableCUDAGraph(backend='emulated', segments=2, breaks=1: [segment 0] -> host_scale -> [segment 1])
-        >>> static_x.copy_(torch.arange(4.0)); g.replay()
+        >>> _ = static_x.copy_(torch.arange(4.0)); g.replay()
         >>> out.tolist()
         [1.0, 3.0, 5.0, 7.0]
     """
@@ -162,12 +162,13 @@ class BreakableCUDAGraph:
         Example::
 
             >>> import torch, breakgraph
+            >>> x = torch.randn(2)
             >>> g = breakgraph.BreakableCUDAGraph()
             >>> with breakgraph.capture(g, backend="emulated"):
-            ...     y = torch.randn(2).exp()
+            ...     y = x.exp()
             ...     breakgraph.break_graph()
             >>> g.report().segment_ops
-            [2, 0]
+            [1, 0]
         """
         if not self._segments:
             raise ReplayError("BreakableCUDAGraph.report(): nothing was captured.")
@@ -319,10 +320,6 @@ def capture(
         _capture_lock.release()
 
 
-def graph_is_cuda(graph: BreakableCUDAGraph) -> bool:
-    return graph._backend == "cuda"
-
-
 def _is_cuda_capture_failure(exc: BaseException) -> bool:
     if isinstance(exc, HostSyncError) or not isinstance(exc, RuntimeError):
         return False
@@ -416,7 +413,8 @@ class _Capture:
 
     def _debug_steps(self) -> list:
         """Replay steps with input checks, break timers and NVTX ranges (debug mode only)."""
-        graph, cuda = self.graph, graph_is_cuda(self.graph)
+        graph = self.graph
+        cuda = graph._backend == "cuda"
         graph._timers = [_debug.BreakTimer() for _ in graph._breaks]
         steps = []
         for i, segment in enumerate(graph._segments):
