@@ -1,0 +1,72 @@
+"""Workloads 3 and 4: transformers prefill (eager, breakgraph, full graph, torch.compile) and
+capture time / graph memory against the number of buckets."""
+
+import time
+
+import pytest
+import torch
+
+from bench_prefill import BUCKETS, CONFIGS, make_model, mixed_batch
+from bench_utils import timed
+from breakgraph.integrations.transformers import PrefillRunner
+
+MODEL = "llama-1b"
+TOKENS = (32, 128, 512, 2048)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = make_model(CONFIGS[MODEL]())
+    runners = {
+        "breakgraph": PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16),
+        "full_graph": PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16, attention="captured"),
+    }
+    vocab = model.config.vocab_size
+    prompts = {n: [torch.randint(vocab, (n,), device="cuda")] for n in TOKENS}
+    prompts["mixed batch"] = mixed_batch(vocab)
+    yield model, runners, prompts
+    for runner in runners.values():
+        runner.close()
+
+
+@pytest.mark.parametrize("variant", ["hf_eager", "breakgraph", "full_graph", "compile_ro"])
+@pytest.mark.parametrize("workload", list(TOKENS) + ["mixed batch"])
+@torch.no_grad()
+def test_prefill(benchmark, setup, workload, variant):
+    model, runners, prompts = setup
+    batch = prompts[workload]
+    if variant == "hf_eager":
+        fn = lambda: [model(p[None], use_cache=False, logits_to_keep=1) for p in batch]  # noqa: E731
+    elif variant == "compile_ro":
+        if len(batch) > 1 or workload not in (32, 128):
+            pytest.skip("torch.compile reduce-overhead is timed on single short prompts only")
+        compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        fn = lambda: compiled(batch[0][None], use_cache=False, logits_to_keep=1)  # noqa: E731
+        for _ in range(3):
+            fn()
+    else:
+        fn = lambda: runners[variant].prefill(batch)  # noqa: E731
+    benchmark.group = f"prefill {MODEL}: {workload if isinstance(workload, str) else f'{workload} tokens'}"
+    benchmark.extra_info.update(workload="prefill", model=MODEL, case=str(workload), variant=variant,
+                                tokens=sum(len(p) for p in batch))
+    timed(benchmark, fn)
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 4, 8])
+@torch.no_grad()
+def test_capture_time_and_memory_vs_buckets(benchmark, setup, buckets):
+    model = setup[0]
+    sizes = (2048, 1024, 512, 256, 128, 64, 32, 16)[:buckets]
+    result = {}
+
+    def build():
+        start = time.perf_counter()
+        runner = PrefillRunner(model, token_buckets=sizes, max_prompts=16)
+        result["seconds"] = time.perf_counter() - start
+        result["graph_bytes"] = sum(runner.stats.graph_memory_bytes.values())
+        runner.close()
+
+    benchmark.group = "capture vs buckets"
+    benchmark.pedantic(build, rounds=1, iterations=1)
+    benchmark.extra_info.update(workload="buckets", buckets=buckets, **result)
