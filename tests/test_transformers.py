@@ -406,6 +406,10 @@ def test_input_errors(backend, closing):
     for what, p in bad.items():
         with pytest.raises(InputError, match="1-D LongTensor"):
             runner.prefill([prompt(3, device), p])
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        runner.prefill([torch.tensor([1, VOCAB, 2])])  # host prompts are checked for free
+    with pytest.raises(InputError, match="pad_token_id"):
+        make_runner(model, backend, pad_token_id=VOCAB)
     # a refused call leaves the runner working; prompts may live on the CPU
     p = prompt(7, device)
     assert_logits_close(runner.prefill([p]).logits[0], eager_last_logits(model, p), backend, "after errors")
@@ -563,3 +567,19 @@ def test_captured_attention_needs_cuda_flash(backend):
 def test_auto_attention_choice(backend, closing):
     runner = closing(make_runner(model_for("llama", backend), backend))
     assert runner.attention == ("flash" if backend == "cuda" else "reference")
+
+
+def test_user_instance_forward_on_experts_survives(backend, closing):
+    model = model_for("qwen3_moe", backend)
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    calls = []
+    original = experts.forward
+
+    def hooked(*args, **kwargs):  # e.g. an accelerate hook installed as an instance attribute
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    experts.forward = hooked
+    closing(make_runner(model, backend))
+    assert experts.__dict__["forward"] is hooked
+    assert calls  # the runner went through it while capturing

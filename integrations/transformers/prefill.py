@@ -40,6 +40,7 @@ __all__ = ["PrefillRunner", "PrefillOutput", "SUPPORTED_MODEL_TYPES", "Unsupport
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
 _STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
+_MISSING = object()
 
 
 class UnsupportedModelError(breakgraph.BreakgraphError, ValueError):
@@ -147,6 +148,12 @@ class PrefillRunner:
             )
         self.attention = ("flash" if can_flash else "reference") if attention == "auto" else attention
         self.max_prompts = max_prompts
+        self.vocab_size = model.config.get_text_config().vocab_size
+        if not 0 <= pad_token_id < self.vocab_size:
+            raise InputError(
+                f"PrefillRunner: pad_token_id={pad_token_id} is outside the vocabulary "
+                f"(0..{self.vocab_size - 1})."
+            )
         longest = max(token_buckets)
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and longest > limit:
@@ -201,12 +208,15 @@ class PrefillRunner:
             for module in self.model.modules() if experts in (None, "eager") else ():
                 if type(module).__name__.endswith("Experts"):
                     # data-dependent loop over active experts (nonzero): an eager break of its own
-                    patched.append(module)
+                    patched.append((module, module.__dict__.get("forward", _MISSING)))
                     module.forward = torch.compiler.disable(breakgraph.eager_on_graph(module.forward))
             yield
         finally:
-            for module in patched:
-                del module.forward
+            for module, previous in patched:  # an instance-level forward of the user's stays
+                if previous is _MISSING:
+                    del module.forward
+                else:
+                    module.forward = previous
             _attention.set_active(None)
             self.model.set_attn_implementation(original)
 
@@ -280,6 +290,13 @@ class PrefillRunner:
                     f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of token ids, "
                     f"got {type(p).__name__}"
                     + (f" of shape {tuple(p.shape)} and dtype {p.dtype}" if isinstance(p, torch.Tensor) else "")
+                )
+            if p.device.type == "cpu" and (int(p.min()) < 0 or int(p.max()) >= self.vocab_size):
+                # on the GPU an out-of-range id is a device-side assert that kills the process;
+                # host prompts are checked for free (device prompts would need a sync)
+                raise InputError(
+                    f"PrefillRunner.prefill: prompt {i} holds token ids outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})."
                 )
             lengths.append(p.numel())
         return lengths
