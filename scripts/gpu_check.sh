@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh            # results under $OUT (device tool) or ./gpu-results
 # Sections can be skipped: SKIP_TESTS=1, SKIP_OVERHEAD=1, SKIP_PREFILL=1; PREFILL_ARGS adds flags.
 # RUN_SUITE=1 also runs the pytest-benchmark suite (tests/benchmarks) into $OUT/pytest-benchmark.json;
-# carry .whl (breakable-cuda-graphs wheel, for the peer comparison) with the device call.
+# carry .whl (breakable-cuda-graphs wheel, for the peer comparison) with the device call; fetch it
+# first (git-ignored): python3 -m pip download --no-deps -d .whl breakable-cuda-graphs==0.1.0
 set -u -o pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
