@@ -136,7 +136,3 @@ class StreamTracker:
             self._original_wait(event, stream)
             self._members[stream] = True
         self._refork = []
-
-    def unjoined(self) -> list:
-        return [s for s, forked in self._members.items() if forked]
-
