@@ -84,12 +84,16 @@ def measure(name: str, elements: int, kernels: int, segments: int, trials: int) 
     with breakgraph.capture(broken, backend="cuda"):
         run_broken()
     assert broken.num_breaks == segments - 1, broken
+    debugged = breakgraph.BreakableCUDAGraph()  # debug mode: checks, timers, NVTX (for scale)
+    with breakgraph.capture(debugged, backend="cuda", debug=True):
+        run_broken()
     repeats = 200 if elements < 2**20 else 20
     t_eager = statistics.median(time_replays(run_full, repeats, trials))
     t_full = statistics.median(time_replays(full.replay, repeats, trials))
     t_broken = statistics.median(time_replays(broken.replay, repeats, trials))
     t_separate = statistics.median(time_replays(run_separate, repeats, trials))
     t_full2 = statistics.median(time_replays(full.replay, repeats, trials))  # noise estimate
+    t_debug = statistics.median(time_replays(debugged.replay, repeats, trials))
     breaks = segments - 1
     return {
         "regime": name, "elements": elements, "kernels_per_segment": kernels,
@@ -99,6 +103,7 @@ def measure(name: str, elements: int, kernels: int, segments: int, trials: int) 
         "floor_per_break_us": (t_separate - min(t_full, t_full2)) / breaks * 1e6,
         "added_per_break_us": (t_broken - min(t_full, t_full2)) / breaks * 1e6,
         "noise_per_break_us": abs(t_full - t_full2) / breaks * 1e6,
+        "debug_mode_per_break_us": (t_debug - min(t_full, t_full2)) / breaks * 1e6,
         "ratio_to_full_graph": t_broken / min(t_full, t_full2),
         "ratio_to_eager": t_broken / t_eager,
     }
@@ -111,11 +116,11 @@ def main() -> None:
     args = parser.parse_args()
     rows = [measure(name, *spec, trials=args.trials) for name, spec in REGIMES.items()]
     print(f"{'regime':<26}{'breaks':>7}{'eager us':>10}{'graph us':>10}{'bg us':>10}{'+us/break':>11}"
-          f"{'floor':>8}{'noise':>8}")
+          f"{'floor':>8}{'noise':>8}{'debug':>8}")
     for r in rows:
         print(f"{r['regime']:<26}{r['breaks']:>7}{r['eager_us']:>10.1f}{r['full_graph_us']:>10.1f}"
               f"{r['breakgraph_us']:>10.1f}{r['added_per_break_us']:>11.2f}{r['floor_per_break_us']:>8.2f}"
-              f"{r['noise_per_break_us']:>8.2f}")
+              f"{r['noise_per_break_us']:>8.2f}{r['debug_mode_per_break_us']:>8.2f}")
     if args.out:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%d")}

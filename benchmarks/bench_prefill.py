@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
+from typing import Optional
 
 import torch
 import transformers
@@ -47,16 +50,104 @@ BUCKETS = (32, 128, 512, 2048)
 
 def bench(fn, iters: int = 30, warmup: int = 5) -> float:
     """Median wall time of fn() in ms, synchronised around each call."""
-    for _ in range(warmup):
-        fn()
+    return bench_interleaved({"fn": fn}, rounds=1, iters=iters, warmup=warmup)["fn"]
+
+
+def bench_interleaved(fns: dict, rounds: int = 10, iters: int = 10, warmup: int = 5,
+                      spread: Optional[tuple] = None) -> dict:
+    """Median wall time (ms) of each function, measured in alternating blocks of ``iters``
+    calls so that drift (clocks, temperature, other tenants) hits every variant alike.
+
+    With ``spread=(a, b)`` the result also holds ``"spread"``: the lowest and highest
+    per-round ratio median(a)/median(b), the run-to-run noise of that ratio.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
+    samples = {name: [] for name in fns}
+    ratios = []
+    for _ in range(rounds):
+        block = {}
+        for name, fn in fns.items():
+            times = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+            samples[name] += times
+            block[name] = statistics.median(times)
+        if spread:
+            ratios.append(block[spread[0]] / block[spread[1]])
+    result = {name: statistics.median(v) for name, v in samples.items()}
+    if spread:
+        result["spread"] = (min(ratios), max(ratios))
+    return result
+
+
+def gpu_timeline(fn) -> dict:
+    """One call of ``fn`` seen from the GPU (torch.profiler/CUPTI): how long the device was
+    busy, how long it sat idle between kernels, and what the copies cost.
+
+    The difference between breakgraph and the full graph, divided by the number of
+    breaks, splits each break's cost into idle time (launch gaps at segment
+    boundaries) and extra device work (the copy-back of attention outputs).
+    """
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    events = sorted(
+        (e for e in trace["traceEvents"]
+         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    if not events:
+        return {"error": "no device events recorded"}
+    span = events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]
+    busy = sum(e["dur"] for e in events)
+    copies = [e for e in events if e["cat"] == "gpu_memcpy" or "copy" in e["name"].lower()]
+    return {"events": len(events), "span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "copy_events": len(copies), "copy_us": sum(e["dur"] for e in copies)}
+
+
+def break_costs(runner, full, prompt, layers: int) -> dict:
+    """Per-break cost of breakgraph at this prompt: device (idle, extra work) and host."""
+    bg, ref = gpu_timeline(lambda: runner.prefill([prompt])), gpu_timeline(lambda: full.prefill([prompt]))
+    result = {"breakgraph": bg, "full_graph": ref}
+    if "error" not in bg and "error" not in ref:
+        result["idle_us_per_break"] = (bg["idle_us"] - ref["idle_us"]) / layers
+        result["busy_us_per_break"] = (bg["busy_us"] - ref["busy_us"]) / layers
+        result["span_us_per_break"] = (bg["span_us"] - ref["span_us"]) / layers
+    # host: time to enqueue one prefill (no sync) against its device time
+    for name, r in (("breakgraph", runner), ("full_graph", full)):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        r.prefill([prompt])
+        enqueued = time.perf_counter() - start
+        torch.cuda.synchronize()
+        result[f"{name}_host_enqueue_ms"] = enqueued * 1e3
+    return result
+
+
+def attention_break_host_us(model, prompt) -> dict:
+    """Host time of each attention break per replay (debug-mode break timers)."""
+    runner = PrefillRunner(model, token_buckets=(len(prompt),), max_prompts=16, debug=True)
+    try:
+        for _ in range(30):
+            runner.prefill([prompt])
+        torch.cuda.synchronize()
+        times = runner.graph(len(prompt)).report().break_host_us
+    finally:
+        runner.close()
+    return {"mean": statistics.mean(times), "max": max(times), "breaks": len(times)}
 
 
 def make_model(config) -> torch.nn.Module:
@@ -109,10 +200,15 @@ def run_model(name: str, config, with_compile: bool) -> dict:
     rows = []
     for n, p in single.items():
         row = {"workload": f"single {n}", "tokens": n}
-        row["hf_eager"] = bench(lambda: model(p[None], use_cache=False, logits_to_keep=1))
-        row["breakgraph"] = bench(lambda: runner.prefill([p]))
-        row["full_graph"] = bench(lambda: full.prefill([p]))
+        row.update(bench_interleaved({
+            "hf_eager": lambda: model(p[None], use_cache=False, logits_to_keep=1),
+            "breakgraph": lambda: runner.prefill([p]),
+            "full_graph": lambda: full.prefill([p]),
+        }, spread=("breakgraph", "full_graph")))
         rows.append(row)
+    layers = config.num_hidden_layers
+    result["break_costs"] = {n: break_costs(runner, full, single[n], layers) for n in (32, 128, 2048)}
+    result["attention_break_host_us"] = attention_break_host_us(model, single[128])
     total = sum(len(p) for p in batch)
     row = {"workload": f"batch of 16 ({total} tokens)", "tokens": total}
     longest = max(len(p) for p in batch)
@@ -122,8 +218,9 @@ def run_model(name: str, config, with_compile: bool) -> dict:
         padded[i, longest - len(p):], mask[i, longest - len(p):] = p, 1
     row["hf_eager"] = bench(lambda: [model(p[None], use_cache=False, logits_to_keep=1) for p in batch], iters=10)
     row["hf_eager_padded"] = bench(lambda: model(padded, attention_mask=mask, use_cache=False, logits_to_keep=1))
-    row["breakgraph"] = bench(lambda: runner.prefill(batch))
-    row["full_graph"] = bench(lambda: full.prefill(batch))
+    row.update(bench_interleaved({"breakgraph": lambda: runner.prefill(batch),
+                                  "full_graph": lambda: full.prefill(batch)},
+                                 spread=("breakgraph", "full_graph")))
     rows.append(row)
     if with_compile:
         try:  # breakgraph with Inductor-fused segments, and its no-break twin, on the small buckets
@@ -135,8 +232,11 @@ def run_model(name: str, config, with_compile: bool) -> dict:
             result["correctness_bg_compiled"] = check(model, bg_c, [single[32]])
             for row in rows[:2]:
                 p = single[row["tokens"]]
-                row["bg_compiled"] = bench(lambda: bg_c.prefill([p]))
-                row["full_compiled"] = bench(lambda: full_c.prefill([p]))
+                timed = bench_interleaved({"bg_compiled": lambda: bg_c.prefill([p]),
+                                           "full_compiled": lambda: full_c.prefill([p])},
+                                          spread=("bg_compiled", "full_compiled"))
+                row["bgc_spread"] = timed.pop("spread")
+                row.update(timed)
                 row["bgc_over_fullc"] = row["bg_compiled"] / row["full_compiled"]
                 row["eager_over_bgc"] = row["hf_eager"] / row["bg_compiled"]
             bg_c.close()
@@ -158,7 +258,6 @@ def run_model(name: str, config, with_compile: bool) -> dict:
         row["bg_over_full"] = row["breakgraph"] / row["full_graph"]
         row["eager_over_bg"] = row["hf_eager"] / row["breakgraph"]
     result["rows"] = rows
-    # per-layer host cost of the eager attention break (one replay's breaks, timed on the host)
     result["graph_mib_largest_only"] = None
     runner.close()
     full.close()
@@ -233,11 +332,23 @@ def print_summary(results: dict) -> None:
               f"graph MiB per bucket {({k: round(v) for k, v in m['graph_mib_per_bucket'].items()})}, "
               f"largest alone {m['graph_mib_largest_only']:.0f}")
         print(f"  correctness batch: {m['correctness_batch']}")
-        print(f"  {'workload':<28}{'eager':>9}{'padded':>9}{'bg':>9}{'full':>9}{'compile':>9}{'bg/full':>9}{'eager/bg':>9}")
+        print(f"  {'workload':<28}{'eager':>9}{'padded':>9}{'bg':>9}{'full':>9}{'compile':>9}"
+              f"{'bg/full':>9}{'(rounds)':>14}{'eager/bg':>9}")
         for r in m["rows"]:
             fmt = lambda k: f"{r[k]:>9.3f}" if k in r else f"{'-':>9}"  # noqa: E731
+            rounds = "{:.3f}-{:.3f}".format(*r["spread"]) if "spread" in r else "-"
             print(f"  {r['workload']:<28}{fmt('hf_eager')}{fmt('hf_eager_padded')}{fmt('breakgraph')}"
-                  f"{fmt('full_graph')}{fmt('compile_ro')}{r['bg_over_full']:>9.3f}{r['eager_over_bg']:>9.2f}")
+                  f"{fmt('full_graph')}{fmt('compile_ro')}{r['bg_over_full']:>9.3f}{rounds:>14}"
+                  f"{r['eager_over_bg']:>9.2f}")
+        for n, c in m.get("break_costs", {}).items():
+            if "idle_us_per_break" in c:
+                print(f"  per break at {n} tokens: device idle +{c['idle_us_per_break']:.2f} us, device "
+                      f"work +{c['busy_us_per_break']:.2f} us (copy-back), span +"
+                      f"{c['span_us_per_break']:.2f} us; host enqueue bg "
+                      f"{c['breakgraph_host_enqueue_ms']:.3f} ms vs full {c['full_graph_host_enqueue_ms']:.3f} ms")
+        if "attention_break_host_us" in m:
+            h = m["attention_break_host_us"]
+            print(f"  attention break host time per layer: mean {h['mean']:.1f} us, max {h['max']:.1f} us")
         for r in m["rows"]:
             if "bg_compiled" in r:
                 print(f"  compiled segments, {r['workload']}: bg {r['bg_compiled']:.3f} ms, full "

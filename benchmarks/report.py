@@ -46,6 +46,22 @@ def overhead_section(data: dict) -> list:
             f"| {r['breaks']} | {r['eager_us']:.1f} | {r['full_graph_us']:.1f} | {r['breakgraph_us']:.1f} "
             f"| {r['added_per_break_us']:.2f} | {r['floor_per_break_us']:.2f} | {ok} |"
         )
+    before = _load("h200-overhead-before-debug.json")
+    if before and any("debug_mode_per_break_us" in r for r in data["overhead"]):
+        old = {r["regime"]: r for r in before["overhead"]}
+        lines += [
+            "",
+            "Debug mode costs nothing when off: the same benchmark before debug mode existed",
+            f"(`h200-overhead-before-debug.json`, {before['meta']['date']}) against this run, and the",
+            "cost per break with `capture(debug=True)` (input checks, break timers, NVTX ranges):",
+            "",
+            "| regime | before debug mode: added µs/break | now, debug off | now, debug on |",
+            "|---|---|---|---|",
+        ]
+        for r in data["overhead"]:
+            if r["regime"] in old:
+                lines.append(f"| {r['regime']} | {old[r['regime']]['added_per_break_us']:.2f} "
+                             f"| {r['added_per_break_us']:.2f} | {r['debug_mode_per_break_us']:.2f} |")
     lines += [
         "",
         "![per-break overhead](img/overhead.png)",
@@ -61,10 +77,15 @@ def overhead_section(data: dict) -> list:
 
 
 def prefill_section(data: dict) -> list:
+    interleaved = any("spread" in r for m in data["models"] for r in m["rows"])
+    method = ("medians of 100 synchronised runs, taken in 10 alternating rounds of 10 per variant so"
+              " that clock and temperature drift hit every variant alike; *per round* is the lowest"
+              " and highest breakgraph / full graph ratio of single rounds (the noise)."
+              if interleaved else "medians of 30 runs, each synchronised.")
     lines = [
         "## Prefill of transformers models (bf16, random weights)",
         "",
-        "`benchmarks/bench_prefill.py`, medians of 30 runs, each synchronised. Columns (ms):",
+        f"`benchmarks/bench_prefill.py`, {method} Columns (ms):",
         "HF eager one prompt at a time (`sdpa`, `use_cache=False`); HF eager on the left-padded",
         "batch; **breakgraph** (`PrefillRunner`: attention as an eager break per layer with exact",
         "lengths); **full graph**: the same packed forward in ONE CUDA graph with attention captured",
@@ -79,14 +100,18 @@ def prefill_section(data: dict) -> list:
             "",
             f"![prefill latency, {m['model']}](img/prefill-{m['model']}.png)",
             "",
-            "| workload | HF eager | HF eager, padded batch | breakgraph | full graph | compile reduce-overhead | breakgraph / full graph | eager / breakgraph |",
-            "|---|---|---|---|---|---|---|---|",
+            "| workload | HF eager | HF eager, padded batch | breakgraph | full graph | compile reduce-overhead "
+            "| breakgraph / full graph | per round | eager / breakgraph |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in m["rows"]:
+            rounds = "{:.3f}–{:.3f}".format(*r["spread"]) if "spread" in r else "-"
             lines.append(
                 f"| {r['workload']} | {_ms(r, 'hf_eager')} | {_ms(r, 'hf_eager_padded')} | {_ms(r, 'breakgraph')} "
-                f"| {_ms(r, 'full_graph')} | {_ms(r, 'compile_ro')} | {r['bg_over_full']:.3f} | {r['eager_over_bg']:.2f} |"
+                f"| {_ms(r, 'full_graph')} | {_ms(r, 'compile_ro')} | {r['bg_over_full']:.3f} | {rounds} "
+                f"| {r['eager_over_bg']:.2f} |"
             )
+        lines += break_cost_lines(m)
         compiled = [r for r in m["rows"] if "bg_compiled" in r]
         if compiled:
             lines += [
@@ -94,13 +119,14 @@ def prefill_section(data: dict) -> list:
                 "With `PrefillRunner(compile=True)` (Inductor-fused kernels inside the segments, attention",
                 "still an eager break) against the same compiled forward in one CUDA graph:",
                 "",
-                "| workload | breakgraph compiled | full graph compiled | ratio | eager / breakgraph compiled |",
-                "|---|---|---|---|---|",
+                "| workload | breakgraph compiled | full graph compiled | ratio | per round | eager / breakgraph compiled |",
+                "|---|---|---|---|---|---|",
             ]
             for r in compiled:
+                rounds = "{:.3f}–{:.3f}".format(*r["bgc_spread"]) if "bgc_spread" in r else "-"
                 lines.append(
                     f"| {r['workload']} | {r['bg_compiled']:.2f} | {r['full_compiled']:.2f} "
-                    f"| {r['bgc_over_fullc']:.3f} | {r['eager_over_bgc']:.2f} |"
+                    f"| {r['bgc_over_fullc']:.3f} | {rounds} | {r['eager_over_bgc']:.2f} |"
                 )
         per_bucket = ", ".join(
             f"{b}: {float(m['capture_s_per_bucket'][b]):.2f} s / {float(m['graph_mib_per_bucket'][b]):.0f} MiB"
@@ -117,6 +143,34 @@ def prefill_section(data: dict) -> list:
             f"{100 * m['correctness_batch']['argmax_agree']:.0f}%.",
             "",
         ]
+    return lines
+
+
+def break_cost_lines(m: dict) -> list:
+    """Where each attention break's cost goes (GPU timeline and host timers), when measured."""
+    costs = {n: c for n, c in m.get("break_costs", {}).items() if "idle_us_per_break" in c}
+    if not costs:
+        return []
+    lines = [
+        "",
+        "Where a break's cost goes (one prefill seen by the profiler, breakgraph minus full graph,",
+        "divided by the number of breaks): *idle* is device time between kernels (the launch gaps",
+        "at segment boundaries), *work* is extra device work (the copy-back of the attention output",
+        "into the tensor the next segment reads). *Host enqueue* is the host time of one `prefill()`",
+        "call before the GPU finishes: while it stays under the device time the host runs ahead.",
+        "",
+        "| tokens | idle µs / break | work µs / break | total µs / break | host enqueue bg / full ms |",
+        "|---|---|---|---|---|",
+    ]
+    for n, c in costs.items():
+        lines.append(
+            f"| {n} | {c['idle_us_per_break']:.2f} | {c['busy_us_per_break']:.2f} | {c['span_us_per_break']:.2f} "
+            f"| {c['breakgraph_host_enqueue_ms']:.2f} / {c['full_graph_host_enqueue_ms']:.2f} |"
+        )
+    host = m.get("attention_break_host_us")
+    if host:
+        lines += ["", f"Host time of one attention break (debug-mode timers, 128 tokens): mean "
+                      f"{host['mean']:.1f} µs, max {host['max']:.1f} µs over {host['breaks']} layers."]
     return lines
 
 
@@ -176,22 +230,83 @@ def suite_section(data: dict) -> list:
     for info, median in rows.get("prefill", []):
         prefill.setdefault(info["case"], {})[info["variant"]] = median * 1e3
     if prefill:
-        lines += ["| prefill case | HF eager ms | breakgraph ms | full graph ms | compile ms | bg / full |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| prefill case | HF eager ms | breakgraph ms | full graph ms | compile ms | bg / full | eager / bg |",
+                  "|---|---|---|---|---|---|---|"]
         for case, v in prefill.items():
             f = lambda k: f"{v[k]:.2f}" if k in v else "-"  # noqa: E731
+            eager = f"{v['hf_eager'] / v['breakgraph']:.2f}" if "hf_eager" in v else "-"
             lines.append(f"| {case} | {f('hf_eager')} | {f('breakgraph')} | {f('full_graph')} | "
-                         f"{f('compile_ro')} | {v['breakgraph'] / v['full_graph']:.3f} |")
+                         f"{f('compile_ro')} | {v['breakgraph'] / v['full_graph']:.3f} | {eager} |")
         lines.append("")
     buckets = sorted(rows.get("buckets", []), key=lambda r: r[0]["buckets"])
     if buckets:
         lines += ["| buckets | capture s | graph MiB |", "|---|---|---|"]
         lines += [f"| {i['buckets']} | {i['seconds']:.2f} | {i['graph_bytes'] / 2**20:.0f} |" for i, _ in buckets]
         lines.append("")
+    losses = suite_losses(overhead, prefill)
+    if losses:
+        lines += ["Where breakgraph loses in this run:", ""] + [f"- {x}" for x in losses] + [""]
+    if overhead or prefill:
+        lines += ["![benchmark suite](img/suite.png)", ""]
     return lines
 
 
-def write_plots(prefill: dict, overhead: dict) -> None:
+def suite_losses(overhead: dict, prefill: dict) -> list:
+    """Cases where breakgraph is slower than an alternative, stated from the numbers."""
+    losses = []
+    for regime, v in overhead.items():
+        full, info = v["full_graph"]
+        per = {k: (v[k][0] - full) / info["breaks"] / info["repeats"] * 1e6 for k in v if k != "eager"}
+        for rival, label in (("separate_graphs", "separate plain CUDA graphs"), ("peer", "breakable-cuda-graphs")):
+            if rival in per and per["breakgraph"] > per[rival]:
+                losses.append(f"{regime}: {per['breakgraph']:.2f} µs per break against {per[rival]:.2f} "
+                              f"for {label}")
+    for case, v in prefill.items():
+        ratio = v["breakgraph"] / v["full_graph"]
+        if ratio > 1.05:
+            losses.append(f"prefill {case}: {100 * (ratio - 1):.1f}% slower than the full graph")
+        if "compile_ro" in v and v["compile_ro"] < v["breakgraph"]:
+            losses.append(f"prefill {case}: torch.compile reduce-overhead is faster "
+                          f"({v['compile_ro']:.2f} ms against {v['breakgraph']:.2f} ms)")
+    return losses
+
+
+def write_suite_plot(data: dict, plt, save: dict) -> None:
+    """Two panels: µs added per break by variant and regime; prefill ms by variant and case."""
+    overhead, prefill = {}, {}
+    for b in data["benchmarks"]:
+        info, median = b["extra_info"], b["stats"]["median"]
+        if info["workload"] == "overhead":
+            overhead.setdefault(info["regime"], {})[info["variant"]] = (median, info)
+        elif info["workload"] == "prefill":
+            prefill.setdefault(info["case"], {})[info["variant"]] = median * 1e3
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.4))
+    variants = [("breakgraph", "breakgraph"), ("separate_graphs", "separate graphs"),
+                ("peer", "breakable-cuda-graphs")]
+    for k, (key, label) in enumerate(variants):
+        values = []
+        for v in overhead.values():
+            full, info = v["full_graph"]
+            values.append((v[key][0] - full) / info["breaks"] / info["repeats"] * 1e6 if key in v else 0)
+        left.bar([i + (k - 1) * 0.27 for i in range(len(values))], values, 0.27, label=label)
+    left.set_xticks(range(len(overhead)), list(overhead), fontsize=7)
+    left.set_ylabel("µs added per break")
+    left.legend(fontsize=7)
+    series = [("hf_eager", "HF eager"), ("breakgraph", "breakgraph"), ("full_graph", "one CUDA graph"),
+              ("compile_ro", "compile reduce-overhead")]
+    for k, (key, label) in enumerate(series):
+        values = [v.get(key, 0) for v in prefill.values()]
+        right.bar([i + (k - 1.5) * 0.2 for i in range(len(values))], values, 0.2, label=label)
+    right.set_yscale("log")
+    right.set_ylabel("prefill ms (log)")
+    right.set_xticks(range(len(prefill)), list(prefill), fontsize=7)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(DOCS, "img", "suite.png"), **save)
+    plt.close(fig)
+
+
+def write_plots(prefill: dict, overhead: dict, suite: str = SUITE_JSON) -> None:
     """PNG plots next to the page (needs matplotlib, the `bench` extra)."""
     import matplotlib
 
@@ -234,6 +349,9 @@ def write_plots(prefill: dict, overhead: dict) -> None:
         fig.tight_layout()
         fig.savefig(os.path.join(DOCS, "img", f"prefill-{m['model']}.png"), **save)
         plt.close(fig)
+    if suite and os.path.exists(suite):
+        with open(suite) as f:
+            write_suite_plot(json.load(f), plt, save)
 
 
 def render(suite: str = SUITE_JSON) -> str:
@@ -271,7 +389,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         f.write(render(args.pytest_benchmark))
     if not args.no_plots:
-        write_plots(_load("h200-prefill.json"), _load("h200-overhead.json"))
+        write_plots(_load("h200-prefill.json"), _load("h200-overhead.json"), args.pytest_benchmark)
 
 
 if __name__ == "__main__":

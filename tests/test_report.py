@@ -21,7 +21,7 @@ def test_committed_page_is_reproduced_exactly():
         assert report.render() == f.read(), "run `python benchmarks/report.py` and commit the page"
 
 
-def test_pytest_benchmark_suite_section(tmp_path):
+def test_pytest_benchmark_suite_section(tmp_path, monkeypatch):
     report = load_report()
     bench = []
 
@@ -40,8 +40,23 @@ def test_pytest_benchmark_suite_section(tmp_path):
     text = "\n".join(lines)
     assert "| tiny kernels | 20.0 | 2.22 | 2.00 | 4.44 | 90.0 |" in text
     assert "| 4096 | 1.25 | 0.62 |" in text
-    assert "| 32 | 15.00 | 3.60 | 3.40 | - | 1.059 |" in text
+    assert "| 32 | 15.00 | 3.60 | 3.40 | - | 1.059 | 4.17 |" in text
     assert "| 2 | 1.50 | 300 |" in text
+    # where it loses, stated from the numbers
+    assert "- tiny kernels: 2.22 µs per break against 2.00 for separate plain CUDA graphs" in text
+    assert "- prefill 32: 5.9% slower than the full graph" in text
+    assert "breakable-cuda-graphs" not in text.split("Where breakgraph loses")[1]  # 2.22 < 4.44: a win
+    # the suite plot
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(report, "DOCS", str(tmp_path))
+    os.makedirs(tmp_path / "img")
+    report.write_suite_plot({"benchmarks": bench}, plt, {})
+    assert (tmp_path / "img" / "suite.png").stat().st_size > 1000
 
 
 def test_plots_are_written(tmp_path, monkeypatch):

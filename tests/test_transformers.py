@@ -583,3 +583,54 @@ def test_user_instance_forward_on_experts_survives(backend, closing):
     closing(make_runner(model, backend))
     assert experts.__dict__["forward"] is hooked
     assert calls  # the runner went through it while capturing
+
+
+# -- 8. the host never waits for the GPU ----------------------------------------------------------------
+def test_back_to_back_prefills_keep_their_own_metadata(backend, closing):
+    """Step metadata is staged asynchronously: a second prefill, prepared while the GPU has not
+    yet run the first one, must not overwrite the first one's lengths before they are read."""
+    model = model_for("llama", backend)
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend))
+    first, second = prompts_of([9, 4, 13], device), prompts_of([2, 17], device)
+    runner.prefill(first)  # warm
+    if backend == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # keep the GPU busy: both steps are queued behind it
+    out_first = runner.prefill(first)
+    out_second = runner.prefill(second)
+    for out, prompts in ((out_first, first), (out_second, second)):
+        for i, p in enumerate(prompts):
+            assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"prompt {i}")
+
+
+@pytest.mark.requires_cuda
+def test_prefill_never_synchronizes(closing):
+    """No blocking copy or .item() on the serving path: the host runs ahead of the GPU."""
+    model = model_for("llama", "cuda")
+    runner = closing(make_runner(model, "cuda"))
+    prompts = prompts_of([5, 11, 3], "cuda")
+    runner.prefill(prompts)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = runner.prefill(prompts)
+        runner.prefill(prompts_of([30], "cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for i, p in enumerate(prompts):
+        assert_logits_close(out.logits[i], eager_last_logits(model, p), "cuda", f"prompt {i}")
+
+
+def test_debug_report_times_each_attention_break(backend, closing):
+    model = model_for("llama", backend)
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend, debug=True))
+    prompts = prompts_of([6, 9], device)
+    out = runner.prefill(prompts)
+    for i, p in enumerate(prompts):
+        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"prompt {i}")
+    report = runner.graph(16).report()
+    layers = model.config.num_hidden_layers
+    assert report.break_names == [f"attention[layer {i}]" for i in range(layers)]
+    assert all(t is not None and t > 0 for t in report.break_host_us), report
+    assert "us/replay" in str(report)

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
@@ -110,6 +111,9 @@ class PrefillRunner:
             ``torch.compile`` keyword arguments) so segments hold fused kernels;
             attention and MoE experts stay eager breaks (Dynamo breaks its graph
             there too). Compilation happens during the warm-up of each bucket.
+        debug: capture in debug mode (see :mod:`breakgraph.debug`): input checks on
+            every replay, and ``runner.graph(bucket).report()`` gives each attention
+            break's host time per replay. Slow; off by default (``$BREAKGRAPH_DEBUG``).
 
     The model is left as it was: the attention implementation is switched to
     ``"breakgraph"`` only while capturing or running eagerly through the runner.
@@ -127,6 +131,7 @@ class PrefillRunner:
         pad_token_id: int = 0,
         warmup: int = 2,
         compile: Any = False,
+        debug: Optional[bool] = None,
     ):
         _check_model(model)
         if max_prompts < 1:
@@ -167,6 +172,13 @@ class PrefillRunner:
         self._positions = torch.arange(longest, device=self.device)
         self._last_index = torch.zeros(max_prompts, dtype=torch.long, device=self.device)
         self._cu_seqlens = torch.zeros(max_prompts + 2, dtype=torch.int32, device=self.device)
+        # host staging of the per-step metadata: pinned, so the copies are asynchronous and a
+        # prefill never waits for the GPU; the event says when the copies have read it
+        pin = self.device.type == "cuda"
+        self._host_last = torch.zeros(max_prompts, dtype=torch.long, pin_memory=pin)
+        self._host_cu = torch.zeros(max_prompts + 2, dtype=torch.int32, pin_memory=pin)
+        self._host_last_np, self._host_cu_np = self._host_last.numpy(), self._host_cu.numpy()
+        self._staged = torch.cuda.Event() if pin else None
         self._layers: dict = {}  # bucket -> [(layer, key, value)] seen at capture
         self._step = 0
         self._closed = False
@@ -175,7 +187,7 @@ class PrefillRunner:
         self._runner = BucketedRunner(
             self._forward, token_buckets, (example, example), dims=1,
             pad_values=(pad_token_id, 0), on_miss=on_miss, slice_outputs=False,
-            warmup=warmup, backend=backend, capture_context=self._capture_batch,
+            warmup=warmup, backend=backend, capture_context=self._capture_batch, debug=debug,
         )
 
     # -- the captured forward ------------------------------------------------------------
@@ -222,22 +234,38 @@ class PrefillRunner:
 
     def _capture_batch(self, size: int) -> _attention.PackedBatch:
         """During capture of a bucket: one sequence filling it (any batch shape would do)."""
-        return self._describe([size], size)
+        return self._stage([size], size)
 
-    def _describe(self, lengths: List[int], bucket: int) -> _attention.PackedBatch:
+    def _stage(self, lengths: List[int], bucket: int) -> _attention.PackedBatch:
+        """Write the step's metadata (last-token indices, ``cu_seqlens``) to the device.
+
+        Both go through pinned host buffers with asynchronous copies: no host sync, so
+        the GPU may still be busy with the previous step while this one is prepared.
+        """
         bounds, start = [], 0
         for n in lengths:
             bounds.append((start, start + n))
             start += n
         if bucket > start:
             bounds.append((start, bucket))  # the tail: a dummy sequence, so every row is written
-        cu = [0] + [end for _, end in bounds]
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous step's copies have read the staging buffers
+        last = self._host_last_np
+        last[:] = 0
+        last[: len(lengths)] = list(itertools.accumulate(lengths))
+        last[: len(lengths)] -= 1
+        self._last_index.copy_(self._host_last, non_blocking=True)
         cu_seqlens = None
         if self.attention != "reference":
             # trailing entries repeat the end: zero-length sequences for the captured kernel
-            full = cu + [cu[-1]] * (self.max_prompts + 2 - len(cu))
-            self._cu_seqlens.copy_(torch.tensor(full, dtype=torch.int32))
-            cu_seqlens = self._cu_seqlens[: len(cu)]
+            cu = self._host_cu_np
+            cu[0] = 0
+            cu[1: len(bounds) + 1] = [end for _, end in bounds]
+            cu[len(bounds) + 1:] = bounds[-1][1]
+            self._cu_seqlens.copy_(self._host_cu, non_blocking=True)
+            cu_seqlens = self._cu_seqlens[: len(bounds) + 1]
+        if self._staged is not None:
+            self._staged.record()
         return _attention.PackedBatch(bounds, cu_seqlens, max(end - begin for begin, end in bounds))
 
     # -- serving ---------------------------------------------------------------------------
@@ -251,6 +279,8 @@ class PrefillRunner:
         return self._runner.stats
 
     def graph(self, bucket: int) -> breakgraph.BreakableCUDAGraph:
+        """The breakable graph of ``bucket``: ``print(runner.graph(64).report())`` shows its
+        segments and attention breaks (with host time per break when ``debug=True``)."""
         return self._runner.graph(bucket)
 
     def prefill(self, prompts: Sequence[torch.Tensor]) -> PrefillOutput:
@@ -265,10 +295,7 @@ class PrefillRunner:
             self._positions[:n] if n <= len(self._positions) else torch.arange(n, device=self.device)
             for n in lengths
         ]).view(1, total)
-        ends = torch.tensor(lengths).cumsum(0) - 1
-        self._last_index.zero_()
-        self._last_index[: len(lengths)].copy_(ends)
-        batch = self._describe(lengths, bucket if bucket is not None else total)
+        batch = self._stage(lengths, bucket if bucket is not None else total)
         logits = self._runner(ids, positions, context=batch)
         self._step += 1
         layers = self._layers[bucket] if bucket is not None else None
