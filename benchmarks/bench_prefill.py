@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 from typing import Optional
 
@@ -53,13 +51,14 @@ def bench(fn, iters: int = 30, warmup: int = 5) -> float:
     return bench_interleaved({"fn": fn}, rounds=1, iters=iters, warmup=warmup)["fn"]
 
 
-def bench_interleaved(fns: dict, rounds: int = 10, iters: int = 10, warmup: int = 5,
+def bench_interleaved(fns: dict, rounds: int = 20, iters: int = 10, warmup: int = 5,
                       spread: Optional[tuple] = None) -> dict:
-    """Median wall time (ms) of each function, measured in alternating blocks of ``iters``
-    calls so that drift (clocks, temperature, other tenants) hits every variant alike.
+    """Median wall time (ms) of each function, synchronised around each call.
 
-    With ``spread=(a, b)`` the result also holds ``"spread"``: the lowest and highest
-    per-round ratio median(a)/median(b), the run-to-run noise of that ratio.
+    The functions take turns call by call (a, b, c, a, b, c, ...), so drift (clocks,
+    temperature, a busy host) hits every variant alike. With ``spread=(a, b)`` the
+    result also holds ``"spread"``: the lowest and highest ratio median(a)/median(b)
+    over rounds of ``iters`` turns each, the noise of that ratio.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -68,73 +67,37 @@ def bench_interleaved(fns: dict, rounds: int = 10, iters: int = 10, warmup: int 
     samples = {name: [] for name in fns}
     ratios = []
     for _ in range(rounds):
-        block = {}
-        for name, fn in fns.items():
-            times = []
-            for _ in range(iters):
+        block = {name: [] for name in fns}
+        for _ in range(iters):
+            for name, fn in fns.items():
                 start = time.perf_counter()
                 fn()
                 torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) * 1e3)
+                block[name].append((time.perf_counter() - start) * 1e3)
+        for name, times in block.items():
             samples[name] += times
-            block[name] = statistics.median(times)
         if spread:
-            ratios.append(block[spread[0]] / block[spread[1]])
+            ratios.append(statistics.median(block[spread[0]]) / statistics.median(block[spread[1]]))
     result = {name: statistics.median(v) for name, v in samples.items()}
     if spread:
         result["spread"] = (min(ratios), max(ratios))
     return result
 
 
-def gpu_timeline(fn) -> dict:
-    """One call of ``fn`` seen from the GPU (torch.profiler/CUPTI): how long the device was
-    busy, how long it sat idle between kernels, and what the copies cost.
+def host_enqueue_ms(fn, iters: int = 50) -> float:
+    """Median host time to *issue* one call (the GPU idle at the start, no sync inside).
 
-    The difference between breakgraph and the full graph, divided by the number of
-    breaks, splits each break's cost into idle time (launch gaps at segment
-    boundaries) and extra device work (the copy-back of attention outputs).
+    Below the call's device time, the host runs ahead of the GPU and the breaks' host
+    work is hidden; the cost of a break is then the device-side gap it leaves.
     """
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    events = sorted(
-        (e for e in trace["traceEvents"]
-         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-        key=lambda e: e["ts"],
-    )
-    if not events:
-        return {"error": "no device events recorded"}
-    span = events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]
-    busy = sum(e["dur"] for e in events)
-    copies = [e for e in events if e["cat"] == "gpu_memcpy" or "copy" in e["name"].lower()]
-    return {"events": len(events), "span_us": span, "busy_us": busy, "idle_us": span - busy,
-            "copy_events": len(copies), "copy_us": sum(e["dur"] for e in copies)}
-
-
-def break_costs(runner, full, prompt, layers: int) -> dict:
-    """Per-break cost of breakgraph at this prompt: device (idle, extra work) and host."""
-    bg, ref = gpu_timeline(lambda: runner.prefill([prompt])), gpu_timeline(lambda: full.prefill([prompt]))
-    result = {"breakgraph": bg, "full_graph": ref}
-    if "error" not in bg and "error" not in ref:
-        result["idle_us_per_break"] = (bg["idle_us"] - ref["idle_us"]) / layers
-        result["busy_us_per_break"] = (bg["busy_us"] - ref["busy_us"]) / layers
-        result["span_us_per_break"] = (bg["span_us"] - ref["span_us"]) / layers
-    # host: time to enqueue one prefill (no sync) against its device time
-    for name, r in (("breakgraph", runner), ("full_graph", full)):
+    samples = []
+    for _ in range(iters):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        r.prefill([prompt])
-        enqueued = time.perf_counter() - start
-        torch.cuda.synchronize()
-        result[f"{name}_host_enqueue_ms"] = enqueued * 1e3
-    return result
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def attention_break_host_us(model, prompt) -> dict:
@@ -206,8 +169,10 @@ def run_model(name: str, config, with_compile: bool) -> dict:
             "full_graph": lambda: full.prefill([p]),
         }, spread=("breakgraph", "full_graph")))
         rows.append(row)
-    layers = config.num_hidden_layers
-    result["break_costs"] = {n: break_costs(runner, full, single[n], layers) for n in (32, 128, 2048)}
+    for row in rows:  # host time to issue a prefill, against its device time (column breakgraph)
+        p = single[row["tokens"]]
+        row["bg_host_ms"] = host_enqueue_ms(lambda: runner.prefill([p]))
+        row["full_host_ms"] = host_enqueue_ms(lambda: full.prefill([p]))
     result["attention_break_host_us"] = attention_break_host_us(model, single[128])
     total = sum(len(p) for p in batch)
     row = {"workload": f"batch of 16 ({total} tokens)", "tokens": total}
@@ -340,12 +305,10 @@ def print_summary(results: dict) -> None:
             print(f"  {r['workload']:<28}{fmt('hf_eager')}{fmt('hf_eager_padded')}{fmt('breakgraph')}"
                   f"{fmt('full_graph')}{fmt('compile_ro')}{r['bg_over_full']:>9.3f}{rounds:>14}"
                   f"{r['eager_over_bg']:>9.2f}")
-        for n, c in m.get("break_costs", {}).items():
-            if "idle_us_per_break" in c:
-                print(f"  per break at {n} tokens: device idle +{c['idle_us_per_break']:.2f} us, device "
-                      f"work +{c['busy_us_per_break']:.2f} us (copy-back), span +"
-                      f"{c['span_us_per_break']:.2f} us; host enqueue bg "
-                      f"{c['breakgraph_host_enqueue_ms']:.3f} ms vs full {c['full_graph_host_enqueue_ms']:.3f} ms")
+        for r in m["rows"]:
+            if "bg_host_ms" in r:
+                print(f"  host time to issue {r['workload']}: bg {r['bg_host_ms']:.3f} ms, full "
+                      f"{r['full_host_ms']:.3f} ms (device: {r['breakgraph']:.3f} / {r['full_graph']:.3f} ms)")
         if "attention_break_host_us" in m:
             h = m["attention_break_host_us"]
             print(f"  attention break host time per layer: mean {h['mean']:.1f} us, max {h['max']:.1f} us")

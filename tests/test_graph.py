@@ -623,3 +623,27 @@ def test_stale_input_buffer_is_read_on_replay(capture, device):
     g.replay()
     torch.testing.assert_close(out, at_capture)  # still computed from the old buffer
     assert not torch.allclose(out, (new @ weight).relu() + new)
+
+
+@pytest.mark.requires_cuda
+def test_first_matmul_of_the_process_inside_a_capture():
+    """cuBLAS cannot create its handle inside a capture; breakgraph creates it beforehand, so a
+    fresh process may capture its very first matmul (this failed with CUBLAS_STATUS_NOT_INITIALIZED)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch, breakgraph
+        x = torch.randn(16, 16, device="cuda")
+        g = breakgraph.BreakableCUDAGraph()
+        with breakgraph.capture(g):
+            y = (x @ x).relu()
+        for _ in range(3):
+            x.copy_(torch.randn(16, 16, device="cuda"))
+            g.replay()
+            torch.testing.assert_close(y, (x @ x).relu())
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

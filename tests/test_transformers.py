@@ -609,12 +609,12 @@ def test_prefill_never_synchronizes(closing):
     """No blocking copy or .item() on the serving path: the host runs ahead of the GPU."""
     model = model_for("llama", "cuda")
     runner = closing(make_runner(model, "cuda"))
-    prompts = prompts_of([5, 11, 3], "cuda")
+    prompts, other = prompts_of([5, 11, 3], "cuda"), prompts_of([30], "cuda")
     runner.prefill(prompts)
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = runner.prefill(prompts)
-        runner.prefill(prompts_of([30], "cuda"))
+        runner.prefill(other)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for i, p in enumerate(prompts):

@@ -59,6 +59,10 @@ class CudaSession:
         self.tracker = StreamTracker(stream)
         self._stream_context = torch.cuda.stream(stream)
         self._stream_context.__enter__()
+        # cuBLAS creates its handle on first use, which CUDA forbids inside a capture
+        # (CUBLAS_STATUS_NOT_INITIALIZED): create it now, so a capture may hold the
+        # process's first matmul without a warm-up
+        torch.cuda.current_blas_handle()
         self.tracker.install()
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._invalidated = False
