@@ -1,0 +1,108 @@
+"""What one attention break costs, piece by piece (GPU only; a measurement, not an API).
+
+Four prefill runners of the same model, timed call by call in turns:
+
+  full graph       attention captured inside ONE graph (PrefillRunner(attention="captured"))
+  + cuts           the same, plus an empty ``break_graph()`` after every layer's attention:
+                   the cost of cutting the graph alone (same kernels, nothing eager)
+  + eager flash    breakgraph with the attention kernel launched eagerly, its result NOT
+                   copied back (timing only: the answer is wrong); what the in-place
+                   FlashAttention op of torch >= 2.12 would cost
+  breakgraph       the real thing: eager attention kernel plus the copy-back
+
+    python benchmarks/break_anatomy.py --out anatomy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import breakgraph
+from bench_prefill import CONFIGS, bench_interleaved, make_model
+from breakgraph.integrations.transformers import PrefillRunner
+from breakgraph.integrations.transformers import attention as _attention
+
+TOKENS = (32, 128, 2048)
+
+
+def runner_with_cuts(model, buckets):
+    """attention="captured" plus an empty break after every layer's attention."""
+    original = _attention.breakgraph_attention
+
+    def attention_then_cut(*args, **kwargs):
+        out = original(*args, **kwargs)
+        breakgraph.break_graph()
+        return out
+
+    _attention.breakgraph_attention = attention_then_cut
+    try:
+        return PrefillRunner(model, token_buckets=buckets, max_prompts=16, attention="captured")
+    finally:
+        _attention.breakgraph_attention = original
+        _attention.register()
+
+
+class _LaunchWithoutCopyBack(_attention.LayerAttention):
+    """Launches the attention kernel on replay, then returns the capture-time output, so
+    copy-back skips it (``new is captured``): timing only, the result is stale."""
+
+    def __call__(self):
+        out = super().__call__()
+        if not hasattr(self, "captured_out"):
+            self.captured_out = out
+        return self.captured_out
+
+
+def runner_without_copy_back(model, buckets):
+    original = _attention.LayerAttention
+    _attention.LayerAttention = _LaunchWithoutCopyBack  # the breaks built during capture keep it
+    try:
+        return PrefillRunner(model, token_buckets=buckets, max_prompts=16)
+    finally:
+        _attention.LayerAttention = original
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama-1b", choices=list(CONFIGS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    config = CONFIGS[args.model]()
+    model = make_model(config)
+    runners = {
+        "full_graph": PrefillRunner(model, token_buckets=TOKENS, max_prompts=16, attention="captured"),
+        "cuts_only": runner_with_cuts(model, TOKENS),
+        "eager_flash_no_copy": runner_without_copy_back(model, TOKENS),
+        "breakgraph": PrefillRunner(model, token_buckets=TOKENS, max_prompts=16),
+    }
+    breaks = config.num_hidden_layers
+    assert runners["cuts_only"].graph(TOKENS[0]).num_breaks == breaks
+    rows = []
+    for n in TOKENS:
+        prompt = torch.randint(config.vocab_size, (n,), device="cuda")
+        times = bench_interleaved({k: (lambda r=r: r.prefill([prompt])) for k, r in runners.items()})
+        full = times["full_graph"]
+        rows.append({"tokens": n, "ms": times,
+                     "us_per_break": {k: (t - full) * 1e3 / breaks for k, t in times.items()}})
+    for r in runners.values():
+        r.close()
+    print(f"{args.model}, {breaks} breaks; µs added per break over the full graph (device time)")
+    print(f"{'tokens':>7}{'full ms':>10}{'cuts only':>11}{'+ eager flash':>15}{'breakgraph':>12}")
+    for row in rows:
+        per = row["us_per_break"]
+        print(f"{row['tokens']:>7}{row['ms']['full_graph']:>10.3f}{per['cuts_only']:>11.2f}"
+              f"{per['eager_flash_no_copy']:>15.2f}{per['breakgraph']:>12.2f}")
+    if args.out:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"), "model": args.model, "breaks": breaks}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
