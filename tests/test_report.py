@@ -65,4 +65,4 @@ def test_plots_are_written(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "DOCS", str(tmp_path))
     report.write_plots(report._load("h200-prefill.json"), report._load("h200-overhead.json"))
     assert sorted(os.listdir(tmp_path / "img")) == ["overhead.png", "prefill-llama-1b.png",
-                                                     "prefill-qwen3-0.6b.png"]
+                                                     "prefill-qwen3-0.6b.png", "suite.png"]
