@@ -10,7 +10,7 @@ Four prefill runners of the same model, timed call by call in turns:
                    FlashAttention op of torch >= 2.12 would cost
   breakgraph       the real thing: eager attention kernel plus the copy-back
 
-    python benchmarks/break_anatomy.py --out anatomy.json
+    python benchmarks/break_anatomy.py --out anatomy.json   # also part of scripts/gpu_check.sh
 """
 
 from __future__ import annotations

@@ -170,6 +170,25 @@ def test_report_lists_segments_breaks_and_host_time(capture, device):
         assert report.graph_memory_bytes is None
 
 
+@pytest.mark.requires_cuda
+def test_nvtx_ranges_name_every_segment_and_break(monkeypatch):
+    """A profiler timeline shows the structure: one NVTX range per segment and per break."""
+    ranges = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda label: ranges.append(("push", label)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: ranges.append(("pop", None)))
+    x, w = torch.randn(4, 8, device="cuda"), torch.randn(8, 8, device="cuda")
+    g = BreakableCUDAGraph()
+    with breakgraph.capture(g, backend="cuda", debug=True):
+        y = model(x, w)
+    ranges.clear()
+    fresh_into(x)
+    g.replay()
+    labels = [label for kind, label in ranges if kind == "push"]
+    assert labels == ["segment 0", "break 0: host_scale", "segment 1"], ranges
+    assert [kind for kind, _ in ranges] == ["push", "pop"] * 3
+    torch.testing.assert_close(y, model(x, w))
+
+
 def test_report_without_debug_has_no_timings(capture, device):
     x = torch.randn(4, device=device)
     g = BreakableCUDAGraph()

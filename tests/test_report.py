@@ -38,7 +38,7 @@ def test_pytest_benchmark_suite_section(tmp_path, monkeypatch):
     add(1.0, workload="buckets", buckets=2, seconds=1.5, graph_bytes=300 * 2**20)
     lines = report.suite_section({"benchmarks": bench, "machine_info": {}})
     text = "\n".join(lines)
-    assert "| tiny kernels | 20.0 | 2.22 | 2.00 | 4.44 | 90.0 |" in text
+    assert "| tiny kernels | 20.0 | 2.22 | 2.00 | 4.44 | 90.0 | 2.00 | 2.25 |" in text
     assert "| 4096 | 1.25 | 0.62 |" in text
     assert "| 32 | 15.00 | 3.60 | 3.40 | - | 1.059 | 4.17 |" in text
     assert "| 2 | 1.50 | 300 |" in text
