@@ -18,6 +18,7 @@ Variants, all measured in the same run on the same inputs:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -55,8 +56,11 @@ def bench_interleaved(fns: dict, rounds: int = 20, iters: int = 10, warmup: int 
                       spread: Optional[tuple] = None) -> dict:
     """Median wall time (ms) of each function, synchronised around each call.
 
-    The functions take turns call by call (a, b, c, a, b, c, ...), so drift (clocks,
-    temperature, a busy host) hits every variant alike. With ``spread=(a, b)`` the
+    The functions take turns call by call, each turn in the next of all their orders
+    (a b c, a c b, b a c, ...): drift (clocks, temperature, a busy host) hits every
+    variant alike, and each variant follows each other one equally often (a fast graph
+    right after a 20 ms eager call does not run in the same GPU state as after another
+    graph). With ``spread=(a, b)`` the
     result also holds ``"spread"``: the lowest and highest ratio median(a)/median(b)
     over rounds of ``iters`` turns each, the noise of that ratio.
     """
@@ -66,10 +70,15 @@ def bench_interleaved(fns: dict, rounds: int = 20, iters: int = 10, warmup: int 
     torch.cuda.synchronize()
     samples = {name: [] for name in fns}
     ratios = []
+    orders = list(itertools.permutations(fns))
+    turn = 0
     for _ in range(rounds):
         block = {name: [] for name in fns}
         for _ in range(iters):
-            for name, fn in fns.items():
+            order = orders[turn % len(orders)]
+            turn += 1
+            for name in order:
+                fn = fns[name]
                 start = time.perf_counter()
                 fn()
                 torch.cuda.synchronize()

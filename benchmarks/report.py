@@ -198,9 +198,10 @@ def break_cost_lines(m: dict) -> list:
     return lines
 
 
-def anatomy_section(data: dict) -> list:
-    """benchmarks/break_anatomy.py: an attention break's cost split into its parts."""
-    meta = data["meta"]
+def anatomy_section(runs: list) -> list:
+    """benchmarks/break_anatomy.py: an attention break's cost split into its parts (one table
+    row per run and token count, so the run-to-run noise shows)."""
+    meta = runs[0]["meta"]
     lines = [
         "## Anatomy of an attention break",
         "",
@@ -211,14 +212,16 @@ def anatomy_section(data: dict) -> list:
         "segments, its result not copied back (timing only; this is what FlashAttention writing in",
         "place, `torch >= 2.12`, would cost). *breakgraph*: the real break, kernel plus copy-back.",
         "",
-        "| tokens | full graph ms | cuts only | + eager kernel | breakgraph | copy-back share |",
-        "|---|---|---|---|---|---|",
+        "| run | tokens | full graph ms | cuts only | + eager kernel | breakgraph | copy-back share | breakgraph / full graph |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in data["rows"]:
-        per = r["us_per_break"]
-        copy = per["breakgraph"] - per["eager_flash_no_copy"]
-        lines.append(f"| {r['tokens']} | {r['ms']['full_graph']:.3f} | {per['cuts_only']:.2f} "
-                     f"| {per['eager_flash_no_copy']:.2f} | {per['breakgraph']:.2f} | {copy:.2f} |")
+    for i, data in enumerate(runs, 1):
+        for r in data["rows"]:
+            per = r["us_per_break"]
+            copy = per["breakgraph"] - per["eager_flash_no_copy"]
+            lines.append(f"| {i} | {r['tokens']} | {r['ms']['full_graph']:.3f} | {per['cuts_only']:.2f} "
+                         f"| {per['eager_flash_no_copy']:.2f} | {per['breakgraph']:.2f} | {copy:.2f} "
+                         f"| {r['ms']['breakgraph'] / r['ms']['full_graph']:.3f} |")
     lines += [
         "",
         "The host is not the limit: it issues a prefill in about half the device time (tables",
@@ -455,7 +458,7 @@ def render(suite: str = SUITE_JSON) -> str:
         lines += overhead_section(overhead)
     if prefill:
         lines += prefill_section(prefill)
-    anatomy = _load("h200-break-anatomy.json")
+    anatomy = [a for a in (_load("h200-break-anatomy.json"), _load("h200-break-anatomy-repeat.json")) if a]
     if anatomy:
         lines += anatomy_section(anatomy)
     runs = [(f"run {i}", _load(f"h200-prefill-run{i}.json")) for i in (1, 2)]
