@@ -307,8 +307,13 @@ def suite_section(data: dict) -> list:
     for b in data["benchmarks"]:
         info = b["extra_info"]
         rows.setdefault(info["workload"], []).append((info, b["stats"]["median"]))
+    info = data.get("machine_info", {})
+    cpu = (info.get("cpu") or {}).get("brand_raw", "-")
+    label = ", ".join(f"{k} {info[k]}" for k in ("gpu", "torch", "transformers") if info.get(k))
     lines = ["## Benchmark suite (pytest-benchmark)", "",
              "`tests/benchmarks` (per-break and per-replay times divided out of each timed call); medians.",
+             f"Run {str(data.get('datetime', '-'))[:16].replace('T', ' ')} UTC, host CPU {cpu}"
+             + (f", {label}." if label else " (GPU and versions: the page header's run)."),
              ""]
     overhead = {}
     for info, median in rows.get("overhead", []):

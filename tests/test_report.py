@@ -66,3 +66,19 @@ def test_plots_are_written(tmp_path, monkeypatch):
     report.write_plots(report._load("h200-prefill.json"), report._load("h200-overhead.json"))
     assert sorted(os.listdir(tmp_path / "img")) == ["overhead.png", "prefill-llama-1b.png",
                                                      "prefill-qwen3-0.6b.png", "suite.png"]
+
+
+def test_suite_json_is_labelled_with_gpu_and_versions():
+    spec = importlib.util.spec_from_file_location(
+        "bench_conftest", os.path.join(ROOT, "tests", "benchmarks", "conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    info = {}
+    module.pytest_benchmark_update_machine_info(None, info)
+    import torch
+
+    assert info["torch"] == torch.__version__ and "transformers" in info and "gpu" in info
+    report = load_report()
+    text = "\n".join(report.suite_section({"benchmarks": [], "datetime": "2026-11-30T05:54:19",
+                                          "machine_info": dict(info, gpu="NVIDIA H200")}))
+    assert f"gpu NVIDIA H200, torch {torch.__version__}" in text

@@ -26,3 +26,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.path).startswith(HERE):
             item.add_marker(pytest.mark.requires_cuda)
+
+
+@pytest.hookimpl(optionalhook=True)  # the hook exists only where pytest-benchmark is installed
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """Label the JSON with what the numbers depend on: the GPU and the library versions."""
+    import torch
+
+    machine_info["torch"] = torch.__version__
+    machine_info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    try:
+        import transformers
+
+        machine_info["transformers"] = transformers.__version__
+    except ImportError:
+        machine_info["transformers"] = None
