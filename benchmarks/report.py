@@ -301,12 +301,35 @@ def moe_section(data: dict) -> list:
     return lines
 
 
+def suite_tables(data: dict) -> tuple:
+    """pytest-benchmark JSON grouped for the page: ``overhead[regime][variant] = (median s,
+    info)``, ``copy[elements][kind] = µs per break``, ``prefill[case][variant] = ms``,
+    ``buckets = [info, ...]``."""
+    overhead, copy, prefill, buckets = {}, {}, {}, []
+    for b in data["benchmarks"]:
+        info, median = b["extra_info"], b["stats"]["median"]
+        if info["workload"] == "overhead":
+            overhead.setdefault(info["regime"], {})[info["variant"]] = (median, info)
+        elif info["workload"] == "copy-back":
+            copy.setdefault(info["elements"], {})[info["kind"]] = median / info["repeats"] / info["breaks"] * 1e6
+        elif info["workload"] == "prefill":
+            prefill.setdefault(info["case"], {})[info["variant"]] = median * 1e3
+        elif info["workload"] == "buckets":
+            buckets.append(info)
+    return overhead, copy, prefill, sorted(buckets, key=lambda i: i["buckets"])
+
+
+def added_per_break_us(variants: dict, key: str) -> Optional[float]:
+    """µs a variant adds per break over the one-graph variant of the same overhead regime."""
+    if key not in variants:
+        return None
+    full, info = variants["full_graph"]
+    return (variants[key][0] - full) / info["breaks"] / info["repeats"] * 1e6
+
+
 def suite_section(data: dict) -> list:
     """The pytest-benchmark suite (tests/benchmarks): medians by workload and variant."""
-    rows = {}
-    for b in data["benchmarks"]:
-        info = b["extra_info"]
-        rows.setdefault(info["workload"], []).append((info, b["stats"]["median"]))
+    overhead, copy, prefill, buckets = suite_tables(data)
     info = data.get("machine_info", {})
     cpu = (info.get("cpu") or {}).get("brand_raw", "-")
     label = ", ".join(f"{k} {info[k]}" for k in ("gpu", "torch", "transformers") if info.get(k))
@@ -315,32 +338,22 @@ def suite_section(data: dict) -> list:
              f"Run {str(data.get('datetime', '-'))[:16].replace('T', ' ')} UTC, host CPU {cpu}"
              + (f", {label}." if label else " (GPU and versions: the page header's run)."),
              ""]
-    overhead = {}
-    for info, median in rows.get("overhead", []):
-        overhead.setdefault(info["regime"], {})[info["variant"]] = (median, info)
     if overhead:
         lines += ["| regime | one graph µs | breakgraph +µs/break | separate graphs +µs/break "
                   "| breakable-cuda-graphs +µs/break | eager µs | breakgraph / one graph | eager / breakgraph |",
                   "|---|---|---|---|---|---|---|---|"]
         for regime, v in overhead.items():
             full, info = v["full_graph"]
-            per = lambda k: (f"{(v[k][0] - full) / info['breaks'] / info['repeats'] * 1e6:.2f}"  # noqa: E731
-                             if k in v else "-")
+            per = lambda k: "-" if k not in v else f"{added_per_break_us(v, k):.2f}"  # noqa: E731
             lines.append(f"| {regime} | {full / info['repeats'] * 1e6:.1f} | {per('breakgraph')} | "
                          f"{per('separate_graphs')} | {per('peer')} | "
                          f"{v['eager'][0] / info['repeats'] * 1e6:.1f} | {v['breakgraph'][0] / full:.2f} "
                          f"| {v['eager'][0] / v['breakgraph'][0]:.2f} |")
         lines.append("")
-    copy = {}
-    for info, median in rows.get("copy-back", []):
-        copy.setdefault(info["elements"], {})[info["kind"]] = median / info["repeats"] / info["breaks"] * 1e6
     if copy:
         lines += ["| floats per break | fresh result µs/break | in place µs/break |", "|---|---|---|"]
         lines += [f"| {n} | {v.get('fresh', 0):.2f} | {v.get('in_place', 0):.2f} |" for n, v in copy.items()]
         lines.append("")
-    prefill = {}
-    for info, median in rows.get("prefill", []):
-        prefill.setdefault(info["case"], {})[info["variant"]] = median * 1e3
     if prefill:
         lines += ["| prefill case | HF eager ms | breakgraph ms | full graph ms | compile ms | bg / full | eager / bg |",
                   "|---|---|---|---|---|---|---|"]
@@ -350,10 +363,9 @@ def suite_section(data: dict) -> list:
             lines.append(f"| {case} | {f('hf_eager')} | {f('breakgraph')} | {f('full_graph')} | "
                          f"{f('compile_ro')} | {v['breakgraph'] / v['full_graph']:.3f} | {eager} |")
         lines.append("")
-    buckets = sorted(rows.get("buckets", []), key=lambda r: r[0]["buckets"])
     if buckets:
         lines += ["| buckets | capture s | graph MiB |", "|---|---|---|"]
-        lines += [f"| {i['buckets']} | {i['seconds']:.2f} | {i['graph_bytes'] / 2**20:.0f} |" for i, _ in buckets]
+        lines += [f"| {i['buckets']} | {i['seconds']:.2f} | {i['graph_bytes'] / 2**20:.0f} |" for i in buckets]
         lines.append("")
     losses = suite_losses(overhead, prefill)
     if losses:
@@ -367,8 +379,7 @@ def suite_losses(overhead: dict, prefill: dict) -> list:
     """Cases where breakgraph is slower than an alternative, stated from the numbers."""
     losses = []
     for regime, v in overhead.items():
-        full, info = v["full_graph"]
-        per = {k: (v[k][0] - full) / info["breaks"] / info["repeats"] * 1e6 for k in v if k != "eager"}
+        per = {k: added_per_break_us(v, k) for k in v if k != "eager"}
         for rival, label in (("separate_graphs", "separate plain CUDA graphs"), ("peer", "breakable-cuda-graphs")):
             if rival in per and per["breakgraph"] > per[rival]:
                 losses.append(f"{regime}: {per['breakgraph']:.2f} µs per break against {per[rival]:.2f} "
@@ -385,21 +396,12 @@ def suite_losses(overhead: dict, prefill: dict) -> list:
 
 def write_suite_plot(data: dict, plt, save: dict) -> None:
     """Two panels: µs added per break by variant and regime; prefill ms by variant and case."""
-    overhead, prefill = {}, {}
-    for b in data["benchmarks"]:
-        info, median = b["extra_info"], b["stats"]["median"]
-        if info["workload"] == "overhead":
-            overhead.setdefault(info["regime"], {})[info["variant"]] = (median, info)
-        elif info["workload"] == "prefill":
-            prefill.setdefault(info["case"], {})[info["variant"]] = median * 1e3
+    overhead, _, prefill, _ = suite_tables(data)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.4))
     variants = [("breakgraph", "breakgraph"), ("separate_graphs", "separate graphs"),
                 ("peer", "breakable-cuda-graphs")]
     for k, (key, label) in enumerate(variants):
-        values = []
-        for v in overhead.values():
-            full, info = v["full_graph"]
-            values.append((v[key][0] - full) / info["breaks"] / info["repeats"] * 1e6 if key in v else 0)
+        values = [added_per_break_us(v, key) or 0 for v in overhead.values()]
         left.bar([i + (k - 1) * 0.27 for i in range(len(values))], values, 0.27, label=label)
     left.set_xticks(range(len(overhead)), list(overhead), fontsize=7)
     left.set_ylabel("µs added per break")

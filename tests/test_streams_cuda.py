@@ -26,14 +26,20 @@ def host_scale(x):
     return x * (int((x > 0).sum().item()) / x.numel())
 
 
-
-
-
-
-def check_replays(graph, static, out, body, replays=5):
+def capture_and_check(body, replays=5):
+    """Warm ``body`` up, capture it (one break: two segments), check that no hook or stream
+    is left behind, then replay on fresh inputs and compare each replay with eager."""
+    x = torch.randn(N, device="cuda")
+    body(x)
+    torch.cuda.synchronize()
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = body(x)
+    assert (g.num_segments, g.num_breaks) == (2, 1)
+    assert_clean()
     for _ in range(replays):
-        new = fresh_into(static)
-        graph.replay()
+        new = fresh_into(x)
+        g.replay()
         expected = body(new.clone())
         torch.cuda.synchronize()
         torch.testing.assert_close(out, expected)
@@ -53,15 +59,7 @@ def test_side_stream_joined_by_user_then_break():
         c = host_scale(a + b)  # break
         return c * 3 - b
 
-    x = torch.randn(N, device="cuda")
-    body(x)
-    torch.cuda.synchronize()
-    g = BreakableCUDAGraph()
-    with capture(g):
-        out = body(x)
-    assert (g.num_segments, g.num_breaks) == (2, 1)
-    assert_clean()
-    check_replays(g, x, out, body)
+    capture_and_check(body)
 
 
 @torch.no_grad()
@@ -80,15 +78,7 @@ def test_side_stream_not_joined_before_break():
         current.wait_stream(side)  # the user joins only now
         return d + a2
 
-    x = torch.randn(N, device="cuda")
-    body(x)
-    torch.cuda.synchronize()
-    g = BreakableCUDAGraph()
-    with capture(g):
-        out = body(x)
-    assert (g.num_segments, g.num_breaks) == (2, 1)
-    assert_clean()
-    check_replays(g, x, out, body)
+    capture_and_check(body)
 
 
 @torch.no_grad()
@@ -109,15 +99,7 @@ def test_fork_and_join_through_events():
         current.wait_event(joined)  # join
         return a * y
 
-    x = torch.randn(N, device="cuda")
-    body(x)
-    torch.cuda.synchronize()
-    g = BreakableCUDAGraph()
-    with capture(g):
-        out = body(x)
-    assert (g.num_segments, g.num_breaks) == (2, 1)
-    assert_clean()
-    check_replays(g, x, out, body)
+    capture_and_check(body)
 
 
 @pytest.mark.parametrize("how", ["wait_stream", "event recorded before capture"])
