@@ -96,10 +96,16 @@ def measure(name: str, elements: int, kernels: int, segments: int, trials: int) 
     t_debug = statistics.median(time_replays(debugged.replay, repeats, trials))
     breaks = segments - 1
     return {
-        "regime": name, "elements": elements, "kernels_per_segment": kernels,
-        "segments": segments, "breaks": breaks,
-        "eager_us": t_eager * 1e6, "full_graph_us": t_full * 1e6, "full_graph_again_us": t_full2 * 1e6,
-        "breakgraph_us": t_broken * 1e6, "separate_graphs_us": t_separate * 1e6,
+        "regime": name,
+        "elements": elements,
+        "kernels_per_segment": kernels,
+        "segments": segments,
+        "breaks": breaks,
+        "eager_us": t_eager * 1e6,
+        "full_graph_us": t_full * 1e6,
+        "full_graph_again_us": t_full2 * 1e6,
+        "breakgraph_us": t_broken * 1e6,
+        "separate_graphs_us": t_separate * 1e6,
         "floor_per_break_us": (t_separate - min(t_full, t_full2)) / breaks * 1e6,
         "added_per_break_us": (t_broken - min(t_full, t_full2)) / breaks * 1e6,
         "noise_per_break_us": abs(t_full - t_full2) / breaks * 1e6,
@@ -115,15 +121,22 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=15)
     args = parser.parse_args()
     rows = [measure(name, *spec, trials=args.trials) for name, spec in REGIMES.items()]
-    print(f"{'regime':<26}{'breaks':>7}{'eager us':>10}{'graph us':>10}{'bg us':>10}{'+us/break':>11}"
-          f"{'floor':>8}{'noise':>8}{'debug':>8}")
+    print(
+        f"{'regime':<26}{'breaks':>7}{'eager us':>10}{'graph us':>10}{'bg us':>10}{'+us/break':>11}"
+        f"{'floor':>8}{'noise':>8}{'debug':>8}"
+    )
     for r in rows:
-        print(f"{r['regime']:<26}{r['breaks']:>7}{r['eager_us']:>10.1f}{r['full_graph_us']:>10.1f}"
-              f"{r['breakgraph_us']:>10.1f}{r['added_per_break_us']:>11.2f}{r['floor_per_break_us']:>8.2f}"
-              f"{r['noise_per_break_us']:>8.2f}{r['debug_mode_per_break_us']:>8.2f}")
+        print(
+            f"{r['regime']:<26}{r['breaks']:>7}{r['eager_us']:>10.1f}{r['full_graph_us']:>10.1f}"
+            f"{r['breakgraph_us']:>10.1f}{r['added_per_break_us']:>11.2f}{r['floor_per_break_us']:>8.2f}"
+            f"{r['noise_per_break_us']:>8.2f}{r['debug_mode_per_break_us']:>8.2f}"
+        )
     if args.out:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d")}
+        meta = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "overhead": rows}, f, indent=2)
 

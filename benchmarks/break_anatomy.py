@@ -20,11 +20,11 @@ import json
 import time
 
 import torch
-
-import breakgraph
 from bench_prefill import CONFIGS, bench_interleaved, make_model
 from breakgraph.integrations.transformers import PrefillRunner
 from breakgraph.integrations.transformers import attention as _attention
+
+import breakgraph
 
 TOKENS = (32, 128, 2048)
 
@@ -75,7 +75,9 @@ def main() -> None:
     config = CONFIGS[args.model]()
     model = make_model(config)
     runners = {
-        "full_graph": PrefillRunner(model, token_buckets=TOKENS, max_prompts=16, attention="captured"),
+        "full_graph": PrefillRunner(
+            model, token_buckets=TOKENS, max_prompts=16, attention="captured"
+        ),
         "cuts_only": runner_with_cuts(model, TOKENS),
         "eager_flash_no_copy": runner_without_copy_back(model, TOKENS),
         "breakgraph": PrefillRunner(model, token_buckets=TOKENS, max_prompts=16),
@@ -85,21 +87,35 @@ def main() -> None:
     rows = []
     for n in TOKENS:
         prompt = torch.randint(config.vocab_size, (n,), device="cuda")
-        times = bench_interleaved({k: (lambda r=r: r.prefill([prompt])) for k, r in runners.items()})
+        times = bench_interleaved(
+            {k: (lambda r=r: r.prefill([prompt])) for k, r in runners.items()}
+        )
         full = times["full_graph"]
-        rows.append({"tokens": n, "ms": times,
-                     "us_per_break": {k: (t - full) * 1e3 / breaks for k, t in times.items()}})
+        rows.append(
+            {
+                "tokens": n,
+                "ms": times,
+                "us_per_break": {k: (t - full) * 1e3 / breaks for k, t in times.items()},
+            }
+        )
     for r in runners.values():
         r.close()
     print(f"{args.model}, {breaks} breaks; µs added per break over the full graph (device time)")
     print(f"{'tokens':>7}{'full ms':>10}{'cuts only':>11}{'+ eager flash':>15}{'breakgraph':>12}")
     for row in rows:
         per = row["us_per_break"]
-        print(f"{row['tokens']:>7}{row['ms']['full_graph']:>10.3f}{per['cuts_only']:>11.2f}"
-              f"{per['eager_flash_no_copy']:>15.2f}{per['breakgraph']:>12.2f}")
+        print(
+            f"{row['tokens']:>7}{row['ms']['full_graph']:>10.3f}{per['cuts_only']:>11.2f}"
+            f"{per['eager_flash_no_copy']:>15.2f}{per['breakgraph']:>12.2f}"
+        )
     if args.out:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d"), "model": args.model, "breaks": breaks}
+        meta = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "model": args.model,
+            "breaks": breaks,
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(HERE, "..", "docs")
@@ -69,9 +68,13 @@ def overhead_section(data: dict) -> list:
                     f"| {r['regime']} | {o['added_per_break_us']:.2f} "
                     f"({o['added_per_break_us'] - o['floor_per_break_us']:+.2f}) "
                     f"| {r['added_per_break_us']:.2f} ({r['added_per_break_us'] - r['floor_per_break_us']:+.2f}) "
-                    f"| {r['debug_mode_per_break_us']:.2f} |")
-        lines += ["", "Absolute numbers move with the machine (the floor moved too); breakgraph's cost over the",
-                  "floor is what the code controls."]
+                    f"| {r['debug_mode_per_break_us']:.2f} |"
+                )
+        lines += [
+            "",
+            "Absolute numbers move with the machine (the floor moved too); breakgraph's cost over the",
+            "floor is what the code controls.",
+        ]
     lines += [
         "",
         "![per-break overhead](img/overhead.png)",
@@ -86,15 +89,18 @@ def overhead_section(data: dict) -> list:
     return lines
 
 
-def prefill_section(data: dict, compiled_run: Optional[tuple] = None) -> list:
+def prefill_section(data: dict, compiled_run: tuple | None = None) -> list:
     """The prefill tables; ``compiled_run`` = (label, data) supplies the torch.compile rows
     when the main run did not time them."""
     interleaved = any("spread" in r for m in data["models"] for r in m["rows"])
-    method = ("medians of 200 synchronised runs per variant, the variants taking turns call by call,"
-              " each turn in the next of all their orders, so that drift (clocks, temperature, a busy"
-              " host) and the state left by the previous call hit them alike; *per round* is the"
-              " lowest and highest breakgraph / full graph ratio over rounds of 10 turns (the noise)."
-              if interleaved else "medians of 30 runs, each synchronised.")
+    method = (
+        "medians of 200 synchronised runs per variant, the variants taking turns call by call,"
+        " each turn in the next of all their orders, so that drift (clocks, temperature, a busy"
+        " host) and the state left by the previous call hit them alike; *per round* is the"
+        " lowest and highest breakgraph / full graph ratio over rounds of 10 turns (the noise)."
+        if interleaved
+        else "medians of 30 runs, each synchronised."
+    )
     lines = [
         "## Prefill of transformers models (bf16, random weights)",
         "",
@@ -102,8 +108,8 @@ def prefill_section(data: dict, compiled_run: Optional[tuple] = None) -> list:
         "HF eager one prompt at a time (`sdpa`, `use_cache=False`); HF eager on the left-padded",
         "batch; **breakgraph** (`PrefillRunner`: attention as an eager break per layer with exact",
         "lengths); **full graph**: the same packed forward in ONE CUDA graph with attention captured",
-        "using upper-bound lengths (`PrefillRunner(attention=\"captured\")`: the same kernels, no",
-        "breaks); `torch.compile(mode=\"reduce-overhead\")` of the HF forward (single prompts, Llama;",
+        'using upper-bound lengths (`PrefillRunner(attention="captured")`: the same kernels, no',
+        'breaks); `torch.compile(mode="reduce-overhead")` of the HF forward (single prompts, Llama;',
         "its own table below when the main run did not time it).",
         "Buckets 32, 128, 512, 2048 tokens; up to 16 prompts.",
         "",
@@ -154,26 +160,32 @@ def target_lines(m: dict) -> list:
     for r in m["rows"]:
         limit = 1.10 if r["tokens"] <= 32 else 1.05
         if r["bg_over_full"] > limit:
-            missed.append(f"{r['workload']}: breakgraph / full graph {r['bg_over_full']:.3f} > {limit:.2f}")
+            missed.append(
+                f"{r['workload']}: breakgraph / full graph {r['bg_over_full']:.3f} > {limit:.2f}"
+            )
         if r["tokens"] <= 128 and r["workload"].startswith("single") and r["eager_over_bg"] < 5:
             missed.append(f"{r['workload']}: eager / breakgraph {r['eager_over_bg']:.2f} < 5")
     verdict = "all met" if not missed else "missed: " + "; ".join(missed)
     return ["", f"Targets ({TARGETS}): {verdict}."]
 
 
-def compile_lines(m: dict, compiled_run: Optional[tuple]) -> list:
+def compile_lines(m: dict, compiled_run: tuple | None) -> list:
     """torch.compile: reduce-overhead, and breakgraph with compiled segments against its twin."""
     label, rows = "", [r for r in m["rows"] if "bg_compiled" in r or "compile_ro" in r]
     if not rows and compiled_run:
         label, other = compiled_run
         match = [o for o in other["models"] if o["model"] == m["model"]]
-        rows = [r for r in (match[0]["rows"] if match else []) if "bg_compiled" in r or "compile_ro" in r]
+        rows = [
+            r
+            for r in (match[0]["rows"] if match else [])
+            if "bg_compiled" in r or "compile_ro" in r
+        ]
         label = f" ({label}, where the variants alternated in a fixed order)"
     if not rows:
         return []
     lines = [
         "",
-        f"torch.compile{label}: `torch.compile(mode=\"reduce-overhead\")` of the HF forward, and",
+        f'torch.compile{label}: `torch.compile(mode="reduce-overhead")` of the HF forward, and',
         "`PrefillRunner(compile=True)` (Inductor-fused kernels inside the segments, attention still",
         "an eager break) against the same compiled forward in one CUDA graph (ms):",
         "",
@@ -187,7 +199,8 @@ def compile_lines(m: dict, compiled_run: Optional[tuple]) -> list:
         speedup = f"{r['eager_over_bgc']:.2f}" if "eager_over_bgc" in r else "-"
         lines.append(
             f"| {r['workload']} | {_ms(r, 'hf_eager')} | {_ms(r, 'breakgraph')} | {_ms(r, 'compile_ro')} "
-            f"| {_ms(r, 'bg_compiled')} | {_ms(r, 'full_compiled')} | {ratio} | {rounds} | {speedup} |")
+            f"| {_ms(r, 'bg_compiled')} | {_ms(r, 'full_compiled')} | {ratio} | {rounds} | {speedup} |"
+        )
     return lines
 
 
@@ -207,13 +220,18 @@ def break_cost_lines(m: dict) -> list:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['bg_host_ms']:.2f} | {r['full_host_ms']:.2f} "
-                     f"| {r['breakgraph']:.2f} | {r['full_graph']:.2f} |")
+        lines.append(
+            f"| {r['workload']} | {r['bg_host_ms']:.2f} | {r['full_host_ms']:.2f} "
+            f"| {r['breakgraph']:.2f} | {r['full_graph']:.2f} |"
+        )
     host = m.get("attention_break_host_us")
     if host:
-        lines += ["", f"Host time of one attention break (debug-mode timers, NVTX ranges included, 128 "
-                      f"tokens): mean {host['mean']:.1f} µs, max {host['max']:.1f} µs over "
-                      f"{host['breaks']} layers."]
+        lines += [
+            "",
+            f"Host time of one attention break (debug-mode timers, NVTX ranges included, 128 "
+            f"tokens): mean {host['mean']:.1f} µs, max {host['max']:.1f} µs over "
+            f"{host['breaks']} layers.",
+        ]
     return lines
 
 
@@ -238,9 +256,11 @@ def anatomy_section(runs: list) -> list:
         for r in data["rows"]:
             per = r["us_per_break"]
             copy = per["breakgraph"] - per["eager_flash_no_copy"]
-            lines.append(f"| {i} | {r['tokens']} | {r['ms']['full_graph']:.3f} | {per['cuts_only']:.2f} "
-                         f"| {per['eager_flash_no_copy']:.2f} | {per['breakgraph']:.2f} | {copy:.2f} "
-                         f"| {r['ms']['breakgraph'] / r['ms']['full_graph']:.3f} |")
+            lines.append(
+                f"| {i} | {r['tokens']} | {r['ms']['full_graph']:.3f} | {per['cuts_only']:.2f} "
+                f"| {per['eager_flash_no_copy']:.2f} | {per['breakgraph']:.2f} | {copy:.2f} "
+                f"| {r['ms']['breakgraph'] / r['ms']['full_graph']:.3f} |"
+            )
     lines += [
         "",
         "The host is not the limit: it issues a prefill in about half the device time (tables",
@@ -311,7 +331,9 @@ def suite_tables(data: dict) -> tuple:
         if info["workload"] == "overhead":
             overhead.setdefault(info["regime"], {})[info["variant"]] = (median, info)
         elif info["workload"] == "copy-back":
-            copy.setdefault(info["elements"], {})[info["kind"]] = median / info["repeats"] / info["breaks"] * 1e6
+            copy.setdefault(info["elements"], {})[info["kind"]] = (
+                median / info["repeats"] / info["breaks"] * 1e6
+            )
         elif info["workload"] == "prefill":
             prefill.setdefault(info["case"], {})[info["variant"]] = median * 1e3
         elif info["workload"] == "buckets":
@@ -319,7 +341,7 @@ def suite_tables(data: dict) -> tuple:
     return overhead, copy, prefill, sorted(buckets, key=lambda i: i["buckets"])
 
 
-def added_per_break_us(variants: dict, key: str) -> Optional[float]:
+def added_per_break_us(variants: dict, key: str) -> float | None:
     """µs a variant adds per break over the one-graph variant of the same overhead regime."""
     if key not in variants:
         return None
@@ -333,39 +355,59 @@ def suite_section(data: dict) -> list:
     info = data.get("machine_info", {})
     cpu = (info.get("cpu") or {}).get("brand_raw", "-")
     label = ", ".join(f"{k} {info[k]}" for k in ("gpu", "torch", "transformers") if info.get(k))
-    lines = ["## Benchmark suite (pytest-benchmark)", "",
-             "`tests/benchmarks` (per-break and per-replay times divided out of each timed call); medians.",
-             f"Run {str(data.get('datetime', '-'))[:16].replace('T', ' ')} UTC, host CPU {cpu}"
-             + (f", {label}." if label else " (GPU and versions: the page header's run)."),
-             ""]
+    lines = [
+        "## Benchmark suite (pytest-benchmark)",
+        "",
+        "`tests/benchmarks` (per-break and per-replay times divided out of each timed call); medians.",
+        f"Run {str(data.get('datetime', '-'))[:16].replace('T', ' ')} UTC, host CPU {cpu}"
+        + (f", {label}." if label else " (GPU and versions: the page header's run)."),
+        "",
+    ]
     if overhead:
-        lines += ["| regime | one graph µs | breakgraph +µs/break | separate graphs +µs/break "
-                  "| breakable-cuda-graphs +µs/break | eager µs | breakgraph / one graph | eager / breakgraph |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| regime | one graph µs | breakgraph +µs/break | separate graphs +µs/break "
+            "| breakable-cuda-graphs +µs/break | eager µs | breakgraph / one graph | eager / breakgraph |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for regime, v in overhead.items():
             full, info = v["full_graph"]
             per = lambda k: "-" if k not in v else f"{added_per_break_us(v, k):.2f}"  # noqa: E731
-            lines.append(f"| {regime} | {full / info['repeats'] * 1e6:.1f} | {per('breakgraph')} | "
-                         f"{per('separate_graphs')} | {per('peer')} | "
-                         f"{v['eager'][0] / info['repeats'] * 1e6:.1f} | {v['breakgraph'][0] / full:.2f} "
-                         f"| {v['eager'][0] / v['breakgraph'][0]:.2f} |")
+            lines.append(
+                f"| {regime} | {full / info['repeats'] * 1e6:.1f} | {per('breakgraph')} | "
+                f"{per('separate_graphs')} | {per('peer')} | "
+                f"{v['eager'][0] / info['repeats'] * 1e6:.1f} | {v['breakgraph'][0] / full:.2f} "
+                f"| {v['eager'][0] / v['breakgraph'][0]:.2f} |"
+            )
         lines.append("")
     if copy:
-        lines += ["| floats per break | fresh result µs/break | in place µs/break |", "|---|---|---|"]
-        lines += [f"| {n} | {v.get('fresh', 0):.2f} | {v.get('in_place', 0):.2f} |" for n, v in copy.items()]
+        lines += [
+            "| floats per break | fresh result µs/break | in place µs/break |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {n} | {v.get('fresh', 0):.2f} | {v.get('in_place', 0):.2f} |"
+            for n, v in copy.items()
+        ]
         lines.append("")
     if prefill:
-        lines += ["| prefill case | HF eager ms | breakgraph ms | full graph ms | compile ms | bg / full | eager / bg |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "| prefill case | HF eager ms | breakgraph ms | full graph ms | compile ms | bg / full | eager / bg |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for case, v in prefill.items():
             f = lambda k: f"{v[k]:.2f}" if k in v else "-"  # noqa: E731
             eager = f"{v['hf_eager'] / v['breakgraph']:.2f}" if "hf_eager" in v else "-"
-            lines.append(f"| {case} | {f('hf_eager')} | {f('breakgraph')} | {f('full_graph')} | "
-                         f"{f('compile_ro')} | {v['breakgraph'] / v['full_graph']:.3f} | {eager} |")
+            lines.append(
+                f"| {case} | {f('hf_eager')} | {f('breakgraph')} | {f('full_graph')} | "
+                f"{f('compile_ro')} | {v['breakgraph'] / v['full_graph']:.3f} | {eager} |"
+            )
         lines.append("")
     if buckets:
         lines += ["| buckets | capture s | graph MiB |", "|---|---|---|"]
-        lines += [f"| {i['buckets']} | {i['seconds']:.2f} | {i['graph_bytes'] / 2**20:.0f} |" for i in buckets]
+        lines += [
+            f"| {i['buckets']} | {i['seconds']:.2f} | {i['graph_bytes'] / 2**20:.0f} |"
+            for i in buckets
+        ]
         lines.append("")
     losses = suite_losses(overhead, prefill)
     if losses:
@@ -380,17 +422,24 @@ def suite_losses(overhead: dict, prefill: dict) -> list:
     losses = []
     for regime, v in overhead.items():
         per = {k: added_per_break_us(v, k) for k in v if k != "eager"}
-        for rival, label in (("separate_graphs", "separate plain CUDA graphs"), ("peer", "breakable-cuda-graphs")):
+        for rival, label in (
+            ("separate_graphs", "separate plain CUDA graphs"),
+            ("peer", "breakable-cuda-graphs"),
+        ):
             if rival in per and per["breakgraph"] > per[rival]:
-                losses.append(f"{regime}: {per['breakgraph']:.2f} µs per break against {per[rival]:.2f} "
-                              f"for {label}")
+                losses.append(
+                    f"{regime}: {per['breakgraph']:.2f} µs per break against {per[rival]:.2f} "
+                    f"for {label}"
+                )
     for case, v in prefill.items():
         ratio = v["breakgraph"] / v["full_graph"]
         if ratio > 1.05:
             losses.append(f"prefill {case}: {100 * (ratio - 1):.1f}% slower than the full graph")
         if "compile_ro" in v and v["compile_ro"] < v["breakgraph"]:
-            losses.append(f"prefill {case}: torch.compile reduce-overhead is faster "
-                          f"({v['compile_ro']:.2f} ms against {v['breakgraph']:.2f} ms)")
+            losses.append(
+                f"prefill {case}: torch.compile reduce-overhead is faster "
+                f"({v['compile_ro']:.2f} ms against {v['breakgraph']:.2f} ms)"
+            )
     return losses
 
 
@@ -398,22 +447,31 @@ def write_suite_plot(data: dict, plt, save: dict) -> None:
     """Two panels: µs added per break by variant and regime; prefill ms by variant and case."""
     overhead, _, prefill, _ = suite_tables(data)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.4))
-    variants = [("breakgraph", "breakgraph"), ("separate_graphs", "separate graphs"),
-                ("peer", "breakable-cuda-graphs")]
+    variants = [
+        ("breakgraph", "breakgraph"),
+        ("separate_graphs", "separate graphs"),
+        ("peer", "breakable-cuda-graphs"),
+    ]
     for k, (key, label) in enumerate(variants):
         values = [added_per_break_us(v, key) or 0 for v in overhead.values()]
         left.bar([i + (k - 1) * 0.27 for i in range(len(values))], values, 0.27, label=label)
     left.set_xticks(range(len(overhead)), list(overhead), fontsize=7)
     left.set_ylabel("µs added per break")
     left.legend(fontsize=7)
-    series = [("hf_eager", "HF eager"), ("breakgraph", "breakgraph"), ("full_graph", "one CUDA graph"),
-              ("compile_ro", "compile reduce-overhead")]
+    series = [
+        ("hf_eager", "HF eager"),
+        ("breakgraph", "breakgraph"),
+        ("full_graph", "one CUDA graph"),
+        ("compile_ro", "compile reduce-overhead"),
+    ]
     for k, (key, label) in enumerate(series):
         values = [v.get(key, 0) for v in prefill.values()]
         right.bar([i + (k - 1.5) * 0.2 for i in range(len(values))], values, 0.2, label=label)
     right.set_yscale("log")
     right.set_ylabel("prefill ms (log)")
-    right.set_xticks(range(len(prefill)), [f"{c} tokens" if str(c).isdigit() else c for c in prefill], fontsize=7)
+    right.set_xticks(
+        range(len(prefill)), [f"{c} tokens" if str(c).isdigit() else c for c in prefill], fontsize=7
+    )
     right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(DOCS, "img", "suite.png"), **save)
@@ -433,9 +491,15 @@ def write_plots(prefill: dict, overhead: dict, suite: str = SUITE_JSON) -> None:
         rows = overhead["overhead"]
         fig, ax = plt.subplots(figsize=(6.4, 3.2))
         x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["added_per_break_us"] for r in rows], 0.4, label="breakgraph")
-        ax.bar([i + 0.2 for i in x], [r["floor_per_break_us"] for r in rows], 0.4,
-               label="separate CUDA graphs (floor)")
+        ax.bar(
+            [i - 0.2 for i in x], [r["added_per_break_us"] for r in rows], 0.4, label="breakgraph"
+        )
+        ax.bar(
+            [i + 0.2 for i in x],
+            [r["floor_per_break_us"] for r in rows],
+            0.4,
+            label="separate CUDA graphs (floor)",
+        )
         ax.axhline(2.0, color="grey", linestyle="--", linewidth=1, label="2 µs target")
         ax.set_xticks(list(x), [r["regime"] for r in rows])
         ax.set_ylabel("µs added per break")
@@ -448,8 +512,13 @@ def write_plots(prefill: dict, overhead: dict, suite: str = SUITE_JSON) -> None:
         fig, ax = plt.subplots(figsize=(6.4, 3.4))
         labels = [r["workload"].replace(" (", "\n(") for r in rows]
         x = range(len(rows))
-        series = [("hf_eager", "HF eager"), ("breakgraph", "breakgraph"), ("full_graph", "one CUDA graph"),
-                  ("bg_compiled", "breakgraph + compile"), ("compile_ro", "compile reduce-overhead")]
+        series = [
+            ("hf_eager", "HF eager"),
+            ("breakgraph", "breakgraph"),
+            ("full_graph", "one CUDA graph"),
+            ("bg_compiled", "breakgraph + compile"),
+            ("compile_ro", "compile reduce-overhead"),
+        ]
         width = 0.16
         for k, (key, label) in enumerate(series):
             values = [r.get(key, 0) for r in rows]
@@ -469,7 +538,11 @@ def write_plots(prefill: dict, overhead: dict, suite: str = SUITE_JSON) -> None:
 
 
 def render(suite: str = SUITE_JSON) -> str:
-    overhead, prefill, moe = _load("h200-overhead.json"), _load("h200-prefill.json"), _load("h200-moe.json")
+    overhead, prefill, moe = (
+        _load("h200-overhead.json"),
+        _load("h200-prefill.json"),
+        _load("h200-moe.json"),
+    )
     meta = (prefill or overhead)["meta"]
     lines = [
         "# Performance",
@@ -488,7 +561,9 @@ def render(suite: str = SUITE_JSON) -> str:
     if prefill:
         run3 = _load("h200-prefill-run3.json")
         lines += prefill_section(prefill, ("run 3", run3) if run3 else None)
-    anatomy = [a for a in (_load("h200-break-anatomy.json"), _load("h200-break-anatomy-repeat.json")) if a]
+    anatomy = [
+        a for a in (_load("h200-break-anatomy.json"), _load("h200-break-anatomy-repeat.json")) if a
+    ]
     if anatomy:
         lines += anatomy_section(anatomy)
     runs = [(f"run {i}", _load(f"h200-prefill-run{i}.json")) for i in (1, 2, 3)]
@@ -505,7 +580,9 @@ def render(suite: str = SUITE_JSON) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.path.join(DOCS, "performance.md"))
-    parser.add_argument("--pytest-benchmark", default=SUITE_JSON, help="pytest-benchmark JSON of tests/benchmarks")
+    parser.add_argument(
+        "--pytest-benchmark", default=SUITE_JSON, help="pytest-benchmark JSON of tests/benchmarks"
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
     with open(args.out, "w") as f:

@@ -16,10 +16,13 @@
 See ``docs/concepts.md`` for the semantics and ``examples/`` for runnable scripts.
 """
 
+import logging as _logging
+
 from .eager import break_graph, eager_on_graph
 from .errors import (
     BackendError,
     BreakgraphError,
+    BreakgraphWarning,
     CaptureError,
     CopyBackError,
     HostSyncError,
@@ -27,11 +30,8 @@ from .errors import (
     ReplayError,
     StaleTensorError,
     StreamError,
-    BreakgraphWarning,
 )
 from .graph import BreakableCUDAGraph, capture, context_scope, is_capturing, replay_context
-
-import logging as _logging
 
 _logging.getLogger("breakgraph").addHandler(_logging.NullHandler())  # nothing printed by default
 
@@ -56,33 +56,3 @@ __all__ = [
     "StaleTensorError",
     "BreakgraphWarning",
 ]
-
-
-def _mount_checkout_integrations() -> None:
-    """Make ``breakgraph.integrations`` importable from a source checkout.
-
-    Installed wheels place the top-level ``integrations/`` folder inside the
-    package. In a checkout whose ``breakgraph/`` shadows the installed package (tests
-    run from the repository root), older setuptools' editable finders do not map it,
-    so load it here from ``../integrations``. Its ``__init__`` imports nothing heavy.
-    """
-    import importlib.util
-    import os
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    source = os.path.join(os.path.dirname(here), "integrations", "__init__.py")
-    name = __name__ + ".integrations"
-    if name in sys.modules or os.path.isdir(os.path.join(here, "integrations")):
-        return
-    if not os.path.isfile(source) or importlib.util.find_spec(name) is not None:
-        return
-    spec = importlib.util.spec_from_file_location(
-        name, source, submodule_search_locations=[os.path.dirname(source)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-
-
-_mount_checkout_integrations()

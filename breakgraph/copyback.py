@@ -26,8 +26,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -130,8 +130,11 @@ def _sequence_copier(kind: type, children: list, path: str, function: str) -> Co
     def copy_sequence(new: Any) -> None:
         if type(new) is not kind or len(new) != n:
             raise CopyBackError(
-                function, path, "a changed structure",
-                f"{kind.__name__} of length {n}", _describe_container(new),
+                function,
+                path,
+                "a changed structure",
+                f"{kind.__name__} of length {n}",
+                _describe_container(new),
             )
         for child, item in zip(children, new):
             child(item)
@@ -145,8 +148,11 @@ def _mapping_copier(kind: type, keys: tuple, children: list, path: str, function
 
     def structure_error(new: Any) -> CopyBackError:
         return CopyBackError(
-            function, path, "a changed structure",
-            f"{kind.__name__} with keys {list(keys)}", _describe_container(new),
+            function,
+            path,
+            "a changed structure",
+            f"{kind.__name__} with keys {list(keys)}",
+            _describe_container(new),
         )
 
     def copy_mapping(new: Any) -> None:
@@ -177,8 +183,11 @@ def _attribute_copier(captured: Any, names: tuple, path: str, function: str, che
                 value = getattr(new, name)
             except AttributeError:
                 raise CopyBackError(
-                    function, f"{path}.{name}", "a changed structure",
-                    "an attribute", "no such attribute",
+                    function,
+                    f"{path}.{name}",
+                    "a changed structure",
+                    "an attribute",
+                    "no such attribute",
                 ) from None
             child(value)
 

@@ -43,8 +43,9 @@ import os
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -57,7 +58,7 @@ __all__ = ["debug_enabled", "InputWatch", "GraphReport", "pool_bytes"]
 logger = logging.getLogger("breakgraph")
 
 
-def debug_enabled(flag: Optional[bool]) -> bool:
+def debug_enabled(flag: bool | None) -> bool:
     """``flag`` if given, else the environment variable ``BREAKGRAPH_DEBUG``."""
     if flag is not None:
         return bool(flag)
@@ -78,7 +79,7 @@ class _Watched:
     stride: tuple
     description: str
 
-    def problem(self) -> Optional[str]:
+    def problem(self) -> str | None:
         t = self.ref()
         if t is None:
             return "was freed"
@@ -98,7 +99,7 @@ class InputWatch:
         self.segment = 0
         self._produced: set = set()
         self._seen: set = set()
-        self.by_segment: Dict[int, List[_Watched]] = {}
+        self.by_segment: dict[int, list[_Watched]] = {}
 
     def observe(self, func, args, kwargs, out) -> None:
         """The per-operation observer handed to the backend while a segment is captured."""
@@ -120,21 +121,31 @@ class InputWatch:
                 self._produced.add(_storage_ptr(t))
                 self._watch(t, f"the output of eager function {name!r}", True, segment)
 
-    def _watch(self, t: torch.Tensor, where: str, force: bool = False,
-               segment: Optional[int] = None) -> None:
+    def _watch(
+        self, t: torch.Tensor, where: str, force: bool = False, segment: int | None = None
+    ) -> None:
         storage = _storage_ptr(t)
         key = (id(t), t.data_ptr())
         if key in self._seen or (storage in self._produced and not force) or storage == 0:
             return
         self._seen.add(key)
-        description = (f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}) "
-                       f"first read by {where}")
+        description = (
+            f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}) "
+            f"first read by {where}"
+        )
         self.by_segment.setdefault(self.segment if segment is None else segment, []).append(
-            _Watched(weakref.ref(t), t.data_ptr(), storage, t.untyped_storage().nbytes(),
-                     tuple(t.shape), t.stride(), description)
+            _Watched(
+                weakref.ref(t),
+                t.data_ptr(),
+                storage,
+                t.untyped_storage().nbytes(),
+                tuple(t.shape),
+                t.stride(),
+                description,
+            )
         )
 
-    def checker(self, segment: int) -> Optional[Callable[[], None]]:
+    def checker(self, segment: int) -> Callable[[], None] | None:
         watched = tuple(self.by_segment.get(segment, ()))
         if not watched:
             return None
@@ -157,24 +168,35 @@ class GraphReport:
     """What a captured graph holds: see :meth:`BreakableCUDAGraph.report`."""
 
     backend: str
-    segment_ops: List[int]
-    break_names: List[str]
-    break_host_us: List[Optional[float]]  # mean host time per replay (debug mode only)
-    graph_memory_bytes: Optional[int]
-    unjoined_streams: Dict[int, List[str]] = field(default_factory=dict)
+    segment_ops: list[int]
+    break_names: list[str]
+    break_host_us: list[float | None]  # mean host time per replay (debug mode only)
+    graph_memory_bytes: int | None
+    unjoined_streams: dict[int, list[str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        rows = [f"breakgraph report ({self.backend}): {len(self.segment_ops)} segments, "
-                f"{len(self.break_names)} breaks"]
+        rows = [
+            f"breakgraph report ({self.backend}): {len(self.segment_ops)} segments, "
+            f"{len(self.break_names)} breaks"
+        ]
         for i, ops in enumerate(self.segment_ops):
-            note = f"  (unjoined side streams: {', '.join(self.unjoined_streams[i])})" \
-                if i in self.unjoined_streams else ""
+            note = (
+                f"  (unjoined side streams: {', '.join(self.unjoined_streams[i])})"
+                if i in self.unjoined_streams
+                else ""
+            )
             rows.append(f"  segment {i:<3} {ops:>6} aten ops{note}")
             if i < len(self.break_names):
                 t = self.break_host_us[i]
-                timing = f"{t:8.1f} us/replay" if t is not None else "       - (timed in debug mode)"
+                timing = (
+                    f"{t:8.1f} us/replay" if t is not None else "       - (timed in debug mode)"
+                )
                 rows.append(f"    break {i:<3} {self.break_names[i]:<40}{timing}")
-        memory = "n/a" if self.graph_memory_bytes is None else f"{self.graph_memory_bytes / 2**20:.1f} MiB"
+        memory = (
+            "n/a"
+            if self.graph_memory_bytes is None
+            else f"{self.graph_memory_bytes / 2**20:.1f} MiB"
+        )
         rows.append(f"  graph memory (pool): {memory}")
         return "\n".join(rows)
 
@@ -196,7 +218,7 @@ class BreakTimer:
 
         return timed
 
-    def mean_us(self) -> Optional[float]:
+    def mean_us(self) -> float | None:
         return self.seconds / self.calls * 1e6 if self.calls else None
 
 
@@ -215,17 +237,21 @@ def nvtx(step: Callable[[], None], label: str) -> Callable[[], None]:
 
 
 def warn_unjoined(segment: int, streams: list) -> None:
-    message = (f"breakgraph: segment {segment} ended with side streams your code had not joined "
-               f"({', '.join(map(repr, streams))}); breakgraph joined them and forks them again "
-               f"in the next segment. Join them yourself (current.wait_stream(side)) to make the "
-               f"dependency explicit.")
+    message = (
+        f"breakgraph: segment {segment} ended with side streams your code had not joined "
+        f"({', '.join(map(repr, streams))}); breakgraph joined them and forks them again "
+        f"in the next segment. Join them yourself (current.wait_stream(side)) to make the "
+        f"dependency explicit."
+    )
     logger.warning(message)
     warnings.warn(message, BreakgraphWarning, stacklevel=4)
 
 
-def pool_bytes(pool: Any, device: Any = None) -> Optional[int]:
+def pool_bytes(pool: Any, device: Any = None) -> int | None:
     """Bytes the caching allocator holds in a CUDA graph pool (None off CUDA)."""
     if not isinstance(pool, tuple) or not torch.cuda.is_available():
         return None
     segments = torch.cuda.memory._snapshot(device)["segments"]
-    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+    return sum(
+        s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)
+    )

@@ -10,7 +10,8 @@ methods, classmethods, staticmethods and ``nn.Module.forward`` behave as usual.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import wrapt
@@ -21,14 +22,18 @@ __all__ = ["eager_on_graph", "break_graph"]
 
 
 def _name_of(function: Any) -> str:
-    return getattr(function, "__qualname__", None) or getattr(function, "__name__", None) or repr(function)
+    return (
+        getattr(function, "__qualname__", None)
+        or getattr(function, "__name__", None)
+        or repr(function)
+    )
 
 
 def eager_on_graph(
-    function: Optional[Callable] = None,
+    function: Callable | None = None,
     *,
     enable: bool = True,
-    capture_stub: Optional[Callable] = None,
+    capture_stub: Callable | None = None,
     check_values: bool = True,
 ):
     """Run ``function`` eagerly between captured segments, on capture and on every replay.

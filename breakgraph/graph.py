@@ -23,8 +23,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "c
 
 
 class _ThreadState(threading.local):
-    capture: Optional["_Capture"] = None  # the capture running on this thread
+    capture: _Capture | None = None  # the capture running on this thread
     context: Any = None  # what replay_context() returns
 
 
@@ -51,11 +52,11 @@ class _Break:
     """One eager break: what runs between two segments on replay."""
 
     name: str
-    function: Optional[Callable]  # None for break_graph(): nothing runs on replay
+    function: Callable | None  # None for break_graph(): nothing runs on replay
     args: tuple  # held strongly for the graph's lifetime
     kwargs: dict
     output: Any  # the capture-time output, into which replays copy
-    replay: Optional[Callable[[], None]]
+    replay: Callable[[], None] | None
 
 
 class BreakableCUDAGraph:
@@ -86,10 +87,10 @@ class BreakableCUDAGraph:
         self._breaks: list = []
         self._steps: tuple = ()  # prebuilt replay sequence: segment.replay, break.replay, ...
         self._pool: Any = None
-        self._backend: Optional[str] = None
+        self._backend: str | None = None
         self._context: Any = None
         self._capturing = False
-        self._timers: Optional[list] = None  # debug mode: host time of each break
+        self._timers: list | None = None  # debug mode: host time of each break
         self._unjoined: dict = {}  # debug mode: segment -> side streams breakgraph had to join
 
     @property
@@ -103,7 +104,7 @@ class BreakableCUDAGraph:
         return len(self._breaks)
 
     @property
-    def backend(self) -> Optional[str]:
+    def backend(self) -> str | None:
         """``"cuda"`` or ``"emulated"`` once captured, else None."""
         return self._backend
 
@@ -155,7 +156,7 @@ class BreakableCUDAGraph:
         self._pool = self._backend = self._context = self._timers = None
         self._unjoined = {}
 
-    def report(self) -> "_debug.GraphReport":
+    def report(self) -> _debug.GraphReport:
         """The coverage report: segments (aten ops each), breaks (names, host time per
         replay when captured in debug mode), graph-pool memory (CUDA).
 
@@ -245,13 +246,13 @@ def replay_context() -> Any:
 def capture(
     graph: BreakableCUDAGraph,
     pool: Any = None,
-    stream: Optional["torch.cuda.Stream"] = None,
+    stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     *,
-    backend: Optional[str] = None,
+    backend: str | None = None,
     context: Any = None,
     detect_syncs: bool = True,
-    debug: Optional[bool] = None,
+    debug: bool | None = None,
 ) -> Iterator[BreakableCUDAGraph]:
     """Capture the work in the ``with`` block into ``graph``, breaking at eager functions.
 
@@ -301,8 +302,16 @@ def capture(
         )
     session = None
     try:
-        session = _Capture(graph, chosen, pool, stream, capture_error_mode, context, detect_syncs,
-                           _debug.debug_enabled(debug))
+        session = _Capture(
+            graph,
+            chosen,
+            pool,
+            stream,
+            capture_error_mode,
+            context,
+            detect_syncs,
+            _debug.debug_enabled(debug),
+        )
         yield graph
         session.finish()
     except BaseException as exc:
@@ -330,8 +339,17 @@ def _is_cuda_capture_failure(exc: BaseException) -> bool:
 class _Capture:
     """One running capture: opens the backend session, cuts segments at breaks."""
 
-    def __init__(self, graph, backend, pool, stream, capture_error_mode, context, detect_syncs,
-                 debug: bool = False):
+    def __init__(
+        self,
+        graph,
+        backend,
+        pool,
+        stream,
+        capture_error_mode,
+        context,
+        detect_syncs,
+        debug: bool = False,
+    ):
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise CaptureError(
                 f"breakgraph.capture: capture_error_mode must be 'global', 'thread_local' or "
@@ -346,8 +364,13 @@ class _Capture:
         gc.collect()  # once, not once per segment: it dominated capture time in peers
         gc.disable()
         try:
-            self.session = backend.open(pool, stream, capture_error_mode, detect_syncs,
-                                        self.watch.observe if debug else None)
+            self.session = backend.open(
+                pool,
+                stream,
+                capture_error_mode,
+                detect_syncs,
+                self.watch.observe if debug else None,
+            )
         except BaseException:
             self._restore()
             raise
@@ -375,8 +398,15 @@ class _Capture:
                 _debug.warn_unjoined(index, segment.unjoined)
             self.watch.segment += 1
 
-    def run_break(self, function: Callable, name: str, args: tuple, kwargs: dict,
-                  capture_stub: Optional[Callable], check_values: bool) -> Any:
+    def run_break(
+        self,
+        function: Callable,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        capture_stub: Callable | None,
+        check_values: bool,
+    ) -> Any:
         """End the segment, run ``function`` eagerly, register its replay, begin a new segment."""
         if not self.in_segment:  # an eager function called from inside another one
             return function(*args, **kwargs)

@@ -23,7 +23,9 @@ def _has_cuda() -> bool:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "requires_cuda: needs a CUDA GPU; skipped cleanly without one")
+    config.addinivalue_line(
+        "markers", "requires_cuda: needs a CUDA GPU; skipped cleanly without one"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

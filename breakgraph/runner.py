@@ -41,8 +41,9 @@ import bisect
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
@@ -61,11 +62,15 @@ logger = logging.getLogger("breakgraph")
 class RunnerStats:
     """Counters of a :class:`BucketedRunner`; ``str(stats)`` prints a small table."""
 
-    calls: Dict[int, int] = field(default_factory=dict)
-    padded_elements: Dict[int, int] = field(default_factory=dict)  # tail size (along the bucketed dim)
-    eager_fallbacks: Dict[str, int] = field(default_factory=dict)  # by reason
-    capture_seconds: Dict[int, float] = field(default_factory=dict)
-    graph_memory_bytes: Dict[int, int] = field(default_factory=dict)  # pool growth per capture (CUDA)
+    calls: dict[int, int] = field(default_factory=dict)
+    padded_elements: dict[int, int] = field(
+        default_factory=dict
+    )  # tail size (along the bucketed dim)
+    eager_fallbacks: dict[str, int] = field(default_factory=dict)  # by reason
+    capture_seconds: dict[int, float] = field(default_factory=dict)
+    graph_memory_bytes: dict[int, int] = field(
+        default_factory=dict
+    )  # pool growth per capture (CUDA)
 
     def __str__(self) -> str:
         rows = ["bucket   calls  padded rows  capture s  graph MiB"]
@@ -75,7 +80,9 @@ class RunnerStats:
                 f"{self.capture_seconds.get(size, 0.0):>10.3f} "
                 f"{self.graph_memory_bytes.get(size, 0) / 2**20:>10.1f}"
             )
-        fallbacks = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items())) or "none"
+        fallbacks = (
+            ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items())) or "none"
+        )
         rows.append(f"eager fallbacks: {fallbacks}")
         return "\n".join(rows)
 
@@ -125,36 +132,44 @@ class BucketedRunner:
         buckets: Sequence[int],
         example_inputs: Sequence[torch.Tensor],
         *,
-        dims: Union[int, Sequence[int]] = 0,
-        pad_values: Union[float, Sequence[float]] = 0,
+        dims: int | Sequence[int] = 0,
+        pad_values: float | Sequence[float] = 0,
         on_miss: str = "eager",
-        max_padding_fraction: Optional[float] = None,
-        slice_outputs: Union[bool, Callable[[Any, int], Any]] = True,
-        agree_size: Optional[Callable[[int], int]] = None,
+        max_padding_fraction: float | None = None,
+        slice_outputs: bool | Callable[[Any, int], Any] = True,
+        agree_size: Callable[[int], int] | None = None,
         warmup: int = 2,
-        backend: Optional[str] = None,
+        backend: str | None = None,
         pool: Any = None,
         context: Any = None,
-        capture_context: Optional[Callable[[int], Any]] = None,
-        debug: Optional[bool] = None,
+        capture_context: Callable[[int], Any] | None = None,
+        debug: bool | None = None,
         eager_region: bool = False,
     ):
         sizes = sorted({int(b) for b in buckets})
         if not sizes or sizes[0] <= 0:
-            raise InputError(f"BucketedRunner: buckets must be positive sizes, got {list(buckets)}.")
+            raise InputError(
+                f"BucketedRunner: buckets must be positive sizes, got {list(buckets)}."
+            )
         if on_miss not in ("eager", "raise"):
-            raise InputError(f"BucketedRunner: on_miss must be 'eager' or 'raise', got {on_miss!r}.")
+            raise InputError(
+                f"BucketedRunner: on_miss must be 'eager' or 'raise', got {on_miss!r}."
+            )
         if max_padding_fraction is not None and not 0.0 <= max_padding_fraction < 1.0:
             raise InputError("BucketedRunner: max_padding_fraction must be in [0, 1).")
         examples = tuple(example_inputs)
         if not examples or not all(isinstance(t, torch.Tensor) for t in examples):
-            raise InputError("BucketedRunner: example_inputs must be a non-empty sequence of tensors.")
+            raise InputError(
+                "BucketedRunner: example_inputs must be a non-empty sequence of tensors."
+            )
         n = len(examples)
         self._dims = _per_input(dims, n, "dims")
         self._pads = _per_input(pad_values, n, "pad_values")
         for i, (t, d) in enumerate(zip(examples, self._dims)):
             if not -t.dim() <= d < t.dim():
-                raise InputError(f"BucketedRunner: dims[{i}]={d} is out of range for a {t.dim()}-D input.")
+                raise InputError(
+                    f"BucketedRunner: dims[{i}]={d} is out of range for a {t.dim()}-D input."
+                )
         self._dims = tuple(d % t.dim() for t, d in zip(examples, self._dims))
         self._examples = tuple((t.dtype, t.device, tuple(t.shape)) for t in examples)
         self.fn = fn
@@ -170,7 +185,7 @@ class BucketedRunner:
         self.capture_context = capture_context
         self.stats = RunnerStats()
         self._pool = pool
-        self._buckets: Dict[int, _Bucket] = {}
+        self._buckets: dict[int, _Bucket] = {}
         self._sizes: list = []
         self._window_open = True
         try:
@@ -180,7 +195,7 @@ class BucketedRunner:
 
     # -- capture phase ----------------------------------------------------------------
     @contextlib.contextmanager
-    def capture_window(self) -> Iterator["BucketedRunner"]:
+    def capture_window(self) -> Iterator[BucketedRunner]:
         """Allow new captures (``add_buckets``, and calls larger than every bucket).
 
         Capturing mid-run can grow shared workspaces and move addresses that earlier
@@ -216,20 +231,27 @@ class BucketedRunner:
         with context_scope(context):
             self._warm_up(inputs)
         graph = BreakableCUDAGraph()
-        pool_before = (pool_bytes(self._pool, inputs[0].device) or 0)
-        with capture(graph, pool=self._pool, backend=self.backend, context=context,
-                     debug=self.debug):
+        pool_before = pool_bytes(self._pool, inputs[0].device) or 0
+        with capture(
+            graph, pool=self._pool, backend=self.backend, context=context, debug=self.debug
+        ):
             output = self._captured_fn(*inputs)
         if self._pool is None:
             self._pool = graph.pool()
-        self.stats.graph_memory_bytes[size] = (pool_bytes(self._pool, inputs[0].device) or 0) - pool_before
+        self.stats.graph_memory_bytes[size] = (
+            pool_bytes(self._pool, inputs[0].device) or 0
+        ) - pool_before
         self.stats.capture_seconds[size] = time.perf_counter() - start
         self.stats.calls.setdefault(size, 0)
         self.stats.padded_elements.setdefault(size, 0)
         self._buckets[size] = _Bucket(size, graph, inputs, output)
         self._sizes = sorted(self._buckets)
-        logger.info("breakgraph: bucket %d captured in %.3f s (%s)", size,
-                    self.stats.capture_seconds[size], graph)
+        logger.info(
+            "breakgraph: bucket %d captured in %.3f s (%s)",
+            size,
+            self.stats.capture_seconds[size],
+            graph,
+        )
 
     def _warm_up(self, inputs: tuple) -> None:
         if self.warmup <= 0:
@@ -247,17 +269,20 @@ class BucketedRunner:
 
     # -- serving ------------------------------------------------------------------------
     @property
-    def buckets(self) -> Tuple[int, ...]:
+    def buckets(self) -> tuple[int, ...]:
         """The captured bucket sizes, ascending."""
         return tuple(self._sizes)
 
-    def bucket_for(self, size: int) -> Optional[int]:
+    def bucket_for(self, size: int) -> int | None:
         """The bucket a call of ``size`` would use, or None when it would not replay a graph."""
         index = bisect.bisect_left(self._sizes, size)
         if index == len(self._sizes):
             return None
         bucket = self._sizes[index]
-        if self.max_padding_fraction is not None and bucket - size > self.max_padding_fraction * bucket:
+        if (
+            self.max_padding_fraction is not None
+            and bucket - size > self.max_padding_fraction * bucket
+        ):
             return None
         return bucket
 
@@ -313,11 +338,17 @@ class BucketedRunner:
 
     def _validate(self, inputs: tuple) -> int:
         if len(inputs) != len(self._examples):
-            raise InputError(f"BucketedRunner: expected {len(self._examples)} inputs, got {len(inputs)}.")
+            raise InputError(
+                f"BucketedRunner: expected {len(self._examples)} inputs, got {len(inputs)}."
+            )
         size = None
-        for i, (value, (dtype, device, shape), d) in enumerate(zip(inputs, self._examples, self._dims)):
+        for i, (value, (dtype, device, shape), d) in enumerate(
+            zip(inputs, self._examples, self._dims)
+        ):
             if not isinstance(value, torch.Tensor):
-                raise InputError(f"BucketedRunner: input {i} must be a tensor, got {type(value).__name__}.")
+                raise InputError(
+                    f"BucketedRunner: input {i} must be a tensor, got {type(value).__name__}."
+                )
             problem = None
             if value.dim() != len(shape):
                 problem = f"{value.dim()} dimensions, expected {len(shape)}"

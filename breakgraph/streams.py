@@ -28,7 +28,7 @@ Example (inside a capture, nothing else to do)::
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
@@ -40,12 +40,12 @@ __all__ = ["StreamTracker"]
 class StreamTracker:
     """Knows which streams take part in the capture of the current segment."""
 
-    def __init__(self, capture_stream: "torch.cuda.Stream"):
+    def __init__(self, capture_stream: torch.cuda.Stream):
         self.capture_stream = capture_stream
         self.active = False  # True only while a segment is being captured
         self._lock = threading.Lock()
-        self._members: Dict[Any, bool] = {}  # stream -> still forked (not joined by the user)
-        self._recorded_on: Dict[int, tuple] = {}  # id(event) -> (event, stream)
+        self._members: dict[Any, bool] = {}  # stream -> still forked (not joined by the user)
+        self._recorded_on: dict[int, tuple] = {}  # id(event) -> (event, stream)
         self._refork: list = []
         self._original_record = None
         self._original_wait = None

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ._layout import OWN_DIRS
 from .errors import HostSyncError
 
 __all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS"]
@@ -54,14 +56,13 @@ SYNC_OPERATIONS: dict = {
 
 _COPY_OPERATIONS = {aten._to_copy, aten.copy_}
 # indexing with a boolean mask runs nonzero() inside: the result size depends on the data
-_MASK_INDEXING = {aten.index: "`x[mask]` (boolean-mask indexing: its output size depends on the data)",
-                  aten.index_put_: "`x[mask] = v` (boolean-mask assignment runs nonzero inside)",
-                  aten.index_put: "`x[mask] = v` (boolean-mask assignment runs nonzero inside)"}
+_MASK_INDEXING = {
+    aten.index: "`x[mask]` (boolean-mask indexing: its output size depends on the data)",
+    aten.index_put_: "`x[mask] = v` (boolean-mask assignment runs nonzero inside)",
+    aten.index_put: "`x[mask] = v` (boolean-mask assignment runs nonzero inside)",
+}
 
-_PACKAGE_DIRS = (
-    os.path.dirname(os.path.abspath(__file__)),
-    os.path.dirname(os.path.abspath(torch.__file__)),
-)
+_PACKAGE_DIRS = OWN_DIRS + (os.path.dirname(os.path.abspath(torch.__file__)),)
 
 
 def _user_stack_frame():
@@ -81,7 +82,7 @@ def _user_frame() -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
 
 
-def _sync_reason(func, args, kwargs, all_devices: bool) -> Optional[str]:
+def _sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     packet = func.overloadpacket
     if packet in SYNC_OPERATIONS:
         if packet is aten.repeat_interleave and kwargs.get("output_size") is not None:
@@ -91,12 +92,18 @@ def _sync_reason(func, args, kwargs, all_devices: bool) -> Optional[str]:
             return SYNC_OPERATIONS[packet]
         return None
     if packet in _MASK_INDEXING and len(args) > 1:
-        masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+        masks = [
+            i
+            for i in args[1]
+            if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        ]
         if masks and (all_devices or args[0].device.type != "cpu"):
             return _MASK_INDEXING[packet]
         return None
     if packet in _COPY_OPERATIONS and not all_devices:
-        if kwargs.get("non_blocking", False) or (packet is aten.copy_ and len(args) > 2 and args[2]):
+        if kwargs.get("non_blocking", False) or (
+            packet is aten.copy_ and len(args) > 2 and args[2]
+        ):
             return None
         if packet is aten._to_copy:
             source, target = args[0], kwargs.get("device")
@@ -125,7 +132,7 @@ class SegmentMode(TorchDispatchMode):
     def __init__(
         self,
         all_devices: bool = False,
-        on_operation: Optional[Callable[[Any, tuple, dict, Any], None]] = None,
+        on_operation: Callable[[Any, tuple, dict, Any], None] | None = None,
         check_syncs: bool = True,
     ):
         super().__init__()

@@ -14,8 +14,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -29,7 +29,7 @@ def assert_replay_matches_eager(
     make_inputs: Callable[[], Any],
     *,
     replays: int = 3,
-    backend: Optional[str] = None,
+    backend: str | None = None,
     context: Any = None,
     warmup: int = 1,
     atol: float = 1e-5,
@@ -68,9 +68,15 @@ def _as_tuple(inputs: Any) -> tuple:
 
 def _copy_into(static: Any, fresh: Any, path: str) -> None:
     if isinstance(static, torch.Tensor):
-        if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
-            raise AssertionError(f"make_inputs() changed {path}: the static inputs need the same shapes "
-                                 f"and dtypes on every draw")
+        if (
+            not isinstance(fresh, torch.Tensor)
+            or fresh.shape != static.shape
+            or fresh.dtype != static.dtype
+        ):
+            raise AssertionError(
+                f"make_inputs() changed {path}: the static inputs need the same shapes "
+                f"and dtypes on every draw"
+            )
         static.copy_(fresh)
     elif isinstance(static, (tuple, list)):
         for i, (s, f) in enumerate(zip(static, fresh)):
@@ -99,6 +105,13 @@ def _compare(got: Any, expected: Any, path: str, replay: int, atol: float, rtol:
             _compare(got[k], expected[k], f"{path}[{k!r}]", replay, atol, rtol)
     elif dataclasses.is_dataclass(expected):
         for f in dataclasses.fields(expected):
-            _compare(getattr(got, f.name), getattr(expected, f.name), f"{path}.{f.name}", replay, atol, rtol)
+            _compare(
+                getattr(got, f.name),
+                getattr(expected, f.name),
+                f"{path}.{f.name}",
+                replay,
+                atol,
+                rtol,
+            )
     elif got != expected:
         raise AssertionError(f"{where}: replay gave {got!r}, eager {expected!r}")

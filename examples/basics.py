@@ -1,6 +1,6 @@
 """The core API on a toy model: eager breaks, replay, per-replay host state, copy-back.
 
-    python examples/basics.py          # CUDA if available, else the emulated backend
+python examples/basics.py          # CUDA if available, else the emulated backend
 """
 
 import torch
@@ -29,9 +29,9 @@ def keep_top_rows(h):
 
 
 def model(x):
-    h = torch.relu(x @ w1)       # captured
-    h = keep_top_rows(h)          # eager, every replay
-    return torch.tanh(h @ w2)     # captured
+    h = torch.relu(x @ w1)  # captured
+    h = keep_top_rows(h)  # eager, every replay
+    return torch.tanh(h @ w2)  # captured
 
 
 static_x = torch.randn(16, 64, device=device)
@@ -45,17 +45,19 @@ print(g)
 
 for rows in (2, 8, 16):
     x = torch.randn(16, 64, device=device)
-    static_x.copy_(x)                      # refresh the static input in place
-    g.replay(context={"rows": rows})       # the per-step host state
+    static_x.copy_(x)  # refresh the static input in place
+    g.replay(context={"rows": rows})  # the per-step host state
     with breakgraph.context_scope({"rows": rows}):
-        expected = model(x)                # the same function, run eagerly
-    print(f"rows={rows:>2}: replay matches eager: {torch.allclose(static_out, expected, atol=1e-5)}")
+        expected = model(x)  # the same function, run eagerly
+    print(
+        f"rows={rows:>2}: replay matches eager: {torch.allclose(static_out, expected, atol=1e-5)}"
+    )
 
 
 @breakgraph.eager_on_graph
 def bad_shape(h):
     n = breakgraph.replay_context()["rows"]
-    return h[:n]                            # the shape follows the batch: not allowed
+    return h[:n]  # the shape follows the batch: not allowed
 
 
 g2 = breakgraph.BreakableCUDAGraph()

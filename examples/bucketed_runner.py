@@ -1,6 +1,6 @@
 """A bucketed runner for your own model: variable-size inputs served by a few captured graphs.
 
-    python examples/bucketed_runner.py
+python examples/bucketed_runner.py
 """
 
 import torch
@@ -28,12 +28,16 @@ def model(x):
 
 
 runner = BucketedRunner(
-    model, buckets=(8, 32, 128), example_inputs=(torch.randn(1, 32, device=device),),
-    backend=backend, on_miss="eager", capture_context=lambda size: size,
+    model,
+    buckets=(8, 32, 128),
+    example_inputs=(torch.randn(1, 32, device=device),),
+    backend=backend,
+    on_miss="eager",
+    capture_context=lambda size: size,
 )
 for n in (3, 8, 20, 100, 300):
     x = torch.randn(n, 32, device=device)
-    out = runner(x, context=n, owned=True)   # owned: survives the next call
+    out = runner(x, context=n, owned=True)  # owned: survives the next call
     with breakgraph.context_scope(n):
         ok = torch.allclose(out, model(x), atol=1e-4)
     print(f"{n:>4} rows -> bucket {runner.bucket_for(n)}: matches eager: {ok}")

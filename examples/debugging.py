@@ -1,6 +1,6 @@
 """Finding graph bugs: debug mode, the coverage report and assert_replay_matches_eager.
 
-    python examples/debugging.py     # CUDA if available, else the emulated backend
+python examples/debugging.py     # CUDA if available, else the emulated backend
 """
 
 import torch
@@ -25,7 +25,9 @@ def model(x):
 
 
 # 1. a check for your own code: capture, replay on fresh inputs, compare with eager
-graph = assert_replay_matches_eager(model, lambda: torch.randn(4, 16, device=device), backend=backend)
+graph = assert_replay_matches_eager(
+    model, lambda: torch.randn(4, 16, device=device), backend=backend
+)
 print("replays match eager;", graph)
 
 # 2. debug mode: every replay checks that what the graph reads is still where it was
@@ -34,15 +36,16 @@ g = breakgraph.BreakableCUDAGraph()
 with breakgraph.capture(g, backend=backend, debug=True):
     out = model(x)
 for _ in range(5):
-    x.copy_(torch.randn(4, 16, device=device))   # right: refill in place
+    x.copy_(torch.randn(4, 16, device=device))  # right: refill in place
     g.replay()
 print(g.report())
 
-x.set_(torch.randn(4, 16, device=device))          # wrong: the graph keeps reading the old memory
+x.set_(torch.randn(4, 16, device=device))  # wrong: the graph keeps reading the old memory
 try:
     g.replay()
 except breakgraph.StaleTensorError as e:
     print("caught:", str(e)[:110], "...")
+
 
 # 3. a host sync inside a segment names the line and the function to decorate
 def leaky(x):

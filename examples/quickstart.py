@@ -10,7 +10,6 @@ layer with the exact lengths of the live batch.
 
 import torch
 import transformers
-
 from breakgraph.integrations.transformers import PrefillRunner
 
 cuda = torch.cuda.is_available()
@@ -19,8 +18,13 @@ backend = "cuda" if cuda else "emulated"
 
 torch.manual_seed(0)
 config = transformers.LlamaConfig(
-    vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
 )
 model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
@@ -36,11 +40,17 @@ with torch.no_grad():
         ref = model(p[None].to(device), use_cache=False).logits[0, -1]
         diff = (out.logits[i].float() - ref.float()).abs().max().item()
         same = bool(out.logits[i].argmax() == ref.argmax())
-        print(f"prompt {i}: {len(p):>3} tokens, max |diff| vs eager {diff:.2e}, same next token: {same}")
+        print(
+            f"prompt {i}: {len(p):>3} tokens, max |diff| vs eager {diff:.2e}, same next token: {same}"
+        )
 
 first = out.logits[0].argmax()
-more = model.generate(torch.cat([prompts[0].to(device), first[None]])[None],
-                      past_key_values=out.cache(0), max_new_tokens=5, do_sample=False)
-print("greedy continuation from the prefill cache:", more[0, len(prompts[0]):].tolist())
+more = model.generate(
+    torch.cat([prompts[0].to(device), first[None]])[None],
+    past_key_values=out.cache(0),
+    max_new_tokens=5,
+    do_sample=False,
+)
+print("greedy continuation from the prefill cache:", more[0, len(prompts[0]) :].tolist())
 print(runner.stats)
 runner.close()

@@ -2,7 +2,7 @@
 
 import collections
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ class Result:
     hidden: torch.Tensor
     extra: dict
     count: int
-    note: Optional[str] = None
+    note: str | None = None
 
 
 class Plain:
@@ -67,7 +67,13 @@ def build(kind: str, x: torch.Tensor) -> Any:
 
 
 KINDS = [
-    "tensor", "tuple", "list", "namedtuple", "dict", "nested dict in tuple", "dataclass",
+    "tensor",
+    "tuple",
+    "list",
+    "namedtuple",
+    "dict",
+    "nested dict in tuple",
+    "dataclass",
     "object",
     pytest.param("ModelOutput", marks=NEEDS_TRANSFORMERS),
     pytest.param("ModelOutput with tuple", marks=NEEDS_TRANSFORMERS),
@@ -155,42 +161,118 @@ def _t(device, *shape, dtype=torch.float32):
 
 # (name, captured, new, path, what was captured, what arrived)
 ERROR_CASES = [
-    ("shape", lambda d: (_t(d, 3, 4), {"k": _t(d, 2)}), lambda d: (_t(d, 3, 4), {"k": _t(d, 3)}),
-     "output[1]['k']", "shape=(2,)", "shape=(3,)"),
-    ("no broadcasting", lambda d: _t(d, 3, 4), lambda d: _t(d, 1, 4),
-     "output", "shape=(3, 4)", "shape=(1, 4)"),
-    ("dtype", lambda d: [_t(d, 2), _t(d, 5)], lambda d: [_t(d, 2), _t(d, 5, dtype=torch.float64)],
-     "output[1]", "dtype=torch.float32", "dtype=torch.float64"),
-    ("device", lambda d: {"a": _t(d, 4)}, lambda d: {"a": torch.empty(4, device="meta")},
-     "output['a']", "device=", "device=meta"),
-    ("None for a tensor",
-     lambda d: Result(hidden=_t(d, 2), extra={}, count=1),
-     lambda d: Result(hidden=None, extra={}, count=1),
-     "output.hidden", "Tensor(shape=(2,)", "NoneType None"),
-    ("tensor for None",
-     lambda d: Result(hidden=_t(d, 2), extra={}, count=1),
-     lambda d: Result(hidden=_t(d, 2), extra={}, count=1, note=_t(d, 2)),
-     "output.note", "None", "Tensor(shape=(2,)"),
-    ("other dict keys", lambda d: {"a": _t(d, 2), "b": _t(d, 2)}, lambda d: {"a": _t(d, 2), "c": _t(d, 2)},
-     "output", "keys ['a', 'b']", "keys ['a', 'c']"),
-    ("other sequence length", lambda d: (_t(d, 1), [_t(d, 2), _t(d, 2)]),
-     lambda d: (_t(d, 1), [_t(d, 2), _t(d, 2), _t(d, 2)]),
-     "output[1]", "list of length 2", "list of length 3"),
-    ("tuple vs list", lambda d: {"x": (_t(d, 2), _t(d, 2))}, lambda d: {"x": [_t(d, 2), _t(d, 2)]},
-     "output['x']", "tuple of length 2", "list of length 2"),
-    ("changed Python value", lambda d: (_t(d, 2), 3), lambda d: (_t(d, 2), 4),
-     "output[1]", "int 3", "int 4"),
-    ("namedtuple field", lambda d: Pair(_t(d, 2), _t(d, 3)), lambda d: Pair(_t(d, 2), _t(d, 4)),
-     "output.second", "shape=(3,)", "shape=(4,)"),
-    ("object attribute", lambda d: Plain(_t(d, 2), (_t(d, 2), [_t(d, 2)])),
-     lambda d: Plain(_t(d, 2), (_t(d, 2), [_t(d, 2, dtype=torch.float16)])),
-     "output.rest[1][0]", "dtype=torch.float32", "dtype=torch.float16"),
-    ("ModelOutput field", lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5)),
-     lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 6)),
-     "output['logits']", "shape=(2, 5)", "shape=(2, 6)"),
-    ("ModelOutput gained a field", lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5)),
-     lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5), loss=_t(d, 1)),
-     "output", "keys ['logits']", "keys ['loss', 'logits']"),
+    (
+        "shape",
+        lambda d: (_t(d, 3, 4), {"k": _t(d, 2)}),
+        lambda d: (_t(d, 3, 4), {"k": _t(d, 3)}),
+        "output[1]['k']",
+        "shape=(2,)",
+        "shape=(3,)",
+    ),
+    (
+        "no broadcasting",
+        lambda d: _t(d, 3, 4),
+        lambda d: _t(d, 1, 4),
+        "output",
+        "shape=(3, 4)",
+        "shape=(1, 4)",
+    ),
+    (
+        "dtype",
+        lambda d: [_t(d, 2), _t(d, 5)],
+        lambda d: [_t(d, 2), _t(d, 5, dtype=torch.float64)],
+        "output[1]",
+        "dtype=torch.float32",
+        "dtype=torch.float64",
+    ),
+    (
+        "device",
+        lambda d: {"a": _t(d, 4)},
+        lambda d: {"a": torch.empty(4, device="meta")},
+        "output['a']",
+        "device=",
+        "device=meta",
+    ),
+    (
+        "None for a tensor",
+        lambda d: Result(hidden=_t(d, 2), extra={}, count=1),
+        lambda d: Result(hidden=None, extra={}, count=1),
+        "output.hidden",
+        "Tensor(shape=(2,)",
+        "NoneType None",
+    ),
+    (
+        "tensor for None",
+        lambda d: Result(hidden=_t(d, 2), extra={}, count=1),
+        lambda d: Result(hidden=_t(d, 2), extra={}, count=1, note=_t(d, 2)),
+        "output.note",
+        "None",
+        "Tensor(shape=(2,)",
+    ),
+    (
+        "other dict keys",
+        lambda d: {"a": _t(d, 2), "b": _t(d, 2)},
+        lambda d: {"a": _t(d, 2), "c": _t(d, 2)},
+        "output",
+        "keys ['a', 'b']",
+        "keys ['a', 'c']",
+    ),
+    (
+        "other sequence length",
+        lambda d: (_t(d, 1), [_t(d, 2), _t(d, 2)]),
+        lambda d: (_t(d, 1), [_t(d, 2), _t(d, 2), _t(d, 2)]),
+        "output[1]",
+        "list of length 2",
+        "list of length 3",
+    ),
+    (
+        "tuple vs list",
+        lambda d: {"x": (_t(d, 2), _t(d, 2))},
+        lambda d: {"x": [_t(d, 2), _t(d, 2)]},
+        "output['x']",
+        "tuple of length 2",
+        "list of length 2",
+    ),
+    (
+        "changed Python value",
+        lambda d: (_t(d, 2), 3),
+        lambda d: (_t(d, 2), 4),
+        "output[1]",
+        "int 3",
+        "int 4",
+    ),
+    (
+        "namedtuple field",
+        lambda d: Pair(_t(d, 2), _t(d, 3)),
+        lambda d: Pair(_t(d, 2), _t(d, 4)),
+        "output.second",
+        "shape=(3,)",
+        "shape=(4,)",
+    ),
+    (
+        "object attribute",
+        lambda d: Plain(_t(d, 2), (_t(d, 2), [_t(d, 2)])),
+        lambda d: Plain(_t(d, 2), (_t(d, 2), [_t(d, 2, dtype=torch.float16)])),
+        "output.rest[1][0]",
+        "dtype=torch.float32",
+        "dtype=torch.float16",
+    ),
+    (
+        "ModelOutput field",
+        lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5)),
+        lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 6)),
+        "output['logits']",
+        "shape=(2, 5)",
+        "shape=(2, 6)",
+    ),
+    (
+        "ModelOutput gained a field",
+        lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5)),
+        lambda d: CausalLMOutputWithPast(logits=_t(d, 2, 5), loss=_t(d, 1)),
+        "output",
+        "keys ['logits']",
+        "keys ['loss', 'logits']",
+    ),
 ]
 
 

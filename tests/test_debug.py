@@ -5,12 +5,18 @@ import warnings
 
 import pytest
 import torch
+from helpers import fresh_into
 
 import breakgraph
-from breakgraph import BreakableCUDAGraph, BreakgraphWarning, HostSyncError, StaleTensorError, eager_on_graph
+from breakgraph import (
+    BreakableCUDAGraph,
+    BreakgraphWarning,
+    HostSyncError,
+    StaleTensorError,
+    eager_on_graph,
+)
 from breakgraph.runner import BucketedRunner
 from breakgraph.testing import assert_replay_matches_eager
-from helpers import fresh_into
 
 
 @eager_on_graph
@@ -139,8 +145,14 @@ def test_unjoined_side_stream_is_named():
 # -- 4. the whole region as one eager break, through the same runner ---------------------------------
 def test_eager_region_runs_everything_in_one_break(backend, device):
     w = torch.randn(8, 8, device=device)
-    runner = BucketedRunner(lambda x: torch.relu(x @ w) * 2, (4, 16), (torch.randn(1, 8, device=device),),
-                            backend=backend, eager_region=True, warmup=1)
+    runner = BucketedRunner(
+        lambda x: torch.relu(x @ w) * 2,
+        (4, 16),
+        (torch.randn(1, 8, device=device),),
+        backend=backend,
+        eager_region=True,
+        warmup=1,
+    )
     assert runner.graph(16).num_breaks == 1 and runner.graph(16).report().segment_ops == [0, 0]
     x = torch.randn(11, 8, device=device)
     torch.testing.assert_close(runner(x), torch.relu(x @ w) * 2)
@@ -159,7 +171,9 @@ def test_report_lists_segments_breaks_and_host_time(capture, device):
         g.replay()
     report = g.report()
     assert report.break_names == ["host_scale", "break_graph"]
-    assert len(report.segment_ops) == 3 and report.segment_ops[0] >= 2 and report.segment_ops[2] == 1
+    assert (
+        len(report.segment_ops) == 3 and report.segment_ops[0] >= 2 and report.segment_ops[2] == 1
+    )
     assert report.break_host_us[0] is not None and report.break_host_us[0] > 0
     assert report.break_host_us[1] is None  # break_graph runs nothing
     text = str(report)
@@ -204,7 +218,12 @@ def test_assert_replay_matches_eager_passes_on_good_code(backend, device):
     w = torch.randn(8, 8, device=device)
     graph = assert_replay_matches_eager(
         lambda x: {"out": model(x, w), "aux": (x.sum(0),)},
-        lambda: (torch.randn(4, 8, device=device),), backend=backend, replays=4, atol=1e-4, rtol=1e-4)
+        lambda: (torch.randn(4, 8, device=device),),
+        backend=backend,
+        replays=4,
+        atol=1e-4,
+        rtol=1e-4,
+    )
     assert graph.num_breaks == 1
 
 
@@ -218,7 +237,9 @@ def test_assert_replay_matches_eager_catches_a_stale_buffer(backend, device):
         state["bias"] = torch.randn(8, device=device)  # the bug: rebinding, not copy_
         return (torch.randn(8, device=device),)
 
-    with pytest.raises(AssertionError, match=r"replay 0: output\['biased'\]\[1\] differs from eager"):
+    with pytest.raises(
+        AssertionError, match=r"replay 0: output\['biased'\]\[1\] differs from eager"
+    ):
         assert_replay_matches_eager(fn, make_inputs, backend=backend)
 
 

@@ -9,7 +9,8 @@ import pytest
 import breakgraph
 
 MODULES = sorted(
-    name for _, name, _ in pkgutil.walk_packages(breakgraph.__path__, "breakgraph.")
+    name
+    for _, name, _ in pkgutil.walk_packages(breakgraph.__path__, "breakgraph.")
     if not name.startswith("breakgraph.integrations")  # its example is tests/test_transformers.py
 )
 

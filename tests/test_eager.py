@@ -34,7 +34,9 @@ decorated_scaled_sum = eager_on_graph(scaled_sum)
 def test_outside_capture_behaves_like_the_function(device):
     x = torch.randn(5, device=device)
     for args, kwargs in [((x,), {}), ((x, 3.5), {"offset": 4}), ((), {"x": x, "scale": -1.0})]:
-        torch.testing.assert_close(decorated_scaled_sum(*args, **kwargs), scaled_sum(*args, **kwargs))
+        torch.testing.assert_close(
+            decorated_scaled_sum(*args, **kwargs), scaled_sum(*args, **kwargs)
+        )
     with pytest.raises(ValueError, match="scale must not be zero"):
         decorated_scaled_sum(x, 0)
     with pytest.raises(TypeError):
@@ -163,7 +165,9 @@ def test_module_forward(capture, device):
     module = HostModule().to(device)
     x = torch.randn(4, 8, device=device)
     torch.testing.assert_close(module(x), HostModule.forward.__wrapped__(module, x))
-    assert inspect.signature(HostModule.forward) == inspect.signature(HostModule.forward.__wrapped__)
+    assert inspect.signature(HostModule.forward) == inspect.signature(
+        HostModule.forward.__wrapped__
+    )
 
     g = BreakableCUDAGraph()
     with capture(g):

@@ -13,7 +13,8 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 def test_example_runs(name):
     if name == "quickstart.py":
         pytest.importorskip("transformers")
-    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, name)], capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, name)], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "False" not in result.stdout, result.stdout  # every printed check holds

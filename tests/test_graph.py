@@ -10,6 +10,7 @@ import gc
 
 import pytest
 import torch
+from helpers import HAS_CUDA, assert_clean, fresh_into
 from torch import nn
 
 import breakgraph
@@ -21,8 +22,6 @@ from breakgraph import (
     break_graph,
     eager_on_graph,
 )
-from helpers import HAS_CUDA, assert_clean, fresh_into
-
 
 # Taken before any test runs a capture: what every capture must leave in place.
 
@@ -85,10 +84,6 @@ class Stack(nn.Module):
             x = layer(x)
         stats, centred = row_stats(x)  # break returning a tuple
         return self.head(centred) + stats[:, None]
-
-
-
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -420,8 +415,9 @@ def _session_class(backend):
 
 
 @pytest.mark.parametrize("which", ["first segment", "segment after a break"])
-def test_failure_beginning_a_segment_leaves_nothing_behind(capture, backend, device, monkeypatch,
-                                                          which):
+def test_failure_beginning_a_segment_leaves_nothing_behind(
+    capture, backend, device, monkeypatch, which
+):
     # Stands in for a backend failing to begin a segment (e.g. CUDAGraph.capture_begin raising).
     session_class = _session_class(backend)
     original_begin = session_class.begin_segment
@@ -645,5 +641,7 @@ def test_first_matmul_of_the_process_inside_a_capture():
             torch.testing.assert_close(y, (x @ x).relu())
         print("ok")
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

@@ -30,8 +30,9 @@ def make(device, backend, **kwargs):
         return scale_real_rows(torch.relu(x @ w)) @ w.t()
 
     kwargs.setdefault("capture_context", lambda size: size)
-    runner = BucketedRunner(model, BUCKETS, (torch.randn(1, 8, device=device),), backend=backend,
-                            warmup=1, **kwargs)
+    runner = BucketedRunner(
+        model, BUCKETS, (torch.randn(1, 8, device=device),), backend=backend, warmup=1, **kwargs
+    )
     return runner, model
 
 
@@ -163,8 +164,10 @@ def test_stats_table_and_close(backend, device):
 
 def test_all_buckets_share_one_pool(backend, device):
     runner, _ = make(device, backend)
-    pools = {id(runner.graph(b).pool()) if backend == "emulated" else runner.graph(b).pool()
-             for b in BUCKETS}
+    pools = {
+        id(runner.graph(b).pool()) if backend == "emulated" else runner.graph(b).pool()
+        for b in BUCKETS
+    }
     assert len(pools) == 1
 
 
@@ -181,8 +184,12 @@ def test_all_buckets_share_one_pool(backend, device):
     ],
 )
 def test_bad_configuration(backend, device, kwargs, phrase):
-    args = dict(fn=lambda x: x * 2, buckets=(4,), example_inputs=(torch.randn(1, 8, device=device),),
-                backend=backend)
+    args = dict(
+        fn=lambda x: x * 2,
+        buckets=(4,),
+        example_inputs=(torch.randn(1, 8, device=device),),
+        backend=backend,
+    )
     args.update(kwargs)
     with pytest.raises(InputError, match=phrase):
         BucketedRunner(**args)

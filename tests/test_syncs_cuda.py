@@ -7,19 +7,15 @@ import functools
 
 import pytest
 import torch
+from helpers import assert_clean, fresh_into
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, BreakgraphError, HostSyncError, eager_on_graph
-from helpers import assert_clean, fresh_into
 
 pytestmark = pytest.mark.requires_cuda
 
 
 capture = functools.partial(breakgraph.capture, backend="cuda")
-
-
-
-
 
 
 @eager_on_graph

@@ -22,13 +22,11 @@ the file fast on a small CPU.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
 from breakgraph.integrations.transformers import (  # noqa: E402
     ATTENTION_KEY,
     PrefillRunner,
@@ -36,13 +34,17 @@ from breakgraph.integrations.transformers import (  # noqa: E402
 )
 from breakgraph.integrations.transformers import attention as bg_attention  # noqa: E402
 
+from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
+
 pytestmark = pytest.mark.transformers
 
 VOCAB = 160
 BUCKETS = (16, 48)
 MAX_PROMPTS = 4
 MAX_LEN = 20  # longest random prompt
-ARGMAX_MARGIN = 0.05  # bf16 (cuda): argmax compared only where the reference's top-2 gap exceeds this
+ARGMAX_MARGIN = (
+    0.05  # bf16 (cuda): argmax compared only where the reference's top-2 gap exceeds this
+)
 
 COMMON = dict(
     vocab_size=VOCAB,
@@ -64,8 +66,13 @@ ARCHS = {
     "gemma": ("GemmaConfig", dict(head_dim=16), 0),
     "qwen3_moe": (
         "Qwen3MoeConfig",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
-             mlp_only_layers=[]),
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
         2,
     ),
     "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2), 2),
@@ -79,8 +86,14 @@ def make_config(arch: str, **overrides):
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def build_model(arch: str, device: str, dtype: torch.dtype, seed: int = 0,
-                experts_implementation: str = "eager", **overrides):
+def build_model(
+    arch: str,
+    device: str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    experts_implementation: str = "eager",
+    **overrides,
+):
     """A tiny random-weight causal LM, SDPA attention, eval mode, reproducible weights.
 
     MoE models use transformers' eager experts loop (data-dependent ``nonzero`` and a
@@ -90,7 +103,8 @@ def build_model(arch: str, device: str, dtype: torch.dtype, seed: int = 0,
     torch.manual_seed(seed)
     extra = {"experts_implementation": experts_implementation} if ARCHS[arch][2] else {}
     model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=dtype, attn_implementation="sdpa", **extra)
+        config, dtype=dtype, attn_implementation="sdpa", **extra
+    )
     return model.to(device).eval()
 
 
@@ -207,7 +221,6 @@ def test_grouped_mm_experts_are_captured_not_broken(backend, closing):
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"prompt {i}")
 
 
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_prefill_matches_eager_per_prompt(arch, backend, closing):
     model = model_for(arch, backend)
@@ -223,7 +236,9 @@ def test_prefill_matches_eager_per_prompt(arch, backend, closing):
         assert graph.num_breaks == layers + moe_layers, graph
         assert graph.num_segments == graph.num_breaks + 1
         names = graph.break_names
-        assert [n for n in names if n.startswith("attention")] == [f"attention[layer {i}]" for i in range(layers)]
+        assert [n for n in names if n.startswith("attention")] == [
+            f"attention[layer {i}]" for i in range(layers)
+        ]
         assert sum("Experts" in n for n in names) == moe_layers, names
 
     generator = torch.Generator().manual_seed(1234)
@@ -235,8 +250,12 @@ def test_prefill_matches_eager_per_prompt(arch, backend, closing):
         assert out.logits.shape == (len(prompts), VOCAB)
         assert out.bounds[-1][1] == sum(lengths)
         for i, p in enumerate(prompts):
-            assert_logits_close(out.logits[i], eager_last_logits(model, p), backend,
-                                f"{arch} batch {lengths} prompt {i}")
+            assert_logits_close(
+                out.logits[i],
+                eager_last_logits(model, p),
+                backend,
+                f"{arch} batch {lengths} prompt {i}",
+            )
 
     assert runner.stats.calls[16] >= 1 and runner.stats.calls[48] >= 1, runner.stats
     assert sum(runner.stats.calls.values()) == len(batches)
@@ -275,15 +294,22 @@ def test_two_runners_interleaved(backend, closing):
     """Runners of two models (and a second one of the same model) do not disturb each other."""
     llama, moe = model_for("llama", backend), model_for("qwen3_moe", backend)
     device = next(llama.parameters()).device
-    runners = [(llama, closing(make_runner(llama, backend))), (moe, closing(make_runner(moe, backend))),
-               (llama, closing(make_runner(llama, backend, token_buckets=(32,))))]
+    runners = [
+        (llama, closing(make_runner(llama, backend))),
+        (moe, closing(make_runner(moe, backend))),
+        (llama, closing(make_runner(llama, backend, token_buckets=(32,)))),
+    ]
     for lengths in ([4, 9], [13, 2, 1], [30]):
         for model, runner in runners:
             prompts = prompts_of(lengths, device)
             out = runner.prefill(prompts)
             for i, p in enumerate(prompts):
-                assert_logits_close(out.logits[i], eager_last_logits(model, p), backend,
-                                    f"{model.config.model_type} {lengths} prompt {i}")
+                assert_logits_close(
+                    out.logits[i],
+                    eager_last_logits(model, p),
+                    backend,
+                    f"{model.config.model_type} {lengths} prompt {i}",
+                )
 
 
 # -- 2. greedy continuation from the runner's KV cache ---------------------------------------------
@@ -304,14 +330,28 @@ def test_generate_continues_from_prefill_cache(arch, backend, closing):
         assert cache.get_seq_length() == own.get_seq_length() > 0
         assert len(cache.layers) == len(own.layers) == model.config.num_hidden_layers
         for layer, (mine, theirs) in enumerate(zip(cache.layers, own.layers)):
-            torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m: f"prompt {i} layer {layer} keys: {m}")
-            torch.testing.assert_close(mine.values, theirs.values, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m: f"prompt {i} layer {layer} values: {m}")
+            torch.testing.assert_close(
+                mine.keys,
+                theirs.keys,
+                atol=1e-4,
+                rtol=1e-4,
+                msg=lambda m: f"prompt {i} layer {layer} keys: {m}",
+            )
+            torch.testing.assert_close(
+                mine.values,
+                theirs.values,
+                atol=1e-4,
+                rtol=1e-4,
+                msg=lambda m: f"prompt {i} layer {layer} values: {m}",
+            )
 
         first = out.logits[i].argmax()
-        continued = model.generate(torch.cat([p, first[None]])[None], past_key_values=out.cache(i),
-                                   max_new_tokens=4, do_sample=False)
+        continued = model.generate(
+            torch.cat([p, first[None]])[None],
+            past_key_values=out.cache(i),
+            max_new_tokens=4,
+            do_sample=False,
+        )
         reference = model.generate(p[None], max_new_tokens=5, do_sample=False)
         assert continued.tolist() == reference.tolist(), f"prompt {i}"
 
@@ -356,7 +396,9 @@ def test_model_untouched_and_usable(arch, backend):
         assert instance_forwards(model) == []
         assert bg_attention._active is None
         assert torch.equal(eager_last_logits(model, p), baseline)
-        assert torch.equal(model.generate(p[None], max_new_tokens=3, do_sample=False), baseline_generate)
+        assert torch.equal(
+            model.generate(p[None], max_new_tokens=3, do_sample=False), baseline_generate
+        )
 
     runner = make_runner(model, backend)
     try:
@@ -368,7 +410,9 @@ def test_model_untouched_and_usable(arch, backend):
         again = runner.prefill(other)
         assert torch.equal(again.logits, out.logits)
         for i, q in enumerate(other):
-            assert_logits_close(again.logits[i], eager_last_logits(model, q), backend, f"prompt {i}")
+            assert_logits_close(
+                again.logits[i], eager_last_logits(model, q), backend, f"prompt {i}"
+            )
     finally:
         runner.close()
     assert_untouched()
@@ -412,8 +456,12 @@ def test_input_errors(backend, closing):
         make_runner(model, backend, pad_token_id=VOCAB)
     # a refused call leaves the runner working; prompts may live on the CPU
     p = prompt(7, device)
-    assert_logits_close(runner.prefill([p]).logits[0], eager_last_logits(model, p), backend, "after errors")
-    assert_logits_close(runner.prefill([p.cpu()]).logits[0], eager_last_logits(model, p), backend, "CPU prompt")
+    assert_logits_close(
+        runner.prefill([p]).logits[0], eager_last_logits(model, p), backend, "after errors"
+    )
+    assert_logits_close(
+        runner.prefill([p.cpu()]).logits[0], eager_last_logits(model, p), backend, "CPU prompt"
+    )
     assert not runner.stats.eager_fallbacks
 
 
@@ -425,11 +473,17 @@ def test_on_miss_eager_runs_and_matches(backend, closing):
     out = runner.prefill(prompts)
     assert runner.stats.eager_fallbacks == {"larger than every bucket": 1}
     long = prompts_of([60], device)[0]  # one prompt longer than the largest bucket
-    torch.testing.assert_close(runner.prefill([long]).logits[0].float(),
-                               eager_last_logits(model, long).float(), atol=0.1, rtol=0.05)
+    torch.testing.assert_close(
+        runner.prefill([long]).logits[0].float(),
+        eager_last_logits(model, long).float(),
+        atol=0.1,
+        rtol=0.05,
+    )
     assert sum(runner.stats.calls.values()) == 0
     for i, p in enumerate(prompts):
-        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"eager prompt {i}")
+        assert_logits_close(
+            out.logits[i], eager_last_logits(model, p), backend, f"eager prompt {i}"
+        )
     with pytest.raises(InputError, match="ran eagerly"):
         out.cache(0)
     # and the graphs still serve batches that fit
@@ -437,14 +491,22 @@ def test_on_miss_eager_runs_and_matches(backend, closing):
     out = runner.prefill(small)
     assert runner.stats.calls[16] == 1
     for i, p in enumerate(small):
-        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"graph prompt {i}")
+        assert_logits_close(
+            out.logits[i], eager_last_logits(model, p), backend, f"graph prompt {i}"
+        )
     assert model.config._attn_implementation == "sdpa"
 
 
 def _assert_unsupported(model, match, **kwargs):
     with pytest.raises(UnsupportedModelError, match=match) as info:
-        PrefillRunner(model, token_buckets=BUCKETS, max_prompts=MAX_PROMPTS, backend="emulated",
-                      warmup=1, **kwargs)
+        PrefillRunner(
+            model,
+            token_buckets=BUCKETS,
+            max_prompts=MAX_PROMPTS,
+            backend="emulated",
+            warmup=1,
+            **kwargs,
+        )
     assert isinstance(info.value, BreakgraphError) and isinstance(info.value, ValueError)
 
 
@@ -452,7 +514,8 @@ def _tiny(config_cls, attn_implementation="sdpa", **kwargs):
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**kwargs)
     return transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=attn_implementation).eval()
+        config, attn_implementation=attn_implementation
+    ).eval()
 
 
 def test_unsupported_models():
@@ -460,8 +523,11 @@ def test_unsupported_models():
     gpt2 = _tiny("GPT2Config", vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, n_positions=64)
     _assert_unsupported(gpt2, "model type 'gpt2' is not supported")
 
-    dynamic = _tiny("LlamaConfig", **COMMON,
-                    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    dynamic = _tiny(
+        "LlamaConfig",
+        **COMMON,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
     assert dynamic.config.rope_parameters["rope_type"] == "dynamic"
     _assert_unsupported(dynamic, "rope_type 'dynamic'")
 
@@ -523,11 +589,15 @@ def test_small_batch_after_big_batch_same_bucket(backend, closing):
         assert runner._runner.bucket_for(sum(lengths)) == bucket
         got = runner.prefill(prompts).logits
         if backend == "emulated":
-            assert torch.equal(got, expected[bucket]), f"bucket {bucket}: stale rows changed the logits"
+            assert torch.equal(got, expected[bucket]), (
+                f"bucket {bucket}: stale rows changed the logits"
+            )
         else:
             torch.testing.assert_close(got, expected[bucket], atol=1e-2, rtol=0)
         for i, p in enumerate(prompts):
-            assert_logits_close(got[i], eager_last_logits(model, p), backend, f"bucket {bucket} prompt {i}")
+            assert_logits_close(
+                got[i], eager_last_logits(model, p), backend, f"bucket {bucket} prompt {i}"
+            )
         # every static input row beyond the batch was rewritten
         ids, positions = runner._runner._buckets[bucket].inputs
         total = sum(lengths)
@@ -535,7 +605,9 @@ def test_small_batch_after_big_batch_same_bucket(backend, closing):
         assert torch.equal(ids[0, :total].cpu(), torch.cat(prompts).cpu())
         assert (ids[0, total:] == PAD_ID).all(), ids
         assert (positions[0, total:] == 0).all(), positions
-        assert torch.equal(positions[0, :total].cpu(), torch.cat([torch.arange(n) for n in lengths]))
+        assert torch.equal(
+            positions[0, :total].cpu(), torch.cat([torch.arange(n) for n in lengths])
+        )
 
 
 # -- 7. attention kernels by backend ---------------------------------------------------------------------
@@ -559,7 +631,9 @@ def test_captured_attention_needs_cuda_flash(backend):
             prompts = prompts_of(lengths, "cuda")
             out = runner.prefill(prompts)
             for i, p in enumerate(prompts):
-                assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{lengths} {i}")
+                assert_logits_close(
+                    out.logits[i], eager_last_logits(model, p), backend, f"{lengths} {i}"
+                )
     finally:
         runner.close()
 

@@ -31,7 +31,7 @@ __all__ = ["select_backend", "BACKENDS"]
 BACKENDS = ("cuda", "emulated")
 
 
-def select_backend(name: Optional[str] = None):
+def select_backend(name: str | None = None):
     """Return the backend object for ``name`` (or the environment's / the default one)."""
     chosen = name if name is not None else os.environ.get("BREAKGRAPH_BACKEND") or None
     if chosen is None:

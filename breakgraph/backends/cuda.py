@@ -10,7 +10,6 @@ capture pass computes real outputs (as the emulated backend does).
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 
@@ -26,7 +25,7 @@ class CudaSegment:
 
     __slots__ = ("graph", "replay", "operations", "unjoined")
 
-    def __init__(self, graph: "torch.cuda.CUDAGraph", operations: int, unjoined: list):
+    def __init__(self, graph: torch.cuda.CUDAGraph, operations: int, unjoined: list):
         self.graph = graph
         self.replay = graph.replay
         self.operations = operations
@@ -39,10 +38,18 @@ class CudaSegment:
 class CudaSession:
     """The state of one capture: stream, pool, stream tracker, the segment being captured."""
 
-    def __init__(self, pool, stream: Optional["torch.cuda.Stream"], capture_error_mode: str,
-                 detect_syncs: bool, observer=None):
+    def __init__(
+        self,
+        pool,
+        stream: torch.cuda.Stream | None,
+        capture_error_mode: str,
+        detect_syncs: bool,
+        observer=None,
+    ):
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
-            raise CaptureError(f"breakgraph.capture: stream must be a torch.cuda.Stream, got {stream!r}")
+            raise CaptureError(
+                f"breakgraph.capture: stream must be a torch.cuda.Stream, got {stream!r}"
+            )
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         device = torch.cuda.current_device()
@@ -64,17 +71,18 @@ class CudaSession:
         # process's first matmul without a warm-up
         torch.cuda.current_blas_handle()
         self.tracker.install()
-        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._graph: torch.cuda.CUDAGraph | None = None
         self._invalidated = False
-        self._mode: Optional[SegmentMode] = None
+        self._mode: SegmentMode | None = None
 
     def begin_segment(self) -> None:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
         self._graph = graph
         self.tracker.begin_segment()
-        self._mode = CompileTransparentSegmentMode(check_syncs=self.detect_syncs,
-                                                   on_operation=self.observer)
+        self._mode = CompileTransparentSegmentMode(
+            check_syncs=self.detect_syncs, on_operation=self.observer
+        )
         self._mode.__enter__()
 
     def end_segment(self) -> CudaSegment:
@@ -130,9 +138,13 @@ def _reset_capture_state() -> None:
                 torch.cuda.current_stream()
             graph.reset()
     except Exception as exc:  # report, never hide: random numbers may fail until a capture succeeds
-        warnings.warn(f"breakgraph: could not reset torch's CUDA capture state after an "
-                      f"invalidated capture ({exc}); CUDA random numbers may fail until the next "
-                      f"successful capture.", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"breakgraph: could not reset torch's CUDA capture state after an "
+            f"invalidated capture ({exc}); CUDA random numbers may fail until the next "
+            f"successful capture.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _end_allocate_to_pool(device: int, pool) -> None:
@@ -152,8 +164,9 @@ class CudaBackend:
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
 
-    def open(self, pool, stream, capture_error_mode: str, detect_syncs: bool,
-             observer=None) -> CudaSession:
+    def open(
+        self, pool, stream, capture_error_mode: str, detect_syncs: bool, observer=None
+    ) -> CudaSession:
         return CudaSession(pool, stream, capture_error_mode, detect_syncs, observer)
 
 

@@ -27,7 +27,8 @@ inside a segment raises). Replay is slow: it is a testing and debugging tool.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,8 +38,14 @@ aten = torch.ops.aten
 
 # Allocations without a kernel: a CUDA graph replays nothing for them.
 _NO_KERNEL = {
-    aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
-    aten.lift_fresh, aten.detach, aten.alias,
+    aten.empty,
+    aten.empty_like,
+    aten.empty_strided,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.lift_fresh,
+    aten.detach,
+    aten.alias,
 }
 
 
@@ -49,14 +56,14 @@ class EmulatedPool:
         return f"EmulatedPool(id={id(self):#x})"
 
 
-def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Optional[Callable[[], None]]:
+def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
     """Compile one recorded operation into a replay closure (None when nothing must run)."""
     if func.overloadpacket in _NO_KERNEL:
         return None
     schema = func._schema
     mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     outputs = out if len(schema.returns) > 1 else (out,)
-    fresh: List[tuple] = []  # (return index, list index or None, recorded tensor)
+    fresh: list[tuple] = []  # (return index, list index or None, recorded tensor)
     for index, (ret, value) in enumerate(zip(schema.returns, outputs)):
         if ret.alias_info is not None:
             continue  # a view or the mutated argument itself
@@ -132,7 +139,7 @@ class EmulatedSession:
         self.observer = observer
         self.pool = pool if pool is not None else EmulatedPool()
         self.detect_syncs = detect_syncs
-        self._mode: Optional[SegmentMode] = None
+        self._mode: SegmentMode | None = None
         self._steps: list = []
         _patch_is_capturing(True)
 
@@ -146,8 +153,9 @@ class EmulatedSession:
     def begin_segment(self) -> None:
         self._steps = []
         self._inference = torch.is_inference_mode_enabled()
-        self._mode = SegmentMode(all_devices=True, on_operation=self._record,
-                                 check_syncs=self.detect_syncs)
+        self._mode = SegmentMode(
+            all_devices=True, on_operation=self._record, check_syncs=self.detect_syncs
+        )
         self._mode.__enter__()
         _capturing.active = True
 
@@ -174,8 +182,9 @@ class EmulatedBackend:
     def new_pool(self) -> EmulatedPool:
         return EmulatedPool()
 
-    def open(self, pool, stream, capture_error_mode: str, detect_syncs: bool,
-             observer=None) -> EmulatedSession:
+    def open(
+        self, pool, stream, capture_error_mode: str, detect_syncs: bool, observer=None
+    ) -> EmulatedSession:
         return EmulatedSession(pool, stream, capture_error_mode, detect_syncs, observer)
 
 

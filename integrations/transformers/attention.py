@@ -21,7 +21,7 @@ and one copy-back per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,7 @@ class PackedBatch:
     """
 
     bounds: list
-    cu_seqlens: Optional[torch.Tensor]
+    cu_seqlens: torch.Tensor | None
     max_seqlen: int
 
 
@@ -70,16 +70,16 @@ class RunnerState:
     ``(layer, key, value)`` seen during capture.
     """
 
-    def __init__(self, kernel: str, captured_cu: Optional[torch.Tensor] = None):
+    def __init__(self, kernel: str, captured_cu: torch.Tensor | None = None):
         self.kernel = kernel
         self.captured_cu = captured_cu
-        self.layers: List[tuple] = []
+        self.layers: list[tuple] = []
 
 
-_active: Optional[RunnerState] = None
+_active: RunnerState | None = None
 
 
-def set_active(state: Optional[RunnerState]) -> None:
+def set_active(state: RunnerState | None) -> None:
     global _active
     _active = state
 
@@ -94,8 +94,9 @@ class LayerAttention:
     tokens before it) or None.
     """
 
-    def __init__(self, layer: int, query, key, value, scaling: float, window: Optional[int],
-                 kernel: str):
+    def __init__(
+        self, layer: int, query, key, value, scaling: float, window: int | None, kernel: str
+    ):
         self.__qualname__ = self.__name__ = f"attention[layer {layer}]"
         self.q, self.k, self.v = (t[0].transpose(0, 1) for t in (query, key, value))
         self.scaling, self.window, self.kernel = scaling, window, kernel
@@ -118,14 +119,36 @@ class LayerAttention:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if self.out is not None:
             _flash_into(
-                self.out, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
-                self.causal, False, scale=self.scaling, window_size_left=self.left,
+                self.out,
+                q,
+                k,
+                v,
+                cu_seqlens,
+                cu_seqlens,
+                max_seqlen,
+                max_seqlen,
+                0.0,
+                self.causal,
+                False,
+                scale=self.scaling,
+                window_size_left=self.left,
                 window_size_right=0,
             )
             return self.out
         return _flash(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, self.causal, False,
-            scale=self.scaling, window_size_left=self.left, window_size_right=0,
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            0.0,
+            self.causal,
+            False,
+            scale=self.scaling,
+            window_size_left=self.left,
+            window_size_right=0,
         )[0]
 
 
@@ -149,10 +172,18 @@ def _reference_attention(q, k, v, bounds, scaling, window):
 
 
 @torch.compiler.disable  # with PrefillRunner(compile=...), Dynamo's graph breaks here too
-def breakgraph_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
-                         dropout: float = 0.0, sliding_window: Optional[int] = None,
-                         softcap: Optional[float] = None, **kwargs: Any):
+def breakgraph_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+):
     """The function registered as ``AttentionInterface["breakgraph"]``."""
     state = _active
     if state is None:
@@ -161,7 +192,9 @@ def breakgraph_attention(module: Any, query: torch.Tensor, key: torch.Tensor, va
             "model's attention implementation only while it captures or runs."
         )
     if softcap is not None:
-        raise breakgraph.CaptureError("breakgraph attention: attention softcapping is not supported.")
+        raise breakgraph.CaptureError(
+            "breakgraph attention: attention softcapping is not supported."
+        )
     if attention_mask is not None:
         raise breakgraph.CaptureError(
             "breakgraph attention: the model built an attention mask; the prefill runner packs "
@@ -170,9 +203,15 @@ def breakgraph_attention(module: Any, query: torch.Tensor, key: torch.Tensor, va
     layer = getattr(module, "layer_idx", len(state.layers))
     if breakgraph.is_capturing():
         state.layers.append((layer, key, value))
-    call = LayerAttention(layer, query, key, value,
-                          query.shape[-1] ** -0.5 if scaling is None else scaling,
-                          sliding_window, state.kernel)
+    call = LayerAttention(
+        layer,
+        query,
+        key,
+        value,
+        query.shape[-1] ** -0.5 if scaling is None else scaling,
+        sliding_window,
+        state.kernel,
+    )
     if state.captured_cu is not None:
         out = call.flash(state.captured_cu, query.shape[2])  # upper bound: the bucket size
     else:

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 import breakgraph
-from breakgraph.errors import InputError, ReplayError
 from breakgraph.backends import select_backend
+from breakgraph.errors import InputError, ReplayError
 from breakgraph.runner import BucketedRunner
 
 from . import attention as _attention
@@ -55,8 +56,14 @@ class PrefillOutput:
     ``cache(i)`` is prompt ``i``'s KV cache, valid until the next prefill.
     """
 
-    def __init__(self, runner: "PrefillRunner", logits: torch.Tensor, bounds: list, step: int,
-                 layers: Optional[list]):
+    def __init__(
+        self,
+        runner: PrefillRunner,
+        logits: torch.Tensor,
+        bounds: list,
+        step: int,
+        layers: list | None,
+    ):
         self.logits = logits
         self.bounds = bounds
         self._runner, self._step, self._layers = runner, step, layers
@@ -81,7 +88,9 @@ class PrefillOutput:
                 "overwritten it; call cache(i) before the next prefill."
             )
         if not 0 <= i < len(self.bounds):
-            raise IndexError(f"PrefillOutput.cache: prompt {i} out of range ({len(self.bounds)} prompts).")
+            raise IndexError(
+                f"PrefillOutput.cache: prompt {i} out of range ({len(self.bounds)} prompts)."
+            )
         start, end = self.bounds[i]
         cache = DynamicCache(config=self._runner.model.config)
         for layer, key, value in sorted(self._layers, key=lambda entry: entry[0]):
@@ -125,13 +134,13 @@ class PrefillRunner:
         token_buckets: Sequence[int] = (64, 256, 1024),
         max_prompts: int = 16,
         *,
-        backend: Optional[str] = None,
+        backend: str | None = None,
         on_miss: str = "raise",
         attention: str = "auto",
         pad_token_id: int = 0,
         warmup: int = 2,
         compile: Any = False,
-        debug: Optional[bool] = None,
+        debug: bool | None = None,
     ):
         _check_model(model)
         if max_prompts < 1:
@@ -144,14 +153,18 @@ class PrefillRunner:
         parameter = next(model.parameters())
         self.model = model
         self.device, self.dtype = parameter.device, parameter.dtype
-        can_flash = (_attention.flash_available(self.dtype, self.device)
-                     and select_backend(backend).name == "cuda")
+        can_flash = (
+            _attention.flash_available(self.dtype, self.device)
+            and select_backend(backend).name == "cuda"
+        )
         if attention in ("flash", "captured") and not can_flash:
             raise UnsupportedModelError(
                 f"PrefillRunner: attention={attention!r} needs the CUDA backend, bf16/fp16 weights "
                 f"and torch's FlashAttention varlen kernel; use attention='reference'."
             )
-        self.attention = ("flash" if can_flash else "reference") if attention == "auto" else attention
+        self.attention = (
+            ("flash" if can_flash else "reference") if attention == "auto" else attention
+        )
         self.max_prompts = max_prompts
         self.vocab_size = model.config.get_text_config().vocab_size
         if not 0 <= pad_token_id < self.vocab_size:
@@ -185,9 +198,17 @@ class PrefillRunner:
         _attention.register()
         example = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self._runner = BucketedRunner(
-            self._forward, token_buckets, (example, example), dims=1,
-            pad_values=(pad_token_id, 0), on_miss=on_miss, slice_outputs=False,
-            warmup=warmup, backend=backend, capture_context=self._capture_batch, debug=debug,
+            self._forward,
+            token_buckets,
+            (example, example),
+            dims=1,
+            pad_values=(pad_token_id, 0),
+            on_miss=on_miss,
+            slice_outputs=False,
+            warmup=warmup,
+            backend=backend,
+            capture_context=self._capture_batch,
+            debug=debug,
         )
 
     # -- the captured forward ------------------------------------------------------------
@@ -200,7 +221,9 @@ class PrefillRunner:
             self._layers[input_ids.shape[1]] = state.layers
         with self._attention_installed(state), torch.no_grad():
             return self._forward_model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
                 logits_to_keep=self._last_index,
             ).logits
 
@@ -221,7 +244,9 @@ class PrefillRunner:
                 if type(module).__name__.endswith("Experts"):
                     # data-dependent loop over active experts (nonzero): an eager break of its own
                     patched.append((module, module.__dict__.get("forward", _MISSING)))
-                    module.forward = torch.compiler.disable(breakgraph.eager_on_graph(module.forward))
+                    module.forward = torch.compiler.disable(
+                        breakgraph.eager_on_graph(module.forward)
+                    )
             yield
         finally:
             for module, previous in patched:  # an instance-level forward of the user's stays
@@ -236,7 +261,7 @@ class PrefillRunner:
         """During capture of a bucket: one sequence filling it (any batch shape would do)."""
         return self._stage([size], size)
 
-    def _stage(self, lengths: List[int], bucket: int) -> _attention.PackedBatch:
+    def _stage(self, lengths: list[int], bucket: int) -> _attention.PackedBatch:
         """Write the step's metadata (last-token indices, ``cu_seqlens``) to the device.
 
         Both go through pinned host buffers with asynchronous copies: no host sync, so
@@ -260,8 +285,8 @@ class PrefillRunner:
             # trailing entries repeat the end: zero-length sequences for the captured kernel
             cu = self._host_cu_np
             cu[0] = 0
-            cu[1: len(bounds) + 1] = [end for _, end in bounds]
-            cu[len(bounds) + 1:] = bounds[-1][1]
+            cu[1 : len(bounds) + 1] = [end for _, end in bounds]
+            cu[len(bounds) + 1 :] = bounds[-1][1]
             self._cu_seqlens.copy_(self._host_cu, non_blocking=True)
             cu_seqlens = self._cu_seqlens[: len(bounds) + 1]
         if self._staged is not None:
@@ -286,23 +311,34 @@ class PrefillRunner:
     def prefill(self, prompts: Sequence[torch.Tensor]) -> PrefillOutput:
         """Prefill ``prompts`` (1-D LongTensors) together; see :class:`PrefillOutput`."""
         if self._closed:
-            raise ReplayError("PrefillRunner.prefill: the runner is closed; build a new PrefillRunner.")
+            raise ReplayError(
+                "PrefillRunner.prefill: the runner is closed; build a new PrefillRunner."
+            )
         lengths = self._validate(prompts)
         total = sum(lengths)
         bucket = self._runner.bucket_for(total)
         ids = torch.cat([p.to(self.device, non_blocking=True) for p in prompts]).view(1, total)
-        positions = torch.cat([
-            self._positions[:n] if n <= len(self._positions) else torch.arange(n, device=self.device)
-            for n in lengths
-        ]).view(1, total)
+        positions = torch.cat(
+            [
+                self._positions[:n]
+                if n <= len(self._positions)
+                else torch.arange(n, device=self.device)
+                for n in lengths
+            ]
+        ).view(1, total)
         batch = self._stage(lengths, bucket if bucket is not None else total)
         logits = self._runner(ids, positions, context=batch)
         self._step += 1
         layers = self._layers[bucket] if bucket is not None else None
-        return PrefillOutput(self, logits[0, : len(lengths)].clone(), batch.bounds[: len(lengths)],
-                             self._step, layers)
+        return PrefillOutput(
+            self,
+            logits[0, : len(lengths)].clone(),
+            batch.bounds[: len(lengths)],
+            self._step,
+            layers,
+        )
 
-    def _validate(self, prompts: Sequence[torch.Tensor]) -> List[int]:
+    def _validate(self, prompts: Sequence[torch.Tensor]) -> list[int]:
         if isinstance(prompts, torch.Tensor) or not len(prompts):
             raise InputError("PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors.")
         if len(prompts) > self.max_prompts:
@@ -312,11 +348,20 @@ class PrefillRunner:
             )
         lengths = []
         for i, p in enumerate(prompts):
-            if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype != torch.long or p.numel() == 0:
+            if (
+                not isinstance(p, torch.Tensor)
+                or p.dim() != 1
+                or p.dtype != torch.long
+                or p.numel() == 0
+            ):
                 raise InputError(
                     f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of token ids, "
                     f"got {type(p).__name__}"
-                    + (f" of shape {tuple(p.shape)} and dtype {p.dtype}" if isinstance(p, torch.Tensor) else "")
+                    + (
+                        f" of shape {tuple(p.shape)} and dtype {p.dtype}"
+                        if isinstance(p, torch.Tensor)
+                        else ""
+                    )
                 )
             if p.device.type == "cpu" and (int(p.min()) < 0 or int(p.max()) >= self.vocab_size):
                 # on the GPU an out-of-range id is a device-side assert that kills the process;
@@ -353,7 +398,9 @@ def _check_model(model: Any) -> None:
             "(breakgraph captures it itself)."
         )
     if model.training:
-        raise UnsupportedModelError("PrefillRunner: the model is in training mode; call model.eval() first.")
+        raise UnsupportedModelError(
+            "PrefillRunner: the model is in training mode; call model.eval() first."
+        )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type not in _STATIC_ROPE_TYPES:

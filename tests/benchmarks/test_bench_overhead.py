@@ -3,10 +3,10 @@
 
 import pytest
 import torch
-
-import breakgraph
 from bench_overhead import REGIMES, segment_work
 from bench_utils import timed
+
+import breakgraph
 
 REPEATS = 20  # replays per timed call: the per-call synchronisation is amortised
 VARIANTS = ["full_graph", "breakgraph", "separate_graphs", "eager", "peer"]
@@ -58,8 +58,9 @@ def test_per_break_overhead(benchmark, regime, variant):
     elements, kernels, segments = REGIMES[regime]
     replay = build(variant, elements, kernels, segments)
     benchmark.group = f"overhead: {regime}"
-    benchmark.extra_info.update(workload="overhead", regime=regime, variant=variant,
-                                breaks=segments - 1, repeats=REPEATS)
+    benchmark.extra_info.update(
+        workload="overhead", regime=regime, variant=variant, breaks=segments - 1, repeats=REPEATS
+    )
     timed(benchmark, lambda: [replay() for _ in range(REPEATS)])
 
 
@@ -85,6 +86,7 @@ def test_copy_back_cost(benchmark, kind, elements):
         for _ in range(breaks):
             y = fn(y + 1)
     benchmark.group = f"copy-back: {elements} floats"
-    benchmark.extra_info.update(workload="copy-back", kind=kind, elements=elements, breaks=breaks,
-                                repeats=REPEATS)
+    benchmark.extra_info.update(
+        workload="copy-back", kind=kind, elements=elements, breaks=breaks, repeats=REPEATS
+    )
     timed(benchmark, lambda: [g.replay() for _ in range(REPEATS)])

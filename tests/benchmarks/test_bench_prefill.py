@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-
 from bench_prefill import BUCKETS, CONFIGS, make_model, mixed_batch
 from bench_utils import timed
 from breakgraph.integrations.transformers import PrefillRunner
@@ -20,7 +19,9 @@ def setup():
     model = make_model(CONFIGS[MODEL]())
     runners = {
         "breakgraph": PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16),
-        "full_graph": PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16, attention="captured"),
+        "full_graph": PrefillRunner(
+            model, token_buckets=BUCKETS, max_prompts=16, attention="captured"
+        ),
     }
     vocab = model.config.vocab_size
     prompts = {n: [torch.randint(vocab, (n,), device="cuda")] for n in TOKENS}
@@ -47,9 +48,16 @@ def test_prefill(benchmark, setup, workload, variant):
             fn()
     else:
         fn = lambda: runners[variant].prefill(batch)  # noqa: E731
-    benchmark.group = f"prefill {MODEL}: {workload if isinstance(workload, str) else f'{workload} tokens'}"
-    benchmark.extra_info.update(workload="prefill", model=MODEL, case=str(workload), variant=variant,
-                                tokens=sum(len(p) for p in batch))
+    benchmark.group = (
+        f"prefill {MODEL}: {workload if isinstance(workload, str) else f'{workload} tokens'}"
+    )
+    benchmark.extra_info.update(
+        workload="prefill",
+        model=MODEL,
+        case=str(workload),
+        variant=variant,
+        tokens=sum(len(p) for p in batch),
+    )
     timed(benchmark, fn)
 
 
