@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import fresh_into
+from tests.helpers import fresh_into
 
 import breakgraph
 from breakgraph import (

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import HAS_CUDA, assert_clean, fresh_into
+from tests.helpers import HAS_CUDA, assert_clean, fresh_into
 from torch import nn
 
 import breakgraph

@@ -10,7 +10,7 @@ import gc
 
 import pytest
 import torch
-from helpers import HAS_CUDA, assert_clean, fresh_into
+from tests.helpers import HAS_CUDA, assert_clean, fresh_into
 from torch import nn
 
 import breakgraph

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from helpers import assert_clean, fresh_into
+from tests.helpers import assert_clean, fresh_into
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, BreakgraphError, HostSyncError, eager_on_graph

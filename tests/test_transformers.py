@@ -708,3 +708,78 @@ def test_debug_report_times_each_attention_break(backend, closing):
     assert report.break_names == [f"attention[layer {i}]" for i in range(layers)]
     assert all(t is not None and t > 0 for t in report.break_host_us), report
     assert "us/replay" in str(report)
+
+
+# -- issue 11 regressions ------------------------------------------------------------------------
+
+
+def test_cache_of_an_earlier_prefill_is_refused_after_a_failed_prefill(backend):
+    """Item 4: a prefill that fails mid-replay still invalidates earlier outputs."""
+    device, _ = device_dtype(backend)
+    model = model_for("llama", backend)
+    runner = make_runner(model, backend)
+    first = runner.prefill(prompts_of([5, 7], device))
+    first.cache(0)  # valid now
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("device fell over")
+
+    graph = runner.graph(16)
+    original, graph.replay = graph.replay, explode
+    try:
+        with pytest.raises(RuntimeError, match="fell over"):
+            runner.prefill(prompts_of([3, 4], device))
+    finally:
+        graph.replay = original
+    with pytest.raises(InputError, match="later prefill"):
+        first.cache(0)
+
+
+def test_output_after_close_keeps_no_graph_memory(backend):
+    device, _ = device_dtype(backend)
+    runner = make_runner(model_for("llama", backend), backend)
+    out = runner.prefill(prompts_of([5], device))
+    import gc
+    import weakref
+
+    key = weakref.ref(runner._layers[16][0][1])
+    runner.close()
+    gc.collect()
+    assert key() is None  # the output holds no graph memory once the runner is closed
+    with pytest.raises(InputError, match="closed"):
+        out.cache(0)
+
+
+@pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "LlamaModel"])
+def test_non_causal_lm_heads_are_rejected(head):
+    """Item 7: a supported model_type with another head must not be served as a causal LM."""
+    config = make_config("llama")
+    model = getattr(transformers, head)(config).eval()
+    with pytest.raises(UnsupportedModelError, match="ForCausalLM"):
+        PrefillRunner(model, token_buckets=BUCKETS, backend="emulated")
+
+
+def test_moe_router_logits_config_is_served(backend):
+    """Item 13: output_router_logits=True in the config must not break the runner."""
+    device, _ = device_dtype(backend)
+    model = model_for("qwen3_moe", backend, output_router_logits=True)
+    runner = make_runner(model, backend)
+    ps = prompts_of([6, 9], device)
+    out = runner.prefill(ps)
+    for i, p in enumerate(ps):
+        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend)
+
+
+def test_bad_prefill_inputs_raise_input_errors(backend):
+    """Item 15: PrefillRunner's own checks, and its own advice."""
+    device, _ = device_dtype(backend)
+    model = model_for("llama", backend)
+    with pytest.raises(InputError, match="token_buckets"):
+        PrefillRunner(model, token_buckets=(), backend=backend)
+    runner = make_runner(model, backend)
+    out = runner.prefill(p for p in prompts_of([4, 5], device))  # any iterable of prompts
+    assert out.logits.shape[0] == 2
+    with pytest.raises(InputError) as info:
+        runner.prefill(prompts_of([30, 30], device))  # 60 tokens > largest bucket 48
+    assert "capture_window" not in str(info.value)
+    assert "token_buckets" in str(info.value)

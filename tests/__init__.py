@@ -1,0 +1,1 @@
+"""breakgraph test suite (a package so modules share ``tests.helpers``)."""
