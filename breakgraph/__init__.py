@@ -31,7 +31,8 @@ from .errors import (
     StaleTensorError,
     StreamError,
 )
-from .graph import BreakableCUDAGraph, capture, context_scope, is_capturing, replay_context
+from .graph import BreakableCUDAGraph, capture
+from .state import context_scope, is_capturing, replay_context
 
 _logging.getLogger("breakgraph").addHandler(_logging.NullHandler())  # nothing printed by default
 

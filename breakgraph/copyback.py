@@ -6,11 +6,18 @@ returns new tensors, so their values must be copied into those capture-time
 tensors. ``Tensor.copy_`` silently broadcasts and casts, which turns a shape bug
 into wrong numbers; this module refuses instead.
 
-The plan is compiled once, at capture, into a tree of small closures that know
-the exact structure to expect; replay only walks that tree (no reflection on the
-captured side, no allocation). Supported structures: tensors, ``None`` and other
-Python values, tuples, lists, namedtuples, dicts (``ModelOutput`` included),
-dataclasses and plain objects with attributes.
+Two more ways a copy can silently corrupt, both refused:
+
+* **The output is the function's own argument** (or shares its memory), the zero-copy
+  pattern of in-place functions. Segments then read that memory as the argument *and*
+  as the output; copying a new result into it would overwrite the argument. So such an
+  output must be the same memory on every replay (in-place), never a new tensor.
+* **The output's elements overlap** (an ``expand()``-ed view): nothing can be copied
+  into it. Refused at capture.
+
+The plan is compiled once, at capture, into a tree of small closures that know the
+exact structure to expect (see :mod:`breakgraph.structure` for what is supported);
+replay only walks that tree (no reflection, no allocation).
 
 Example::
 
@@ -25,70 +32,77 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .errors import CopyBackError
+from .structure import Split, StructureError, describe, iter_tensors, split
 
-__all__ = ["build_copy_back"]
+__all__ = ["build_copy_back", "storages_of"]
 
 Copier = Callable[[Any], None]
 
 
-def build_copy_back(captured: Any, function: str, check_values: bool = True) -> Copier:
-    """Compile a function that copies a new result into ``captured``, checking it first.
-
-    ``function`` is the eager function's name, used in error messages. With
-    ``check_values=False`` Python values (ints, strings, ...) that differ from the
-    capture-time ones are accepted: use it when such values are only informational
-    and no captured segment depends on them.
-    """
-    return _build(captured, "output", function, check_values)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__name__} {text}"
-
-
-def _build(captured: Any, path: str, function: str, check: bool) -> Copier:
-    if isinstance(captured, torch.Tensor):
-        return _tensor_copier(captured, path, function)
-    if isinstance(captured, tuple) and hasattr(captured, "_fields"):  # namedtuple
-        names = captured._fields
-        children = [_build(v, f"{path}.{n}", function, check) for n, v in zip(names, captured)]
-        return _sequence_copier(type(captured), children, path, function)
-    if isinstance(captured, (tuple, list)):
-        children = [_build(v, f"{path}[{i}]", function, check) for i, v in enumerate(captured)]
-        return _sequence_copier(type(captured), children, path, function)
-    if isinstance(captured, Mapping):  # dict, OrderedDict, transformers ModelOutput
-        keys = tuple(captured.keys())
-        children = [_build(captured[k], f"{path}[{k!r}]", function, check) for k in keys]
-        return _mapping_copier(type(captured), keys, children, path, function)
-    if dataclasses.is_dataclass(captured) and not isinstance(captured, type):
-        names = tuple(f.name for f in dataclasses.fields(captured))
-        return _attribute_copier(captured, names, path, function, check)
-    if _is_python_value(captured):
-        return _value_copier(captured, path, function, check)
-    if hasattr(captured, "__dict__"):
-        return _attribute_copier(captured, tuple(vars(captured)), path, function, check)
-    return _value_copier(captured, path, function, check)
-
-
-def _is_python_value(value: Any) -> bool:
-    return value is None or isinstance(
-        value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+def storages_of(*values: Any) -> frozenset:
+    """The storage addresses of every tensor inside ``values`` (an eager call's arguments)."""
+    return frozenset(
+        t.untyped_storage().data_ptr() for v in values for _, t in iter_tensors(v, "argument")
     )
 
 
+def build_copy_back(
+    captured: Any, function: str, check_values: bool = True, arguments: frozenset = frozenset()
+) -> Copier:
+    """Compile a function that copies a new result into ``captured``, checking it first.
+
+    ``function`` is the eager function's name, used in error messages. ``arguments`` are
+    the storages of its capture-time arguments (:func:`storages_of`): outputs in that
+    memory must stay that memory on replay. With ``check_values=False`` Python values
+    (ints, strings, ...) that differ from the capture-time ones are accepted: use it when
+    such values are only informational and no captured segment depends on them.
+    """
+    try:
+        return _build(captured, "output", function, check_values, arguments, set())
+    except StructureError as exc:
+        raise CopyBackError(
+            function, exc.path, "a reference cycle", "a tree of containers", "a container that "
+            "contains itself"
+        ) from None
+
+
+def _build(captured: Any, path: str, function: str, check: bool, arguments: frozenset,
+           active: set) -> Copier:
+    if isinstance(captured, torch.Tensor):
+        if captured.untyped_storage().data_ptr() in arguments:
+            return _argument_copier(captured, path, function)
+        return _tensor_copier(captured, path, function)
+    parts = split(captured)
+    if parts is None:
+        return _value_copier(captured, path, function, check)
+    if id(captured) in active:
+        raise StructureError(path, "a reference cycle")
+    active.add(id(captured))
+    children = [
+        _build(v, parts.label(path, k), function, check, arguments, active)
+        for k, v in zip(parts.keys, parts.values)
+    ]
+    active.discard(id(captured))
+    if parts.kind in ("sequence", "namedtuple"):
+        return _sequence_copier(type(captured), children, path, function)
+    if parts.kind == "mapping":
+        return _mapping_copier(type(captured), parts.keys, children, path, function)
+    return _attribute_copier(type(captured), parts, children, path, function)
+
+
 def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
+    if torch._debug_has_internal_overlap(captured) == 1:
+        raise CopyBackError(
+            function, path, "a tensor whose elements share memory (an expand()-ed or "
+            "broadcast view), which nothing can be copied into", describe(captured),
+            "return .contiguous() or .clone() of it instead",
+        )
     shape, dtype, device = captured.shape, captured.dtype, captured.device
     copy_ = captured.copy_
     if captured.is_inference():  # captured under inference_mode: only writable inside it
@@ -112,6 +126,31 @@ def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
     return copy_tensor
 
 
+def _argument_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
+    """The output is (a view of) an argument: on replay it must be that very memory again."""
+    pointer, shape, stride = captured.data_ptr(), captured.shape, captured.stride()
+
+    def same_memory(new: Any) -> None:
+        if new is captured:
+            return
+        if (
+            isinstance(new, torch.Tensor)
+            and new.data_ptr() == pointer
+            and new.shape == shape
+            and new.stride() == stride
+        ):
+            return
+        raise CopyBackError(
+            function, path, "a new tensor where it returned (memory of) its own argument at "
+            "capture", describe(captured), describe(new) + ". Segments read that memory as the "
+            "argument too, so copying into it would overwrite the argument. Return the argument "
+            "(updated in place) on every call, or a new tensor on every call, including at "
+            "capture (e.g. `x.clone()`)",
+        )
+
+    return same_memory
+
+
 def _mismatch(function: str, path: str, captured: Any, new: Any) -> CopyBackError:
     if not isinstance(new, torch.Tensor):
         problem = "a changed structure"
@@ -121,7 +160,7 @@ def _mismatch(function: str, path: str, captured: Any, new: Any) -> CopyBackErro
         problem = "a tensor of another dtype"
     else:
         problem = "a tensor on another device"
-    return CopyBackError(function, path, problem, _describe(captured), _describe(new))
+    return CopyBackError(function, path, problem, describe(captured), describe(new))
 
 
 def _sequence_copier(kind: type, children: list, path: str, function: str) -> Copier:
@@ -130,11 +169,8 @@ def _sequence_copier(kind: type, children: list, path: str, function: str) -> Co
     def copy_sequence(new: Any) -> None:
         if type(new) is not kind or len(new) != n:
             raise CopyBackError(
-                function,
-                path,
-                "a changed structure",
-                f"{kind.__name__} of length {n}",
-                _describe_container(new),
+                function, path, "a changed structure", f"{kind.__name__} of length {n}",
+                describe(new),
             )
         for child, item in zip(children, new):
             child(item)
@@ -148,11 +184,8 @@ def _mapping_copier(kind: type, keys: tuple, children: list, path: str, function
 
     def structure_error(new: Any) -> CopyBackError:
         return CopyBackError(
-            function,
-            path,
-            "a changed structure",
-            f"{kind.__name__} with keys {list(keys)}",
-            _describe_container(new),
+            function, path, "a changed structure", f"{kind.__name__} with keys {list(keys)}",
+            describe(new),
         )
 
     def copy_mapping(new: Any) -> None:
@@ -168,25 +201,20 @@ def _mapping_copier(kind: type, keys: tuple, children: list, path: str, function
     return copy_mapping
 
 
-def _attribute_copier(captured: Any, names: tuple, path: str, function: str, check: bool) -> Copier:
-    kind = type(captured)
-    children = [_build(getattr(captured, n), f"{path}.{n}", function, check) for n in names]
-    pairs = tuple(zip(names, children))
+def _attribute_copier(kind: type, parts: Split, children: list, path: str, function: str) -> Copier:
+    pairs = tuple(zip(parts.keys, children))
 
     def copy_attributes(new: Any) -> None:
         if type(new) is not kind:
             raise CopyBackError(
-                function, path, "a changed structure", f"a {kind.__name__}", _describe(new)
+                function, path, "a changed structure", f"a {kind.__name__}", describe(new)
             )
         for name, child in pairs:
             try:
                 value = getattr(new, name)
             except AttributeError:
                 raise CopyBackError(
-                    function,
-                    f"{path}.{name}",
-                    "a changed structure",
-                    "an attribute",
+                    function, f"{path}.{name}", "a changed structure", "an attribute",
                     "no such attribute",
                 ) from None
             child(value)
@@ -199,18 +227,18 @@ def _value_copier(captured: Any, path: str, function: str, check: bool) -> Copie
 
         def copy_none(new: Any) -> None:
             if new is not None:
-                raise CopyBackError(function, path, "a changed structure", "None", _describe(new))
+                raise CopyBackError(function, path, "a changed structure", "None", describe(new))
 
         return copy_none
 
     def copy_value(new: Any) -> None:
         if isinstance(new, torch.Tensor) or new is None:
             raise CopyBackError(
-                function, path, "a changed structure", _describe(captured), _describe(new)
+                function, path, "a changed structure", describe(captured), describe(new)
             )
         if check and not _same_value(captured, new):
             raise CopyBackError(
-                function, path, "a changed Python value", _describe(captured), _describe(new)
+                function, path, "a changed Python value", describe(captured), describe(new)
             )
 
     return copy_value
@@ -226,10 +254,3 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
     return isinstance(a, float) and isinstance(b, float) and a != a and b != b  # NaN == NaN
 
-
-def _describe_container(value: Any) -> str:
-    if isinstance(value, Mapping):
-        return f"{type(value).__name__} with keys {list(value.keys())}"
-    if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__} of length {len(value)}"
-    return _describe(value)

@@ -51,9 +51,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .errors import BreakgraphWarning, StaleTensorError
+from .structure import describe, iter_tensors
 from .syncs import _user_frame
 
-__all__ = ["debug_enabled", "InputWatch", "GraphReport", "pool_bytes"]
+__all__ = ["debug_enabled", "InputWatch", "GraphReport"]
 
 logger = logging.getLogger("breakgraph")
 
@@ -78,6 +79,7 @@ class _Watched:
     shape: tuple
     stride: tuple
     description: str
+    reader: str  # "segment 3" or "eager function 'name'"
 
     def problem(self) -> str | None:
         t = self.ref()
@@ -112,28 +114,29 @@ class InputWatch:
 
     def observe_break(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
         """Watch what crosses a break; checked before the segment that precedes the break."""
-        segment = self.segment - 1
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                self._watch(t, f"the arguments of eager function {name!r}", True, segment)
-        for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor):
-                self._produced.add(_storage_ptr(t))
-                self._watch(t, f"the output of eager function {name!r}", True, segment)
+        segment, reader = self.segment - 1, f"eager function {name!r}"
+        for _, t in iter_tensors((args, kwargs), "arguments"):
+            self._watch(t, f"the arguments of {reader}", True, segment, reader)
+        for _, t in iter_tensors(output):
+            self._produced.add(_storage_ptr(t))
+            self._watch(t, f"the output of {reader}", True, segment, reader)
 
     def _watch(
-        self, t: torch.Tensor, where: str, force: bool = False, segment: int | None = None
+        self,
+        t: torch.Tensor,
+        where: str,
+        force: bool = False,
+        segment: int | None = None,
+        reader: str | None = None,
     ) -> None:
         storage = _storage_ptr(t)
         key = (id(t), t.data_ptr())
         if key in self._seen or (storage in self._produced and not force) or storage == 0:
             return
         self._seen.add(key)
-        description = (
-            f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}) "
-            f"first read by {where}"
-        )
-        self.by_segment.setdefault(self.segment if segment is None else segment, []).append(
+        description = f"{describe(t)} first read by {where}"
+        segment = self.segment if segment is None else segment
+        self.by_segment.setdefault(segment, []).append(
             _Watched(
                 weakref.ref(t),
                 t.data_ptr(),
@@ -142,6 +145,7 @@ class InputWatch:
                 tuple(t.shape),
                 t.stride(),
                 description,
+                reader or f"segment {segment}",
             )
         )
 
@@ -155,7 +159,7 @@ class InputWatch:
                 problem = w.problem()
                 if problem is not None:
                     raise StaleTensorError(
-                        f"segment {segment} reads a tensor that {problem} since capture: "
+                        f"{w.reader} reads a tensor that {problem} since capture: "
                         f"{w.description}. The graph reads it at its captured address; keep it "
                         f"alive and refill it in place (static.copy_(new)) instead of replacing it."
                     )
@@ -245,13 +249,3 @@ def warn_unjoined(segment: int, streams: list) -> None:
     )
     logger.warning(message)
     warnings.warn(message, BreakgraphWarning, stacklevel=4)
-
-
-def pool_bytes(pool: Any, device: Any = None) -> int | None:
-    """Bytes the caching allocator holds in a CUDA graph pool (None off CUDA)."""
-    if not isinstance(pool, tuple) or not torch.cuda.is_available():
-        return None
-    segments = torch.cuda.memory._snapshot(device)["segments"]
-    return sum(
-        s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)
-    )

@@ -10,23 +10,34 @@ methods, classmethods, staticmethods and ``nn.Module.forward`` behave as usual.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import wrapt
 
-from . import graph as _graph
+from .errors import InputError
+from .graph import BreakOptions
+from .state import state
 
 __all__ = ["eager_on_graph", "break_graph"]
 
+_EMPTY_BREAK = BreakOptions("break_graph")
+
 
 def _name_of(function: Any) -> str:
-    return (
-        getattr(function, "__qualname__", None)
-        or getattr(function, "__name__", None)
-        or repr(function)
-    )
+    """A readable break name: the function's qualified name, ``partial(f)``, or the class
+    of a callable object (never a repr with a memory address)."""
+    if isinstance(function, functools.partial):
+        inner = function.func
+        return f"partial({getattr(inner, '__name__', None) or _name_of(inner)})"
+    if isinstance(function, (classmethod, staticmethod)):
+        return _name_of(function.__func__)
+    name = getattr(function, "__qualname__", None)
+    if isinstance(name, str):
+        return name
+    return type(function).__name__
 
 
 def eager_on_graph(
@@ -45,7 +56,9 @@ def eager_on_graph(
     * ``enable=False`` returns ``function`` itself, unchanged (a switch for A/B runs);
     * ``capture_stub`` runs *instead of* ``function`` during the capture pass only
       (for rank-coupled or expensive work); it must return the same structure,
-      shapes and dtypes. Replays run the real function;
+      shapes and dtypes. Replays run the real function. Outputs of the stub that are
+      its own arguments (``lambda x: x``) are cloned, so the real results never
+      overwrite an argument;
     * ``check_values=False`` accepts Python values in the output (ints, strings)
       that differ from the capture-time ones, for values that are informational
       only; tensors are always checked.
@@ -53,7 +66,13 @@ def eager_on_graph(
     On replay the function is called with its capture-time arguments: read
     per-step state from static tensors or from :func:`breakgraph.replay_context`.
     It may return new tensors (copied into the capture-time ones, checked for
-    shape, dtype and device) or the very tensors it was given (no copy).
+    shape, dtype and device) or the very tensors it was given (no copy). Not both:
+    an output that was an argument (or its memory) at capture must be that memory on
+    every replay, or :class:`~breakgraph.CopyBackError` is raised (copying into it would
+    overwrite the argument). If it raises during capture, the capture fails with
+    :class:`~breakgraph.CaptureError` even when the exception is caught inside the
+    capture block. A break replays under ``torch.inference_mode()`` if it was captured
+    under it.
 
     Example::
 
@@ -72,21 +91,21 @@ def eager_on_graph(
     def decorate(wrapped: Callable):
         if not enable:
             return wrapped
-        name = _name_of(wrapped)
+        options = BreakOptions(_name_of(wrapped), capture_stub, check_values)
 
         @wrapt.decorator
         def wrapper(inner, instance, args, kwargs):
-            capture = _graph._state.capture
+            capture = state.capture
             if capture is None or not capture.in_segment or torch.compiler.is_compiling():
                 return inner(*args, **kwargs)
-            return capture.run_break(inner, name, args, kwargs, capture_stub, check_values)
+            return capture.run_break(inner, options, args, kwargs)
 
         return wrapper(wrapped)
 
     if function is not None:
         # classmethod objects are not callable, but wrapt wraps them correctly (both orders).
         if not (callable(function) or isinstance(function, (classmethod, staticmethod))):
-            raise TypeError(f"eager_on_graph: expected a callable, got {function!r}")
+            raise InputError(f"eager_on_graph: expected a callable, got {function!r}.")
         return decorate(function)
     return decorate
 
@@ -102,6 +121,6 @@ def break_graph() -> None:
         >>> import breakgraph
         >>> breakgraph.break_graph()   # no capture: a no-op
     """
-    capture = _graph._state.capture
+    capture = state.capture
     if capture is not None and capture.in_segment and not torch.compiler.is_compiling():
-        capture.run_break(None, "break_graph", (), {}, None, True)
+        capture.run_break(None, _EMPTY_BREAK, (), {})

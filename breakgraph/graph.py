@@ -11,10 +11,14 @@ Inside ``with capture(g):`` a call to a function decorated with
 function eagerly once, registers a *replay function* (call it again with the same
 arguments, copy its fresh results into the capture-time outputs) and begins a new
 segment. Everything in this file runs once at capture except ``replay()``, which
-runs on every model step and is kept to a loop over prebuilt callables.
+runs on every model step and is a loop over prebuilt callables.
+
+What a capture produces is one immutable record, :class:`Captured`, stored on the
+graph when the capture finishes (never half-built: a failed capture stores nothing),
+and dropped by ``reset()``.
 
 Lifetimes: the arguments and outputs of every break are held strongly by the
-graph until ``reset()``; captured kernels read them at frozen addresses, and a
+record until ``reset()``; captured kernels read them at frozen addresses, and a
 weak reference would let another graph sharing the pool reuse their memory.
 """
 
@@ -31,24 +35,30 @@ import torch
 
 from . import debug as _debug
 from .backends import select_backend
-from .copyback import build_copy_back
-from .errors import CaptureError, HostSyncError, ReplayError
+from .backends.base import Backend, CaptureOptions, Segment, Session
+from .copyback import build_copy_back, storages_of
+from .errors import BreakgraphError, CaptureError, HostSyncError, ReplayError
+from .state import context_scope, is_capturing, replay_context, state
+from .structure import map_tensors
 
 __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "context_scope"]
 
-
-class _ThreadState(threading.local):
-    capture: _Capture | None = None  # the capture running on this thread
-    context: Any = None  # what replay_context() returns
-
-
-_state = _ThreadState()
 _capture_lock = threading.Lock()  # one capture at a time per process (CUDA requires it too)
 _NO_CONTEXT = object()
+_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
-@dataclass
-class _Break:
+@dataclass(frozen=True)
+class BreakOptions:
+    """How one eager function breaks a graph; built once, when it is decorated."""
+
+    name: str
+    capture_stub: Callable | None = None
+    check_values: bool = True
+
+
+@dataclass(frozen=True)
+class Break:
     """One eager break: what runs between two segments on replay."""
 
     name: str
@@ -59,11 +69,29 @@ class _Break:
     replay: Callable[[], None] | None
 
 
+@dataclass(frozen=True)
+class Captured:
+    """Everything one capture produced; ``replay()`` only runs ``steps``."""
+
+    backend: Backend
+    pool: Any
+    context: Any
+    segments: tuple[Segment, ...]
+    breaks: tuple[Break, ...]
+    steps: tuple[Callable[[], None], ...]  # segment.replay, break.replay, ... (prebuilt)
+    timers: tuple | None = None  # debug mode: host time of each break
+    unjoined: dict | None = None  # debug mode: segment -> side streams breakgraph joined
+
+
 class BreakableCUDAGraph:
     """A sequence of captured CUDA-graph segments separated by eager functions.
 
     Capture it with :func:`breakgraph.capture`, then call :meth:`replay` on every
     step after refreshing the static inputs in place.
+
+    Thread safety: a graph replays on the calling thread's current stream and reads
+    and writes fixed memory, so one graph must not be replayed from two threads at
+    once; different graphs may, on different streams, if they share no pool.
 
     Example::
 
@@ -80,38 +108,31 @@ class BreakableCUDAGraph:
         >>> _ = static_x.copy_(torch.arange(4.0)); g.replay()
         >>> out.tolist()
         [1.0, 3.0, 5.0, 7.0]
-    """
+    """  # noqa: E501
 
     def __init__(self) -> None:
-        self._segments: list = []
-        self._breaks: list = []
-        self._steps: tuple = ()  # prebuilt replay sequence: segment.replay, break.replay, ...
-        self._pool: Any = None
-        self._backend: str | None = None
-        self._context: Any = None
+        self._captured: Captured | None = None
         self._capturing = False
-        self._timers: list | None = None  # debug mode: host time of each break
-        self._unjoined: dict = {}  # debug mode: segment -> side streams breakgraph had to join
 
     @property
     def num_segments(self) -> int:
         """Number of captured segments (``num_breaks + 1`` after a capture, 0 before)."""
-        return len(self._segments)
+        return len(self._captured.segments) if self._captured else 0
 
     @property
     def num_breaks(self) -> int:
         """Number of eager breaks between the segments."""
-        return len(self._breaks)
+        return len(self._captured.breaks) if self._captured else 0
 
     @property
     def backend(self) -> str | None:
         """``"cuda"`` or ``"emulated"`` once captured, else None."""
-        return self._backend
+        return self._captured.backend.name if self._captured else None
 
     @property
     def break_names(self) -> list:
         """Names of the eager functions, in replay order."""
-        return [b.name for b in self._breaks]
+        return [b.name for b in self._captured.breaks] if self._captured else []
 
     def pool(self) -> Any:
         """The memory-pool handle this graph was captured into.
@@ -119,9 +140,9 @@ class BreakableCUDAGraph:
         Pass it as ``capture(other, pool=g.pool())`` to let ``other`` share the
         memory (safe when the graphs never replay concurrently).
         """
-        if self._pool is None:
+        if self._captured is None:
             raise CaptureError("BreakableCUDAGraph.pool(): the graph holds no capture yet.")
-        return self._pool
+        return self._captured.pool
 
     def replay(self, context: Any = _NO_CONTEXT) -> None:
         """Replay every segment and eager break in order, on the current stream.
@@ -131,30 +152,37 @@ class BreakableCUDAGraph:
         ``capture``). It is how per-step host state reaches eager functions, which
         are re-called with their capture-time arguments.
         """
-        steps = self._steps
-        if not steps:
+        captured = self._captured
+        if captured is None:
             raise ReplayError(
                 "BreakableCUDAGraph.replay(): nothing was captured. Capture first with "
                 "`with breakgraph.capture(g): ...`."
             )
-        state = _state
+        outer = state.capture
+        if outer is not None and outer.in_segment:
+            raise CaptureError(
+                "BreakableCUDAGraph.replay() inside another graph's capture: the outer capture "
+                "would record this graph's kernels with its eager breaks' capture-time host "
+                "values frozen. Replay it before or after the capture, or call the model "
+                "function itself inside the capture."
+            )
         previous = state.context
-        state.context = self._context if context is _NO_CONTEXT else context
+        state.context = captured.context if context is _NO_CONTEXT else context
         try:
-            for step in steps:
+            for step in captured.steps:
                 step()
         finally:
             state.context = previous
 
     def reset(self) -> None:
-        """Drop every segment and break and release what they held; the graph can be captured again."""
+        """Drop every segment and break and release what they held; the graph can be captured
+        again."""
         if self._capturing:
             raise CaptureError("BreakableCUDAGraph.reset() inside its own capture.")
-        for segment in self._segments:
-            segment.reset()
-        self._segments, self._breaks, self._steps = [], [], ()
-        self._pool = self._backend = self._context = self._timers = None
-        self._unjoined = {}
+        captured, self._captured = self._captured, None
+        if captured is not None:
+            for segment in captured.segments:
+                segment.reset()
 
     def report(self) -> _debug.GraphReport:
         """The coverage report: segments (aten ops each), breaks (names, host time per
@@ -171,75 +199,30 @@ class BreakableCUDAGraph:
             >>> g.report().segment_ops
             [1, 0]
         """
-        if not self._segments:
+        captured = self._captured
+        if captured is None:
             raise ReplayError("BreakableCUDAGraph.report(): nothing was captured.")
-        timers = self._timers or [None] * len(self._breaks)
+        timers = captured.timers or (None,) * len(captured.breaks)
         return _debug.GraphReport(
-            backend=self._backend,
-            segment_ops=[s.operations for s in self._segments],
+            backend=captured.backend.name,
+            segment_ops=[s.operations for s in captured.segments],
             break_names=self.break_names,
             break_host_us=[t.mean_us() if t is not None else None for t in timers],
-            graph_memory_bytes=_debug.pool_bytes(self._pool) if self._backend == "cuda" else None,
-            unjoined_streams=dict(self._unjoined),
+            graph_memory_bytes=captured.backend.pool_bytes(captured.pool),
+            unjoined_streams=dict(captured.unjoined or {}),
         )
 
     def __repr__(self) -> str:
         name = type(self).__name__
-        if not self._segments:
+        if self._captured is None:
             return f"{name}(empty)"
         parts = ["[segment 0]"]
-        for i, brk in enumerate(self._breaks):
+        for i, brk in enumerate(self._captured.breaks):
             parts += [brk.name, f"[segment {i + 1}]"]
         return (
-            f"{name}(backend={self._backend!r}, segments={self.num_segments}, "
+            f"{name}(backend={self.backend!r}, segments={self.num_segments}, "
             f"breaks={self.num_breaks}: {' -> '.join(parts)})"
         )
-
-
-def is_capturing() -> bool:
-    """True while the calling code is being recorded into a breakgraph segment.
-
-    False outside any capture and inside eager functions (they run for real).
-
-    Example::
-
-        >>> import breakgraph
-        >>> breakgraph.is_capturing()
-        False
-    """
-    capture = _state.capture
-    return capture is not None and capture.in_segment
-
-
-def replay_context() -> Any:
-    """The per-replay host state of the graph being replayed (or captured).
-
-    Eager functions are re-called on replay with their *capture-time* arguments,
-    so anything that changes per step (the live batch's lengths, say) must be read
-    at replay time. Pass it as ``g.replay(context=obj)`` (or ``capture(g,
-    context=obj)`` for the capture pass) and read it here.
-
-    Example::
-
-        >>> import torch, breakgraph
-        >>> @breakgraph.eager_on_graph
-        ... def scale(x):
-        ...     return x * breakgraph.replay_context()["factor"]
-        >>> x = torch.ones(2)
-        >>> g = breakgraph.BreakableCUDAGraph()
-        >>> with breakgraph.capture(g, backend="emulated", context={"factor": 1.0}):
-        ...     y = scale(x)
-        >>> g.replay(context={"factor": 3.0}); y.tolist()
-        [3.0, 3.0]
-    """
-    context = _state.context
-    if context is None:
-        raise ReplayError(
-            "breakgraph.replay_context(): no context is set. Pass one with "
-            "g.replay(context=...) and capture(g, context=...), or wrap eager calls in "
-            "`with breakgraph.context_scope(...)`."
-        )
-    return context
 
 
 @contextlib.contextmanager
@@ -253,6 +236,7 @@ def capture(
     context: Any = None,
     detect_syncs: bool = True,
     debug: bool | None = None,
+    collect_garbage: bool = True,
 ) -> Iterator[BreakableCUDAGraph]:
     """Capture the work in the ``with`` block into ``graph``, breaking at eager functions.
 
@@ -265,12 +249,14 @@ def capture(
     default, during replays. ``detect_syncs=False`` turns off the check that names
     host synchronisations inside segments. ``debug=True`` (default:
     ``$BREAKGRAPH_DEBUG``) adds the checks of :mod:`breakgraph.debug` to every replay.
+    ``collect_garbage=False`` skips the ``gc.collect()`` (and, on CUDA, the cache
+    flush) before the capture: a runner capturing many graphs in a row does it once.
 
     Unlike ``torch.cuda.graph``, the capture pass computes real values: each
     segment is replayed once as soon as it is captured, so eager functions see real
     inputs. Warm up first anyway (libraries pick algorithms on their first call).
 
-    On any exception nothing is left behind: the graph is reset, hooks are
+    On any exception nothing is left behind: the graph holds no capture, hooks are
     removed, the current stream is restored and a new capture works.
 
     Example::
@@ -289,35 +275,35 @@ def capture(
         raise CaptureError(
             f"breakgraph.capture: expected a BreakableCUDAGraph, got {type(graph).__name__}."
         )
-    if graph._segments or graph._capturing:
+    if graph._captured is not None or graph._capturing:
         raise CaptureError(
             "breakgraph.capture: this graph already holds a capture; call g.reset() first "
             "or capture into a new BreakableCUDAGraph."
         )
+    if capture_error_mode not in _CAPTURE_ERROR_MODES:
+        raise CaptureError(
+            f"breakgraph.capture: capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, "
+            f"got {capture_error_mode!r}."
+        )
     chosen = select_backend(backend)
+    options = CaptureOptions(
+        pool, stream, capture_error_mode, detect_syncs, _debug.debug_enabled(debug),
+        collect_garbage,
+    )
     if not _capture_lock.acquire(blocking=False):
         raise CaptureError(
             "breakgraph.capture: another capture is in progress (nested captures are not "
             "supported, and CUDA allows one capture at a time). Finish it first."
         )
-    session = None
+    recording = None
     try:
-        session = _Capture(
-            graph,
-            chosen,
-            pool,
-            stream,
-            capture_error_mode,
-            context,
-            detect_syncs,
-            _debug.debug_enabled(debug),
-        )
+        recording = _Capture(graph, chosen, options, context)
         yield graph
-        session.finish()
+        recording.finish()
     except BaseException as exc:
-        if session is not None:
-            session.abort()
-        if _is_cuda_capture_failure(exc):
+        if recording is not None:
+            recording.abort()
+        if _is_cuda_capture_failure(exc, chosen.name):
             raise HostSyncError(
                 f"the CUDA capture failed inside a segment ({exc}). This is usually a host "
                 f"synchronisation (.item(), nonzero, .cpu(), torch.cuda.synchronize()) in code "
@@ -329,57 +315,45 @@ def capture(
         _capture_lock.release()
 
 
-def _is_cuda_capture_failure(exc: BaseException) -> bool:
-    if isinstance(exc, HostSyncError) or not isinstance(exc, RuntimeError):
+def _is_cuda_capture_failure(exc: BaseException, backend: str) -> bool:
+    """A real CUDA stream-capture failure (not the user's own error that mentions capture)."""
+    if backend != "cuda" or isinstance(exc, BreakgraphError) or not isinstance(exc, RuntimeError):
         return False
     text = str(exc)
-    return "capturing" in text or "StreamCapture" in text or "during capture" in text
+    cuda_error = getattr(torch, "AcceleratorError", ())
+    from_cuda = isinstance(exc, cuda_error) or "CUDA error" in text or "cudaError" in text
+    return from_cuda and ("captur" in text or "StreamCapture" in text)
 
 
 class _Capture:
     """One running capture: opens the backend session, cuts segments at breaks."""
 
-    def __init__(
-        self,
-        graph,
-        backend,
-        pool,
-        stream,
-        capture_error_mode,
-        context,
-        detect_syncs,
-        debug: bool = False,
-    ):
-        if capture_error_mode not in ("global", "thread_local", "relaxed"):
-            raise CaptureError(
-                f"breakgraph.capture: capture_error_mode must be 'global', 'thread_local' or "
-                f"'relaxed', got {capture_error_mode!r}."
-            )
-        self.graph = graph
+    def __init__(self, graph: BreakableCUDAGraph, backend: Backend, options: CaptureOptions,
+                 context: Any):
+        self.graph, self.backend, self.options, self.context = graph, backend, options, context
         self.in_segment = False
+        self.failure: str | None = None  # why the capture cannot be completed
+        self.segments: list[Segment] = []
+        self.breaks: list[Break] = []
+        self.unjoined: dict = {}
         self._closed = False
-        self.watch = _debug.InputWatch() if debug else None
+        self.watch = _debug.InputWatch() if options.debug else None
         self._gc_was_enabled = gc.isenabled()
-        self._previous_context = _state.context
-        gc.collect()  # once, not once per segment: it dominated capture time in peers
+        self._previous_context = state.context
+        if options.collect_garbage:
+            gc.collect()  # once, not once per segment: it dominated capture time in peers
         gc.disable()
         try:
-            self.session = backend.open(
-                pool,
-                stream,
-                capture_error_mode,
-                detect_syncs,
-                self.watch.observe if debug else None,
-            )
+            observer = self.watch.observe if self.watch is not None else None
+            self.session: Session = backend.open(options, observer)
         except BaseException:
             self._restore()
             raise
         graph._capturing = True
-        graph._backend, graph._pool, graph._context = backend.name, self.session.pool, context
-        _state.capture, _state.context = self, context
+        state.capture, state.context = self, context
         try:
             self._begin_segment()
-        except BaseException:  # capture() holds no session to abort yet: clean up here
+        except BaseException:  # capture() holds no recording to abort yet: clean up here
             self.abort()
             raise
 
@@ -390,71 +364,100 @@ class _Capture:
     def _end_segment(self) -> None:
         self.in_segment = False
         segment = self.session.end_segment()
-        self.graph._segments.append(segment)
+        self.segments.append(segment)
         if self.watch is not None:
             index = self.watch.segment
             if segment.unjoined:
-                self.graph._unjoined[index] = [repr(s) for s in segment.unjoined]
+                self.unjoined[index] = [repr(s) for s in segment.unjoined]
                 _debug.warn_unjoined(index, segment.unjoined)
             self.watch.segment += 1
 
-    def run_break(
-        self,
-        function: Callable,
-        name: str,
-        args: tuple,
-        kwargs: dict,
-        capture_stub: Callable | None,
-        check_values: bool,
-    ) -> Any:
+    def run_break(self, function: Callable | None, options: BreakOptions, args: tuple,
+                  kwargs: dict) -> Any:
         """End the segment, run ``function`` eagerly, register its replay, begin a new segment."""
         if not self.in_segment:  # an eager function called from inside another one
             return function(*args, **kwargs)
-        self._end_segment()
-        if function is None:  # break_graph(): an empty break, nothing runs on replay
-            output, replay = None, None
+        try:
+            self._end_segment()
+            if function is None:  # break_graph(): an empty break, nothing runs on replay
+                output, replay = None, None
+            else:
+                output, replay = self._run_eagerly(function, options, args, kwargs)
+        except BaseException as exc:
+            self.failure = (
+                f"eager function {options.name!r} raised {type(exc).__name__}: {exc}"
+            )
+            raise
+        self.breaks.append(Break(options.name, function, args, kwargs, output, replay))
+        if self.watch is not None:
+            self.watch.observe_break(options.name, args, kwargs, output)
+        self._begin_segment()
+        return output
+
+    @staticmethod
+    def _run_eagerly(function: Callable, options: BreakOptions, args: tuple,
+                     kwargs: dict) -> tuple[Any, Callable[[], None]]:
+        arguments = storages_of(args, kwargs)
+        if options.capture_stub is None:
+            output = function(*args, **kwargs)
+        else:  # the stub's outputs must be tensors of their own, not its arguments: replays
+            # copy the real function's results into them
+            output = map_tensors(
+                lambda t: t.clone() if t.untyped_storage().data_ptr() in arguments else t,
+                options.capture_stub(*args, **kwargs),
+            )
+        copy_back = build_copy_back(output, options.name, options.check_values, arguments)
+        if torch.is_inference_mode_enabled():  # its tensors are only writable in that mode
+
+            def replay() -> None:
+                with torch.inference_mode():
+                    copy_back(function(*args, **kwargs))
+
         else:
-            output = (capture_stub or function)(*args, **kwargs)
-            copy_back = build_copy_back(output, name, check_values)
 
             def replay() -> None:
                 copy_back(function(*args, **kwargs))
 
-        self.graph._breaks.append(_Break(name, function, args, kwargs, output, replay))
-        if self.watch is not None:
-            self.watch.observe_break(name, args, kwargs, output)
-        self._begin_segment()
-        return output
+        return output, replay
 
     def finish(self) -> None:
+        if self.failure is not None:
+            raise CaptureError(
+                f"breakgraph.capture: {self.failure}, and the exception was caught inside the "
+                f"capture block. The code after it ran without being captured, so the graph "
+                f"would not match it; the capture was abandoned. Let the exception leave the "
+                f"`with breakgraph.capture(...)` block, or catch it inside the eager function."
+            )
         self._end_segment()
-        graph = self.graph
+        timers = None
         if self.watch is None:
-            steps = [graph._segments[0].replay]
-            for brk, segment in zip(graph._breaks, graph._segments[1:]):
+            steps = [self.segments[0].replay]
+            for brk, segment in zip(self.breaks, self.segments[1:]):
                 if brk.replay is not None:
                     steps.append(brk.replay)
                 steps.append(segment.replay)
         else:
-            steps = self._debug_steps()
-        graph._steps = tuple(steps)
-        graph._capturing = False
+            timers = tuple(_debug.BreakTimer() for _ in self.breaks)
+            steps = self._debug_steps(timers)
+        self.graph._captured = Captured(
+            self.backend, self.session.pool, self.context, tuple(self.segments),
+            tuple(self.breaks), tuple(steps), timers, self.unjoined,
+        )
+        self.graph._capturing = False
         self._close()
 
-    def _debug_steps(self) -> list:
+    def _debug_steps(self, timers: tuple) -> list:
         """Replay steps with input checks, break timers and NVTX ranges (debug mode only)."""
-        graph = self.graph
-        cuda = graph._backend == "cuda"
-        graph._timers = [_debug.BreakTimer() for _ in graph._breaks]
+        cuda = self.backend.name == "cuda"
         steps = []
-        for i, segment in enumerate(graph._segments):
+        for i, segment in enumerate(self.segments):
             check = self.watch.checker(i)
             if check is not None:
                 steps.append(check)
             steps.append(_debug.nvtx(segment.replay, f"segment {i}") if cuda else segment.replay)
-            if i < len(graph._breaks) and graph._breaks[i].replay is not None:
-                brk = graph._breaks[i]
-                step = graph._timers[i].wrap(brk.replay)
+            if i < len(self.breaks) and self.breaks[i].replay is not None:
+                brk = self.breaks[i]
+                step = timers[i].wrap(brk.replay)
                 steps.append(_debug.nvtx(step, f"break {i}: {brk.name}") if cuda else step)
         return steps
 
@@ -466,39 +469,21 @@ class _Capture:
         try:
             self.session.abort()
         finally:
+            for segment in self.segments:
+                segment.reset()
+            self.segments, self.breaks = [], []
             self.graph._capturing = False
-            self.graph.reset()
             self._close()
 
     def _close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.session.close()
-            self._restore()
+            try:
+                self.session.close()
+            finally:
+                self._restore()
 
     def _restore(self) -> None:
-        _state.capture, _state.context = None, self._previous_context
+        state.capture, state.context = None, self._previous_context
         if self._gc_was_enabled:
             gc.enable()
-
-
-@contextlib.contextmanager
-def context_scope(context: Any) -> Iterator[None]:
-    """Make ``replay_context()`` return ``context`` while eager code runs outside any graph.
-
-    Runners use it for eager fallbacks, so eager functions find the same state
-    whether they run from a replay or from a plain call.
-
-    Example::
-
-        >>> import breakgraph
-        >>> with breakgraph.context_scope({"n": 3}):
-        ...     breakgraph.replay_context()["n"]
-        3
-    """
-    previous = _state.context
-    _state.context = context
-    try:
-        yield
-    finally:
-        _state.context = previous

@@ -6,16 +6,24 @@ Real inputs change size every step; a graph is frozen to one size. A
 any input by copying it into the static buffers of the smallest bucket that fits
 and filling the rest of the bucket (the *tail*) with a defined value.
 
+Three small pieces, one job each:
+
+* :func:`choose_bucket` decides, as a pure function of the sizes, what a call does
+  (replay a bucket, capture a new one, run eagerly, or refuse);
+* :class:`StaticInputs` owns the static input buffers: their spec, validation,
+  copy-in and tail padding;
+* :class:`BucketedRunner` is the capture lifecycle (warm up once, capture every
+  bucket largest first into one pool, capture windows) plus dispatch.
+
 Rules it enforces (each one a bug in a peer):
 
 * inputs are validated before copying: rank, dtype, device and every
   non-bucketed dimension must match; a wrong shape never broadcasts;
 * the tail is written on every call, so stale or NaN rows never linger;
-* capture happens only in an explicit capture phase: the constructor (all
-  buckets, largest first so smaller ones reuse the pool, warm-up before each) or
+* capture happens only in an explicit capture phase: the constructor or
   ``with runner.capture_window():``. Outside it a size with no bucket runs
   eagerly or raises (``on_miss``), it never captures on the fly;
-* the bucket choice can be made to agree across ranks (``agree_size``), so
+* the decision is made on the size agreed across ranks (``agree_size``), so
   collectives inside segments see the same graph on every rank.
 
 Outputs live in graph memory and are overwritten by the next call; pass
@@ -40,22 +48,196 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import numbers
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
-from .debug import pool_bytes
+from .backends import select_backend
 from .eager import eager_on_graph
 from .errors import CaptureError, InputError, ReplayError
-from .graph import BreakableCUDAGraph, capture, context_scope
+from .graph import BreakableCUDAGraph, capture
+from .state import context_scope
+from .structure import map_tensors
 
-__all__ = ["BucketedRunner", "RunnerStats", "all_reduce_max"]
+__all__ = [
+    "BucketedRunner",
+    "RunnerStats",
+    "Decision",
+    "choose_bucket",
+    "StaticInputs",
+    "all_reduce_max",
+]
 
 logger = logging.getLogger("breakgraph")
+
+
+# -- the decision -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a call of some size does.
+
+    ``action`` is ``"replay"`` (the graph of ``bucket``), ``"capture"`` (a new bucket of
+    ``bucket`` first, inside a capture window), ``"eager"`` (run the function on the live
+    inputs; ``reason`` says why) or ``"raise"``.
+    """
+
+    action: str
+    bucket: int | None = None
+    reason: str = ""
+
+
+def choose_bucket(
+    buckets: Sequence[int],
+    size: int,
+    *,
+    max_padding_fraction: float | None = None,
+    can_capture: bool = False,
+    on_miss: str = "eager",
+) -> Decision:
+    """The one bucket decision: the smallest captured bucket that holds ``size``.
+
+    ``buckets`` are ascending. A size above every bucket is captured (``can_capture``:
+    a capture window is open), run eagerly or refused (``on_miss``); a bucket whose tail
+    would exceed ``max_padding_fraction`` of it runs eagerly. With several ranks, pass
+    the size agreed across them, so every rank takes the same path.
+
+    Example::
+
+        >>> from breakgraph.runner import choose_bucket
+        >>> choose_bucket((4, 16), 5)
+        Decision(action='replay', bucket=16, reason='')
+        >>> choose_bucket((4, 16), 20).action
+        'eager'
+    """
+    index = bisect.bisect_left(buckets, size)
+    if index == len(buckets):
+        if can_capture:
+            return Decision("capture", size)
+        if on_miss == "raise":
+            return Decision("raise", None, "larger than every bucket")
+        return Decision("eager", None, "larger than every bucket")
+    bucket = buckets[index]
+    if max_padding_fraction is not None and bucket - size > max_padding_fraction * bucket:
+        return Decision("eager", None, "too much padding")
+    return Decision("replay", bucket)
+
+
+# -- static inputs --------------------------------------------------------------------------------
+
+
+class StaticInputs:
+    """The static input buffers of a runner: spec, validation, copy-in, tail padding.
+
+    One tensor per input of the captured function; ``dims`` is the bucketed dimension
+    of each, ``pad_values`` what its tail is filled with. ``allocate(size)`` makes the
+    buffers of a bucket; ``size_of(inputs)`` validates live inputs and returns their
+    size along the bucketed dimension; ``fill(buffers, inputs, size)`` copies them in
+    and writes the tail.
+
+    Example::
+
+        >>> import torch
+        >>> from breakgraph.runner import StaticInputs
+        >>> spec = StaticInputs((torch.zeros(1, 2),), dims=0, pad_values=-1.0)
+        >>> buffers = spec.allocate(4)
+        >>> x = torch.ones(3, 2)
+        >>> spec.fill(buffers, (x,), spec.size_of((x,)))
+        >>> buffers[0][:, 0].tolist()
+        [1.0, 1.0, 1.0, -1.0]
+    """
+
+    def __init__(
+        self,
+        example_inputs: Sequence[torch.Tensor],
+        dims: int | Sequence[int] = 0,
+        pad_values: float | Sequence[float] = 0,
+    ):
+        if isinstance(example_inputs, torch.Tensor) or not isinstance(
+            example_inputs, (tuple, list)
+        ):
+            raise InputError(
+                "BucketedRunner: example_inputs must be a tuple or list of tensors (one per "
+                f"input of fn), got {type(example_inputs).__name__}; wrap one tensor as (t,)."
+            )
+        examples = tuple(example_inputs)
+        if not examples or not all(isinstance(t, torch.Tensor) for t in examples):
+            raise InputError(
+                "BucketedRunner: example_inputs must be a non-empty sequence of tensors."
+            )
+        n = len(examples)
+        dims = _per_input(dims, n, "dims")
+        self.pads = _per_input(pad_values, n, "pad_values")
+        for i, (t, d) in enumerate(zip(examples, dims)):
+            if not isinstance(d, int) or not -t.dim() <= d < t.dim():
+                raise InputError(
+                    f"BucketedRunner: dims[{i}]={d!r} is out of range for a {t.dim()}-D input."
+                )
+        self.dims = tuple(d % t.dim() for t, d in zip(examples, dims))
+        self.specs = tuple((t.dtype, t.device, tuple(t.shape)) for t in examples)
+
+    @property
+    def device(self) -> torch.device:
+        return self.specs[0][1]
+
+    def allocate(self, size: int) -> tuple:
+        """The buffers of a bucket of ``size``, filled with the pad values."""
+        with torch.inference_mode(False):  # writable by callers outside inference_mode too
+            return tuple(
+                torch.full(_with_dim(shape, d, size), pad, dtype=dtype, device=device)
+                for (dtype, device, shape), d, pad in zip(self.specs, self.dims, self.pads)
+            )
+
+    def size_of(self, inputs: tuple) -> int:
+        """Validate live inputs against the spec; their size along the bucketed dimension."""
+        if len(inputs) != len(self.specs):
+            raise InputError(
+                f"BucketedRunner: expected {len(self.specs)} inputs, got {len(inputs)}."
+            )
+        size = None
+        for i, (value, (dtype, device, shape), d) in enumerate(zip(inputs, self.specs, self.dims)):
+            if not isinstance(value, torch.Tensor):
+                raise InputError(
+                    f"BucketedRunner: input {i} must be a tensor, got {type(value).__name__}."
+                )
+            problem = None
+            if value.dim() != len(shape):
+                problem = f"{value.dim()} dimensions, expected {len(shape)}"
+            elif value.dtype != dtype:
+                problem = f"dtype {value.dtype}, expected {dtype}"
+            elif value.device != device:
+                problem = f"device {value.device}, expected {device}"
+            elif any(value.shape[j] != shape[j] for j in range(len(shape)) if j != d):
+                expected = list(_with_dim(shape, d, "N"))
+                problem = (
+                    f"shape {tuple(value.shape)}, expected {expected} "
+                    f"(N is the bucketed dimension {d})"
+                )
+            elif size is not None and value.shape[d] != size:
+                problem = f"bucketed size {value.shape[d]}, but input 0 has {size}"
+            if problem is not None:
+                raise InputError(f"BucketedRunner: input {i} has {problem}. Nothing was copied.")
+            size = value.shape[d]
+        if size == 0:
+            raise InputError("BucketedRunner: inputs are empty along the bucketed dimension.")
+        return size
+
+    def fill(self, buffers: tuple, inputs: tuple, size: int) -> None:
+        """Copy ``inputs`` into ``buffers`` and write the tail with the pad values."""
+        for buffer, value, d, pad in zip(buffers, inputs, self.dims, self.pads):
+            bucket = buffer.shape[d]
+            buffer.narrow(d, 0, size).copy_(value)
+            if size < bucket:
+                buffer.narrow(d, size, bucket - size).fill_(pad)
+
+
+# -- the runner -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -63,14 +245,11 @@ class RunnerStats:
     """Counters of a :class:`BucketedRunner`; ``str(stats)`` prints a small table."""
 
     calls: dict[int, int] = field(default_factory=dict)
-    padded_elements: dict[int, int] = field(
-        default_factory=dict
-    )  # tail size (along the bucketed dim)
+    padded_elements: dict[int, int] = field(default_factory=dict)  # tail size (bucketed dim)
     eager_fallbacks: dict[str, int] = field(default_factory=dict)  # by reason
     capture_seconds: dict[int, float] = field(default_factory=dict)
-    graph_memory_bytes: dict[int, int] = field(
-        default_factory=dict
-    )  # pool growth per capture (CUDA)
+    graph_memory_bytes: dict[int, int] = field(default_factory=dict)  # pool growth (CUDA)
+    warmup_seconds: float = 0.0
 
     def __str__(self) -> str:
         rows = ["bucket   calls  padded rows  capture s  graph MiB"]
@@ -80,10 +259,8 @@ class RunnerStats:
                 f"{self.capture_seconds.get(size, 0.0):>10.3f} "
                 f"{self.graph_memory_bytes.get(size, 0) / 2**20:>10.1f}"
             )
-        fallbacks = (
-            ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items())) or "none"
-        )
-        rows.append(f"eager fallbacks: {fallbacks}")
+        fallbacks = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items()))
+        rows.append(f"eager fallbacks: {fallbacks or 'none'}")
         return "\n".join(rows)
 
 
@@ -102,8 +279,8 @@ class BucketedRunner:
             call ``@eager_on_graph`` functions (they read per-call state from
             :func:`breakgraph.replay_context`, which is the ``context`` of the call).
         buckets: the sizes of the bucketed dimension to capture, e.g. ``(64, 256, 1024)``.
-        example_inputs: one tensor per input of ``fn``; their dtype, device and
-            non-bucketed dimensions define the static buffers (their values are unused).
+        example_inputs: a tuple with one tensor per input of ``fn``; their dtype, device
+            and non-bucketed dimensions define the static buffers (values unused).
         dims: the bucketed dimension of each input (one int for all).
         pad_values: the value written into each input's tail (one value for all).
         on_miss: ``"eager"`` (run ``fn`` on the live inputs) or ``"raise"`` when the
@@ -114,8 +291,12 @@ class BucketedRunner:
             bucket back to the input size (views); False returns them whole, or a
             callable ``(output, size) -> output`` does it your way.
         agree_size: ``size -> size`` called before every decision; make it return
-            the same value on every rank (see :func:`all_reduce_max`).
-        warmup: eager runs of ``fn`` before each capture.
+            the same value on every rank (see :func:`all_reduce_max`). It must not
+            return less than the size.
+        warmup: eager runs of ``fn`` before the first capture of a capture phase (on
+            the largest new bucket); later buckets reuse that warm-up.
+        warmup_each: warm up before every bucket instead (``torch.compile``d functions
+            compile per shape, which must not happen inside a capture).
         backend, pool, context: as for :func:`breakgraph.capture`.
         capture_context: ``size -> context`` for the warm-up and capture of bucket
             ``size`` (default: ``context``), when eager functions need a batch
@@ -124,13 +305,17 @@ class BucketedRunner:
         eager_region: run all of ``fn`` as ONE eager break through the same buffers,
             padding and replay path: if results are right then and wrong without it,
             the bug is in what was captured, not in the runner.
+        static_inputs: a :class:`StaticInputs` (or subclass: where the buffers live) to
+            use instead of one built from ``example_inputs``, ``dims``, ``pad_values``.
+        progress: print one line per captured bucket to stderr (log lines on the
+            ``breakgraph`` logger are always written at INFO level).
     """
 
     def __init__(
         self,
         fn: Callable,
         buckets: Sequence[int],
-        example_inputs: Sequence[torch.Tensor],
+        example_inputs: Sequence[torch.Tensor] | None = None,
         *,
         dims: int | Sequence[int] = 0,
         pad_values: float | Sequence[float] = 0,
@@ -139,39 +324,28 @@ class BucketedRunner:
         slice_outputs: bool | Callable[[Any, int], Any] = True,
         agree_size: Callable[[int], int] | None = None,
         warmup: int = 2,
+        warmup_each: bool = False,
         backend: str | None = None,
         pool: Any = None,
         context: Any = None,
         capture_context: Callable[[int], Any] | None = None,
         debug: bool | None = None,
         eager_region: bool = False,
+        static_inputs: StaticInputs | None = None,
+        progress: bool = False,
     ):
-        sizes = sorted({int(b) for b in buckets})
-        if not sizes or sizes[0] <= 0:
-            raise InputError(
-                f"BucketedRunner: buckets must be positive sizes, got {list(buckets)}."
-            )
+        sizes = _bucket_sizes(buckets, "BucketedRunner")
         if on_miss not in ("eager", "raise"):
             raise InputError(
                 f"BucketedRunner: on_miss must be 'eager' or 'raise', got {on_miss!r}."
             )
         if max_padding_fraction is not None and not 0.0 <= max_padding_fraction < 1.0:
             raise InputError("BucketedRunner: max_padding_fraction must be in [0, 1).")
-        examples = tuple(example_inputs)
-        if not examples or not all(isinstance(t, torch.Tensor) for t in examples):
-            raise InputError(
-                "BucketedRunner: example_inputs must be a non-empty sequence of tensors."
-            )
-        n = len(examples)
-        self._dims = _per_input(dims, n, "dims")
-        self._pads = _per_input(pad_values, n, "pad_values")
-        for i, (t, d) in enumerate(zip(examples, self._dims)):
-            if not -t.dim() <= d < t.dim():
-                raise InputError(
-                    f"BucketedRunner: dims[{i}]={d} is out of range for a {t.dim()}-D input."
-                )
-        self._dims = tuple(d % t.dim() for t, d in zip(examples, self._dims))
-        self._examples = tuple((t.dtype, t.device, tuple(t.shape)) for t in examples)
+        self.inputs = (
+            static_inputs
+            if static_inputs is not None
+            else StaticInputs(example_inputs, dims, pad_values)
+        )
         self.fn = fn
         self._captured_fn = eager_on_graph(fn) if eager_region else fn
         self.debug = debug
@@ -180,13 +354,16 @@ class BucketedRunner:
         self.slice_outputs = slice_outputs
         self.agree_size = agree_size
         self.warmup = warmup
-        self.backend = backend
+        self.warmup_each = warmup_each
+        self.backend = select_backend(backend).name
         self.context = context
         self.capture_context = capture_context
+        self.progress = progress
         self.stats = RunnerStats()
         self._pool = pool
         self._buckets: dict[int, _Bucket] = {}
-        self._sizes: list = []
+        self._sizes: tuple = ()
+        self._decisions: dict[int, Decision] = {}  # size -> decision (outside capture windows)
         self._window_open = True
         try:
             self._capture_buckets(sizes)
@@ -202,10 +379,12 @@ class BucketedRunner:
         graphs baked in: open the window only at a quiet point, e.g. start-up.
         """
         self._window_open = True
+        self._decisions.clear()
         try:
             yield self
         finally:
             self._window_open = False
+            self._decisions.clear()
 
     def add_buckets(self, buckets: Sequence[int]) -> None:
         """Capture more buckets; only inside ``capture_window()``."""
@@ -214,49 +393,54 @@ class BucketedRunner:
                 "BucketedRunner.add_buckets: the capture phase is over; open it again with "
                 "`with runner.capture_window(): runner.add_buckets(...)`."
             )
-        self._capture_buckets(sorted({int(b) for b in buckets} - set(self._buckets)))
+        sizes = _bucket_sizes(buckets, "BucketedRunner.add_buckets", allow_empty=True)
+        self._capture_buckets([s for s in sizes if s not in self._buckets])
 
-    def _capture_buckets(self, sizes: list) -> None:
-        for size in sorted(sizes, reverse=True):  # largest first: smaller ones reuse its pool
-            self._capture_one(size)
+    def _capture_buckets(self, sizes: Sequence[int]) -> None:
+        """Largest first (smaller ones reuse its pool); one warm-up and one gc pass in all."""
+        ordered = sorted(sizes, reverse=True)
+        for i, size in enumerate(ordered):
+            self._capture_one(size, first=i == 0, position=f"{i + 1}/{len(ordered)}")
 
-    def _capture_one(self, size: int) -> None:
-        inputs = tuple(
-            torch.full(_with_dim(shape, d, size), pad, dtype=dtype, device=device)
-            for (dtype, device, shape), d, pad in zip(self._examples, self._dims, self._pads)
-        )
+    def _capture_one(self, size: int, first: bool, position: str) -> None:
+        inputs = self.inputs.allocate(size)
         context = self.capture_context(size) if self.capture_context else self.context
-        logger.info("breakgraph: capturing bucket %d", size)
         start = time.perf_counter()
-        with context_scope(context):
-            self._warm_up(inputs)
+        if first or self.warmup_each:
+            with context_scope(context):
+                self._warm_up(inputs)
+            self.stats.warmup_seconds += time.perf_counter() - start
         graph = BreakableCUDAGraph()
-        pool_before = pool_bytes(self._pool, inputs[0].device) or 0
+        backend = select_backend(self.backend)
+        pool_before = backend.pool_bytes(self._pool) if self._pool is not None else 0
         with capture(
-            graph, pool=self._pool, backend=self.backend, context=context, debug=self.debug
+            graph,
+            pool=self._pool,
+            backend=self.backend,
+            context=context,
+            debug=self.debug,
+            collect_garbage=first,
         ):
             output = self._captured_fn(*inputs)
-        if self._pool is None:
-            self._pool = graph.pool()
-        self.stats.graph_memory_bytes[size] = (
-            pool_bytes(self._pool, inputs[0].device) or 0
-        ) - pool_before
-        self.stats.capture_seconds[size] = time.perf_counter() - start
+        self._pool = graph.pool()
+        self.stats.graph_memory_bytes[size] = (backend.pool_bytes(self._pool) or 0) - (
+            pool_before or 0
+        )
+        seconds = self.stats.capture_seconds[size] = time.perf_counter() - start
         self.stats.calls.setdefault(size, 0)
         self.stats.padded_elements.setdefault(size, 0)
         self._buckets[size] = _Bucket(size, graph, inputs, output)
-        self._sizes = sorted(self._buckets)
-        logger.info(
-            "breakgraph: bucket %d captured in %.3f s (%s)",
-            size,
-            self.stats.capture_seconds[size],
-            graph,
-        )
+        self._sizes = tuple(sorted(self._buckets))
+        self._decisions.clear()
+        message = f"breakgraph: captured bucket {position} (size {size}) in {seconds:.3f} s"
+        logger.info("%s: %r", message, graph)
+        if self.progress:
+            print(message, file=sys.stderr, flush=True)
 
     def _warm_up(self, inputs: tuple) -> None:
         if self.warmup <= 0:
             return
-        if inputs[0].device.type == "cuda" and self.backend != "emulated":
+        if self.backend == "cuda":
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -271,24 +455,55 @@ class BucketedRunner:
     @property
     def buckets(self) -> tuple[int, ...]:
         """The captured bucket sizes, ascending."""
-        return tuple(self._sizes)
+        return self._sizes
+
+    def decide(self, size: int) -> Decision:
+        """What a call of ``size`` does, decided on the agreed size (``agree_size``).
+
+        Example::
+
+            >>> import torch
+            >>> from breakgraph.runner import BucketedRunner
+            >>> r = BucketedRunner(lambda x: x * 2, (4, 16), (torch.zeros(1),), backend="emulated")
+            >>> r.decide(5).bucket
+            16
+        """
+        if not self._sizes:
+            raise ReplayError("BucketedRunner: the runner is closed; build a new one.")
+        agreed = size
+        if self.agree_size is not None:
+            agreed = self.agree_size(size)
+            if not isinstance(agreed, int) or agreed < size:
+                raise InputError(
+                    f"BucketedRunner: agree_size({size}) returned {agreed!r}; it must return an "
+                    f"int no smaller than the size (the largest size over all ranks)."
+                )
+        decision = self._decisions.get(agreed)
+        if decision is None:
+            decision = choose_bucket(
+                self._sizes,
+                agreed,
+                max_padding_fraction=self.max_padding_fraction,
+                can_capture=self._window_open,
+                on_miss=self.on_miss,
+            )
+            if not self._window_open:
+                self._decisions[agreed] = decision
+        return decision
 
     def bucket_for(self, size: int) -> int | None:
-        """The bucket a call of ``size`` would use, or None when it would not replay a graph."""
-        index = bisect.bisect_left(self._sizes, size)
-        if index == len(self._sizes):
-            return None
-        bucket = self._sizes[index]
-        if (
-            self.max_padding_fraction is not None
-            and bucket - size > self.max_padding_fraction * bucket
-        ):
-            return None
-        return bucket
+        """The bucket a call of ``size`` would replay, or None when it would not replay a graph
+        (the same decision ``__call__`` makes, agreed size and capture window included)."""
+        decision = self.decide(size)
+        return decision.bucket if decision.action == "replay" else None
 
     def graph(self, size: int) -> BreakableCUDAGraph:
         """The captured graph of bucket ``size``."""
         return self._buckets[size].graph
+
+    def static_inputs(self, size: int) -> tuple:
+        """The static input buffers of bucket ``size`` (what :meth:`replay` reads)."""
+        return self._buckets[size].inputs
 
     def __call__(self, *inputs: torch.Tensor, context: Any = None, owned: bool = False) -> Any:
         """Run ``fn(*inputs)`` through the smallest bucket that fits (or eagerly).
@@ -297,97 +512,66 @@ class BucketedRunner:
         the runner's). The result lives in graph memory and is overwritten by the next
         call unless ``owned=True``.
         """
-        if not self._sizes:
-            raise ReplayError("BucketedRunner: the runner is closed; build a new one.")
-        size = self._validate(inputs)
-        agreed = self.agree_size(size) if self.agree_size is not None else size
+        size = self.inputs.size_of(inputs)
+        decision = self.decide(size)
         context = self.context if context is None else context
-        index = bisect.bisect_left(self._sizes, agreed)
-        if index == len(self._sizes):
-            if self._window_open:
-                self._capture_buckets([agreed])
-                index = self._sizes.index(agreed)
-            elif self.on_miss == "raise":
-                raise InputError(
-                    f"BucketedRunner: input size {size} exceeds the largest bucket "
-                    f"{self._sizes[-1]}; add a bucket (inside runner.capture_window()) or "
-                    f"construct the runner with on_miss='eager'."
-                )
-            else:
-                return self._eager(inputs, context, "larger than every bucket")
-        bucket = self._buckets[self._sizes[index]]
-        if (  # decided on the agreed size, so every rank takes the same path
-            self.max_padding_fraction is not None
-            and (bucket.size - agreed) > self.max_padding_fraction * bucket.size
-        ):
-            return self._eager(inputs, context, "too much padding")
-        for buffer, value, d, pad in zip(bucket.inputs, inputs, self._dims, self._pads):
-            buffer.narrow(d, 0, size).copy_(value)
-            if size < bucket.size:
-                buffer.narrow(d, size, bucket.size - size).fill_(pad)
-        bucket.graph.replay(context=context)
-        self.stats.calls[bucket.size] += 1
-        self.stats.padded_elements[bucket.size] += bucket.size - size
-        output = self._slice(bucket.output, size, bucket.size)
-        return tree_map(_clone, output) if owned else output
-
-    def _eager(self, inputs: tuple, context: Any, reason: str) -> Any:
-        self.stats.eager_fallbacks[reason] = self.stats.eager_fallbacks.get(reason, 0) + 1
-        with context_scope(context):
-            return self.fn(*inputs)
-
-    def _validate(self, inputs: tuple) -> int:
-        if len(inputs) != len(self._examples):
+        if decision.action == "capture":
+            self._capture_buckets([decision.bucket])
+            decision = self.decide(size)
+        if decision.action == "raise":
             raise InputError(
-                f"BucketedRunner: expected {len(self._examples)} inputs, got {len(inputs)}."
+                f"BucketedRunner: input size {size} exceeds the largest bucket "
+                f"{self._sizes[-1]}; add a bucket (inside runner.capture_window()) or "
+                f"construct the runner with on_miss='eager'."
             )
-        size = None
-        for i, (value, (dtype, device, shape), d) in enumerate(
-            zip(inputs, self._examples, self._dims)
-        ):
-            if not isinstance(value, torch.Tensor):
-                raise InputError(
-                    f"BucketedRunner: input {i} must be a tensor, got {type(value).__name__}."
-                )
-            problem = None
-            if value.dim() != len(shape):
-                problem = f"{value.dim()} dimensions, expected {len(shape)}"
-            elif value.dtype != dtype:
-                problem = f"dtype {value.dtype}, expected {dtype}"
-            elif value.device != device:
-                problem = f"device {value.device}, expected {device}"
-            elif any(value.shape[j] != shape[j] for j in range(len(shape)) if j != d):
-                expected = list(_with_dim(shape, d, "N"))
-                problem = f"shape {tuple(value.shape)}, expected {expected} (N is the bucketed dimension {d})"
-            elif size is not None and value.shape[d] != size:
-                problem = f"bucketed size {value.shape[d]}, but input 0 has {size}"
-            if problem is not None:
-                raise InputError(f"BucketedRunner: input {i} has {problem}. Nothing was copied.")
-            size = value.shape[d]
-        if size == 0:
-            raise InputError("BucketedRunner: inputs are empty along the bucketed dimension.")
-        return size
+        if decision.action == "eager":
+            output = self.run_eagerly(inputs, context, decision.reason)
+        else:
+            bucket = self._buckets[decision.bucket]
+            self.inputs.fill(bucket.inputs, inputs, size)
+            output = self._slice(self.replay(decision.bucket, context, size), size, bucket.size)
+        return map_tensors(torch.Tensor.clone, output) if owned else output
+
+    def replay(self, bucket: int, context: Any = None, size: int | None = None) -> Any:
+        """Replay bucket ``bucket`` on what its static inputs hold now; its whole output.
+
+        For callers that fill the static inputs themselves (:meth:`static_inputs`);
+        ``size`` (the live size, for the padding counter) defaults to the bucket.
+        """
+        entry = self._buckets[bucket]
+        entry.graph.replay(context=self.context if context is None else context)
+        self.stats.calls[bucket] += 1
+        if size is not None:
+            self.stats.padded_elements[bucket] += bucket - size
+        return entry.output
+
+    def run_eagerly(self, inputs: tuple, context: Any, reason: str) -> Any:
+        """Run ``fn`` on the live inputs (counted as an eager fallback for ``reason``)."""
+        self.stats.eager_fallbacks[reason] = self.stats.eager_fallbacks.get(reason, 0) + 1
+        with context_scope(self.context if context is None else context):
+            return self.fn(*inputs)
 
     def _slice(self, output: Any, size: int, bucket_size: int) -> Any:
         if self.slice_outputs is False or size == bucket_size:
             return output
         if callable(self.slice_outputs):
             return self.slice_outputs(output, size)
-        d = self._dims[0]
+        d = self.inputs.dims[0]
 
-        def trim(t):
-            if isinstance(t, torch.Tensor) and t.dim() > d and t.shape[d] == bucket_size:
+        def trim(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() > d and t.shape[d] == bucket_size:
                 return t.narrow(d, 0, size)
             return t
 
-        return tree_map(trim, output)
+        return map_tensors(trim, output)
 
     def close(self) -> None:
         """Release every graph and static buffer."""
         for bucket in self._buckets.values():
             bucket.graph.reset()
         self._buckets.clear()
-        self._sizes = []
+        self._sizes = ()
+        self._decisions.clear()
 
 
 def all_reduce_max(group: Any = None) -> Callable[[int], int]:
@@ -411,6 +595,21 @@ def all_reduce_max(group: Any = None) -> Callable[[int], int]:
     return agree
 
 
+def _bucket_sizes(buckets: Any, where: str, allow_empty: bool = False) -> list[int]:
+    """Validate bucket sizes: positive ints (bools and floats refused), sorted, unique."""
+    try:
+        sizes = list(buckets)
+    except TypeError:
+        raise InputError(f"{where}: buckets must be a sequence of sizes, got {buckets!r}.") from None
+    bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0]
+    if bad or (not sizes and not allow_empty):
+        raise InputError(
+            f"{where}: bucket sizes must be positive ints, got {sizes!r}"
+            + (f" (bad: {bad!r})." if bad else ".")
+        )
+    return sorted({int(b) for b in sizes})
+
+
 def _per_input(value: Any, n: int, name: str) -> tuple:
     if isinstance(value, (list, tuple)):
         if len(value) != n:
@@ -421,7 +620,3 @@ def _per_input(value: Any, n: int, name: str) -> tuple:
 
 def _with_dim(shape: tuple, dim: int, size: Any) -> tuple:
     return tuple(size if j == dim else s for j, s in enumerate(shape))
-
-
-def _clone(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value

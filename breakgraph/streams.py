@@ -14,7 +14,15 @@ again at the start of the next segment, so the user's code keeps its meaning.
 A wait that cannot be expressed in the graph (the capture stream waiting on work
 that is not part of the capture) raises :class:`~breakgraph.StreamError`; it is
 never dropped silently. The hooks are installed only while capturing and removed
-on every exit path.
+on every exit path (they live on the capture session's ``ExitStack``, see
+:mod:`breakgraph.patches`).
+
+Why patch instead of torch's trace callbacks (``torch.cuda._gpu_trace``'s
+``register_callback_for_event_record``/``..._wait``)? Those callbacks are called for
+every event, but torch calls them inside a ``try``/``except`` that logs and swallows
+exceptions, so a :class:`~breakgraph.StreamError` could not be raised at the offending
+``wait``: the wait would run, the capture would fail later (or replay would race)
+and the user would get a log line instead of an error at their line.
 
 Example (inside a capture, nothing else to do)::
 
@@ -33,6 +41,7 @@ from typing import Any
 import torch
 
 from .errors import StreamError
+from .patches import patch_attribute
 
 __all__ = ["StreamTracker"]
 
@@ -51,7 +60,8 @@ class StreamTracker:
         self._original_wait = None
 
     # -- installation -----------------------------------------------------------------
-    def install(self) -> None:
+    def install(self, stack: contextlib.ExitStack) -> None:
+        """Hook ``Event.record``/``Event.wait`` until ``stack`` closes (the capture session)."""
         event_cls = torch.cuda.Event
         self._original_record, self._original_wait = event_cls.record, event_cls.wait
         tracker = self
@@ -68,13 +78,12 @@ class StreamTracker:
             tracker._on_wait(event, stream)
             return tracker._original_wait(event, stream)
 
-        event_cls.record, event_cls.wait = record, wait
+        patch_attribute(stack, event_cls, "record", record)
+        patch_attribute(stack, event_cls, "wait", wait)
+        stack.callback(self._forget)
 
-    def uninstall(self) -> None:
-        if self._original_record is not None:
-            torch.cuda.Event.record = self._original_record
-            torch.cuda.Event.wait = self._original_wait
-            self._original_record = self._original_wait = None
+    def _forget(self) -> None:
+        self.active = False
         self._recorded_on.clear()
         self._members.clear()
 

@@ -13,13 +13,14 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .graph import BreakableCUDAGraph, capture, context_scope
+from .graph import BreakableCUDAGraph, capture
+from .state import context_scope
+from .structure import describe, split
 
 __all__ = ["assert_replay_matches_eager"]
 
@@ -34,16 +35,20 @@ def assert_replay_matches_eager(
     warmup: int = 1,
     atol: float = 1e-5,
     rtol: float = 1e-5,
+    equal_nan: bool = False,
     debug: bool = False,
 ) -> BreakableCUDAGraph:
     """Capture ``fn`` once, then replay it on ``replays`` fresh draws and compare with eager.
 
     ``make_inputs()`` returns a fresh tuple of tensors (or one tensor) on every call:
     the first draw becomes the static inputs; each later draw is copied into them,
-    the graph is replayed, and ``fn`` is run eagerly on the same draw. The first
-    output that differs raises ``AssertionError`` naming the replay and its path
-    (``output[1]['logits']``). Catches frozen host decisions, stale buffers that
-    ``fn`` reads besides its inputs, and unwritten outputs. Returns the graph.
+    the graph is replayed, and ``fn`` is run eagerly on the same draw. Outputs are
+    compared structurally (the structures of :mod:`breakgraph.structure`: tensors with
+    ``torch.testing.assert_close``, containers and objects field by field, other values
+    with ``==``); ``equal_nan=True`` lets NaNs match. The first difference raises
+    ``AssertionError`` naming the replay and its path (``output[1]['logits']``). Catches
+    frozen host decisions, stale buffers that ``fn`` reads besides its inputs, and
+    unwritten outputs. Returns the graph.
     """
     static = _as_tuple(make_inputs())
     with context_scope(context):
@@ -58,7 +63,7 @@ def assert_replay_matches_eager(
         graph.replay(context=context)
         with context_scope(context):
             expected = fn(*fresh)
-        _compare(output, expected, "output", replay, atol, rtol)
+        _compare(output, expected, "output", f"replay {replay}", (atol, rtol, equal_nan))
     return graph
 
 
@@ -78,40 +83,32 @@ def _copy_into(static: Any, fresh: Any, path: str) -> None:
                 f"and dtypes on every draw"
             )
         static.copy_(fresh)
-    elif isinstance(static, (tuple, list)):
-        for i, (s, f) in enumerate(zip(static, fresh)):
-            _copy_into(s, f, f"{path}[{i}]")
-    elif isinstance(static, Mapping):
-        for k in static:
-            _copy_into(static[k], fresh[k], f"{path}[{k!r}]")
+        return
+    parts = split(static)
+    if parts is not None:
+        fresh_parts = split(fresh)
+        for key, s, f in zip(parts.keys, parts.values, fresh_parts.values):
+            _copy_into(s, f, parts.label(path, key))
 
 
-def _compare(got: Any, expected: Any, path: str, replay: int, atol: float, rtol: float) -> None:
-    where = f"replay {replay}: {path}"
+def _compare(got: Any, expected: Any, path: str, where: str, tolerance: tuple) -> None:
+    atol, rtol, equal_nan = tolerance
     if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
-            raise AssertionError(f"{where}: replay gave {type(got).__name__}, eager a tensor")
+            raise AssertionError(f"{where}: {path}: replay gave {describe(got)}, eager a tensor")
         try:
-            torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+            torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, equal_nan=equal_nan)
         except AssertionError as exc:
-            raise AssertionError(f"{where} differs from eager: {exc}") from None
-    elif isinstance(expected, (tuple, list)):
-        if len(got) != len(expected):
-            raise AssertionError(f"{where}: length {len(got)} vs eager {len(expected)}")
-        for i, (g, e) in enumerate(zip(got, expected)):
-            _compare(g, e, f"{path}[{i}]", replay, atol, rtol)
-    elif isinstance(expected, Mapping):
-        for k in expected:
-            _compare(got[k], expected[k], f"{path}[{k!r}]", replay, atol, rtol)
-    elif dataclasses.is_dataclass(expected):
-        for f in dataclasses.fields(expected):
-            _compare(
-                getattr(got, f.name),
-                getattr(expected, f.name),
-                f"{path}.{f.name}",
-                replay,
-                atol,
-                rtol,
-            )
-    elif got != expected:
-        raise AssertionError(f"{where}: replay gave {got!r}, eager {expected!r}")
+            raise AssertionError(f"{where}: {path} differs from eager: {exc}") from None
+        return
+    parts, got_parts = split(expected), split(got)
+    if parts is None:
+        if got != expected and not (equal_nan and got != got and expected != expected):
+            raise AssertionError(f"{where}: {path}: replay gave {got!r}, eager {expected!r}")
+        return
+    if got_parts is None or type(got) is not type(expected) or got_parts.keys != parts.keys:
+        raise AssertionError(
+            f"{where}: {path}: replay gave {describe(got)}, eager {describe(expected)}"
+        )
+    for key, g, e in zip(parts.keys, got_parts.values, parts.values):
+        _compare(g, e, parts.label(path, key), where, tolerance)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import breakgraph
-from breakgraph import BreakableCUDAGraph, CopyBackError, eager_on_graph
+from breakgraph import BreakableCUDAGraph, CopyBackError, InputError, eager_on_graph
 
 
 def fresh_into(static):
@@ -64,7 +64,7 @@ def test_enable_false_returns_the_same_function():
 
 
 def test_non_callable_is_rejected():
-    with pytest.raises(TypeError, match="expected a callable"):
+    with pytest.raises(InputError, match="expected a callable"):
         eager_on_graph(42)
 
 

@@ -194,8 +194,8 @@ def test_empty_break_runs_nothing_on_replay(capture, device):
     assert (g.num_segments, g.num_breaks) == (3, 2)
     assert g.break_names == ["break_graph", "break_graph"]
     # An empty break registers no replay function: replay is segment, segment, segment.
-    assert all(brk.function is None and brk.replay is None for brk in g._breaks)
-    assert len(g._steps) == g.num_segments
+    assert all(brk.function is None and brk.replay is None for brk in g._captured.breaks)
+    assert len(g._captured.steps) == g.num_segments
     for _ in range(3):
         new = fresh_into(x)
         g.replay()

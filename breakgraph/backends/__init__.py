@@ -6,6 +6,10 @@
   reproduces CUDA-graph semantics (frozen addresses, frozen Python decisions, no
   Python on replay) so that graph bugs show up on a laptop and in CI.
 
+Every backend follows the contract written down in :mod:`breakgraph.backends.base`
+(``Backend.open`` -> ``Session`` -> ``Segment``, the same ``replay()``/``reset()`` for every
+segment).
+
 The backend is chosen per capture: ``capture(g, backend="emulated")``, else the
 environment variable ``BREAKGRAPH_BACKEND``, else ``"cuda"`` when a GPU is
 available. Nothing falls back silently.
@@ -20,18 +24,18 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
 from ..errors import BackendError
+from .base import Backend
 
 __all__ = ["select_backend", "BACKENDS"]
 
 BACKENDS = ("cuda", "emulated")
 
 
-def select_backend(name: str | None = None):
+def select_backend(name: str | None = None) -> Backend:
     """Return the backend object for ``name`` (or the environment's / the default one)."""
     chosen = name if name is not None else os.environ.get("BREAKGRAPH_BACKEND") or None
     if chosen is None:

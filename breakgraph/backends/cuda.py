@@ -5,19 +5,35 @@ graphs can share it with ``pool=other.pool()``), on one capture stream, exactly 
 ``torch.cuda.graph`` does for a single graph. Each segment is replayed once right
 after it is captured, so the eager function that follows sees real inputs and the
 capture pass computes real outputs (as the emulated backend does).
+
+cuBLAS workspaces. cuBLAS keeps one scratch workspace per (handle, stream), allocated
+by torch's caching allocator on the first matmul of that pair, and a captured matmul
+bakes its address into the graph. ``torch.compile(mode="reduce-overhead")`` (CUDA graph
+trees) frees *every* workspace around its own captures
+(``torch._C._cuda_clearCublasWorkspaces``); a workspace that lived in the ordinary
+allocator is then handed to other tensors while our graphs still write scratch data
+into it: wrong values or an illegal memory access. So before each capture breakgraph
+makes sure the capture stream's workspace lives in a private pool of its own that no
+other allocation ever draws from (a one-time empty capture on that stream does it): if
+torch frees it, the memory stays in that pool, unused by anyone but cuBLAS scratch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from ..errors import CaptureError
 from ..streams import StreamTracker
 from ..syncs import CompileTransparentSegmentMode, SegmentMode
+from .base import CaptureOptions, Observer
 
-_default_capture_streams: dict = {}
+_capture_streams: dict = {}  # device -> breakgraph's capture stream
+_workspace_pools: dict = {}  # device -> (pool handle, graph) holding cuBLAS workspaces
 
 
 class CudaSegment:
@@ -38,50 +54,45 @@ class CudaSegment:
 class CudaSession:
     """The state of one capture: stream, pool, stream tracker, the segment being captured."""
 
-    def __init__(
-        self,
-        pool,
-        stream: torch.cuda.Stream | None,
-        capture_error_mode: str,
-        detect_syncs: bool,
-        observer=None,
-    ):
+    def __init__(self, options: CaptureOptions, observer: Observer | None = None):
+        stream = options.stream
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise CaptureError(
                 f"breakgraph.capture: stream must be a torch.cuda.Stream, got {stream!r}"
             )
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        if options.collect_garbage:
+            torch.cuda.empty_cache()
         device = torch.cuda.current_device()
         if stream is None:
-            stream = _default_capture_streams.get(device)
+            stream = _capture_streams.get(device)
             if stream is None:
-                stream = _default_capture_streams[device] = torch.cuda.Stream(device)
+                stream = _capture_streams[device] = torch.cuda.Stream(device)
         self.device = device
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.pool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
         self.stream = stream
-        self.capture_error_mode = capture_error_mode
-        self.detect_syncs = detect_syncs
+        self.options = options
         self.observer = observer
         self.tracker = StreamTracker(stream)
-        self._stream_context = torch.cuda.stream(stream)
-        self._stream_context.__enter__()
-        # cuBLAS creates its handle on first use, which CUDA forbids inside a capture
-        # (CUBLAS_STATUS_NOT_INITIALIZED): create it now, so a capture may hold the
-        # process's first matmul without a warm-up
-        torch.cuda.current_blas_handle()
-        self.tracker.install()
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._invalidated = False
         self._mode: SegmentMode | None = None
+        self._invalidated = False
+        self._stack = contextlib.ExitStack()
+        try:
+            _prepare_cublas(device, stream)
+            self._stack.enter_context(torch.cuda.stream(stream))
+            self.tracker.install(self._stack)
+        except BaseException:
+            self._stack.close()
+            raise
 
     def begin_segment(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+        graph.capture_begin(pool=self.pool, capture_error_mode=self.options.capture_error_mode)
         self._graph = graph
         self.tracker.begin_segment()
         self._mode = CompileTransparentSegmentMode(
-            check_syncs=self.detect_syncs, on_operation=self.observer
+            check_syncs=self.options.detect_syncs, on_operation=self.observer
         )
         self._mode.__enter__()
 
@@ -90,15 +101,12 @@ class CudaSession:
         self._graph = self._mode = None
         mode.__exit__(None, None, None)
         unjoined = self.tracker.join_all()
-        with warnings.catch_warnings():
-            if mode.operations == 0:  # a break right after another: an empty segment is expected
-                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+        with quiet_empty_graph(mode.operations == 0):  # a break right after another
             graph.capture_end()
         graph.replay()  # real values for the eager code that follows
         return CudaSegment(graph, mode.operations, unjoined)
 
     def abort(self) -> None:
-        """Abandon the segment being captured (if any), leaving the allocator and stream clean."""
         graph, mode = self._graph, self._mode
         self._graph = self._mode = None
         if mode is not None:
@@ -106,20 +114,16 @@ class CudaSession:
         if graph is not None:
             self.tracker.active = False
             try:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+                with quiet_empty_graph():
                     graph.capture_end()
             except Exception:  # the capture was invalidated: CUDA ended it, tell the allocator
                 _end_allocate_to_pool(self.device, self.pool)
                 self._invalidated = True
-            try:
+            with contextlib.suppress(Exception):
                 graph.reset()
-            except Exception:
-                pass
 
     def close(self) -> None:
-        self.tracker.uninstall()
-        self._stream_context.__exit__(None, None, None)
+        self._stack.close()  # hooks removed, the caller's stream current again
         # the capture pass ran (segment replays, eager breaks) on the capture stream: make the
         # caller's stream wait for it before it reads outputs or refills static inputs
         torch.cuda.current_stream().wait_stream(self.stream)
@@ -127,17 +131,59 @@ class CudaSession:
             _reset_capture_state()
 
 
+def _prepare_cublas(device: int, stream: torch.cuda.Stream) -> None:
+    """Create the cuBLAS handle and give the capture stream a workspace no one else can get.
+
+    The handle: cuBLAS creates it on first use, which CUDA forbids inside a capture
+    (``CUBLAS_STATUS_NOT_INITIALIZED``), so create it on the caller's stream first. The
+    workspace: see the module docstring. Asking for the handle inside an empty capture on
+    the capture stream allocates the (handle, capture stream) workspace, if it does not
+    exist yet, in breakgraph's workspace pool; if it exists this does nothing.
+    """
+    _small_matmuls(device)  # creates the cuBLAS and cuBLASLt handles on the caller's stream
+    entry = _workspace_pools.get(device)
+    if entry is None:
+        entry = _workspace_pools[device] = [torch.cuda.graph_pool_handle(), []]
+    pool, keep = entry
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), quiet_empty_graph():
+        graph.capture_begin(pool=pool)
+        try:
+            _small_matmuls(device)  # allocates the (handle, capture stream) workspaces, here
+        finally:
+            graph.capture_end()
+    keep[:] = [graph]  # the pool lives as long as one of its graphs does
+
+
+def _small_matmuls(device: int) -> None:
+    dtypes = (torch.float32,) + ((torch.bfloat16,) if torch.cuda.is_bf16_supported() else ())
+    for dtype in dtypes:
+        a = torch.ones(8, 8, device=device, dtype=dtype)
+        torch.addmm(a, a, a)
+
+
+@contextlib.contextmanager
+def quiet_empty_graph(expected: bool = True) -> Iterator[None]:
+    """Silence torch's "CUDA Graph is empty" warning where an empty graph is expected
+    (a segment between two breaks, an abandoned capture, breakgraph's own set-up)."""
+    if not expected:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+        yield
+
+
 def _reset_capture_state() -> None:
     """After CUDA invalidated a capture, torch's RNG still believes it is capturing
     ("Offset increment outside graph capture"); one complete empty capture resets it."""
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+        with quiet_empty_graph():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 torch.cuda.current_stream()
             graph.reset()
-    except Exception as exc:  # report, never hide: random numbers may fail until a capture succeeds
+    except Exception as exc:  # report, never hide: random numbers may fail until a capture works
         warnings.warn(
             f"breakgraph: could not reset torch's CUDA capture state after an "
             f"invalidated capture ({exc}); CUDA random numbers may fail until the next "
@@ -161,13 +207,15 @@ def _end_allocate_to_pool(device: int, pool) -> None:
 class CudaBackend:
     name = "cuda"
 
-    def new_pool(self):
-        return torch.cuda.graph_pool_handle()
+    def open(self, options: CaptureOptions, observer: Observer | None = None) -> CudaSession:
+        return CudaSession(options, observer)
 
-    def open(
-        self, pool, stream, capture_error_mode: str, detect_syncs: bool, observer=None
-    ) -> CudaSession:
-        return CudaSession(pool, stream, capture_error_mode, detect_syncs, observer)
+    def pool_bytes(self, pool: Any) -> int | None:
+        """Bytes the caching allocator holds in CUDA graph pool ``pool``."""
+        segments = torch.cuda.memory._snapshot()["segments"]
+        return sum(
+            s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)
+        )
 
 
 CUDA_BACKEND = CudaBackend()

@@ -11,7 +11,13 @@ same objects:
 * in-place and ``out=`` operations run again and mutate their targets;
 * views run nothing: they share storage with their base, which was updated;
 * ``empty``-like allocations run nothing (a CUDA graph launches no kernel for them);
-* random operations draw fresh numbers, as a replayed CUDA graph does.
+* random operations draw fresh numbers, as a replayed CUDA graph does;
+* in-place metadata operations (``unsqueeze_``, ``t_``, ``as_strided_``, ...) run
+  nothing: a CUDA graph holds no tensor metadata, only addresses. Every tensor an
+  operation read or wrote is recorded as an alias with the shape and strides it had at
+  that moment, so a later metadata change cannot alter what replay computes;
+* replay runs under ``torch.inference_mode()`` with autocast off, whatever the caller's
+  modes are: a CUDA graph replays the kernels it recorded and knows neither.
 
 No Python from the user's model runs on replay (only the eager breaks), so frozen
 Python decisions, stale input buffers and frozen host ints give the same wrong
@@ -26,13 +32,16 @@ inside a segment raises). Replay is slow: it is a testing and debugging tool.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..patches import patch_attribute
 from ..syncs import SegmentMode
+from .base import CaptureOptions, Observer
 
 aten = torch.ops.aten
 
@@ -56,9 +65,18 @@ class EmulatedPool:
         return f"EmulatedPool(id={id(self):#x})"
 
 
+def _frozen(value: Any) -> Any:
+    """An alias of a tensor with its current shape and strides (other values unchanged)."""
+    if isinstance(value, torch.Tensor):
+        return value.as_strided(value.shape, value.stride(), value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_frozen(v) for v in value)
+    return value
+
+
 def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
     """Compile one recorded operation into a replay closure (None when nothing must run)."""
-    if func.overloadpacket in _NO_KERNEL:
+    if func.overloadpacket in _NO_KERNEL or torch.Tag.inplace_view in func.tags:
         return None
     schema = func._schema
     mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
@@ -68,12 +86,16 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None
         if ret.alias_info is not None:
             continue  # a view or the mutated argument itself
         if isinstance(value, torch.Tensor):
-            fresh.append((index, None, value))
+            fresh.append((index, None, _frozen(value)))
         elif isinstance(value, (list, tuple)):
-            fresh.extend((index, j, t) for j, t in enumerate(value) if isinstance(t, torch.Tensor))
+            fresh.extend(
+                (index, j, _frozen(t)) for j, t in enumerate(value) if isinstance(t, torch.Tensor)
+            )
     if not fresh and not mutates:
         return None
     single = len(schema.returns) <= 1
+    args = _frozen(args)
+    kwargs = {k: _frozen(v) for k, v in kwargs.items()}
 
     def step() -> None:
         new = func(*args, **kwargs)
@@ -88,16 +110,16 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None
 class EmulatedSegment:
     """A recorded segment; ``replay`` re-executes its operations in order."""
 
-    __slots__ = ("steps", "operations", "inference", "unjoined")
+    __slots__ = ("steps", "operations", "unjoined")
 
-    def __init__(self, steps: tuple, operations: int, inference: bool):
+    def __init__(self, steps: tuple, operations: int):
         self.steps = steps
         self.operations = operations
-        self.inference = inference  # captured under inference_mode: its tensors need it
         self.unjoined: list = []  # no streams here
 
     def replay(self) -> None:
-        with torch.inference_mode() if self.inference else torch.no_grad():
+        # no autograd and no autocast: a CUDA graph replays the kernels it recorded
+        with torch.inference_mode(), torch._C._DisableAutocast():
             for step in self.steps:
                 step()
 
@@ -110,38 +132,34 @@ class _CapturingFlag(threading.local):
 
 
 _capturing = _CapturingFlag()
-_patch_lock = threading.Lock()
-_patch_depth = 0
-_original_is_capturing = torch.cuda.is_current_stream_capturing
 
 
-def _emulated_is_capturing() -> bool:
-    if _capturing.active:
-        return True
-    try:
-        return _original_is_capturing()
-    except Exception:  # CPU builds of torch raise here: nothing is being captured
-        return False
+def _patched_is_capturing(original: Callable[[], bool]) -> Callable[[], bool]:
+    """``torch.cuda.is_current_stream_capturing`` that also sees this thread's emulated segment,
+    so libraries take their capture-safe paths (as they would under a CUDA capture)."""
 
+    def is_current_stream_capturing() -> bool:
+        if _capturing.active:
+            return True
+        try:
+            return original()
+        except Exception:  # CPU builds of torch raise here: nothing is being captured
+            return False
 
-def _patch_is_capturing(install: bool) -> None:
-    """Make ``torch.cuda.is_current_stream_capturing`` see emulated captures (refcounted)."""
-    global _patch_depth
-    with _patch_lock:
-        _patch_depth += 1 if install else -1
-        function = _emulated_is_capturing if _patch_depth > 0 else _original_is_capturing
-        torch.cuda.is_current_stream_capturing = function
-        torch.cuda.graphs.is_current_stream_capturing = function
+    return is_current_stream_capturing
 
 
 class EmulatedSession:
-    def __init__(self, pool, stream, capture_error_mode: str, detect_syncs: bool, observer=None):
+    def __init__(self, options: CaptureOptions, observer: Observer | None = None):
         self.observer = observer
-        self.pool = pool if pool is not None else EmulatedPool()
-        self.detect_syncs = detect_syncs
+        self.pool = options.pool if options.pool is not None else EmulatedPool()
+        self.detect_syncs = options.detect_syncs
         self._mode: SegmentMode | None = None
         self._steps: list = []
-        _patch_is_capturing(True)
+        self._stack = contextlib.ExitStack()
+        replacement = _patched_is_capturing(torch.cuda.is_current_stream_capturing)
+        patch_attribute(self._stack, torch.cuda, "is_current_stream_capturing", replacement)
+        patch_attribute(self._stack, torch.cuda.graphs, "is_current_stream_capturing", replacement)
 
     def _record(self, func, args, kwargs, out) -> None:
         step = _replay_step(func, args, kwargs, out)
@@ -152,7 +170,6 @@ class EmulatedSession:
 
     def begin_segment(self) -> None:
         self._steps = []
-        self._inference = torch.is_inference_mode_enabled()
         self._mode = SegmentMode(
             all_devices=True, on_operation=self._record, check_syncs=self.detect_syncs
         )
@@ -163,7 +180,7 @@ class EmulatedSession:
         mode, self._mode = self._mode, None
         _capturing.active = False
         mode.__exit__(None, None, None)
-        return EmulatedSegment(tuple(self._steps), mode.operations, self._inference)
+        return EmulatedSegment(tuple(self._steps), mode.operations)
 
     def abort(self) -> None:
         mode, self._mode = self._mode, None
@@ -173,19 +190,17 @@ class EmulatedSession:
         self._steps = []
 
     def close(self) -> None:
-        _patch_is_capturing(False)
+        self._stack.close()
 
 
 class EmulatedBackend:
     name = "emulated"
 
-    def new_pool(self) -> EmulatedPool:
-        return EmulatedPool()
+    def open(self, options: CaptureOptions, observer: Observer | None = None) -> EmulatedSession:
+        return EmulatedSession(options, observer)
 
-    def open(
-        self, pool, stream, capture_error_mode: str, detect_syncs: bool, observer=None
-    ) -> EmulatedSession:
-        return EmulatedSession(pool, stream, capture_error_mode, detect_syncs, observer)
+    def pool_bytes(self, pool: Any) -> int | None:
+        return None  # emulated segments allocate nothing of their own
 
 
 EMULATED_BACKEND = EmulatedBackend()

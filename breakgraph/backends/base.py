@@ -1,0 +1,81 @@
+"""The backend contract: what ``graph.py`` needs from a way of capturing segments.
+
+A backend opens a *session* per capture; the session captures segments one after the
+other (``begin_segment`` ... ``end_segment``) and every captured *segment* replays on its
+own. ``replay()`` of a :class:`~breakgraph.BreakableCUDAGraph` is a loop over
+``segment.replay`` and the eager breaks, so every segment has the same small interface
+as ``torch.cuda.CUDAGraph`` (``replay()``, ``reset()``), whatever the backend.
+
+Example::
+
+    >>> from breakgraph.backends import select_backend
+    >>> from breakgraph.backends.base import CaptureOptions
+    >>> session = select_backend("emulated").open(CaptureOptions())
+    >>> session.begin_segment()
+    >>> segment = session.end_segment()
+    >>> session.close()
+    >>> segment.operations
+    0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["CaptureOptions", "Backend", "Session", "Segment", "Observer"]
+
+#: ``(func, args, kwargs, out)`` after each aten operation of a segment (debug mode).
+Observer = Callable[[Any, tuple, dict, Any], None]
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How one capture runs; built once by :func:`breakgraph.capture` from its arguments."""
+
+    pool: Any = None  # a pool handle (CUDA: torch.cuda.graph_pool_handle(); None: a new one)
+    stream: Any = None  # the capture stream (CUDA; None: breakgraph's own per device)
+    capture_error_mode: str = "global"
+    detect_syncs: bool = True  # raise HostSyncError at the line of a host sync in a segment
+    debug: bool = False  # input checks, break timers, NVTX (see breakgraph.debug)
+    collect_garbage: bool = True  # gc.collect() and empty the CUDA cache before capturing
+
+
+class Segment(Protocol):
+    """One captured segment: replayed as a whole, like ``torch.cuda.CUDAGraph``."""
+
+    operations: int  # aten operations recorded (the coverage report)
+    unjoined: list  # side streams breakgraph had to join at its end (CUDA, debug)
+
+    def replay(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class Session(Protocol):
+    """One capture in progress. ``open`` installs what it needs; ``close`` removes all of it."""
+
+    pool: Any
+
+    def begin_segment(self) -> None: ...
+
+    def end_segment(self) -> Segment:
+        """Finish the segment and replay it once, so eager code after it sees real values."""
+        ...
+
+    def abort(self) -> None:
+        """Abandon the segment being captured, if any (the capture failed)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def open(self, options: CaptureOptions, observer: Observer | None = None) -> Session: ...
+
+    def pool_bytes(self, pool: Any) -> int | None:
+        """Memory held in ``pool`` (None where the backend has no pool memory to report)."""
+        ...

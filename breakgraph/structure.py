@@ -1,0 +1,190 @@
+"""One walker for the Python structures that hold tensors.
+
+Copy-back (an eager function's output), the runner (trimming and owning outputs) and
+``breakgraph.testing`` (comparing replay with eager) all look inside the same
+structures, so they share this module and support exactly the same set:
+
+* leaves: tensors and plain Python values (``None``, numbers, strings, dtypes, ...);
+* tuples, lists and namedtuples;
+* mappings (``dict``, ``OrderedDict``, transformers' ``ModelOutput``);
+* dataclasses, and plain objects with a ``__dict__`` and/or ``__slots__``.
+
+Anything else is a leaf compared by value. A container that contains itself (a
+reference cycle) raises :class:`StructureError`.
+
+Example::
+
+    >>> import torch
+    >>> from breakgraph.structure import map_tensors
+    >>> map_tensors(lambda t: t * 2, {"a": (torch.ones(1), "note")})
+    {'a': (tensor([2.]), 'note')}
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Split", "split", "map_tensors", "iter_tensors", "is_leaf_value", "describe"]
+
+_LEAF_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class StructureError(ValueError):
+    """A structure breakgraph cannot walk (a reference cycle); ``path`` says where."""
+
+    def __init__(self, path: str, problem: str):
+        self.path = path
+        super().__init__(f"{problem} at {path}")
+
+
+class Split(NamedTuple):
+    """A container taken apart: ``kind``, its ``keys`` and ``values``, and how to label a key.
+
+    ``kind`` is one of ``"sequence"``, ``"namedtuple"``, ``"mapping"``, ``"attributes"``
+    (dataclasses and plain objects).
+    """
+
+    kind: str
+    keys: tuple
+    values: tuple
+
+    def label(self, path: str, key: Any) -> str:
+        """The path of child ``key``: ``out[1]``, ``out['k']`` or ``out.name``."""
+        if self.kind == "sequence":
+            return f"{path}[{key}]"
+        if self.kind == "mapping":
+            return f"{path}[{key!r}]"
+        return f"{path}.{key}"
+
+
+def is_leaf_value(value: Any) -> bool:
+    """Plain Python values: compared by equality, never looked into."""
+    return value is None or isinstance(value, _LEAF_TYPES)
+
+
+def split(value: Any) -> Split | None:
+    """Take a container apart, or return None for a leaf (tensor, Python value, other)."""
+    if isinstance(value, torch.Tensor) or is_leaf_value(value):
+        return None
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return Split("namedtuple", tuple(value._fields), tuple(value))
+    if isinstance(value, (tuple, list)):
+        return Split("sequence", tuple(range(len(value))), tuple(value))
+    if isinstance(value, Mapping):  # before dataclasses: ModelOutput is both
+        keys = tuple(value.keys())
+        return Split("mapping", keys, tuple(value[k] for k in keys))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(value))
+        return Split("attributes", names, tuple(getattr(value, n) for n in names))
+    names = _attribute_names(value)
+    if names is None:
+        return None
+    return Split("attributes", names, tuple(getattr(value, n) for n in names))
+
+
+def _attribute_names(value: Any) -> tuple | None:
+    """Instance attributes: ``__dict__`` entries, then every set ``__slots__`` entry."""
+    slots = _slot_names(type(value))
+    if not hasattr(value, "__dict__") and not slots:
+        return None
+    names = list(vars(value)) if hasattr(value, "__dict__") else []
+    names += [s for s in slots if s not in names and hasattr(value, s)]
+    return tuple(names)
+
+
+@functools.cache
+def _slot_names(cls: type) -> tuple:
+    names = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        slots = (slots,) if isinstance(slots, str) else slots
+        names += [s for s in slots if s not in ("__dict__", "__weakref__")]
+    return tuple(names)
+
+
+def rebuild(value: Any, parts: Split, values: list) -> Any:
+    """A new container like ``value`` holding ``values`` in place of ``parts.values``."""
+    if parts.kind == "namedtuple":
+        return type(value)(*values)
+    if parts.kind == "sequence":
+        return type(value)(values)
+    new = copy.copy(value)
+    if parts.kind == "mapping":
+        for key, item in zip(parts.keys, values):
+            new[key] = item
+    else:
+        for name, item in zip(parts.keys, values):
+            object.__setattr__(new, name, item)
+    return new
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any, path: str = "output") -> Any:
+    """``value`` with every tensor replaced by ``fn(tensor)``; containers are rebuilt."""
+    return _map(fn, value, path, set())
+
+
+def _map(fn: Callable, value: Any, path: str, active: set) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    parts = split(value)
+    if parts is None:
+        return value
+    with _entered(value, path, active):
+        values = [_map(fn, v, parts.label(path, k), active) for k, v in zip(parts.keys, parts.values)]
+    return rebuild(value, parts, values)
+
+
+def iter_tensors(value: Any, path: str = "output") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every ``(path, tensor)`` inside ``value``, depth first."""
+    yield from _iter(value, path, set())
+
+
+def _iter(value: Any, path: str, active: set) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield path, value
+        return
+    parts = split(value)
+    if parts is None:
+        return
+    with _entered(value, path, active):
+        for key, item in zip(parts.keys, parts.values):
+            yield from _iter(item, parts.label(path, key), active)
+
+
+class _entered:
+    """Marks a container as being walked; entering it again is a reference cycle."""
+
+    __slots__ = ("key", "active")
+
+    def __init__(self, value: Any, path: str, active: set):
+        self.key, self.active = id(value), active
+        if self.key in active:
+            raise StructureError(path, "a reference cycle (a container that contains itself)")
+        active.add(self.key)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active.discard(self.key)
+
+
+def describe(value: Any) -> str:
+    """A short description for error messages: shape/dtype/device of tensors, else a repr."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    parts = split(value)
+    if parts is not None and parts.kind == "mapping":
+        return f"{type(value).__name__} with keys {list(parts.keys)}"
+    if parts is not None and parts.kind in ("sequence", "namedtuple"):
+        return f"{type(value).__name__} of length {len(parts.keys)}"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
