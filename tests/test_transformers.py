@@ -239,7 +239,7 @@ def test_prefill_matches_eager_per_prompt(arch, backend, closing):
         assert [n for n in names if n.startswith("attention")] == [
             f"attention[layer {i}]" for i in range(layers)
         ]
-        assert sum("Experts" in n for n in names) == moe_layers, names
+        assert sum(n == "experts_loop" for n in names) == moe_layers, names
 
     generator = torch.Generator().manual_seed(1234)
     # two batches filling each bucket exactly (no tail), then random ones
@@ -364,9 +364,9 @@ def test_cache_is_invalidated_by_next_prefill(backend, closing):
     first = runner.prefill(prompts_of([5, 7], device))
     logits = first.logits.clone()
     first.cache(1)  # fine before the next prefill
-    with pytest.raises(IndexError, match="out of range"):
+    with pytest.raises(InputError, match="out of range"):
         first.cache(2)
-    with pytest.raises(IndexError, match="out of range"):
+    with pytest.raises(InputError, match="out of range"):
         first.cache(-1)
 
     second = runner.prefill(prompts_of([4], device))
@@ -394,7 +394,8 @@ def test_model_untouched_and_usable(arch, backend):
     def assert_untouched():
         assert model.config._attn_implementation == original_impl
         assert instance_forwards(model) == []
-        assert bg_attention._active is None
+        assert bg_attention._running.get() is None
+        assert model.config._experts_implementation in (None, "eager", "grouped_mm")
         assert torch.equal(eager_last_logits(model, p), baseline)
         assert torch.equal(
             model.generate(p[None], max_new_tokens=3, do_sample=False), baseline_generate
@@ -434,7 +435,7 @@ def test_input_errors(backend, closing):
     runner = closing(make_runner(model, backend))
     with pytest.raises(InputError, match="exceed max_prompts=4"):
         runner.prefill(prompts_of([2] * 5, device))
-    with pytest.raises(InputError, match="exceeds the largest bucket 48"):
+    with pytest.raises(InputError, match="exceed the largest token bucket 48"):
         runner.prefill(prompts_of([20, 20, 9], device))
     with pytest.raises(InputError, match="non-empty list"):
         runner.prefill([])

@@ -15,18 +15,30 @@ reference (CPU, fp32), exact to the model's own attention.
 
 The break of each layer is a small callable built once at capture with its views
 of the capture-time ``q``/``k``/``v`` prepared, so a replay pays one kernel launch
-and one copy-back per layer.
+and one copy per layer. Its output is a view of one buffer per layer shared by all
+buckets (they never run at the same time), so a dense bucket ladder does not hold
+one attention output per bucket.
+
+The runner's state reaches the attention function through a ``ContextVar`` set for
+the length of one forward (capture, warm-up or eager fallback) and reset by token:
+it is per thread and per task, and nested runners restore each other's state.
+Transformers selects the attention implementation per model, so one model serves one
+runner at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import breakgraph
+from breakgraph.memory import borrowed
 
 ATTENTION_KEY = "breakgraph"
 
@@ -60,42 +72,73 @@ def flash_available(dtype: torch.dtype, device: torch.device) -> bool:
     return _FLASH_HAS_WINDOW and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
+@dataclass
 class RunnerState:
-    """What the registered attention function needs from the runner while it captures.
+    """What the registered attention function needs from the runner during one forward.
 
     ``kernel`` is ``"flash"`` or ``"reference"``; ``captured_cu`` (a static
     ``[max_prompts + 2]`` int32 buffer) switches to *captured* attention: the kernel
     is recorded inside the graph with upper-bound lengths and no break (the
-    baseline that breakgraph is measured against). ``layers`` collects
-    ``(layer, key, value)`` seen during capture.
+    baseline that breakgraph is measured against). ``outputs`` maps a layer to its
+    shared attention-output buffer (kept by the runner across buckets). ``layers``
+    collects ``(layer, key, value)`` and ``calls`` the breaks seen during a capture.
     """
 
-    def __init__(self, kernel: str, captured_cu: torch.Tensor | None = None):
-        self.kernel = kernel
-        self.captured_cu = captured_cu
-        self.layers: list[tuple] = []
+    kernel: str
+    captured_cu: torch.Tensor | None = None
+    outputs: dict = field(default_factory=dict)
+    layers: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+
+    def output_for(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """``[N, Hq, D]`` for ``layer``: a view of the shared buffer (grown at capture)."""
+        n = like.shape[0]
+        buffer = self.outputs.get(layer)
+        if buffer is None or buffer.shape[0] < n or buffer.shape[1:] != like.shape[1:]:
+            if not breakgraph.is_capturing():  # an eager fallback longer than every bucket
+                return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            with torch.inference_mode(False):
+                buffer = self.outputs[layer] = torch.empty(
+                    like.shape, dtype=like.dtype, device=like.device
+                )
+        return buffer[:n]
 
 
-_active: RunnerState | None = None
+_running: contextvars.ContextVar[RunnerState | None] = contextvars.ContextVar(
+    "breakgraph_prefill_runner", default=None
+)
 
 
-def set_active(state: RunnerState | None) -> None:
-    global _active
-    _active = state
+@contextlib.contextmanager
+def running(state: RunnerState) -> Iterator[RunnerState]:
+    """Make ``state`` the one the attention function sees, for the ``with`` block."""
+    token = _running.set(state)
+    try:
+        yield state
+    finally:
+        _running.reset(token)
 
 
 class LayerAttention:
     """Causal attention of one layer over the packed sequences: the eager break.
 
     Built at capture from ``query`` ``[1, Hq, N, D]`` and ``key``/``value``
-    ``[1, Hkv, N, D]`` (RoPE applied, GQA not expanded); calling it returns
-    ``[N, Hq, D]`` for the batch described by ``breakgraph.replay_context()``.
-    ``window`` is the sliding window (a token sees itself and ``window - 1``
-    tokens before it) or None.
+    ``[1, Hkv, N, D]`` (RoPE applied, GQA not expanded); calling it writes
+    ``[N, Hq, D]`` into ``out`` and returns ``out``, for the batch described by
+    ``breakgraph.replay_context()``. ``window`` is the sliding window (a token sees
+    itself and ``window - 1`` tokens before it) or None.
     """
 
     def __init__(
-        self, layer: int, query, key, value, scaling: float, window: int | None, kernel: str
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        window: int | None,
+        kernel: str,
+        out: torch.Tensor | None = None,
     ):
         self.__qualname__ = self.__name__ = f"attention[layer {layer}]"
         self.q, self.k, self.v = (t[0].transpose(0, 1) for t in (query, key, value))
@@ -103,59 +146,47 @@ class LayerAttention:
         self.contiguous = all(t.stride(-1) == 1 for t in (self.q, self.k, self.v))
         self.causal = window is None
         self.left = -1 if window is None else window - 1
-        self.out = None
-        if kernel == "flash" and FLASH_WRITES_IN_PLACE:
-            self.out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
+        self.out = out
 
     def __call__(self) -> torch.Tensor:
         batch: PackedBatch = breakgraph.replay_context()
         if self.kernel == "flash":
-            return self.flash(batch.cu_seqlens, batch.max_seqlen)
-        return _reference_attention(self.q, self.k, self.v, batch.bounds, self.scaling, self.window)
+            return self.flash(batch.cu_seqlens, batch.max_seqlen, self.out)
+        return _reference_attention(
+            self.q, self.k, self.v, batch.bounds, self.scaling, self.window, self.out
+        )
 
-    def flash(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    def flash(
+        self, cu_seqlens: torch.Tensor, max_seqlen: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         q, k, v = self.q, self.k, self.v
         if not self.contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if self.out is not None:
+        if out is not None and FLASH_WRITES_IN_PLACE:
             _flash_into(
-                self.out,
-                q,
-                k,
-                v,
-                cu_seqlens,
-                cu_seqlens,
-                max_seqlen,
-                max_seqlen,
-                0.0,
-                self.causal,
-                False,
-                scale=self.scaling,
-                window_size_left=self.left,
+                out, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
+                self.causal, False, scale=self.scaling, window_size_left=self.left,
                 window_size_right=0,
-            )
-            return self.out
-        return _flash(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            cu_seqlens,
-            max_seqlen,
-            max_seqlen,
-            0.0,
-            self.causal,
-            False,
-            scale=self.scaling,
-            window_size_left=self.left,
-            window_size_right=0,
-        )[0]
+            )  # fmt: skip
+            return out
+        result = _flash(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, self.causal, False,
+            scale=self.scaling, window_size_left=self.left, window_size_right=0,
+        )[0]  # fmt: skip
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def borrow(self) -> None:
+        """Read ``q``/``k``/``v``/``out`` through borrowed aliases (see breakgraph.memory)."""
+        self.q, self.k, self.v = (borrowed(t) for t in (self.q, self.k, self.v))
 
 
-def _reference_attention(q, k, v, bounds, scaling, window):
+def _reference_attention(q, k, v, bounds, scaling, window, out=None):
     """Per-sequence SDPA with a causal (and sliding-window) mask: exact, slow, any device."""
     groups = q.shape[1] // k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for start, end in bounds:
         qs = q[start:end].transpose(0, 1)
         ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
@@ -185,7 +216,7 @@ def breakgraph_attention(
     **kwargs: Any,
 ):
     """The function registered as ``AttentionInterface["breakgraph"]``."""
-    state = _active
+    state = _running.get()
     if state is None:
         raise breakgraph.CaptureError(
             "breakgraph attention was called outside a PrefillRunner; the runner sets the "
@@ -201,20 +232,17 @@ def breakgraph_attention(
             "prompts itself and needs the mask to be None (do not pass attention_mask)."
         )
     layer = getattr(module, "layer_idx", len(state.layers))
-    if breakgraph.is_capturing():
+    capturing = breakgraph.is_capturing()
+    if capturing:
         state.layers.append((layer, key, value))
-    call = LayerAttention(
-        layer,
-        query,
-        key,
-        value,
-        query.shape[-1] ** -0.5 if scaling is None else scaling,
-        sliding_window,
-        state.kernel,
-    )
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    call = LayerAttention(layer, query, key, value, scale, sliding_window, state.kernel)
     if state.captured_cu is not None:
         out = call.flash(state.captured_cu, query.shape[2])  # upper bound: the bucket size
     else:
+        call.out = state.output_for(layer, call.q)
+        if capturing:
+            state.calls.append(call)
         out = breakgraph.eager_on_graph(call)()
     return out.unsqueeze(0), None
 
@@ -224,3 +252,4 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_KEY, breakgraph_attention)
+

@@ -8,6 +8,17 @@ boundaries of the live batch (see :mod:`.attention`). Each prompt's last hidden
 state is gathered on the device (``logits_to_keep`` with an index tensor), so the
 graph produces ``[max_prompts, vocab]`` logits, not ``[tokens, vocab]``.
 
+The default bucket ladder is dense (:func:`default_token_buckets`: at most 15 tokens
+or 12 % of padding), and cheap: the model is warmed up once, buckets are captured
+largest first into one pool, and every bucket after the first releases the memory its
+breaks read back to that pool (see :mod:`breakgraph.memory`), so the ladder costs
+about as much graph memory as its largest bucket.
+
+The host path of one prefill: the prompts' ids, positions, last-token indices and
+sequence boundaries are written into one pinned host buffer (double-buffered) and
+reach the device in ONE asynchronous copy; the buckets' static inputs are views of
+that device buffer. No host sync, no per-prompt copy.
+
 Example::
 
     >>> import torch, transformers
@@ -25,48 +36,77 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 import breakgraph
-from breakgraph.backends import select_backend
 from breakgraph.errors import InputError, ReplayError
-from breakgraph.runner import BucketedRunner
+from breakgraph.memory import borrowed
+from breakgraph.runner import BucketedRunner, StaticInputs
 
 from . import attention as _attention
+from .experts import experts_as_breaks
 
-__all__ = ["PrefillRunner", "PrefillOutput", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError"]
+__all__ = [
+    "PrefillRunner",
+    "PrefillOutput",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "default_token_buckets",
+]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
 _STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
-_MISSING = object()
 
 
 class UnsupportedModelError(breakgraph.BreakgraphError, ValueError):
     """The model or configuration cannot be served correctly by the prefill runner."""
 
 
+def default_token_buckets(max_tokens: int = 4096, step: int = 16) -> tuple[int, ...]:
+    """The default ladder: multiples of ``step`` up to ``16 * step``, then 8 buckets per doubling.
+
+    Padding waste is at most ``step - 1`` tokens below ``16 * step`` (256 by default) and
+    under 12 % above it (each bucket is at most 9/8 of the one before), the way serving
+    engines space their graph sizes. The last bucket is ``max_tokens``.
+
+    Example::
+
+        >>> from breakgraph.integrations.transformers import default_token_buckets
+        >>> default_token_buckets(512)[:4], default_token_buckets(512)[-3:]
+        ((16, 32, 48, 64), (448, 480, 512))
+    """
+    if max_tokens < 1 or step < 1:
+        raise InputError("default_token_buckets: max_tokens and step must be positive.")
+    sizes, size = [], step
+    while size < max_tokens:
+        sizes.append(size)
+        # step within the octave [2^k, 2^(k+1)): 1/8 of it once past 16 * step
+        size += max(step, _octave(size) // 8)
+    sizes.append(max_tokens)
+    return tuple(sizes)
+
+
+def _octave(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
 class PrefillOutput:
     """The result of :meth:`PrefillRunner.prefill`.
 
-    ``logits`` is ``[num_prompts, vocab]`` (owned: it survives the next prefill);
-    ``cache(i)`` is prompt ``i``'s KV cache, valid until the next prefill.
+    ``logits`` is ``[num_prompts, vocab]``: owned (it survives the next prefill) unless
+    the prefill was called with ``owned=False``. ``cache(i)`` is prompt ``i``'s KV cache,
+    valid until the next prefill (it lives in graph memory).
     """
 
-    def __init__(
-        self,
-        runner: PrefillRunner,
-        logits: torch.Tensor,
-        bounds: list,
-        step: int,
-        layers: list | None,
-    ):
+    def __init__(self, runner: PrefillRunner, logits: torch.Tensor, bounds: list, step: int,
+                 bucket: int | None):  # fmt: skip
         self.logits = logits
         self.bounds = bounds
-        self._runner, self._step, self._layers = runner, step, layers
+        self._runner, self._step, self._bucket = runner, step, bucket
 
     def cache(self, i: int):
         """Prompt ``i``'s keys and values as a ``transformers.DynamicCache`` for ``generate()``.
@@ -80,58 +120,142 @@ class PrefillOutput:
         """
         from transformers import DynamicCache
 
-        if self._layers is None:
+        runner = self._runner
+        if runner._closed:
+            raise InputError("PrefillOutput.cache: the runner was closed; its graph memory is gone.")
+        if self._bucket is None:
             raise InputError("PrefillOutput.cache: this prefill ran eagerly and kept no KV cache.")
-        if self._runner._step != self._step:
+        if runner._step != self._step:
             raise InputError(
                 "PrefillOutput.cache: the KV cache lives in graph memory and a later prefill has "
-                "overwritten it; call cache(i) before the next prefill."
+                "overwritten it (or was started and failed); call cache(i) before the next prefill."
             )
         if not 0 <= i < len(self.bounds):
-            raise IndexError(
+            raise InputError(
                 f"PrefillOutput.cache: prompt {i} out of range ({len(self.bounds)} prompts)."
             )
         start, end = self.bounds[i]
-        cache = DynamicCache(config=self._runner.model.config)
-        for layer, key, value in sorted(self._layers, key=lambda entry: entry[0]):
+        cache = DynamicCache(config=runner.model.config)
+        for layer, key, value in sorted(runner._layers[self._bucket], key=lambda e: e[0]):
             cache.update(key[:, :, start:end].clone(), value[:, :, start:end].clone(), layer)
         return cache
+
+
+class _StepBuffers(StaticInputs):
+    """Where one prefill's inputs live: one device buffer, filled by one copy per call.
+
+    Layout (int64): ``ids [T] | positions [T] | last-token indices [P] | cu_seqlens``
+    (``P + 2`` int32 values in the int64 words after). Every bucket's static inputs are
+    views of its start, so the bucket graphs read the same memory (they never run at the
+    same time). The host side is two pinned buffers used in turn, each guarded by an event,
+    so preparing a step never waits for the previous one to be read.
+    """
+
+    def __init__(self, max_tokens: int, max_prompts: int, device: torch.device, pad_id: int):
+        example = torch.zeros(1, 1, dtype=torch.long, device=device)
+        super().__init__((example, example), dims=1, pad_values=(pad_id, 0))
+        self.max_tokens, self.max_prompts, self.pad_id = max_tokens, max_prompts, pad_id
+        cu_words = (max_prompts + 3) // 2
+        self.words = 2 * max_tokens + max_prompts + cu_words
+        pin = device.type == "cuda"
+        with torch.inference_mode(False):
+            self.device_buffer = torch.zeros(self.words, dtype=torch.long, device=device)
+            self.hosts = [torch.zeros(self.words, dtype=torch.long, pin_memory=pin) for _ in (0, 1)]
+        self.events = [torch.cuda.Event() if pin else None for _ in (0, 1)]
+        self.turn = 0
+        t, p = max_tokens, max_prompts
+        self.ids, self.positions = self.device_buffer[:t], self.device_buffer[t : 2 * t]
+        self.last_index = self.device_buffer[2 * t : 2 * t + p]
+        self.cu_seqlens = self.device_buffer[2 * t + p :].view(torch.int32)[: p + 2]
+        self.arange = np.arange(max_tokens, dtype=np.int64)
+
+    def allocate(self, size: int) -> tuple:
+        return self.ids[:size].view(1, size), self.positions[:size].view(1, size)
+
+    def stage(self, prompts: list, lengths: list, bucket: int, vocab_size: int) -> list:
+        """Write one step's inputs to the device (one async copy); the ``(start, end)`` bounds
+        of the prompts and of the tail (a dummy sequence, so every row is written)."""
+        t, p = self.max_tokens, self.max_prompts
+        i = self.turn
+        self.turn ^= 1
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # the copy of two steps ago has read this buffer
+        host = self.hosts[i].numpy()
+        ids, positions = host[:t], host[t : 2 * t]
+        starts = np.cumsum([0] + lengths)
+        total = int(starts[-1])
+        on_device = []
+        for prompt, start, end in zip(prompts, starts[:-1], starts[1:]):
+            if prompt.device.type == "cpu":
+                ids[start:end] = prompt.numpy()
+            else:
+                on_device.append((prompt, start, end))
+        host_ids = ids[:total] if total and not on_device else None
+        if host_ids is not None and (host_ids.min() < 0 or host_ids.max() >= vocab_size):
+            raise InputError(
+                f"PrefillRunner.prefill: a prompt holds token ids outside the vocabulary "
+                f"(0..{vocab_size - 1})."
+            )
+        ids[total:bucket] = self.pad_id
+        positions[:total] = self.arange[:total] - np.repeat(starts[:-1], lengths)
+        positions[total:bucket] = 0
+        last = host[2 * t : 2 * t + p]
+        last[:] = 0
+        last[: len(lengths)] = starts[1:] - 1
+        bounds = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+        if bucket > total:
+            bounds.append((total, bucket))
+        cu = host[2 * t + p :].view(np.int32)[: p + 2]
+        cu[0] = 0
+        cu[1 : len(bounds) + 1] = [end for _, end in bounds]
+        cu[len(bounds) + 1 :] = bucket  # trailing zero-length sequences (captured attention)
+        self.device_buffer.copy_(self.hosts[i], non_blocking=True)
+        if self.events[i] is not None:
+            self.events[i].record()
+        for prompt, start, end in on_device:  # device prompts: device-to-device copies
+            self.ids[start:end].copy_(prompt)
+        return bounds
 
 
 class PrefillRunner:
     """Prefill batches of variable-length prompts through captured breakable graphs.
 
     Args:
-        model: a transformers causal LM (``SUPPORTED_MODEL_TYPES``) in eval mode.
-        token_buckets: total-token sizes to capture; a batch pads to the smallest
-            that fits.
+        model: a transformers causal LM (``SUPPORTED_MODEL_TYPES``, a ``*ForCausalLM``
+            class) in eval mode.
+        token_buckets: total-token sizes to capture; a batch pads to the smallest that
+            fits. Default: :func:`default_token_buckets` up to 4096 tokens (or the
+            model's ``max_position_embeddings``).
         max_prompts: most prompts in one batch.
         backend: ``"cuda"`` or ``"emulated"`` (see :func:`breakgraph.capture`).
         on_miss: ``"raise"`` (default) or ``"eager"`` when a batch has more tokens
-            than the largest bucket.
+            than the largest bucket (``"eager"`` runs the forward without a graph).
         attention: ``"auto"`` (FlashAttention varlen on CUDA in bf16/fp16, else the
             per-sequence reference), ``"flash"``, ``"reference"``, or ``"captured"``:
             FlashAttention recorded *inside* the graph with upper-bound lengths and no
             breaks at all (a baseline; it relies on the kernel tolerating upper-bound
             ``max_seqlen`` and holds at most ``max_prompts`` sequences).
         pad_token_id: token id written into the bucket tail.
-        warmup: eager runs of the forward before each bucket is captured.
+        warmup: eager runs of the forward before the first (largest) bucket is captured.
         compile: ``torch.compile`` the model's forward (True, or a dict of
             ``torch.compile`` keyword arguments) so segments hold fused kernels;
             attention and MoE experts stay eager breaks (Dynamo breaks its graph
-            there too). Compilation happens during the warm-up of each bucket.
+            there too). Compilation happens in the warm-up of every bucket.
         debug: capture in debug mode (see :mod:`breakgraph.debug`): input checks on
             every replay, and ``runner.graph(bucket).report()`` gives each attention
             break's host time per replay. Slow; off by default (``$BREAKGRAPH_DEBUG``).
+        progress: print a line per captured bucket to stderr (the ``breakgraph`` logger
+            gets the same lines at INFO level).
 
-    The model is left as it was: the attention implementation is switched to
-    ``"breakgraph"`` only while capturing or running eagerly through the runner.
+    The model is left as it was: the attention (and eager MoE experts) implementation is
+    switched to breakgraph's only while capturing or running eagerly through the runner.
+    One runner per model at a time (transformers selects attention per model).
     """
 
     def __init__(
         self,
         model: Any,
-        token_buckets: Sequence[int] = (64, 256, 1024),
+        token_buckets: Sequence[int] | None = None,
         max_prompts: int = 16,
         *,
         backend: str | None = None,
@@ -141,30 +265,42 @@ class PrefillRunner:
         warmup: int = 2,
         compile: Any = False,
         debug: bool | None = None,
+        progress: bool = False,
     ):
         _check_model(model)
-        if max_prompts < 1:
-            raise InputError(f"PrefillRunner: max_prompts must be >= 1, got {max_prompts}.")
+        if not isinstance(max_prompts, int) or max_prompts < 1:
+            raise InputError(f"PrefillRunner: max_prompts must be >= 1 (an int), got {max_prompts!r}.")
         if attention not in ("auto", "flash", "reference", "captured"):
             raise InputError(
                 f"PrefillRunner: attention must be 'auto', 'flash', 'reference' or 'captured', "
                 f"got {attention!r}."
             )
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if token_buckets is None:
+            token_buckets = default_token_buckets(min(4096, limit or 4096))
+        token_buckets = tuple(token_buckets)
+        if not token_buckets or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in token_buckets
+        ):
+            raise InputError(
+                f"PrefillRunner: token_buckets must be positive ints, got {token_buckets!r}."
+            )
+        longest = max(token_buckets)
+        if limit is not None and longest > limit:
+            raise UnsupportedModelError(
+                f"PrefillRunner: bucket {longest} exceeds max_position_embeddings={limit}."
+            )
         parameter = next(model.parameters())
         self.model = model
         self.device, self.dtype = parameter.device, parameter.dtype
-        can_flash = (
-            _attention.flash_available(self.dtype, self.device)
-            and select_backend(backend).name == "cuda"
-        )
+        backend_name = breakgraph.backends.select_backend(backend).name
+        can_flash = _attention.flash_available(self.dtype, self.device) and backend_name == "cuda"
         if attention in ("flash", "captured") and not can_flash:
             raise UnsupportedModelError(
                 f"PrefillRunner: attention={attention!r} needs the CUDA backend, bf16/fp16 weights "
                 f"and torch's FlashAttention varlen kernel; use attention='reference'."
             )
-        self.attention = (
-            ("flash" if can_flash else "reference") if attention == "auto" else attention
-        )
+        self.attention = ("flash" if can_flash else "reference") if attention == "auto" else attention
         self.max_prompts = max_prompts
         self.vocab_size = model.config.get_text_config().vocab_size
         if not 0 <= pad_token_id < self.vocab_size:
@@ -172,126 +308,75 @@ class PrefillRunner:
                 f"PrefillRunner: pad_token_id={pad_token_id} is outside the vocabulary "
                 f"(0..{self.vocab_size - 1})."
             )
-        longest = max(token_buckets)
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if limit is not None and longest > limit:
-            raise UnsupportedModelError(
-                f"PrefillRunner: bucket {longest} exceeds max_position_embeddings={limit}."
-            )
         self._forward_model = model
         if compile:
             options = compile if isinstance(compile, dict) else {}
             self._forward_model = torch.compile(model, **options)
-        self._positions = torch.arange(longest, device=self.device)
-        self._last_index = torch.zeros(max_prompts, dtype=torch.long, device=self.device)
-        self._cu_seqlens = torch.zeros(max_prompts + 2, dtype=torch.int32, device=self.device)
-        # host staging of the per-step metadata: pinned, so the copies are asynchronous and a
-        # prefill never waits for the GPU; the event says when the copies have read it
-        pin = self.device.type == "cuda"
-        self._host_last = torch.zeros(max_prompts, dtype=torch.long, pin_memory=pin)
-        self._host_cu = torch.zeros(max_prompts + 2, dtype=torch.int32, pin_memory=pin)
-        self._host_last_np, self._host_cu_np = self._host_last.numpy(), self._host_cu.numpy()
-        self._staged = torch.cuda.Event() if pin else None
+        # MoE models: no router logits (their aux loss would sync; prefill does not need it)
+        self._extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+        self._borrow = backend_name == "cuda"
+        self._steps = _StepBuffers(longest, max_prompts, self.device, pad_token_id)
+        self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
         self._layers: dict = {}  # bucket -> [(layer, key, value)] seen at capture
         self._step = 0
         self._closed = False
         _attention.register()
-        example = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self._runner = BucketedRunner(
             self._forward,
             token_buckets,
-            (example, example),
-            dims=1,
-            pad_values=(pad_token_id, 0),
+            static_inputs=self._steps,
             on_miss=on_miss,
             slice_outputs=False,
             warmup=warmup,
+            warmup_each=bool(compile),
             backend=backend,
             capture_context=self._capture_batch,
             debug=debug,
+            progress=progress,
         )
 
     # -- the captured forward ------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         state = _attention.RunnerState(
             "reference" if self.attention == "reference" else "flash",
-            self._cu_seqlens if self.attention == "captured" else None,
+            self._steps.cu_seqlens if self.attention == "captured" else None,
+            self._outputs,
         )
-        if breakgraph.is_capturing():
-            self._layers[input_ids.shape[1]] = state.layers
-        with self._attention_installed(state), torch.no_grad():
-            return self._forward_model(
+        capturing = breakgraph.is_capturing()
+        with self.installed(), _attention.running(state), torch.no_grad():
+            logits = self._forward_model(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
-                logits_to_keep=self._last_index,
+                logits_to_keep=self._steps.last_index,
+                **self._extra,
             ).logits
+        if not capturing:
+            return logits
+        if self._borrow:  # this bucket's memory goes back to the pool for the next capture
+            for call in state.calls:
+                call.borrow()
+            state.layers[:] = [(i, borrowed(k), borrowed(v)) for i, k, v in state.layers]
+            logits = borrowed(logits)
+        self._layers[input_ids.shape[1]] = state.layers
+        return logits
 
     @contextlib.contextmanager
-    def _attention_installed(self, state: _attention.RunnerState) -> Iterator[None]:
-        """Switch the model to breakgraph attention and MoE experts to eager breaks, then back.
-
-        Only transformers' ``"eager"`` experts loop (``nonzero`` and a Python loop over
-        the active experts) needs a break; ``grouped_mm``/``batched_mm`` are captured.
-        """
+    def installed(self) -> Iterator[None]:
+        """Switch the model to breakgraph attention (and eager MoE experts to eager breaks,
+        through transformers' ``ExpertsInterface``) for the block, then back."""
         original = self.model.config._attn_implementation
-        patched = []
         self.model.set_attn_implementation(_attention.ATTENTION_KEY)
-        _attention.set_active(state)
         try:
-            experts = getattr(self.model.config, "_experts_implementation", None)
-            for module in self.model.modules() if experts in (None, "eager") else ():
-                if type(module).__name__.endswith("Experts"):
-                    # data-dependent loop over active experts (nonzero): an eager break of its own
-                    patched.append((module, module.__dict__.get("forward", _MISSING)))
-                    module.forward = torch.compiler.disable(
-                        breakgraph.eager_on_graph(module.forward)
-                    )
-            yield
+            with experts_as_breaks(self.model):
+                yield
         finally:
-            for module, previous in patched:  # an instance-level forward of the user's stays
-                if previous is _MISSING:
-                    del module.forward
-                else:
-                    module.forward = previous
-            _attention.set_active(None)
             self.model.set_attn_implementation(original)
 
     def _capture_batch(self, size: int) -> _attention.PackedBatch:
         """During capture of a bucket: one sequence filling it (any batch shape would do)."""
-        return self._stage([size], size)
-
-    def _stage(self, lengths: list[int], bucket: int) -> _attention.PackedBatch:
-        """Write the step's metadata (last-token indices, ``cu_seqlens``) to the device.
-
-        Both go through pinned host buffers with asynchronous copies: no host sync, so
-        the GPU may still be busy with the previous step while this one is prepared.
-        """
-        bounds, start = [], 0
-        for n in lengths:
-            bounds.append((start, start + n))
-            start += n
-        if bucket > start:
-            bounds.append((start, bucket))  # the tail: a dummy sequence, so every row is written
-        if self._staged is not None:
-            self._staged.synchronize()  # the previous step's copies have read the staging buffers
-        last = self._host_last_np
-        last[:] = 0
-        last[: len(lengths)] = list(itertools.accumulate(lengths))
-        last[: len(lengths)] -= 1
-        self._last_index.copy_(self._host_last, non_blocking=True)
-        cu_seqlens = None
-        if self.attention != "reference":
-            # trailing entries repeat the end: zero-length sequences for the captured kernel
-            cu = self._host_cu_np
-            cu[0] = 0
-            cu[1 : len(bounds) + 1] = [end for _, end in bounds]
-            cu[len(bounds) + 1 :] = bounds[-1][1]
-            self._cu_seqlens.copy_(self._host_cu, non_blocking=True)
-            cu_seqlens = self._cu_seqlens[: len(bounds) + 1]
-        if self._staged is not None:
-            self._staged.record()
-        return _attention.PackedBatch(bounds, cu_seqlens, max(end - begin for begin, end in bounds))
+        bounds = self._steps.stage([], [], size, self.vocab_size)
+        return _attention.PackedBatch(bounds, self._steps.cu_seqlens[: len(bounds) + 1], size)
 
     # -- serving ---------------------------------------------------------------------------
     @property
@@ -308,43 +393,77 @@ class PrefillRunner:
         segments and attention breaks (with host time per break when ``debug=True``)."""
         return self._runner.graph(bucket)
 
-    def prefill(self, prompts: Sequence[torch.Tensor]) -> PrefillOutput:
-        """Prefill ``prompts`` (1-D LongTensors) together; see :class:`PrefillOutput`."""
+    def prefill(self, prompts: Iterable[torch.Tensor], *, owned: bool = True) -> PrefillOutput:
+        """Prefill ``prompts`` (1-D LongTensors) together; see :class:`PrefillOutput`.
+
+        ``owned=False`` returns logits that live in graph memory (no copy), valid until the
+        next prefill.
+        """
         if self._closed:
             raise ReplayError(
                 "PrefillRunner.prefill: the runner is closed; build a new PrefillRunner."
             )
+        if isinstance(prompts, torch.Tensor):
+            raise InputError(
+                "PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
+                "prompt), not one tensor; wrap a single prompt as [ids]."
+            )
+        prompts = prompts if isinstance(prompts, list) else list(prompts)
         lengths = self._validate(prompts)
         total = sum(lengths)
-        bucket = self._runner.bucket_for(total)
-        ids = torch.cat([p.to(self.device, non_blocking=True) for p in prompts]).view(1, total)
-        positions = torch.cat(
-            [
-                self._positions[:n]
-                if n <= len(self._positions)
-                else torch.arange(n, device=self.device)
-                for n in lengths
-            ]
-        ).view(1, total)
-        batch = self._stage(lengths, bucket if bucket is not None else total)
-        logits = self._runner(ids, positions, context=batch)
-        self._step += 1
-        layers = self._layers[bucket] if bucket is not None else None
-        return PrefillOutput(
-            self,
-            logits[0, : len(lengths)].clone(),
-            batch.bounds[: len(lengths)],
-            self._step,
-            layers,
-        )
+        decision = self._runner.decide(total)
+        if decision.action == "raise":
+            raise InputError(
+                f"PrefillRunner.prefill: {total} tokens exceed the largest token bucket "
+                f"{self.buckets[-1]}; build the runner with larger token_buckets, split the "
+                f"batch, or pass on_miss='eager' to run such batches without a graph."
+            )
+        self._step += 1  # outputs of earlier prefills are invalid from here on, even on failure
+        n = len(lengths)
+        if decision.action == "eager":
+            logits, bounds = self._prefill_eagerly(prompts, lengths, total, decision.reason)
+            bucket = None
+        else:
+            bucket = decision.bucket
+            bounds = self._steps.stage(prompts, lengths, bucket, self.vocab_size)
+            batch = _attention.PackedBatch(
+                bounds, self._steps.cu_seqlens[: len(bounds) + 1], max(b - a for a, b in bounds)
+            )
+            logits = self._runner.replay(bucket, batch, total)[0, :n]
+        return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
+                             bucket)  # fmt: skip
 
-    def _validate(self, prompts: Sequence[torch.Tensor]) -> list[int]:
-        if isinstance(prompts, torch.Tensor) or not len(prompts):
+    def _prefill_eagerly(self, prompts: list, lengths: list, total: int, reason: str) -> tuple:
+        """A batch no bucket serves: the same forward, without a graph."""
+        if total <= self._steps.max_tokens:
+            bounds = self._steps.stage(prompts, lengths, total, self.vocab_size)
+            ids, positions = self._steps.allocate(total)
+        else:
+            ids = torch.cat([p.to(self.device) for p in prompts]).view(1, total)
+            positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
+            starts = np.cumsum([0] + lengths)
+            bounds = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+            last = self._steps.last_index
+            last.zero_()
+            last[: len(lengths)] = torch.as_tensor(starts[1:] - 1, device=self.device)
+            if self.attention != "reference":
+                self._steps.cu_seqlens[: len(bounds) + 1] = torch.as_tensor(
+                    starts, dtype=torch.int32, device=self.device
+                )
+        batch = _attention.PackedBatch(
+            bounds, self._steps.cu_seqlens[: len(bounds) + 1], max(b - a for a, b in bounds)
+        )
+        logits = self._runner.run_eagerly((ids, positions), batch, reason)
+        return logits[0, : len(lengths)], bounds
+
+    def _validate(self, prompts: list) -> list[int]:
+        if not prompts:
             raise InputError("PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors.")
         if len(prompts) > self.max_prompts:
             raise InputError(
-                f"PrefillRunner.prefill: {len(prompts)} prompts exceed max_prompts={self.max_prompts}; "
-                f"split the batch or build the runner with a larger max_prompts."
+                f"PrefillRunner.prefill: {len(prompts)} prompts exceed "
+                f"max_prompts={self.max_prompts}; split the batch or build the runner with a "
+                f"larger max_prompts."
             )
         lengths = []
         for i, p in enumerate(prompts):
@@ -355,29 +474,24 @@ class PrefillRunner:
                 or p.numel() == 0
             ):
                 raise InputError(
-                    f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of token ids, "
-                    f"got {type(p).__name__}"
+                    f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of "
+                    f"token ids, got {type(p).__name__}"
                     + (
                         f" of shape {tuple(p.shape)} and dtype {p.dtype}"
                         if isinstance(p, torch.Tensor)
                         else ""
                     )
                 )
-            if p.device.type == "cpu" and (int(p.min()) < 0 or int(p.max()) >= self.vocab_size):
-                # on the GPU an out-of-range id is a device-side assert that kills the process;
-                # host prompts are checked for free (device prompts would need a sync)
-                raise InputError(
-                    f"PrefillRunner.prefill: prompt {i} holds token ids outside the vocabulary "
-                    f"(0..{self.vocab_size - 1})."
-                )
             lengths.append(p.numel())
         return lengths
 
     def close(self) -> None:
-        """Release graphs and buffers; the model is exactly as before."""
+        """Release graphs and buffers; the model is exactly as before. Outputs of earlier
+        prefills keep their logits; their ``cache(i)`` raises."""
         self._closed = True
         self._runner.close()
         self._layers.clear()
+        self._outputs.clear()
 
 
 def _check_model(model: Any) -> None:
@@ -397,6 +511,15 @@ def _check_model(model: Any) -> None:
             "PrefillRunner: the model is compiled with torch.compile; pass the uncompiled model "
             "(breakgraph captures it itself)."
         )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if type(model).__name__ != causal_lm:
+        raise UnsupportedModelError(
+            f"PrefillRunner: {type(model).__name__} is not a causal LM (for {model_type!r} "
+            f"that is {causal_lm}); the runner returns next-token logits from the LM head. "
+            f"Load the model with AutoModelForCausalLM."
+        )
     if model.training:
         raise UnsupportedModelError(
             "PrefillRunner: the model is in training mode; call model.eval() first."
@@ -404,10 +527,10 @@ def _check_model(model: Any) -> None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type not in _STATIC_ROPE_TYPES:
+        static = ", ".join(map(str, _STATIC_ROPE_TYPES[1:]))
         raise UnsupportedModelError(
             f"PrefillRunner: rope_type {rope_type!r} recomputes its frequencies from the live "
-            f"sequence length on the host; only static RoPE ({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) "
-            f"can be captured."
+            f"sequence length on the host; only static RoPE ({static}) can be captured."
         )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:

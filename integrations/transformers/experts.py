@@ -1,0 +1,87 @@
+"""MoE experts through transformers' own registry: the eager experts loop as an eager break.
+
+transformers dispatches every experts module decorated with ``@use_experts_implementation``
+through ``ExpertsInterface`` by ``config._experts_implementation``. Its ``"eager"``
+implementation (the model file's own ``forward``) loops in Python over the experts that
+received tokens (``nonzero`` on the routing): data-dependent, not capturable. breakgraph
+registers one more implementation, :data:`EXPERTS_KEY`, that runs that very loop as an
+``@eager_on_graph`` break, and the runners switch a model to it around their forward with
+transformers' ``set_experts_implementation`` (and back), exactly as attention is switched
+through ``AttentionInterface``. ``grouped_mm`` and ``batched_mm`` need no break: they are
+captured as they are.
+
+Example::
+
+    from breakgraph.integrations.transformers.experts import experts_as_breaks
+    with experts_as_breaks(model):      # only if the model uses the eager loop
+        ...                             # capture the forward
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import breakgraph
+
+__all__ = ["EXPERTS_KEY", "experts_as_breaks", "needs_experts_break"]
+
+EXPERTS_KEY = "breakgraph_eager_loop"
+
+
+@breakgraph.eager_on_graph
+def experts_loop(module: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The model's own eager experts loop (what ``"eager"`` runs), as one eager break."""
+    return _eager_forward(module)(module, *args, **kwargs)
+
+
+def _eager_forward(module: Any):
+    """The experts class's original ``forward`` (``use_experts_implementation`` wraps it)."""
+    original = getattr(type(module).forward, "__wrapped__", None)
+    if original is None:
+        from .prefill import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"breakgraph: {type(module).__name__}.forward does not expose transformers' eager "
+            f"experts loop (no __wrapped__); this transformers version dispatches experts "
+            f"differently. Load the model with experts_implementation='grouped_mm'."
+        )
+    return original
+
+
+@torch.compiler.disable  # Dynamo breaks its graph here too (PrefillRunner(compile=True))
+def breakgraph_experts(module: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The function registered as ``ExpertsInterface[EXPERTS_KEY]``."""
+    return experts_loop(module, *args, **kwargs)
+
+
+def register() -> None:
+    """Register :data:`EXPERTS_KEY` in transformers' ``ExpertsInterface`` (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_KEY, breakgraph_experts)
+
+
+def needs_experts_break(model: Any) -> bool:
+    """True when the model's experts run transformers' eager loop (``nonzero``: not capturable)."""
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    implementation = getattr(model.config, "_experts_implementation", None)
+    return bool(can_set and can_set()) and implementation in ("eager", EXPERTS_KEY)
+
+
+@contextlib.contextmanager
+def experts_as_breaks(model: Any) -> Iterator[None]:
+    """Run the model's eager experts loop as eager breaks inside the block (then restore)."""
+    if not needs_experts_break(model):
+        yield
+        return
+    register()
+    original = model.config._experts_implementation
+    model.set_experts_implementation(EXPERTS_KEY)
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(original)
