@@ -67,13 +67,17 @@ def build_copy_back(
         return _build(captured, "output", function, check_values, arguments, set())
     except StructureError as exc:
         raise CopyBackError(
-            function, exc.path, "a reference cycle", "a tree of containers", "a container that "
-            "contains itself"
+            function,
+            exc.path,
+            "a reference cycle",
+            "a tree of containers",
+            "a container that contains itself",
         ) from None
 
 
-def _build(captured: Any, path: str, function: str, check: bool, arguments: frozenset,
-           active: set) -> Copier:
+def _build(
+    captured: Any, path: str, function: str, check: bool, arguments: frozenset, active: set
+) -> Copier:
     if isinstance(captured, torch.Tensor):
         if captured.untyped_storage().data_ptr() in arguments:
             return _argument_copier(captured, path, function)
@@ -99,8 +103,11 @@ def _build(captured: Any, path: str, function: str, check: bool, arguments: froz
 def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
     if torch._debug_has_internal_overlap(captured) == 1:
         raise CopyBackError(
-            function, path, "a tensor whose elements share memory (an expand()-ed or "
-            "broadcast view), which nothing can be copied into", describe(captured),
+            function,
+            path,
+            "a tensor whose elements share memory (an expand()-ed or "
+            "broadcast view), which nothing can be copied into",
+            describe(captured),
             "return .contiguous() or .clone() of it instead",
         )
     shape, dtype, device = captured.shape, captured.dtype, captured.device
@@ -141,8 +148,11 @@ def _argument_copier(captured: torch.Tensor, path: str, function: str) -> Copier
         ):
             return
         raise CopyBackError(
-            function, path, "a new tensor where it returned (memory of) its own argument at "
-            "capture", describe(captured), describe(new) + ". Segments read that memory as the "
+            function,
+            path,
+            "a new tensor where it returned (memory of) its own argument at capture",
+            describe(captured),
+            describe(new) + ". Segments read that memory as the "
             "argument too, so copying into it would overwrite the argument. Return the argument "
             "(updated in place) on every call, or a new tensor on every call, including at "
             "capture (e.g. `x.clone()`)",
@@ -169,7 +179,10 @@ def _sequence_copier(kind: type, children: list, path: str, function: str) -> Co
     def copy_sequence(new: Any) -> None:
         if type(new) is not kind or len(new) != n:
             raise CopyBackError(
-                function, path, "a changed structure", f"{kind.__name__} of length {n}",
+                function,
+                path,
+                "a changed structure",
+                f"{kind.__name__} of length {n}",
                 describe(new),
             )
         for child, item in zip(children, new):
@@ -184,7 +197,10 @@ def _mapping_copier(kind: type, keys: tuple, children: list, path: str, function
 
     def structure_error(new: Any) -> CopyBackError:
         return CopyBackError(
-            function, path, "a changed structure", f"{kind.__name__} with keys {list(keys)}",
+            function,
+            path,
+            "a changed structure",
+            f"{kind.__name__} with keys {list(keys)}",
             describe(new),
         )
 
@@ -214,7 +230,10 @@ def _attribute_copier(kind: type, parts: Split, children: list, path: str, funct
                 value = getattr(new, name)
             except AttributeError:
                 raise CopyBackError(
-                    function, f"{path}.{name}", "a changed structure", "an attribute",
+                    function,
+                    f"{path}.{name}",
+                    "a changed structure",
+                    "an attribute",
                     "no such attribute",
                 ) from None
             child(value)
@@ -253,4 +272,3 @@ def _same_value(a: Any, b: Any) -> bool:
     except Exception:  # comparisons that do not produce a bool (arrays, ...)
         return False
     return isinstance(a, float) and isinstance(b, float) and a != a and b != b  # NaN == NaN
-

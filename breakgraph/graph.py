@@ -287,7 +287,11 @@ def capture(
         )
     chosen = select_backend(backend)
     options = CaptureOptions(
-        pool, stream, capture_error_mode, detect_syncs, _debug.debug_enabled(debug),
+        pool,
+        stream,
+        capture_error_mode,
+        detect_syncs,
+        _debug.debug_enabled(debug),
         collect_garbage,
     )
     if not _capture_lock.acquire(blocking=False):
@@ -328,8 +332,9 @@ def _is_cuda_capture_failure(exc: BaseException, backend: str) -> bool:
 class _Capture:
     """One running capture: opens the backend session, cuts segments at breaks."""
 
-    def __init__(self, graph: BreakableCUDAGraph, backend: Backend, options: CaptureOptions,
-                 context: Any):
+    def __init__(
+        self, graph: BreakableCUDAGraph, backend: Backend, options: CaptureOptions, context: Any
+    ):
         self.graph, self.backend, self.options, self.context = graph, backend, options, context
         self.in_segment = False
         self.failure: str | None = None  # why the capture cannot be completed
@@ -372,8 +377,9 @@ class _Capture:
                 _debug.warn_unjoined(index, segment.unjoined)
             self.watch.segment += 1
 
-    def run_break(self, function: Callable | None, options: BreakOptions, args: tuple,
-                  kwargs: dict) -> Any:
+    def run_break(
+        self, function: Callable | None, options: BreakOptions, args: tuple, kwargs: dict
+    ) -> Any:
         """End the segment, run ``function`` eagerly, register its replay, begin a new segment."""
         if not self.in_segment:  # an eager function called from inside another one
             return function(*args, **kwargs)
@@ -384,9 +390,7 @@ class _Capture:
             else:
                 output, replay = self._run_eagerly(function, options, args, kwargs)
         except BaseException as exc:
-            self.failure = (
-                f"eager function {options.name!r} raised {type(exc).__name__}: {exc}"
-            )
+            self.failure = f"eager function {options.name!r} raised {type(exc).__name__}: {exc}"
             raise
         self.breaks.append(Break(options.name, function, args, kwargs, output, replay))
         if self.watch is not None:
@@ -395,8 +399,9 @@ class _Capture:
         return output
 
     @staticmethod
-    def _run_eagerly(function: Callable, options: BreakOptions, args: tuple,
-                     kwargs: dict) -> tuple[Any, Callable[[], None]]:
+    def _run_eagerly(
+        function: Callable, options: BreakOptions, args: tuple, kwargs: dict
+    ) -> tuple[Any, Callable[[], None]]:
         arguments = storages_of(args, kwargs)
         if options.capture_stub is None:
             output = function(*args, **kwargs)
@@ -440,8 +445,14 @@ class _Capture:
             timers = tuple(_debug.BreakTimer() for _ in self.breaks)
             steps = self._debug_steps(timers)
         self.graph._captured = Captured(
-            self.backend, self.session.pool, self.context, tuple(self.segments),
-            tuple(self.breaks), tuple(steps), timers, self.unjoined,
+            self.backend,
+            self.session.pool,
+            self.context,
+            tuple(self.segments),
+            tuple(self.breaks),
+            tuple(steps),
+            timers,
+            self.unjoined,
         )
         self.graph._capturing = False
         self._close()

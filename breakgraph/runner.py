@@ -600,7 +600,9 @@ def _bucket_sizes(buckets: Any, where: str, allow_empty: bool = False) -> list[i
     try:
         sizes = list(buckets)
     except TypeError:
-        raise InputError(f"{where}: buckets must be a sequence of sizes, got {buckets!r}.") from None
+        raise InputError(
+            f"{where}: buckets must be a sequence of sizes, got {buckets!r}."
+        ) from None
     bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0]
     if bad or (not sizes and not allow_empty):
         raise InputError(

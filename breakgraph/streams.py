@@ -35,6 +35,7 @@ Example (inside a capture, nothing else to do)::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 

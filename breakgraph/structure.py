@@ -136,7 +136,9 @@ def _map(fn: Callable, value: Any, path: str, active: set) -> Any:
     if parts is None:
         return value
     with _entered(value, path, active):
-        values = [_map(fn, v, parts.label(path, k), active) for k, v in zip(parts.keys, parts.values)]
+        values = [
+            _map(fn, v, parts.label(path, k), active) for k, v in zip(parts.keys, parts.values)
+        ]
     return rebuild(value, parts, values)
 
 

@@ -39,7 +39,10 @@ aten = torch.ops.aten
 
 #: aten operations that need the host to see device values, with the Python spelling users wrote.
 SYNC_OPERATIONS: dict = {
-    aten._local_scalar_dense: "`.item()`, `if tensor:` / `bool(t)`, `float(t)` or `int(t)`: a device value read on the host",
+    aten._local_scalar_dense: (
+        "`.item()`, `if tensor:` / `bool(t)`, `float(t)` or `int(t)`: a device value read on "
+        "the host"
+    ),
     aten.is_nonzero: "`if tensor:` / `bool(tensor)` (a Python branch on a device value)",
     aten.item: "`.item()`",
     aten.nonzero: "`nonzero()` / `torch.where(cond)` (its output size depends on the data)",
@@ -48,7 +51,9 @@ SYNC_OPERATIONS: dict = {
     aten._unique2: "`unique` (its output size depends on the data)",
     aten.unique_dim: "`unique(dim=...)` (its output size depends on the data)",
     aten.unique_consecutive: "`unique_consecutive` (its output size depends on the data)",
-    aten.unique_dim_consecutive: "`unique_consecutive(dim=...)` (its output size depends on the data)",
+    aten.unique_dim_consecutive: (
+        "`unique_consecutive(dim=...)` (its output size depends on the data)"
+    ),
     aten.equal: "`torch.equal` (returns a Python bool)",
     aten.allclose: "`torch.allclose` (returns a Python bool)",
     aten.bincount: "`bincount` (its output size depends on the data)",
@@ -117,7 +122,8 @@ def _sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
 
 
 SYNC_OPERATIONS[aten.repeat_interleave] = (
-    "`repeat_interleave` with a tensor of repeats and no `output_size` (its output size depends on the data)"
+    "`repeat_interleave` with a tensor of repeats and no `output_size` (its output size "
+    "depends on the data)"
 )
 
 

@@ -17,10 +17,9 @@ import breakgraph
 from breakgraph import CaptureError, CopyBackError, HostSyncError, InputError
 from breakgraph.runner import BucketedRunner
 from breakgraph.testing import assert_replay_matches_eager
-
 from tests.helpers import assert_clean, fresh_into
 
-# -- 1. copy-back into an argument --------------------------------------------------------------
+# -- 1. copy-back into an argument -----------------------------------------------------------------
 
 
 def test_01_returned_argument_then_new_tensor_raises(capture, device):
@@ -76,7 +75,7 @@ def test_01_inplace_function_returning_a_view_of_its_argument(capture, device):
     torch.testing.assert_close(out, ((x * 2 + 1) * 3).view(2, 2))
 
 
-# -- 2. replay inside another capture -----------------------------------------------------------
+# -- 2. replay inside another capture --------------------------------------------------------------
 
 
 def test_02_replay_inside_a_capture_raises(capture, device):
@@ -137,9 +136,9 @@ def test_03_runner_slices_and_owns_dataclass_and_object_outputs(backend, device,
     torch.testing.assert_close(out.rows, x * 2)
 
 
-# -- 4. PrefillOutput.cache after a failed prefill: see test_transformers.py ------------------------
+# -- 4. PrefillOutput.cache after a failed prefill: see test_transformers.py -----------------------
 
-# -- 5. emulated backend fidelity ---------------------------------------------------------------
+# -- 5. emulated backend fidelity ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -193,7 +192,7 @@ def test_05_inference_mode_inside_the_capture_block(capture, device):
     torch.testing.assert_close(y, x.exp() + 1)
 
 
-# -- 6. objects with __slots__ ------------------------------------------------------------------
+# -- 6. objects with __slots__ ---------------------------------------------------------------------
 
 
 class Slotted:
@@ -234,9 +233,9 @@ def test_06_slots_change_is_reported_as_a_tensor_problem(capture, device):
         g.replay()
 
 
-# -- 7. PrefillRunner heads: see test_transformers.py -------------------------------------------
+# -- 7. PrefillRunner heads: see test_transformers.py ----------------------------------------------
 
-# -- 9. an eager function's exception caught inside the capture block -----------------------------
+# -- 9. an eager function's exception caught inside the capture block ------------------------------
 
 
 def test_09_caught_exception_in_eager_function_raises_capture_error(capture, device):
@@ -257,7 +256,7 @@ def test_09_caught_exception_in_eager_function_raises_capture_error(capture, dev
     assert_clean(g)
 
 
-# -- 10. expanded (stride-0) outputs ----------------------------------------------------------------
+# -- 10. expanded (stride-0) outputs ---------------------------------------------------------------
 
 
 def test_10_expanded_output_is_rejected_at_capture(capture, device):
@@ -273,7 +272,7 @@ def test_10_expanded_output_is_rejected_at_capture(capture, device):
     assert_clean(g)
 
 
-# -- 11. reference cycles -------------------------------------------------------------------------
+# -- 11. reference cycles --------------------------------------------------------------------------
 
 
 def test_11_reference_cycle_in_output_is_a_copy_back_error(capture, device):
@@ -294,7 +293,7 @@ def test_11_reference_cycle_in_output_is_a_copy_back_error(capture, device):
     assert_clean(g)
 
 
-# -- 12. the user's own RuntimeError -----------------------------------------------------------------
+# -- 12. the user's own RuntimeError ---------------------------------------------------------------
 
 
 def test_12_user_runtime_error_mentioning_capture_is_not_translated(capture, device):
@@ -308,7 +307,7 @@ def test_12_user_runtime_error_mentioning_capture_is_not_translated(capture, dev
     assert_clean(g)
 
 
-# -- 14. inference_mode ---------------------------------------------------------------------------
+# -- 14. inference_mode ----------------------------------------------------------------------------
 
 
 def test_14_inplace_break_captured_in_inference_mode_replays_outside(capture, device):
@@ -338,7 +337,7 @@ def test_14_runner_built_in_inference_mode_serves_outside(backend, device):
     torch.testing.assert_close(runner(x), x * 2)
 
 
-# -- 15. InputError instead of raw errors ------------------------------------------------------------
+# -- 15. InputError instead of raw errors ----------------------------------------------------------
 
 
 def test_15_example_inputs_must_be_a_sequence(backend, device):
@@ -348,8 +347,9 @@ def test_15_example_inputs_must_be_a_sequence(backend, device):
 
 @pytest.mark.parametrize("bad", [[0], [-5], [2.5], ["8"]])
 def test_15_add_buckets_validates_sizes(backend, device, bad):
-    runner = BucketedRunner(lambda t: t * 2, (4,), (torch.randn(1, 2, device=device),),
-                            backend=backend)
+    runner = BucketedRunner(
+        lambda t: t * 2, (4,), (torch.randn(1, 2, device=device),), backend=backend
+    )
     with runner.capture_window(), pytest.raises(InputError, match="bucket"):
         runner.add_buckets(bad)
     assert runner.buckets == (4,)
@@ -362,13 +362,18 @@ def test_15_constructor_validates_sizes(backend, device, bad):
 
 
 def test_15_agree_size_smaller_than_the_size_is_rejected(backend, device):
-    runner = BucketedRunner(lambda t: t * 2, (4, 8), (torch.randn(1, 2, device=device),),
-                            backend=backend, agree_size=lambda n: n - 1)
+    runner = BucketedRunner(
+        lambda t: t * 2,
+        (4, 8),
+        (torch.randn(1, 2, device=device),),
+        backend=backend,
+        agree_size=lambda n: n - 1,
+    )
     with pytest.raises(InputError, match="agree_size"):
         runner(torch.randn(3, 2, device=device))
 
 
-# -- 16. assert_replay_matches_eager -------------------------------------------------------------
+# -- 16. assert_replay_matches_eager ---------------------------------------------------------------
 
 
 def test_16_objects_and_nans_compare_by_value(backend):
@@ -432,7 +437,7 @@ def test_stale_break_argument_names_the_eager_function(capture, device):
         g.replay()
 
 
-# -- 8. compiled runner after torch.compile(mode="reduce-overhead") (CUDA) --------------------------
+# -- 8. compiled runner after torch.compile(mode="reduce-overhead") (CUDA) -------------------------
 
 
 @pytest.mark.requires_cuda
@@ -467,6 +472,7 @@ def test_08_graphs_survive_cublas_workspace_clearing():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

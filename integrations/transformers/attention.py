@@ -252,4 +252,3 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_KEY, breakgraph_attention)
-

@@ -122,7 +122,9 @@ class PrefillOutput:
 
         runner = self._runner
         if runner._closed:
-            raise InputError("PrefillOutput.cache: the runner was closed; its graph memory is gone.")
+            raise InputError(
+                "PrefillOutput.cache: the runner was closed; its graph memory is gone."
+            )
         if self._bucket is None:
             raise InputError("PrefillOutput.cache: this prefill ran eagerly and kept no KV cache.")
         if runner._step != self._step:
@@ -269,7 +271,9 @@ class PrefillRunner:
     ):
         _check_model(model)
         if not isinstance(max_prompts, int) or max_prompts < 1:
-            raise InputError(f"PrefillRunner: max_prompts must be >= 1 (an int), got {max_prompts!r}.")
+            raise InputError(
+                f"PrefillRunner: max_prompts must be >= 1 (an int), got {max_prompts!r}."
+            )
         if attention not in ("auto", "flash", "reference", "captured"):
             raise InputError(
                 f"PrefillRunner: attention must be 'auto', 'flash', 'reference' or 'captured', "
@@ -300,7 +304,9 @@ class PrefillRunner:
                 f"PrefillRunner: attention={attention!r} needs the CUDA backend, bf16/fp16 weights "
                 f"and torch's FlashAttention varlen kernel; use attention='reference'."
             )
-        self.attention = ("flash" if can_flash else "reference") if attention == "auto" else attention
+        self.attention = (
+            ("flash" if can_flash else "reference") if attention == "auto" else attention
+        )
         self.max_prompts = max_prompts
         self.vocab_size = model.config.get_text_config().vocab_size
         if not 0 <= pad_token_id < self.vocab_size:
@@ -313,7 +319,9 @@ class PrefillRunner:
             options = compile if isinstance(compile, dict) else {}
             self._forward_model = torch.compile(model, **options)
         # MoE models: no router logits (their aux loss would sync; prefill does not need it)
-        self._extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+        self._extra = (
+            {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+        )
         self._borrow = backend_name == "cuda"
         self._steps = _StepBuffers(longest, max_prompts, self.device, pad_token_id)
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
