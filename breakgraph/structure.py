@@ -30,12 +30,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .errors import BreakgraphError
+
 __all__ = ["Split", "split", "map_tensors", "iter_tensors", "is_leaf_value", "describe"]
 
 _LEAF_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
-class StructureError(ValueError):
+class StructureError(BreakgraphError, ValueError):
     """A structure breakgraph cannot walk (a reference cycle); ``path`` says where."""
 
     def __init__(self, path: str, problem: str):

@@ -461,7 +461,7 @@ def test_08_graphs_survive_cublas_workspace_clearing():
                 y = host(x @ w) @ w
             graphs.append((g, y))
         torch._C._cuda_clearCublasWorkspaces()   # what cudagraph trees do around their captures
-        junk = [torch.full((8 << 20,), 7.0, device="cuda") for _ in range(16)]  # reuse freed memory
+        junk = [torch.full((1 << 19,), 7.0, device="cuda") for _ in range(512)]  # freed memory
         for _ in range(5):
             x.copy_(torch.randn_like(x))
             for g, y in graphs:
