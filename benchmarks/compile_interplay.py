@@ -34,8 +34,8 @@ def _clear(isolate: bool, plain: bool) -> dict:
 
     bg_cuda.ISOLATE_CUBLAS_WORKSPACES = isolate
     torch.manual_seed(0)
-    w = torch.randn(2048, 2048, device="cuda")
-    x = torch.randn(512, 2048, device="cuda")
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)  # split-K: uses the workspace
 
     @breakgraph.eager_on_graph
     def host(t):

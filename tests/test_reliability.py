@@ -447,8 +447,8 @@ def test_08_graphs_survive_cublas_workspace_clearing():
         """
         import torch, breakgraph
         torch.manual_seed(0)
-        w = torch.randn(1024, 1024, device="cuda")
-        x = torch.randn(256, 1024, device="cuda")
+        w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+        x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
 
         @breakgraph.eager_on_graph
         def host(t):
@@ -466,7 +466,7 @@ def test_08_graphs_survive_cublas_workspace_clearing():
             x.copy_(torch.randn_like(x))
             for g, y in graphs:
                 g.replay()
-                torch.testing.assert_close(y, (x @ w) @ w, atol=1e-2, rtol=1e-3)
+                torch.testing.assert_close(y, (x @ w) @ w, atol=2e-2, rtol=2e-2)
         torch.cuda.synchronize()
         assert all(bool((j == 7.0).all()) for j in junk), "a graph wrote into freed memory"
         print("ok")
