@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -347,21 +348,21 @@ def compile_variants(run: Run, family: Family, model, result, runners, closers) 
         return compiled
     g = torch.Generator().manual_seed(3)
     lengths = {
-        n: torch.randint(model.config.vocab_size, (n,), generator=g).cuda()
+        n: torch.randint(model.config.vocab_size, (n,), generator=g).to(s.device)
         for n in s.first_call_lengths
     }
     info: dict = {"order": ["bg_compiled", "compile_ro"], "dynamic": s.compile_dynamic}
     result["compile"] = info
     with attempt(result, "inductor_warmup"):
         start = time.perf_counter()
-        torch.compile(lambda x: x.relu() + 1)(torch.randn(8, device="cuda"))
-        torch.cuda.synchronize()
+        torch.compile(lambda x: x.relu() + 1)(torch.randn(8, device=s.device))
+        run.sync()
         info["inductor_warmup_s"] = time.perf_counter() - start
     with attempt(result, "bg_compiled"):
         before = dynamo_snapshot()
         start = time.perf_counter()
         bgc = PrefillRunner(model, **s.runner_kwargs, compile=True)
-        torch.cuda.synchronize()
+        run.sync()
         record = runner_record(bgc, time.perf_counter() - start)
         record["dynamo"] = dynamo_delta(before)
         record["lengths"] = []
@@ -369,7 +370,7 @@ def compile_variants(run: Run, family: Family, model, result, runners, closers) 
         for n, p in lengths.items():
             start = time.perf_counter()
             bgc.prefill([p])
-            torch.cuda.synchronize()
+            run.sync()
             record["lengths"].append({"tokens": n, "first_call_s": time.perf_counter() - start})
         info["bg_compiled"] = record
         runners["bg_compiled"] = bgc
@@ -545,8 +546,11 @@ def run_all(settings: Settings, out: str | None = None) -> dict:
 
 
 def write(results: dict, path: str) -> None:
-    with open(path, "w") as f:
+    """Replace ``path`` whole: a run stopped mid-write (a timeout) leaves the last version."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
         json.dump(results, f, indent=1, default=str)
+    os.replace(partial, path)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Settings, str | None]:
