@@ -193,9 +193,14 @@ def bucket_for(buckets, tokens: int) -> int | None:
 
 
 def serving(runners: dict, prompts: list) -> dict:
-    """The runners whose largest bucket holds the prompts (on_miss='raise' otherwise)."""
+    """The runners that can take the prompts: their largest bucket holds them (on_miss is
+    'raise' otherwise) and there are at most max_prompts of them."""
     tokens = sum(map(len, prompts))
-    return {name: r for name, r in runners.items() if tokens <= max(r.buckets)}
+    return {
+        name: r
+        for name, r in runners.items()
+        if tokens <= max(r.buckets) and len(prompts) <= r.max_prompts
+    }
 
 
 def mixed_lengths(settings: Settings) -> list[int]:
@@ -234,7 +239,7 @@ def runner_record(runner, construction_s: float) -> dict:
         # capture order kept (dicts keep insertion order): the first bucket pays the warm-up
         "capture_seconds": [[int(b), s] for b, s in stats.capture_seconds.items()],
         "graph_memory_bytes": {str(b): int(v) for b, v in stats.graph_memory_bytes.items()},
-        "attention": runner.attention,
+        "attention": getattr(runner, "attention", None),
         "max_prompts": runner.max_prompts,
     }
 
@@ -274,6 +279,10 @@ def run_family(run: Run, family: Family) -> dict:
         for name, prompts in workloads.items():
             if ladder and bucket_for(ladder, sum(map(len, prompts))) is None:
                 run.skip(family.name, f"breakgraph variants, {name}", "larger than every bucket")
+            if "runner" in result and len(prompts) > result["runner"]["max_prompts"]:
+                run.skip(
+                    family.name, f"breakgraph variants, {name}", "more prompts than max_prompts"
+                )
         if not s.cuda:
             run.skip(family.name, "bg_one_graph", "needs CUDA FlashAttention (smoke run)")
         elif used:
@@ -307,12 +316,18 @@ def run_family(run: Run, family: Family) -> dict:
             result["correctness"] = correctness(
                 model, singles, batch, padded, runners, graphs, compiled
             )
-        with attempt(result, "timing"):
-            result["rows"] = time_workloads(
-                run, model, singles, batch, padded, runners, graphs, compiled
-            )
-        with attempt(result, "host"):
-            host_and_device(run, singles, batch, padded, runners, graphs, result["rows"])
+        result["rows"] = []
+        for n, p in singles.items():
+            with attempt(result, f"timing single {n}"):
+                result["rows"].append(time_single(run, model, n, p, runners, graphs, compiled))
+        with attempt(result, "timing batch"):
+            result["rows"].append(time_batch(run, model, batch, padded, runners, graphs))
+        for row in result["rows"]:
+            with attempt(result, f"host {row['workload']}"):
+                prompts = [singles[row["tokens"]]] if row["kind"] == "single" else batch
+                key = row["tokens"] if row["kind"] == "single" else "batch"
+                fresh = {"input_ids": prompts[0][None]} if key != "batch" else padded.inputs()
+                row["host"] = host_and_device(run, prompts, runners, graphs.get(key), fresh)
     finally:
         for close in closers:
             close()
@@ -410,80 +425,84 @@ def correctness(model, singles, batch, padded, runners, graphs, compiled) -> dic
     return out
 
 
-def time_workloads(run: Run, model, singles, batch, padded, runners, graphs, compiled) -> list:
-    """One row per workload: medians of all variants, taking turns."""
+def time_single(run: Run, model, n: int, p, runners, graphs, compiled) -> dict:
+    """One prompt of ``n`` tokens: medians of all variants, taking turns."""
     s = run.settings
-    turns = dict(rounds=s.rounds, iters=s.iters, warmup=s.warmup, sync=run.sync)
-    rows = []
+    fns = {"hf_eager": lambda: hf_eager(model, p)}
+    if n in graphs:
+        fns["hf_graph"] = lambda: graphs[n](input_ids=p[None])
+    for name, r in serving(runners, [p]).items():
+        fns[name] = lambda r=r: r.prefill([p])
+    if "compile_ro" in compiled:
+        fns["compile_ro"] = lambda: compiled["compile_ro"](p)
+    timed = interleaved(
+        fns,
+        rounds=s.rounds,
+        iters=s.iters,
+        warmup=s.warmup,
+        sync=run.sync,
+        spread=[x for x in SPREAD_PAIRS if set(x) <= set(fns)],
+    )
     buckets = runners["breakgraph"].buckets if "breakgraph" in runners else ()
-    for n, p in singles.items():
-        fns = {"hf_eager": lambda: hf_eager(model, p)}
-        if n in graphs:
-            fns["hf_graph"] = lambda: graphs[n](input_ids=p[None])
-        for name, r in serving(runners, [p]).items():
-            fns[name] = lambda r=r: r.prefill([p])
-        if "compile_ro" in compiled:
-            fns["compile_ro"] = lambda: compiled["compile_ro"](p)
-        timed = interleaved(fns, spread=[x for x in SPREAD_PAIRS if set(x) <= set(fns)], **turns)
-        rows.append(
-            {
-                "workload": f"single {n}",
-                "kind": "single",
-                "tokens": n,
-                "prompts": 1,
-                "bucket": bucket_for(buckets, n),
-                **timed,
-            }
-        )
-    tokens = sum(map(len, batch))
+    row = {"workload": f"single {n}", "kind": "single", "tokens": n, "prompts": 1}
+    return {**row, "bucket": bucket_for(buckets, n), **timed}
+
+
+def time_batch(run: Run, model, batch, padded, runners, graphs) -> dict:
+    """The mixed batch: the packed and padded variants take turns; HF eager one prompt at a
+    time is timed apart (too slow to take turns)."""
+    s = run.settings
     fns = {"hf_eager_padded": lambda: padded.eager(model)}
     if "batch" in graphs:
         fns["hf_graph"] = lambda: graphs["batch"](**padded.inputs())
     for name, r in serving(runners, batch).items():
         fns[name] = lambda r=r: r.prefill(batch)
-    timed = interleaved(fns, spread=[x for x in SPREAD_PAIRS if set(x) <= set(fns)], **turns)
+    timed = interleaved(
+        fns,
+        rounds=s.rounds,
+        iters=s.iters,
+        warmup=s.warmup,
+        sync=run.sync,
+        spread=[x for x in SPREAD_PAIRS if set(x) <= set(fns)],
+    )
     timed["ms"]["hf_eager"] = median_ms(
         lambda: [hf_eager(model, p) for p in batch], calls=s.eager_batch_calls, sync=run.sync
     )
-    timed["apart"] = {"hf_eager": s.eager_batch_calls}  # too slow to take turns
-    rows.append(
-        {
-            "workload": f"batch of {len(batch)} ({tokens} tokens)",
-            "kind": "batch",
-            "tokens": tokens,
-            "prompts": len(batch),
-            "padded_tokens": padded.tokens,
-            "bucket": bucket_for(buckets, tokens),
-            **timed,
-        }
-    )
-    return rows
+    timed["apart"] = {"hf_eager": s.eager_batch_calls}
+    tokens = sum(map(len, batch))
+    buckets = runners["breakgraph"].buckets if "breakgraph" in runners else ()
+    return {
+        "workload": f"batch of {len(batch)} ({tokens} tokens)",
+        "kind": "batch",
+        "tokens": tokens,
+        "prompts": len(batch),
+        "padded_tokens": padded.tokens,
+        "bucket": bucket_for(buckets, tokens),
+        **timed,
+    }
 
 
-def host_and_device(run: Run, singles, batch, padded, runners, graphs, rows) -> None:
-    """Host time of each graph variant's call (to return; for runners also to the first
-    graph replay) against its pure device time; stored in each row under ``host``."""
+def host_and_device(run: Run, prompts: list, runners: dict, graph, fresh: dict) -> dict:
+    """Host time of each graph variant's call (to return; for runners also to their first
+    graph replay, probed) against its pure device time. ``graph`` is the workload's
+    exact-length graph (or None), called with ``fresh`` inputs."""
     s = run.settings
-    for row in rows:
-        prompts = [singles[row["tokens"]]] if row["kind"] == "single" else batch
-        key = row["tokens"] if row["kind"] == "single" else "batch"
-        calls: dict[str, tuple[Callable, list]] = {}
-        for name, r in serving(runners, prompts).items():
-            if name != "bg_compiled":
-                calls[name] = (lambda r=r: r.prefill(prompts), [r.graph(b) for b in r.buckets])
-        if key in graphs:
-            g = graphs[key]
-            fresh = {"input_ids": prompts[0][None]} if row["kind"] == "single" else padded.inputs()
-            calls["hf_graph"] = (lambda g=g, fresh=fresh: g(**fresh), [])
-        row["host"] = {}
-        for name, (call, graph_list) in calls.items():
-            with probe_replays(graph_list) as probe:
-                entry = host_times(
-                    call, iters=s.host_iters, sync=run.sync, probe=probe if graph_list else None
-                )
-            if run.clock is not None:
-                entry.update(run.clock.measure(call, iters=s.device_iters))
-            row["host"][name] = entry
+    calls: dict[str, tuple[Callable, list]] = {}
+    for name, r in serving(runners, prompts).items():
+        if name != "bg_compiled":
+            calls[name] = (lambda r=r: r.prefill(prompts), [r.graph(b) for b in r.buckets])
+    if graph is not None:
+        calls["hf_graph"] = (lambda: graph(**fresh), [])
+    host = {}
+    for name, (call, graph_list) in calls.items():
+        with probe_replays(graph_list) as probe:
+            entry = host_times(
+                call, iters=s.host_iters, sync=run.sync, probe=probe if graph_list else None
+            )
+        if run.clock is not None:
+            entry.update(run.clock.measure(call, iters=s.device_iters))
+        host[name] = entry
+    return host
 
 
 def environment(settings: Settings) -> dict:

@@ -164,7 +164,7 @@ TARGETS = (
 
 def limit_text(name: str) -> str:
     value = getattr(T, name)
-    if name == "TARGET_PADDING_WASTE":
+    if name in ("TARGET_PADDING_WASTE", "TARGET_HOST_OVER_DEVICE_32"):
         return f"≤ {pct(value)}"
     if name == "TARGET_CAPTURE_S_PER_EXTRA_BUCKET":
         return f"≤ {value} s"
