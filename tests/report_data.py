@@ -181,3 +181,71 @@ def baselines() -> dict:
             "families": [_family("llama-1b", 22), mistral],
         }
     )
+
+
+META = {
+    "gpu": "NVIDIA H200",
+    "torch": "2.11.0+cu130",
+    "transformers": "5.17.0",
+    "date": "2027-01-01",
+}
+
+
+def overhead(tiny_added: float, tiny_floor: float) -> dict:
+    """bench_overhead's JSON: tiny kernels as given; large tensors miss with its floor."""
+
+    def row(regime, added, floor):
+        return {
+            "regime": regime,
+            "elements": 1024,
+            "kernels_per_segment": 1,
+            "breaks": 31,
+            "eager_us": 240.0,
+            "full_graph_us": 37.0,
+            "breakgraph_us": 37.0 + 31 * added,
+            "added_per_break_us": added,
+            "floor_per_break_us": floor,
+        }
+
+    rows = [row("tiny kernels", tiny_added, tiny_floor), row("large tensors", 5.0, 4.8)]
+    return {"meta": dict(META, trials=15), "overhead": rows}
+
+
+def anatomy(eager_2048: float) -> dict:
+    """break_anatomy's JSON; ``eager_2048`` µs per break for the eager kernel at 2048 tokens."""
+
+    def row(tokens, cuts, eager, bg):
+        per = {"full_graph": 0.0, "cuts_only": cuts, "eager_flash_no_copy": eager, "breakgraph": bg}
+        return {"tokens": tokens, "ms": {"full_graph": 3.0, "breakgraph": 3.1}, "us_per_break": per}
+
+    return {
+        "meta": dict(META, model="llama-1b", breaks=22),
+        "rows": [row(32, 1.0, 3.0, 5.5), row(2048, 2.0, eager_2048, 4.5)],
+    }
+
+
+def earlier(bg_over_full_32: float) -> dict:
+    """The earlier prefill JSON (explicit buckets, against the one-graph variant)."""
+
+    def row(tokens, bg_over_full):
+        return {
+            "workload": f"single {tokens}",
+            "tokens": tokens,
+            "hf_eager": 20.0,
+            "breakgraph": 3.0 * bg_over_full,
+            "full_graph": 3.0,
+            "bg_over_full": bg_over_full,
+            "eager_over_bg": 20.0 / (3.0 * bg_over_full),
+        }
+
+    model = {
+        "model": "llama-1b",
+        "params_m": 1100.0,
+        "capture_s": 2.0,
+        "capture_s_per_bucket": {"32": 0.3, "128": 0.4},
+        "graph_mib_per_bucket": {"32": 2, "128": 18},
+        "graph_mib_largest_only": 18.0,
+        "correctness_batch": {"max_abs_diff": 0.1, "argmax_agree": 1.0},
+        "rows": [row(32, bg_over_full_32), row(128, bg_over_full_32 - 0.01)],
+    }
+    return {"meta": META, "models": [model]}

@@ -8,9 +8,10 @@ import re
 import shutil
 
 import pytest
+import report_data
 from report_data import baselines
 
-from benchmarks import report, report_prefill, report_suite
+from benchmarks import report, report_breaks, report_earlier, report_prefill
 from benchmarks import targets as T
 from benchmarks.template import fragments
 
@@ -30,11 +31,6 @@ def results_copy(tmp_path, replace: dict | None = None) -> str:
         else:
             (folder / name).write_text(json.dumps(data))
     return str(folder)
-
-
-def load(name: str) -> dict:
-    with open(os.path.join(RESULTS, name)) as f:
-        return json.load(f)
 
 
 # -- the committed page ----------------------------------------------------------------------
@@ -176,29 +172,36 @@ def test_changed_json_changes_the_page(tmp_path, edit, expected, gone):
         assert line not in text
 
 
-def test_changed_committed_json_changes_the_other_sections(tmp_path):
-    overhead = load("h200-overhead.json")
-    overhead["overhead"][0]["added_per_break_us"] = 2.5  # tiny kernels now miss, floor 1.71 met
-    anatomy = load("h200-break-anatomy.json")
-    anatomy["rows"][2]["us_per_break"]["eager_flash_no_copy"] = 3.0  # no longer faster
-    final = load("h200-prefill.json")
-    final["models"][0]["rows"][0]["bg_over_full"] = 1.2  # llama 32 tokens: missed then
-    text = report.render(
-        results_copy(
-            tmp_path,
-            {
-                "h200-overhead.json": overhead,
-                "h200-break-anatomy.json": anatomy,
-                "h200-prefill.json": final,
-            },
-        )
-    )
-    assert "| 2.50 | 1.71 | missed |" in text
+def test_changed_json_changes_the_overhead_section():
+    text = "\n".join(report_breaks.overhead_section(report_data.overhead(1.8, 1.7)))
+    assert "| 1.80 | 1.70 | met |" in text
+    assert "in *large tensors* the added cost per break misses the target, and so does" in text
+    assert "Medians of 15 trials." in text
+    text = "\n".join(report_breaks.overhead_section(report_data.overhead(2.5, 1.7)))
+    assert "| 2.50 | 1.70 | missed |" in text  # now missed, though the floor is met:
     assert "In *tiny kernels* the added cost per break (2.50 µs) misses the target while" in text
-    assert "At 2048 tokens the eager kernel is *faster* than the captured one (8.42 µs" in text
+    assert "within 0.80 µs per break in every regime" in text
+
+
+def test_changed_json_changes_the_anatomy_section():
+    text = "\n".join(report_breaks.anatomy_section([report_data.anatomy(-6.0)]))
+    assert "At 2048 tokens the eager kernel is *faster* than the captured one (8.00 µs" in text
+    text = "\n".join(report_breaks.anatomy_section([report_data.anatomy(3.0)]))
+    assert "*faster*" not in text
+
+
+def test_changed_json_changes_the_earlier_runs():
+    runs = [
+        ("run 1", report_data.earlier(1.0)),
+        ("run 2", report_data.earlier(1.07)),
+        ("run 3", report_data.earlier(1.08)),
+    ]
+    text = "\n".join(report_earlier.section(report_data.earlier(1.05), runs, None))
+    assert "tokens): all met." in text
+    assert "reads 2.0–3.0 points lower than the second and third runs" in text
+    text = "\n".join(report_earlier.section(report_data.earlier(1.2), runs, None))
     assert "single 32: breakgraph / one graph 1.200 > 1.10" in text
-    # run to run: the final run is now higher than the second and third at 32 tokens
-    assert "points lower (negative: higher) than the second and third runs" in text
+    assert "reads 12.0–13.0 points higher than the second and third runs" in text
 
 
 # -- the pytest-benchmark suite -------------------------------------------------------------
@@ -266,15 +269,21 @@ def test_suite_json_is_labelled_with_gpu_and_versions():
 # -- plots (matplotlib is optional: the `bench` extra) ---------------------------------------
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
-    folder = results_copy(tmp_path, {report_prefill.FILE: baselines()})
-    written = report.write_plots(
-        folder, os.path.join(folder, report_suite.FILE), str(tmp_path / "img")
-    )
+    folder = tmp_path / "results"
+    folder.mkdir()
+    files = {
+        report_prefill.FILE: baselines(),
+        "h200-overhead.json": report_data.overhead(1.8, 1.7),
+        "h200-prefill.json": report_data.earlier(1.05),
+        "suite.json": suite_data(),
+    }
+    for name, data in files.items():
+        (folder / name).write_text(json.dumps(data))
+    written = report.write_plots(str(folder), str(folder / "suite.json"), str(tmp_path / "img"))
     assert sorted(os.path.basename(p) for p in written) == [
         "overhead.png",
         "prefill-baselines.png",
         "prefill-llama-1b.png",
-        "prefill-qwen3-0.6b.png",
         "suite.png",
     ]
     assert all(os.path.getsize(p) > 1000 for p in written)
