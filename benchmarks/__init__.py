@@ -1,0 +1,16 @@
+"""breakgraph's benchmarks and the generator of ``docs/performance.md``.
+
+A package so that the scripts share code and tests import it (``benchmarks.report``)
+without touching ``sys.path``. Run the scripts as modules from the repository root::
+
+    python -m benchmarks.bench_prefill --smoke          # seconds, CPU, emulated backend
+    python -m benchmarks.bench_prefill --out prefill.json   # the H200 run
+    python -m benchmarks.bench_overhead --out overhead.json
+    python -m benchmarks.break_anatomy --out anatomy.json
+    python -m benchmarks.report                         # docs/results/*.json -> docs/performance.md
+
+Modules: ``timing`` (turn-taking medians, host and device time), ``families`` (model
+shapes), ``baselines`` (what a user would otherwise run: HF eager, an exact-length CUDA
+graph, ``torch.compile``), ``bench_prefill`` (the prefill comparison), ``report`` and its
+``performance.md.in`` template.
+"""

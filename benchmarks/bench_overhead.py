@@ -4,7 +4,7 @@ Compares, in one run, a breakable graph against one plain CUDA graph holding the
 same kernels (and eager, for scale), in three regimes: tiny kernels, many kernels
 per segment, large tensors. Prints a table and writes JSON.
 
-    python benchmarks/bench_overhead.py --out overhead.json
+    python -m benchmarks.bench_overhead --out overhead.json
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"),
+            "trials": args.trials,
         }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "overhead": rows}, f, indent=2)

@@ -1,413 +1,632 @@
-"""Prefill latency of transformers models: eager vs breakgraph vs one full CUDA graph vs torch.compile.
+"""Prefill of transformers models: breakgraph against what a user would otherwise run.
 
-Run on a GPU machine (bf16, random weights, no download)::
+On the H200 (bf16, random weights, no download; budgeted to about five minutes)::
 
-    python benchmarks/bench_prefill.py --out prefill.json
+    python -m benchmarks.bench_prefill --out prefill-baselines.json
+    python -m benchmarks.bench_prefill --smoke      # seconds: tiny models, CPU, emulated
 
-Variants, all measured in the same run on the same inputs:
-  hf_eager           HF forward (sdpa), one prompt at a time
-  hf_eager_padded    HF forward (sdpa) on the batch left-padded to its longest prompt
-  breakgraph         PrefillRunner (attention as an eager break per layer, exact lengths)
-  full_graph         the same packed forward in ONE CUDA graph, attention captured with
-                     upper-bound lengths (PrefillRunner(attention="captured"): same kernels, no breaks)
-  compile_ro         torch.compile(mode="reduce-overhead") of the HF forward (single prompts only)
-  bg_compiled        PrefillRunner(compile=True): segments hold Inductor-fused kernels
-  full_compiled      the same compiled forward in ONE CUDA graph (attention="captured", compile=True)
+Variants, timed in one run on the same prompts, taking turns call by call (see
+``VARIANTS`` for the exact definitions, also written into the JSON). Per model family:
+single prompts of ``--sizes`` tokens and one mixed batch; correctness of every variant
+against HF eager; the default runner's construction and per-bucket capture time; graph
+memory of its whole ladder against its largest bucket alone; host time of ``prefill()``
+(to return, and to its first graph replay) against its device time; and, for
+``--compile-families``, the first-call time of both compiled variants over
+``--first-call-lengths``. Whatever is skipped (CUDA-only variants in the smoke run, the
+time budget, an error) is listed in the JSON with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
+import dataclasses
 import json
-import statistics
+import os
+import platform
+import sys
 import time
+import traceback
+from collections.abc import Callable, Iterator
 
 import torch
-import transformers
-from breakgraph.integrations.transformers import PrefillRunner
 
-CONFIGS = {
-    "llama-1b": lambda: transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-    ),
-    "qwen3-0.6b": lambda: transformers.Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ),
-}
-MOE_CONFIG = lambda: transformers.Qwen3MoeConfig(  # noqa: E731  ~0.4B parameters
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    moe_intermediate_size=512,
-    num_hidden_layers=12,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=64,
-    num_experts=16,
-    num_experts_per_tok=4,
-    max_position_embeddings=4096,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
+from .baselines import (
+    CompiledForward,
+    PaddedBatch,
+    dynamo_delta,
+    dynamo_snapshot,
+    exact_length_graph,
+    hf_eager,
 )
-SINGLE_LENGTHS = (32, 128, 512, 2048)
-BUCKETS = (32, 128, 512, 2048)
+from .families import FAMILIES, SMOKE_FAMILIES, Family, config_summary, make_model
+from .timing import DeviceClock, host_times, interleaved, median_ms, no_sync, probe_replays
+
+SCHEMA = "breakgraph-prefill-baselines/1"
+
+VARIANTS = {
+    "hf_eager": "HF forward (sdpa), one prompt at a time, use_cache=False, logits_to_keep=1",
+    "hf_eager_padded": "HF forward (sdpa) on the batch left-padded to its longest prompt "
+    "(a ready 4-D causal+padding mask, explicit position_ids)",
+    "hf_graph": "the exact-length whole-forward CUDA graph: one torch.cuda.graph of "
+    "model(ids, use_cache=False, logits_to_keep=1) captured at the prompt's exact length "
+    "(sdpa, 3 warm-up runs first); for a batch, captured at the left-padded batch's shape",
+    "breakgraph": "PrefillRunner(model): default settings (bucket ladder, max_prompts, warm-up)",
+    "bg_one_graph": "PrefillRunner(model, token_buckets=<the buckets breakgraph used>, "
+    "max_prompts=<breakgraph's>, attention='captured'): the same packed forward in ONE graph, "
+    "attention captured at upper-bound lengths, no breaks",
+    "compile_ro": 'torch.compile(model, mode="reduce-overhead") at exact lengths (single '
+    "prompts; torch's default dynamic=None unless --compile-dynamic)",
+    "bg_compiled": "PrefillRunner(model, compile=True): Inductor-fused segments, default ladder",
+}
+
+# which ratios get a per-round spread (the noise of that ratio)
+SPREAD_PAIRS = (
+    ("breakgraph", "hf_graph"),
+    ("bg_one_graph", "hf_graph"),
+    ("breakgraph", "bg_one_graph"),
+    ("bg_compiled", "compile_ro"),
+    ("breakgraph", "hf_eager"),
+)
+
+# rough H200 seconds, only used to skip work that would overrun --budget-s
+FAMILY_ESTIMATE_S = {
+    "llama-1b": 25,
+    "qwen2-1.5b": 30,
+    "qwen3-0.6b": 30,
+    "gemma-2b": 25,
+    "mistral-7b-4l": 15,
+    "mixtral-4l": 20,
+    "qwen3-moe-8l": 25,
+}
+COMPILE_ESTIMATE_S = 120
+NOT_COMPILED = (
+    "not in --compile-families: compiling a model takes about a minute or more, which the "
+    "default time budget cannot give every family"
+)
 
 
-def bench(fn, iters: int = 30, warmup: int = 5) -> float:
-    """Median wall time of fn() in ms, synchronised around each call."""
-    return bench_interleaved({"fn": fn}, rounds=1, iters=iters, warmup=warmup)["fn"]
+@dataclasses.dataclass
+class Settings:
+    """Every knob of a run; written into the JSON as it was used."""
+
+    families: list[str]
+    sizes: list[int]
+    batch_prompts: int = 16
+    batch_min_len: int = 8
+    batch_max_len: int = 200  # exclusive
+    rounds: int = 8
+    iters: int = 10
+    warmup: int = 3
+    eager_batch_calls: int = 3
+    host_iters: int = 20
+    device_iters: int = 10
+    hold_ms: float = 10.0
+    compile_families: list[str] = dataclasses.field(default_factory=list)
+    first_call_lengths: list[int] = dataclasses.field(default_factory=list)
+    compile_dynamic: str = "auto"
+    budget_s: float = 300.0
+    smoke: bool = False
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    backend: str = "cuda"
+    runner_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
 
-def bench_interleaved(
-    fns: dict, rounds: int = 20, iters: int = 10, warmup: int = 5, spread: tuple | None = None
-) -> dict:
-    """Median wall time (ms) of each function, synchronised around each call.
-
-    The functions take turns call by call, each turn in the next of all their orders
-    (a b c, a c b, b a c, ...): drift (clocks, temperature, a busy host) hits every
-    variant alike, and each variant follows each other one equally often (a fast graph
-    right after a 20 ms eager call does not run in the same GPU state as after another
-    graph). With ``spread=(a, b)`` the
-    result also holds ``"spread"``: the lowest and highest ratio median(a)/median(b)
-    over rounds of ``iters`` turns each, the noise of that ratio.
-    """
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    samples = {name: [] for name in fns}
-    ratios = []
-    orders = list(itertools.permutations(fns))
-    turn = 0
-    for _ in range(rounds):
-        block = {name: [] for name in fns}
-        for _ in range(iters):
-            order = orders[turn % len(orders)]
-            turn += 1
-            for name in order:
-                fn = fns[name]
-                start = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                block[name].append((time.perf_counter() - start) * 1e3)
-        for name, times in block.items():
-            samples[name] += times
-        if spread:
-            ratios.append(statistics.median(block[spread[0]]) / statistics.median(block[spread[1]]))
-    result = {name: statistics.median(v) for name, v in samples.items()}
-    if spread:
-        result["spread"] = (min(ratios), max(ratios))
-    return result
+def smoke_settings(families: list[str] | None = None) -> Settings:
+    """A tiny model on the CPU through the emulated backend: the script runs end to end in
+    seconds (CUDA-only variants are skipped and listed)."""
+    return Settings(
+        families=families or ["tiny-llama"],
+        sizes=[5, 12, 30],
+        batch_prompts=3,
+        batch_min_len=2,
+        batch_max_len=10,
+        rounds=2,
+        iters=2,
+        warmup=1,
+        eager_batch_calls=1,
+        host_iters=2,
+        device_iters=0,
+        compile_families=[],
+        first_call_lengths=[],
+        budget_s=60.0,
+        smoke=True,
+        device="cpu",
+        dtype="float32",
+        backend="emulated",
+        # the default ladder is sized for real models; two buckets keep the CPU run short
+        runner_kwargs={"token_buckets": (16, 32), "max_prompts": 4, "backend": "emulated"},
+    )
 
 
-def host_enqueue_ms(fn, iters: int = 50) -> float:
-    """Median host time to *issue* one call (the GPU idle at the start, no sync inside).
+class Run:
+    """State of one benchmark run: its settings, the clock against the budget, what was
+    skipped and why."""
 
-    Below the call's device time, the host runs ahead of the GPU and the breaks' host
-    work is hidden; the cost of a break is then the device-side gap it leaves.
-    """
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.start = time.perf_counter()
+        self.skipped: list[dict] = []
+        self.sync = torch.cuda.synchronize if settings.cuda else no_sync
+        self.clock = (
+            DeviceClock(settings.hold_ms) if settings.cuda and settings.device_iters else None
+        )
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def allows(self, estimate_s: float) -> bool:
+        return self.elapsed() + estimate_s <= self.settings.budget_s
+
+    def skip(self, family: str, what: str, reason: str) -> None:
+        self.skipped.append({"family": family, "what": what, "reason": reason})
 
 
-def attention_break_host_us(model, prompt) -> dict:
-    """Host time of each attention break per replay (debug-mode break timers)."""
-    runner = PrefillRunner(model, token_buckets=(len(prompt),), max_prompts=16, debug=True)
+@contextlib.contextmanager
+def attempt(result: dict, what: str) -> Iterator[None]:
+    """Run one part of a family's benchmark; on failure record the error and go on (one
+    GPU run must not lose every other number to one broken variant)."""
+    start = time.perf_counter()
     try:
-        for _ in range(30):
-            runner.prefill([prompt])
-        torch.cuda.synchronize()
-        times = runner.graph(len(prompt)).report().break_host_us
+        yield
+    except Exception as exc:  # reported in the JSON and on stderr, never swallowed silently
+        result.setdefault("errors", {})[what] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        print(f"[{result['family']}] {what} failed:", file=sys.stderr)
+        traceback.print_exc()
     finally:
-        runner.close()
-    return {"mean": statistics.mean(times), "max": max(times), "breaks": len(times)}
+        result.setdefault("phase_s", {})[what] = time.perf_counter() - start
 
 
-def make_model(config) -> torch.nn.Module:
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
-    return model.eval()
+def bucket_for(buckets, tokens: int) -> int | None:
+    """The smallest bucket holding ``tokens`` (how the runner pads), or None."""
+    fitting = [b for b in buckets if b >= tokens]
+    return min(fitting) if fitting else None
 
 
-def mixed_batch(vocab: int) -> list:
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(8, 200, (16,), generator=g).tolist()
-    assert sum(lengths) <= max(BUCKETS), sum(lengths)
-    return [torch.randint(vocab, (n,), generator=g).cuda() for n in lengths]
-
-
-@torch.no_grad()
-def check(model, runner, prompts) -> dict:
-    out = runner.prefill(prompts)
-    diffs, agree = [], 0
-    for i, p in enumerate(prompts):
-        ref = model(p[None], use_cache=False, logits_to_keep=1).logits[0, -1].float()
-        diffs.append((out.logits[i].float() - ref).abs().max().item())
-        agree += int(out.logits[i].argmax() == ref.argmax())
-    return {"max_abs_diff": max(diffs), "argmax_agree": agree / len(prompts)}
-
-
-@torch.no_grad()
-def run_model(name: str, config, with_compile: bool) -> dict:
-    model = make_model(config)
-    vocab = config.vocab_size
-    result = {"model": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
-    from breakgraph.integrations.transformers.attention import FLASH_WRITES_IN_PLACE
-
-    result["attention_writes_in_place"] = FLASH_WRITES_IN_PLACE
-    t0 = time.perf_counter()
-    runner = PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16)
-    result["capture_s"] = time.perf_counter() - t0
-    result["capture_s_per_bucket"] = dict(runner.stats.capture_seconds)
-    result["graph_mib_per_bucket"] = {
-        k: v / 2**20 for k, v in runner.stats.graph_memory_bytes.items()
+def serving(runners: dict, prompts: list) -> dict:
+    """The runners that can take the prompts: their largest bucket holds them (on_miss is
+    'raise' otherwise) and there are at most max_prompts of them."""
+    tokens = sum(map(len, prompts))
+    return {
+        name: r
+        for name, r in runners.items()
+        if tokens <= max(r.buckets) and len(prompts) <= r.max_prompts
     }
-    result["topology"] = repr(runner.graph(BUCKETS[0]))[:200]
-    t0 = time.perf_counter()
-    full = PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16, attention="captured")
-    result["full_graph_capture_s"] = time.perf_counter() - t0
-    single = {n: torch.randint(vocab, (n,), device="cuda") for n in SINGLE_LENGTHS}
-    batch = mixed_batch(vocab)
-    result["correctness_single"] = {n: check(model, runner, [p]) for n, p in single.items()}
-    result["correctness_batch"] = check(model, runner, batch)
-    result["correctness_full_graph_batch"] = check(model, full, batch)
-    rows = []
-    for n, p in single.items():
-        row = {"workload": f"single {n}", "tokens": n}
-        row.update(
-            bench_interleaved(
-                {
-                    "hf_eager": lambda: model(p[None], use_cache=False, logits_to_keep=1),
-                    "breakgraph": lambda: runner.prefill([p]),
-                    "full_graph": lambda: full.prefill([p]),
-                },
-                spread=("breakgraph", "full_graph"),
-            )
-        )
-        rows.append(row)
-    for row in rows:  # host time to issue a prefill, against its device time (column breakgraph)
-        p = single[row["tokens"]]
-        row["bg_host_ms"] = host_enqueue_ms(lambda: runner.prefill([p]))
-        row["full_host_ms"] = host_enqueue_ms(lambda: full.prefill([p]))
-    result["attention_break_host_us"] = attention_break_host_us(model, single[128])
-    total = sum(len(p) for p in batch)
-    row = {"workload": f"batch of 16 ({total} tokens)", "tokens": total}
-    longest = max(len(p) for p in batch)
-    padded = torch.zeros(len(batch), longest, dtype=torch.long, device="cuda")
-    mask = torch.zeros_like(padded)
-    for i, p in enumerate(batch):
-        padded[i, longest - len(p) :], mask[i, longest - len(p) :] = p, 1
-    row["hf_eager"] = bench(
-        lambda: [model(p[None], use_cache=False, logits_to_keep=1) for p in batch], iters=10
+
+
+def mixed_lengths(settings: Settings) -> list[int]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(
+        settings.batch_min_len, settings.batch_max_len, (settings.batch_prompts,), generator=g
     )
-    row["hf_eager_padded"] = bench(
-        lambda: model(padded, attention_mask=mask, use_cache=False, logits_to_keep=1)
-    )
-    row.update(
-        bench_interleaved(
-            {
-                "breakgraph": lambda: runner.prefill(batch),
-                "full_graph": lambda: full.prefill(batch),
-            },
-            spread=("breakgraph", "full_graph"),
-        )
-    )
-    rows.append(row)
-    if with_compile:
-        try:  # breakgraph with Inductor-fused segments, and its no-break twin, on the small buckets
-            t0 = time.perf_counter()
-            bg_c = PrefillRunner(model, token_buckets=(32, 128), max_prompts=16, compile=True)
-            result["bg_compiled_capture_s"] = time.perf_counter() - t0
-            full_c = PrefillRunner(
-                model, token_buckets=(32, 128), max_prompts=16, attention="captured", compile=True
-            )
-            result["correctness_bg_compiled"] = check(model, bg_c, [single[32]])
-            for row in rows[:2]:
-                p = single[row["tokens"]]
-                timed = bench_interleaved(
-                    {
-                        "bg_compiled": lambda: bg_c.prefill([p]),
-                        "full_compiled": lambda: full_c.prefill([p]),
-                    },
-                    spread=("bg_compiled", "full_compiled"),
+    return lengths.tolist()
+
+
+def make_prompts(settings: Settings, vocab: int) -> tuple[dict[int, torch.Tensor], list]:
+    g = torch.Generator().manual_seed(2)
+    singles = {
+        n: torch.randint(vocab, (n,), generator=g).to(settings.device) for n in settings.sizes
+    }
+    batch = [
+        torch.randint(vocab, (n,), generator=g).to(settings.device) for n in mixed_lengths(settings)
+    ]
+    return singles, batch
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Last-token logits of a variant against HF eager (``[prompts, vocab]`` each)."""
+    got, ref = got.float().reshape(ref.shape), ref.float()
+    return {
+        "max_abs_diff": (got - ref).abs().max().item(),
+        "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+    }
+
+
+def runner_record(runner, construction_s: float) -> dict:
+    stats = runner.stats
+    return {
+        "construction_s": construction_s,
+        "buckets": list(runner.buckets),
+        # capture order kept (dicts keep insertion order): the first bucket pays the warm-up
+        "capture_seconds": [[int(b), s] for b, s in stats.capture_seconds.items()],
+        "graph_memory_bytes": {str(b): int(v) for b, v in stats.graph_memory_bytes.items()},
+        "attention": getattr(runner, "attention", None),
+        "max_prompts": runner.max_prompts,
+    }
+
+
+@torch.no_grad()
+def run_family(run: Run, family: Family) -> dict:
+    from breakgraph.integrations.transformers import PrefillRunner
+
+    s = run.settings
+    config = family.config()
+    result: dict = {"family": family.name, "shape": family.shape, "config": config_summary(config)}
+    start = time.perf_counter()
+    model = make_model(config, s.device, s.torch_dtype)
+    result["model_build_s"] = time.perf_counter() - start
+    result["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+    result["config"] = config_summary(model.config)
+    vocab = config.vocab_size
+    singles, batch = make_prompts(s, vocab)
+    workloads = {f"single {n}": [p] for n, p in singles.items()}
+    workloads[f"batch of {len(batch)} ({sum(map(len, batch))} tokens)"] = batch
+    runners: dict[str, object] = {}
+    graphs: dict = {}
+    compiled: dict = {}
+    closers: list[Callable[[], None]] = []
+    padded = PaddedBatch(batch, s.torch_dtype)
+    try:
+        with attempt(result, "breakgraph"):
+            start = time.perf_counter()
+            runner = PrefillRunner(model, **s.runner_kwargs)
+            run.sync()
+            result["runner"] = runner_record(runner, time.perf_counter() - start)
+            runners["breakgraph"] = runner
+            closers.append(runner.close)
+        ladder = result.get("runner", {}).get("buckets", [])
+        used = sorted({bucket_for(ladder, sum(map(len, p))) for p in workloads.values()} - {None})
+        result["used_buckets"] = used
+        for name, prompts in workloads.items():
+            if ladder and bucket_for(ladder, sum(map(len, prompts))) is None:
+                run.skip(family.name, f"breakgraph variants, {name}", "larger than every bucket")
+            if "runner" in result and len(prompts) > result["runner"]["max_prompts"]:
+                run.skip(
+                    family.name, f"breakgraph variants, {name}", "more prompts than max_prompts"
                 )
-                row["bgc_spread"] = timed.pop("spread")
-                row.update(timed)
-                row["bgc_over_fullc"] = row["bg_compiled"] / row["full_compiled"]
-                row["eager_over_bgc"] = row["hf_eager"] / row["bg_compiled"]
-            bg_c.close()
-            full_c.close()
-        except Exception as exc:
-            result["bg_compiled_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
-        for row in rows[:2]:
-            p = single[row["tokens"]]
-            try:
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    compiled(p[None], use_cache=False, logits_to_keep=1)
-                row["compile_ro_compile_s"] = time.perf_counter() - t0
-                row["compile_ro"] = bench(
-                    lambda: compiled(p[None], use_cache=False, logits_to_keep=1)
+        if not s.cuda:
+            run.skip(family.name, "bg_one_graph", "needs CUDA FlashAttention (smoke run)")
+        elif used:
+            with attempt(result, "bg_one_graph"):
+                start = time.perf_counter()
+                one = PrefillRunner(
+                    model,
+                    token_buckets=used,
+                    max_prompts=result["runner"]["max_prompts"],
+                    attention="captured",
                 )
-            except Exception as exc:  # report, don't die
-                row["compile_ro_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    for row in rows:
-        row["bg_over_full"] = row["breakgraph"] / row["full_graph"]
-        row["eager_over_bg"] = row["hf_eager"] / row["breakgraph"]
-    result["rows"] = rows
-    result["graph_mib_largest_only"] = None
-    runner.close()
-    full.close()
-    alone = PrefillRunner(model, token_buckets=(BUCKETS[-1],), max_prompts=16)
-    result["graph_mib_largest_only"] = alone.stats.graph_memory_bytes[BUCKETS[-1]] / 2**20
-    alone.close()
-    del model
-    torch.cuda.empty_cache()
+                run.sync()
+                result["one_graph_runner"] = runner_record(one, time.perf_counter() - start)
+                runners["bg_one_graph"] = one
+                closers.append(one.close)
+        if not s.cuda:
+            run.skip(family.name, "hf_graph", "torch.cuda.graph needs CUDA (smoke run)")
+        else:
+            with attempt(result, "hf_graph"):
+                pool = torch.cuda.graph_pool_handle()
+                window = getattr(config, "sliding_window", None)
+                if window is not None and max(map(len, batch)) > window:
+                    raise ValueError("the padded batch's 4-D mask would drop the sliding window")
+                graphs["batch"] = padded.graph(model, pool=pool)
+                for n in sorted(singles, reverse=True):  # largest first: the pool is reused
+                    graphs[n] = exact_length_graph(model, singles[n], pool=pool)
+                result["hf_graph_capture_s"] = {str(k): g.capture_s for k, g in graphs.items()}
+                closers += [g.close for g in graphs.values()]
+        compiled = compile_variants(run, family, model, result, runners, closers)
+        with attempt(result, "correctness"):
+            result["correctness"] = correctness(
+                model, singles, batch, padded, runners, graphs, compiled
+            )
+        result["rows"] = []
+        for n, p in singles.items():
+            with attempt(result, f"timing single {n}"):
+                result["rows"].append(time_single(run, model, n, p, runners, graphs, compiled))
+        with attempt(result, "timing batch"):
+            result["rows"].append(time_batch(run, model, batch, padded, runners, graphs))
+        for row in result["rows"]:
+            with attempt(result, f"host {row['workload']}"):
+                prompts = [singles[row["tokens"]]] if row["kind"] == "single" else batch
+                key = row["tokens"] if row["kind"] == "single" else "batch"
+                fresh = {"input_ids": prompts[0][None]} if key != "batch" else padded.inputs()
+                row["host"] = host_and_device(run, prompts, runners, graphs.get(key), fresh)
+    finally:
+        for close in closers:
+            close()
+    if "runner" in result and s.cuda:
+        with attempt(result, "largest_bucket_alone"):
+            largest = max(result["runner"]["buckets"])
+            start = time.perf_counter()
+            alone = PrefillRunner(model, **{**s.runner_kwargs, "token_buckets": (largest,)})
+            run.sync()
+            result["largest_bucket_alone"] = runner_record(alone, time.perf_counter() - start)
+            alone.close()
+    del model, runners, graphs, compiled
+    if s.cuda:
+        torch.cuda.empty_cache()
     return result
 
 
-@torch.no_grad()
-def run_moe() -> dict:
-    """A ~0.4B Qwen3-MoE: transformers' eager experts loop (data-dependent) and grouped_mm."""
-    results = {}
-    for experts in ("eager", "grouped_mm"):
-        config = MOE_CONFIG()
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config,
-                dtype=torch.bfloat16,
-                attn_implementation="sdpa",
-                experts_implementation=experts,
-            ).eval()
-        result = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6}
-        p = torch.randint(config.vocab_size, (512,), device="cuda")
-        for _ in range(2):
-            model(p[None], use_cache=False)
-        torch.cuda.synchronize()
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                model(p[None], use_cache=False)
-            result["whole_graph_capture"] = "succeeded"
-        except Exception as exc:
-            result["whole_graph_capture"] = (
-                f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+def compile_variants(run: Run, family: Family, model, result, runners, closers) -> dict:
+    """``PrefillRunner(compile=True)`` and ``torch.compile(mode="reduce-overhead")``, with
+    the first-call time of each over ``--first-call-lengths`` (breakgraph's first: it
+    compiles with cold caches, the baseline after it may find some kernels cached)."""
+    from breakgraph.integrations.transformers import PrefillRunner
+
+    s = run.settings
+    compiled: dict[str, object] = {}
+    if family.name not in s.compile_families:
+        return compiled
+    if not s.cuda:
+        run.skip(family.name, "compile", "CUDA only (smoke run)")
+        return compiled
+    if not run.allows(COMPILE_ESTIMATE_S + FAMILY_ESTIMATE_S.get(family.name, 30)):
+        run.skip(family.name, "compile", f"time budget ({s.budget_s:.0f} s) would be exceeded")
+        return compiled
+    g = torch.Generator().manual_seed(3)
+    lengths = {
+        n: torch.randint(model.config.vocab_size, (n,), generator=g).to(s.device)
+        for n in s.first_call_lengths
+    }
+    info: dict = {"order": ["bg_compiled", "compile_ro"], "dynamic": s.compile_dynamic}
+    result["compile"] = info
+    with attempt(result, "inductor_warmup"):
+        start = time.perf_counter()
+        torch.compile(lambda x: x.relu() + 1)(torch.randn(8, device=s.device))
+        run.sync()
+        info["inductor_warmup_s"] = time.perf_counter() - start
+    with attempt(result, "bg_compiled"):
+        before = dynamo_snapshot()
+        start = time.perf_counter()
+        bgc = PrefillRunner(model, **s.runner_kwargs, compile=True)
+        run.sync()
+        record = runner_record(bgc, time.perf_counter() - start)
+        record["dynamo"] = dynamo_delta(before)
+        record["lengths"] = []
+        closers.append(bgc.close)
+        for n, p in lengths.items():
+            start = time.perf_counter()
+            bgc.prefill([p])
+            run.sync()
+            record["lengths"].append({"tokens": n, "first_call_s": time.perf_counter() - start})
+        info["bg_compiled"] = record
+        runners["bg_compiled"] = bgc
+    with attempt(result, "compile_ro"):
+        dynamic = {"auto": None, "true": True, "false": False}[s.compile_dynamic]
+        ro = CompiledForward(model, dynamic=dynamic)
+        calls = 3  # reduce-overhead: compile + eager warm-up, record, replay
+        info["compile_ro"] = {
+            "calls_per_length": calls,
+            "lengths": ro.first_calls(list(lengths.values()), calls=calls),
+        }
+        compiled["compile_ro"] = ro
+    return compiled
+
+
+def correctness(model, singles, batch, padded, runners, graphs, compiled) -> dict:
+    """Every variant's last-token logits against HF eager, per workload."""
+    out: dict = {}
+    for n, p in singles.items():
+        ref = hf_eager(model, p)[None]
+        row = {
+            name: compare(r.prefill([p]).logits, ref) for name, r in serving(runners, [p]).items()
+        }
+        if n in graphs:
+            row["hf_graph"] = compare(graphs[n](input_ids=p[None])[:, -1], ref)
+        if "compile_ro" in compiled:
+            row["compile_ro"] = compare(compiled["compile_ro"](p)[None], ref)
+        out[f"single {n}"] = row
+    ref = torch.stack([hf_eager(model, p) for p in batch])
+    row = {
+        name: compare(r.prefill(batch).logits, ref) for name, r in serving(runners, batch).items()
+    }
+    row["hf_eager_padded"] = compare(padded.eager(model), ref)
+    if "batch" in graphs:
+        row["hf_graph"] = compare(graphs["batch"](**padded.inputs())[:, -1], ref)
+    out["batch"] = row
+    return out
+
+
+def time_single(run: Run, model, n: int, p, runners, graphs, compiled) -> dict:
+    """One prompt of ``n`` tokens: medians of all variants, taking turns."""
+    s = run.settings
+    fns = {"hf_eager": lambda: hf_eager(model, p)}
+    if n in graphs:
+        fns["hf_graph"] = lambda: graphs[n](input_ids=p[None])
+    for name, r in serving(runners, [p]).items():
+        fns[name] = lambda r=r: r.prefill([p])
+    if "compile_ro" in compiled:
+        fns["compile_ro"] = lambda: compiled["compile_ro"](p)
+    timed = interleaved(
+        fns,
+        rounds=s.rounds,
+        iters=s.iters,
+        warmup=s.warmup,
+        sync=run.sync,
+        spread=[x for x in SPREAD_PAIRS if set(x) <= set(fns)],
+    )
+    buckets = runners["breakgraph"].buckets if "breakgraph" in runners else ()
+    row = {"workload": f"single {n}", "kind": "single", "tokens": n, "prompts": 1}
+    return {**row, "bucket": bucket_for(buckets, n), **timed}
+
+
+def time_batch(run: Run, model, batch, padded, runners, graphs) -> dict:
+    """The mixed batch: the packed and padded variants take turns; HF eager one prompt at a
+    time is timed apart (too slow to take turns)."""
+    s = run.settings
+    fns = {"hf_eager_padded": lambda: padded.eager(model)}
+    if "batch" in graphs:
+        fns["hf_graph"] = lambda: graphs["batch"](**padded.inputs())
+    for name, r in serving(runners, batch).items():
+        fns[name] = lambda r=r: r.prefill(batch)
+    timed = interleaved(
+        fns,
+        rounds=s.rounds,
+        iters=s.iters,
+        warmup=s.warmup,
+        sync=run.sync,
+        spread=[x for x in SPREAD_PAIRS if set(x) <= set(fns)],
+    )
+    timed["ms"]["hf_eager"] = median_ms(
+        lambda: [hf_eager(model, p) for p in batch], calls=s.eager_batch_calls, sync=run.sync
+    )
+    timed["apart"] = {"hf_eager": s.eager_batch_calls}
+    tokens = sum(map(len, batch))
+    buckets = runners["breakgraph"].buckets if "breakgraph" in runners else ()
+    return {
+        "workload": f"batch of {len(batch)} ({tokens} tokens)",
+        "kind": "batch",
+        "tokens": tokens,
+        "prompts": len(batch),
+        "padded_tokens": padded.tokens,
+        "bucket": bucket_for(buckets, tokens),
+        **timed,
+    }
+
+
+def host_and_device(run: Run, prompts: list, runners: dict, graph, fresh: dict) -> dict:
+    """Host time of each graph variant's call (to return; for runners also to their first
+    graph replay, probed) against its pure device time. ``graph`` is the workload's
+    exact-length graph (or None), called with ``fresh`` inputs."""
+    s = run.settings
+    calls: dict[str, tuple[Callable, list]] = {}
+    for name, r in serving(runners, prompts).items():
+        if name != "bg_compiled":
+            calls[name] = (lambda r=r: r.prefill(prompts), [r.graph(b) for b in r.buckets])
+    if graph is not None:
+        calls["hf_graph"] = (lambda: graph(**fresh), [])
+    host = {}
+    for name, (call, graph_list) in calls.items():
+        with probe_replays(graph_list) as probe:
+            entry = host_times(
+                call, iters=s.host_iters, sync=run.sync, probe=probe if graph_list else None
             )
-        torch.cuda.synchronize()
-        runner = PrefillRunner(model, token_buckets=(512,), max_prompts=4)
-        result["breaks"] = runner.graph(512).num_breaks
-        result["correctness"] = check(model, runner, [p])
-        result["hf_eager_ms"] = bench(
-            lambda: model(p[None], use_cache=False, logits_to_keep=1), iters=10
-        )
-        result["breakgraph_ms"] = bench(lambda: runner.prefill([p]), iters=10)
-        runner.close()
-        results[f"experts={experts}"] = result
-        del model
-        torch.cuda.empty_cache()
+        if run.clock is not None:
+            entry.update(run.clock.measure(call, iters=s.device_iters))
+        host[name] = entry
+    return host
+
+
+def environment(settings: Settings) -> dict:
+    import transformers
+
+    meta = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "argv": sys.argv[1:],
+    }
+    if settings.cuda:
+        meta["gpu"] = torch.cuda.get_device_name()
+        meta["cuda"] = torch.version.cuda
+    else:
+        meta["gpu"] = None
+        meta["cpu"] = platform.processor() or platform.machine()
+    try:
+        from breakgraph.integrations.transformers.attention import FLASH_WRITES_IN_PLACE
+
+        meta["attention_writes_in_place"] = FLASH_WRITES_IN_PLACE
+    except ImportError:
+        pass
+    return meta
+
+
+def run_all(settings: Settings, out: str | None = None) -> dict:
+    """Every family of ``settings`` (compile families last, so the budget cuts compile
+    work before it cuts families); the JSON is rewritten after each family."""
+    run = Run(settings)
+    catalogue = SMOKE_FAMILIES if settings.smoke else FAMILIES
+    results = {
+        "schema": SCHEMA,
+        "meta": environment(settings),
+        "settings": dataclasses.asdict(settings),
+        "variants": VARIANTS,
+        "skipped": run.skipped,
+        "families": [],
+    }
+    if not settings.smoke:
+        for name in settings.families:
+            if name not in settings.compile_families:
+                run.skip(name, "compile", NOT_COMPILED)
+    order = sorted(settings.families, key=lambda n: n in settings.compile_families)
+    for name in order:
+        estimate = FAMILY_ESTIMATE_S.get(name, 0) if not settings.smoke else 0
+        if not run.allows(estimate):
+            run.skip(name, "family", f"time budget ({settings.budget_s:.0f} s) would be exceeded")
+            continue
+        print(f"[{run.elapsed():6.1f} s] {name}", flush=True)
+        results["families"].append(run_family(run, catalogue[name]))
+        results["meta"]["elapsed_s"] = run.elapsed()
+        if out:
+            write(results, out)
+    results["meta"]["elapsed_s"] = run.elapsed()
+    if out:
+        write(results, out)
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--models", default=",".join(CONFIGS))
-    parser.add_argument(
-        "--compile", action="store_true", help="also time torch.compile reduce-overhead"
+def write(results: dict, path: str) -> None:
+    """Replace ``path`` whole: a run stopped mid-write (a timeout) leaves the last version."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(partial, path)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Settings, str | None]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--no-moe", action="store_true")
-    args = parser.parse_args()
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    results = {"meta": meta, "models": []}
-    for name in filter(None, args.models.split(",")):
-        results["models"].append(
-            run_model(name, CONFIGS[name](), args.compile and name == "llama-1b")
-        )
-        if args.out:
-            json.dump(results, open(args.out, "w"), indent=2, default=str)
-    if not args.no_moe:
-        results["moe"] = run_moe()
-    if args.out:
-        json.dump(results, open(args.out, "w"), indent=2, default=str)
-    print_summary(results)
+    ints = lambda text: [int(x) for x in text.split(",") if x]
+    names = lambda text: [x for x in text.split(",") if x]
+    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--smoke", action="store_true", help="tiny models, CPU, emulated backend")
+    parser.add_argument("--families", type=names, default=None, help="default: all")
+    parser.add_argument("--sizes", type=ints, default=[32, 200, 1000])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=10, help="turns per round")
+    parser.add_argument("--batch-prompts", type=int, default=16)
+    parser.add_argument("--compile-families", type=names, default=["mistral-7b-4l"])
+    parser.add_argument("--first-call-lengths", type=ints, default=[32, 200, 1000, 77, 517])
+    parser.add_argument("--compile-dynamic", choices=("auto", "true", "false"), default="auto")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=300.0,
+        help="skip families / compile work that would run past this",
+    )
+    args = parser.parse_args(argv)
+    catalogue = SMOKE_FAMILIES if args.smoke else FAMILIES
+    unknown = set(args.families or ()) - set(catalogue)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}; known: {', '.join(catalogue)}")
+    if args.smoke:
+        return smoke_settings(args.families), args.out
+    args.families = args.families or list(FAMILIES)
+    settings = Settings(
+        families=args.families,
+        sizes=args.sizes,
+        rounds=args.rounds,
+        iters=args.iters,
+        batch_prompts=args.batch_prompts,
+        compile_families=[f for f in args.compile_families if f in args.families],
+        first_call_lengths=args.first_call_lengths,
+        compile_dynamic=args.compile_dynamic,
+        budget_s=args.budget_s,
+    )
+    return settings, args.out
 
 
-def print_summary(results: dict) -> None:
-    for m in results["models"]:
-        print(
-            f"\n{m['model']} ({m['params_m']:.0f}M params), capture {m['capture_s']:.1f} s, "
-            f"graph MiB per bucket { ({k: round(v) for k, v in m['graph_mib_per_bucket'].items()}) }, "
-            f"largest alone {m['graph_mib_largest_only']:.0f}"
-        )
-        print(f"  correctness batch: {m['correctness_batch']}")
-        print(
-            f"  {'workload':<28}{'eager':>9}{'padded':>9}{'bg':>9}{'full':>9}{'compile':>9}"
-            f"{'bg/full':>9}{'(rounds)':>14}{'eager/bg':>9}"
-        )
-        for r in m["rows"]:
-            fmt = lambda k: f"{r[k]:>9.3f}" if k in r else f"{'-':>9}"  # noqa: E731
-            rounds = "{:.3f}-{:.3f}".format(*r["spread"]) if "spread" in r else "-"
-            print(
-                f"  {r['workload']:<28}{fmt('hf_eager')}{fmt('hf_eager_padded')}{fmt('breakgraph')}"
-                f"{fmt('full_graph')}{fmt('compile_ro')}{r['bg_over_full']:>9.3f}{rounds:>14}"
-                f"{r['eager_over_bg']:>9.2f}"
-            )
-        for r in m["rows"]:
-            if "bg_host_ms" in r:
-                print(
-                    f"  host time to issue {r['workload']}: bg {r['bg_host_ms']:.3f} ms, full "
-                    f"{r['full_host_ms']:.3f} ms (device: {r['breakgraph']:.3f} / {r['full_graph']:.3f} ms)"
-                )
-        if "attention_break_host_us" in m:
-            h = m["attention_break_host_us"]
-            print(
-                f"  attention break host time per layer: mean {h['mean']:.1f} us, max {h['max']:.1f} us"
-            )
-        for r in m["rows"]:
-            if "bg_compiled" in r:
-                print(
-                    f"  compiled segments, {r['workload']}: bg {r['bg_compiled']:.3f} ms, full "
-                    f"{r['full_compiled']:.3f} ms, bg/full {r['bgc_over_fullc']:.3f}, eager/bg "
-                    f"{r['eager_over_bgc']:.2f}"
-                )
-        if "bg_compiled_error" in m:
-            print(f"  compiled segments failed: {m['bg_compiled_error']}")
-    for name, r in results.get("moe", {}).items():
-        print(
-            f"\nMoE {name}: whole graph {r['whole_graph_capture']}; breakgraph {r['breaks']} breaks, "
-            f"{r['breakgraph_ms']:.3f} ms vs eager {r['hf_eager_ms']:.3f} ms; {r['correctness']}"
-        )
+def main(argv: list[str] | None = None) -> dict:
+    settings, out = parse_args(argv)
+    if settings.cuda and not torch.cuda.is_available():
+        raise SystemExit("bench_prefill: no CUDA device; use --smoke for the CPU run")
+    results = run_all(settings, out)
+    from .report_prefill import summary_lines
+
+    print("---- prefill summary ----")
+    print("\n".join(summary_lines(results)))
+    print("---- end of prefill summary ----")
+    return results
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Four prefill runners of the same model, timed call by call in turns:
                    FlashAttention op of torch >= 2.12 would cost
   breakgraph       the real thing: eager attention kernel plus the copy-back
 
-    python benchmarks/break_anatomy.py --out anatomy.json   # also part of scripts/gpu_check.sh
+    python -m benchmarks.break_anatomy --out anatomy.json   # also part of scripts/gpu_check.sh
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import json
 import time
 
 import torch
-from bench_prefill import CONFIGS, bench_interleaved, make_model
 from breakgraph.integrations.transformers import PrefillRunner
 from breakgraph.integrations.transformers import attention as _attention
 
 import breakgraph
+
+from .families import FAMILIES, make_model
+from .timing import interleaved
 
 TOKENS = (32, 128, 2048)
 
@@ -69,11 +71,11 @@ def runner_without_copy_back(model, buckets):
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="llama-1b", choices=list(CONFIGS))
+    parser.add_argument("--model", default="llama-1b", choices=list(FAMILIES))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    config = CONFIGS[args.model]()
-    model = make_model(config)
+    config = FAMILIES[args.model].config()
+    model = make_model(config, "cuda", torch.bfloat16)
     runners = {
         "full_graph": PrefillRunner(
             model, token_buckets=TOKENS, max_prompts=16, attention="captured"
@@ -87,9 +89,13 @@ def main() -> None:
     rows = []
     for n in TOKENS:
         prompt = torch.randint(config.vocab_size, (n,), device="cuda")
-        times = bench_interleaved(
-            {k: (lambda r=r: r.prefill([prompt])) for k, r in runners.items()}
-        )
+        times = interleaved(
+            {k: (lambda r=r: r.prefill([prompt])) for k, r in runners.items()},
+            rounds=20,
+            iters=10,
+            warmup=5,
+            sync=torch.cuda.synchronize,
+        )["ms"]
         full = times["full_graph"]
         rows.append(
             {

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go: CUDA tests + benchmarks, a short summary at the end.
 #   bash scripts/gpu_check.sh            # results under $OUT (device tool) or ./gpu-results
-# Sections can be skipped: SKIP_TESTS=1, SKIP_OVERHEAD=1, SKIP_PREFILL=1, SKIP_ANATOMY=1;
-# PREFILL_ARGS adds flags (e.g. "--compile"). RUN_SUITE=1 also runs the pytest-benchmark suite
-# (tests/benchmarks) into $OUT/pytest-benchmark.json; carry .whl (breakable-cuda-graphs wheel, for
-# the peer comparison) with the device call; fetch it first (git-ignored):
+# Sections can be skipped: SKIP_TESTS=1, SKIP_PREFILL=1, SKIP_OVERHEAD=1, SKIP_ANATOMY=1;
+# PREFILL_ARGS adds flags to the prefill benchmark (e.g. "--families llama-1b,mixtral-4l" or
+# "--compile-families mistral-7b-4l,llama-1b --budget-s 400"; see python -m benchmarks.bench_prefill
+# --help). Expected on an H200: prefill about 5 min (its --budget-s, 300 s by default, trims
+# the compile work and then whole families if it falls behind; PREFILL_TIMEOUT, 480 s, stops
+# it for good, keeping the families already written), overhead about 1 min, anatomy under 1 min.
+# RUN_SUITE=1 also runs the pytest-benchmark suite (tests/benchmarks) into
+# $OUT/pytest-benchmark.json; carry .whl (breakable-cuda-graphs wheel, for the peer comparison)
+# with the device call; fetch it first (git-ignored):
 #   python3 -m pip download --no-deps -d .whl breakable-cuda-graphs==0.1.0
 # At most 7 files land in $OUT (the device tool returns 8): pytest.log, benchmarks.log,
-# overhead.json, prefill.json, anatomy.json, pytest-benchmark.json, suite.log.
-# Then, here: copy the JSON to docs/results/h200-*.json and run python benchmarks/report.py.
+# prefill-baselines.json, overhead.json, anatomy.json, pytest-benchmark.json, suite.log.
+# Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
+# h200-prefill-baselines.json) and run python -m benchmarks.report.
 set -u -o pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -22,17 +28,27 @@ python3 -c "import torch, transformers; print('gpu:', torch.cuda.get_device_name
 
 status=0
 LOG="$OUT/benchmarks.log"
+start=$SECONDS
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -rfEs tests 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1
-fi
-if [ -z "${SKIP_OVERHEAD:-}" ]; then
-  python3 benchmarks/bench_overhead.py --out "$OUT/overhead.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[tests: $((SECONDS - start)) s]"
 fi
 if [ -z "${SKIP_PREFILL:-}" ]; then
-  python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" ${PREFILL_ARGS:-} 2>&1 | tee -a "$LOG" || status=1
+  t=$SECONDS
+  # shellcheck disable=SC2086  # PREFILL_ARGS is a list of flags
+  timeout "${PREFILL_TIMEOUT:-480}" python3 -m benchmarks.bench_prefill \
+    --out "$OUT/prefill-baselines.json" ${PREFILL_ARGS:-} 2>&1 | tee -a "$LOG" || status=1
+  echo "[prefill: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -z "${SKIP_OVERHEAD:-}" ]; then
+  t=$SECONDS
+  python3 -m benchmarks.bench_overhead --out "$OUT/overhead.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[overhead: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -z "${SKIP_ANATOMY:-}" ]; then
-  python3 benchmarks/break_anatomy.py --out "$OUT/anatomy.json" 2>&1 | tee -a "$LOG" || status=1
+  t=$SECONDS
+  python3 -m benchmarks.break_anatomy --out "$OUT/anatomy.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[anatomy: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
   python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \
@@ -40,8 +56,11 @@ if [ -n "${RUN_SUITE:-}" ]; then
   tail -3 "$OUT/suite.log"
 fi
 
-echo "================ summary ================"
+echo "================ summary ($((SECONDS - start)) s) ================"
 [ -f "$OUT/pytest.log" ] && echo "tests: $(tail -1 "$OUT/pytest.log")"
 [ -f "$OUT/suite.log" ] && echo "suite: $(tail -1 "$OUT/suite.log")"
-[ -f "$LOG" ] && grep -E "^(regime|tiny|many|large)|^  (single|batch|compiled|host time)|^[a-z].*(params|breaks;)|^ +tokens|^MoE|^ +[0-9]+ +[0-9.]+ " "$LOG" | cut -c1-200
+if [ -f "$LOG" ]; then
+  sed -n '/^---- prefill summary ----$/,/^---- end of prefill summary ----$/p' "$LOG" | cut -c1-300
+  grep -E "^(regime|tiny kernels|many kernels|large tensors)|breaks;|^ +tokens|^ +[0-9]+ +[0-9.]+ |^\[(prefill|overhead|anatomy)" "$LOG" | cut -c1-200
+fi
 exit $status

@@ -4,21 +4,33 @@ Run on a GPU machine (writes pytest-benchmark JSON)::
 
     python -m pytest -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \
         --benchmark-json=bench.json
-    python benchmarks/report.py --pytest-benchmark bench.json
+    python -m benchmarks.report --pytest-benchmark bench.json
 
 Without a GPU every benchmark is skipped (``requires_cuda``); the normal test command
-passes ``--benchmark-skip`` as well. The workload builders live in ``benchmarks/``.
+passes ``--benchmark-skip`` as well. The workload builders live in the ``benchmarks``
+package (importable from the repository root: pytest's ``pythonpath`` setting).
 """
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def timed(benchmark):
+    """``benchmark.pedantic`` with a device synchronisation inside the timed callable."""
+    import torch
+
+    def run(fn, rounds=30, warmup_rounds=5):
+        def call():
+            fn()
+            torch.cuda.synchronize()
+
+        return benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds)
+
+    return run
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,10 +3,9 @@
 
 import pytest
 import torch
-from bench_overhead import REGIMES, segment_work
-from bench_utils import timed
 
 import breakgraph
+from benchmarks.bench_overhead import REGIMES, segment_work
 
 REPEATS = 20  # replays per timed call: the per-call synchronisation is amortised
 VARIANTS = ["full_graph", "breakgraph", "separate_graphs", "eager", "peer"]
@@ -54,14 +53,14 @@ def build(variant, elements, kernels, segments):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_per_break_overhead(benchmark, regime, variant):
+def test_per_break_overhead(benchmark, timed, regime, variant):
     elements, kernels, segments = REGIMES[regime]
     replay = build(variant, elements, kernels, segments)
     benchmark.group = f"overhead: {regime}"
     benchmark.extra_info.update(
         workload="overhead", regime=regime, variant=variant, breaks=segments - 1, repeats=REPEATS
     )
-    timed(benchmark, lambda: [replay() for _ in range(REPEATS)])
+    timed(lambda: [replay() for _ in range(REPEATS)])
 
 
 @breakgraph.eager_on_graph
@@ -76,7 +75,7 @@ def in_place(x):
 
 @pytest.mark.parametrize("kind", ["fresh", "in_place"])
 @pytest.mark.parametrize("elements", [4096, 16 * 2**20])
-def test_copy_back_cost(benchmark, kind, elements):
+def test_copy_back_cost(benchmark, timed, kind, elements):
     breaks = 8
     fn = fresh_result if kind == "fresh" else in_place
     x = torch.randn(elements, device="cuda")
@@ -89,4 +88,4 @@ def test_copy_back_cost(benchmark, kind, elements):
     benchmark.extra_info.update(
         workload="copy-back", kind=kind, elements=elements, breaks=breaks, repeats=REPEATS
     )
-    timed(benchmark, lambda: [g.replay() for _ in range(REPEATS)])
+    timed(lambda: [g.replay() for _ in range(REPEATS)])

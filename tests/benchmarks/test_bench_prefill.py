@@ -1,22 +1,32 @@
 """Workloads 3 and 4: transformers prefill (eager, breakgraph, full graph, torch.compile) and
-capture time / graph memory against the number of buckets."""
+capture time / graph memory against the number of buckets. Explicit buckets, as in the earlier
+runs; ``python -m benchmarks.bench_prefill`` measures the default settings against the
+exact-length graph."""
 
 import time
 
 import pytest
 import torch
-from bench_prefill import BUCKETS, CONFIGS, make_model, mixed_batch
-from bench_utils import timed
 from breakgraph.integrations.transformers import PrefillRunner
+
+from benchmarks.families import FAMILIES, make_model
 
 MODEL = "llama-1b"
 TOKENS = (32, 128, 512, 2048)
+BUCKETS = (32, 128, 512, 2048)
+
+
+def mixed_batch(vocab: int) -> list:
+    """16 prompts of 8-199 tokens (1176 in all), the same every run."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(8, 200, (16,), generator=g).tolist()
+    return [torch.randint(vocab, (n,), generator=g).cuda() for n in lengths]
 
 
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    model = make_model(CONFIGS[MODEL]())
+    model = make_model(FAMILIES[MODEL].config(), "cuda", torch.bfloat16)
     runners = {
         "breakgraph": PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16),
         "full_graph": PrefillRunner(
@@ -34,7 +44,7 @@ def setup():
 @pytest.mark.parametrize("variant", ["hf_eager", "breakgraph", "full_graph", "compile_ro"])
 @pytest.mark.parametrize("workload", list(TOKENS) + ["mixed batch"])
 @torch.no_grad()
-def test_prefill(benchmark, setup, workload, variant):
+def test_prefill(benchmark, timed, setup, workload, variant):
     model, runners, prompts = setup
     batch = prompts[workload]
     if variant == "hf_eager":
@@ -58,7 +68,7 @@ def test_prefill(benchmark, setup, workload, variant):
         variant=variant,
         tokens=sum(len(p) for p in batch),
     )
-    timed(benchmark, fn)
+    timed(fn)
 
 
 @pytest.mark.parametrize("buckets", [1, 2, 4, 8])

@@ -1,0 +1,199 @@
+"""The model shapes the benchmarks run: real families' widths, random weights, no download.
+
+Deep, narrow models (many attention breaks per token of work) and wide, shallow ones
+(the 4-layer Mistral/Mixtral cuts: a 7B layer's compute with few breaks), dense and MoE.
+``SMOKE_FAMILIES`` are tiny versions for the CPU smoke run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Family:
+    """A named model shape. ``config`` builds the transformers config (imported lazily)."""
+
+    name: str
+    config: Callable[[], object]
+    shape: str  # what it mimics, for the page
+
+
+def _tf():
+    import transformers
+
+    return transformers
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "llama-1b",
+            lambda: _tf().LlamaConfig(
+                vocab_size=32000,
+                hidden_size=2048,
+                intermediate_size=5632,
+                num_hidden_layers=22,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                max_position_embeddings=4096,
+            ),
+            "TinyLlama-1.1B: 22 layers, hidden 2048, GQA 32/4",
+        ),
+        Family(
+            "qwen2-1.5b",
+            lambda: _tf().Qwen2Config(
+                vocab_size=151936,
+                hidden_size=1536,
+                intermediate_size=8960,
+                num_hidden_layers=28,
+                num_attention_heads=12,
+                num_key_value_heads=2,
+                max_position_embeddings=32768,
+                rope_theta=1e6,
+                tie_word_embeddings=True,
+            ),
+            "Qwen2-1.5B: 28 layers, hidden 1536, GQA 12/2",
+        ),
+        Family(
+            "qwen3-0.6b",
+            lambda: _tf().Qwen3Config(
+                vocab_size=151936,
+                hidden_size=1024,
+                intermediate_size=3072,
+                num_hidden_layers=28,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                head_dim=128,
+                max_position_embeddings=40960,
+                tie_word_embeddings=True,
+            ),
+            "Qwen3-0.6B: 28 layers, hidden 1024, GQA 16/8, head_dim 128",
+        ),
+        Family(
+            "gemma-2b",
+            lambda: _tf().GemmaConfig(
+                vocab_size=256000,
+                hidden_size=2048,
+                intermediate_size=16384,
+                num_hidden_layers=18,
+                num_attention_heads=8,
+                num_key_value_heads=1,
+                head_dim=256,
+                max_position_embeddings=8192,
+            ),
+            "Gemma-2B: 18 layers, hidden 2048, MQA 8/1, head_dim 256, vocab 256000",
+        ),
+        Family(
+            "mistral-7b-4l",
+            lambda: _tf().MistralConfig(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=4,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=32768,
+                sliding_window=4096,
+            ),
+            "Mistral-7B-v0.1 cut to 4 layers: hidden 4096, GQA 32/8, sliding window 4096",
+        ),
+        Family(
+            "mixtral-4l",
+            lambda: _tf().MixtralConfig(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=4,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                max_position_embeddings=32768,
+            ),
+            "Mixtral-8x7B cut to 4 layers: 8 experts, top-2, hidden 4096",
+        ),
+        Family(
+            "qwen3-moe-8l",
+            lambda: _tf().Qwen3MoeConfig(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=6144,
+                moe_intermediate_size=768,
+                num_hidden_layers=8,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                max_position_embeddings=40960,
+            ),
+            "Qwen3-30B-A3B cut to 8 layers: 128 experts, top-8, hidden 2048",
+        ),
+    )
+}
+
+_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+SMOKE_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("tiny-llama", lambda: _tf().LlamaConfig(**_TINY), "2 layers, hidden 64"),
+        Family(
+            "tiny-mixtral",
+            lambda: _tf().MixtralConfig(**_TINY, num_local_experts=4, num_experts_per_tok=2),
+            "2 layers, hidden 64, 4 experts, top-2",
+        ),
+    )
+}
+
+
+def make_model(config, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight causal LM with HF's own SDPA attention, in eval mode (seed 0)."""
+    transformers = _tf()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def config_summary(config) -> dict:
+    """The config fields that set the cost of a prefill (for the JSON)."""
+    keys = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_local_experts",
+        "num_experts",
+        "num_experts_per_tok",
+        "sliding_window",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    )
+    out = {k: getattr(config, k) for k in keys if getattr(config, k, None) is not None}
+    for k in ("_experts_implementation", "_attn_implementation"):
+        if getattr(config, k, None) is not None:
+            out[k.lstrip("_")] = getattr(config, k)
+    return out

@@ -1,0 +1,515 @@
+"""The prefill section of the performance page (and the benchmark's console summary) from
+``bench_prefill``'s JSON: tables and plot from code, prose from ``performance.md.in``,
+verdicts from :mod:`.prefill_checks`."""
+
+from __future__ import annotations
+
+from . import targets as T
+from .prefill_checks import (
+    TARGETS,
+    TITLES,
+    VARIANT_COLUMNS,
+    Check,
+    capture_stats,
+    checks,
+    first_call,
+    host_over_device,
+    is_moe,
+    ladder_memory,
+    limit_text,
+    loss_lines,
+    mib,
+    missed,
+    padding,
+    ratio,
+    singles,
+    target_label,
+    worst_padding,
+)
+from .template import bullets, fill, num, pct, span, table
+
+FILE = "h200-prefill-baselines.json"
+MISSED = " ✗"
+
+
+# -- the page section --------------------------------------------------------------------
+def targets_table(check_list: list[Check] | None) -> str:
+    rows = []
+    for name in TARGETS:
+        mine = [c for c in check_list or () if c.target == name]
+        counts = [sum(c.met is v for c in mine) for v in (True, False, None)]
+        measured = counts if check_list is not None else ["-"] * 3
+        rows.append([target_label(name), f"`{name}`", limit_text(name), *measured])
+    return table(["target", "constant", "limit", "met", "missed", "not measured"], rows)
+
+
+def ordered(data: dict) -> list[dict]:
+    """Families in the catalogue's order (the run may have processed them in another)."""
+    from .families import FAMILIES, SMOKE_FAMILIES
+
+    known = list(FAMILIES) + list(SMOKE_FAMILIES)
+    return sorted(
+        data["families"],
+        key=lambda f: known.index(f["family"]) if f["family"] in known else len(known),
+    )
+
+
+def cell_ms(row: dict, key: str) -> str:
+    return num(row["ms"][key]) if key in row.get("ms", {}) else "-"
+
+
+def cell_ratio(value: float | None, bad: bool = False, digits: int = 3) -> str:
+    return "-" if value is None else num(value, digits) + (MISSED if bad else "")
+
+
+def cell_spread(row: dict, pair: str) -> str:
+    s = row.get("spread", {}).get(pair)
+    return "-" if s is None else span(s, 3)
+
+
+def headline(data: dict, check_list: list[Check]) -> str:
+    sizes = data["settings"]["sizes"]
+    rows = []
+    for fam in ordered(data):
+        by_tokens = {r["tokens"]: r for r in singles(fam)}
+        cells = [fam["family"], num(fam["params_m"], 0)]
+        for n in sizes:
+            row = by_tokens.get(n)
+            value = row and ratio(row, "breakgraph", "hf_graph")
+            target = (
+                "TARGET_BG_VS_EXACT_GRAPH_32"
+                if n <= T.SHORT_PROMPT_TOKENS
+                else "TARGET_BG_VS_EXACT_GRAPH"
+            )
+            bad = row is not None and missed(check_list, target, fam["family"], row["workload"])
+            cells.append(cell_ratio(value, bad))
+        batch = [r for r in fam.get("rows", []) if r["kind"] == "batch"]
+        cells.append(
+            cell_ratio(batch[0] and ratio(batch[0], "breakgraph", "hf_graph")) if batch else "-"
+        )
+        rows.append(cells)
+    header = ["family", "M params"] + [f"{n} tokens" for n in sizes] + ["batch"]
+    return table(header, rows)
+
+
+def eager_paragraph(data: dict) -> str:
+    short = [
+        (fam, r)
+        for fam in data["families"]
+        for r in singles(fam)
+        if r["tokens"] <= T.SHORT_PROMPT_TOKENS
+    ]
+    graph = [(f, ratio(r, "hf_eager", "hf_graph")) for f, r in short]
+    graph = [(f, v) for f, v in graph if v is not None]
+    bg = [v for v in (ratio(r, "hf_eager", "breakgraph") for _, r in short) if v is not None]
+    dense = [v for f, v in graph if not is_moe(f)]
+    if not graph or not bg:
+        return ""
+    return fill(
+        "prefill.eager",
+        short=T.SHORT_PROMPT_TOKENS,
+        graph_over_eager=span([v for _, v in graph], 1),
+        graph_over_eager_dense=span(dense, 1) if dense else "-",
+        bg_over_eager=span(bg, 1),
+    )
+
+
+def family_table(fam: dict, check_list: list[Check]) -> str:
+    header = (
+        ["workload", "bucket (padding)"]
+        + [t for _, t in VARIANT_COLUMNS]
+        + [
+            "breakgraph / exact graph",
+            "per round",
+            "breakgraph / one graph",
+            "HF eager / breakgraph",
+        ]
+    )
+    rows = []
+    for row in fam.get("rows", []):
+        target = (
+            "TARGET_BG_VS_EXACT_GRAPH_32"
+            if row["tokens"] <= T.SHORT_PROMPT_TOKENS
+            else "TARGET_BG_VS_EXACT_GRAPH"
+        )
+        bad = row["kind"] == "single" and missed(check_list, target, fam["family"], row["workload"])
+        bucket = "-" if row.get("bucket") is None else f"{row['bucket']} ({pct(padding(row))})"
+        rows.append(
+            [row["workload"], bucket]
+            + [cell_ms(row, key) for key, _ in VARIANT_COLUMNS]
+            + [
+                cell_ratio(ratio(row, "breakgraph", "hf_graph"), bad),
+                cell_spread(row, "breakgraph/hf_graph"),
+                cell_ratio(ratio(row, "breakgraph", "bg_one_graph")),
+                cell_ratio(ratio(row, "hf_eager", "breakgraph"), digits=2),
+            ]
+        )
+    return table(header, rows)
+
+
+def correctness_table(fam: dict) -> str:
+    """Each variant's worst agreement with HF eager over the workloads."""
+    found = fam.get("correctness")
+    if not found:
+        return ""
+    rows = []
+    for key, title in VARIANT_COLUMNS:
+        seen = [v[key] for v in found.values() if key in v]
+        if seen:
+            rows.append(
+                [
+                    title,
+                    num(max(c["max_abs_diff"] for c in seen), 3),
+                    pct(min(c["argmax_agree"] for c in seen)),
+                ]
+            )
+    return fill(
+        "prefill.correctness",
+        table=table(["variant", "max abs Δlogit", "greedy tokens agree"], rows),
+    )
+
+
+def compile_part(data: dict, check_list: list[Check]) -> str:
+    fams = [f for f in ordered(data) if "compile" in f]
+    if not fams:
+        reasons = sorted({s["reason"] for s in data.get("skipped", []) if s["what"] == "compile"})
+        return fill(
+            "prefill.compile.missing", reason="; ".join(reasons) or "no family was compiled"
+        )
+    rows, first_rows = [], []
+    for fam in fams:
+        for row in singles(fam):
+            value = ratio(row, "bg_compiled", "compile_ro")
+            bad = missed(check_list, "TARGET_BGC_VS_COMPILE_RO", fam["family"], row["workload"])
+            rows.append(
+                [
+                    fam["family"],
+                    row["workload"],
+                    cell_ms(row, "compile_ro"),
+                    cell_ms(row, "bg_compiled"),
+                    cell_ms(row, "breakgraph"),
+                    cell_ms(row, "hf_graph"),
+                    cell_ratio(value, bad),
+                    cell_spread(row, "bg_compiled/compile_ro"),
+                ]
+            )
+        info = fam["compile"]
+        bg_first = {
+            r["tokens"]: r["first_call_s"] for r in info.get("bg_compiled", {}).get("lengths", [])
+        }
+        for r in info.get("compile_ro", {}).get("lengths", []):
+            first_rows.append(
+                [
+                    fam["family"],
+                    r["tokens"],
+                    num(r["first_call_s"]),
+                    num(r["ready_s"]),
+                    r["frames"],
+                    num(bg_first[r["tokens"]], 3) if r["tokens"] in bg_first else "-",
+                ]
+            )
+        fc = first_call(fam)
+        if fc:
+            bad = missed(check_list, "TARGET_FIRST_CALL_SPEEDUP", fam["family"])
+            first_rows.append(
+                [
+                    fam["family"],
+                    f"all {fc['lengths']}",
+                    "",
+                    num(fc["ro_s"]),
+                    fc["ro_frames"],
+                    f"{num(fc['bg_s'])} (construction {num(fc['construction_s'])}); "
+                    f"ratio {num(fc['speedup'], 1)}{MISSED if bad else ''}",
+                ]
+            )
+    compiled_names = ", ".join(f["family"] for f in fams)
+    not_compiled = sorted({s["family"] for s in data.get("skipped", []) if s["what"] == "compile"})
+    ro_calls = (
+        span(
+            [
+                f["compile"]["compile_ro"]["calls_per_length"]
+                for f in fams
+                if "compile_ro" in f["compile"]
+            ],
+            0,
+        )
+        or "-"
+    )
+    return fill(
+        "prefill.compile",
+        families=compiled_names,
+        target=f"{T.TARGET_BGC_VS_COMPILE_RO:g}",
+        not_compiled=", ".join(not_compiled) or "none",
+        table=table(
+            [
+                "family",
+                "workload",
+                "compile reduce-overhead ms",
+                "breakgraph compiled ms",
+                "breakgraph ms",
+                "exact-length graph ms",
+                "breakgraph compiled / compile reduce-overhead",
+                "per round",
+            ],
+            rows,
+        ),
+        ro_calls=ro_calls,
+        speedup_target=f"{T.TARGET_FIRST_CALL_SPEEDUP:g}",
+        lengths_target=T.TARGET_FIRST_CALL_LENGTHS,
+        first_calls=table(
+            [
+                "family",
+                "prompt tokens",
+                "compile reduce-overhead: first call s",
+                "ready s",
+                "frames compiled",
+                "breakgraph compiled: first call s",
+            ],
+            first_rows,
+        ),
+    )
+
+
+def capture_part(data: dict, check_list: list[Check]) -> str:
+    rows = []
+    for fam in ordered(data):
+        runner = fam.get("runner")
+        if not runner:
+            continue
+        name = fam["family"]
+        cap = capture_stats(runner)
+        memory = ladder_memory(fam)
+        worst = worst_padding(runner["buckets"], T.PADDING_FROM_TOKENS)
+        mark = lambda target: MISSED if missed(check_list, target, name) else ""  # noqa: E731
+        buckets = sorted(runner["buckets"])
+        rows.append(
+            [
+                name,
+                f"{len(buckets)}: {buckets[0]}–{buckets[-1]}",
+                num(runner["construction_s"]),
+                f"{cap['first_bucket']}: {num(cap['first_s'], 3)}",
+                "-"
+                if cap["extra_mean"] is None
+                else f"{num(cap['extra_mean'], 3)} / {num(cap['extra_max'], 3)}"
+                + mark("TARGET_CAPTURE_S_PER_EXTRA_BUCKET"),
+                num(mib(runner), 0),
+                "-" if not memory else num(memory[1], 0),
+                "-" if not memory else num(memory[2]) + mark("TARGET_LADDER_MEMORY_RATIO"),
+                "-"
+                if not worst
+                else f"{pct(worst[0])} ({worst[1]} in {worst[2]}){mark('TARGET_PADDING_WASTE')}",
+            ]
+        )
+    return fill(
+        "prefill.capture",
+        capture_target=f"{T.TARGET_CAPTURE_S_PER_EXTRA_BUCKET:g}",
+        memory_target=f"{T.TARGET_LADDER_MEMORY_RATIO:g}",
+        padding_target=pct(T.TARGET_PADDING_WASTE),
+        padding_from=T.PADDING_FROM_TOKENS,
+        table=table(
+            [
+                "family",
+                "buckets",
+                "construction s",
+                "first bucket: capture s",
+                "per extra bucket: mean / max s",
+                "ladder graph MiB",
+                "largest alone MiB",
+                "ladder / alone",
+                "worst padding",
+            ],
+            rows,
+        ),
+    )
+
+
+def host_part(data: dict, check_list: list[Check]) -> str:
+    rows = []
+    for fam in ordered(data):
+        for row in fam.get("rows", []):
+            host = row.get("host", {})
+            bg = host.get("breakgraph")
+            if not bg:
+                continue
+            value = host_over_device(row)
+            bad = missed(check_list, "TARGET_HOST_OVER_DEVICE_32", fam["family"], row["workload"])
+            first = bg.get("to_first_replay_ms")
+            other = lambda v, k: (
+                num(host[v][k]) if v in host and host[v].get(k) is not None else "-"
+            )  # noqa: E731
+            rows.append(
+                [
+                    fam["family"],
+                    row["workload"],
+                    num(bg["return_ms"]),
+                    "-" if first is None else num(first),
+                    other("breakgraph", "device_ms"),
+                    "-" if value is None else pct(value) + (MISSED if bad else ""),
+                    other("bg_one_graph", "return_ms"),
+                    other("hf_graph", "return_ms"),
+                    other("hf_graph", "device_ms"),
+                ]
+            )
+    return fill(
+        "prefill.host",
+        host_target=pct(T.TARGET_HOST_OVER_DEVICE_32),
+        short=T.SHORT_PROMPT_TOKENS,
+        table=table(
+            [
+                "family",
+                "workload",
+                "breakgraph: host to return ms",
+                "host to first replay ms",
+                "device ms",
+                "host / device",
+                "one graph: host to return ms",
+                "exact graph: host to return ms",
+                "exact graph: device ms",
+            ],
+            rows,
+        ),
+    )
+
+
+def variants_list(data: dict) -> str:
+    return "\n".join(f"- *{TITLES.get(k, k)}*: {v}." for k, v in data["variants"].items())
+
+
+def not_measured(data: dict) -> str:
+    items = [fill("item.skipped", **s) for s in data.get("skipped", [])]
+    for fam in data["families"]:
+        for what, error in fam.get("errors", {}).items():
+            items.append(
+                fill("item.error", family=fam["family"], what=what, error=error.replace("`", "'"))
+            )
+    return fill("prefill.skipped", items=bullets(items)) if items else ""
+
+
+def section(data: dict | None) -> list[str]:
+    """The prefill section as a list of Markdown blocks."""
+    if data is None:
+        return [fill("prefill.missing", file=FILE, targets=targets_table(None))]
+    check_list = checks(data)
+    meta, settings = data["meta"], data["settings"]
+    lengths = f"{settings['batch_min_len']}–{settings['batch_max_len'] - 1}"
+    blocks = [
+        fill(
+            "prefill.intro",
+            file=FILE,
+            gpu=meta.get("gpu") or meta.get("cpu", "-"),
+            torch=meta["torch"],
+            transformers=meta["transformers"],
+            date=meta["date"],
+            dtype=settings["dtype"],
+            calls=settings["rounds"] * settings["iters"],
+            warmup=settings["warmup"],
+            iters=settings["iters"],
+            elapsed=num(meta.get("elapsed_s", 0), 0),
+            sizes=", ".join(map(str, settings["sizes"])),
+            batch_prompts=settings["batch_prompts"],
+            batch_lengths=lengths,
+            variants=variants_list(data),
+            targets=targets_table(check_list),
+            target_32=f"{T.TARGET_BG_VS_EXACT_GRAPH_32:g}",
+            short=T.SHORT_PROMPT_TOKENS,
+            target_long=f"{T.TARGET_BG_VS_EXACT_GRAPH:g}",
+            headline=headline(data, check_list),
+            eager=eager_paragraph(data),
+        )
+    ]
+    skipped = not_measured(data)
+    if skipped:
+        blocks.append(skipped)
+    for fam in ordered(data):
+        blocks.append(
+            fill(
+                "prefill.family",
+                family=fam["family"],
+                params=num(fam["params_m"], 0),
+                shape=fam["shape"],
+                eager_batch_calls=settings["eager_batch_calls"],
+                table=family_table(fam, check_list),
+                correctness=correctness_table(fam),
+            )
+        )
+    blocks += [
+        compile_part(data, check_list),
+        capture_part(data, check_list),
+        host_part(data, check_list),
+    ]
+    losses = loss_lines(data, check_list)
+    blocks.append(
+        fill("prefill.losses", losses=bullets(losses)) if losses else fill("prefill.losses.none")
+    )
+    return blocks
+
+
+# -- console summary and plot ----------------------------------------------------------------
+def summary_lines(data: dict) -> list[str]:
+    """What bench_prefill prints at the end: the headline ratios, the verdicts, the losses."""
+    check_list = checks(data)
+    lines = [
+        f"{data['meta'].get('gpu') or 'CPU'}, torch {data['meta']['torch']}, "
+        f"{data['meta'].get('elapsed_s', 0):.0f} s"
+    ]
+    for fam in ordered(data):
+        cells = []
+        for row in fam.get("rows", []):
+            exact = ratio(row, "breakgraph", "hf_graph")
+            eager = ratio(row, "hf_eager", "breakgraph")
+            cells.append(
+                f"{row['workload'].split(' (')[0]}: "
+                f"{num(exact, 3) if exact else '-'} / {num(eager, 1) if eager else '-'}"
+            )
+        lines.append(
+            f"{fam['family']} (breakgraph / exact graph, eager / breakgraph): " + ", ".join(cells)
+        )
+        for what, error in fam.get("errors", {}).items():
+            lines.append(f"  ERROR {what}: {error[:160]}")
+    counts = [sum(c.met is v for c in check_list) for v in (True, False, None)]
+    lines.append(f"targets: {counts[0]} met, {counts[1]} missed, {counts[2]} not measured")
+    lines += [line[:300] for line in loss_lines(data, check_list)]
+    lines += [
+        f"skipped: {s['family']} {s['what']}: {s['reason'][:80]}" for s in data.get("skipped", [])
+    ]
+    return lines
+
+
+def plot(data: dict, plt, path: str, save: dict) -> None:
+    """One panel per prompt size: each variant's time over the exact-length graph's."""
+    sizes = data["settings"]["sizes"]
+    fams = ordered(data)
+    series = ("breakgraph", "bg_one_graph", "compile_ro", "bg_compiled")
+    fig, axes = plt.subplots(
+        1, len(sizes), figsize=(4.2 * len(sizes), 3.8), sharey=True, squeeze=False
+    )
+    lowest = 1.0
+    for ax, n in zip(axes[0], sizes):
+        width = 0.8 / len(series)
+        for k, key in enumerate(series):
+            values = []
+            for fam in fams:
+                row = next((r for r in singles(fam) if r["tokens"] == n), None)
+                values.append((row and ratio(row, key, "hf_graph")) or 0)
+            lowest = min([lowest] + [v for v in values if v])
+            offsets = [i + (k - (len(series) - 1) / 2) * width for i in range(len(fams))]
+            ax.bar(offsets, values, width, label=TITLES[key])
+        ax.axhline(
+            T.bg_vs_exact_limit(n),
+            color="grey",
+            linestyle="--",
+            linewidth=1,
+            label="target (breakgraph)",
+        )
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_xticks(
+            range(len(fams)), [f["family"] for f in fams], rotation=30, ha="right", fontsize=7
+        )
+        ax.set_title(f"{n} tokens", fontsize=9)
+    axes[0][0].set_ylim(bottom=max(0.0, lowest - 0.1))
+    axes[0][0].set_ylabel("time / exact-length graph")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, **save)
+    plt.close(fig)
