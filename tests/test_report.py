@@ -8,8 +8,8 @@ import re
 import shutil
 
 import pytest
-import report_data
-from report_data import baselines
+from tests import report_data
+from tests.report_data import baselines
 
 from benchmarks import report, report_breaks, report_earlier, report_prefill
 from benchmarks import targets as T
