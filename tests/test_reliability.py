@@ -476,3 +476,24 @@ def test_08_graphs_survive_cublas_workspace_clearing():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+# -- found by the fuzzer: composite copies that are annotated as views ----------------------------
+
+
+def test_copying_composites_under_inference_mode_are_replayed(capture, device):
+    """Under inference_mode the emulator sees reshape/contiguous/flatten undecomposed; their
+    schema says "view" but they copy when they must, and that copy must run on every replay."""
+    with torch.inference_mode():
+        x = torch.randn(3, 4, device=device)
+        g = breakgraph.BreakableCUDAGraph()
+        with capture(g):
+            a = x.t().reshape(12) * 1
+            b = x.t().contiguous() + 0
+            c = x.t().flatten()
+        for _ in range(2):
+            x.copy_(torch.randn(3, 4, device=device))
+            g.replay()
+            torch.testing.assert_close(a, x.t().reshape(12))
+            torch.testing.assert_close(b, x.t().contiguous())
+            torch.testing.assert_close(c, x.t().flatten())

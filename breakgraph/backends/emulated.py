@@ -74,6 +74,23 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # wrapper subclasses without a storage
+        return 0
+
+
+def _storages(args: tuple, kwargs: dict) -> set:
+    values = list(args) + list(kwargs.values())
+    found = set()
+    for v in values:
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, torch.Tensor):
+                found.add(_storage(t))
+    return found
+
+
 def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
     """Compile one recorded operation into a replay closure (None when nothing must run)."""
     if func.overloadpacket in _NO_KERNEL or torch.Tag.inplace_view in func.tags:
@@ -82,9 +99,16 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None
     mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     outputs = out if len(schema.returns) > 1 else (out,)
     fresh: list[tuple] = []  # (return index, list index or None, recorded tensor)
+    read = None
     for index, (ret, value) in enumerate(zip(schema.returns, outputs)):
         if ret.alias_info is not None:
-            continue  # a view or the mutated argument itself
+            # a view or the mutated argument itself, unless it made a copy: composite ops
+            # such as reshape/contiguous/flatten (seen undecomposed under inference_mode)
+            # are annotated as views but copy when they must
+            if read is None:
+                read = _storages(args, kwargs)
+            if not isinstance(value, torch.Tensor) or _storage(value) in read:
+                continue
         if isinstance(value, torch.Tensor):
             fresh.append((index, None, _frozen(value)))
         elif isinstance(value, (list, tuple)):
