@@ -27,6 +27,8 @@ from .errors import (
     CopyBackError,
     HostSyncError,
     InputError,
+    RankFailedError,
+    RankMismatchError,
     ReplayError,
     StaleTensorError,
     StreamError,
@@ -53,6 +55,8 @@ __all__ = [
     "ReplayError",
     "CopyBackError",
     "InputError",
+    "RankMismatchError",
+    "RankFailedError",
     "StaleTensorError",
     "BreakgraphWarning",
 ]

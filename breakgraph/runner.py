@@ -15,8 +15,9 @@ Rules it enforces (each one a bug in a peer):
   buckets, largest first so smaller ones reuse the pool, warm-up before each) or
   ``with runner.capture_window():``. Outside it a size with no bucket runs
   eagerly or raises (``on_miss``), it never captures on the fly;
-* the bucket choice can be made to agree across ranks (``agree_size``), so
-  collectives inside segments see the same graph on every rank.
+* with ``ranks=RankGroup(...)`` (:mod:`breakgraph.distributed`) every rank captures the
+  same buckets and takes the same bucket or eager decision on every call, so collectives
+  inside segments line up (tensor parallelism).
 
 Outputs live in graph memory and are overwritten by the next call; pass
 ``owned=True`` to get a copy.
@@ -43,17 +44,22 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 from .debug import pool_bytes
+from .distributed import CAPTURE_ERROR_MODE
+from .distributed import fingerprint as fingerprint_of
 from .eager import eager_on_graph
 from .errors import CaptureError, InputError, ReplayError
 from .graph import BreakableCUDAGraph, capture, context_scope
 
-__all__ = ["BucketedRunner", "RunnerStats", "all_reduce_max"]
+if TYPE_CHECKING:
+    from .distributed import RankGroup
+
+__all__ = ["BucketedRunner", "RunnerStats"]
 
 logger = logging.getLogger("breakgraph")
 
@@ -113,8 +119,12 @@ class BucketedRunner:
         slice_outputs: trim output tensors whose bucketed dimension equals the
             bucket back to the input size (views); False returns them whole, or a
             callable ``(output, size) -> output`` does it your way.
-        agree_size: ``size -> size`` called before every decision; make it return
-            the same value on every rank (see :func:`all_reduce_max`).
+        agree_size: ``size -> size`` called before every decision (a custom policy
+            in one process; for several ranks pass ``ranks``).
+        ranks: a :class:`~breakgraph.distributed.RankGroup` when segments hold
+            collectives (tensor parallelism): every call agrees its size (the largest
+            over the ranks) and the ``fingerprint`` of the call in one all-reduce, and
+            every warm-up and capture is checked on all ranks, with a timeout.
         warmup: eager runs of ``fn`` before each capture.
         backend, pool, context: as for :func:`breakgraph.capture`.
         capture_context: ``size -> context`` for the warm-up and capture of bucket
@@ -138,6 +148,7 @@ class BucketedRunner:
         max_padding_fraction: float | None = None,
         slice_outputs: bool | Callable[[Any, int], Any] = True,
         agree_size: Callable[[int], int] | None = None,
+        ranks: RankGroup | None = None,
         warmup: int = 2,
         backend: str | None = None,
         pool: Any = None,
@@ -157,6 +168,11 @@ class BucketedRunner:
             )
         if max_padding_fraction is not None and not 0.0 <= max_padding_fraction < 1.0:
             raise InputError("BucketedRunner: max_padding_fraction must be in [0, 1).")
+        if ranks is not None and (agree_size is not None or warmup < 1):
+            raise InputError(
+                "BucketedRunner: with ranks=, the ranks agree the size themselves (drop "
+                "agree_size) and collectives must run eagerly before capture (warmup >= 1)."
+            )
         examples = tuple(example_inputs)
         if not examples or not all(isinstance(t, torch.Tensor) for t in examples):
             raise InputError(
@@ -179,6 +195,7 @@ class BucketedRunner:
         self.max_padding_fraction = max_padding_fraction
         self.slice_outputs = slice_outputs
         self.agree_size = agree_size
+        self.ranks = ranks
         self.warmup = warmup
         self.backend = backend
         self.context = context
@@ -188,6 +205,8 @@ class BucketedRunner:
         self._buckets: dict[int, _Bucket] = {}
         self._sizes: list = []
         self._window_open = True
+        if ranks is not None:  # every rank must capture the same buckets in the same order
+            ranks.agree(0, fingerprint_of(sizes, self._dims, self._pads, self._examples), "buckets")
         try:
             self._capture_buckets(sizes)
         finally:
@@ -229,13 +248,24 @@ class BucketedRunner:
         logger.info("breakgraph: capturing bucket %d", size)
         start = time.perf_counter()
         with context_scope(context):
-            self._warm_up(inputs)
+            self._on_all_ranks(f"warm-up of bucket {size}", lambda: self._warm_up(inputs))
         graph = BreakableCUDAGraph()
         pool_before = pool_bytes(self._pool, inputs[0].device) or 0
-        with capture(
-            graph, pool=self._pool, backend=self.backend, context=context, debug=self.debug
-        ):
-            output = self._captured_fn(*inputs)
+
+        def record() -> Any:
+            with capture(
+                graph,
+                pool=self._pool,
+                backend=self.backend,
+                context=context,
+                debug=self.debug,
+                capture_error_mode=CAPTURE_ERROR_MODE if self.ranks is not None else "global",
+            ):
+                return self._captured_fn(*inputs)
+
+        output = self._on_all_ranks(
+            f"capture of bucket {size}", record, lambda _: fingerprint_of(repr(graph))
+        )
         if self._pool is None:
             self._pool = graph.pool()
         self.stats.graph_memory_bytes[size] = (
@@ -252,6 +282,12 @@ class BucketedRunner:
             self.stats.capture_seconds[size],
             graph,
         )
+
+    def _on_all_ranks(self, what: str, step: Callable, fingerprint: Callable | None = None):
+        """Run a capture-phase step; with ``ranks``, check it succeeded alike on every rank."""
+        if self.ranks is None:
+            return step()
+        return self.ranks.capture_step(what, step, fingerprint)
 
     def _warm_up(self, inputs: tuple) -> None:
         if self.warmup <= 0:
@@ -290,17 +326,28 @@ class BucketedRunner:
         """The captured graph of bucket ``size``."""
         return self._buckets[size].graph
 
-    def __call__(self, *inputs: torch.Tensor, context: Any = None, owned: bool = False) -> Any:
+    def __call__(
+        self, *inputs: torch.Tensor, context: Any = None, owned: bool = False, fingerprint: int = 0
+    ) -> Any:
         """Run ``fn(*inputs)`` through the smallest bucket that fits (or eagerly).
 
         ``context`` is what eager functions see through ``replay_context()`` (default:
         the runner's). The result lives in graph memory and is overwritten by the next
-        call unless ``owned=True``.
+        call unless ``owned=True``. With ``ranks``, ``fingerprint`` (see
+        :func:`breakgraph.distributed.fingerprint`) must be equal on every rank.
         """
         if not self._sizes:
             raise ReplayError("BucketedRunner: the runner is closed; build a new one.")
-        size = self._validate(inputs)
-        agreed = self.agree_size(size) if self.agree_size is not None else size
+        try:
+            size = self._validate(inputs)
+        except InputError:
+            if self.ranks is not None:
+                self.ranks.report_failure()  # the other ranks raise instead of waiting
+            raise
+        if self.ranks is not None:
+            agreed = self.ranks.agree(size, fingerprint)
+        else:
+            agreed = self.agree_size(size) if self.agree_size is not None else size
         context = self.context if context is None else context
         index = bisect.bisect_left(self._sizes, agreed)
         if index == len(self._sizes):
@@ -333,6 +380,8 @@ class BucketedRunner:
 
     def _eager(self, inputs: tuple, context: Any, reason: str) -> Any:
         self.stats.eager_fallbacks[reason] = self.stats.eager_fallbacks.get(reason, 0) + 1
+        if self.ranks is not None:
+            self.ranks.before_eager()
         with context_scope(context):
             return self.fn(*inputs)
 
@@ -358,7 +407,10 @@ class BucketedRunner:
                 problem = f"device {value.device}, expected {device}"
             elif any(value.shape[j] != shape[j] for j in range(len(shape)) if j != d):
                 expected = list(_with_dim(shape, d, "N"))
-                problem = f"shape {tuple(value.shape)}, expected {expected} (N is the bucketed dimension {d})"
+                problem = (
+                    f"shape {tuple(value.shape)}, expected {expected} "
+                    f"(N is the bucketed dimension {d})"
+                )
             elif size is not None and value.shape[d] != size:
                 problem = f"bucketed size {value.shape[d]}, but input 0 has {size}"
             if problem is not None:
@@ -388,27 +440,6 @@ class BucketedRunner:
             bucket.graph.reset()
         self._buckets.clear()
         self._sizes = []
-
-
-def all_reduce_max(group: Any = None) -> Callable[[int], int]:
-    """An ``agree_size`` for :class:`BucketedRunner`: the largest size over all ranks.
-
-    Every rank then pads to the same bucket (or goes eager together), so collectives
-    inside captured segments line up. Needs ``torch.distributed`` to be initialised.
-
-    Example::
-
-        runner = BucketedRunner(fn, (64, 256), examples, agree_size=all_reduce_max())
-    """
-    import torch.distributed as dist
-
-    def agree(size: int) -> int:
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        t = torch.tensor([size], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return int(t.item())
-
-    return agree
 
 
 def _per_input(value: Any, n: int, name: str) -> tuple:

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 import breakgraph
+from breakgraph import distributed
 from breakgraph.backends import select_backend
+from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
 from breakgraph.runner import BucketedRunner
 
@@ -123,6 +125,17 @@ class PrefillRunner:
         debug: capture in debug mode (see :mod:`breakgraph.debug`): input checks on
             every replay, and ``runner.graph(bucket).report()`` gives each attention
             break's host time per replay. Slow; off by default (``$BREAKGRAPH_DEBUG``).
+            Under tensor parallelism it also checks that every rank got the same token ids.
+        tp_collectives: for a tensor-parallel model (detected from its DTensor
+            parameters; see ``docs/tensor-parallel.md``): ``"captured"`` records the
+            row-parallel all-reduces inside the segments; ``"eager"`` runs each one as an
+            eager break (SGLang's piecewise choice).
+        tp_timeout: seconds a rank waits for the others (capture steps and the per-call
+            agreement) before raising :class:`~breakgraph.RankFailedError`.
+
+    Under tensor parallelism every rank must call ``prefill`` with the same prompts; each
+    call agrees the bucket and checks the prompt lengths (and, in debug mode, the ids)
+    across ranks in one small all-reduce, and returns full-vocabulary logits on every rank.
 
     The model is left as it was: the attention implementation is switched to
     ``"breakgraph"`` only while capturing or running eagerly through the runner.
@@ -141,8 +154,15 @@ class PrefillRunner:
         warmup: int = 2,
         compile: Any = False,
         debug: bool | None = None,
+        tp_collectives: str = "captured",
+        tp_timeout: float = 300.0,
     ):
         _check_model(model)
+        if tp_collectives not in ("captured", "eager"):
+            raise InputError(
+                f"PrefillRunner: tp_collectives must be 'captured' or 'eager', got "
+                f"{tp_collectives!r}."
+            )
         if max_prompts < 1:
             raise InputError(f"PrefillRunner: max_prompts must be >= 1, got {max_prompts}.")
         if attention not in ("auto", "flash", "reference", "captured"):
@@ -196,6 +216,13 @@ class PrefillRunner:
         self._step = 0
         self._closed = False
         _attention.register()
+        # tensor parallelism: the ranks agree every capture step and every call
+        self.tp_collectives = tp_collectives
+        self._check_ids = debug_enabled(debug)
+        group = distributed.tensor_parallel_group(model)
+        self.ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
+        if self.ranks is not None:
+            self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
         example = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self._runner = BucketedRunner(
             self._forward,
@@ -209,6 +236,7 @@ class PrefillRunner:
             backend=backend,
             capture_context=self._capture_batch,
             debug=debug,
+            ranks=self.ranks,
         )
 
     # -- the captured forward ------------------------------------------------------------
@@ -219,7 +247,12 @@ class PrefillRunner:
         )
         if breakgraph.is_capturing():
             self._layers[input_ids.shape[1]] = state.layers
-        with self._attention_installed(state), torch.no_grad():
+        collectives = (
+            distributed.all_reduce_as_breaks()
+            if self.tp_collectives == "eager"
+            else contextlib.nullcontext()
+        )
+        with self._attention_installed(state), collectives, torch.no_grad():
             return self._forward_model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -314,7 +347,12 @@ class PrefillRunner:
             raise ReplayError(
                 "PrefillRunner.prefill: the runner is closed; build a new PrefillRunner."
             )
-        lengths = self._validate(prompts)
+        try:
+            lengths = self._validate(prompts)
+        except InputError:
+            if self.ranks is not None:
+                self.ranks.report_failure()  # the other ranks raise instead of waiting
+            raise
         total = sum(lengths)
         bucket = self._runner.bucket_for(total)
         ids = torch.cat([p.to(self.device, non_blocking=True) for p in prompts]).view(1, total)
@@ -327,7 +365,12 @@ class PrefillRunner:
             ]
         ).view(1, total)
         batch = self._stage(lengths, bucket if bucket is not None else total)
-        logits = self._runner(ids, positions, context=batch)
+        same_on_all_ranks = 0
+        if self.ranks is not None:  # lengths always (free); ids in debug mode (a host copy)
+            same_on_all_ranks = distributed.fingerprint(
+                lengths, *(prompts if self._check_ids else ())
+            )
+        logits = self._runner(ids, positions, context=batch, fingerprint=same_on_all_ranks)
         self._step += 1
         layers = self._layers[bucket] if bucket is not None else None
         return PrefillOutput(
@@ -343,8 +386,9 @@ class PrefillRunner:
             raise InputError("PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors.")
         if len(prompts) > self.max_prompts:
             raise InputError(
-                f"PrefillRunner.prefill: {len(prompts)} prompts exceed max_prompts={self.max_prompts}; "
-                f"split the batch or build the runner with a larger max_prompts."
+                f"PrefillRunner.prefill: {len(prompts)} prompts exceed "
+                f"max_prompts={self.max_prompts}; split the batch or build the runner with a "
+                f"larger max_prompts."
             )
         lengths = []
         for i, p in enumerate(prompts):
@@ -355,8 +399,8 @@ class PrefillRunner:
                 or p.numel() == 0
             ):
                 raise InputError(
-                    f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of token ids, "
-                    f"got {type(p).__name__}"
+                    f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of "
+                    f"token ids, got {type(p).__name__}"
                     + (
                         f" of shape {tuple(p.shape)} and dtype {p.dtype}"
                         if isinstance(p, torch.Tensor)
@@ -378,6 +422,8 @@ class PrefillRunner:
         self._closed = True
         self._runner.close()
         self._layers.clear()
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def _check_model(model: Any) -> None:
@@ -406,8 +452,8 @@ def _check_model(model: Any) -> None:
     if rope_type not in _STATIC_ROPE_TYPES:
         raise UnsupportedModelError(
             f"PrefillRunner: rope_type {rope_type!r} recomputes its frequencies from the live "
-            f"sequence length on the host; only static RoPE ({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) "
-            f"can be captured."
+            f"sequence length on the host; only static RoPE "
+            f"({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) can be captured."
         )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
