@@ -206,7 +206,8 @@ class BucketedRunner:
         self._sizes: list = []
         self._window_open = True
         if ranks is not None:  # every rank must capture the same buckets in the same order
-            ranks.agree(0, fingerprint_of(sizes, self._dims, self._pads, self._examples), "buckets")
+            shapes = [(dtype, device.type, shape) for dtype, device, shape in self._examples]
+            ranks.agree(0, fingerprint_of(sizes, self._dims, self._pads, shapes), "buckets")
         try:
             self._capture_buckets(sizes)
         finally:

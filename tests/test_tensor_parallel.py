@@ -169,9 +169,11 @@ def reference_logits(model, prompts) -> torch.Tensor:
 
 
 def max_diff(runner, reference, seed: int, lengths=(3, 7, 5)) -> float:
+    """Largest |logits - unsharded| over the batch, relative to max(1, max|unsharded|)."""
     prompts = prompts_for(seed, lengths)
     logits = runner.prefill(prompts).logits.float().cpu()
-    return (logits - reference_logits(reference, prompts)).abs().max().item()
+    expected = reference_logits(reference, prompts)
+    return (logits - expected).abs().max().item() / max(1.0, expected.abs().max().item())
 
 
 def error_of(call) -> str:
@@ -330,7 +332,8 @@ def main_run(request, tmp_path_factory):
 
 
 def tolerance(backend: str) -> float:
-    return 5e-2 if backend == "cuda" else 1e-4  # bf16 on the GPU; reduction order on the CPU
+    # bf16 and FlashAttention on the GPU (as in test_transformers); reduction order on the CPU
+    return 5e-2 if backend == "cuda" else 1e-4
 
 
 def test_prefill_runner_detects_tp_and_matches_the_unsharded_model(main_run):
