@@ -218,6 +218,20 @@ def run_tp(bench: Bench, path: str, loads: dict) -> dict:
         runner.ranks.agree(128, fingerprint([128]))
         times.append((time.perf_counter() - start) * 1e6)
     result["agreement_us"] = {"median": statistics.median(times), "p90": sorted(times)[179]}
+    if bench.cuda:  # the alternative: the same values through NCCL, then a host read (a sync)
+        import torch.distributed as dist
+
+        values = torch.zeros(3 + bench.world, dtype=torch.int64, device=bench.device)
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            values.tolist()
+            times.append((time.perf_counter() - start) * 1e6)
+        result["agreement_nccl_us"] = {
+            "median": statistics.median(times),
+            "p90": sorted(times)[179],
+        }
 
     rows, correctness = [], {}
     for name, prompts in loads.items():
@@ -331,6 +345,11 @@ def print_summary(results: dict) -> None:
         f"{results['tp1']['capture_s']:.1f}; agreement per call "
         f"{tp['agreement_us']['median']:.0f} us "
         f"(p90 {tp['agreement_us']['p90']:.0f})"
+        + (
+            f", through NCCL + host read {tp['agreement_nccl_us']['median']:.0f} us"
+            if "agreement_nccl_us" in tp
+            else ""
+        )
     )
     head = [
         "eager",
@@ -374,7 +393,14 @@ def main() -> None:
         "--smoke", action="store_true", help="tiny model on the CPU (gloo, emulated)"
     )
     parser.add_argument("--iters", type=int, default=None, help="calls per variant per round")
+    parser.add_argument(
+        "--no-graph-mixing",
+        action="store_true",
+        help="set NCCL_GRAPH_MIXING_SUPPORT=0 before NCCL starts (tp_bg_eager_ar is then skipped)",
+    )
     args = parser.parse_args()
+    if args.no_graph_mixing:
+        os.environ["NCCL_GRAPH_MIXING_SUPPORT"] = "0"
 
     import transformers
 
