@@ -152,8 +152,9 @@ class RankGroup:
         if timeout <= 0:
             raise InputError(f"RankGroup: timeout must be positive, got {timeout}.")
         self.group = group if group is not None else dist.group.WORLD
-        self.ranks = dist.get_process_group_ranks(self.group)
-        self.rank = dist.get_rank(self.group)
+        self.ranks = dist.get_process_group_ranks(self.group)  # global ranks, in group order
+        self.rank = dist.get_rank(self.group)  # this process's index in ``ranks``
+        self._me = self.ranks[self.rank]  # its global rank, as messages name it
         self.timeout = float(timeout)
         backend = str(dist.get_backend(self.group))
         self.nccl = "nccl" in backend
@@ -170,7 +171,7 @@ class RankGroup:
 
     def __repr__(self) -> str:
         state = f", broken: {self._broken}" if self._broken else ""
-        return f"RankGroup(rank {self.rank} of {self.ranks}, timeout={self.timeout:g} s{state})"
+        return f"RankGroup(rank {self._me} of {self.ranks}, timeout={self.timeout:g} s{state})"
 
     # -- per call --------------------------------------------------------------------------
     def agree(self, size: int, fingerprint: int = 0, what: str = "inputs") -> int:
@@ -188,7 +189,7 @@ class RankGroup:
             )
         if not same:
             raise RankMismatchError(
-                f"RankGroup.agree: the ranks were given different {what} (rank {self.rank} of "
+                f"RankGroup.agree: the ranks were given different {what} (rank {self._me} of "
                 f"{self.ranks}; their fingerprints differ). With tensor parallelism every rank "
                 f"must make the same call with the same inputs: give all ranks the same prompts "
                 f"(e.g. broadcast them from rank 0). Nothing ran."
@@ -234,16 +235,16 @@ class RankGroup:
                 _, _, failed = self._exchange(0, 0, level)
             except RankFailedError:
                 failed = []
-            self._broken = f"{what} failed on rank(s) {failed or [self.rank]}"
-            if level == _COLLATERAL and failed and self.rank not in failed:
+            self._broken = f"{what} failed on rank(s) {failed or [self._me]}"
+            if level == _COLLATERAL and failed and self._me not in failed:
                 raise RankFailedError(
                     f"RankGroup: {what} failed on rank(s) {failed}, which cut off this rank's "
                     f"collectives ({type(exc).__name__}). End the processes and restart."
                 ) from exc
-            others = [r for r in failed if r != self.ranks[self.rank]]
+            others = [r for r in failed if r != self._me]
             _add_note(
                 exc,
-                f"breakgraph: {what} failed on rank {self.rank} of {self.ranks}"
+                f"breakgraph: {what} failed on rank {self._me} of {self.ranks}"
                 + (f" (and on {others})" if others else "; the other ranks raise RankFailedError")
                 + ". The model's process group is no longer usable: end the processes.",
             )
@@ -253,7 +254,7 @@ class RankGroup:
             self._broken = f"{what} failed on rank(s) {failed}"
             raise RankFailedError(
                 f"RankGroup: {what} failed on rank(s) {failed} (see the error there); rank "
-                f"{self.rank} stopped instead of waiting for their collectives. The model's "
+                f"{self._me} stopped instead of waiting for their collectives. The model's "
                 f"process group is no longer usable: end the processes and restart."
             )
         if not same:
@@ -291,6 +292,7 @@ class RankGroup:
     # -- internals -------------------------------------------------------------------------
     def _exchange(self, size: int, digest: int, failed: int) -> tuple[int, bool, list[int]]:
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d  # never all_reduce_as_breaks' wrapper
 
         if self._broken is not None:
             raise RankFailedError(
@@ -304,11 +306,11 @@ class RankGroup:
         values[0], values[1], values[2] = size, digest, -digest
         values[3 + self.rank] = failed
         try:
-            dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._control)
+            distributed_c10d.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._control)
         except Exception as exc:  # gloo's timeout, or a rank that exited
             self._broken = f"no answer from every rank within {self.timeout:g} s"
             raise RankFailedError(
-                f"RankGroup: {self._broken} (rank {self.rank} of {self.ranks}): another rank "
+                f"RankGroup: {self._broken} (rank {self._me} of {self.ranks}): another rank "
                 f"failed, exited or is blocked. End the processes and restart."
             ) from exc
         flags = values[3:]
