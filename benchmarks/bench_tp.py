@@ -399,6 +399,8 @@ def main() -> None:
         help="set NCCL_GRAPH_MIXING_SUPPORT=0 before NCCL starts (tp_bg_eager_ar is then skipped)",
     )
     args = parser.parse_args()
+    if args.smoke:  # the CPU only, even on a GPU machine (set before CUDA is first touched)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.no_graph_mixing:
         os.environ["NCCL_GRAPH_MIXING_SUPPORT"] = "0"
 

@@ -8,7 +8,8 @@ rank gets the full-vocabulary logits.
     torchrun --nproc-per-node 2 examples/tensor_parallel.py   # 2 GPUs: NCCL and CUDA graphs
     python examples/tensor_parallel.py                         # launches itself the same way
 
-Without 2 GPUs it runs on the CPU (gloo and the emulated backend). There is no ``from_config``
+Without 2 GPUs, start it with plain ``python``: it runs on the CPU (gloo and the emulated
+backend), with any GPU hidden from the two processes. There is no ``from_config``
 path for TP, so rank 0 saves a random model and every rank loads it with TP=2.
 """
 
@@ -92,4 +93,7 @@ if __name__ == "__main__":
         main()
     else:  # started with plain `python`: run it the way a user would, under torchrun
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-        sys.exit(subprocess.call(command + [os.path.abspath(__file__)]))
+        # fewer than 2 GPUs: hide them, or transformers would place both ranks' shards there
+        hide = {} if torch.cuda.device_count() >= 2 else {"CUDA_VISIBLE_DEVICES": ""}
+        env = dict(os.environ, **hide)
+        sys.exit(subprocess.call(command + [os.path.abspath(__file__)], env=env))

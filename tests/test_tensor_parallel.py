@@ -11,6 +11,7 @@ hang fails the tests instead of stalling CI.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -59,8 +60,10 @@ def launch(scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEO
         )
         for rank in range(WORLD)
     ]
-    for process in processes:
-        process.start()
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "emulated" else {}
+    with _environment(hidden):  # gloo ranks stay on the CPU on a GPU machine too
+        for process in processes:
+            process.start()
     deadline = time.monotonic() + timeout
     collected = {}
     try:
@@ -86,6 +89,21 @@ def launch(scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEO
                 process.kill()
                 process.join()
     return [collected[rank] for rank in range(WORLD)]
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    """Set environment variables for the processes started inside (spawn copies them)."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _free_port() -> int:
