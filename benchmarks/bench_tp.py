@@ -165,6 +165,8 @@ def take_turns(bench: Bench, fns: dict, rounds: int, iters: int, warmup: int = 2
 
 @torch.no_grad()
 def eager_logits(model, prompts) -> torch.Tensor:
+    if prompts[0].is_cuda:  # no graph launch in flight when eager NCCL starts (graph mixing off)
+        torch.cuda.synchronize()
     rows = [model(p[None], use_cache=False, logits_to_keep=1).logits[0, -1] for p in prompts]
     return torch.stack(rows).float()
 
@@ -222,6 +224,7 @@ def run_tp(bench: Bench, path: str, loads: dict) -> dict:
         import torch.distributed as dist
 
         values = torch.zeros(3 + bench.world, dtype=torch.int64, device=bench.device)
+        bench.sync()
         times = []
         for _ in range(200):
             start = time.perf_counter()

@@ -223,9 +223,13 @@ class RankGroup:
         during the step the model group's own timeout is lowered to that and restored
         afterwards. NCCL collectives never block the host during capture, so no rank waits
         without bound.
+
+        With NCCL the device is synchronised before the step and after a successful exchange
+        (never before it: a rank whose peer failed would wait on its GPU forever), so no
+        captured collective is in flight when the next eager one starts.
         """
         if self.nccl:
-            torch.cuda.synchronize()  # the previous step's collectives are done on every rank
+            torch.cuda.synchronize()
         try:
             with self._model_collective_timeout(self.timeout / 2):
                 result = step()
@@ -264,6 +268,8 @@ class RankGroup:
                 f"so their replays would not run the same collectives. Every rank must run the "
                 f"same model code with the same options."
             )
+        if self.nccl:
+            torch.cuda.synchronize()  # every rank launched the step's collectives: they finish
         return result
 
     def check_graph_mixing(self, eager_collectives: bool) -> None:
