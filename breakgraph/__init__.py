@@ -27,6 +27,8 @@ from .errors import (
     CopyBackError,
     HostSyncError,
     InputError,
+    RankFailedError,
+    RankMismatchError,
     ReplayError,
     StaleTensorError,
     StreamError,
@@ -54,6 +56,8 @@ __all__ = [
     "ReplayError",
     "CopyBackError",
     "InputError",
+    "RankMismatchError",
+    "RankFailedError",
     "StaleTensorError",
     "BreakgraphWarning",
 ]

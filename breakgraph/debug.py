@@ -67,7 +67,12 @@ def debug_enabled(flag: bool | None) -> bool:
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The tensor's storage address; 0 (never watched) for wrapper subclasses without one,
+    e.g. the ``AsyncCollectiveTensor`` of a functional collective (its inner tensor is seen)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0
 
 
 @dataclass

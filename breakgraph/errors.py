@@ -20,6 +20,8 @@ __all__ = [
     "CopyBackError",
     "InputError",
     "StaleTensorError",
+    "RankMismatchError",
+    "RankFailedError",
     "BreakgraphWarning",
 ]
 
@@ -87,6 +89,25 @@ class StaleTensorError(ReplayError):
 
     Captured kernels read it at its capture-time address; keep it alive and refill it
     in place (``copy_``) instead of replacing it.
+    """
+
+
+class RankMismatchError(BreakgraphError):
+    """The ranks that replay graphs together were given different inputs or settings.
+
+    With tensor parallelism every rank must make the same call with the same inputs
+    (prompts, buckets, options); otherwise the sharded model computes silently wrong
+    results or the ranks wait on each other forever. Raised on every rank, before any
+    graph runs (see :mod:`breakgraph.distributed`).
+    """
+
+
+class RankFailedError(BreakgraphError):
+    """Another rank failed (or stopped answering), so this rank stopped too instead of hanging.
+
+    Raised on the ranks that did *not* fail; the failing rank raises its own error.
+    After a failure during capture the model's process group has seen different
+    collectives on different ranks and cannot be trusted: end the processes and restart.
     """
 
 

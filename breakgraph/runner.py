@@ -23,8 +23,9 @@ Rules it enforces (each one a bug in a peer):
 * capture happens only in an explicit capture phase: the constructor or
   ``with runner.capture_window():``. Outside it a size with no bucket runs
   eagerly or raises (``on_miss``), it never captures on the fly;
-* the decision is made on the size agreed across ranks (``agree_size``), so
-  collectives inside segments see the same graph on every rank.
+* with ``ranks=RankGroup(...)`` (:mod:`breakgraph.distributed`) every rank captures the
+  same buckets and takes the same bucket-or-eager decision on every call, agreed in one
+  small all-reduce, so collectives inside segments line up (tensor parallelism).
 
 Outputs live in graph memory and are overwritten by the next call; pass
 ``owned=True`` to get a copy.
@@ -57,6 +58,7 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .backends import select_backend
 from .eager import eager_on_graph
 from .errors import CaptureError, InputError, ReplayError
@@ -70,7 +72,6 @@ __all__ = [
     "Decision",
     "choose_bucket",
     "StaticInputs",
-    "all_reduce_max",
 ]
 
 logger = logging.getLogger("breakgraph")
@@ -290,9 +291,13 @@ class BucketedRunner:
         slice_outputs: trim output tensors whose bucketed dimension equals the
             bucket back to the input size (views); False returns them whole, or a
             callable ``(output, size) -> output`` does it your way.
-        agree_size: ``size -> size`` called before every decision; make it return
-            the same value on every rank (see :func:`all_reduce_max`). It must not
-            return less than the size.
+        agree_size: ``size -> size`` called before every decision (a custom policy in
+            one process); it must not return less than the size. For several ranks pass
+            ``ranks`` instead.
+        ranks: a :class:`~breakgraph.distributed.RankGroup` when segments hold
+            collectives (tensor parallelism): every call agrees its size (the largest over
+            the ranks) and a ``fingerprint`` of the call in one all-reduce, and every
+            warm-up and capture is checked on all ranks, with a timeout.
         warmup: eager runs of ``fn`` before the first capture of a capture phase (on
             the largest new bucket); later buckets reuse that warm-up.
         warmup_each: warm up before every bucket instead (``torch.compile``d functions
@@ -323,6 +328,7 @@ class BucketedRunner:
         max_padding_fraction: float | None = None,
         slice_outputs: bool | Callable[[Any, int], Any] = True,
         agree_size: Callable[[int], int] | None = None,
+        ranks: distributed.RankGroup | None = None,
         warmup: int = 2,
         warmup_each: bool = False,
         backend: str | None = None,
@@ -341,6 +347,11 @@ class BucketedRunner:
             )
         if max_padding_fraction is not None and not 0.0 <= max_padding_fraction < 1.0:
             raise InputError("BucketedRunner: max_padding_fraction must be in [0, 1).")
+        if ranks is not None and (agree_size is not None or warmup < 1):
+            raise InputError(
+                "BucketedRunner: with ranks=, the ranks agree the size themselves (drop "
+                "agree_size) and collectives must run eagerly before capture (warmup >= 1)."
+            )
         self.inputs = (
             static_inputs
             if static_inputs is not None
@@ -353,6 +364,7 @@ class BucketedRunner:
         self.max_padding_fraction = max_padding_fraction
         self.slice_outputs = slice_outputs
         self.agree_size = agree_size
+        self.ranks = ranks
         self.warmup = warmup
         self.warmup_each = warmup_each
         self.backend = select_backend(backend).name
@@ -365,6 +377,10 @@ class BucketedRunner:
         self._sizes: tuple = ()
         self._decisions: dict[int, Decision] = {}  # size -> decision (outside capture windows)
         self._window_open = True
+        if ranks is not None:  # every rank must capture the same buckets in the same order
+            shapes = [(dtype, device.type, shape) for dtype, device, shape in self.inputs.specs]
+            spec = distributed.fingerprint(sizes, self.inputs.dims, self.inputs.pads, shapes)
+            ranks.agree(0, spec, "buckets")
         try:
             self._capture_buckets(sizes)
         finally:
@@ -408,20 +424,29 @@ class BucketedRunner:
         start = time.perf_counter()
         if first or self.warmup_each:
             with context_scope(context):
-                self._warm_up(inputs)
+                self._on_all_ranks(f"warm-up of bucket {size}", lambda: self._warm_up(inputs))
             self.stats.warmup_seconds += time.perf_counter() - start
         graph = BreakableCUDAGraph()
         backend = select_backend(self.backend)
         pool_before = backend.pool_bytes(self._pool) if self._pool is not None else 0
-        with capture(
-            graph,
-            pool=self._pool,
-            backend=self.backend,
-            context=context,
-            debug=self.debug,
-            collect_garbage=first,
-        ):
-            output = self._captured_fn(*inputs)
+
+        def record() -> Any:
+            with capture(
+                graph,
+                pool=self._pool,
+                backend=self.backend,
+                context=context,
+                debug=self.debug,
+                collect_garbage=first,
+                capture_error_mode="global"
+                if self.ranks is None
+                else distributed.CAPTURE_ERROR_MODE,
+            ):
+                return self._captured_fn(*inputs)
+
+        output = self._on_all_ranks(
+            f"capture of bucket {size}", record, lambda _: distributed.fingerprint(repr(graph))
+        )
         self._pool = graph.pool()
         self.stats.graph_memory_bytes[size] = (backend.pool_bytes(self._pool) or 0) - (
             pool_before or 0
@@ -436,6 +461,12 @@ class BucketedRunner:
         logger.info("%s: %r", message, graph)
         if self.progress:
             print(message, file=sys.stderr, flush=True)
+
+    def _on_all_ranks(self, what: str, step: Callable, fingerprint: Callable | None = None):
+        """Run a capture-phase step; with ``ranks``, check it succeeded alike on every rank."""
+        if self.ranks is None:
+            return step()
+        return self.ranks.capture_step(what, step, fingerprint)
 
     def _warm_up(self, inputs: tuple) -> None:
         if self.warmup <= 0:
@@ -457,8 +488,12 @@ class BucketedRunner:
         """The captured bucket sizes, ascending."""
         return self._sizes
 
-    def decide(self, size: int) -> Decision:
-        """What a call of ``size`` does, decided on the agreed size (``agree_size``).
+    def decide(self, size: int, fingerprint: int = 0) -> Decision:
+        """What a call of ``size`` does, decided on the agreed size.
+
+        With ``ranks`` this is the call's one exchange: the largest size over the ranks,
+        and ``fingerprint`` (:func:`breakgraph.distributed.fingerprint` of the call's
+        inputs) must be equal on every rank; else ``agree_size`` if given.
 
         Example::
 
@@ -471,7 +506,9 @@ class BucketedRunner:
         if not self._sizes:
             raise ReplayError("BucketedRunner: the runner is closed; build a new one.")
         agreed = size
-        if self.agree_size is not None:
+        if self.ranks is not None:
+            agreed = self.ranks.agree(size, fingerprint)
+        elif self.agree_size is not None:
             agreed = self.agree_size(size)
             if not isinstance(agreed, int) or agreed < size:
                 raise InputError(
@@ -492,9 +529,17 @@ class BucketedRunner:
         return decision
 
     def bucket_for(self, size: int) -> int | None:
-        """The bucket a call of ``size`` would replay, or None when it would not replay a graph
-        (the same decision ``__call__`` makes, agreed size and capture window included)."""
-        decision = self.decide(size)
+        """The bucket a call of ``size`` would replay, or None when it would not replay a graph:
+        the decision ``__call__`` makes (``agree_size`` and the capture window included). With
+        ``ranks`` it looks at this rank's size only: it exchanges nothing."""
+        agreed = self.agree_size(size) if self.agree_size is not None else size
+        decision = choose_bucket(
+            self._sizes,
+            agreed,
+            max_padding_fraction=self.max_padding_fraction,
+            can_capture=self._window_open,
+            on_miss=self.on_miss,
+        )
         return decision.bucket if decision.action == "replay" else None
 
     def graph(self, size: int) -> BreakableCUDAGraph:
@@ -505,15 +550,23 @@ class BucketedRunner:
         """The static input buffers of bucket ``size`` (what :meth:`replay` reads)."""
         return self._buckets[size].inputs
 
-    def __call__(self, *inputs: torch.Tensor, context: Any = None, owned: bool = False) -> Any:
+    def __call__(
+        self, *inputs: torch.Tensor, context: Any = None, owned: bool = False, fingerprint: int = 0
+    ) -> Any:
         """Run ``fn(*inputs)`` through the smallest bucket that fits (or eagerly).
 
         ``context`` is what eager functions see through ``replay_context()`` (default:
         the runner's). The result lives in graph memory and is overwritten by the next
-        call unless ``owned=True``.
+        call unless ``owned=True``. With ``ranks``, ``fingerprint`` must be equal on every
+        rank (see :meth:`decide`).
         """
-        size = self.inputs.size_of(inputs)
-        decision = self.decide(size)
+        try:
+            size = self.inputs.size_of(inputs)
+        except InputError:
+            if self.ranks is not None:
+                self.ranks.report_failure()  # the other ranks raise instead of waiting
+            raise
+        decision = self.decide(size, fingerprint)
         context = self.context if context is None else context
         if decision.action == "capture":
             self._capture_buckets([decision.bucket])
@@ -548,6 +601,8 @@ class BucketedRunner:
     def run_eagerly(self, inputs: tuple, context: Any, reason: str) -> Any:
         """Run ``fn`` on the live inputs (counted as an eager fallback for ``reason``)."""
         self.stats.eager_fallbacks[reason] = self.stats.eager_fallbacks.get(reason, 0) + 1
+        if self.ranks is not None:
+            self.ranks.before_eager()
         with context_scope(self.context if context is None else context):
             return self.fn(*inputs)
 
@@ -572,27 +627,6 @@ class BucketedRunner:
         self._buckets.clear()
         self._sizes = ()
         self._decisions.clear()
-
-
-def all_reduce_max(group: Any = None) -> Callable[[int], int]:
-    """An ``agree_size`` for :class:`BucketedRunner`: the largest size over all ranks.
-
-    Every rank then pads to the same bucket (or goes eager together), so collectives
-    inside captured segments line up. Needs ``torch.distributed`` to be initialised.
-
-    Example::
-
-        runner = BucketedRunner(fn, (64, 256), examples, agree_size=all_reduce_max())
-    """
-    import torch.distributed as dist
-
-    def agree(size: int) -> int:
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        t = torch.tensor([size], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return int(t.item())
-
-    return agree
 
 
 def _bucket_sizes(buckets: Any, where: str, allow_empty: bool = False) -> list[int]:

@@ -18,6 +18,9 @@ same objects:
   that moment, so a later metadata change cannot alter what replay computes;
 * replay runs under ``torch.inference_mode()`` with autocast off, whatever the caller's
   modes are: a CUDA graph replays the kernels it recorded and knows neither.
+* collectives (``torch.distributed``'s ``c10d`` and functional ops) run again and are
+  waited for before anything reads their result: a CUDA graph orders them on the
+  stream, but on the host they complete asynchronously (gloo's worker threads).
 
 No Python from the user's model runs on replay (only the eager breaks), so frozen
 Python decisions, stale input buffers and frozen host ints give the same wrong
@@ -56,6 +59,9 @@ _NO_KERNEL = {
     aten.detach,
     aten.alias,
 }
+
+# torch.distributed's operator namespaces: their replays must wait for completion
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 
 
 class EmulatedPool:
@@ -120,15 +126,28 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None
     single = len(schema.returns) <= 1
     args = _frozen(args)
     kwargs = {k: _frozen(v) for k, v in kwargs.items()}
+    collective = func.namespace in _COLLECTIVE_NAMESPACES
 
     def step() -> None:
         new = func(*args, **kwargs)
+        if collective:
+            _wait_collective(new)
         news = (new,) if single else new
         for index, j, recorded in fresh:
             value = news[index] if j is None else news[index][j]
             recorded.copy_(value)
 
     return step
+
+
+def _wait_collective(result: Any) -> None:
+    """Wait for a replayed collective: a ``Work`` handle (``c10d`` ops) or an async tensor
+    (functional collectives). Waiting twice is harmless, so ``wait_tensor`` replays as is."""
+    for value in result if isinstance(result, (tuple, list)) else (result,):
+        if isinstance(value, torch.Tensor):
+            torch.ops._c10d_functional.wait_tensor(value)
+        elif hasattr(value, "wait"):
+            value.wait()
 
 
 class EmulatedSegment:

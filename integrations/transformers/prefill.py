@@ -43,6 +43,8 @@ import numpy as np
 import torch
 
 import breakgraph
+from breakgraph import distributed
+from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
 from breakgraph.memory import borrowed
 from breakgraph.runner import BucketedRunner, StaticInputs
@@ -174,30 +176,45 @@ class _StepBuffers(StaticInputs):
     def allocate(self, size: int) -> tuple:
         return self.ids[:size].view(1, size), self.positions[:size].view(1, size)
 
-    def stage(self, prompts: list, lengths: list, bucket: int, vocab_size: int) -> list:
-        """Write one step's inputs to the device (one async copy); the ``(start, end)`` bounds
-        of the prompts and of the tail (a dummy sequence, so every row is written)."""
+    def write_ids(self, prompts: list, lengths: list, vocab_size: int) -> bool:
+        """First half of a step: the prompts' ids into the host buffer, checked against the
+        vocabulary (host prompts, one vectorised pass). Runs before the bucket is decided,
+        so a bad batch fails on this rank before any rank agrees to run it. False when the
+        batch is longer than the buffer (an eager fallback builds its own tensors)."""
+        total = sum(lengths)
+        if total > self.max_tokens:
+            _check_vocabulary([p for p in prompts if p.device.type == "cpu"], vocab_size)
+            return False
+        i = self.turn
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # the copy of two steps ago has read this buffer
+        ids = self.hosts[i].numpy()[: self.max_tokens]
+        start = 0
+        on_device = False
+        for prompt, n in zip(prompts, lengths):
+            if prompt.device.type == "cpu":
+                ids[start : start + n] = prompt.numpy()
+            else:
+                on_device = True
+            start += n
+        if on_device:  # device prompts are not checked: it would cost a host sync
+            host = [p for p in prompts if p.device.type == "cpu"]
+            _check_vocabulary(host, vocab_size)
+        elif total and (ids[:total].min() < 0 or ids[:total].max() >= vocab_size):
+            raise _vocabulary_error(vocab_size)
+        return True
+
+    def commit(self, prompts: list, lengths: list, bucket: int) -> list:
+        """Second half: positions, tail, last-token indices, boundaries, then ONE async copy
+        to the device. Returns the ``(start, end)`` bounds of the prompts and of the tail
+        (a dummy sequence, so every row is written)."""
         t, p = self.max_tokens, self.max_prompts
         i = self.turn
         self.turn ^= 1
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # the copy of two steps ago has read this buffer
         host = self.hosts[i].numpy()
         ids, positions = host[:t], host[t : 2 * t]
         starts = np.cumsum([0] + lengths)
         total = int(starts[-1])
-        on_device = []
-        for prompt, start, end in zip(prompts, starts[:-1], starts[1:]):
-            if prompt.device.type == "cpu":
-                ids[start:end] = prompt.numpy()
-            else:
-                on_device.append((prompt, start, end))
-        host_ids = ids[:total] if total and not on_device else None
-        if host_ids is not None and (host_ids.min() < 0 or host_ids.max() >= vocab_size):
-            raise InputError(
-                f"PrefillRunner.prefill: a prompt holds token ids outside the vocabulary "
-                f"(0..{vocab_size - 1})."
-            )
         ids[total:bucket] = self.pad_id
         positions[:total] = self.arange[:total] - np.repeat(starts[:-1], lengths)
         positions[total:bucket] = 0
@@ -214,9 +231,24 @@ class _StepBuffers(StaticInputs):
         self.device_buffer.copy_(self.hosts[i], non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
-        for prompt, start, end in on_device:  # device prompts: device-to-device copies
-            self.ids[start:end].copy_(prompt)
+        for prompt, a, b in zip(prompts, starts[:-1], starts[1:]):
+            if prompt.device.type != "cpu":  # device prompts: device-to-device copies
+                self.ids[a:b].copy_(prompt)
         return bounds
+
+
+def _check_vocabulary(prompts: list, vocab_size: int) -> None:
+    for p in prompts:
+        if int(p.min()) < 0 or int(p.max()) >= vocab_size:
+            raise _vocabulary_error(vocab_size)
+
+
+def _vocabulary_error(vocab_size: int) -> InputError:
+    # on the GPU an out-of-range id is a device-side assert that kills the process
+    return InputError(
+        f"PrefillRunner.prefill: a prompt holds token ids outside the vocabulary "
+        f"(0..{vocab_size - 1})."
+    )
 
 
 class PrefillRunner:
@@ -248,6 +280,16 @@ class PrefillRunner:
             break's host time per replay. Slow; off by default (``$BREAKGRAPH_DEBUG``).
         progress: print a line per captured bucket to stderr (the ``breakgraph`` logger
             gets the same lines at INFO level).
+        tp_collectives: for a tensor-parallel model (detected from its DTensor
+            parameters; see ``docs/tensor-parallel.md``): ``"captured"`` records the
+            row-parallel all-reduces inside the segments; ``"eager"`` runs each one as an
+            eager break (SGLang's piecewise choice).
+        tp_timeout: seconds a rank waits for the others (capture steps and the per-call
+            agreement) before raising :class:`~breakgraph.RankFailedError`.
+
+    Under tensor parallelism every rank must call ``prefill`` with the same prompts; each
+    call agrees the bucket and checks the prompt lengths (and, in debug mode, the ids)
+    across ranks in one small all-reduce, and returns full-vocabulary logits on every rank.
 
     The model is left as it was: the attention (and eager MoE experts) implementation is
     switched to breakgraph's only while capturing or running eagerly through the runner.
@@ -268,8 +310,15 @@ class PrefillRunner:
         compile: Any = False,
         debug: bool | None = None,
         progress: bool = False,
+        tp_collectives: str = "captured",
+        tp_timeout: float = 300.0,
     ):
         _check_model(model)
+        if tp_collectives not in ("captured", "eager"):
+            raise InputError(
+                f"PrefillRunner: tp_collectives must be 'captured' or 'eager', got "
+                f"{tp_collectives!r}."
+            )
         if not isinstance(max_prompts, int) or max_prompts < 1:
             raise InputError(
                 f"PrefillRunner: max_prompts must be >= 1 (an int), got {max_prompts!r}."
@@ -328,12 +377,20 @@ class PrefillRunner:
         self._layers: dict = {}  # bucket -> [(layer, key, value)] seen at capture
         self._step = 0
         self._closed = False
+        # tensor parallelism: the ranks agree every capture step and every call
+        self.tp_collectives = tp_collectives
+        self._check_ids = debug_enabled(debug)
+        group = distributed.tensor_parallel_group(model)
+        self.ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
+        if self.ranks is not None:
+            self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
         _attention.register()
         self._runner = BucketedRunner(
             self._forward,
             token_buckets,
             static_inputs=self._steps,
             on_miss=on_miss,
+            ranks=self.ranks,
             slice_outputs=False,
             warmup=warmup,
             warmup_each=bool(compile),
@@ -351,7 +408,12 @@ class PrefillRunner:
             self._outputs,
         )
         capturing = breakgraph.is_capturing()
-        with self.installed(), _attention.running(state), torch.no_grad():
+        collectives = (
+            distributed.all_reduce_as_breaks()
+            if self.tp_collectives == "eager"
+            else contextlib.nullcontext()
+        )
+        with self.installed(), _attention.running(state), collectives, torch.no_grad():
             logits = self._forward_model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -383,7 +445,8 @@ class PrefillRunner:
 
     def _capture_batch(self, size: int) -> _attention.PackedBatch:
         """During capture of a bucket: one sequence filling it (any batch shape would do)."""
-        bounds = self._steps.stage([], [], size, self.vocab_size)
+        self._steps.write_ids([], [], self.vocab_size)
+        bounds = self._steps.commit([], [], size)
         return _attention.PackedBatch(bounds, self._steps.cu_seqlens[: len(bounds) + 1], size)
 
     # -- serving ---------------------------------------------------------------------------
@@ -417,9 +480,20 @@ class PrefillRunner:
                 "prompt), not one tensor; wrap a single prompt as [ids]."
             )
         prompts = prompts if isinstance(prompts, list) else list(prompts)
-        lengths = self._validate(prompts)
+        try:
+            lengths = self._validate(prompts)
+            staged = self._steps.write_ids(prompts, lengths, self.vocab_size)
+        except InputError:
+            if self.ranks is not None:
+                self.ranks.report_failure()  # the other ranks raise instead of waiting
+            raise
         total = sum(lengths)
-        decision = self._runner.decide(total)
+        same_on_all_ranks = 0
+        if self.ranks is not None:  # lengths always (free); ids in debug mode (a host copy)
+            same_on_all_ranks = distributed.fingerprint(
+                lengths, *(prompts if self._check_ids else ())
+            )
+        decision = self._runner.decide(total, same_on_all_ranks)
         if decision.action == "raise":
             raise InputError(
                 f"PrefillRunner.prefill: {total} tokens exceed the largest token bucket "
@@ -429,11 +503,11 @@ class PrefillRunner:
         self._step += 1  # outputs of earlier prefills are invalid from here on, even on failure
         n = len(lengths)
         if decision.action == "eager":
-            logits, bounds = self._prefill_eagerly(prompts, lengths, total, decision.reason)
+            logits, bounds = self._prefill_eagerly(prompts, lengths, staged, decision.reason)
             bucket = None
         else:
             bucket = decision.bucket
-            bounds = self._steps.stage(prompts, lengths, bucket, self.vocab_size)
+            bounds = self._steps.commit(prompts, lengths, bucket)
             batch = _attention.PackedBatch(
                 bounds, self._steps.cu_seqlens[: len(bounds) + 1], max(b - a for a, b in bounds)
             )
@@ -441,10 +515,11 @@ class PrefillRunner:
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
                              bucket)  # fmt: skip
 
-    def _prefill_eagerly(self, prompts: list, lengths: list, total: int, reason: str) -> tuple:
+    def _prefill_eagerly(self, prompts: list, lengths: list, staged: bool, reason: str) -> tuple:
         """A batch no bucket serves: the same forward, without a graph."""
-        if total <= self._steps.max_tokens:
-            bounds = self._steps.stage(prompts, lengths, total, self.vocab_size)
+        total = sum(lengths)
+        if staged:
+            bounds = self._steps.commit(prompts, lengths, total)
             ids, positions = self._steps.allocate(total)
         else:
             ids = torch.cat([p.to(self.device) for p in prompts]).view(1, total)
@@ -500,6 +575,8 @@ class PrefillRunner:
         self._runner.close()
         self._layers.clear()
         self._outputs.clear()
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def _check_model(model: Any) -> None:

@@ -1,0 +1,401 @@
+"""Ranks that replay graphs together: tensor parallelism with collectives inside segments.
+
+With tensor parallelism (TP) every rank holds a shard of the model, and the forward
+contains collectives: an all-reduce after each row-parallel layer, an all-gather of the
+logits. A collective completes only when every rank of the group has launched it, so
+the ranks must run the same sequence of graphs and breaks:
+
+* the same buckets, captured in the same order, with the same segments and breaks;
+* on every call, the same bucket or the same eager fallback. If one rank replays while
+  another runs eagerly, both wait forever;
+* the same inputs. A rank given other prompts computes wrong logits without any error.
+
+A :class:`RankGroup` makes a runner keep these rules. On every call it runs ONE small
+all-reduce (``MAX`` over ``3 + world_size`` int64 values) on a gloo group of its own over
+the same ranks. The values are:
+
+* the size: every rank pads to the bucket of the largest size, so all ranks replay the
+  same graph or all fall back to eager;
+* a fingerprint of the inputs and its negation: ``max(f) == -max(-f)`` holds only if every
+  rank sent the same ``f``. Otherwise every rank raises :class:`~breakgraph.RankMismatchError`;
+* one failure flag per rank: a rank whose call failed says so, and the others raise
+  :class:`~breakgraph.RankFailedError` instead of waiting.
+
+During the capture phase the same exchange follows every warm-up and every capture, and
+it has a timeout. A rank that fails there makes the others raise within ``timeout``
+seconds, and they raise if the ranks recorded different segments or breaks.
+
+Why a separate gloo group, as transformers' continuous batching also uses: the values stay
+on the host, so agreeing needs no GPU synchronisation. It never mixes with the model's
+NCCL collectives, and gloo gives up after a timeout on the host.
+
+Example (one rank; under ``torchrun`` every rank runs the same code)::
+
+    >>> import torch.distributed as dist
+    >>> from breakgraph.distributed import RankGroup, fingerprint
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> ranks = RankGroup()
+    >>> ranks.agree(40, fingerprint([17, 23]))    # the largest size over all ranks
+    40
+    >>> ranks.close(); dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+from .eager import eager_on_graph
+from .errors import InputError, RankFailedError, RankMismatchError
+
+__all__ = [
+    "RankGroup",
+    "tensor_parallel_group",
+    "fingerprint",
+    "all_reduce_as_breaks",
+    "CAPTURE_ERROR_MODE",
+]
+
+#: ``capture_error_mode`` for multi-rank captures: NCCL's watchdog threads query events while
+#: a capture runs; "global" mode would make those calls fail the capture.
+CAPTURE_ERROR_MODE = "thread_local"
+
+_MASK = (1 << 62) - 1  # fingerprints stay positive and can be negated in int64
+_PRIMARY, _COLLATERAL = 2, 1  # failure flags: failed by itself, or cut off by another rank
+_TORCH_DISTRIBUTED_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(torch.__file__)), "distributed"
+)
+T = TypeVar("T")
+
+
+def tensor_parallel_group(model: torch.nn.Module) -> Any:
+    """The process group of a tensor-parallel model (parameters are ``DTensor``), else None.
+
+    transformers' ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))``
+    (and ``torch.distributed.tensor.parallel``) shard parameters as DTensors on a 1-D
+    device mesh; its process group is the one the model's collectives run on.
+
+    Example::
+
+        >>> import torch
+        >>> tensor_parallel_group(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    for parameter in model.parameters():
+        if isinstance(parameter, DTensor):
+            mesh = parameter.device_mesh
+            if mesh.ndim != 1:
+                raise InputError(
+                    f"breakgraph: parameters are sharded on a {mesh.ndim}-D device mesh; only "
+                    f"tensor parallelism on a 1-D mesh is supported."
+                )
+            return mesh.get_group() if mesh.size() > 1 else None
+    return None
+
+
+def fingerprint(*parts: Any) -> int:
+    """A 62-bit digest of ints, strings, sequences and tensors, equal in every process.
+
+    Tensors count by dtype, shape and values (copied to the host). Python's ``hash`` of
+    strings differs between processes, so this uses BLAKE2b.
+
+    Example::
+
+        >>> import torch
+        >>> fingerprint([3, 5], torch.arange(4)) == fingerprint([3, 5], torch.arange(4))
+        True
+        >>> fingerprint([3, 5]) == fingerprint([5, 3])
+        False
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            data = part.detach().to("cpu").contiguous()
+            digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
+            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(part).encode())
+    return int.from_bytes(digest.digest(), "little") & _MASK
+
+
+class RankGroup:
+    """The ranks that replay the same graphs and what they agree on (see the module doc).
+
+    Args:
+        group: the process group of the model's collectives (default: the world).
+        timeout: seconds any exchange waits for the other ranks before raising
+            :class:`~breakgraph.RankFailedError`. A capture step waits for the slowest
+            rank's step, so leave room for compilation and large buckets.
+
+    Build it on every rank, in the same order as the other process groups: creating it
+    creates a gloo group, which is a collective call.
+    """
+
+    def __init__(self, group: Any = None, *, timeout: float = 300.0):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InputError(
+                "RankGroup: torch.distributed is not initialised; call "
+                "dist.init_process_group(...) first (torchrun sets its environment)."
+            )
+        if timeout <= 0:
+            raise InputError(f"RankGroup: timeout must be positive, got {timeout}.")
+        self.group = group if group is not None else dist.group.WORLD
+        self.ranks = dist.get_process_group_ranks(self.group)  # global ranks, in group order
+        self.rank = dist.get_rank(self.group)  # this process's index in ``ranks``
+        self._me = self.ranks[self.rank]  # its global rank, as messages name it
+        self.timeout = float(timeout)
+        backend = str(dist.get_backend(self.group))
+        self.nccl = "nccl" in backend
+        self._host_blocking = backend == "gloo"  # a gloo collective blocks the calling thread
+        self._control = dist.new_group(
+            self.ranks,
+            backend="gloo",
+            timeout=timedelta(seconds=timeout),
+            use_local_synchronization=len(self.ranks) < dist.get_world_size(),
+        )
+        self._buffer = torch.zeros(3 + len(self.ranks), dtype=torch.int64)
+        self._values = self._buffer.numpy()  # filled in place: no allocation per call
+        self._broken: str | None = None
+
+    def __repr__(self) -> str:
+        state = f", broken: {self._broken}" if self._broken else ""
+        return f"RankGroup(rank {self._me} of {self.ranks}, timeout={self.timeout:g} s{state})"
+
+    # -- per call --------------------------------------------------------------------------
+    def agree(self, size: int, fingerprint: int = 0, what: str = "inputs") -> int:
+        """The largest ``size`` over all ranks, after checking that every ``fingerprint`` is equal.
+
+        One all-reduce. Raises :class:`~breakgraph.RankMismatchError` on every rank if the
+        fingerprints differ, and :class:`~breakgraph.RankFailedError` if another rank
+        reported a failure (:meth:`report_failure`) or did not answer within ``timeout``.
+        """
+        agreed, same, failed = self._exchange(size, fingerprint, 0)
+        if failed:
+            raise RankFailedError(
+                f"RankGroup.agree: rank(s) {failed} failed this call before it ran and told the "
+                f"others; nothing ran on any rank. See the error on rank(s) {failed}."
+            )
+        if not same:
+            raise RankMismatchError(
+                f"RankGroup.agree: the ranks were given different {what} (rank {self._me} of "
+                f"{self.ranks}; their fingerprints differ). With tensor parallelism every rank "
+                f"must make the same call with the same inputs: give all ranks the same prompts "
+                f"(e.g. broadcast them from rank 0). Nothing ran."
+            )
+        return agreed
+
+    def report_failure(self) -> None:
+        """Take part in this call's exchange as failed, so the other ranks raise instead of
+        waiting. The caller then raises its own error."""
+        with contextlib.suppress(RankFailedError):
+            self._exchange(0, 0, _PRIMARY)
+
+    def before_eager(self) -> None:
+        """Run before an eager forward that communicates. With NCCL it waits for the GPU, so no
+        captured collective is still in flight when an eager one starts. That is required
+        when ``NCCL_GRAPH_MIXING_SUPPORT=0`` and costs little on a path that is already slow."""
+        if self.nccl:
+            torch.cuda.synchronize()
+
+    # -- capture phase ---------------------------------------------------------------------
+    def capture_step(
+        self, what: str, step: Callable[[], T], fingerprint: Callable[[T], int] | None = None
+    ) -> T:
+        """Run one capture-phase step (a warm-up, a capture) on this rank, then check that it
+        succeeded on every rank and, with ``fingerprint``, produced the same structure.
+
+        If the step fails here, this rank tells the others and re-raises its own error. If it
+        failed elsewhere, this rank raises :class:`~breakgraph.RankFailedError`. Either way the
+        group is then broken, because the ranks' collective sequences have diverged. A rank
+        blocked inside one of the model's gloo collectives is released within ``timeout / 2``:
+        during the step the model group's own timeout is lowered to that and restored
+        afterwards. NCCL collectives never block the host during capture, so no rank waits
+        without bound.
+
+        With NCCL the device is synchronised before the step and after a successful exchange
+        (never before it: a rank whose peer failed would wait on its GPU forever), so no
+        captured collective is in flight when the next eager one starts.
+        """
+        if self.nccl:
+            torch.cuda.synchronize()
+        try:
+            with self._model_collective_timeout(self.timeout / 2):
+                result = step()
+        except Exception as exc:
+            level = _COLLATERAL if _raised_by_a_collective(exc) else _PRIMARY
+            try:
+                _, _, failed = self._exchange(0, 0, level)
+            except RankFailedError:
+                failed = []
+            self._broken = f"{what} failed on rank(s) {failed or [self._me]}"
+            if level == _COLLATERAL and failed and self._me not in failed:
+                raise RankFailedError(
+                    f"RankGroup: {what} failed on rank(s) {failed}, which cut off this rank's "
+                    f"collectives ({type(exc).__name__}). End the processes and restart."
+                ) from exc
+            others = [r for r in failed if r != self._me]
+            _add_note(
+                exc,
+                f"breakgraph: {what} failed on rank {self._me} of {self.ranks}"
+                + (f" (and on {others})" if others else "; the other ranks raise RankFailedError")
+                + ". The model's process group is no longer usable: end the processes.",
+            )
+            raise
+        _, same, failed = self._exchange(0, fingerprint(result) if fingerprint else 0, 0)
+        if failed:
+            self._broken = f"{what} failed on rank(s) {failed}"
+            raise RankFailedError(
+                f"RankGroup: {what} failed on rank(s) {failed} (see the error there); rank "
+                f"{self._me} stopped instead of waiting for their collectives. The model's "
+                f"process group is no longer usable: end the processes and restart."
+            )
+        if not same:
+            self._broken = f"{what} differed across ranks"
+            raise RankMismatchError(
+                f"RankGroup: {what} produced different segments or breaks on different ranks, "
+                f"so their replays would not run the same collectives. Every rank must run the "
+                f"same model code with the same options."
+            )
+        if self.nccl:
+            torch.cuda.synchronize()  # every rank launched the step's collectives: they finish
+        return result
+
+    def check_graph_mixing(self, eager_collectives: bool) -> None:
+        """Refuse eager collectives between captured ones when NCCL's graph mixing is off.
+
+        ``NCCL_GRAPH_MIXING_SUPPORT=0`` (transformers' continuous batching sets it) is only
+        correct if no eager NCCL call is issued while a graph launch with NCCL work is
+        outstanding. Breaking at every all-reduce does exactly that.
+        """
+        if self.nccl and eager_collectives and os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0":
+            raise InputError(
+                "breakgraph: eager collectives between captured segments need NCCL's graph "
+                "mixing support, but NCCL_GRAPH_MIXING_SUPPORT=0. Unset it before "
+                "init_process_group, or keep the collectives captured."
+            )
+
+    def close(self) -> None:
+        """Destroy the gloo group this object created (the model's group is left alone)."""
+        import torch.distributed as dist
+
+        control, self._control = self._control, None
+        if control is not None and dist.is_initialized():
+            with contextlib.suppress(ValueError, RuntimeError):  # already destroyed with WORLD
+                dist.destroy_process_group(control)
+
+    # -- internals -------------------------------------------------------------------------
+    def _exchange(self, size: int, digest: int, failed: int) -> tuple[int, bool, list[int]]:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d  # never all_reduce_as_breaks' wrapper
+
+        if self._broken is not None:
+            raise RankFailedError(
+                f"RankGroup: {self._broken} earlier; the ranks' collective sequences have "
+                f"diverged, so this group cannot be used any more. End the processes and restart."
+            )
+        if self._control is None:
+            raise RankFailedError("RankGroup: closed.")
+        values = self._values
+        values[:] = 0
+        values[0], values[1], values[2] = size, digest, -digest
+        values[3 + self.rank] = failed
+        try:
+            distributed_c10d.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._control)
+        except Exception as exc:  # gloo's timeout, or a rank that exited
+            self._broken = f"no answer from every rank within {self.timeout:g} s"
+            raise RankFailedError(
+                f"RankGroup: {self._broken} (rank {self._me} of {self.ranks}): another rank "
+                f"failed, exited or is blocked. End the processes and restart."
+            ) from exc
+        flags = values[3:]
+        worst = flags.max()
+        failed_ranks = [r for r, flag in zip(self.ranks, flags) if worst and flag == worst]
+        return int(values[0]), bool(values[1] == -values[2]), failed_ranks
+
+    @contextlib.contextmanager
+    def _model_collective_timeout(self, seconds: float) -> Iterator[None]:
+        """Bound how long the model's gloo collectives block the host (scoped, restored)."""
+        try:
+            previous = self.group._get_backend(torch.device("cpu")).options._timeout
+        except Exception:  # not gloo, or a torch without these accessors: leave it alone
+            previous = None
+        if not self._host_blocking or previous is None:
+            yield
+            return
+        self.group.set_timeout(timedelta(seconds=seconds))
+        try:
+            yield
+        finally:
+            self.group.set_timeout(previous)
+
+
+@contextlib.contextmanager
+def all_reduce_as_breaks() -> Iterator[None]:
+    """Inside a capture, run every synchronous ``torch.distributed.all_reduce`` as an eager break.
+
+    This is SGLang's choice for its piecewise graphs: the collective runs outside the
+    graph on every replay, and the captured segments hold no communication. transformers'
+    row-parallel layers call ``torch.distributed.all_reduce`` (the module attribute) in
+    place, so swapping that attribute while the capture runs is the narrowest hook. It is
+    restored on exit, and outside a segment the wrapper only calls the original function.
+    Asynchronous calls (``async_op=True``) and functional collectives (the ``lm_head``
+    all-gather of DTensor) are left as they are.
+
+    Example::
+
+        >>> import torch.distributed as dist
+        >>> original = dist.all_reduce
+        >>> with all_reduce_as_breaks():
+        ...     dist.all_reduce is original
+        False
+        >>> dist.all_reduce is original
+        True
+    """
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+    as_break = eager_on_graph(original)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:
+            return original(tensor, op=op, group=group, async_op=True)
+        return as_break(tensor, op=op, group=group)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _raised_by_a_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of torch.distributed (a collective timed out or lost its peer),
+    i.e. this rank was cut off by another rank's failure rather than failing by itself.
+    gloo raises a plain RuntimeError, so the innermost frame decides."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and _TORCH_DISTRIBUTED_DIR in os.path.abspath(
+        tb.tb_frame.f_code.co_filename
+    )
+
+
+def _add_note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(text)

@@ -1,0 +1,417 @@
+"""Tensor parallelism: two ranks run a TP=2 transformers model through breakgraph.
+
+Every scenario runs in two spawned processes (gloo and the emulated backend on the CPU,
+NCCL and CUDA graphs on two GPUs). The model is sharded by transformers itself
+(``DistributedConfig(tp_size=2)``): its row-parallel layers all-reduce and its ``lm_head``
+all-gathers, inside breakgraph's segments or, with ``tp_collectives="eager"``, in breaks.
+One launch per backend runs every scenario (the capture failure last: it leaves the process
+group broken) and the tests below check its results. The launch has a hard timeout, so a
+hang fails the tests instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+WORLD = 2
+VOCAB = 128
+BUCKETS = (16, 32)
+LAUNCH_TIMEOUT = 120.0  # seconds for a whole launch (start-up, model, scenarios)
+
+BACKENDS = [
+    pytest.param("emulated", id="gloo-emulated"),
+    pytest.param(
+        "cuda",
+        id="nccl-cuda",
+        marks=[
+            pytest.mark.requires_cuda,
+            pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+        ],
+    ),
+]
+
+
+# -- the launcher -------------------------------------------------------------------------------
+def launch(scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEOUT) -> list:
+    """Run ``scenario`` on 2 fresh processes; return each rank's result dict (rank order).
+
+    A rank that raised returns ``{"error": ..., "traceback": ...}``; ranks still running at
+    the deadline are killed and the launch fails.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(
+            target=_worker, args=(rank, port, scenario, backend, path, results), daemon=True
+        )
+        for rank in range(WORLD)
+    ]
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "emulated" else {}
+    with _environment(hidden):  # gloo ranks stay on the CPU on a GPU machine too
+        for process in processes:
+            process.start()
+    deadline = time.monotonic() + timeout
+    collected = {}
+    try:
+        while len(collected) < WORLD:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(
+                    f"scenario {scenario!r} ({backend}) hung: ranks {sorted(collected)} answered "
+                    f"within {timeout:g} s"
+                )
+            try:
+                rank, result = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:  # every rank reports before it exits (code 0): a crash
+                crashed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+                if crashed:
+                    raise AssertionError(f"rank(s) {crashed} died without a result") from None
+                continue
+            collected[rank] = result
+    finally:
+        for process in processes:
+            process.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [collected[rank] for rank in range(WORLD)]
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    """Set environment variables for the processes started inside (spawn copies them)."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, port, scenario, backend, path, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+    )
+    import torch.distributed as dist
+
+    try:
+        if backend == "cuda":
+            torch.cuda.set_device(rank)
+            dist.init_process_group(
+                "nccl", device_id=torch.device("cuda", rank), timeout=timedelta(seconds=60)
+            )
+        else:
+            torch.set_num_threads(1)  # two ranks on a 2-core CI machine
+            dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        result = SCENARIOS[scenario](rank, backend, path)
+    except BaseException as exc:  # reported to the parent, which asserts on it
+        result = {"error": type(exc).__name__, "message": str(exc)}
+        result["traceback"] = traceback.format_exc()
+    results.put((rank, result))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # a failed rank may hold a broken process group: no teardown
+
+
+# -- shared pieces of the scenarios --------------------------------------------------------------
+def load_models(rank: int, backend: str, path: str):
+    """Rank 0 saves a tiny random Llama; every rank loads it with TP=2 and unsharded."""
+    import torch.distributed as dist
+    import transformers
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if rank == 0:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    dist.barrier()
+    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    sharded = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, distributed_config=DistributedConfig(tp_size=WORLD)
+    ).eval()
+    full = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(device)
+    return sharded, full
+
+
+def prompts_for(seed: int, lengths) -> list:
+    """The same prompts on every rank (drawn from ``seed``), on the host."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def reference_logits(model, prompts) -> torch.Tensor:
+    """Each prompt's next-token logits from the unsharded model, run eagerly one by one."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        rows = [model(p[None].to(device), use_cache=False).logits[0, -1] for p in prompts]
+    return torch.stack(rows).float().cpu()
+
+
+def max_diff(runner, reference, seed: int, lengths=(3, 7, 5)) -> float:
+    """Largest |logits - unsharded| over the batch, relative to max(1, max|unsharded|)."""
+    prompts = prompts_for(seed, lengths)
+    logits = runner.prefill(prompts).logits.float().cpu()
+    expected = reference_logits(reference, prompts)
+    return (logits - expected).abs().max().item() / max(1.0, expected.abs().max().item())
+
+
+def error_of(call) -> str:
+    try:
+        call()
+    except Exception as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+# -- scenarios ----------------------------------------------------------------------------------
+def scenario_main(rank: int, backend: str, path: str) -> dict:
+    """Every scenario in one launch; the capture failure last."""
+    import torch.distributed as dist
+    from breakgraph.integrations.transformers import PrefillRunner
+
+    sharded, full = load_models(rank, backend, path)
+    out: dict = {}
+    original_all_reduce = dist.all_reduce
+
+    # collectives captured inside the segments
+    runner = PrefillRunner(sharded, token_buckets=BUCKETS, max_prompts=4, backend=backend, warmup=1)
+    out["detected"] = runner.ranks is not None
+    out["captured_graph"] = repr(runner.graph(BUCKETS[0]))
+    out["captured_diff"] = max(max_diff(runner, full, seed) for seed in (1, 2, 3))
+    out["captured_vocab"] = runner.prefill(prompts_for(4, (5,))).logits.shape[-1]
+    # different prompt lengths on the two ranks: both raise before anything runs
+    out["lengths_mismatch"] = error_of(lambda: runner.prefill(prompts_for(5, (3, 4 + rank))))
+    # one rank above the largest bucket, the other not
+    out["over_largest"] = error_of(lambda: runner.prefill(prompts_for(6, (10 + 25 * rank,))))
+    # a batch that only rank 1 rejects (too many prompts): rank 0 must not wait for it
+    too_many = prompts_for(7, (2,) * (3 if rank == 0 else 5))
+    out["one_rank_invalid"] = error_of(lambda: runner.prefill(too_many))
+    out["after_errors_diff"] = max_diff(runner, full, seed=8)
+    out["calls"] = dict(runner.stats.calls)
+    runner.close()
+
+    # each all-reduce an eager break; debug mode checks the ids on every call
+    runner = PrefillRunner(
+        sharded,
+        token_buckets=BUCKETS,
+        max_prompts=4,
+        backend=backend,
+        warmup=1,
+        tp_collectives="eager",
+        debug=True,
+    )
+    out["eager_graph"] = repr(runner.graph(BUCKETS[0]))
+    out["eager_diff"] = max(max_diff(runner, full, seed) for seed in (1, 2))
+    same_lengths_other_ids = prompts_for(9 + rank, (4, 6))
+    out["ids_mismatch_debug"] = error_of(lambda: runner.prefill(same_lengths_other_ids))
+    out["after_mismatch_diff"] = max_diff(runner, full, seed=10)
+    runner.close()
+    out["all_reduce_restored"] = dist.all_reduce is original_all_reduce
+
+    out.update(bucket_agreement(rank, backend))
+    out["capture_failure"] = capture_failure(rank, backend, sharded)
+    return out
+
+
+def bucket_agreement(rank: int, backend: str) -> dict:
+    """BucketedRunner with a collective in its segment, ranks proposing different sizes."""
+    import torch.distributed as dist
+
+    from breakgraph.distributed import RankGroup
+    from breakgraph.runner import BucketedRunner
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+
+    def fn(x):  # the all-reduced statistic has a fixed shape, so padded rows (zeros) do not count
+        total = x.abs().sum(0)
+        dist.all_reduce(total)
+        return x / (1 + total)
+
+    def inputs(sizes, seed):  # every rank draws every rank's input, to know the expected result
+        generator = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(n, 8, generator=generator).to(device) for n in sizes]
+        expected = xs[rank] / (1 + sum(x.abs().sum(0) for x in xs))
+        return xs[rank], expected
+
+    out: dict = {}
+    ranks = RankGroup(timeout=60)
+    for on_miss in ("eager", "raise"):
+        runner = BucketedRunner(
+            fn,
+            (8, 16),
+            (torch.zeros(1, 8, device=device),),
+            backend=backend,
+            ranks=ranks,
+            warmup=1,
+            on_miss=on_miss,
+        )
+        x, expected = inputs((5, 12), seed=1)  # rank 0 alone would take bucket 8
+        got = runner(x)
+        out[f"{on_miss}_different_sizes_diff"] = (got - expected).abs().max().item()
+        x, expected = inputs((5, 20), seed=2)  # rank 1 above the largest bucket
+        try:
+            got = runner(x)
+            out[f"{on_miss}_one_over_diff"] = (got - expected).abs().max().item()
+        except Exception as exc:
+            out[f"{on_miss}_one_over_error"] = type(exc).__name__
+        out[f"{on_miss}_stats"] = (dict(runner.stats.calls), dict(runner.stats.eager_fallbacks))
+        runner.close()
+    buckets = (8, 16) if rank == 0 else (8, 32)
+    out["different_buckets"] = error_of(
+        lambda: BucketedRunner(
+            fn, buckets, (torch.zeros(1, 8, device=device),), backend=backend, ranks=ranks
+        )
+    )
+    ranks.close()
+    return out
+
+
+def capture_failure(rank: int, backend: str, sharded) -> dict:
+    """Rank 1's attention raises while the second bucket is captured; rank 0 is then blocked
+    in the o_proj all-reduce (gloo) or has it pending on the GPU (NCCL)."""
+    from breakgraph.integrations.transformers import PrefillRunner, attention
+
+    calls = {"n": 0}
+    original = attention.LayerAttention.__call__
+
+    def failing(self):
+        calls["n"] += 1
+        # bucket 32: warm-up (2 layers) and capture (2); bucket 16 (no warm-up: one per
+        # capture phase): its capture's first attention call
+        if rank == 1 and calls["n"] == 5:
+            raise RuntimeError("injected failure on rank 1")
+        return original(self)
+
+    attention.LayerAttention.__call__ = failing
+    start = time.monotonic()
+    try:
+        PrefillRunner(
+            sharded, token_buckets=BUCKETS, max_prompts=4, backend=backend, warmup=1, tp_timeout=6
+        )
+    except Exception as exc:
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "notes": getattr(exc, "__notes__", []),
+            "seconds": time.monotonic() - start,
+        }
+    return {"error": "no error", "seconds": time.monotonic() - start}
+
+
+SCENARIOS = {"main": scenario_main}
+
+
+# -- tests --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=BACKENDS)
+def main_run(request, tmp_path_factory):
+    backend = request.param
+    results = launch("main", backend, str(tmp_path_factory.mktemp("tp-model")))
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+    return backend, results
+
+
+def tolerance(backend: str) -> float:
+    # bf16 and FlashAttention on the GPU (as in test_transformers); reduction order on the CPU
+    return 5e-2 if backend == "cuda" else 1e-4
+
+
+def test_prefill_runner_detects_tp_and_matches_the_unsharded_model(main_run):
+    backend, results = main_run
+    for result in results:
+        assert result["detected"]
+        assert result["captured_diff"] < tolerance(backend)
+        assert result["captured_vocab"] == VOCAB  # full vocabulary on every rank
+        assert "attention[layer 1]" in result["captured_graph"]
+        assert "all_reduce" not in result["captured_graph"]  # captured inside the segments
+
+
+def test_breaking_at_each_all_reduce_gives_the_same_logits(main_run):
+    backend, results = main_run
+    for result in results:
+        assert result["eager_diff"] < tolerance(backend)
+        assert result["eager_graph"].count("all_reduce") == 4  # o_proj and down_proj, 2 layers
+        assert result["all_reduce_restored"]
+
+
+def test_different_prompts_raise_the_named_error_on_every_rank(main_run):
+    _, results = main_run
+    for result in results:
+        assert result["lengths_mismatch"] == "RankMismatchError"  # checked without debug
+        assert result["over_largest"] == "RankMismatchError"
+        assert result["ids_mismatch_debug"] == "RankMismatchError"  # debug mode: ids too
+        # nothing ran, so the ranks are still in step
+        assert result["after_mismatch_diff"] < tolerance(main_run[0])
+
+
+def test_a_call_rejected_on_one_rank_raises_on_the_other(main_run):
+    _, results = main_run
+    assert results[0]["one_rank_invalid"] == "RankFailedError"
+    assert results[1]["one_rank_invalid"] == "InputError"
+    for result in results:
+        assert result["after_errors_diff"] < tolerance(main_run[0])
+        assert result["calls"] == results[0]["calls"]  # the same graphs replayed everywhere
+
+
+def test_bucket_agreement_with_different_sizes(main_run):
+    _, results = main_run
+    for result in results:
+        assert result["eager_different_sizes_diff"] < 1e-5  # both padded to bucket 16
+        assert result["raise_different_sizes_diff"] < 1e-5
+        calls, fallbacks = result["eager_stats"]
+        assert calls == {8: 0, 16: 1}
+        # one rank above the largest bucket: both ran eagerly together ...
+        assert result["eager_one_over_diff"] < 1e-5
+        assert fallbacks == {"larger than every bucket": 1}
+        # ... or both raised
+        assert result["raise_one_over_error"] == "InputError"
+        assert result["different_buckets"] == "RankMismatchError"
+
+
+def test_a_capture_failure_on_one_rank_raises_on_both(main_run):
+    other, failing_rank = (result["capture_failure"] for result in main_run[1])
+    assert failing_rank["error"] == "RuntimeError", failing_rank
+    assert "injected failure on rank 1" in failing_rank["message"]
+    assert any("RankFailedError" in note for note in failing_rank["notes"])
+    assert other["error"] == "RankFailedError", other
+    assert "capture of bucket 16 failed on rank(s) [1]" in other["message"]
+    assert other["seconds"] < 20 and failing_rank["seconds"] < 20  # tp_timeout=6, not forever
