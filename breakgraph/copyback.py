@@ -105,10 +105,11 @@ def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
         raise CopyBackError(
             function,
             path,
-            "a tensor whose elements share memory (an expand()-ed or "
-            "broadcast view), which nothing can be copied into",
+            "a tensor whose elements share memory (an expand()-ed or broadcast view)",
             describe(captured),
-            "return .contiguous() or .clone() of it instead",
+            "the same at capture",
+            "Nothing can be copied into such a tensor on replay: return .contiguous() or "
+            ".clone() of it instead.",
         )
     shape, dtype, device = captured.shape, captured.dtype, captured.device
     copy_ = captured.copy_
@@ -152,10 +153,10 @@ def _argument_copier(captured: torch.Tensor, path: str, function: str) -> Copier
             path,
             "a new tensor where it returned (memory of) its own argument at capture",
             describe(captured),
-            describe(new) + ". Segments read that memory as the "
-            "argument too, so copying into it would overwrite the argument. Return the argument "
-            "(updated in place) on every call, or a new tensor on every call, including at "
-            "capture (e.g. `x.clone()`)",
+            describe(new),
+            "Segments read that memory as the argument too, so copying into it would overwrite "
+            "the argument. Return the argument (updated in place) on every call, or a new tensor "
+            "on every call, including at capture (e.g. `x.clone()`).",
         )
 
     return same_memory

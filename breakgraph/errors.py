@@ -69,14 +69,18 @@ class CopyBackError(BreakgraphError, TypeError):
     Attributes ``function``, ``path``, ``captured`` and ``got`` describe the mismatch.
     """
 
-    def __init__(self, function: str, path: str, problem: str, captured: str, got: str):
+    def __init__(
+        self, function: str, path: str, problem: str, captured: str, got: str, fix: str = ""
+    ):
         self.function, self.path, self.captured, self.got = function, path, captured, got
+        fix = fix or (
+            f"Captured segments keep reading the capture-time object, so on replay {function!r} "
+            f"must return the same structure, shapes, dtypes and devices (and equal Python "
+            f"values, unless decorated with @eager_on_graph(check_values=False))."
+        )
         super().__init__(
-            f"eager function {function!r} returned {problem} at {path}: "
-            f"captured {captured}, got {got}. Captured segments keep reading the capture-time "
-            f"object, so on replay {function!r} must return the same structure, shapes, dtypes "
-            f"and devices (and equal Python values, unless decorated with "
-            f"@eager_on_graph(check_values=False))."
+            f"eager function {function!r} returned {problem} at {path}: captured {captured}, "
+            f"got {got}. {fix}"
         )
 
 

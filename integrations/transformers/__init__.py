@@ -11,9 +11,18 @@ Example::
 """
 
 from .attention import ATTENTION_KEY, LayerAttention, PackedBatch, breakgraph_attention
-from .prefill import SUPPORTED_MODEL_TYPES, PrefillOutput, PrefillRunner, UnsupportedModelError
+from .experts import EXPERTS_KEY
+from .prefill import (
+    SUPPORTED_MODEL_TYPES,
+    PrefillOutput,
+    PrefillRunner,
+    UnsupportedModelError,
+    default_token_buckets,
+)
 
 __all__ = [
+    "default_token_buckets",
+    "EXPERTS_KEY",
     "PrefillRunner",
     "PrefillOutput",
     "UnsupportedModelError",
