@@ -156,7 +156,9 @@ def _argument_copier(captured: torch.Tensor, path: str, function: str) -> Copier
             describe(new),
             "Segments read that memory as the argument too, so copying into it would overwrite "
             "the argument. Return the argument (updated in place) on every call, or a new tensor "
-            "on every call, including at capture (e.g. `x.clone()`).",
+            "on every call, including at capture (e.g. `x.clone()`); a capture_stub that returns "
+            "its argument stands for an in-place function: for one that returns new tensors, let "
+            "the stub return new ones too (`torch.empty_like(x)`).",
         )
 
     return same_memory

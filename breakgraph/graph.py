@@ -39,7 +39,6 @@ from .backends.base import Backend, CaptureOptions, Segment, Session
 from .copyback import build_copy_back, storages_of
 from .errors import BreakgraphError, CaptureError, HostSyncError, ReplayError
 from .state import context_scope, is_capturing, replay_context, state
-from .structure import map_tensors
 
 __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "context_scope"]
 
@@ -383,14 +382,19 @@ class _Capture:
         """End the segment, run ``function`` eagerly, register its replay, begin a new segment."""
         if not self.in_segment:  # an eager function called from inside another one
             return function(*args, **kwargs)
+        self._end_segment()
         try:
-            self._end_segment()
             if function is None:  # break_graph(): an empty break, nothing runs on replay
                 output, replay = None, None
             else:
                 output, replay = self._run_eagerly(function, options, args, kwargs)
         except BaseException as exc:
             self.failure = f"eager function {options.name!r} raised {type(exc).__name__}: {exc}"
+            # open a segment again before the exception unwinds the user's code: guards it
+            # entered inside the segment (torch.inference_mode()) restore dispatch state that
+            # includes the segment's dispatch mode, which must then still be there
+            with contextlib.suppress(Exception):
+                self._begin_segment()
             raise
         self.breaks.append(Break(options.name, function, args, kwargs, output, replay))
         if self.watch is not None:
@@ -403,14 +407,9 @@ class _Capture:
         function: Callable, options: BreakOptions, args: tuple, kwargs: dict
     ) -> tuple[Any, Callable[[], None]]:
         arguments = storages_of(args, kwargs)
-        if options.capture_stub is None:
-            output = function(*args, **kwargs)
-        else:  # the stub's outputs must be tensors of their own, not its arguments: replays
-            # copy the real function's results into them
-            output = map_tensors(
-                lambda t: t.clone() if t.untyped_storage().data_ptr() in arguments else t,
-                options.capture_stub(*args, **kwargs),
-            )
+        # a stub that returns its argument stands for an in-place function: like any output in
+        # an argument's memory, the real function must then return that memory on every replay
+        output = (options.capture_stub or function)(*args, **kwargs)
         copy_back = build_copy_back(output, options.name, options.check_values, arguments)
         if torch.is_inference_mode_enabled():  # its tensors are only writable in that mode
 

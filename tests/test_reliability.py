@@ -43,7 +43,10 @@ def test_01_returned_argument_then_new_tensor_raises(capture, device):
         g.replay()
 
 
-def test_01_identity_capture_stub_does_not_overwrite_the_input(capture, device):
+def test_01_identity_capture_stub_of_a_function_returning_new_tensors_raises(capture, device):
+    """The issue's example: an identity stub stands for an in-place function; a real function
+    that returns a new tensor must not be copied into the user's input (101, 10001, ...)."""
+
     @breakgraph.eager_on_graph(capture_stub=lambda x: x)
     def expensive(x):
         return x * 100 + 1
@@ -52,11 +55,49 @@ def test_01_identity_capture_stub_does_not_overwrite_the_input(capture, device):
     g = breakgraph.BreakableCUDAGraph()
     with capture(g):
         y = expensive(static) * 1
-    for _ in range(3):
-        x = fresh_into(static)
+    before = static.clone()
+    with pytest.raises(CopyBackError, match="expensive.*own argument"):
         g.replay()
-        torch.testing.assert_close(static, x)  # the user's input is untouched
-        torch.testing.assert_close(y, x * 100 + 1)
+    torch.testing.assert_close(static, before)  # the user's input is untouched
+
+
+def test_01_identity_capture_stub_of_an_inplace_function_keeps_the_aliasing(capture, device):
+    """Found by the fuzzer: an in-place function with an identity stub (a stubbed in-place
+    all-reduce): its output IS its argument, in the graph as in eager."""
+
+    @breakgraph.eager_on_graph(capture_stub=lambda t: t)
+    def all_reduce_(t):
+        return t.mul_(2.0)
+
+    x = torch.randn(4, device=device)
+    g = breakgraph.BreakableCUDAGraph()
+    with capture(g):
+        h = x * 1.0
+        r = all_reduce_(h)
+        r.add_(1.0)
+        out = h * 1.0
+    for _ in range(2):
+        x2 = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(out, x2 * 2 + 1)
+
+
+def test_break_raising_inside_inference_mode_leaves_the_process_usable(capture, device):
+    """Found by the fuzzer: a break that raises inside torch.inference_mode() entered inside the
+    capture block must not leave torch's dispatch state broken."""
+
+    @breakgraph.eager_on_graph
+    def refuse(a):
+        raise ValueError("not today")
+
+    g = breakgraph.BreakableCUDAGraph()
+    with pytest.raises(ValueError, match="not today"):
+        with capture(g):
+            with torch.inference_mode():
+                refuse(torch.randn(2, device=device) * 2)
+    assert_clean(g)
+    generator = torch.Generator(device=device).manual_seed(0)
+    torch.randn(3, generator=generator, device=device)  # crashed inside torch before the fix
 
 
 def test_01_inplace_function_returning_a_view_of_its_argument(capture, device):
