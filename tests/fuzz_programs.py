@@ -105,6 +105,8 @@ FAMILIES: dict[str, str] = {
     "changes per replay",
     "caught_break_exception": "a break raising an exception that the program catches inside "
     "the capture (issue 11 item 9)",
+    "break_raises_in_inference_mode": "a break that raises (or is refused) at capture inside a "
+    "torch.inference_mode() block entered inside the capture",
     "user_error_during_capture": "(raising programs) a break raising the user's own "
     "RuntimeError mentioning 'capturing' (issue 11 item 12)",
     "inference_mode_outside": "captured and run eagerly inside torch.inference_mode(), "
@@ -149,6 +151,29 @@ HOST_SYNCS = (
     "{v}.masked_select({v} > 0)",
 )
 
+#: Families whose breaks may raise during the capture pass.
+RAISE_AT_CAPTURE = {
+    "caught_break_exception",
+    "user_error_during_capture",
+    "break_returns_expanded_view",
+    "break_returns_cycle",
+    "break_returns_slots_object",
+}
+#: Families that combine others: focusing on one boosts its parts.
+FOCUS_ON = {
+    "break_raises_in_inference_mode": {"inference_mode_inside", "caught_break_exception"},
+    "break_mutates_inference_tensor": {
+        "break_mutates_argument",
+        "inference_mode_outside",
+        "inference_mode_inside",
+    },
+    "inference_mode_composite_copy": {
+        "inference_mode_outside",
+        "inference_mode_inside",
+        "view",
+        "dtype_conversion",
+    },
+}
 USER_ERROR = "my_op is not supported while capturing; call it during capture only via a stub"
 MODES = ("no_grad", "inference_mode_outside", "inference_mode_inside")
 CAPTURE_CONTEXT = {"phase": "capture", "scale": 1.0}
@@ -189,6 +214,10 @@ class Program:
         found = set().union(*(s.families for s in self.body)) if self.body else set()
         if self.mode != "no_grad":
             found.add(self.mode)
+        else:  # tags that describe a statement under inference_mode (the shrinker may drop it)
+            found -= {"break_mutates_inference_tensor", "inference_mode_composite_copy"}
+        if self.mode == "inference_mode_inside" and found & RAISE_AT_CAPTURE:
+            found.add("break_raises_in_inference_mode")
         if self.replay_autocast:
             found.add("replay_under_autocast")
         return frozenset(found)
@@ -381,7 +410,7 @@ class _Generator:
         return family not in self.exclude
 
     def boost(self, family: str) -> float:
-        return 6.0 if family == self.focus else 1.0
+        return 6.0 if family in FOCUS_ON.get(self.focus, {self.focus}) else 1.0
 
     def new_name(self, prefix: str) -> str:
         self.counter += 1
@@ -427,6 +456,10 @@ class _Generator:
         modes = [m for m in MODES if m == "no_grad" or self.allowed(m)]
         weights = [6.0 if m == "no_grad" else self.boost(m) for m in modes]
         self.mode = rng.choices(modes, weights)[0]
+        if self.mode == "inference_mode_inside" and not self.allowed(
+            "break_raises_in_inference_mode"
+        ):
+            self.exclude |= RAISE_AT_CAPTURE
         autocast = self.allowed("replay_under_autocast") and (
             rng.random() < (0.5 if self.focus == "replay_under_autocast" else 0.08)
         )
@@ -664,6 +697,10 @@ class _Generator:
             if not self.allowed("inference_mode_composite_copy") and self.mode != "no_grad":
                 return None
         out = self.view_of(a, shape, contiguous, writable)
+        if not writable and ".expand(" not in expr:
+            # contiguous(), flatten() (and reshape()) may return ``a`` itself: a metadata op on
+            # either name would change the other, so neither gets one
+            a.pinned = out.pinned = True
         return Stmt([f"{out.name} = {expr.format(a=a.name)}"], frozenset(families))
 
     def inplace_family(self, d: _Var) -> str:
@@ -1310,6 +1347,10 @@ class _Generator:
 
     def user_error(self) -> Stmt | None:
         """A break raising the user's own RuntimeError whose text mentions capturing."""
+        if self.mode == "inference_mode_inside" and not self.allowed(
+            "break_raises_in_inference_mode"
+        ):
+            return None
         a = self.pick(self.tensors())
         name = self.new_name("strict")
         self.definitions[name] = (
@@ -1437,7 +1478,15 @@ def run_program(
     replays: int = 3,
     dtype: torch.dtype = torch.float32,
 ) -> Outcome:
-    """Capture ``program`` once, replay it on fresh inputs and compare with eager runs."""
+    """Capture ``program`` once, replay it on fresh inputs and compare with eager runs.
+
+    Also a failure: anything the capture leaves behind in the process (repaired, so one
+    program's leftovers cannot fail the next ones).
+    """
+    return _left_behind(_run_program(program, backend, replays, dtype))
+
+
+def _run_program(program: Program, backend: str, replays: int, dtype: torch.dtype) -> Outcome:
     device = "cuda" if backend == "cuda" else "cpu"
     try:
         fn = program.compile()
@@ -1492,15 +1541,45 @@ def run_program(
                     return Outcome("mismatch", f"{stage}: {what} differs from eager: {exc}")
     except Exception as exc:  # noqa: BLE001
         if allowed and isinstance(exc, allowed):
-            return Outcome("allowed-error", f"{stage}: {type(exc).__name__}: {exc}", exc)
-        return Outcome(f"error:{type(exc).__name__}", f"{stage}: {type(exc).__name__}: {exc}", exc)
+            outcome = Outcome("allowed-error", f"{stage}: {type(exc).__name__}: {exc}", exc)
+        else:
+            detail = f"{stage}: {type(exc).__name__}: {exc}"
+            outcome = Outcome(f"error:{type(exc).__name__}", detail, exc)
+    else:
+        outcome = Outcome("ok")
     finally:
         graph.reset()
-    return Outcome("ok")
+    return outcome
+
+
+def _left_behind(outcome: Outcome) -> Outcome:
+    """A capture, failed or not, must leave the process as it found it; repair and report."""
+    problems = []
+    python_keys = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
+    if not torch.utils._python_dispatch._get_current_dispatch_mode_stack() and any(
+        torch._C._dispatch_tls_is_dispatch_key_included(key) for key in python_keys
+    ):
+        problems.append("the Python dispatch key is left enabled with no mode on the stack")
+        for key in python_keys:  # repair, or every later torch call hits an internal assert
+            torch._C._dispatch_tls_set_dispatch_key_included(key, False)
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        problems.append("inference_mode or no_grad is left on")
+    if any(map(torch.is_autocast_enabled, ("cpu", "cuda"))) or breakgraph.is_capturing():
+        problems.append("autocast or a capture is left on")
+    if not problems:
+        return outcome
+    return Outcome(
+        "error:LeftStateBehind", f"{'; '.join(problems)} (after: {outcome.kind} {outcome.detail})"
+    )
 
 
 def run_raising(program: Program, backend: str = "emulated") -> Outcome:
-    """A program of :func:`generate_raising` must raise its named error, never return values."""
+    """A program of :func:`generate_raising` must raise its named error, never return values,
+    and leave nothing behind."""
+    return _left_behind(_run_raising(program, backend))
+
+
+def _run_raising(program: Program, backend: str) -> Outcome:
     error, function = program.expect
     device = "cuda" if backend == "cuda" else "cpu"
     fn = program.compile()
@@ -1527,14 +1606,18 @@ def run_raising(program: Program, backend: str = "emulated") -> Outcome:
             )
         if error is breakgraph.HostSyncError and graph.num_segments:
             return Outcome("mismatch", "HostSyncError left a half-built graph behind", exc)
-        return Outcome("ok")
+        outcome = Outcome("ok")
     except Exception as exc:  # noqa: BLE001
-        return Outcome(
+        outcome = Outcome(
             f"error:{type(exc).__name__}", f"expected {error.__name__}, got {exc!r}", exc
+        )
+    else:
+        outcome = Outcome(
+            "mismatch", f"expected {error.__name__}, but capture and replay returned values"
         )
     finally:
         graph.reset()
-    return Outcome("mismatch", f"expected {error.__name__}, but capture and replay returned values")
+    return outcome
 
 
 # -- shrinking and reporting -----------------------------------------------------------------------
@@ -1594,10 +1677,7 @@ def _without_statement(program: Program, index: int) -> Program:
             removed |= {m.group(1) for line in stmt.lines if (m := _ASSIGNED.match(line))}
         else:
             kept.append(stmt)
-    outputs = [o for o in program.outputs if o not in removed]
-    if not outputs:
-        defined = [m.group(1) for s in kept for line in s.lines if (m := _ASSIGNED.match(line))]
-        outputs = [defined[-1] if defined else "x0"]
+    outputs = [o for o in program.outputs if o not in removed] or ["x0"]
     return program.replace(body=kept, outputs=outputs)
 
 
