@@ -1409,7 +1409,8 @@ def generate_raising(seed: int, exclude: Iterable[str] = ()) -> Program:
     as a ``HostSyncError``). Families in ``exclude`` are left out (kind 3 then falls
     back to kind 0).
     """
-    exclude = frozenset(exclude)
+    # nothing else in the program may raise: only the planted statement
+    exclude = frozenset(exclude) | set(MAY_RAISE) | RAISE_AT_CAPTURE - {"user_error_during_capture"}
     kind = seed % 4
     if kind == 3 and "user_error_during_capture" in exclude:
         kind = 0
