@@ -29,6 +29,7 @@ Command line (prints the program, runs it, optionally shrinks a failure)::
 
     python tests/fuzz_programs.py --seed 17                      # emulated backend
     python tests/fuzz_programs.py --seed 17 --focus inplace_metadata_op --shrink
+    python tests/fuzz_programs.py --seed 17 --ci --focus capture_stub --shrink  # as in the suite
     python tests/fuzz_programs.py --seed 17 --backend cuda
 """
 
@@ -1723,10 +1724,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="emulated", choices=("emulated", "cuda"))
     parser.add_argument("--exclude", default="", help="comma-separated families to leave out")
     parser.add_argument("--focus", default=None, help="a family every program must contain")
+    parser.add_argument(
+        "--ci",
+        action="store_true",
+        help="also exclude the KNOWN_BROKEN families of tests/test_fuzz.py, as the suite does "
+        "(all but --focus and what it needs)",
+    )
     parser.add_argument("--raising", action="store_true", help="the generate_raising program")
     parser.add_argument("--shrink", action="store_true", help="shrink a failing program")
     args = parser.parse_args(argv)
     exclude = {f for f in args.exclude.split(",") if f}
+    if args.ci:
+        from test_fuzz import NEEDS, gated
+
+        exclude |= gated(args.backend) - {args.focus} - NEEDS.get(args.focus, set())
     if args.raising:
         program = generate_raising(args.seed, exclude)
         print(program.source())

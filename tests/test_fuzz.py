@@ -30,7 +30,8 @@ except ImportError:  # pragma: no cover
 #: stay in the generator but are left out of the fuzz runs; ``test_known_broken_still_broken``
 #: asserts that each still fails on some seed (strict, like ``xfail(strict=True)``): when a fix
 #: lands that test fails, and the family must be removed from here so the fuzzer covers it.
-#: Value: (issue item, backends on which it fails). Minimal repros: docs/testing.md.
+#: Value: (issue item, backends on which it fails). A minimal program of a family:
+#: ``python tests/fuzz_programs.py --seed 0 --focus FAMILY --shrink``.
 KNOWN_BROKEN: dict[str, tuple[str, tuple[str, ...]]] = {
     # item 1: copy-back writes a replay's new tensor into the argument returned at capture
     "capture_stub_identity": ("item 1", ("emulated", "cuda")),
