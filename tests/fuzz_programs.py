@@ -1032,8 +1032,7 @@ class _Generator:
                     elif self.allowed("break_python_value"):
                         value = rng.choice(("a.shape[0]" if a.shape else "1", '"tag"', "None", "3"))
                         if self.allowed("break_check_values_false") and rng.random() < 0.3:
-                            value = 'breakgraph.replay_context()["scale"]  # informational'
-                            value = value.split("  #")[0]
+                            value = 'breakgraph.replay_context()["scale"]'  # changes per replay
                             families.add("break_check_values_false")
                         leaves.append(_Leaf("py", value, stub=value))
                         families.add("break_python_value")
@@ -1383,20 +1382,14 @@ def generate(seed: int, exclude: Iterable[str] = (), focus: str | None = None) -
     exclude = frozenset(exclude)
     for attempt in range(200):
         program = _Generator(seed * 1000 + attempt if attempt else seed, exclude, focus).program()
-        program.seed = seed
-        program.label = f"attempt={attempt}" if attempt else ""
         if focus is None or focus in program.families:
-            return program.replace(label=_label(exclude, focus, attempt))
+            label = " ".join(
+                part
+                for part, used in ((f"focus={focus}", focus), (f"attempt={attempt}", attempt))
+                if used
+            )
+            return program.replace(seed=seed, label=label)
     raise AssertionError(f"generate: no program with family {focus!r} for seed {seed}")
-
-
-def _label(exclude: frozenset, focus: str | None, attempt: int) -> str:
-    parts = []
-    if focus:
-        parts.append(f"focus={focus}")
-    if attempt:
-        parts.append(f"attempt={attempt}")
-    return " ".join(parts)
 
 
 def generate_raising(seed: int, exclude: Iterable[str] = ()) -> Program:
