@@ -1,0 +1,233 @@
+"""The differential fuzzer: random programs, captured once, replayed on fresh inputs, vs eager.
+
+``tests/fuzz_programs.py`` generates straight-line programs (elementwise ops, reductions,
+views, in-place ops on inputs/views/fresh tensors, in-place metadata ops, ``out=``,
+matmuls, ``break_graph()`` and eager breaks of many kinds) from a seed. Each program is
+captured once and replayed several times on FRESH random inputs copied into the static
+ones; every output and every (possibly mutated) input must match an eager run of the
+same program on the same inputs. A failure prints the seed, the program's source, a
+shrunk program with the same failure and the command that reproduces it.
+
+Scale: ``BREAKGRAPH_FUZZ_PROGRAMS`` (default 300, emulated backend, a few seconds) and
+``BREAKGRAPH_FUZZ_CUDA_PROGRAMS`` (default 2000, the GPU check). Seeds run in chunks of
+``CHUNK`` so a failing test id names its seed range and its message the seed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+try:  # tests/ as a package (tests.helpers) or as a directory on sys.path
+    from tests import fuzz_programs as fp
+except ImportError:  # pragma: no cover
+    import fuzz_programs as fp
+
+#: Feature families that make programs fail today, with the issue-11 item each one is. They
+#: stay in the generator but are left out of the fuzz runs; ``test_known_broken_still_broken``
+#: asserts that each still fails on some seed (strict, like ``xfail(strict=True)``): when a fix
+#: lands that test fails, and the family must be removed from here so the fuzzer covers it.
+#: Value: (issue item, backends on which it fails). A minimal program of a family:
+#: ``python tests/fuzz_programs.py --seed 0 --focus FAMILY --shrink``.
+KNOWN_BROKEN: dict[str, tuple[str, tuple[str, ...]]] = {
+    # every family the fuzzer found broken is fixed (issue 11 items 1, 5, 6, 9-12, 14 and the
+    # fuzzer's own N1-N4); a new one goes here with its item and backends until it is fixed
+}
+#: Families that can only be generated with others: un-gated while checking they still fail.
+NEEDS = {"break_raises_in_inference_mode": {"inference_mode_inside", "caught_break_exception"}}
+#: The failure a family must still show (default: any failure).
+SYMPTOM = {"break_raises_in_inference_mode": "error:LeftStateBehind"}
+
+PROGRAMS = int(os.environ.get("BREAKGRAPH_FUZZ_PROGRAMS", "300"))
+CUDA_PROGRAMS = int(os.environ.get("BREAKGRAPH_FUZZ_CUDA_PROGRAMS", "2000"))
+RAISING = max(20, PROGRAMS // 5)
+CUDA_RAISING = max(20, CUDA_PROGRAMS // 10)
+CHUNK = 50
+STILL_BROKEN_SEEDS = 40  # a known-broken family must fail on one of these (focused) seeds, and
+# still be in the program shrunk from that failure (so another family's bug does not count)
+
+
+def gated(backend: str) -> frozenset[str]:
+    """The families left out of the fuzz runs on ``backend``."""
+    return frozenset(f for f, (_, backends) in KNOWN_BROKEN.items() if backend in backends)
+
+
+def chunks(total: int) -> list:
+    return [
+        pytest.param(
+            range(start, min(start + CHUNK, total)),
+            id=f"seeds{start}-{min(start + CHUNK, total) - 1}",
+        )
+        for start in range(0, total, CHUNK)
+    ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_captures():
+    """One thread, and a frozen heap for ``capture()``'s one ``gc.collect()`` per capture.
+
+    With transformers imported that collection costs ~0.1 s, 30x a whole fuzz program;
+    freezing the objects alive now (torch, transformers, earlier tests) leaves only the
+    program's own objects to collect. Lazy imports happen in a first run, before the freeze.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    fp.run_program(fp.generate(0, gated("emulated")))
+    gc.freeze()
+    yield
+    gc.unfreeze()
+    torch.set_num_threads(threads)
+
+
+def check_seeds(seeds: range, backend: str) -> None:
+    """Run every seed; on failure report the first one (shrunk) and list the others."""
+    exclude = gated(backend)
+    failures = []
+    for seed in seeds:
+        program = fp.generate(seed, exclude)
+        outcome = fp.run_program(program, backend)
+        if not outcome.ok:
+            failures.append((program, outcome))
+    if failures:
+        program, outcome = failures[0]
+        invalid = "GENERATOR BUG (the program fails eagerly): " if outcome.kind == "invalid" else ""
+        shrunk = fp.shrink(program, fp.same_failure(outcome.kind, backend))
+        others = ", ".join(str(p.seed) for p, _ in failures[1:]) or "none"
+        pytest.fail(
+            f"{invalid}{len(failures)} of {len(seeds)} programs differ from eager "
+            f"(other failing seeds: {others})\n"
+            + fp.describe_failure(program, outcome, backend, exclude, shrunk),
+            pytrace=False,
+        )
+
+
+# -- programs match eager ---------------------------------------------------------------------
+@pytest.mark.parametrize("seeds", chunks(PROGRAMS))
+def test_programs_match_eager(seeds):
+    check_seeds(seeds, "emulated")
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("seeds", chunks(CUDA_PROGRAMS))
+def test_programs_match_eager_cuda(seeds):
+    check_seeds(seeds, "cuda")
+
+
+# -- programs that must raise the named error -------------------------------------------------
+def check_raising(seeds: range, backend: str) -> None:
+    for seed in seeds:
+        program = fp.generate_raising(seed, gated(backend))
+        outcome = fp.run_raising(program, backend)
+        if not outcome.ok:
+            pytest.fail(fp.describe_failure(program, outcome, backend), pytrace=False)
+
+
+@pytest.mark.parametrize("seeds", chunks(RAISING))
+def test_changed_outputs_and_host_syncs_raise_named_errors(seeds):
+    """A break changing its output on replay raises CopyBackError naming it; a host sync in a
+    segment raises HostSyncError at capture and leaves nothing behind. Never a value."""
+    check_raising(seeds, "emulated")
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("seeds", chunks(CUDA_RAISING))
+def test_changed_outputs_and_host_syncs_raise_named_errors_cuda(seeds):
+    check_raising(seeds, "cuda")
+
+
+# -- the known-broken families still fail ---------------------------------------------------------
+def still_fails(family: str, backend: str) -> bool:
+    exclude = gated(backend) - {family} - NEEDS.get(family, set())
+    for seed in range(STILL_BROKEN_SEEDS):
+        if family == "user_error_during_capture":
+            program = fp.generate_raising(4 * seed + 3, exclude)
+            if not fp.run_raising(program, backend).ok:
+                return True
+            continue
+        program = fp.generate(seed, exclude, family)
+        outcome = fp.run_program(program, backend)
+        if outcome.ok or SYMPTOM.get(family, outcome.kind) != outcome.kind:
+            continue
+        # attribute the failure: the shrunk program that still fails must still use the family
+        shrunk = fp.shrink(program, fp.same_failure(outcome.kind, backend), budget=200)
+        if family in shrunk.families:
+            return True
+    return False
+
+
+def known_broken(backend: str) -> list:
+    marks = [pytest.mark.requires_cuda] if backend == "cuda" else []
+    return [
+        pytest.param(family, backend, id=f"{backend}-{family}", marks=marks)
+        for family, (_, backends) in KNOWN_BROKEN.items()
+        if backend in backends
+    ]
+
+
+@pytest.mark.parametrize("family, backend", known_broken("emulated") + known_broken("cuda"))
+def test_known_broken_still_broken(family, backend):
+    """Strict xfail: each gated family must still fail, or it must leave KNOWN_BROKEN."""
+    item = KNOWN_BROKEN[family][0]
+    assert still_fails(family, backend), (
+        f"family {family!r} ({item}) no longer fails on {backend} (focused seeds "
+        f"0..{STILL_BROKEN_SEEDS - 1}): its fix has landed. Remove it from KNOWN_BROKEN in "
+        f"tests/test_fuzz.py (or from its backends) so the fuzzer covers it again."
+    )
+
+
+# -- the generator and the oracle themselves --------------------------------------------------
+def test_programs_are_a_function_of_their_seed():
+    for seed in (0, 1, 17):
+        assert fp.generate(seed).source() == fp.generate(seed).source()
+    assert fp.generate(1).source() != fp.generate(2).source()
+
+
+def test_every_family_is_generated():
+    """Every family in FAMILIES appears in some program (gated ones in focused programs)."""
+    seen = set()
+    for seed in range(PROGRAMS):
+        seen |= fp.generate(seed, gated("emulated")).families
+    for family in set(fp.FAMILIES) - seen - {"user_error_during_capture"}:
+        assert family in fp.generate(0, focus=family).families, family
+    assert "user_error_during_capture" in fp.generate_raising(3).families
+
+
+def test_a_failure_names_the_seed_and_prints_the_program():
+    program = fp.generate(5)
+    message = fp.describe_failure(
+        program,
+        fp.Outcome("mismatch", "replay 0: output[0] differs"),
+        "emulated",
+        {"inplace_metadata_op"},
+    )
+    assert "seed=5" in message and "--seed 5" in message
+    assert "--exclude inplace_metadata_op" in message
+    assert program.source() in message
+    assert "def program(" in message
+
+
+def test_shrink_keeps_the_failure_and_drops_the_rest():
+    program = next(
+        p for p in map(fp.generate, range(50)) if len(p.body) >= 8 and "matmul" in p.families
+    )
+    shrunk = fp.shrink(program, lambda p: "matmul" in p.families)
+    assert "matmul" in shrunk.families
+    assert len(shrunk.body) < len(program.body) and len(shrunk.body) <= 3
+
+
+def test_the_oracle_catches_wrong_replays():
+    """A frozen host value in a segment (the documented pitfall) is reported as a mismatch, a
+    host sync as HostSyncError: the oracle does not pass what it should not."""
+    program = fp.generate(0, gated("emulated") | frozenset(fp.MAY_RAISE))
+    frozen = program.replace(
+        body=program.body + [fp.Stmt(['frozen = x0 * breakgraph.replay_context()["scale"]'])],
+        outputs=["frozen"],
+    )
+    assert fp.run_program(frozen).kind == "mismatch"
+    synced = program.replace(
+        body=program.body + [fp.Stmt(["synced = x0 * float(x0.sum())"])], outputs=["synced"]
+    )
+    assert fp.run_program(synced).kind == "error:HostSyncError"
