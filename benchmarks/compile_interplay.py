@@ -114,7 +114,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # scenario:isolate (child process)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help="names, each optionally :1 (isolation on only) or :0 (off only)",
+    )
     args = parser.parse_args()
     if args.one:
         name, isolate = args.one.split(":")
@@ -123,8 +127,9 @@ def main() -> None:
         print("RESULT " + json.dumps(result))
         return
     results = []
-    for name in args.scenarios.split(","):
-        for isolate in (True, False):
+    for spec in args.scenarios.split(","):
+        name, _, only = spec.partition(":")
+        for isolate in (True, False) if not only else (only == "1",):
             proc = subprocess.run(
                 [sys.executable, "-m", "benchmarks.compile_interplay", "--one",
                  f"{name}:{int(isolate)}"],
