@@ -1,4 +1,5 @@
-"""HuggingFace transformers integration: graph-speed prefill of unmodified causal LMs.
+"""HuggingFace transformers integration: graph-speed prefill and continuous batching of
+unmodified causal LMs.
 
 See ``docs/integration-transformers.md``.
 
@@ -11,10 +12,20 @@ Example::
 """
 
 from .attention import ATTENTION_KEY, LayerAttention, PackedBatch, breakgraph_attention
+from .continuous_batching import (
+    CB_ATTENTION_KEY,
+    ContinuousBatchingHandle,
+    ContinuousBatchingStats,
+    enable_continuous_batching,
+)
 from .prefill import SUPPORTED_MODEL_TYPES, PrefillOutput, PrefillRunner, UnsupportedModelError
 
 __all__ = [
     "PrefillRunner",
+    "enable_continuous_batching",
+    "ContinuousBatchingHandle",
+    "ContinuousBatchingStats",
+    "CB_ATTENTION_KEY",
     "PrefillOutput",
     "UnsupportedModelError",
     "SUPPORTED_MODEL_TYPES",

@@ -101,8 +101,6 @@ class LayerAttention:
         self.q, self.k, self.v = (t[0].transpose(0, 1) for t in (query, key, value))
         self.scaling, self.window, self.kernel = scaling, window, kernel
         self.contiguous = all(t.stride(-1) == 1 for t in (self.q, self.k, self.v))
-        self.causal = window is None
-        self.left = -1 if window is None else window - 1
         self.out = None
         if kernel == "flash" and FLASH_WRITES_IN_PLACE:
             self.out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
@@ -111,57 +109,56 @@ class LayerAttention:
         batch: PackedBatch = breakgraph.replay_context()
         if self.kernel == "flash":
             return self.flash(batch.cu_seqlens, batch.max_seqlen)
-        return _reference_attention(self.q, self.k, self.v, batch.bounds, self.scaling, self.window)
+        return reference_attention(self.q, self.k, self.v, batch.bounds, self.scaling, self.window)
 
     def flash(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         q, k, v = self.q, self.k, self.v
         if not self.contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if self.out is not None:
-            _flash_into(
-                self.out,
-                q,
-                k,
-                v,
-                cu_seqlens,
-                cu_seqlens,
-                max_seqlen,
-                max_seqlen,
-                0.0,
-                self.causal,
-                False,
-                scale=self.scaling,
-                window_size_left=self.left,
-                window_size_right=0,
-            )
-            return self.out
-        return _flash(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            cu_seqlens,
-            max_seqlen,
-            max_seqlen,
-            0.0,
-            self.causal,
-            False,
-            scale=self.scaling,
-            window_size_left=self.left,
-            window_size_right=0,
-        )[0]
+        return flash_varlen(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            self.scaling, self.window, self.out,
+        )  # fmt: skip
 
 
-def _reference_attention(q, k, v, bounds, scaling, window):
-    """Per-sequence SDPA with a causal (and sliding-window) mask: exact, slow, any device."""
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None) -> torch.Tensor:
+    """Causal varlen attention with ATen's FlashAttention-2 kernel: ``[Tq, Hq, D]`` out.
+
+    ``q`` is ``[Tq, Hq, D]``, ``k``/``v`` ``[Tk, Hkv, D]`` (GQA not expanded);
+    sequence ``i`` owns query rows ``cu_q[i]:cu_q[i+1]`` and key rows
+    ``cu_k[i]:cu_k[i+1]``; when it has more keys than queries (a KV cache), its
+    queries are the *last* positions of its keys (bottom-right causal alignment).
+    Rows past ``cu_q[-1]`` are not written. ``out`` (torch >= 2.12 only) is written
+    in place and returned.
+    """
+    causal, left = window is None, -1 if window is None else window - 1
+    if out is not None:
+        _flash_into(
+            out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+            scale=scaling, window_size_left=left, window_size_right=0,
+        )  # fmt: skip
+        return out
+    return _flash(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        scale=scaling, window_size_left=left, window_size_right=0,
+    )[0]  # fmt: skip
+
+
+def reference_attention(q, k, v, bounds, scaling, window, kv_bounds=None):
+    """Per-sequence SDPA with a causal (and sliding-window) mask: exact, slow, any device.
+
+    ``bounds`` are the query rows of each sequence and ``kv_bounds`` its key rows
+    (default: the same rows); with more keys than queries, the queries are the last
+    positions of the keys. Rows outside ``bounds`` are zero.
+    """
     groups = q.shape[1] // k.shape[1]
-    out = torch.empty_like(q)
-    for start, end in bounds:
+    out = torch.zeros_like(q)
+    for (start, end), (k_start, k_end) in zip(bounds, kv_bounds or bounds):
         qs = q[start:end].transpose(0, 1)
-        ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        vs = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        i = torch.arange(end - start, device=q.device)
-        distance = i[:, None] - i[None, :]
+        ks = k[k_start:k_end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        vs = v[k_start:k_end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        i = torch.arange(end - start, device=q.device) + (k_end - k_start) - (end - start)
+        distance = i[:, None] - torch.arange(k_end - k_start, device=q.device)[None, :]
         mask = distance >= 0
         if window is not None:
             mask &= distance < window

@@ -343,8 +343,9 @@ class PrefillRunner:
             raise InputError("PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors.")
         if len(prompts) > self.max_prompts:
             raise InputError(
-                f"PrefillRunner.prefill: {len(prompts)} prompts exceed max_prompts={self.max_prompts}; "
-                f"split the batch or build the runner with a larger max_prompts."
+                f"PrefillRunner.prefill: {len(prompts)} prompts exceed "
+                f"max_prompts={self.max_prompts}; split the batch or build the runner with a "
+                f"larger max_prompts."
             )
         lengths = []
         for i, p in enumerate(prompts):
@@ -355,8 +356,8 @@ class PrefillRunner:
                 or p.numel() == 0
             ):
                 raise InputError(
-                    f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of token ids, "
-                    f"got {type(p).__name__}"
+                    f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of "
+                    f"token ids, got {type(p).__name__}"
                     + (
                         f" of shape {tuple(p.shape)} and dtype {p.dtype}"
                         if isinstance(p, torch.Tensor)
@@ -380,12 +381,13 @@ class PrefillRunner:
         self._layers.clear()
 
 
-def _check_model(model: Any) -> None:
+def _check_model(model: Any, who: str = "PrefillRunner") -> None:
+    """Reject models the graphs cannot serve correctly; ``who`` names the caller in messages."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"PrefillRunner: model type {model_type!r} is not supported; supported: "
+            f"{who}: model type {model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
     if (
@@ -394,23 +396,23 @@ def _check_model(model: Any) -> None:
         or getattr(model, "_compiled_call_impl", None) is not None  # nn.Module.compile(), in place
     ):
         raise UnsupportedModelError(
-            "PrefillRunner: the model is compiled with torch.compile; pass the uncompiled model "
+            f"{who}: the model is compiled with torch.compile; pass the uncompiled model "
             "(breakgraph captures it itself)."
         )
     if model.training:
         raise UnsupportedModelError(
-            "PrefillRunner: the model is in training mode; call model.eval() first."
+            f"{who}: the model is in training mode; call model.eval() first."
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type not in _STATIC_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"PrefillRunner: rope_type {rope_type!r} recomputes its frequencies from the live "
-            f"sequence length on the host; only static RoPE ({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) "
-            f"can be captured."
+            f"{who}: rope_type {rope_type!r} recomputes its frequencies from the live "
+            f"sequence length on the host; only static RoPE "
+            f"({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) can be captured."
         )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
-            raise UnsupportedModelError(f"PrefillRunner: {name} is not supported.")
+            raise UnsupportedModelError(f"{who}: {name} is not supported.")
     if len({p.device for p in model.parameters()}) != 1:
-        raise UnsupportedModelError("PrefillRunner: all parameters must be on one device.")
+        raise UnsupportedModelError(f"{who}: all parameters must be on one device.")

@@ -1,0 +1,506 @@
+"""Continuous batching of HF causal LMs under breakable graphs: ``enable_continuous_batching``.
+
+transformers 5.17's continuous batching (``model.generate_batch``, the
+``init_continuous_batching`` manager, ``transformers serve --continuous-batching``)
+serves streams of requests whose steps mix prefill chunks and decode tokens.
+While enabled, each step of a model runs as one breakable graph per *query-token
+bucket*: everything is captured (embeddings, projections, MLPs/MoE, norms, RoPE,
+lm_head, logits processing, sampling) except each layer's paged-cache access and
+varlen attention, which runs as an eager break with the live step's exact
+lengths. No KV-size graph keys, no upper-bound kernels, no ``flash_attn``.
+
+Example::
+
+    >>> import torch, transformers
+    >>> from transformers import GenerationConfig
+    >>> from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    >>> from breakgraph.integrations.transformers import enable_continuous_batching
+    >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+    ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    >>> model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    >>> with enable_continuous_batching(model, backend="emulated") as handle:
+    ...     outs = model.generate_batch(
+    ...         [[1, 2, 3], [4, 5, 6, 7, 8]],
+    ...         generation_config=GenerationConfig(max_new_tokens=4, do_sample=False,
+    ...                                            eos_token_id=-1, pad_token_id=0),
+    ...         continuous_batching_config=ContinuousBatchingConfig(
+    ...             block_size=16, num_blocks=16, max_batch_tokens=16),
+    ...         progress_bar=False)
+    >>> [len(o.generated_tokens) for o in outs.values()]
+    [4, 4]
+    >>> handle.stats.replays > 0
+    True
+
+How it hooks in (transformers 5.17 has no extension point for the graph type of
+CB steps, so three scoped patches are unavoidable; each one dispatches on the
+model's attention key and leaves every other model untouched, and all of them
+are removed when the last handle is disabled):
+
+* ``continuous_api.ModelRunner`` (the name ``ContinuousBatchProcessor`` builds its
+  runner from) becomes a factory returning a
+  :class:`~.cb_runner.BreakgraphModelRunner` for enabled models;
+* ``continuous_api.resolve_continuous_batching_config`` records whether the
+  caller wants graphs (``use_cuda_graph`` None or True: yes) and turns
+  transformers' own whole-step graphs off for enabled models;
+* ``PagedAttentionMemoryHandler.get_available_memory``: on a CPU host where
+  transformers measures no memory (no ``psutil``), the host's free memory.
+
+The extension points proper: ``AttentionInterface["paged|breakgraph"]``,
+``ExpertsInterface["breakgraph_eager"]`` (transformers' eager experts loop as an
+eager break; ``grouped_mm``/``batched_mm`` experts are captured) and the model's
+``set_attn_implementation`` / ``set_experts_implementation``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from breakgraph.backends import select_backend
+from breakgraph.errors import InputError
+
+from . import attention as _attention
+from .cb_attention import (
+    CB_ATTENTION_KEY,
+    EAGER_EXPERTS_KEY,
+    eager_experts_break,
+    paged_breakgraph_attention,
+)
+from .prefill import UnsupportedModelError, _check_model
+
+__all__ = [
+    "enable_continuous_batching",
+    "ContinuousBatchingHandle",
+    "ContinuousBatchingStats",
+    "BucketStats",
+    "CB_ATTENTION_KEY",
+]
+
+_WHO = "enable_continuous_batching"
+_lock = threading.RLock()
+_enabled: dict[int, ContinuousBatchingHandle] = {}  # id(text config) -> handle
+_patches: _TransformersPatches | None = None
+
+
+# -- statistics ----------------------------------------------------------------------------
+@dataclass
+class BucketStats:
+    """Counters of one query-token bucket."""
+
+    captures: int = 0
+    replays: int = 0  # graph steps
+    eager_steps: int = 0  # steps that ran eagerly (graphs off)
+    capture_s: float = 0.0  # warm-up + capture, seconds
+
+
+class ContinuousBatchingStats:
+    """Per-bucket counters of every runner of a handle; ``str()`` prints a table.
+
+    Example::
+
+        >>> stats = ContinuousBatchingStats()
+        >>> stats._record(64, captures=1, capture_s=0.25); stats._record(64, replays=9)
+        >>> (stats.captures, stats.replays, stats.eager_steps)
+        (1, 9, 0)
+        >>> print(stats)
+        bucket  captures  replays  eager steps  capture s
+            64         1        9            0       0.25
+         total         1        9            0       0.25
+    """
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, BucketStats] = {}
+
+    def _record(
+        self,
+        bucket: int,
+        captures: int = 0,
+        replays: int = 0,
+        eager_steps: int = 0,
+        capture_s: float = 0.0,
+    ) -> None:
+        entry = self.buckets.get(bucket)
+        if entry is None:
+            entry = self.buckets[bucket] = BucketStats()
+        entry.captures += captures
+        entry.replays += replays
+        entry.eager_steps += eager_steps
+        entry.capture_s += capture_s
+
+    @property
+    def captures(self) -> int:
+        return sum(b.captures for b in self.buckets.values())
+
+    @property
+    def replays(self) -> int:
+        return sum(b.replays for b in self.buckets.values())
+
+    @property
+    def eager_steps(self) -> int:
+        return sum(b.eager_steps for b in self.buckets.values())
+
+    @property
+    def capture_s(self) -> float:
+        return sum(b.capture_s for b in self.buckets.values())
+
+    def __str__(self) -> str:
+        rows = [("bucket", "captures", "replays", "eager steps", "capture s")]
+        for bucket, b in sorted(self.buckets.items()):
+            rows.append((bucket, b.captures, b.replays, b.eager_steps, f"{b.capture_s:.2f}"))
+        rows.append(
+            ("total", self.captures, self.replays, self.eager_steps, f"{self.capture_s:.2f}")
+        )
+        widths = [max(len(str(row[i])) for row in rows) for i in range(5)]
+        return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows)
+
+    def __repr__(self) -> str:
+        return (
+            f"ContinuousBatchingStats(captures={self.captures}, replays={self.replays}, "
+            f"eager_steps={self.eager_steps}, buckets={sorted(self.buckets)})"
+        )
+
+
+# -- the handle ----------------------------------------------------------------------------
+class ContinuousBatchingHandle:
+    """What :func:`enable_continuous_batching` returns: stats, runners, ``disable()``.
+
+    Also a context manager: leaving the ``with`` block disables it.
+    """
+
+    def __init__(self, model, backend, kernel, query_buckets, debug) -> None:
+        self.model = model
+        self.config = model.config.get_text_config()
+        self.device = next(model.parameters()).device
+        self.backend = backend
+        self.kernel = kernel
+        self.query_buckets = query_buckets
+        self.debug = debug
+        self.stats = ContinuousBatchingStats()
+        self.enabled = False
+        self._runners: weakref.WeakSet = weakref.WeakSet()
+        self._choices: dict[int, tuple] = {}  # id(resolved CB config) -> (weakref, use_graphs)
+        self._previous_attn = model.config._attn_implementation
+        self._previous_experts = None
+
+    @property
+    def runners(self) -> list:
+        """The live :class:`~.cb_runner.BreakgraphModelRunner` objects (one per CB manager)."""
+        return list(self._runners)
+
+    def disable(self) -> None:
+        """Restore the model and transformers exactly as before (idempotent).
+
+        A persistent CB manager created while enabled is destroyed (its graphs and KV
+        cache belong to this handle); a running one must be stopped first.
+        """
+        with _lock:
+            if not self.enabled:
+                return
+            manager = getattr(self.model, "_cached_continuous_batching_manager", None)
+            if manager is not None and manager.is_running():
+                raise InputError(
+                    "ContinuousBatchingHandle.disable: a continuous-batching manager of this model "
+                    "is still running; call manager.stop() first."
+                )
+            for runner in list(self._runners):
+                runner.close()
+            if manager is not None:
+                self.model.destroy_cached_continuous_batching_manager()
+            self.model.set_attn_implementation(self._previous_attn)
+            if self._previous_experts is not None:
+                self.model.set_experts_implementation(self._previous_experts)
+            del _enabled[id(self.config)]
+            self._choices.clear()
+            self.enabled = False
+            _release_patches()
+
+    def __enter__(self) -> ContinuousBatchingHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.disable()
+
+    def __repr__(self) -> str:
+        state = "enabled" if self.enabled else "disabled"
+        return (
+            f"ContinuousBatchingHandle({type(self.model).__name__}, {state}, "
+            f"backend={self.backend!r}, attention={self.kernel!r}, {self.stats!r})"
+        )
+
+    # -- used by the patches ------------------------------------------------------------------
+    def _use_graphs(self, cb_config) -> bool:
+        """Read the caller's ``ContinuousBatchingConfig`` before transformers resolves it."""
+        if cb_config.use_async_batching:
+            raise UnsupportedModelError(
+                f"{_WHO}: asynchronous batching (use_async_batching=True) is not supported; "
+                f"leave it unset or False."
+            )
+        choice = cb_config.use_cuda_graph
+        if choice is None:
+            return True
+        if isinstance(choice, bool):
+            return choice
+        if isinstance(choice, (tuple, list)) and len(choice) == 2:
+            return bool(choice[0])  # (varlen, decode): every step here is a varlen step
+        raise InputError(
+            f"{_WHO}: ContinuousBatchingConfig.use_cuda_graph must be None, a bool or a "
+            f"(varlen, decode) pair, got {choice!r}."
+        )
+
+    def _remember(self, resolved, use_graphs: bool) -> None:
+        compiled = resolved.varlen_compile_config or resolved.decode_compile_config
+        if use_graphs and compiled is not None:
+            raise UnsupportedModelError(
+                f"{_WHO}: torch.compile of the CB step (compile configs) cannot be combined with "
+                f"breakgraph's graphs; pass ContinuousBatchingConfig(use_cuda_graph=False) to "
+                f"compile instead."
+            )
+        self._choices[id(resolved)] = (weakref.ref(resolved), use_graphs)
+
+    def _new_runner(self, cb_config, **kwargs):
+        from .cb_runner import BreakgraphModelRunner
+
+        ref, use_graphs = self._choices.get(id(cb_config), (None, None))
+        if ref is None or ref() is not cb_config:
+            raise UnsupportedModelError(
+                f"{_WHO}: this continuous-batching manager was configured before "
+                f"enable_continuous_batching(); create a new one (destroy a persistent manager "
+                f"with model.destroy_cached_continuous_batching_manager())."
+            )
+        runner = BreakgraphModelRunner(
+            handle=self, use_graphs=use_graphs, cb_config=cb_config, **kwargs
+        )
+        self._runners.add(runner)
+        return runner
+
+
+def enable_continuous_batching(
+    model: Any,
+    backend: str | None = None,
+    *,
+    attention: str = "auto",
+    query_buckets: tuple[int, ...] | None = None,
+    debug: bool | None = None,
+) -> ContinuousBatchingHandle:
+    """Run the model's continuous-batching steps as breakable graphs, one per query bucket.
+
+    Args:
+        model: a transformers causal LM of a supported family (dense: llama, qwen2,
+            qwen3, mistral, gemma; MoE: qwen3_moe, mixtral) in eval mode.
+        backend: ``"cuda"`` or ``"emulated"`` (CPU), as for :func:`breakgraph.capture`.
+        attention: ``"auto"`` (FlashAttention varlen inside ATen on CUDA in bf16/fp16,
+            else the exact per-sequence reference), ``"flash"`` or ``"reference"``.
+        query_buckets: query-token counts to capture (default: powers of two from 8);
+            the CB config's ``max_batch_tokens`` is always the largest bucket.
+        debug: capture graphs in breakgraph's debug mode (slow; see ``docs/debugging.md``).
+
+    Returns a :class:`ContinuousBatchingHandle` (also a context manager). While it is
+    enabled, CB managers of this model created afterwards (``generate_batch``,
+    ``init_continuous_batching``) run their steps as breakable graphs, unless their
+    ``ContinuousBatchingConfig`` says ``use_cuda_graph=False`` (eager steps through
+    the same attention). The model's attention implementation is
+    ``"paged|breakgraph"`` until ``disable()``; a plain ``model.generate()`` raises
+    meanwhile.
+
+    Example::
+
+        handle = enable_continuous_batching(model)
+        outs = model.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=64))
+        print(handle.stats)     # captures, replays and eager steps per query bucket
+        handle.disable()
+    """
+    _check_model(model, _WHO)
+    _check_transformers()
+    if attention not in ("auto", "flash", "reference"):
+        raise InputError(
+            f"{_WHO}: attention must be 'auto', 'flash' or 'reference', got {attention!r}."
+        )
+    chosen = select_backend(backend).name
+    parameter = next(model.parameters())
+    can_flash = _attention.flash_available(parameter.dtype, parameter.device)
+    if attention == "flash" and not can_flash:
+        raise UnsupportedModelError(
+            f"{_WHO}: attention='flash' needs a CUDA model in bf16/fp16 and torch's "
+            f"FlashAttention varlen kernel; use attention='reference'."
+        )
+    kernel = "flash" if attention == "flash" or (attention == "auto" and can_flash) else "reference"
+    with _lock:
+        config = model.config.get_text_config()
+        if id(config) in _enabled:
+            raise InputError(f"{_WHO}: continuous batching is already enabled for this model.")
+        if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+            raise InputError(
+                f"{_WHO}: the model holds a persistent CB manager created without breakgraph; "
+                f"call model.destroy_cached_continuous_batching_manager() first."
+            )
+        handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug)
+        _acquire_patches()
+        try:
+            experts = getattr(model.config, "_experts_implementation", None)
+            if _has_experts(model) and experts in (None, "eager"):
+                handle._previous_experts = model.get_experts_implementation()
+                model.set_experts_implementation(EAGER_EXPERTS_KEY)
+            model.set_attn_implementation(CB_ATTENTION_KEY)
+        except BaseException:
+            if handle._previous_experts is not None:
+                model.set_experts_implementation(handle._previous_experts)
+            _release_patches()
+            raise
+        _enabled[id(config)] = handle
+        handle.enabled = True
+    return handle
+
+
+def _handle_for(config) -> ContinuousBatchingHandle | None:
+    handle = _enabled.get(id(config))
+    return handle if handle is not None and handle.config is config else None
+
+
+def _has_experts(model) -> bool:
+    return any(
+        hasattr(getattr(type(m), "forward", None), "__wrapped__")
+        and type(m).__name__.endswith("Experts")
+        for m in model.modules()
+    )
+
+
+# -- transformers internals ------------------------------------------------------------------
+def _check_transformers() -> None:
+    """Detect the 5.17 continuous-batching internals this integration hooks into."""
+    import transformers
+
+    version = transformers.__version__
+    problem = None
+    try:
+        from transformers.generation.continuous_batching import cache, continuous_api
+        from transformers.generation.continuous_batching import model_runner as runner_module
+
+        update = inspect.signature(cache.PagedAttentionCache.update).parameters
+        if "read_index" not in update or "write_index" not in update:
+            problem = "PagedAttentionCache.update no longer takes read_index/write_index"
+        elif not isinstance(continuous_api.__dict__.get("ModelRunner"), type) and _patches is None:
+            problem = "continuous_api.ModelRunner is not a class"
+        elif not hasattr(continuous_api, "resolve_continuous_batching_config"):
+            problem = "continuous_api.resolve_continuous_batching_config is missing"
+        elif not hasattr(cache.PagedAttentionMemoryHandler, "get_available_memory"):
+            problem = "PagedAttentionMemoryHandler.get_available_memory is missing"
+        elif not hasattr(runner_module.ModelRunner, "_forward_process_and_sample"):
+            problem = "ModelRunner._forward_process_and_sample is missing"
+    except ImportError as exc:
+        problem = f"continuous batching cannot be imported ({exc})"
+    if problem is not None:
+        raise UnsupportedModelError(
+            f"{_WHO}: transformers {version} is not supported: its continuous-batching "
+            f"internals differ from 5.17 ({problem}). Install transformers==5.17.0, or use "
+            f"PrefillRunner or transformers' own continuous batching."
+        )
+
+
+class _TransformersPatches:
+    """The scoped changes to transformers, installed while at least one handle is enabled."""
+
+    def __init__(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.generation.continuous_batching import cache, continuous_api
+        from transformers.integrations.moe import ExpertsInterface
+
+        self.original_runner = continuous_api.ModelRunner
+        self.original_resolve = continuous_api.resolve_continuous_batching_config
+        original_memory = cache.PagedAttentionMemoryHandler.__dict__["get_available_memory"]
+
+        def get_available_memory(handler) -> int:
+            """transformers' measure, or the host's free memory where it measures none (CPU)."""
+            available = original_memory(handler)
+            handle = _handle_for(handler.config)
+            if handle is None or available > 0 or handle.device.type != "cpu":
+                return available
+            return int(_host_free_memory() * handler.cb_config.max_memory_percent)
+
+        self.attributes = [
+            (continuous_api, "ModelRunner", self.model_runner),
+            (continuous_api, "resolve_continuous_batching_config", self.resolve),
+            (cache.PagedAttentionMemoryHandler, "get_available_memory", get_available_memory),
+        ]
+        self.registries = [
+            (AttentionInterface._global_mapping, CB_ATTENTION_KEY, paged_breakgraph_attention),
+            (ExpertsInterface._global_mapping, EAGER_EXPERTS_KEY, eager_experts_break),
+        ]
+        self.saved: list = []
+
+    def install(self) -> None:
+        for owner, name, replacement in self.attributes:
+            self.saved.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, replacement)
+        for mapping, key, function in self.registries:
+            self.saved.append((mapping, key, mapping.get(key, _MISSING)))
+            mapping[key] = function
+
+    def remove(self) -> None:
+        while self.saved:
+            owner, name, previous = self.saved.pop()
+            if isinstance(owner, dict):
+                if previous is _MISSING:
+                    owner.pop(name, None)
+                else:
+                    owner[name] = previous
+            else:
+                setattr(owner, name, previous)
+
+    # the replacements: each behaves exactly like the original for models not enabled
+    def model_runner(self, **kwargs):
+        handle = _handle_for(kwargs["cache"].config)
+        if handle is None:
+            return self.original_runner(**kwargs)
+        return handle._new_runner(**kwargs)
+
+    def resolve(self, config, cb_config, workload_hints, has_logit_processors):
+        handle = _handle_for(config)
+        if handle is None:
+            return self.original_resolve(
+                config=config,
+                cb_config=cb_config,
+                workload_hints=workload_hints,
+                has_logit_processors=has_logit_processors,
+            )
+        use_graphs = handle._use_graphs(cb_config)
+        adjusted = copy.copy(cb_config)
+        adjusted.use_cuda_graph = False  # transformers' own whole-step graphs: never here
+        resolved = self.original_resolve(
+            config=config,
+            cb_config=adjusted,
+            workload_hints=workload_hints,
+            has_logit_processors=has_logit_processors,
+        )
+        handle._remember(resolved, use_graphs)
+        return resolved
+
+
+_MISSING = object()
+
+
+def _host_free_memory() -> int:
+    """Free host memory in bytes without psutil (Linux: available pages; else all pages)."""
+    pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in os.sysconf_names else None
+    if not pages or pages < 0:
+        pages = os.sysconf("SC_PHYS_PAGES")
+    return int(pages) * int(os.sysconf("SC_PAGE_SIZE"))
+
+
+def _acquire_patches() -> None:
+    global _patches
+    if not _enabled:
+        patches = _TransformersPatches()
+        patches.install()
+        _patches = patches
+
+
+def _release_patches() -> None:
+    global _patches
+    if not _enabled and _patches is not None:
+        _patches.remove()
+        _patches = None
