@@ -156,7 +156,9 @@ class BreakgraphModelRunner(ModelRunner):
             stream.synchronize()  # count the capture pass in the capture time
         self._pool = graph.pool()
         self._graphs[bucket] = graph
-        self.handle.stats._record(bucket, captures=1, capture_s=time.perf_counter() - start)
+        self.handle.stats._record(
+            bucket, captures=1, capture_s=time.perf_counter() - start, breaks=graph.num_breaks
+        )
 
     # -- warm-up: capture every bucket before serving ---------------------------------------
     @torch.no_grad()

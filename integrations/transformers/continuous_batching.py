@@ -96,6 +96,7 @@ class BucketStats:
     replays: int = 0  # graph steps
     eager_steps: int = 0  # steps that ran eagerly (graphs off)
     capture_s: float = 0.0  # warm-up + capture, seconds
+    breaks: int = 0  # eager breaks in the bucket's graph (attention layers + eager experts)
 
 
 class ContinuousBatchingStats:
@@ -104,12 +105,13 @@ class ContinuousBatchingStats:
     Example::
 
         >>> stats = ContinuousBatchingStats()
-        >>> stats._record(64, captures=1, capture_s=0.25); stats._record(64, replays=9)
+        >>> stats._record(64, captures=1, capture_s=0.25, breaks=22)
+        >>> stats._record(64, replays=9)
         >>> (stats.captures, stats.replays, stats.eager_steps)
         (1, 9, 0)
         >>> print(stats)
-        bucket  captures  replays  eager steps  capture s
-            64         1        9            0       0.25
+        bucket  captures  replays  eager steps  capture s  breaks
+            64         1        9            0       0.25      22
          total         1        9            0       0.25
     """
 
@@ -123,6 +125,7 @@ class ContinuousBatchingStats:
         replays: int = 0,
         eager_steps: int = 0,
         capture_s: float = 0.0,
+        breaks: int | None = None,
     ) -> None:
         entry = self.buckets.get(bucket)
         if entry is None:
@@ -131,6 +134,8 @@ class ContinuousBatchingStats:
         entry.replays += replays
         entry.eager_steps += eager_steps
         entry.capture_s += capture_s
+        if breaks is not None:
+            entry.breaks = breaks
 
     @property
     def captures(self) -> int:
@@ -149,14 +154,16 @@ class ContinuousBatchingStats:
         return sum(b.capture_s for b in self.buckets.values())
 
     def __str__(self) -> str:
-        rows = [("bucket", "captures", "replays", "eager steps", "capture s")]
+        rows = [("bucket", "captures", "replays", "eager steps", "capture s", "breaks")]
         for bucket, b in sorted(self.buckets.items()):
-            rows.append((bucket, b.captures, b.replays, b.eager_steps, f"{b.capture_s:.2f}"))
-        rows.append(
-            ("total", self.captures, self.replays, self.eager_steps, f"{self.capture_s:.2f}")
-        )
-        widths = [max(len(str(row[i])) for row in rows) for i in range(5)]
-        return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows)
+            rows.append(
+                (bucket, b.captures, b.replays, b.eager_steps, f"{b.capture_s:.2f}", b.breaks)
+            )
+        total = (self.captures, self.replays, self.eager_steps, f"{self.capture_s:.2f}", "")
+        rows.append(("total", *total))
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+        lines = ("  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows)
+        return "\n".join(line.rstrip() for line in lines)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,493 @@
+"""Continuous batching under breakable graphs (``enable_continuous_batching``).
+
+CPU (emulated backend, fp32, the exact per-sequence reference attention): greedy
+tokens of ``generate_batch`` under the integration must equal ``model.generate()``
+per prompt and transformers' own ``paged|sdpa`` continuous batching, on tiny random
+models of every supported family. ``max_batch_tokens`` (24) is below the longest
+prompt (40 tokens), so prompts are prefilled in chunks, and steps mix prefill
+chunks with decode tokens (checked, not assumed). Query buckets are (8, 16, 24).
+
+CUDA (``requires_cuda``, run on the H200): bf16 token agreement with ``paged|sdpa``
+CB over a few hundred prompts, fp32 near-exact agreement, and stats that show
+every step replayed a graph (no eager fallback).
+
+Prompts use ids 0..119; ``pad_token_id`` is 127 so ``generate()`` never masks a
+prompt token, and ``eos_token_id`` is unset so every request runs its full length.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from breakgraph.integrations.transformers import (  # noqa: E402
+    CB_ATTENTION_KEY,
+    UnsupportedModelError,
+    cb_attention,
+    enable_continuous_batching,
+)
+from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+from breakgraph.errors import BackendError, InputError  # noqa: E402
+
+pytestmark = pytest.mark.transformers
+
+SUPPORTED = transformers.__version__.startswith("5.17.")
+needs_517 = pytest.mark.skipif(
+    not SUPPORTED,
+    reason=f"breakgraph's CB integration targets transformers 5.17 "
+    f"(installed: {transformers.__version__}; see test_other_transformers_version_raises)",
+)
+
+VOCAB, PAD = 128, 127
+MAX_NEW = 5
+BUCKETS = (8, 16, 24)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=PAD,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+MOE = dict(num_experts_per_tok=2)
+ARCHS = {
+    "llama": ("LlamaConfig", dict(head_dim=16)),
+    "qwen2": ("Qwen2Config", dict()),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=8)),  # window < prompts
+    "gemma": ("GemmaConfig", dict(head_dim=16)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            MOE, num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[]
+        ),
+    ),
+    "mixtral": ("MixtralConfig", dict(MOE, head_dim=16, num_local_experts=4)),
+}
+# (arch, experts implementation): MoE families with transformers' default captured experts
+# (grouped_mm) and with the eager loop, which must become an eager break
+CASES = [(arch, None) for arch in ARCHS] + [("qwen3_moe", "eager"), ("mixtral", "eager")]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def build_model(arch: str, experts: str | None = None, device="cpu", dtype=torch.float32, **kw):
+    cls_name, extra = ARCHS[arch]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **kw})
+    torch.manual_seed(0)
+    options = {"experts_implementation": experts} if experts else {}
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=dtype, **options
+    )
+    return model.to(device).eval()
+
+
+def random_prompts(seed: int = 1, lengths=(40, 3, 17, 9, 26, 5)) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 120, (n,), generator=generator).tolist() for n in lengths]
+
+
+def generation_config(**overrides) -> GenerationConfig:
+    options = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    return GenerationConfig(**{**options, **overrides})
+
+
+def cb_config(**overrides) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(
+        **{**dict(block_size=16, num_blocks=48, max_batch_tokens=24), **overrides}
+    )
+
+
+def generate_batch(model, prompts, gen=None, cbc=None, **kwargs) -> list[list[int]]:
+    outs = model.generate_batch(
+        prompts,
+        generation_config=gen or generation_config(),
+        continuous_batching_config=cbc or cb_config(),
+        progress_bar=False,
+        **kwargs,
+    )
+    assert all(o.error is None for o in outs.values()), [o.error for o in outs.values()]
+    return [o.generated_tokens for o in outs.values()]
+
+
+@torch.no_grad()
+def generate_each(model, prompts) -> list[list[int]]:
+    """The reference: ``model.generate`` on each prompt alone (greedy)."""
+    tokens = []
+    for p in prompts:
+        ids = torch.tensor([p], device=model.device)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=generation_config()
+        )
+        tokens.append(out[0, len(p) :].tolist())
+    return tokens
+
+
+class StepLog:
+    """Records every CB step's query lengths (wraps ``CBStep.refill`` for one test)."""
+
+    def __init__(self, monkeypatch):
+        self.steps: list[list[int]] = []
+        original = cb_attention.CBStep.refill
+
+        def refill(step, io, cache):
+            original(step, io, cache)
+            self.steps.append([e - s for s, e in step.queries.bounds])
+
+        monkeypatch.setattr(cb_attention.CBStep, "refill", refill)
+
+    @property
+    def mixed(self) -> int:
+        """Steps holding both decode tokens and a prefill chunk."""
+        return sum(1 for q in self.steps if 1 in q and any(n > 1 for n in q))
+
+
+def transformers_state(model) -> dict:
+    """Everything enable/disable may touch, by identity."""
+    from transformers import AttentionInterface
+    from transformers.generation.continuous_batching import cache, continuous_api
+    from transformers.integrations.moe import ExpertsInterface
+
+    return dict(
+        attention=dict(AttentionInterface._global_mapping),
+        experts=dict(ExpertsInterface._global_mapping),
+        runner=continuous_api.ModelRunner,
+        resolve=continuous_api.resolve_continuous_batching_config,
+        memory=cache.PagedAttentionMemoryHandler.__dict__["get_available_memory"],
+        attn_impl=model.config._attn_implementation,
+        experts_impl=model.config._experts_implementation,
+        config=model.config.to_dict(),
+        instance_attrs=sorted(vars(model)),
+        manager=getattr(model, "_cached_continuous_batching_manager", None),
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_cpu_thread():
+    """Tiny models: intra-op threads cost far more than they save on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_enabled():
+    yield
+    leftover = list(cb._enabled.values())
+    for handle in leftover:
+        handle.disable()
+    assert not leftover, "a test left continuous batching enabled"
+    assert cb._patches is None
+
+
+# -- 1. every family: greedy tokens equal generate() and paged|sdpa CB ------------------------
+@needs_517
+@pytest.mark.parametrize("arch,experts", CASES, ids=[f"{a}-{e or 'default'}" for a, e in CASES])
+def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch):
+    model = build_model(arch, experts)
+    prompts = random_prompts()
+    expected = generate_each(model, prompts)
+    assert generate_batch(model, prompts) == expected  # transformers' paged|sdpa CB
+    log = StepLog(monkeypatch)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert model.config._attn_implementation == CB_ATTENTION_KEY
+        assert generate_batch(model, prompts) == expected
+    stats = handle.stats
+    assert sorted(stats.buckets) == list(BUCKETS)
+    assert stats.captures == len(BUCKETS) and stats.eager_steps == 0
+    assert stats.replays == len(log.steps) - len(BUCKETS)  # warm-up captured every bucket
+    assert log.mixed > 0 and max(max(q) for q in log.steps) == 24  # mixed steps, chunked prefill
+    eager_experts = model.config.num_hidden_layers if experts == "eager" else 0
+    assert {b.breaks for b in stats.buckets.values()} == {
+        model.config.num_hidden_layers + eager_experts
+    }
+
+
+@needs_517
+def test_lazy_capture_on_live_steps_with_sliding_window():
+    """Without the warm-up, buckets are captured on real steps: the capture's eager warm-up
+    must not write the cache (a second write corrupts a sliding-window ring buffer)."""
+    model = build_model("mistral", sliding_window=4)
+    prompts = random_prompts(seed=2)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert generate_batch(model, prompts, warmup=False) == expected
+    assert 0 < handle.stats.captures <= len(BUCKETS) and handle.stats.replays > 0
+
+
+def run_manager(model, prompts, gen=None, per_prompt: int = 1) -> dict[str, list[int]]:
+    """Serve ``prompts`` through the manager API; every result (forked children too) by id."""
+    manager = model.init_continuous_batching(
+        generation_config=gen or generation_config(), continuous_batching_config=cb_config()
+    )
+    manager.start()
+    try:
+        ids = [manager.add_request(p, max_new_tokens=MAX_NEW) for p in prompts]
+        results = {}
+        while len(results) < len(ids) * per_prompt:
+            result = manager.get_result(timeout=30)
+            assert result is not None, "the manager produced no result"
+            assert result.error is None, result.error
+            if result.is_finished():
+                results[result.request_id] = result.generated_tokens
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    return {i: results[i] for i in ids} | results
+
+
+@needs_517
+def test_manager_api_add_request_get_result():
+    model = build_model("llama")
+    prompts = random_prompts(seed=4)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        results = run_manager(model, prompts)
+    assert list(results.values()) == expected
+    assert handle.stats.captures > 0 and handle.stats.replays > 0  # captured lazily
+
+
+@needs_517
+def test_sampling_and_num_return_sequences():
+    """do_sample (logits processors, multinomial) inside the graph; top_k=1 makes it greedy.
+    num_return_sequences forks each request's cache into children that continue alone."""
+    model = build_model("qwen3")
+    prompts = random_prompts(seed=3, lengths=(12, 30, 7))
+    expected = generate_batch(model, prompts)
+    sampled = generation_config(do_sample=True, top_k=1, temperature=0.7, num_return_sequences=2)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        results = run_manager(model, prompts, sampled, per_prompt=2)
+        free = generate_batch(model, prompts, gen=generation_config(do_sample=True, top_k=50))
+    assert len(results) == 6
+    for request_id, tokens in results.items():
+        parent = int(request_id.split("__")[0].removeprefix("req_"))
+        assert tokens == expected[parent], request_id
+    assert all(len(t) == MAX_NEW and all(0 <= x < VOCAB for x in t) for t in free)
+    assert handle.stats.replays > 0 and handle.stats.eager_steps == 0
+
+
+@needs_517
+def test_use_cuda_graph_false_runs_eager_steps():
+    model = build_model("llama")
+    prompts = random_prompts(seed=5)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated") as handle:
+        assert generate_batch(model, prompts, cbc=cb_config(use_cuda_graph=False)) == expected
+    assert handle.stats.eager_steps > 0
+    assert handle.stats.captures == handle.stats.replays == 0
+
+
+# -- 2. nothing left behind; other models untouched -------------------------------------------
+@needs_517
+@pytest.mark.parametrize("arch,experts", [("llama", None), ("mixtral", "eager")])
+def test_disable_restores_model_and_transformers(arch, experts):
+    model = build_model(arch, experts)
+    before = transformers_state(model)
+    handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    during = transformers_state(model)
+    assert during["attention"][CB_ATTENTION_KEY] is cb_attention.paged_breakgraph_attention
+    assert during["runner"] is not before["runner"]
+    if experts == "eager":
+        assert during["experts_impl"] == cb_attention.EAGER_EXPERTS_KEY
+    generate_batch(model, random_prompts(), persistent_manager=True)  # a cached manager too
+    handle.disable()
+    handle.disable()  # idempotent
+    after = transformers_state(model)
+    for key in before:
+        if key in ("config", "instance_attrs", "attention", "experts"):
+            assert after[key] == before[key], key
+        else:
+            assert after[key] is before[key] or after[key] == before[key], key
+    assert generate_each(model, random_prompts()[:2])  # the model works as before
+
+
+@needs_517
+def test_other_models_untouched_while_enabled():
+    enabled, other = build_model("llama"), build_model("qwen2")
+    prompts = random_prompts(seed=6)
+    expected = generate_batch(other, prompts)
+    with enable_continuous_batching(enabled, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert generate_batch(other, prompts) == expected
+        assert other.config._attn_implementation == "sdpa"
+    assert handle.stats.captures == 0  # the other model's manager ran transformers' runner
+
+
+@needs_517
+def test_plain_generate_while_enabled_raises():
+    model = build_model("llama")
+    with enable_continuous_batching(model, backend="emulated"):
+        with pytest.raises(InputError, match="handle.disable"):
+            model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+
+
+# -- 3. errors ---------------------------------------------------------------------------------
+def test_unsupported_models_and_arguments():
+    gpt2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
+    ).eval()
+    with pytest.raises(UnsupportedModelError, match="model type 'gpt2'"):
+        enable_continuous_batching(gpt2, backend="emulated")
+    model = build_model("llama")
+    with pytest.raises(UnsupportedModelError, match="training mode"):
+        enable_continuous_batching(model.train(), backend="emulated")
+    model.eval()
+    with pytest.raises(InputError, match="attention must be"):
+        enable_continuous_batching(model, backend="emulated", attention="sdpa")
+    with pytest.raises(UnsupportedModelError, match="attention='flash'"):
+        enable_continuous_batching(model, backend="emulated", attention="flash")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendError, match="emulated"):
+            enable_continuous_batching(model)
+    assert not cb._enabled and cb._patches is None  # failed enables leave nothing
+
+
+@needs_517
+def test_unsupported_cb_configs_raise():
+    model = build_model("llama")
+    prompts = random_prompts()[:2]
+    with enable_continuous_batching(model, backend="emulated"):
+        with pytest.raises(InputError, match="already enabled"):
+            enable_continuous_batching(model, backend="emulated")
+        with pytest.raises(UnsupportedModelError, match="use_async_batching"):
+            generate_batch(model, prompts, cbc=cb_config(use_async_batching=True))
+        with pytest.raises(UnsupportedModelError, match="torch.compile"):
+            generate_batch(model, prompts, cbc=cb_config(default_compile_level=1))
+
+
+def test_other_transformers_version_raises(monkeypatch):
+    """Different CB internals (as in transformers 5.24): a clear error naming the version."""
+    model = build_model("llama")
+    if SUPPORTED:  # simulate 5.24's PagedAttentionCache.update(key, value, layer_idx, kwargs)
+        from transformers.generation.continuous_batching import cache
+
+        monkeypatch.setattr(
+            cache.PagedAttentionCache,
+            "update",
+            lambda self, key_states, value_states, layer_idx, kwargs: None,
+        )
+    with pytest.raises(UnsupportedModelError, match=f"transformers {transformers.__version__}"):
+        enable_continuous_batching(model, backend="emulated")
+    assert model.config._attn_implementation == "sdpa" and cb._patches is None
+
+
+@needs_517
+def test_cpu_host_reporting_no_memory(monkeypatch):
+    """transformers sizes the cache from free device memory; a CPU host without psutil
+    reports 0 and every cache is 'too big'. The integration uses the host's free memory."""
+    from transformers.generation.continuous_batching import cache
+
+    monkeypatch.setattr(
+        cache, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), 0, 0, 0)
+    )
+    model = build_model("llama")
+    prompts = random_prompts()[:3]
+    with pytest.raises(MemoryError):
+        generate_batch(model, prompts)  # transformers alone
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        assert len(generate_batch(model, prompts)) == 3
+
+
+# -- 4. docs, examples and the benchmark stay runnable ------------------------------------------
+@needs_517
+def test_module_docstring_examples():
+    result = doctest.testmod(cb, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@needs_517
+def test_benchmark_smoke_mode(tmp_path):
+    out = tmp_path / "cb.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_cb.py")
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
+    result = subprocess.run(
+        [sys.executable, script, "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for model in data["models"]:
+        variants = model["variants"]
+        assert variants["breakgraph"]["tokens_agree_with_paged_sdpa"] == 1.0
+        assert variants["breakgraph"]["graphs"] > 0 and variants["breakgraph"]["replays"] > 0
+        assert variants["paged_sdpa"]["tokens_per_s"] > 0
+
+
+# -- 5. CUDA (the H200): bf16 agreement, graphs really replay ----------------------------------
+CUDA_SHAPE = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+)
+
+
+def cuda_prompts(count: int = 256, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 257, (count,), generator=generator).tolist()
+    return [torch.randint(0, 990, (n,), generator=generator).tolist() for n in lengths]
+
+
+def agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
+    """(first tokens equal, whole sequences equal) as fractions of the prompts."""
+    first = sum(g[0] == r[0] for g, r in zip(got, ref)) / len(ref)
+    whole = sum(g == r for g, r in zip(got, ref)) / len(ref)
+    return first, whole
+
+
+def cuda_run(dtype, attention, arch="llama"):
+    model = build_model(arch, device="cuda", dtype=dtype, **CUDA_SHAPE)
+    prompts = cuda_prompts()
+    gen = generation_config(max_new_tokens=16, pad_token_id=999)
+    cbc = lambda **kw: ContinuousBatchingConfig(  # noqa: E731
+        block_size=256, num_blocks=512, max_batch_tokens=1024, **kw
+    )
+    ref = generate_batch(model, prompts, gen=gen, cbc=cbc())
+    with enable_continuous_batching(model, attention=attention) as handle:
+        got = generate_batch(model, prompts, gen=gen, cbc=cbc())
+    return got, ref, handle
+
+
+@needs_517
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_cuda_bf16_flash_agrees_with_paged_sdpa(arch):
+    got, ref, handle = cuda_run(torch.bfloat16, "flash", arch)
+    first, whole = agreement(got, ref)
+    print(f"\n{arch} bf16: first tokens {first:.3f}, whole sequences {whole:.3f}\n{handle.stats}")
+    assert handle.kernel == "flash"
+    assert first >= 0.9 and whole >= 0.5, (first, whole)  # a broken break gives ~0
+    stats = handle.stats
+    assert stats.eager_steps == 0 and stats.replays > 0  # every live step replayed a graph
+    assert stats.captures == len(stats.buckets)  # one capture per bucket, at warm-up
+
+
+@needs_517
+@pytest.mark.requires_cuda
+def test_cuda_fp32_reference_matches_paged_sdpa():
+    got, ref, handle = cuda_run(torch.float32, "reference")
+    first, whole = agreement(got, ref)
+    print(f"\nfp32 reference: first tokens {first:.3f}, whole sequences {whole:.3f}")
+    assert first >= 0.99 and whole >= 0.97, (first, whole)
+    assert handle.stats.eager_steps == 0 and handle.stats.replays > 0
