@@ -322,12 +322,10 @@ def enable_continuous_batching(
         handle.disable()
     """
     _check_model(model, _WHO)
-    _check_transformers()
     if attention not in ("auto", "flash", "reference"):
         raise InputError(
             f"{_WHO}: attention must be 'auto', 'flash' or 'reference', got {attention!r}."
         )
-    chosen = select_backend(backend).name
     parameter = next(model.parameters())
     can_flash = _attention.flash_available(parameter.dtype, parameter.device)
     if attention == "flash" and not can_flash:
@@ -335,6 +333,8 @@ def enable_continuous_batching(
             f"{_WHO}: attention='flash' needs a CUDA model in bf16/fp16 and torch's "
             f"FlashAttention varlen kernel; use attention='reference'."
         )
+    _check_transformers()
+    chosen = select_backend(backend).name
     kernel = "flash" if attention == "flash" or (attention == "auto" and can_flash) else "reference"
     with _lock:
         config = model.config.get_text_config()
