@@ -491,3 +491,86 @@ def test_cuda_fp32_reference_matches_paged_sdpa():
     print(f"\nfp32 reference: first tokens {first:.3f}, whole sequences {whole:.3f}")
     assert first >= 0.99 and whole >= 0.97, (first, whole)
     assert handle.stats.eager_steps == 0 and handle.stats.replays > 0
+
+
+# -- 6. the `transformers serve` launcher: a real HTTP request to 127.0.0.1 ---------------------
+def save_tiny_model(path) -> None:
+    """A tiny Llama and a word-level tokenizer (``w0`` .. ``w119``), saved like a Hub repo."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(120)} | {"<unk>": 120, "<pad>": PAD}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.save_pretrained(path)
+    build_model("llama").save_pretrained(path)
+
+
+@needs_517
+def test_serve_launcher_answers_a_completion(tmp_path):
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        pytest.skip("transformers serve needs its extras: pip install 'transformers[serving]'")
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    save_tiny_model(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [
+        sys.executable, "-m", "breakgraph.integrations.transformers.serve", str(tmp_path),
+        "--backend", "emulated", "--query-buckets", "8,16",
+        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+        "--cb-block-size", "16", "--cb-num-blocks", "32", "--cb-max-batch-tokens", "32",
+    ]  # fmt: skip
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        body = {"model": str(tmp_path), "prompt": "w5 w17 w3 w99 w42", "max_tokens": 4}
+        body["temperature"] = 0.0
+        request = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = json.loads(response.read())["choices"][0]["text"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            output = server.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            server.kill()
+            output = server.communicate()[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([[5, 17, 3, 99, 42]])
+    tokens = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False
+    )[0, 5:]
+    expected = " ".join(f"w{t}" if t < 120 else "<unk>" for t in tokens.tolist())
+    assert text.strip() == expected, (text, expected, output[-3000:])
+    assert "breakgraph: continuous batching enabled" in output, output[-3000:]
+    assert server.returncode == 0, output[-3000:]
