@@ -311,7 +311,8 @@ def run_generate(model, prompts, args) -> dict:
     )
     device = model.device
     first = torch.tensor([subset[0]], device=device)
-    model.generate(first, attention_mask=torch.ones_like(first), generation_config=gen)  # warm-up
+    short = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(first, attention_mask=torch.ones_like(first), generation_config=short)  # warm-up
     synchronize(device)
     start = time.perf_counter()
     for p in subset:

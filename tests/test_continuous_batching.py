@@ -71,6 +71,11 @@ ARCHS = {
     "qwen3": ("Qwen3Config", dict(head_dim=16)),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=8)),  # window < prompts
     "gemma": ("GemmaConfig", dict(head_dim=16)),
+    # full and sliding layers in one model: three cache groups, two key layouts per step
+    "qwen2_hybrid": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, num_hidden_layers=3),
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         dict(
@@ -112,16 +117,26 @@ def cb_config(**overrides) -> ContinuousBatchingConfig:
     )
 
 
-def generate_batch(model, prompts, gen=None, cbc=None, **kwargs) -> list[list[int]]:
+def generate_batch(model, prompts, gen=None, cbc=None, logprobs=False, **kwargs) -> list:
+    """Tokens per prompt; with ``logprobs``, ``(tokens, logprob tensors)``: a logprob moves
+    with any error in the step, long before a greedy token flips."""
     outs = model.generate_batch(
         prompts,
         generation_config=gen or generation_config(),
-        continuous_batching_config=cbc or cb_config(),
+        continuous_batching_config=cbc or cb_config(return_logprobs=logprobs),
         progress_bar=False,
         **kwargs,
     )
     assert all(o.error is None for o in outs.values()), [o.error for o in outs.values()]
-    return [o.generated_tokens for o in outs.values()]
+    tokens = [o.generated_tokens for o in outs.values()]
+    if not logprobs:
+        return tokens
+    return tokens, [torch.tensor(o.logprobs) for o in outs.values()]
+
+
+def assert_logprobs_close(got: list, ref: list) -> None:
+    for i, (g, r) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4, msg=lambda m: f"prompt {i}: {m}")
 
 
 @torch.no_grad()
@@ -202,11 +217,14 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
     model = build_model(arch, experts)
     prompts = random_prompts()
     expected = generate_each(model, prompts)
-    assert generate_batch(model, prompts) == expected  # transformers' paged|sdpa CB
+    tokens, ref_logprobs = generate_batch(model, prompts, logprobs=True)  # paged|sdpa CB
+    assert tokens == expected
     log = StepLog(monkeypatch)
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
         assert model.config._attn_implementation == CB_ATTENTION_KEY
-        assert generate_batch(model, prompts) == expected
+        tokens, logprobs = generate_batch(model, prompts, logprobs=True)
+    assert tokens == expected
+    assert_logprobs_close(logprobs, ref_logprobs)
     stats = handle.stats
     assert sorted(stats.buckets) == list(BUCKETS)
     assert stats.captures == len(BUCKETS) and stats.eager_steps == 0
@@ -223,10 +241,15 @@ def test_lazy_capture_on_live_steps_with_sliding_window():
     """Without the warm-up, buckets are captured on real steps: the capture's eager warm-up
     must not write the cache (a second write corrupts a sliding-window ring buffer)."""
     model = build_model("mistral", sliding_window=4)
-    prompts = random_prompts(seed=2)
-    expected = generate_batch(model, prompts)
+    # one prompt, so the schedule is fixed: 24 tokens (bucket 24), then the last 6 in a step
+    # of bucket 8, first seen and so captured there, which overwrites ring slots it reads
+    prompts = random_prompts(seed=2, lengths=(30,))
+    ring = cb_config(block_size=4, num_blocks=96, return_logprobs=True)  # a 4-slot ring
+    expected, ref_logprobs = generate_batch(model, prompts, cbc=ring, logprobs=True)
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
-        assert generate_batch(model, prompts, warmup=False) == expected
+        tokens, logprobs = generate_batch(model, prompts, cbc=ring, logprobs=True, warmup=False)
+    assert tokens == expected
+    assert_logprobs_close(logprobs, ref_logprobs)
     assert 0 < handle.stats.captures <= len(BUCKETS) and handle.stats.replays > 0
 
 

@@ -34,7 +34,8 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m breakgraph.integrations.transformers.serve",
-        description=__doc__.split("\n\n")[1],
+        description="transformers serve --continuous-batching, with breakgraph's continuous "
+        "batching enabled on the served model.",
         epilog="Other options go to `transformers serve` (see `transformers serve --help`).",
         add_help=True,
     )
