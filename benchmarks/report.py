@@ -9,6 +9,7 @@ Deterministic: the same JSON gives the same page (a test checks the committed pa
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 
@@ -16,6 +17,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(HERE, "..", "docs")
 RESULTS = os.path.join(DOCS, "results")
 SUITE_JSON = os.path.join(RESULTS, "h200-pytest-benchmark.json")
+
+
+def _cb_report():
+    """benchmarks/cb_report.py (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("cb_report", os.path.join(HERE, "cb_report.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _load(name: str):
@@ -535,6 +544,9 @@ def write_plots(prefill: dict, overhead: dict, suite: str = SUITE_JSON) -> None:
     if suite and os.path.exists(suite):
         with open(suite) as f:
             write_suite_plot(json.load(f), plt, save)
+    cb = _load("h200-cb.json")
+    if cb:
+        _cb_report().write_cb_plot(cb, plt, save, DOCS)
 
 
 def render(suite: str = SUITE_JSON) -> str:
@@ -572,6 +584,9 @@ def render(suite: str = SUITE_JSON) -> str:
         lines += repeats_section(runs + [("final run", prefill)])
     if moe:
         lines += moe_section(moe)
+    cb = _load("h200-cb.json")
+    if cb:
+        lines += _cb_report().cb_section(cb)
     if suite and os.path.exists(suite):
         lines += suite_section(json.load(open(suite)))
     return "\n".join(lines).rstrip() + "\n"

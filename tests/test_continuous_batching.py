@@ -451,6 +451,15 @@ def test_benchmark_smoke_mode(tmp_path):
         assert variants["breakgraph"]["tokens_agree_with_paged_sdpa"] == 1.0
         assert variants["breakgraph"]["graphs"] > 0 and variants["breakgraph"]["replays"] > 0
         assert variants["paged_sdpa"]["tokens_per_s"] > 0
+    # the performance page's section renders from it (benchmarks/report.py uses cb_report.py)
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(script), "cb_report.py")
+    spec = importlib.util.spec_from_file_location("cb_report", path)
+    cb_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb_report)
+    page = "\n".join(cb_report.cb_section(data))
+    assert "| breakgraph |" in page and "capture time, all buckets" in page
 
 
 # -- 5. CUDA (the H200): bf16 agreement, graphs really replay ----------------------------------
