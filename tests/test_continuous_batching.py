@@ -305,6 +305,48 @@ def test_sampling_and_num_return_sequences():
 
 
 @needs_517
+def test_prefix_sharing_reads_shared_blocks(monkeypatch):
+    """Prompts with a common 33-token prefix: later requests read the first one's cache blocks."""
+    model = build_model("llama")
+    base = random_prompts(seed=9, lengths=(33,))[0]
+    prompts = [base + tail for tail in random_prompts(seed=10, lengths=(3, 7, 12))] + [base]
+    expected = generate_each(model, prompts)
+    shared = []
+    original = cb_attention.CBStep.refill
+
+    def refill(step, io, cache):
+        original(step, io, cache)
+        shared.append(cache._total_prefix_length)
+
+    monkeypatch.setattr(cb_attention.CBStep, "refill", refill)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        assert generate_batch(model, prompts) == expected
+    assert max(shared) > 0  # blocks were shared
+
+
+@needs_517
+def test_disable_refuses_while_a_manager_runs():
+    model = build_model("llama")
+    handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    manager = model.init_continuous_batching(
+        generation_config=generation_config(), continuous_batching_config=cb_config()
+    )
+    manager.start()
+    try:
+        request = manager.add_request(random_prompts()[1], max_new_tokens=MAX_NEW)
+        while (result := manager.get_result(timeout=30)) is not None and not result.is_finished():
+            pass
+        assert result is not None and result.request_id == request and result.error is None
+        with pytest.raises(InputError, match="still running"):
+            handle.disable()
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    handle.disable()
+    assert model.config._attn_implementation == "sdpa"
+
+
+@needs_517
 def test_use_cuda_graph_false_runs_eager_steps():
     model = build_model("llama")
     prompts = random_prompts(seed=5)

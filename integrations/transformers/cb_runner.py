@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import threading
 import time
 from typing import Any
 
@@ -78,6 +79,7 @@ class BreakgraphModelRunner(ModelRunner):
         self._graphs: dict[int, breakgraph.BreakableCUDAGraph] = {}
         self._pool = None
         self._closed = False
+        self.thread: threading.Thread | None = None  # the generation loop that ran the last step
 
     # -- buckets ---------------------------------------------------------------------------
     def bucket_for(self, num_q_tokens: int) -> int:
@@ -102,6 +104,7 @@ class BreakgraphModelRunner(ModelRunner):
                 "breakgraph continuous batching was disabled while a manager still used it; "
                 "stop the manager before handle.disable()."
             )
+        self.thread = threading.current_thread()
         io = self.inputs_and_outputs
         step = self.step
         step.refill(io, self.cache)
@@ -199,6 +202,12 @@ class BreakgraphModelRunner(ModelRunner):
     def graphs(self) -> dict[int, breakgraph.BreakableCUDAGraph]:
         """Captured graphs by query bucket."""
         return dict(self._graphs)
+
+    @property
+    def in_use(self) -> bool:
+        """True while the generation loop that ran its last step is alive (another thread)."""
+        thread = self.thread
+        return thread is not None and thread.is_alive() and thread is not threading.current_thread()
 
     def close(self) -> None:
         """Release the graphs; later steps raise."""

@@ -203,13 +203,15 @@ class ContinuousBatchingHandle:
         """Restore the model and transformers exactly as before (idempotent).
 
         A persistent CB manager created while enabled is destroyed (its graphs and KV
-        cache belong to this handle); a running one must be stopped first.
+        cache belong to this handle); a manager whose generation loop is still running
+        must be stopped first (``InputError``).
         """
         with _lock:
             if not self.enabled:
                 return
             manager = getattr(self.model, "_cached_continuous_batching_manager", None)
-            if manager is not None and manager.is_running():
+            running = manager is not None and manager.is_running()
+            if running or any(runner.in_use for runner in self._runners):
                 raise InputError(
                     "ContinuousBatchingHandle.disable: a continuous-batching manager of this model "
                     "is still running; call manager.stop() first."
