@@ -109,6 +109,9 @@ class BreakgraphModelRunner(ModelRunner):
         step = self.step
         step.refill(io, self.cache)
         bucket = io.num_q_tokens
+        stream = io.compute_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the step's inputs were staged there
         if not self.use_graphs:
             with breakgraph.context_scope(step):
                 super().compute_batch(model, batch_data)
@@ -120,15 +123,13 @@ class BreakgraphModelRunner(ModelRunner):
         graph = self._graphs.get(bucket)
         if graph is None:
             self._capture(bucket, args)
-            return
-        stream = io.compute_stream
-        if stream is None:
+        elif stream is None:
             graph.replay(context=step)
+            self.handle.stats._record(bucket, replays=1)
         else:
-            stream.wait_stream(torch.cuda.current_stream())  # the step's inputs were staged there
             with torch.cuda.stream(stream):
                 graph.replay(context=step)
-        self.handle.stats._record(bucket, replays=1)
+            self.handle.stats._record(bucket, replays=1)
 
     def _capture(self, bucket: int, args: tuple) -> None:
         """Warm up eagerly (no cache access), then capture; the capture pass computes the step."""
