@@ -19,6 +19,8 @@ repeated passes cannot reuse cached blocks). Variants:
                 [tokens x KV] mask, no graphs
   breakgraph    (b) ``enable_continuous_batching``: one breakable graph per query bucket,
                 each layer's cache access + varlen attention an eager break
+  breakgraph_async  (b) with ``use_async_batching=True``: two IO pairs, the host prepares
+                step N+1 while the device runs step N (CUDA only)
   whole_graph   (c) transformers' own whole-step CUDA graphs (the design it uses with
                 flash_attn: keys query x KV x max_seqlen_k, upper-bound lengths baked in),
                 built with torch's FlashAttention varlen kernel (``paged|torch_varlen``,
@@ -245,7 +247,7 @@ def run_cb_variant(model, name, args, sets, gen, instruments, backend) -> tuple[
         max_batch_tokens=args.max_batch_tokens,
         allow_block_sharing=False,
         use_cuda_graph=True if name == "whole_graph" else None,
-        use_async_batching=True if name == "whole_graph" else None,
+        use_async_batching=True if name in ("whole_graph", "breakgraph_async") else None,
     )
     handle = None
     if name == "paged_sdpa":
@@ -367,6 +369,9 @@ def run_model(name, args, device, dtype, backend) -> dict:
             ):
                 out["variants"][variant] = {"skipped": "needs CUDA and bf16/fp16"}
                 continue
+            if variant == "breakgraph_async" and device.type != "cuda":
+                out["variants"][variant] = {"skipped": "needs CUDA"}
+                continue
             # no graphs to capture in (a): one pass, on the prompts the warm passes use
             sets = [("warm", warm)] if variant == "paged_sdpa" else [("cold", cold), ("warm", warm)]
             print(f"[{name}] {variant} ...", flush=True)
@@ -387,14 +392,19 @@ def run_model(name, args, device, dtype, backend) -> dict:
         instruments.remove()
     variants = out["variants"]
     ratios = {}
-    if "breakgraph" in variants and "paged_sdpa" in variants:
-        ratios["breakgraph_over_paged_sdpa"] = (
-            variants["breakgraph"]["tokens_per_s"] / variants["paged_sdpa"]["tokens_per_s"]
-        )
-    if "breakgraph" in variants and "tokens_per_s" in variants.get("whole_graph", {}):
-        whole, bg = variants["whole_graph"], variants["breakgraph"]
-        ratios["breakgraph_over_whole_graph"] = bg["tokens_per_s"] / whole["tokens_per_s"]
-        ratios["whole_graph_graphs_over_breakgraph"] = whole["graphs"] / max(1, bg["graphs"])
+    for bg in ("breakgraph", "breakgraph_async"):
+        if "tokens_per_s" not in variants.get(bg, {}):
+            continue
+        if "paged_sdpa" in variants:
+            ratios[f"{bg}_over_paged_sdpa"] = (
+                variants[bg]["tokens_per_s"] / variants["paged_sdpa"]["tokens_per_s"]
+            )
+        if "tokens_per_s" in variants.get("whole_graph", {}):
+            whole = variants["whole_graph"]
+            ratios[f"{bg}_over_whole_graph"] = variants[bg]["tokens_per_s"] / whole["tokens_per_s"]
+            ratios[f"whole_graph_graphs_over_{bg}"] = whole["graphs"] / max(
+                1, variants[bg]["graphs"]
+            )
     out["ratios"] = ratios
     del model
     if device.type == "cuda":
@@ -409,16 +419,16 @@ def print_summary(results: dict) -> None:
             f"{m['prompt_tokens']} prompt tokens"
         )
         print(
-            f"  {'variant':<12}{'tok/s':>9}{'TTFT mean':>11}{'TTFT p50':>10}{'steps':>7}"
+            f"  {'variant':<18}{'tok/s':>9}{'TTFT mean':>11}{'TTFT p50':>10}{'steps':>7}"
             f"{'host ms/step':>14}{'graphs':>8}{'capture s':>11}{'agree':>7}"
         )
         for name, v in m["variants"].items():
             if "skipped" in v:
-                print(f"  {name:<12}skipped: {v['skipped']}")
+                print(f"  {name:<18}skipped: {v['skipped']}")
                 continue
             row = v.get("warm", v)
             print(
-                f"  {name:<12}{v['tokens_per_s']:>9.1f}{v['ttft_mean_s']:>11.2f}"
+                f"  {name:<18}{v['tokens_per_s']:>9.1f}{v['ttft_mean_s']:>11.2f}"
                 f"{v['ttft_p50_s']:>10.2f}{row.get('steps', '-'):>7}"
                 f"{row.get('host_prepare_ms_per_step', float('nan')):>14.1f}"
                 f"{v.get('graphs', '-'):>8}{v.get('capture_s', 0.0):>11.2f}"
@@ -443,8 +453,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU, emulated backend")
     parser.add_argument("--models", default="llama-1b,qwen3-0.6b,qwen3-moe")
     parser.add_argument(
-        "--variants", default="paged_sdpa,breakgraph,whole_graph,generate",
-        help="comma-separated subset of paged_sdpa, breakgraph, whole_graph, generate",
+        "--variants", default="paged_sdpa,breakgraph,breakgraph_async,whole_graph,generate",
+        help="comma-separated subset of paged_sdpa, breakgraph, breakgraph_async, whole_graph, "
+        "generate",
     )  # fmt: skip
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--min-len", type=int, default=16)

@@ -69,8 +69,10 @@ class CBStep:
         self.write_index: list[torch.Tensor] = []
         self.warmup = False
 
-    def refill(self, io: Any, cache: Any) -> None:
-        """Read the step that ``io.prepare_batch_tensors`` just staged (host values only)."""
+    def refill(self, host_io: Any, device_io: Any, cache: Any) -> None:
+        """Read the step that ``prepare_batch_tensors`` just staged: lengths from the host
+        IO, views of the static index and length buffers from the device IO (the same
+        object without asynchronous batching). No device sync."""
         queries, keys = self.queries, self.keys
         queries.bounds.clear()
         for layout in keys.values():
@@ -78,7 +80,7 @@ class CBStep:
             layout.max_len = 0
         q_start, q_max = 0, 0
         k_start = dict.fromkeys(keys, 0)
-        for future in io.requests_in_batch:
+        for future in host_io.requests_in_batch:
             length = future.query_length
             past = future.state.position_offset - length  # prepare_batch_tensors advanced it
             queries.bounds.append((q_start, q_start + length))
@@ -91,15 +93,12 @@ class CBStep:
                 layout.max_len = max(layout.max_len, k_len)
         n = len(queries.bounds) + 1
         queries.max_len = q_max
-        queries.cu = io.cumulative_seqlens_q[:n]
+        queries.cu = device_io.cumulative_seqlens_q[:n]
         for layer_type, layout in keys.items():
-            layout.cu = io.cumulative_seqlens_k[layer_type][:n]
-        self.read_index = [
-            io.read_index_storage[g, :size] for g, size in enumerate(io.true_read_sizes)
-        ]
-        self.write_index = [
-            io.write_index_storage[g, : io.num_q_tokens] for g in range(len(io.true_read_sizes))
-        ]
+            layout.cu = device_io.cumulative_seqlens_k[layer_type][:n]
+        sizes, q_size = host_io.true_read_sizes, host_io.num_q_tokens
+        self.read_index = [device_io.read_index_storage[g, :n] for g, n in enumerate(sizes)]
+        self.write_index = [device_io.write_index_storage[g, :q_size] for g in range(len(sizes))]
 
 
 def current_step(who: str) -> CBStep:

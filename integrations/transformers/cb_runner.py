@@ -17,6 +17,9 @@ tokens) and changes three things:
   attention break sees the step's exact lengths;
 * ``warmup``: captures every bucket up front (largest first, so smaller ones reuse
   its memory pool), with fake one-request batches that read no cache.
+
+With asynchronous batching (two IO pairs of static buffers, CUDA only) there is one
+graph per bucket and pair.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ import torch
 
 import breakgraph
 from breakgraph.errors import ReplayError
-from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+from transformers.generation.continuous_batching.input_outputs import (
+    ContinuousBatchingAsyncIOs,
+)
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.utils import create_warmup_future_states
@@ -65,21 +70,25 @@ class BreakgraphModelRunner(ModelRunner):
 
     def __init__(self, *, handle: Any, use_graphs: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # transformers' own graphs are off: no pools, no padding
-        io = self.inputs_and_outputs
-        if not isinstance(io, ContinuousBatchingIOs):
-            raise UnsupportedModelError(
-                "enable_continuous_batching: asynchronous batching (use_async_batching=True) is "
-                "not supported; leave it unset or False."
-            )
         self.handle = handle
         self.use_graphs = use_graphs
         self.pad_inputs = use_graphs
         self.buckets = bucket_sizes(handle.query_buckets, self.cache.max_batch_tokens)
-        self.step = CBStep(handle.kernel, io.cumulative_seqlens_k.keys())
-        self._graphs: dict[int, breakgraph.BreakableCUDAGraph] = {}
+        self.async_io = isinstance(self.inputs_and_outputs, ContinuousBatchingAsyncIOs)
+        self.step = CBStep(handle.kernel, self._ios()[1].cumulative_seqlens_k.keys())
+        # asynchronous batching alternates two IO pairs (static buffers): a graph per pair
+        self._graphs: dict[tuple[int, int], breakgraph.BreakableCUDAGraph] = {}
         self._pool = None
         self._closed = False
         self.thread: threading.Thread | None = None  # the generation loop that ran the last step
+
+    def _ios(self) -> tuple[Any, Any, int]:
+        """(host IO, device IO, pair) of the step being prepared or run."""
+        io = self.inputs_and_outputs
+        if not self.async_io:
+            return io, io, 0
+        pair = io.io_pairs[io.current_pair]
+        return pair.host_io, pair.device_io, io.current_pair
 
     # -- buckets ---------------------------------------------------------------------------
     def bucket_for(self, num_q_tokens: int) -> int:
@@ -106,9 +115,10 @@ class BreakgraphModelRunner(ModelRunner):
             )
         self.thread = threading.current_thread()
         io = self.inputs_and_outputs
+        host_io, device_io, pair = self._ios()
         step = self.step
-        step.refill(io, self.cache)
-        bucket = io.num_q_tokens
+        step.refill(host_io, device_io, self.cache)
+        bucket = host_io.num_q_tokens
         stream = io.compute_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())  # the step's inputs were staged there
@@ -120,9 +130,9 @@ class BreakgraphModelRunner(ModelRunner):
         if self.supports_logits_to_keep(model):
             batch_data["logits_to_keep"] = batch_data["logits_indices"]
         args = (model, batch_data, *io.get_cb_kwargs())
-        graph = self._graphs.get(bucket)
+        graph = self._graphs.get((pair, bucket))
         if graph is None:
-            self._capture(bucket, args)
+            self._capture(pair, bucket, args)
         elif stream is None:
             graph.replay(context=step)
             self.handle.stats._record(bucket, replays=1)
@@ -131,7 +141,7 @@ class BreakgraphModelRunner(ModelRunner):
                 graph.replay(context=step)
             self.handle.stats._record(bucket, replays=1)
 
-    def _capture(self, bucket: int, args: tuple) -> None:
+    def _capture(self, pair: int, bucket: int, args: tuple) -> None:
         """Warm up eagerly (no cache access), then capture; the capture pass computes the step."""
         start = time.perf_counter()
         io, step = self.inputs_and_outputs, self.step
@@ -159,7 +169,7 @@ class BreakgraphModelRunner(ModelRunner):
         if stream is not None:
             stream.synchronize()  # count the capture pass in the capture time
         self._pool = graph.pool()
-        self._graphs[bucket] = graph
+        self._graphs[pair, bucket] = graph
         self.handle.stats._record(
             bucket, captures=1, capture_s=time.perf_counter() - start, breaks=graph.num_breaks
         )
@@ -169,9 +179,13 @@ class BreakgraphModelRunner(ModelRunner):
     def warmup(self, model: torch.nn.Module) -> None:
         if not self.use_graphs:
             return
-        for bucket in sorted(self.buckets, reverse=True):
-            if bucket not in self._graphs:
-                self._warm_bucket(model, bucket)
+        io = self.inputs_and_outputs
+        for _ in range(2 if self.async_io else 1):
+            for bucket in sorted(self.buckets, reverse=True):
+                if (self._ios()[2], bucket) not in self._graphs:
+                    self._warm_bucket(model, bucket)
+            if self.async_io:
+                io.swap_io_pairs()
 
     def _warm_bucket(self, model: torch.nn.Module, bucket: int) -> None:
         """Capture ``bucket`` with a fake one-request prefill that reads no cache.
@@ -201,8 +215,8 @@ class BreakgraphModelRunner(ModelRunner):
     # -- lifetime --------------------------------------------------------------------------
     @property
     def graphs(self) -> dict[int, breakgraph.BreakableCUDAGraph]:
-        """Captured graphs by query bucket."""
-        return dict(self._graphs)
+        """Captured graphs by query bucket (of the first IO pair with asynchronous batching)."""
+        return {bucket: g for (pair, bucket), g in self._graphs.items() if pair == 0}
 
     @property
     def in_use(self) -> bool:

@@ -244,10 +244,11 @@ class ContinuousBatchingHandle:
     # -- used by the patches ------------------------------------------------------------------
     def _use_graphs(self, cb_config) -> bool:
         """Read the caller's ``ContinuousBatchingConfig`` before transformers resolves it."""
-        if cb_config.use_async_batching:
+        if cb_config.use_async_batching and self.device.type != "cuda":
             raise UnsupportedModelError(
-                f"{_WHO}: asynchronous batching (use_async_batching=True) is not supported; "
-                f"leave it unset or False."
+                f"{_WHO}: asynchronous batching (use_async_batching=True) needs a CUDA model "
+                f"(transformers overlaps host and device work with CUDA streams); leave it "
+                f"unset or False here."
             )
         choice = cb_config.use_cuda_graph
         if choice is None:
