@@ -27,8 +27,8 @@ def cb_section(data: dict) -> list:
         " upper-bound lengths (torch's varlen kernel, async batching); (d) `generate`:"
         " `model.generate` one prompt at a time, measured on a few prompts and extrapolated;"
         " `breakgraph_async`: (b) with `use_async_batching=True`."
-        " Graph variants: the warm pass (graphs already captured); time to first token counts"
-        " from submission.",
+        " (c) captures lazily: its row is the second (warm) pass; breakgraph captures every"
+        " bucket before serving. Time to first token counts from submission.",
         "",
     ]
     for m in data["models"]:
