@@ -270,7 +270,9 @@ class ContinuousBatchingHandle:
                 f"breakgraph's graphs; pass ContinuousBatchingConfig(use_cuda_graph=False) to "
                 f"compile instead."
             )
-        self._choices[id(resolved)] = (weakref.ref(resolved), use_graphs)
+        alive = {key: entry for key, entry in self._choices.items() if entry[0]() is not None}
+        alive[id(resolved)] = (weakref.ref(resolved), use_graphs)
+        self._choices = alive  # one entry per live manager config
 
     def _new_runner(self, cb_config, **kwargs):
         from .cb_runner import BreakgraphModelRunner
