@@ -237,6 +237,49 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
 
 
 @needs_517
+def test_flash_path_metadata_on_cpu(monkeypatch):
+    """The FlashAttention path reads device ``cu_seqlens`` (CB's static buffers) and host
+    maxima, not the host bounds of the reference: check them on the CPU with a stand-in
+    kernel that computes from exactly what the real one gets and leaves skipped rows NaN."""
+    from breakgraph.integrations.transformers import attention as bg_attention
+
+    calls = []
+
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None):
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and out is None
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        assert max_q == max(b - a for a, b in zip(cq, cq[1:]))
+        assert max_k == max(b - a for a, b in zip(ck, ck[1:]))
+        bounds, kv_bounds = list(zip(cq, cq[1:])), list(zip(ck, ck[1:]))
+        exact = bg_attention.reference_attention(q, k, v, bounds, scaling, window, kv_bounds)
+        result = torch.full_like(q, float("nan"))  # like the kernel's uninitialised output
+        result[: cq[-1]] = exact[: cq[-1]]
+        calls.append(window)
+        return result
+
+    original_call = cb_attention.PagedAttentionBreak.__call__
+
+    def checked_call(self):
+        out = original_call(self)
+        assert torch.isfinite(out).all(), "bucket padding rows must not stay uninitialised"
+        return out
+
+    monkeypatch.setattr(cb_attention.PagedAttentionBreak, "__call__", checked_call)
+    monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
+    monkeypatch.setattr(cb_attention, "flash_varlen", fake_flash)
+    monkeypatch.setattr(cb_attention, "FLASH_WRITES_IN_PLACE", False)
+    model = build_model("qwen2_hybrid")  # full and sliding layers: two key layouts per step
+    prompts = random_prompts(seed=11)
+    expected, ref_logprobs = generate_batch(model, prompts, logprobs=True)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert handle.kernel == "flash"
+        tokens, logprobs = generate_batch(model, prompts, logprobs=True)
+    assert tokens == expected
+    assert_logprobs_close(logprobs, ref_logprobs)
+    assert None in calls and 4 in calls  # both layer types went through the kernel
+
+
+@needs_517
 def test_lazy_capture_on_live_steps_with_sliding_window():
     """Without the warm-up, buckets are captured on real steps: the capture's eager warm-up
     must not write the cache (a second write corrupts a sliding-window ring buffer)."""
