@@ -32,6 +32,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     CB_ATTENTION_KEY,
     UnsupportedModelError,
     cb_attention,
+    cb_hooks,  # noqa: E402
     enable_continuous_batching,
 )
 from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
@@ -203,11 +204,11 @@ def _one_cpu_thread():
 @pytest.fixture(autouse=True)
 def _nothing_left_enabled():
     yield
-    leftover = list(cb._enabled.values())
+    leftover = list(cb_hooks._enabled.values())
     for handle in leftover:
         handle.disable()
     assert not leftover, "a test left continuous batching enabled"
-    assert cb._patches is None
+    assert cb_hooks._patches is None
 
 
 # -- 1. every family: greedy tokens equal generate() and paged|sdpa CB ------------------------
@@ -461,7 +462,7 @@ def test_unsupported_models_and_arguments():
     if SUPPORTED and not torch.cuda.is_available():
         with pytest.raises(BackendError, match="emulated"):
             enable_continuous_batching(model)
-    assert not cb._enabled and cb._patches is None  # failed enables leave nothing
+    assert not cb_hooks._enabled and cb_hooks._patches is None  # failed enables leave nothing
 
 
 @needs_517
@@ -490,7 +491,7 @@ def test_other_transformers_version_raises(monkeypatch):
         )
     with pytest.raises(UnsupportedModelError, match=f"transformers {transformers.__version__}"):
         enable_continuous_batching(model, backend="emulated")
-    assert model.config._attn_implementation == "sdpa" and cb._patches is None
+    assert model.config._attn_implementation == "sdpa" and cb_hooks._patches is None
 
 
 @needs_517

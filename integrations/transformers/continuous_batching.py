@@ -31,32 +31,16 @@ Example::
     >>> handle.stats.replays > 0
     True
 
-How it hooks in (transformers 5.17 has no extension point for the graph type of
-CB steps, so three scoped patches are unavoidable; each one dispatches on the
-model's attention key and leaves every other model untouched, and all of them
-are removed when the last handle is disabled):
-
-* ``continuous_api.ModelRunner`` (the name ``ContinuousBatchProcessor`` builds its
-  runner from) becomes a factory returning a
-  :class:`~.cb_runner.BreakgraphModelRunner` for enabled models;
-* ``continuous_api.resolve_continuous_batching_config`` records whether the
-  caller wants graphs (``use_cuda_graph`` None or True: yes) and turns
-  transformers' own whole-step graphs off for enabled models;
-* ``PagedAttentionMemoryHandler.get_available_memory``: on a CPU host where
-  transformers measures no memory (no ``psutil``), the host's free memory.
-
-The extension points proper: ``AttentionInterface["paged|breakgraph"]``,
-``ExpertsInterface["breakgraph_eager"]`` (transformers' eager experts loop as an
-eager break; ``grouped_mm``/``batched_mm`` experts are captured) and the model's
-``set_attn_implementation`` / ``set_experts_implementation``.
+It hooks in through ``AttentionInterface["paged|breakgraph"]``,
+``ExpertsInterface["breakgraph_eager"]`` (transformers' eager experts loop as an eager
+break; ``grouped_mm``/``batched_mm`` experts stay captured), the model's
+``set_attn_implementation`` / ``set_experts_implementation``, and three scoped patches
+of transformers' CB internals, unavoidable in 5.17 and removed with the last handle
+(see :mod:`.cb_hooks`).
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
-import os
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -65,12 +49,8 @@ from breakgraph.backends import select_backend
 from breakgraph.errors import InputError
 
 from . import attention as _attention
-from .cb_attention import (
-    CB_ATTENTION_KEY,
-    EAGER_EXPERTS_KEY,
-    eager_experts_break,
-    paged_breakgraph_attention,
-)
+from . import cb_hooks
+from .cb_attention import CB_ATTENTION_KEY, EAGER_EXPERTS_KEY
 from .prefill import UnsupportedModelError, _check_model
 
 __all__ = [
@@ -82,9 +62,6 @@ __all__ = [
 ]
 
 _WHO = "enable_continuous_batching"
-_lock = threading.RLock()
-_enabled: dict[int, ContinuousBatchingHandle] = {}  # id(text config) -> handle
-_patches: _TransformersPatches | None = None
 
 
 # -- statistics ----------------------------------------------------------------------------
@@ -206,7 +183,7 @@ class ContinuousBatchingHandle:
         cache belong to this handle); a manager whose generation loop is still running
         must be stopped first (``InputError``).
         """
-        with _lock:
+        with cb_hooks.lock:
             if not self.enabled:
                 return
             manager = getattr(self.model, "_cached_continuous_batching_manager", None)
@@ -223,10 +200,9 @@ class ContinuousBatchingHandle:
             self.model.set_attn_implementation(self._previous_attn)
             if self._previous_experts is not None:
                 self.model.set_experts_implementation(self._previous_experts)
-            del _enabled[id(self.config)]
             self._choices.clear()
             self.enabled = False
-            _release_patches()
+            cb_hooks.unregister(self)
 
     def __enter__(self) -> ContinuousBatchingHandle:
         return self
@@ -338,12 +314,11 @@ def enable_continuous_batching(
             f"{_WHO}: attention='flash' needs a CUDA model in bf16/fp16 and torch's "
             f"FlashAttention varlen kernel; use attention='reference'."
         )
-    _check_transformers()
+    cb_hooks.check_transformers(_WHO)
     chosen = select_backend(backend).name
     kernel = "flash" if attention == "flash" or (attention == "auto" and can_flash) else "reference"
-    with _lock:
-        config = model.config.get_text_config()
-        if id(config) in _enabled:
+    with cb_hooks.lock:
+        if cb_hooks.handle_for(model.config.get_text_config()) is not None:
             raise InputError(f"{_WHO}: continuous batching is already enabled for this model.")
         if getattr(model, "_cached_continuous_batching_manager", None) is not None:
             raise InputError(
@@ -351,7 +326,7 @@ def enable_continuous_batching(
                 f"call model.destroy_cached_continuous_batching_manager() first."
             )
         handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug)
-        _acquire_patches()
+        cb_hooks.register(handle)  # installs the hooks with the first handle
         try:
             experts = getattr(model.config, "_experts_implementation", None)
             if _has_experts(model) and experts in (None, "eager"):
@@ -361,16 +336,10 @@ def enable_continuous_batching(
         except BaseException:
             if handle._previous_experts is not None:
                 model.set_experts_implementation(handle._previous_experts)
-            _release_patches()
+            cb_hooks.unregister(handle)
             raise
-        _enabled[id(config)] = handle
         handle.enabled = True
     return handle
-
-
-def _handle_for(config) -> ContinuousBatchingHandle | None:
-    handle = _enabled.get(id(config))
-    return handle if handle is not None and handle.config is config else None
 
 
 def _has_experts(model) -> bool:
@@ -379,140 +348,3 @@ def _has_experts(model) -> bool:
         and type(m).__name__.endswith("Experts")
         for m in model.modules()
     )
-
-
-# -- transformers internals ------------------------------------------------------------------
-def _check_transformers() -> None:
-    """Detect the 5.17 continuous-batching internals this integration hooks into."""
-    import transformers
-
-    version = transformers.__version__
-    problem = None
-    try:
-        from transformers.generation.continuous_batching import cache, continuous_api
-        from transformers.generation.continuous_batching import model_runner as runner_module
-
-        update = inspect.signature(cache.PagedAttentionCache.update).parameters
-        if "read_index" not in update or "write_index" not in update:
-            problem = "PagedAttentionCache.update no longer takes read_index/write_index"
-        elif not isinstance(continuous_api.__dict__.get("ModelRunner"), type) and _patches is None:
-            problem = "continuous_api.ModelRunner is not a class"
-        elif not hasattr(continuous_api, "resolve_continuous_batching_config"):
-            problem = "continuous_api.resolve_continuous_batching_config is missing"
-        elif not hasattr(cache.PagedAttentionMemoryHandler, "get_available_memory"):
-            problem = "PagedAttentionMemoryHandler.get_available_memory is missing"
-        elif not hasattr(runner_module.ModelRunner, "_forward_process_and_sample"):
-            problem = "ModelRunner._forward_process_and_sample is missing"
-    except ImportError as exc:
-        problem = f"continuous batching cannot be imported ({exc})"
-    if problem is not None:
-        raise UnsupportedModelError(
-            f"{_WHO}: transformers {version} is not supported: its continuous-batching "
-            f"internals differ from 5.17 ({problem}). Install transformers==5.17.0, or use "
-            f"PrefillRunner or transformers' own continuous batching."
-        )
-
-
-class _TransformersPatches:
-    """The scoped changes to transformers, installed while at least one handle is enabled."""
-
-    def __init__(self) -> None:
-        from transformers import AttentionInterface
-        from transformers.generation.continuous_batching import cache, continuous_api
-        from transformers.integrations.moe import ExpertsInterface
-
-        self.original_runner = continuous_api.ModelRunner
-        self.original_resolve = continuous_api.resolve_continuous_batching_config
-        original_memory = cache.PagedAttentionMemoryHandler.__dict__["get_available_memory"]
-
-        def get_available_memory(handler) -> int:
-            """transformers' measure, or the host's free memory where it measures none (CPU)."""
-            available = original_memory(handler)
-            handle = _handle_for(handler.config)
-            if handle is None or available > 0 or handle.device.type != "cpu":
-                return available
-            return int(_host_free_memory() * handler.cb_config.max_memory_percent)
-
-        self.attributes = [
-            (continuous_api, "ModelRunner", self.model_runner),
-            (continuous_api, "resolve_continuous_batching_config", self.resolve),
-            (cache.PagedAttentionMemoryHandler, "get_available_memory", get_available_memory),
-        ]
-        self.registries = [
-            (AttentionInterface._global_mapping, CB_ATTENTION_KEY, paged_breakgraph_attention),
-            (ExpertsInterface._global_mapping, EAGER_EXPERTS_KEY, eager_experts_break),
-        ]
-        self.saved: list = []
-
-    def install(self) -> None:
-        for owner, name, replacement in self.attributes:
-            self.saved.append((owner, name, owner.__dict__[name]))
-            setattr(owner, name, replacement)
-        for mapping, key, function in self.registries:
-            self.saved.append((mapping, key, mapping.get(key, _MISSING)))
-            mapping[key] = function
-
-    def remove(self) -> None:
-        while self.saved:
-            owner, name, previous = self.saved.pop()
-            if isinstance(owner, dict):
-                if previous is _MISSING:
-                    owner.pop(name, None)
-                else:
-                    owner[name] = previous
-            else:
-                setattr(owner, name, previous)
-
-    # the replacements: each behaves exactly like the original for models not enabled
-    def model_runner(self, **kwargs):
-        handle = _handle_for(kwargs["cache"].config)
-        if handle is None:
-            return self.original_runner(**kwargs)
-        return handle._new_runner(**kwargs)
-
-    def resolve(self, config, cb_config, workload_hints, has_logit_processors):
-        handle = _handle_for(config)
-        if handle is None:
-            return self.original_resolve(
-                config=config,
-                cb_config=cb_config,
-                workload_hints=workload_hints,
-                has_logit_processors=has_logit_processors,
-            )
-        use_graphs = handle._use_graphs(cb_config)
-        adjusted = copy.copy(cb_config)
-        adjusted.use_cuda_graph = False  # transformers' own whole-step graphs: never here
-        resolved = self.original_resolve(
-            config=config,
-            cb_config=adjusted,
-            workload_hints=workload_hints,
-            has_logit_processors=has_logit_processors,
-        )
-        handle._remember(resolved, use_graphs)
-        return resolved
-
-
-_MISSING = object()
-
-
-def _host_free_memory() -> int:
-    """Free host memory in bytes without psutil (Linux: available pages; else all pages)."""
-    pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in os.sysconf_names else None
-    if not pages or pages < 0:
-        pages = os.sysconf("SC_PHYS_PAGES")
-    return int(pages) * int(os.sysconf("SC_PAGE_SIZE"))
-
-
-def _acquire_patches() -> None:
-    global _patches
-    if not _enabled:
-        patches = _TransformersPatches()
-        patches.install()
-        _patches = patches
-
-
-def _release_patches() -> None:
-    global _patches
-    if not _enabled and _patches is not None:
-        _patches.remove()
-        _patches = None
