@@ -297,14 +297,21 @@ def test_lazy_capture_on_live_steps_with_sliding_window():
     assert 0 < handle.stats.captures <= len(BUCKETS) and handle.stats.replays > 0
 
 
-def run_manager(model, prompts, gen=None, per_prompt: int = 1) -> dict[str, list[int]]:
-    """Serve ``prompts`` through the manager API; every result (forked children too) by id."""
+def run_manager(
+    model, prompts, gen=None, per_prompt: int = 1, cbc=None, max_new: int = MAX_NEW
+) -> dict[str, list[int]]:
+    """Serve ``prompts`` through the manager API; every result (forked children too) by id.
+
+    The requests are queued before the manager starts, so its first step sees them all and
+    the schedule is the same on every run.
+    """
     manager = model.init_continuous_batching(
-        generation_config=gen or generation_config(), continuous_batching_config=cb_config()
+        generation_config=gen or generation_config(),
+        continuous_batching_config=cbc or cb_config(),
     )
+    ids = [manager.add_request(p, max_new_tokens=max_new) for p in prompts]
     manager.start()
     try:
-        ids = [manager.add_request(p, max_new_tokens=MAX_NEW) for p in prompts]
         results = {}
         while len(results) < len(ids) * per_prompt:
             result = manager.get_result(timeout=30)
@@ -708,3 +715,23 @@ def test_cuda_async_batching_agrees_with_paged_sdpa():
     stats = handle.stats
     assert stats.eager_steps == 0 and stats.replays > 0
     assert stats.captures == 2 * len(stats.buckets)
+
+
+@needs_517
+@pytest.mark.requires_cuda
+def test_cuda_sampling_is_captured():
+    """multinomial and the logits processors inside CUDA graph segments: with top_k=1 the
+    sampled tokens are the greedy ones (same kernels, same schedule), and free sampling runs."""
+    model = build_model("llama", device="cuda", dtype=torch.bfloat16, **CUDA_SHAPE)
+    prompts = cuda_prompts(count=64, seed=1)
+    cbc = ContinuousBatchingConfig(block_size=256, num_blocks=256, max_batch_tokens=1024)
+    greedy = generation_config(max_new_tokens=8, pad_token_id=999)
+    top1 = generation_config(max_new_tokens=8, pad_token_id=999, do_sample=True, top_k=1)
+    free = generation_config(max_new_tokens=8, pad_token_id=999, do_sample=True, top_k=50)
+    with enable_continuous_batching(model) as handle:
+        expected = run_manager(model, prompts, greedy, cbc=cbc, max_new=8)
+        assert run_manager(model, prompts, top1, cbc=cbc, max_new=8) == expected
+        sampled = run_manager(model, prompts, free, cbc=cbc, max_new=8)
+    assert all(len(t) == 8 and all(0 <= x < 1000 for x in t) for t in sampled.values())
+    assert sampled != expected  # 64 x 8 tokens drawn from the top 50: not all greedy
+    assert handle.stats.eager_steps == 0 and handle.stats.replays > 0
