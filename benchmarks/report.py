@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 
-from . import report_breaks, report_earlier, report_prefill, report_suite
+from . import cb_report, report_breaks, report_earlier, report_prefill, report_suite
 from . import targets as T
 from .template import fill, table
 
@@ -83,6 +83,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     blocks += report_earlier.section(
         loaded.get(report_earlier.FILE), runs, loaded.get(report_earlier.MOE_FILE)
     )
+    cb = load(cb_report.FILE)
+    if cb is not None:
+        blocks.append("\n".join(cb_report.cb_section(cb)))
     if suite_data is not None:
         blocks += report_suite.suite_section(suite_data)
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
@@ -112,6 +115,9 @@ def write_plots(
     earlier = _load(report_earlier.FILE, results)
     for m in (earlier or {}).get("models", []):
         written.append(_earlier_plot(m, earlier["meta"], plt, img, save))
+    cb = _load(cb_report.FILE, results)
+    if cb:
+        written.append(cb_report.write_cb_plot(cb, plt, save, img))
     if suite and os.path.exists(suite):
         with open(suite) as f:
             path = os.path.join(img, "suite.png")

@@ -52,3 +52,16 @@ def bg_vs_one_graph_limit(tokens: int) -> float:
     if tokens <= SHORT_PROMPT_TOKENS:
         return TARGET_BG_VS_ONE_GRAPH_32
     return TARGET_BG_VS_ONE_GRAPH
+
+
+# continuous batching (benchmarks/bench_cb.py, issue 14)
+TARGET_CB_THROUGHPUT_VS_EAGER = 3.0  # breakgraph CB tokens/s / paged|sdpa CB eager
+TARGET_CB_THROUGHPUT_VS_WHOLE_GRAPH = 0.9  # within 10 % of the whole-step graph variant
+TARGET_CB_FEWER_GRAPHS = 5.0  # whole-step graphs captured / breakgraph graphs
+TARGET_CB_CAPTURE_S = 5.0  # capture time of all buckets
+
+# tensor parallelism (benchmarks/bench_tp.py, issue 15)
+TARGET_TP_BG_VS_WHOLE_GRAPH = 1.05  # TP=2 breakgraph / TP=2 whole graph, from TP_FROM_TOKENS
+TP_FROM_TOKENS = 128
+TARGET_TP_EAGER_OVER_BG = 5.0  # TP=2 eager / TP=2 breakgraph, up to TP_EAGER_MAX_TOKENS
+TP_EAGER_MAX_TOKENS = 128

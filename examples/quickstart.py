@@ -41,7 +41,8 @@ with torch.no_grad():
         diff = (out.logits[i].float() - ref.float()).abs().max().item()
         same = bool(out.logits[i].argmax() == ref.argmax())
         print(
-            f"prompt {i}: {len(p):>3} tokens, max |diff| vs eager {diff:.2e}, same next token: {same}"
+            f"prompt {i}: {len(p):>3} tokens, max |diff| vs eager {diff:.2e}, "
+            f"same next token: {same}"
         )
 
 first = out.logits[0].argmax()

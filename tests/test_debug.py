@@ -5,7 +5,6 @@ import warnings
 
 import pytest
 import torch
-from tests.helpers import fresh_into
 
 import breakgraph
 from breakgraph import (
@@ -17,6 +16,7 @@ from breakgraph import (
 )
 from breakgraph.runner import BucketedRunner
 from breakgraph.testing import assert_replay_matches_eager
+from tests.helpers import fresh_into
 
 
 @eager_on_graph
@@ -44,7 +44,7 @@ def test_host_sync_names_line_and_function(capture, device):
     assert "Decorate `planted_sync`" in message
 
 
-# -- 2. tensors the graph reads must stay alive at their captured address ---------------------------
+# -- 2. tensors the graph reads must stay alive at their captured address --------------------------
 def test_replaced_static_input_is_named(capture, device):
     x, w = torch.randn(4, 8, device=device), torch.randn(8, 8, device=device)
     g = BreakableCUDAGraph()
@@ -123,7 +123,7 @@ def test_environment_variable_turns_debug_on(capture, device, monkeypatch):
         g.replay()
 
 
-# -- 3. unjoined side streams are named (CUDA) --------------------------------------------------------
+# -- 3. unjoined side streams are named (CUDA) -----------------------------------------------------
 @pytest.mark.requires_cuda
 def test_unjoined_side_stream_is_named():
     x = torch.randn(1 << 16, device="cuda")
@@ -143,7 +143,7 @@ def test_unjoined_side_stream_is_named():
     torch.testing.assert_close(out, new * 2 + host_scale(new))
 
 
-# -- 4. the whole region as one eager break, through the same runner ---------------------------------
+# -- 4. the whole region as one eager break, through the same runner -------------------------------
 def test_eager_region_runs_everything_in_one_break(backend, device):
     w = torch.randn(8, 8, device=device)
     runner = BucketedRunner(
@@ -159,7 +159,7 @@ def test_eager_region_runs_everything_in_one_break(backend, device):
     torch.testing.assert_close(runner(x), torch.relu(x @ w) * 2)
 
 
-# -- coverage report -----------------------------------------------------------------------------------
+# -- coverage report -------------------------------------------------------------------------------
 def test_report_lists_segments_breaks_and_host_time(capture, device):
     x, w = torch.randn(4, 8, device=device), torch.randn(8, 8, device=device)
     g = BreakableCUDAGraph()
@@ -214,7 +214,7 @@ def test_report_without_debug_has_no_timings(capture, device):
         BreakableCUDAGraph().report()
 
 
-# -- testing helpers --------------------------------------------------------------------------------
+# -- testing helpers -------------------------------------------------------------------------------
 def test_assert_replay_matches_eager_passes_on_good_code(backend, device):
     w = torch.randn(8, 8, device=device)
     graph = assert_replay_matches_eager(
@@ -255,7 +255,7 @@ def test_assert_replay_matches_eager_catches_a_frozen_branch(backend, device):
         assert_replay_matches_eager(fn, lambda: torch.randn(4, device=device), backend=backend)
 
 
-# -- plugin and logging ---------------------------------------------------------------------------
+# -- plugin and logging ----------------------------------------------------------------------------
 @pytest.mark.requires_cuda
 def test_requires_cuda_marker_skips_without_a_gpu():
     assert torch.cuda.is_available()  # only ever runs with a GPU

@@ -5,11 +5,11 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers import HAS_CUDA, assert_clean, fresh_into
 from torch import nn
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, HostSyncError, eager_on_graph
+from tests.helpers import HAS_CUDA, assert_clean, fresh_into
 
 capture = functools.partial(breakgraph.capture, backend="emulated")
 

@@ -16,8 +16,10 @@ ENV = dict(
 
 @pytest.mark.parametrize("name", sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py")))
 def test_example_runs(name):
-    if name in ("quickstart.py", "tensor_parallel.py"):
-        pytest.importorskip("transformers")
+    if name in ("quickstart.py", "tensor_parallel.py", "continuous_batching.py"):
+        transformers = pytest.importorskip("transformers")
+        if name == "continuous_batching.py" and not transformers.__version__.startswith("5.17."):
+            pytest.skip("breakgraph's continuous-batching integration targets transformers 5.17")
     if name == "tensor_parallel.py":
         pytest.importorskip("accelerate")
     result = subprocess.run(

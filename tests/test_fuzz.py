@@ -104,7 +104,7 @@ def check_seeds(seeds: range, backend: str) -> None:
         )
 
 
-# -- programs match eager ---------------------------------------------------------------------
+# -- programs match eager --------------------------------------------------------------------------
 @pytest.mark.parametrize("seeds", chunks(PROGRAMS))
 def test_programs_match_eager(seeds):
     check_seeds(seeds, "emulated")
@@ -116,7 +116,7 @@ def test_programs_match_eager_cuda(seeds):
     check_seeds(seeds, "cuda")
 
 
-# -- programs that must raise the named error -------------------------------------------------
+# -- programs that must raise the named error ------------------------------------------------------
 def check_raising(seeds: range, backend: str) -> None:
     for seed in seeds:
         program = fp.generate_raising(seed, gated(backend))
@@ -138,7 +138,7 @@ def test_changed_outputs_and_host_syncs_raise_named_errors_cuda(seeds):
     check_raising(seeds, "cuda")
 
 
-# -- the known-broken families still fail ---------------------------------------------------------
+# -- the known-broken families still fail ----------------------------------------------------------
 def still_fails(family: str, backend: str) -> bool:
     exclude = gated(backend) - {family} - NEEDS.get(family, set())
     for seed in range(STILL_BROKEN_SEEDS):
@@ -178,7 +178,7 @@ def test_known_broken_still_broken(family, backend):
     )
 
 
-# -- the generator and the oracle themselves --------------------------------------------------
+# -- the generator and the oracle themselves -------------------------------------------------------
 def test_programs_are_a_function_of_their_seed():
     for seed in (0, 1, 17):
         assert fp.generate(seed).source() == fp.generate(seed).source()

@@ -10,7 +10,6 @@ import gc
 
 import pytest
 import torch
-from tests.helpers import HAS_CUDA, assert_clean, fresh_into
 from torch import nn
 
 import breakgraph
@@ -22,6 +21,7 @@ from breakgraph import (
     break_graph,
     eager_on_graph,
 )
+from tests.helpers import HAS_CUDA, assert_clean, fresh_into
 
 # Taken before any test runs a capture: what every capture must leave in place.
 
@@ -624,7 +624,8 @@ def test_stale_input_buffer_is_read_on_replay(capture, device):
 @pytest.mark.requires_cuda
 def test_first_matmul_of_the_process_inside_a_capture():
     """cuBLAS cannot create its handle inside a capture; breakgraph creates it beforehand, so a
-    fresh process may capture its very first matmul (this failed with CUBLAS_STATUS_NOT_INITIALIZED)."""
+    fresh process may capture its very first matmul (this failed with
+    CUBLAS_STATUS_NOT_INITIALIZED)."""
     import subprocess
     import sys
     import textwrap

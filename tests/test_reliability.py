@@ -519,7 +519,7 @@ def test_08_graphs_survive_cublas_workspace_clearing():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-# -- found by the fuzzer: composite copies that are annotated as views ----------------------------
+# -- found by the fuzzer: composite copies that are annotated as views -----------------------------
 
 
 def test_copying_composites_under_inference_mode_are_replayed(capture, device):

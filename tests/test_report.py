@@ -8,12 +8,12 @@ import re
 import shutil
 
 import pytest
-from tests import report_data
-from tests.report_data import baselines
 
 from benchmarks import report, report_breaks, report_earlier, report_prefill
 from benchmarks import targets as T
 from benchmarks.template import fragments
+from tests import report_data
+from tests.report_data import baselines
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 RESULTS = os.path.join(ROOT, "docs", "results")
@@ -33,7 +33,7 @@ def results_copy(tmp_path, replace: dict | None = None) -> str:
     return str(folder)
 
 
-# -- the committed page ----------------------------------------------------------------------
+# -- the committed page ----------------------------------------------------------------------------
 def test_committed_page_is_reproduced_exactly():
     with open(os.path.join(ROOT, "docs", "performance.md")) as f:
         assert report.render() == f.read(), "run `python -m benchmarks.report` and commit the page"
@@ -56,7 +56,7 @@ def test_every_placeholder_is_filled_strictly():
         fill("why.bucket", bucket=64, tokens=32, padding="50%", extra=1)
 
 
-# -- the prefill section: not measured yet, then from data ----------------------------------
+# -- the prefill section: not measured yet, then from data -----------------------------------------
 def test_prefill_section_says_not_measured_without_its_json(tmp_path):
     text = report.render(results_copy(tmp_path, {report_prefill.FILE: None}))
     section = text.split("## Prefill against what you would otherwise run")[1].split("\n## ")[0]
@@ -204,7 +204,7 @@ def test_changed_json_changes_the_earlier_runs():
     assert "reads 12.0–13.0 points higher than the second and third runs" in text
 
 
-# -- the pytest-benchmark suite -------------------------------------------------------------
+# -- the pytest-benchmark suite --------------------------------------------------------------------
 def suite_data() -> dict:
     bench = []
 
@@ -266,7 +266,7 @@ def test_suite_json_is_labelled_with_gpu_and_versions():
     assert f"gpu NVIDIA H200, torch {torch.__version__}" in text
 
 
-# -- plots (matplotlib is optional: the `bench` extra) ---------------------------------------
+# -- plots (matplotlib is optional: the `bench` extra) ---------------------------------------------
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     folder = tmp_path / "results"

@@ -7,10 +7,10 @@ import functools
 
 import pytest
 import torch
-from tests.helpers import assert_clean, fresh_into
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, StreamError, eager_on_graph
+from tests.helpers import assert_clean, fresh_into
 
 pytestmark = pytest.mark.requires_cuda
 

@@ -44,7 +44,7 @@ BACKENDS = [
 ]
 
 
-# -- the launcher -------------------------------------------------------------------------------
+# -- the launcher ----------------------------------------------------------------------------------
 def launch(scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEOUT) -> list:
     """Run ``scenario`` on 2 fresh processes; return each rank's result dict (rank order).
 
@@ -141,7 +141,7 @@ def _worker(rank, port, scenario, backend, path, results) -> None:
     os._exit(0)  # a failed rank may hold a broken process group: no teardown
 
 
-# -- shared pieces of the scenarios --------------------------------------------------------------
+# -- shared pieces of the scenarios ----------------------------------------------------------------
 def load_models(rank: int, backend: str, path: str):
     """Rank 0 saves a tiny random Llama; every rank loads it with TP=2 and unsharded."""
     import torch.distributed as dist
@@ -202,7 +202,7 @@ def error_of(call) -> str:
     return "no error"
 
 
-# -- scenarios ----------------------------------------------------------------------------------
+# -- scenarios -------------------------------------------------------------------------------------
 def scenario_main(rank: int, backend: str, path: str) -> dict:
     """Every scenario in one launch; the capture failure last."""
     import torch.distributed as dist
@@ -340,7 +340,7 @@ def capture_failure(rank: int, backend: str, sharded) -> dict:
 SCENARIOS = {"main": scenario_main}
 
 
-# -- tests --------------------------------------------------------------------------------------
+# -- tests -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=BACKENDS)
 def main_run(request, tmp_path_factory):
     backend = request.param

@@ -79,7 +79,7 @@ ARCHS = {
 }
 
 
-# -- helpers ---------------------------------------------------------------------------------
+# -- helpers ---------------------------------------------------------------------------------------
 def make_config(arch: str, **overrides):
     cls_name, extra, _ = ARCHS[arch]
     kwargs = {**COMMON, **extra, **overrides}
@@ -163,7 +163,8 @@ def cuda_tolerance(ref: torch.Tensor) -> float:
 
 
 def random_batches(generator: torch.Generator, count: int) -> list:
-    """``count`` batches of 1..MAX_PROMPTS prompts of 1..MAX_LEN tokens that fit the largest bucket."""
+    """``count`` batches of 1..MAX_PROMPTS prompts of 1..MAX_LEN tokens that fit the largest
+    bucket."""
     batches = []
     while len(batches) < count:
         n = int(torch.randint(1, MAX_PROMPTS + 1, (1,), generator=generator))
@@ -204,7 +205,7 @@ def closing():
         runner.close()
 
 
-# -- 1. every architecture: many batches through one capture -------------------------------------
+# -- 1. every architecture: many batches through one capture ---------------------------------------
 def test_grouped_mm_experts_are_captured_not_broken(backend, closing):
     """transformers' default grouped_mm experts are sync-free: they stay inside the segments."""
     model = model_for("qwen3_moe", backend, experts_implementation="grouped_mm")
@@ -356,7 +357,7 @@ def test_generate_continues_from_prefill_cache(arch, backend, closing):
         assert continued.tolist() == reference.tolist(), f"prompt {i}"
 
 
-# -- 3. the KV cache lives in graph memory --------------------------------------------------------
+# -- 3. the KV cache lives in graph memory ---------------------------------------------------------
 def test_cache_is_invalidated_by_next_prefill(backend, closing):
     model = model_for("llama", backend)
     device = next(model.parameters()).device
@@ -377,7 +378,7 @@ def test_cache_is_invalidated_by_next_prefill(backend, closing):
     assert torch.equal(first.logits, logits)
 
 
-# -- 4. the model is left alone ----------------------------------------------------------------------
+# -- 4. the model is left alone --------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_model_untouched_and_usable(arch, backend):
     model = model_for(arch, backend)
@@ -428,7 +429,7 @@ def test_attention_outside_runner_raises(backend):
         model(prompt(3, next(model.parameters()).device)[None], use_cache=False)
 
 
-# -- 5. errors -----------------------------------------------------------------------------------------
+# -- 5. errors -------------------------------------------------------------------------------------
 def test_input_errors(backend, closing):
     model = model_for("llama", backend)
     device = next(model.parameters()).device
@@ -448,7 +449,7 @@ def test_input_errors(backend, closing):
         "empty": prompt(0, device),
         "list of ints": [1, 2, 3],
     }
-    for what, p in bad.items():
+    for _what, p in bad.items():
         with pytest.raises(InputError, match="1-D LongTensor"):
             runner.prefill([prompt(3, device), p])
     with pytest.raises(InputError, match="outside the vocabulary"):
@@ -567,7 +568,7 @@ def test_bad_runner_arguments():
     assert model.config._attn_implementation == "sdpa"
 
 
-# -- 6. padding hygiene ----------------------------------------------------------------------------------
+# -- 6. padding hygiene ----------------------------------------------------------------------------
 PAD_ID = 7
 
 
@@ -611,7 +612,7 @@ def test_small_batch_after_big_batch_same_bucket(backend, closing):
         )
 
 
-# -- 7. attention kernels by backend ---------------------------------------------------------------------
+# -- 7. attention kernels by backend ---------------------------------------------------------------
 def test_captured_attention_needs_cuda_flash(backend):
     model = model_for("llama", backend)
     if backend == "emulated":
@@ -660,7 +661,7 @@ def test_user_instance_forward_on_experts_survives(backend, closing):
     assert calls  # the runner went through it while capturing
 
 
-# -- 8. the host never waits for the GPU ----------------------------------------------------------------
+# -- 8. the host never waits for the GPU -----------------------------------------------------------
 def test_back_to_back_prefills_keep_their_own_metadata(backend, closing):
     """Step metadata is staged asynchronously: a second prefill, prepared while the GPU has not
     yet run the first one, must not overwrite the first one's lengths before they are read."""
@@ -711,7 +712,7 @@ def test_debug_report_times_each_attention_break(backend, closing):
     assert "us/replay" in str(report)
 
 
-# -- issue 11 regressions ------------------------------------------------------------------------
+# -- issue 11 regressions --------------------------------------------------------------------------
 
 
 def test_cache_of_an_earlier_prefill_is_refused_after_a_failed_prefill(backend):

@@ -1,4 +1,5 @@
-"""HuggingFace transformers integration: graph-speed prefill of unmodified causal LMs.
+"""HuggingFace transformers integration: graph-speed prefill and continuous batching of
+unmodified causal LMs.
 
 See ``docs/integration-transformers.md``.
 
@@ -11,6 +12,12 @@ Example::
 """
 
 from .attention import ATTENTION_KEY, LayerAttention, PackedBatch, breakgraph_attention
+from .continuous_batching import (
+    CB_ATTENTION_KEY,
+    ContinuousBatchingHandle,
+    ContinuousBatchingStats,
+    enable_continuous_batching,
+)
 from .experts import EXPERTS_KEY
 from .prefill import (
     SUPPORTED_MODEL_TYPES,
@@ -24,6 +31,10 @@ __all__ = [
     "default_token_buckets",
     "EXPERTS_KEY",
     "PrefillRunner",
+    "enable_continuous_batching",
+    "ContinuousBatchingHandle",
+    "ContinuousBatchingStats",
+    "CB_ATTENTION_KEY",
     "PrefillOutput",
     "UnsupportedModelError",
     "SUPPORTED_MODEL_TYPES",

@@ -144,16 +144,14 @@ class LayerAttention:
         self.q, self.k, self.v = (t[0].transpose(0, 1) for t in (query, key, value))
         self.scaling, self.window, self.kernel = scaling, window, kernel
         self.contiguous = all(t.stride(-1) == 1 for t in (self.q, self.k, self.v))
-        self.causal = window is None
-        self.left = -1 if window is None else window - 1
         self.out = out
 
     def __call__(self) -> torch.Tensor:
         batch: PackedBatch = breakgraph.replay_context()
         if self.kernel == "flash":
             return self.flash(batch.cu_seqlens, batch.max_seqlen, self.out)
-        return _reference_attention(
-            self.q, self.k, self.v, batch.bounds, self.scaling, self.window, self.out
+        return reference_attention(
+            self.q, self.k, self.v, batch.bounds, self.scaling, self.window, out=self.out
         )
 
     def flash(
@@ -162,37 +160,59 @@ class LayerAttention:
         q, k, v = self.q, self.k, self.v
         if not self.contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if out is not None and FLASH_WRITES_IN_PLACE:
-            _flash_into(
-                out, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
-                self.causal, False, scale=self.scaling, window_size_left=self.left,
-                window_size_right=0,
-            )  # fmt: skip
-            return out
-        result = _flash(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, self.causal, False,
-            scale=self.scaling, window_size_left=self.left, window_size_right=0,
-        )[0]  # fmt: skip
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
+        return flash_varlen(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            self.scaling, self.window, out,
+        )  # fmt: skip
 
     def borrow(self) -> None:
-        """Read ``q``/``k``/``v``/``out`` through borrowed aliases (see breakgraph.memory)."""
+        """Read ``q``/``k``/``v`` through borrowed aliases (see breakgraph.memory)."""
         self.q, self.k, self.v = (borrowed(t) for t in (self.q, self.k, self.v))
 
 
-def _reference_attention(q, k, v, bounds, scaling, window, out=None):
-    """Per-sequence SDPA with a causal (and sliding-window) mask: exact, slow, any device."""
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None) -> torch.Tensor:
+    """Causal varlen attention with ATen's FlashAttention-2 kernel: ``[Tq, Hq, D]`` out.
+
+    ``q`` is ``[Tq, Hq, D]``, ``k``/``v`` ``[Tk, Hkv, D]`` (GQA not expanded);
+    sequence ``i`` owns query rows ``cu_q[i]:cu_q[i+1]`` and key rows
+    ``cu_k[i]:cu_k[i+1]``; when it has more keys than queries (a KV cache), its
+    queries are the *last* positions of its keys (bottom-right causal alignment).
+    Rows past ``cu_q[-1]`` are not written. With ``out``, the result is written there
+    (in place on torch >= 2.12, else copied) and ``out`` is returned.
+    """
+    causal, left = window is None, -1 if window is None else window - 1
+    if out is not None and FLASH_WRITES_IN_PLACE:
+        _flash_into(
+            out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+            scale=scaling, window_size_left=left, window_size_right=0,
+        )  # fmt: skip
+        return out
+    result = _flash(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        scale=scaling, window_size_left=left, window_size_right=0,
+    )[0]  # fmt: skip
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def reference_attention(q, k, v, bounds, scaling, window, kv_bounds=None, out=None):
+    """Per-sequence SDPA with a causal (and sliding-window) mask: exact, slow, any device.
+
+    ``bounds`` are the query rows of each sequence and ``kv_bounds`` its key rows
+    (default: the same rows); with more keys than queries, the queries are the last
+    positions of the keys. Rows outside ``bounds`` are zero. With ``out`` the result is
+    written there.
+    """
     groups = q.shape[1] // k.shape[1]
-    out = torch.empty_like(q) if out is None else out
-    for start, end in bounds:
+    out = torch.zeros_like(q) if out is None else out.zero_()
+    for (start, end), (k_start, k_end) in zip(bounds, kv_bounds or bounds):
         qs = q[start:end].transpose(0, 1)
-        ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        vs = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        i = torch.arange(end - start, device=q.device)
-        distance = i[:, None] - i[None, :]
+        ks = k[k_start:k_end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        vs = v[k_start:k_end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        i = torch.arange(end - start, device=q.device) + (k_end - k_start) - (end - start)
+        distance = i[:, None] - torch.arange(k_end - k_start, device=q.device)[None, :]
         mask = distance >= 0
         if window is not None:
             mask &= distance < window

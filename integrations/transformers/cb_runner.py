@@ -1,0 +1,233 @@
+"""Continuous batching: transformers' ``ModelRunner`` with one breakable graph per query bucket.
+
+transformers 5.17 runs every CB step through ``ModelRunner.compute_batch``:
+``_forward_process_and_sample`` (model forward with ``logits_to_keep``, fp32
+logits, logits processors, argmax or multinomial, copy into the static
+``output_ids``) runs eagerly, or as a plain CUDA graph keyed by
+``(query tokens, KV tokens read, max_seqlen_k)`` with upper-bound lengths baked in.
+
+:class:`BreakgraphModelRunner` keeps all of transformers' host side (scheduler,
+static input buffers, padding sequences of length 0, trash slots for padded
+tokens) and changes three things:
+
+* ``maybe_pad_inputs``: query tokens pad up to a bucket; the KV read is not padded;
+* ``compute_batch``: one :class:`~breakgraph.BreakableCUDAGraph` per query bucket,
+  captured on first use (after an eager warm-up that touches no cache) and replayed
+  with the live step (:class:`~.cb_attention.CBStep`) as its context, so each
+  attention break sees the step's exact lengths;
+* ``warmup``: captures every bucket up front (largest first, so smaller ones reuse
+  its memory pool), with fake one-request batches that read no cache.
+
+With asynchronous batching (two IO pairs of static buffers, CUDA only) there is one
+graph per bucket and pair.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+import time
+from typing import Any
+
+import torch
+
+import breakgraph
+from breakgraph.errors import ReplayError
+from transformers.generation.continuous_batching.input_outputs import (
+    ContinuousBatchingAsyncIOs,
+)
+from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.requests import RequestStatus
+from transformers.generation.continuous_batching.utils import create_warmup_future_states
+
+from .cb_attention import CBStep
+from .prefill import UnsupportedModelError
+
+__all__ = ["BreakgraphModelRunner", "bucket_sizes"]
+
+
+def bucket_sizes(query_buckets, max_batch_tokens: int) -> tuple[int, ...]:
+    """The query-token buckets of a runner: the given sizes (default powers of two from 8)
+    up to ``max_batch_tokens``, which is always the last bucket."""
+    if query_buckets is None:
+        query_buckets, size = [], 8
+        while size < max_batch_tokens:
+            query_buckets.append(size)
+            size *= 2
+    sizes = {int(b) for b in query_buckets if 0 < int(b) < max_batch_tokens}
+    return tuple(sorted(sizes)) + (max_batch_tokens,)
+
+
+class BreakgraphModelRunner(ModelRunner):
+    """A CB ``ModelRunner`` whose steps replay breakable graphs (one per query bucket).
+
+    Built by transformers' ``ContinuousBatchProcessor`` (through the factory that
+    :func:`~.continuous_batching.enable_continuous_batching` installs) with the
+    same arguments as ``ModelRunner``, plus the enabling ``handle`` and
+    ``use_graphs`` (False: eager steps through the same attention breaks).
+    """
+
+    def __init__(self, *, handle: Any, use_graphs: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # transformers' own graphs are off: no pools, no padding
+        self.handle = handle
+        self.use_graphs = use_graphs
+        self.pad_inputs = use_graphs
+        self.buckets = bucket_sizes(handle.query_buckets, self.cache.max_batch_tokens)
+        self.async_io = isinstance(self.inputs_and_outputs, ContinuousBatchingAsyncIOs)
+        self.step = CBStep(handle.kernel, self._ios()[1].cumulative_seqlens_k.keys())
+        # asynchronous batching alternates two IO pairs (static buffers): a graph per pair
+        self._graphs: dict[tuple[int, int], breakgraph.BreakableCUDAGraph] = {}
+        self._pool = None
+        self._closed = False
+        self.thread: threading.Thread | None = None  # the generation loop that ran the last step
+
+    def _ios(self) -> tuple[Any, Any, int]:
+        """(host IO, device IO, pair) of the step being prepared or run."""
+        io = self.inputs_and_outputs
+        if not self.async_io:
+            return io, io, 0
+        pair = io.io_pairs[io.current_pair]
+        return pair.host_io, pair.device_io, io.current_pair
+
+    # -- buckets ---------------------------------------------------------------------------
+    def bucket_for(self, num_q_tokens: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_q_tokens)]
+
+    def maybe_pad_inputs(
+        self, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool
+    ) -> tuple[int, int]:
+        if use_decode_fast_path:
+            raise UnsupportedModelError(
+                "enable_continuous_batching: the block-table decode path is a flash_attn kernel; "
+                "it cannot run under paged|breakgraph (max_blocks_per_request must be 0)."
+            )
+        if not self.use_graphs:
+            return num_q_tokens, max_kv_read
+        return self.bucket_for(num_q_tokens), max_kv_read  # the break reads the exact KV
+
+    # -- one step --------------------------------------------------------------------------
+    def compute_batch(self, model: torch.nn.Module, batch_data: dict) -> None:
+        if self._closed:
+            raise ReplayError(
+                "breakgraph continuous batching was disabled while a manager still used it; "
+                "stop the manager before handle.disable()."
+            )
+        self.thread = threading.current_thread()
+        io = self.inputs_and_outputs
+        host_io, device_io, pair = self._ios()
+        step = self.step
+        step.refill(host_io, device_io, self.cache)
+        bucket = host_io.num_q_tokens
+        stream = io.compute_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the step's inputs were staged there
+        if not self.use_graphs:
+            with breakgraph.context_scope(step):
+                super().compute_batch(model, batch_data)
+            self.handle.stats._record(bucket, eager_steps=1)
+            return
+        if self.supports_logits_to_keep(model):
+            batch_data["logits_to_keep"] = batch_data["logits_indices"]
+        args = (model, batch_data, *io.get_cb_kwargs())
+        graph = self._graphs.get((pair, bucket))
+        if graph is None:
+            self._capture(pair, bucket, args)
+        elif stream is None:
+            graph.replay(context=step)
+            self.handle.stats._record(bucket, replays=1)
+        else:
+            with torch.cuda.stream(stream):
+                graph.replay(context=step)
+            self.handle.stats._record(bucket, replays=1)
+
+    def _capture(self, pair: int, bucket: int, args: tuple) -> None:
+        """Warm up eagerly (no cache access), then capture; the capture pass computes the step."""
+        start = time.perf_counter()
+        io, step = self.inputs_and_outputs, self.step
+        stream = io.compute_stream
+        step.warmup = True
+        try:
+            with (
+                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+                breakgraph.context_scope(step),
+            ):
+                self._forward_process_and_sample(*args)
+        finally:
+            step.warmup = False
+        graph = breakgraph.BreakableCUDAGraph()
+        with breakgraph.capture(
+            graph,
+            pool=self._pool,
+            stream=stream,
+            capture_error_mode="thread_local",
+            backend=self.handle.backend,
+            context=step,
+            debug=self.handle.debug,
+        ):
+            self._forward_process_and_sample(*args)
+        if stream is not None:
+            stream.synchronize()  # count the capture pass in the capture time
+        self._pool = graph.pool()
+        self._graphs[pair, bucket] = graph
+        self.handle.stats._record(
+            bucket, captures=1, capture_s=time.perf_counter() - start, breaks=graph.num_breaks
+        )
+
+    # -- warm-up: capture every bucket before serving ---------------------------------------
+    @torch.no_grad()
+    def warmup(self, model: torch.nn.Module) -> None:
+        if not self.use_graphs:
+            return
+        io = self.inputs_and_outputs
+        for _ in range(2 if self.async_io else 1):
+            for bucket in sorted(self.buckets, reverse=True):
+                if (self._ios()[2], bucket) not in self._graphs:
+                    self._warm_bucket(model, bucket)
+            if self.async_io:
+                io.swap_io_pairs()
+
+    def _warm_bucket(self, model: torch.nn.Module, bucket: int) -> None:
+        """Capture ``bucket`` with a fake one-request prefill that reads no cache.
+
+        Like transformers' ``run_one_warmup`` but errors propagate (it only logs them).
+        """
+        states = create_warmup_future_states(1, RequestStatus.PREFILLING, bucket, 0, self.cache)
+        if not states:
+            raise UnsupportedModelError(
+                f"enable_continuous_batching: the KV cache ({self.cache.num_blocks} blocks of "
+                f"{self.cache.block_size}) cannot hold one {bucket}-token request to capture "
+                f"bucket {bucket}; give ContinuousBatchingConfig more num_blocks or fewer "
+                f"max_batch_tokens."
+            )
+        io = self.inputs_and_outputs
+        try:
+            io.prepare_batch_tensors(
+                states, self.logit_processor, False, bucket, 0, use_padding=True
+            )
+            self.compute_batch(model, io.get_model_kwargs(use_padding=True))
+            if io.compute_stream is not None:
+                io.compute_stream.synchronize()
+        finally:
+            for state in states:
+                self.cache.free_blocks(state.state.request_id)
+
+    # -- lifetime --------------------------------------------------------------------------
+    @property
+    def graphs(self) -> dict[int, breakgraph.BreakableCUDAGraph]:
+        """Captured graphs by query bucket (of the first IO pair with asynchronous batching)."""
+        return {bucket: g for (pair, bucket), g in self._graphs.items() if pair == 0}
+
+    @property
+    def in_use(self) -> bool:
+        """True while the generation loop that ran its last step is alive (another thread)."""
+        thread = self.thread
+        return thread is not None and thread.is_alive() and thread is not threading.current_thread()
+
+    def close(self) -> None:
+        """Release the graphs; later steps raise."""
+        self._closed = True
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._pool = None

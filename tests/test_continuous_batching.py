@@ -1,0 +1,734 @@
+"""Continuous batching under breakable graphs (``enable_continuous_batching``).
+
+CPU (emulated backend, fp32, the exact per-sequence reference attention): greedy
+tokens of ``generate_batch`` under the integration must equal ``model.generate()``
+per prompt and transformers' own ``paged|sdpa`` continuous batching, on tiny random
+models of every supported family. ``max_batch_tokens`` (24) is below the longest
+prompt (40 tokens), so prompts are prefilled in chunks, and steps mix prefill
+chunks with decode tokens (checked, not assumed). Query buckets are (8, 16, 24).
+
+CUDA (``requires_cuda``, run on the H200): bf16 token agreement with ``paged|sdpa``
+CB over a few hundred prompts, fp32 near-exact agreement, and stats that show
+every step replayed a graph (no eager fallback).
+
+Prompts use ids 0..119; ``pad_token_id`` is 127 so ``generate()`` never masks a
+prompt token, and ``eos_token_id`` is unset so every request runs its full length.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from breakgraph.integrations.transformers import (  # noqa: E402
+    CB_ATTENTION_KEY,
+    UnsupportedModelError,
+    cb_attention,
+    cb_hooks,  # noqa: E402
+    enable_continuous_batching,
+)
+from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
+from breakgraph.integrations.transformers.experts import EXPERTS_KEY  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+from breakgraph.errors import BackendError, InputError  # noqa: E402
+
+pytestmark = pytest.mark.transformers
+
+SUPPORTED = transformers.__version__.startswith("5.17.")
+needs_517 = pytest.mark.skipif(
+    not SUPPORTED,
+    reason=f"breakgraph's CB integration targets transformers 5.17 "
+    f"(installed: {transformers.__version__}; see test_other_transformers_version_raises)",
+)
+
+VOCAB, PAD = 128, 127
+MAX_NEW = 5
+BUCKETS = (8, 16, 24)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=PAD,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+MOE = dict(num_experts_per_tok=2)
+ARCHS = {
+    "llama": ("LlamaConfig", dict(head_dim=16)),
+    "qwen2": ("Qwen2Config", dict()),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=8)),  # window < prompts
+    "gemma": ("GemmaConfig", dict(head_dim=16)),
+    # full and sliding layers in one model: three cache groups, two key layouts per step
+    "qwen2_hybrid": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, num_hidden_layers=3),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            MOE, num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[]
+        ),
+    ),
+    "mixtral": ("MixtralConfig", dict(MOE, head_dim=16, num_local_experts=4)),
+}
+# (arch, experts implementation): MoE families with transformers' default captured experts
+# (grouped_mm) and with the eager loop, which must become an eager break
+CASES = [(arch, None) for arch in ARCHS] + [("qwen3_moe", "eager"), ("mixtral", "eager")]
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def build_model(arch: str, experts: str | None = None, device="cpu", dtype=torch.float32, **kw):
+    cls_name, extra = ARCHS[arch]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **kw})
+    torch.manual_seed(0)
+    options = {"experts_implementation": experts} if experts else {}
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=dtype, **options
+    )
+    return model.to(device).eval()
+
+
+def random_prompts(seed: int = 1, lengths=(40, 3, 17, 9, 26, 5)) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 120, (n,), generator=generator).tolist() for n in lengths]
+
+
+def generation_config(**overrides) -> GenerationConfig:
+    options = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    return GenerationConfig(**{**options, **overrides})
+
+
+def cb_config(**overrides) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(
+        **{**dict(block_size=16, num_blocks=48, max_batch_tokens=24), **overrides}
+    )
+
+
+def generate_batch(model, prompts, gen=None, cbc=None, logprobs=False, **kwargs) -> list:
+    """Tokens per prompt; with ``logprobs``, ``(tokens, logprob tensors)``: a logprob moves
+    with any error in the step, long before a greedy token flips."""
+    outs = model.generate_batch(
+        prompts,
+        generation_config=gen or generation_config(),
+        continuous_batching_config=cbc or cb_config(return_logprobs=logprobs),
+        progress_bar=False,
+        **kwargs,
+    )
+    assert all(o.error is None for o in outs.values()), [o.error for o in outs.values()]
+    tokens = [o.generated_tokens for o in outs.values()]
+    if not logprobs:
+        return tokens
+    return tokens, [torch.tensor(o.logprobs) for o in outs.values()]
+
+
+def assert_logprobs_close(got: list, ref: list) -> None:
+    for i, (g, r) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4, msg=lambda m: f"prompt {i}: {m}")
+
+
+@torch.no_grad()
+def generate_each(model, prompts) -> list[list[int]]:
+    """The reference: ``model.generate`` on each prompt alone (greedy)."""
+    tokens = []
+    for p in prompts:
+        ids = torch.tensor([p], device=model.device)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=generation_config()
+        )
+        tokens.append(out[0, len(p) :].tolist())
+    return tokens
+
+
+class StepLog:
+    """Records every CB step's query lengths (wraps ``CBStep.refill`` for one test)."""
+
+    def __init__(self, monkeypatch):
+        self.steps: list[list[int]] = []
+        original = cb_attention.CBStep.refill
+
+        def refill(step, host_io, device_io, cache):
+            original(step, host_io, device_io, cache)
+            self.steps.append([e - s for s, e in step.queries.bounds])
+
+        monkeypatch.setattr(cb_attention.CBStep, "refill", refill)
+
+    @property
+    def mixed(self) -> int:
+        """Steps holding both decode tokens and a prefill chunk."""
+        return sum(1 for q in self.steps if 1 in q and any(n > 1 for n in q))
+
+
+def transformers_state(model) -> dict:
+    """Everything enable/disable may touch, by identity."""
+    from transformers import AttentionInterface
+    from transformers.generation.continuous_batching import cache, continuous_api
+    from transformers.integrations.moe import ExpertsInterface
+
+    return dict(
+        attention=dict(AttentionInterface._global_mapping),
+        experts=dict(ExpertsInterface._global_mapping),
+        runner=continuous_api.ModelRunner,
+        resolve=continuous_api.resolve_continuous_batching_config,
+        memory=cache.PagedAttentionMemoryHandler.__dict__["get_available_memory"],
+        attn_impl=model.config._attn_implementation,
+        experts_impl=model.config._experts_implementation,
+        config=model.config.to_dict(),
+        instance_attrs=sorted(vars(model)),
+        manager=getattr(model, "_cached_continuous_batching_manager", None),
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_cpu_thread():
+    """Tiny models: intra-op threads cost far more than they save on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_enabled():
+    yield
+    leftover = list(cb_hooks._enabled.values())
+    for handle in leftover:
+        handle.disable()
+    assert not leftover, "a test left continuous batching enabled"
+    assert cb_hooks._patches is None
+
+
+# -- 1. every family: greedy tokens equal generate() and paged|sdpa CB -----------------------------
+@needs_517
+@pytest.mark.parametrize("arch,experts", CASES, ids=[f"{a}-{e or 'default'}" for a, e in CASES])
+def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch):
+    model = build_model(arch, experts)
+    prompts = random_prompts()
+    expected = generate_each(model, prompts)
+    tokens, ref_logprobs = generate_batch(model, prompts, logprobs=True)  # paged|sdpa CB
+    assert tokens == expected
+    log = StepLog(monkeypatch)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert model.config._attn_implementation == CB_ATTENTION_KEY
+        tokens, logprobs = generate_batch(model, prompts, logprobs=True)
+    assert tokens == expected
+    assert_logprobs_close(logprobs, ref_logprobs)
+    stats = handle.stats
+    assert sorted(stats.buckets) == list(BUCKETS)
+    assert stats.captures == len(BUCKETS) and stats.eager_steps == 0
+    assert stats.replays == len(log.steps) - len(BUCKETS)  # warm-up captured every bucket
+    assert log.mixed > 0 and max(max(q) for q in log.steps) == 24  # mixed steps, chunked prefill
+    eager_experts = model.config.num_hidden_layers if experts == "eager" else 0
+    assert {b.breaks for b in stats.buckets.values()} == {
+        model.config.num_hidden_layers + eager_experts
+    }
+
+
+@needs_517
+def test_flash_path_metadata_on_cpu(monkeypatch):
+    """The FlashAttention path reads device ``cu_seqlens`` (CB's static buffers) and host
+    maxima, not the host bounds of the reference: check them on the CPU with a stand-in
+    kernel that computes from exactly what the real one gets and leaves skipped rows NaN."""
+    from breakgraph.integrations.transformers import attention as bg_attention
+
+    calls = []
+
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None):
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and out is None
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        assert max_q == max(b - a for a, b in zip(cq, cq[1:]))
+        assert max_k == max(b - a for a, b in zip(ck, ck[1:]))
+        bounds, kv_bounds = list(zip(cq, cq[1:])), list(zip(ck, ck[1:]))
+        exact = bg_attention.reference_attention(q, k, v, bounds, scaling, window, kv_bounds)
+        result = torch.full_like(q, float("nan"))  # like the kernel's uninitialised output
+        result[: cq[-1]] = exact[: cq[-1]]
+        calls.append(window)
+        return result
+
+    original_call = cb_attention.PagedAttentionBreak.__call__
+
+    def checked_call(self):
+        out = original_call(self)
+        assert torch.isfinite(out).all(), "bucket padding rows must not stay uninitialised"
+        return out
+
+    monkeypatch.setattr(cb_attention.PagedAttentionBreak, "__call__", checked_call)
+    monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
+    monkeypatch.setattr(cb_attention, "flash_varlen", fake_flash)
+    monkeypatch.setattr(cb_attention, "FLASH_WRITES_IN_PLACE", False)
+    model = build_model("qwen2_hybrid")  # full and sliding layers: two key layouts per step
+    prompts = random_prompts(seed=11)
+    expected, ref_logprobs = generate_batch(model, prompts, logprobs=True)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert handle.kernel == "flash"
+        tokens, logprobs = generate_batch(model, prompts, logprobs=True)
+    assert tokens == expected
+    assert_logprobs_close(logprobs, ref_logprobs)
+    assert None in calls and 4 in calls  # both layer types went through the kernel
+
+
+@needs_517
+def test_lazy_capture_on_live_steps_with_sliding_window():
+    """Without the warm-up, buckets are captured on real steps: the capture's eager warm-up
+    must not write the cache (a second write corrupts a sliding-window ring buffer)."""
+    model = build_model("mistral", sliding_window=4)
+    # one prompt, so the schedule is fixed: 24 tokens (bucket 24), then the last 6 in a step
+    # of bucket 8, first seen and so captured there, which overwrites ring slots it reads
+    prompts = random_prompts(seed=2, lengths=(30,))
+    ring = cb_config(block_size=4, num_blocks=96, return_logprobs=True)  # a 4-slot ring
+    expected, ref_logprobs = generate_batch(model, prompts, cbc=ring, logprobs=True)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        tokens, logprobs = generate_batch(model, prompts, cbc=ring, logprobs=True, warmup=False)
+    assert tokens == expected
+    assert_logprobs_close(logprobs, ref_logprobs)
+    assert 0 < handle.stats.captures <= len(BUCKETS) and handle.stats.replays > 0
+
+
+def run_manager(
+    model, prompts, gen=None, per_prompt: int = 1, cbc=None, max_new: int = MAX_NEW
+) -> dict[str, list[int]]:
+    """Serve ``prompts`` through the manager API; every result (forked children too) by id.
+
+    The requests are queued before the manager starts, so its first step sees them all and
+    the schedule is the same on every run.
+    """
+    manager = model.init_continuous_batching(
+        generation_config=gen or generation_config(),
+        continuous_batching_config=cbc or cb_config(),
+    )
+    ids = [manager.add_request(p, max_new_tokens=max_new) for p in prompts]
+    manager.start()
+    try:
+        results = {}
+        while len(results) < len(ids) * per_prompt:
+            result = manager.get_result(timeout=30)
+            assert result is not None, "the manager produced no result"
+            assert result.error is None, result.error
+            if result.is_finished():
+                results[result.request_id] = result.generated_tokens
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    return {i: results[i] for i in ids} | results
+
+
+@needs_517
+def test_manager_api_add_request_get_result():
+    model = build_model("llama")
+    prompts = random_prompts(seed=4)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        results = run_manager(model, prompts)
+    assert list(results.values()) == expected
+    assert handle.stats.captures > 0 and handle.stats.replays > 0  # captured lazily
+
+
+@needs_517
+def test_sampling_and_num_return_sequences():
+    """do_sample (logits processors, multinomial) inside the graph; top_k=1 makes it greedy.
+    num_return_sequences forks each request's cache into children that continue alone."""
+    model = build_model("qwen3")
+    prompts = random_prompts(seed=3, lengths=(12, 30, 7))
+    expected = generate_batch(model, prompts)
+    sampled = generation_config(do_sample=True, top_k=1, temperature=0.7, num_return_sequences=2)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        results = run_manager(model, prompts, sampled, per_prompt=2)
+        free = generate_batch(model, prompts, gen=generation_config(do_sample=True, top_k=50))
+    assert len(results) == 6
+    for request_id, tokens in results.items():
+        parent = int(request_id.split("__")[0].removeprefix("req_"))
+        assert tokens == expected[parent], request_id
+    assert all(len(t) == MAX_NEW and all(0 <= x < VOCAB for x in t) for t in free)
+    assert handle.stats.replays > 0 and handle.stats.eager_steps == 0
+
+
+@needs_517
+def test_prefix_sharing_reads_shared_blocks(monkeypatch):
+    """Prompts with a common 33-token prefix: later requests read the first one's cache blocks."""
+    model = build_model("llama")
+    base = random_prompts(seed=9, lengths=(33,))[0]
+    prompts = [base + tail for tail in random_prompts(seed=10, lengths=(3, 7, 12))] + [base]
+    expected = generate_each(model, prompts)
+    shared = []
+    original = cb_attention.CBStep.refill
+
+    def refill(step, host_io, device_io, cache):
+        original(step, host_io, device_io, cache)
+        shared.append(cache._total_prefix_length)
+
+    monkeypatch.setattr(cb_attention.CBStep, "refill", refill)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        assert generate_batch(model, prompts) == expected
+    assert max(shared) > 0  # blocks were shared
+
+
+@needs_517
+def test_disable_refuses_while_a_manager_runs():
+    model = build_model("llama")
+    handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    manager = model.init_continuous_batching(
+        generation_config=generation_config(), continuous_batching_config=cb_config()
+    )
+    manager.start()
+    try:
+        request = manager.add_request(random_prompts()[1], max_new_tokens=MAX_NEW)
+        while (result := manager.get_result(timeout=30)) is not None and not result.is_finished():
+            pass
+        assert result is not None and result.request_id == request and result.error is None
+        with pytest.raises(InputError, match="still running"):
+            handle.disable()
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    handle.disable()
+    assert model.config._attn_implementation == "sdpa"
+
+
+@needs_517
+def test_use_cuda_graph_false_runs_eager_steps():
+    model = build_model("llama")
+    prompts = random_prompts(seed=5)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated") as handle:
+        assert generate_batch(model, prompts, cbc=cb_config(use_cuda_graph=False)) == expected
+    assert handle.stats.eager_steps > 0
+    assert handle.stats.captures == handle.stats.replays == 0
+
+
+# -- 2. nothing left behind; other models untouched ------------------------------------------------
+@needs_517
+@pytest.mark.parametrize("arch,experts", [("llama", None), ("mixtral", "eager")])
+def test_disable_restores_model_and_transformers(arch, experts):
+    model = build_model(arch, experts)
+    before = transformers_state(model)
+    handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    during = transformers_state(model)
+    assert during["attention"][CB_ATTENTION_KEY] is cb_attention.paged_breakgraph_attention
+    assert during["runner"] is not before["runner"]
+    if experts == "eager":
+        assert during["experts_impl"] == EXPERTS_KEY
+    generate_batch(model, random_prompts(), persistent_manager=True)  # a cached manager too
+    handle.disable()
+    handle.disable()  # idempotent
+    after = transformers_state(model)
+    for key in before:
+        if key in ("config", "instance_attrs", "attention", "experts"):
+            assert after[key] == before[key], key
+        else:
+            assert after[key] is before[key] or after[key] == before[key], key
+    assert generate_each(model, random_prompts()[:2])  # the model works as before
+
+
+@needs_517
+def test_other_models_untouched_while_enabled():
+    enabled, other = build_model("llama"), build_model("qwen2")
+    prompts = random_prompts(seed=6)
+    expected = generate_batch(other, prompts)
+    with enable_continuous_batching(enabled, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert generate_batch(other, prompts) == expected
+        assert other.config._attn_implementation == "sdpa"
+    assert handle.stats.captures == 0  # the other model's manager ran transformers' runner
+
+
+@needs_517
+def test_plain_generate_while_enabled_raises():
+    model = build_model("llama")
+    with enable_continuous_batching(model, backend="emulated"):
+        with pytest.raises(InputError, match="handle.disable"):
+            model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+
+
+# -- 3. errors -------------------------------------------------------------------------------------
+def test_unsupported_models_and_arguments():
+    gpt2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
+    ).eval()
+    with pytest.raises(UnsupportedModelError, match="model type 'gpt2'"):
+        enable_continuous_batching(gpt2, backend="emulated")
+    model = build_model("llama")
+    with pytest.raises(UnsupportedModelError, match="training mode"):
+        enable_continuous_batching(model.train(), backend="emulated")
+    model.eval()
+    with pytest.raises(InputError, match="attention must be"):
+        enable_continuous_batching(model, backend="emulated", attention="sdpa")
+    with pytest.raises(UnsupportedModelError, match="attention='flash'"):
+        enable_continuous_batching(model, backend="emulated", attention="flash")
+    if SUPPORTED and not torch.cuda.is_available():
+        with pytest.raises(BackendError, match="emulated"):
+            enable_continuous_batching(model)
+    assert not cb_hooks._enabled and cb_hooks._patches is None  # failed enables leave nothing
+
+
+@needs_517
+def test_unsupported_cb_configs_raise():
+    model = build_model("llama")
+    prompts = random_prompts()[:2]
+    with enable_continuous_batching(model, backend="emulated"):
+        with pytest.raises(InputError, match="already enabled"):
+            enable_continuous_batching(model, backend="emulated")
+        with pytest.raises(UnsupportedModelError, match="use_async_batching=True"):
+            generate_batch(model, prompts, cbc=cb_config(use_async_batching=True))
+        with pytest.raises(UnsupportedModelError, match="torch.compile"):
+            generate_batch(model, prompts, cbc=cb_config(default_compile_level=1))
+
+
+def test_other_transformers_version_raises(monkeypatch):
+    """Different CB internals (as in transformers 5.24): a clear error naming the version."""
+    model = build_model("llama")
+    if SUPPORTED:  # simulate 5.24's PagedAttentionCache.update(key, value, layer_idx, kwargs)
+        from transformers.generation.continuous_batching import cache
+
+        monkeypatch.setattr(
+            cache.PagedAttentionCache,
+            "update",
+            lambda self, key_states, value_states, layer_idx, kwargs: None,
+        )
+    with pytest.raises(UnsupportedModelError, match=f"transformers {transformers.__version__}"):
+        enable_continuous_batching(model, backend="emulated")
+    assert model.config._attn_implementation == "sdpa" and cb_hooks._patches is None
+
+
+@needs_517
+def test_cpu_host_reporting_no_memory(monkeypatch):
+    """transformers sizes the cache from free device memory; a CPU host without psutil
+    reports 0 and every cache is 'too big'. The integration uses the host's free memory."""
+    from transformers.generation.continuous_batching import cache
+
+    monkeypatch.setattr(
+        cache, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), 0, 0, 0)
+    )
+    model = build_model("llama")
+    prompts = random_prompts()[:3]
+    with pytest.raises(MemoryError):
+        generate_batch(model, prompts)  # transformers alone
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        assert len(generate_batch(model, prompts)) == 3
+
+
+# -- 4. docs, examples and the benchmark stay runnable ---------------------------------------------
+@needs_517
+def test_module_docstring_examples():
+    result = doctest.testmod(cb, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@needs_517
+def test_benchmark_smoke_mode(tmp_path):
+    out = tmp_path / "cb.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_cb.py")
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
+    result = subprocess.run(
+        [sys.executable, script, "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for model in data["models"]:
+        variants = model["variants"]
+        assert variants["breakgraph"]["tokens_agree_with_paged_sdpa"] == 1.0
+        assert variants["breakgraph"]["graphs"] > 0 and variants["breakgraph"]["replays"] > 0
+        assert variants["paged_sdpa"]["tokens_per_s"] > 0
+    # the performance page's section renders from it (benchmarks/report.py uses cb_report.py)
+    from benchmarks import cb_report
+
+    page = "\n".join(cb_report.cb_section(data))
+    assert "| breakgraph |" in page and "capture time, all buckets" in page
+
+
+# -- 5. CUDA (the H200): bf16 agreement, graphs really replay --------------------------------------
+CUDA_SHAPE = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+)
+
+
+def cuda_prompts(count: int = 256, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 257, (count,), generator=generator).tolist()
+    return [torch.randint(0, 990, (n,), generator=generator).tolist() for n in lengths]
+
+
+def agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
+    """(first tokens equal, whole sequences equal) as fractions of the prompts."""
+    first = sum(g[0] == r[0] for g, r in zip(got, ref)) / len(ref)
+    whole = sum(g == r for g, r in zip(got, ref)) / len(ref)
+    return first, whole
+
+
+def cuda_run(dtype, attention, arch="llama", async_batching=None):
+    model = build_model(arch, device="cuda", dtype=dtype, **CUDA_SHAPE)
+    prompts = cuda_prompts()
+    gen = generation_config(max_new_tokens=16, pad_token_id=999)
+    cbc = lambda **kw: ContinuousBatchingConfig(  # noqa: E731
+        block_size=256, num_blocks=512, max_batch_tokens=1024, **kw
+    )
+    ref = generate_batch(model, prompts, gen=gen, cbc=cbc())
+    with enable_continuous_batching(model, attention=attention) as handle:
+        got = generate_batch(model, prompts, gen=gen, cbc=cbc(use_async_batching=async_batching))
+        runners = handle.runners
+    assert all(r.async_io == bool(async_batching) for r in runners)
+    return got, ref, handle
+
+
+@needs_517
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_cuda_bf16_flash_agrees_with_paged_sdpa(arch):
+    got, ref, handle = cuda_run(torch.bfloat16, "flash", arch)
+    first, whole = agreement(got, ref)
+    print(f"\n{arch} bf16: first tokens {first:.3f}, whole sequences {whole:.3f}\n{handle.stats}")
+    assert handle.kernel == "flash"
+    assert first >= 0.9 and whole >= 0.5, (first, whole)  # a broken break gives ~0
+    stats = handle.stats
+    assert stats.eager_steps == 0 and stats.replays > 0  # every live step replayed a graph
+    assert stats.captures == len(stats.buckets)  # one capture per bucket, at warm-up
+
+
+@needs_517
+@pytest.mark.requires_cuda
+def test_cuda_fp32_reference_matches_paged_sdpa():
+    got, ref, handle = cuda_run(torch.float32, "reference")
+    first, whole = agreement(got, ref)
+    print(f"\nfp32 reference: first tokens {first:.3f}, whole sequences {whole:.3f}")
+    assert first >= 0.99 and whole >= 0.97, (first, whole)
+    assert handle.stats.eager_steps == 0 and handle.stats.replays > 0
+
+
+# -- 6. the `transformers serve` launcher: a real HTTP request to 127.0.0.1 ------------------------
+def save_tiny_model(path) -> None:
+    """A tiny Llama and a word-level tokenizer (``w0`` .. ``w119``), saved like a Hub repo."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(120)} | {"<unk>": 120, "<pad>": PAD}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.save_pretrained(path)
+    build_model("llama").save_pretrained(path)
+
+
+@needs_517
+def test_serve_launcher_answers_a_completion(tmp_path):
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        pytest.skip("transformers serve needs its extras: pip install 'transformers[serving]'")
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    save_tiny_model(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [
+        sys.executable, "-m", "breakgraph.integrations.transformers.serve", str(tmp_path),
+        "--backend", "emulated", "--query-buckets", "8,16",
+        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+        "--cb-block-size", "16", "--cb-num-blocks", "32", "--cb-max-batch-tokens", "32",
+    ]  # fmt: skip
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        body = {"model": str(tmp_path), "prompt": "w5 w17 w3 w99 w42", "max_tokens": 4}
+        body["temperature"] = 0.0
+        request = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = json.loads(response.read())["choices"][0]["text"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            output = server.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            server.kill()
+            output = server.communicate()[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([[5, 17, 3, 99, 42]])
+    tokens = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False
+    )[0, 5:]
+    expected = " ".join(f"w{t}" if t < 120 else "<unk>" for t in tokens.tolist())
+    assert text.strip() == expected, (text, expected, output[-3000:])
+    assert "breakgraph: continuous batching enabled" in output, output[-3000:]
+    assert server.returncode == 0, output[-3000:]
+
+
+@needs_517
+@pytest.mark.requires_cuda
+def test_cuda_async_batching_agrees_with_paged_sdpa():
+    """Asynchronous batching: two IO pairs, so two graphs per bucket; the host prepares step
+    N+1 while the device runs step N (the breaks never wait for the device)."""
+    got, ref, handle = cuda_run(torch.bfloat16, "flash", async_batching=True)
+    first, whole = agreement(got, ref)
+    print(f"\nasync bf16: first tokens {first:.3f}, whole sequences {whole:.3f}\n{handle.stats}")
+    assert first >= 0.9 and whole >= 0.5, (first, whole)
+    stats = handle.stats
+    assert stats.eager_steps == 0 and stats.replays > 0
+    assert stats.captures == 2 * len(stats.buckets)
+
+
+@needs_517
+@pytest.mark.requires_cuda
+def test_cuda_sampling_is_captured():
+    """multinomial and the logits processors inside CUDA graph segments: with top_k=1 the
+    sampled tokens are the greedy ones (same kernels, same schedule), and free sampling runs."""
+    model = build_model("llama", device="cuda", dtype=torch.bfloat16, **CUDA_SHAPE)
+    prompts = cuda_prompts(count=64, seed=1)
+    cbc = ContinuousBatchingConfig(block_size=256, num_blocks=256, max_batch_tokens=1024)
+    greedy = generation_config(max_new_tokens=8, pad_token_id=999)
+    top1 = generation_config(max_new_tokens=8, pad_token_id=999, do_sample=True, top_k=1)
+    free = generation_config(max_new_tokens=8, pad_token_id=999, do_sample=True, top_k=50)
+    with enable_continuous_batching(model) as handle:
+        expected = run_manager(model, prompts, greedy, cbc=cbc, max_new=8)
+        assert run_manager(model, prompts, top1, cbc=cbc, max_new=8) == expected
+        sampled = run_manager(model, prompts, free, cbc=cbc, max_new=8)
+    assert all(len(t) == 8 and all(0 <= x < 1000 for x in t) for t in sampled.values())
+    assert sampled != expected  # 64 x 8 tokens drawn from the top 50: not all greedy
+    assert handle.stats.eager_steps == 0 and handle.stats.replays > 0
