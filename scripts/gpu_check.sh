@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go: CUDA tests + benchmarks, a short summary at the end.
 #   bash scripts/gpu_check.sh            # results under $OUT (device tool) or ./gpu-results
-# Sections can be skipped: SKIP_TESTS=1, SKIP_PREFILL=1, SKIP_OVERHEAD=1, SKIP_ANATOMY=1;
+# Sections can be skipped: SKIP_TESTS=1, SKIP_PREFILL=1, SKIP_CB=1, SKIP_OVERHEAD=1,
+# SKIP_ANATOMY=1; TEST_ARGS replaces the test selection (default: the whole suite; e.g.
+# "-m requires_cuda tests" for the CUDA tests only). Optional sections: RUN_INTERPLAY=1
+# (breakgraph after torch.compile reduce-overhead: benchmarks/compile_interplay.py, about 3 min),
+# RUN_BEFORE_AFTER=REV (per-break overhead of git revision REV against this tree, one process).
+# Tensor parallelism needs 2 GPUs (kind nvidia-h200-x2):
+#   python -m pytest -q tests/test_tensor_parallel.py && torchrun --nproc-per-node 2 \
+#     examples/tensor_parallel.py && torchrun --nproc-per-node 2 -m benchmarks.bench_tp --out tp.json
 # PREFILL_ARGS adds flags to the prefill benchmark (e.g. "--families llama-1b,mixtral-4l" or
 # "--compile-families mistral-7b-4l,llama-1b --budget-s 400"; see python -m benchmarks.bench_prefill
 # --help). Expected on an H200: prefill about 5 min (its --budget-s, 300 s by default, trims
@@ -30,7 +37,9 @@ status=0
 LOG="$OUT/benchmarks.log"
 start=$SECONDS
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q -rfEs tests 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1
+  # shellcheck disable=SC2086  # TEST_ARGS is a list of arguments
+  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -rfEs ${TEST_ARGS:-tests} 2>&1 \
+    | tee "$OUT/pytest.log" | tail -25 || status=1
   echo "[tests: $((SECONDS - start)) s]"
 fi
 if [ -z "${SKIP_PREFILL:-}" ]; then
@@ -39,6 +48,28 @@ if [ -z "${SKIP_PREFILL:-}" ]; then
   timeout "${PREFILL_TIMEOUT:-480}" python3 -m benchmarks.bench_prefill \
     --out "$OUT/prefill-baselines.json" ${PREFILL_ARGS:-} 2>&1 | tee -a "$LOG" || status=1
   echo "[prefill: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -z "${SKIP_CB:-}" ]; then
+  t=$SECONDS
+  # shellcheck disable=SC2086
+  timeout "${CB_TIMEOUT:-300}" python3 benchmarks/bench_cb.py --out "$OUT/cb.json" ${CB_ARGS:-} \
+    2>&1 | tee -a "$LOG" || status=1
+  echo "[continuous batching: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_BEFORE_AFTER:-}" ]; then
+  t=$SECONDS
+  rm -rf /tmp/breakgraph-before && mkdir -p /tmp/breakgraph-before
+  if [ -d .probe/before/breakgraph ]; then cp -r .probe/before/breakgraph /tmp/breakgraph-before/
+  else git archive "$RUN_BEFORE_AFTER" breakgraph | tar -x -C /tmp/breakgraph-before; fi
+  python3 -m benchmarks.overhead_before_after --before /tmp/breakgraph-before \
+    --out "$OUT/before-after.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[before/after: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_INTERPLAY:-}" ]; then
+  t=$SECONDS
+  timeout "${INTERPLAY_TIMEOUT:-400}" python3 -m benchmarks.compile_interplay --out "$OUT/interplay.json" \
+    --scenarios "${INTERPLAY_SCENARIOS:-clear,plain,compiled}" 2>&1 | tee -a "$LOG" || status=1
+  echo "[interplay: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -z "${SKIP_OVERHEAD:-}" ]; then
   t=$SECONDS
@@ -61,6 +92,6 @@ echo "================ summary ($((SECONDS - start)) s) ================"
 [ -f "$OUT/suite.log" ] && echo "suite: $(tail -1 "$OUT/suite.log")"
 if [ -f "$LOG" ]; then
   sed -n '/^---- prefill summary ----$/,/^---- end of prefill summary ----$/p' "$LOG" | cut -c1-300
-  grep -E "^(regime|tiny kernels|many kernels|large tensors)|breaks;|^ +tokens|^ +[0-9]+ +[0-9.]+ |^\[(prefill|overhead|anatomy)" "$LOG" | cut -c1-200
+  grep -E "^(regime|tiny kernels|many kernels|large tensors)|breaks;|^ +tokens|^ +[0-9]+ +[0-9.]+ |^\[(prefill|overhead|anatomy|continuous|interplay|before)|^\{\"scenario" "$LOG" | cut -c1-240
 fi
 exit $status
