@@ -52,7 +52,7 @@ import logging
 import numbers
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ __all__ = [
     "Decision",
     "choose_bucket",
     "StaticInputs",
+    "faster_buckets",
 ]
 
 logger = logging.getLogger("breakgraph")
@@ -101,13 +102,16 @@ def choose_bucket(
     max_padding_fraction: float | None = None,
     can_capture: bool = False,
     on_miss: str = "eager",
+    faster: Mapping[int, int] | None = None,
 ) -> Decision:
     """The one bucket decision: the smallest captured bucket that holds ``size``.
 
     ``buckets`` are ascending. A size above every bucket is captured (``can_capture``:
     a capture window is open), run eagerly or refused (``on_miss``); a bucket whose tail
-    would exceed ``max_padding_fraction`` of it runs eagerly. With several ranks, pass
-    the size agreed across them, so every rank takes the same path.
+    would exceed ``max_padding_fraction`` of it runs eagerly. ``faster`` maps a bucket to
+    a larger one that was measured faster (:meth:`BucketedRunner.tune`): the call goes
+    there. With several ranks, pass the size agreed across them, so every rank takes the
+    same path.
 
     Example::
 
@@ -127,7 +131,7 @@ def choose_bucket(
     bucket = buckets[index]
     if max_padding_fraction is not None and bucket - size > max_padding_fraction * bucket:
         return Decision("eager", None, "too much padding")
-    return Decision("replay", bucket)
+    return Decision("replay", faster.get(bucket, bucket) if faster else bucket)
 
 
 # -- static inputs --------------------------------------------------------------------------------
@@ -251,6 +255,8 @@ class RunnerStats:
     capture_seconds: dict[int, float] = field(default_factory=dict)
     graph_memory_bytes: dict[int, int] = field(default_factory=dict)  # pool growth (CUDA)
     warmup_seconds: float = 0.0
+    replay_ms: dict[int, float] = field(default_factory=dict)  # measured by tune() (CUDA)
+    routed: dict[int, int] = field(default_factory=dict)  # bucket -> faster larger bucket
 
     def __str__(self) -> str:
         rows = ["bucket   calls  padded rows  capture s  graph MiB"]
@@ -376,6 +382,7 @@ class BucketedRunner:
         self._buckets: dict[int, _Bucket] = {}
         self._sizes: tuple = ()
         self._decisions: dict[int, Decision] = {}  # size -> decision (outside capture windows)
+        self._faster: dict[int, int] = {}  # bucket -> a larger bucket measured faster (tune)
         self._window_open = True
         if ranks is not None:  # every rank must capture the same buckets in the same order
             shapes = [(dtype, device.type, shape) for dtype, device, shape in self.inputs.specs]
@@ -523,6 +530,7 @@ class BucketedRunner:
                 max_padding_fraction=self.max_padding_fraction,
                 can_capture=self._window_open,
                 on_miss=self.on_miss,
+                faster=self._faster,
             )
             if not self._window_open:
                 self._decisions[agreed] = decision
@@ -539,8 +547,47 @@ class BucketedRunner:
             max_padding_fraction=self.max_padding_fraction,
             can_capture=self._window_open,
             on_miss=self.on_miss,
+            faster=self._faster,
         )
         return decision.bucket if decision.action == "replay" else None
+
+    def tune(self, repeats: int = 5, margin: float = 0.02) -> dict[int, float]:
+        """Time every bucket's graph; send each size to the fastest bucket that holds it.
+
+        GEMM libraries pick kernels by shape, and some sizes are slow: on an H200 a
+        Llama-1B prefill padded to 208 tokens took longer than one padded to 224 or 256.
+        After tuning, a bucket that a larger bucket beats by more than ``margin`` routes
+        its calls there (``stats.routed``; the times are in ``stats.replay_ms``). Each
+        bucket replays ``repeats`` times (plus two warm-ups) on its capture-time inputs and
+        context. CUDA only (the emulated backend's times mean nothing: nothing is routed);
+        not with ``ranks`` (timings differ between ranks, and every rank must take the same
+        bucket). Returns the milliseconds per replay of each bucket.
+        """
+        if self.ranks is not None:
+            raise InputError(
+                "BucketedRunner.tune: timings differ between ranks, so the routes would too; "
+                "every rank must replay the same bucket. Tune in one process, or not at all."
+            )
+        if self.backend != "cuda" or not self._sizes:
+            return {}
+        times = {}
+        for size in self._sizes:
+            graph = self._buckets[size].graph
+            context = self.capture_context(size) if self.capture_context else self.context
+            for _ in range(2):
+                graph.replay(context=context)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                graph.replay(context=context)
+            end.record()
+            end.synchronize()
+            times[size] = start.elapsed_time(end) / repeats
+        faster = faster_buckets(times, margin)
+        self._faster = faster
+        self._decisions.clear()
+        self.stats.replay_ms, self.stats.routed = dict(times), dict(faster)
+        return times
 
     def graph(self, size: int) -> BreakableCUDAGraph:
         """The captured graph of bucket ``size``."""
@@ -627,6 +674,30 @@ class BucketedRunner:
         self._buckets.clear()
         self._sizes = ()
         self._decisions.clear()
+
+
+def faster_buckets(times: Mapping[int, float], margin: float = 0.02) -> dict[int, int]:
+    """Where each bucket's calls go instead: the smallest larger bucket that beats it by more
+    than ``margin`` and is itself within ``margin`` of the fastest larger bucket.
+
+    Example::
+
+        >>> from breakgraph.runner import faster_buckets
+        >>> faster_buckets({192: 3.7, 200: 3.8, 208: 4.0, 224: 3.9, 256: 3.88})
+        {208: 224}
+    """
+    sizes = sorted(times)
+    faster = {}
+    for i, size in enumerate(sizes):
+        larger = sizes[i + 1 :]
+        if not larger:
+            break
+        best = min(times[b] for b in larger)
+        for b in larger:  # ascending: the least padding first
+            if times[b] < times[size] * (1 - margin) and times[b] <= best * (1 + margin):
+                faster[size] = b
+                break
+    return faster
 
 
 def _bucket_sizes(buckets: Any, where: str, allow_empty: bool = False) -> list[int]:

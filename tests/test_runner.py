@@ -193,3 +193,35 @@ def test_bad_configuration(backend, device, kwargs, phrase):
     args.update(kwargs)
     with pytest.raises(InputError, match=phrase):
         BucketedRunner(**args)
+
+
+# -- tuned routes: a larger bucket that is faster takes the call --------------------------------
+
+
+def test_faster_buckets_and_routed_decisions():
+    from breakgraph.runner import choose_bucket, faster_buckets
+
+    times = {192: 3.74, 200: 3.80, 208: 4.02, 224: 3.92, 256: 3.90}  # measured on an H200
+    routes = faster_buckets(times)
+    assert routes == {208: 224}  # 224 and 256 are within the margin of each other: no route
+    assert faster_buckets({16: 1.0, 32: 0.5, 64: 0.4}) == {16: 64, 32: 64}
+    assert faster_buckets({16: 1.0, 32: 0.995}) == {}  # within the 2 % margin
+    buckets = tuple(sorted(times))
+    assert choose_bucket(buckets, 201, faster=routes).bucket == 224
+    assert choose_bucket(buckets, 200, faster=routes).bucket == 200
+
+
+@pytest.mark.requires_cuda
+def test_tune_times_every_bucket_and_results_stay_right():
+    runner, model = make("cuda", "cuda")
+    times = runner.tune(repeats=2)
+    assert set(times) == set(BUCKETS) and all(t > 0 for t in times.values())
+    assert runner.stats.replay_ms == times
+    for n in (3, 10, 40):
+        x = torch.randn(n, 8, device="cuda")
+        torch.testing.assert_close(runner(x, context=n), eager(model, x), atol=1e-5, rtol=1e-5)
+
+
+def test_tune_is_a_no_op_on_the_emulated_backend():
+    runner, _ = make("cpu", "emulated")
+    assert runner.tune() == {} and runner.stats.routed == {}

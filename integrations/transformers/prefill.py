@@ -286,6 +286,10 @@ class PrefillRunner:
             eager break (SGLang's piecewise choice).
         tp_timeout: seconds a rank waits for the others (capture steps and the per-call
             agreement) before raising :class:`~breakgraph.RankFailedError`.
+        tune_buckets: after capture, time every bucket and send each batch to the fastest
+            bucket that holds it (:meth:`~breakgraph.runner.BucketedRunner.tune`: some
+            padded sizes are slower than larger ones). CUDA, one process only; about a
+            second for the default ladder.
 
     Under tensor parallelism every rank must call ``prefill`` with the same prompts; each
     call agrees the bucket and checks the prompt lengths (and, in debug mode, the ids)
@@ -312,6 +316,7 @@ class PrefillRunner:
         progress: bool = False,
         tp_collectives: str = "captured",
         tp_timeout: float = 300.0,
+        tune_buckets: bool = True,
     ):
         _check_model(model)
         if tp_collectives not in ("captured", "eager"):
@@ -399,6 +404,8 @@ class PrefillRunner:
             debug=debug,
             progress=progress,
         )
+        if tune_buckets and self.ranks is None:
+            self._runner.tune()
 
     # -- the captured forward ------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
