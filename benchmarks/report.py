@@ -70,6 +70,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded[os.path.basename(suite)] = suite_data
     blocks = [fill("page", sources=sources_table(loaded))]
     blocks += report_prefill.section(loaded.get(report_prefill.FILE))
+    compile_run = load(report_prefill.COMPILE_FILE)
+    if compile_run is not None:
+        blocks += report_prefill.compile_run_section(compile_run)
     if report_breaks.OVERHEAD_FILE in loaded:
         blocks += report_breaks.overhead_section(
             loaded[report_breaks.OVERHEAD_FILE], loaded.get(report_breaks.BEFORE_DEBUG_FILE)

@@ -29,6 +29,7 @@ from .prefill_checks import (
 from .template import bullets, fill, num, pct, span, table
 
 FILE = "h200-prefill-baselines.json"
+COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile variants only
 MISSED = " ✗"
 
 
@@ -383,6 +384,22 @@ def not_measured(data: dict) -> str:
                 fill("item.error", family=fam["family"], what=what, error=error.replace("`", "'"))
             )
     return fill("prefill.skipped", items=bullets(items)) if items else ""
+
+
+def compile_run_section(data: dict) -> list[str]:
+    """A run made for the torch.compile variants (``--compile-families``): its compile part."""
+    meta = data["meta"]
+    fams = [f["family"] for f in ordered(data) if "compile" in f]
+    intro = fill(
+        "prefill.compile_run",
+        file=COMPILE_FILE,
+        gpu=meta.get("gpu") or meta.get("cpu", "-"),
+        torch=meta["torch"],
+        transformers=meta["transformers"],
+        date=meta["date"],
+        families=", ".join(fams) or "no family",
+    )
+    return [intro, compile_part(data, checks(data))]
 
 
 def section(data: dict | None) -> list[str]:
