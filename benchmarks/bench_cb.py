@@ -54,27 +54,14 @@ from breakgraph.integrations.transformers import enable_continuous_batching
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-CONFIGS = {  # the shapes of benchmarks/bench_prefill.py
-    "llama-1b": lambda: transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-    ),
-    "qwen3-0.6b": lambda: transformers.Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ),
+try:  # python -m benchmarks.bench_cb
+    from .families import FAMILIES
+except ImportError:  # python benchmarks/bench_cb.py
+    from families import FAMILIES
+
+CONFIGS = {  # the dense shapes are benchmarks/families.py's (bench_prefill uses them too)
+    "llama-1b": FAMILIES["llama-1b"].config,
+    "qwen3-0.6b": FAMILIES["qwen3-0.6b"].config,
     "qwen3-moe": lambda: transformers.Qwen3MoeConfig(  # ~0.4B parameters, grouped_mm experts
         vocab_size=32000,
         hidden_size=1024,

@@ -524,31 +524,26 @@ class BucketedRunner:
                 )
         decision = self._decisions.get(agreed)
         if decision is None:
-            decision = choose_bucket(
-                self._sizes,
-                agreed,
-                max_padding_fraction=self.max_padding_fraction,
-                can_capture=self._window_open,
-                on_miss=self.on_miss,
-                faster=self._faster,
-            )
+            decision = self._choose(agreed)
             if not self._window_open:
                 self._decisions[agreed] = decision
         return decision
 
-    def bucket_for(self, size: int) -> int | None:
-        """The bucket a call of ``size`` would replay, or None when it would not replay a graph:
-        the decision ``__call__`` makes (``agree_size`` and the capture window included). With
-        ``ranks`` it looks at this rank's size only: it exchanges nothing."""
-        agreed = self.agree_size(size) if self.agree_size is not None else size
-        decision = choose_bucket(
+    def _choose(self, size: int) -> Decision:
+        return choose_bucket(
             self._sizes,
-            agreed,
+            size,
             max_padding_fraction=self.max_padding_fraction,
             can_capture=self._window_open,
             on_miss=self.on_miss,
             faster=self._faster,
         )
+
+    def bucket_for(self, size: int) -> int | None:
+        """The bucket a call of ``size`` would replay, or None when it would not replay a graph:
+        the decision ``__call__`` makes (``agree_size`` and the capture window included). With
+        ``ranks`` it looks at this rank's size only: it exchanges nothing."""
+        decision = self._choose(self.agree_size(size) if self.agree_size is not None else size)
         return decision.bucket if decision.action == "replay" else None
 
     def tune(self, repeats: int = 5, margin: float = 0.02) -> dict[int, float]:
