@@ -382,7 +382,11 @@ class _Capture:
         """End the segment, run ``function`` eagerly, register its replay, begin a new segment."""
         if not self.in_segment:  # an eager function called from inside another one
             return function(*args, **kwargs)
-        self._end_segment()
+        try:
+            self._end_segment()
+        except BaseException as exc:  # the segment is gone: nothing after this is captured
+            self.failure = f"ending the segment before {options.name!r} raised {exc!r}"
+            raise
         try:
             if function is None:  # break_graph(): an empty break, nothing runs on replay
                 output, replay = None, None

@@ -538,3 +538,29 @@ def test_copying_composites_under_inference_mode_are_replayed(capture, device):
             torch.testing.assert_close(a, x.t().reshape(12))
             torch.testing.assert_close(b, x.t().contiguous())
             torch.testing.assert_close(c, x.t().flatten())
+
+
+def test_failure_ending_a_segment_caught_inside_the_block_is_a_capture_error(capture, device):
+    """Like item 9, when the segment before a break cannot be ended (a stream error, say)."""
+
+    @breakgraph.eager_on_graph
+    def step(t):
+        return t * 2
+
+    g = breakgraph.BreakableCUDAGraph()
+    x = torch.randn(3, device=device)
+    with pytest.raises(CaptureError, match="ending the segment"):
+        with capture(g) as graph:
+            recording = breakgraph.state.current_capture()
+            original = recording.session.end_segment
+
+            def broken():
+                raise RuntimeError("the segment could not be ended")
+
+            recording.session.end_segment = broken
+            try:
+                step(x * 1)
+            except RuntimeError:
+                pass
+            recording.session.end_segment = original
+    assert_clean(g)
