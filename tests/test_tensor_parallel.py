@@ -56,7 +56,9 @@ def launch(scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEO
     port = _free_port()
     processes = [
         context.Process(
-            target=_worker, args=(rank, port, scenario, backend, path, results), daemon=True
+            target=_worker,
+            args=(rank, port, scenario, backend, path, results, timeout),
+            daemon=True,
         )
         for rank in range(WORLD)
     ]
@@ -72,7 +74,7 @@ def launch(scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEO
             if remaining <= 0:
                 raise AssertionError(
                     f"scenario {scenario!r} ({backend}) hung: ranks {sorted(collected)} answered "
-                    f"within {timeout:g} s"
+                    f"within {timeout:g} s\n" + _hang_report(path, collected)
                 )
             try:
                 rank, result = results.get(timeout=min(remaining, 1.0))
@@ -106,13 +108,33 @@ def _environment(values: dict):
                 os.environ[name] = value
 
 
+def _hang_report(path: str, collected: dict) -> str:
+    """What the answered ranks said and where the others were (their stacks, dumped by
+    faulthandler shortly before the deadline)."""
+    lines = []
+    for rank, result in sorted(collected.items()):
+        said = result.get("traceback") or {k: v for k, v in result.items() if k != "traceback"}
+        lines.append(f"--- rank {rank} answered: {said}")
+    for rank in range(WORLD):
+        if rank in collected:
+            continue
+        stack = os.path.join(path, f"stack-rank{rank}.txt")
+        text = open(stack).read() if os.path.exists(stack) else "(no stack dumped)"
+        lines.append(f"--- rank {rank} did not answer; its threads:\n{text}")
+    return "\n".join(lines)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank, port, scenario, backend, path, results) -> None:
+def _worker(rank, port, scenario, backend, path, results, timeout) -> None:
+    import faulthandler
+
+    stacks = open(os.path.join(path, f"stack-rank{rank}.txt"), "w")  # noqa: SIM115 (until exit)
+    faulthandler.dump_traceback_later(max(1.0, timeout - 4), file=stacks)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -135,6 +157,7 @@ def _worker(rank, port, scenario, backend, path, results) -> None:
     except BaseException as exc:  # reported to the parent, which asserts on it
         result = {"error": type(exc).__name__, "message": str(exc)}
         result["traceback"] = traceback.format_exc()
+    faulthandler.cancel_dump_traceback_later()
     results.put((rank, result))
     results.close()
     results.join_thread()
