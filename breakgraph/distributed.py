@@ -174,12 +174,15 @@ class RankGroup:
         return f"RankGroup(rank {self._me} of {self.ranks}, timeout={self.timeout:g} s{state})"
 
     # -- per call --------------------------------------------------------------------------
-    def agree(self, size: int, fingerprint: int = 0, what: str = "inputs") -> int:
+    def agree(
+        self, size: int, fingerprint: int = 0, what: str = "inputs", fix: str | None = None
+    ) -> int:
         """The largest ``size`` over all ranks, after checking that every ``fingerprint`` is equal.
 
         One all-reduce. Raises :class:`~breakgraph.RankMismatchError` on every rank if the
-        fingerprints differ, and :class:`~breakgraph.RankFailedError` if another rank
-        reported a failure (:meth:`report_failure`) or did not answer within ``timeout``.
+        fingerprints differ (``what`` names them, ``fix`` says what to do; by default: give
+        every rank the same prompts), and :class:`~breakgraph.RankFailedError` if another
+        rank reported a failure (:meth:`report_failure`) or did not answer within ``timeout``.
         """
         agreed, same, failed = self._exchange(size, fingerprint, 0)
         if failed:
@@ -191,8 +194,9 @@ class RankGroup:
             raise RankMismatchError(
                 f"RankGroup.agree: the ranks were given different {what} (rank {self._me} of "
                 f"{self.ranks}; their fingerprints differ). With tensor parallelism every rank "
-                f"must make the same call with the same inputs: give all ranks the same prompts "
-                f"(e.g. broadcast them from rank 0). Nothing ran."
+                f"must make the same call with the same inputs: "
+                f"{fix or 'give all ranks the same prompts (e.g. broadcast them from rank 0)'}. "
+                f"Nothing ran."
             )
         return agreed
 

@@ -45,7 +45,9 @@ BACKENDS = [
 
 
 # -- the launcher ----------------------------------------------------------------------------------
-def launch(scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEOUT) -> list:
+def launch(
+    scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEOUT, env: dict | None = None
+) -> list:
     """Run ``scenario`` on 2 fresh processes; return each rank's result dict (rank order).
 
     A rank that raised returns ``{"error": ..., "traceback": ...}``; ranks still running at
@@ -63,7 +65,7 @@ def launch(scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEO
         for rank in range(WORLD)
     ]
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "emulated" else {}
-    with _environment(hidden):  # gloo ranks stay on the CPU on a GPU machine too
+    with _environment({**hidden, **(env or {})}):  # gloo ranks stay on the CPU on a GPU machine too
         for process in processes:
             process.start()
     deadline = time.monotonic() + timeout
@@ -165,7 +167,7 @@ def _worker(rank, port, scenario, backend, path, results, timeout) -> None:
 
 
 # -- shared pieces of the scenarios ----------------------------------------------------------------
-def load_models(rank: int, backend: str, path: str):
+def load_models(rank: int, backend: str, path: str, dtype: torch.dtype | None = None):
     """Rank 0 saves a tiny random Llama; every rank loads it with TP=2 and unsharded."""
     import torch.distributed as dist
     import transformers
@@ -186,7 +188,8 @@ def load_models(rank: int, backend: str, path: str):
         )
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     dist.barrier()
-    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if backend == "cuda" else torch.float32
     device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
     sharded = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, distributed_config=DistributedConfig(tp_size=WORLD)
@@ -360,7 +363,51 @@ def capture_failure(rank: int, backend: str, sharded) -> dict:
     return {"error": "no error", "seconds": time.monotonic() - start}
 
 
-SCENARIOS = {"main": scenario_main}
+def scenario_cb(rank: int, backend: str, path: str) -> dict:
+    """Continuous batching of the TP model: transformers schedules rank 0's requests on every
+    rank; breakgraph captures the same buckets everywhere and agrees every step. fp32, so the
+    tokens can be compared exactly (the reference attention kernel on CUDA too)."""
+    from breakgraph.integrations.transformers import enable_continuous_batching
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    sharded, full = load_models(rank, backend, path, dtype=torch.float32)
+    prompts = [p.tolist() for p in prompts_for(11, (5, 30, 17, 9, 3, 22))]
+    generation = GenerationConfig(
+        max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+
+    def generate(model, **config) -> list:  # max_batch_tokens 16: chunked prefill, mixed steps
+        batching = ContinuousBatchingConfig(
+            block_size=16, num_blocks=32, max_batch_tokens=16, **config
+        )
+        outs = model.generate_batch(
+            prompts,
+            generation_config=generation,
+            continuous_batching_config=batching,
+            progress_bar=False,
+        )
+        return [outs[key].generated_tokens for key in sorted(outs)]
+
+    out: dict = {"stock_tp": generate(sharded), "stock_unsharded": generate(full)}
+    with enable_continuous_batching(sharded, backend=backend) as handle:
+        out["breakgraph_tp"] = generate(sharded)
+    stats = handle.stats
+    out["stats"] = (stats.captures, stats.replays, stats.eager_steps, str(stats))
+    out["breaks"] = {bucket: entry.breaks for bucket, entry in stats.buckets.items()}
+    with enable_continuous_batching(sharded, backend=backend, tp_timeout=30):
+        # graphs on one rank only: the runners' settings differ, both raise before any step
+        out["settings_mismatch"] = error_of(lambda: generate(sharded, use_cuda_graph=rank == 0))
+    # different query buckets: enable raises on both ranks
+    buckets = (8,) if rank == 0 else (4, 8)
+    out["options_mismatch"] = error_of(
+        lambda: enable_continuous_batching(sharded, backend=backend, query_buckets=buckets)
+    )
+    out["restored"] = sharded.config._attn_implementation != "paged|breakgraph"
+    return out
+
+
+SCENARIOS = {"main": scenario_main, "cb": scenario_cb}
 
 
 # -- tests -----------------------------------------------------------------------------------------
@@ -368,6 +415,18 @@ SCENARIOS = {"main": scenario_main}
 def main_run(request, tmp_path_factory):
     backend = request.param
     results = launch("main", backend, str(tmp_path_factory.mktemp("tp-model")))
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+    return backend, results
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cb_run(request, tmp_path_factory):
+    backend = request.param
+    # transformers' CB recommends NCCL_GRAPH_MIXING_SUPPORT=0 under TP (set before NCCL starts);
+    # breakgraph's CB steps never issue an eager collective while a graph launch is in flight
+    env = {"NCCL_GRAPH_MIXING_SUPPORT": "0"} if backend == "cuda" else {}
+    results = launch("cb", backend, str(tmp_path_factory.mktemp("tp-cb-model")), env=env)
     for rank, result in enumerate(results):
         assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
     return backend, results
@@ -438,3 +497,24 @@ def test_a_capture_failure_on_one_rank_raises_on_both(main_run):
     assert other["error"] == "RankFailedError", other
     assert "capture of bucket 16 failed on rank(s) [1]" in other["message"]
     assert other["seconds"] < 20 and failing_rank["seconds"] < 20  # tp_timeout=6, not forever
+
+
+def test_continuous_batching_under_tp_gives_the_tokens_of_eager_tp(cb_run):
+    _, results = cb_run
+    for result in results:
+        assert result["breakgraph_tp"] == result["stock_tp"]  # transformers' TP CB, eager
+        assert result["stock_tp"] == result["stock_unsharded"]
+        assert all(len(tokens) == 6 for tokens in result["breakgraph_tp"])
+        captures, replays, eager_steps, table = result["stats"]
+        assert captures == 2 and replays > 0 and eager_steps == 0, table  # buckets 8 and 16
+        assert set(result["breaks"].values()) == {2}, table  # attention of each layer
+    assert results[0]["stats"][:3] == results[1]["stats"][:3]  # the same steps on both ranks
+    assert results[0]["breakgraph_tp"] == results[1]["breakgraph_tp"]
+
+
+def test_continuous_batching_under_tp_refuses_different_settings_on_every_rank(cb_run):
+    _, results = cb_run
+    for result in results:
+        assert result["settings_mismatch"] == "RankMismatchError"
+        assert result["options_mismatch"] == "RankMismatchError"
+        assert result["restored"]

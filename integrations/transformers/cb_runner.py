@@ -20,6 +20,13 @@ tokens) and changes three things:
 
 With asynchronous batching (two IO pairs of static buffers, CUDA only) there is one
 graph per bucket and pair.
+
+Under tensor parallelism (the handle holds a :class:`~breakgraph.distributed.RankGroup`)
+transformers keeps the ranks in lock step: rank 0 broadcasts the requests and every rank's
+scheduler builds the same steps. On top of that, every step agrees its bucket and mode
+(graph or eager) across ranks before anything runs, so a rank that would replay while
+another runs eagerly raises instead of hanging, and every warm-up and capture is a
+capture step of the group (a failure on one rank raises on all, within the timeout).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 import torch
 
 import breakgraph
+from breakgraph import distributed
 from breakgraph.errors import ReplayError
 from transformers.generation.continuous_batching.input_outputs import (
     ContinuousBatchingAsyncIOs,
@@ -81,6 +89,14 @@ class BreakgraphModelRunner(ModelRunner):
         self._pool = None
         self._closed = False
         self.thread: threading.Thread | None = None  # the generation loop that ran the last step
+        if handle.ranks is not None:  # the same buckets and modes on every rank, or none
+            settings = (use_graphs, self.buckets, self.async_io, self.do_sample, handle.kernel)
+            handle.ranks.agree(
+                0,
+                distributed.fingerprint(repr(settings)),
+                "continuous-batching settings",
+                "pass the same ContinuousBatchingConfig and GenerationConfig on every rank",
+            )
 
     def _ios(self) -> tuple[Any, Any, int]:
         """(host IO, device IO, pair) of the step being prepared or run."""
@@ -119,6 +135,8 @@ class BreakgraphModelRunner(ModelRunner):
         step = self.step
         step.refill(host_io, device_io, self.cache)
         bucket = host_io.num_q_tokens
+        if self.handle.ranks is not None:
+            self._agree(host_io, bucket, pair)
         stream = io.compute_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())  # the step's inputs were staged there
@@ -141,9 +159,51 @@ class BreakgraphModelRunner(ModelRunner):
                 graph.replay(context=step)
             self.handle.stats._record(bucket, replays=1)
 
+    def _agree(self, host_io: Any, bucket: int, pair: int) -> None:
+        """Check that every rank runs this step the same way (one host all-reduce).
+
+        The fingerprint packs bucket, IO pair and mode into one int (no hashing per
+        step); in debug mode it also covers each request's id, query length and position.
+        """
+        digest = (bucket << 2) | (pair << 1) | int(self.use_graphs)
+        if self.handle.debug:
+            digest = distributed.fingerprint(
+                digest,
+                [
+                    (f.state.request_id, f.query_length, f.state.position_offset)
+                    for f in host_io.requests_in_batch
+                ],
+            )
+        self.handle.ranks.agree(
+            bucket,
+            digest,
+            "continuous-batching steps",
+            "run the same transformers version and options on every rank; transformers "
+            "schedules the requests of TP rank 0 on all ranks",
+        )
+
     def _capture(self, pair: int, bucket: int, args: tuple) -> None:
-        """Warm up eagerly (no cache access), then capture; the capture pass computes the step."""
+        """Warm up eagerly (no cache access), then capture; the capture pass computes the step.
+
+        Under tensor parallelism both happen in one capture step of the rank group."""
         start = time.perf_counter()
+        graph = breakgraph.BreakableCUDAGraph()
+        ranks = self.handle.ranks
+        if ranks is None:
+            self._warm_up_and_capture(graph, args)
+        else:
+            ranks.capture_step(
+                f"capture of continuous-batching bucket {bucket}",
+                lambda: self._warm_up_and_capture(graph, args),
+                lambda _: distributed.fingerprint(repr(graph)),
+            )
+        self._pool = graph.pool()
+        self._graphs[pair, bucket] = graph
+        self.handle.stats._record(
+            bucket, captures=1, capture_s=time.perf_counter() - start, breaks=graph.num_breaks
+        )
+
+    def _warm_up_and_capture(self, graph: breakgraph.BreakableCUDAGraph, args: tuple) -> None:
         io, step = self.inputs_and_outputs, self.step
         stream = io.compute_stream
         step.warmup = True
@@ -155,7 +215,6 @@ class BreakgraphModelRunner(ModelRunner):
                 self._forward_process_and_sample(*args)
         finally:
             step.warmup = False
-        graph = breakgraph.BreakableCUDAGraph()
         with breakgraph.capture(
             graph,
             pool=self._pool,
@@ -168,11 +227,6 @@ class BreakgraphModelRunner(ModelRunner):
             self._forward_process_and_sample(*args)
         if stream is not None:
             stream.synchronize()  # count the capture pass in the capture time
-        self._pool = graph.pool()
-        self._graphs[pair, bucket] = graph
-        self.handle.stats._record(
-            bucket, captures=1, capture_s=time.perf_counter() - start, breaks=graph.num_breaks
-        )
 
     # -- warm-up: capture every bucket before serving ---------------------------------------
     @torch.no_grad()

@@ -45,6 +45,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from breakgraph import distributed
 from breakgraph.backends import select_backend
 from breakgraph.errors import InputError
 
@@ -157,7 +158,7 @@ class ContinuousBatchingHandle:
     Also a context manager: leaving the ``with`` block disables it.
     """
 
-    def __init__(self, model, backend, kernel, query_buckets, debug) -> None:
+    def __init__(self, model, backend, kernel, query_buckets, debug, ranks=None) -> None:
         self.model = model
         self.config = model.config.get_text_config()
         self.device = next(model.parameters()).device
@@ -165,6 +166,7 @@ class ContinuousBatchingHandle:
         self.kernel = kernel
         self.query_buckets = query_buckets
         self.debug = debug
+        self.ranks = ranks  # a RankGroup under tensor parallelism, else None
         self.stats = ContinuousBatchingStats()
         self.enabled = False
         self._runners: weakref.WeakSet = weakref.WeakSet()
@@ -204,6 +206,8 @@ class ContinuousBatchingHandle:
             self._choices.clear()
             self.enabled = False
             cb_hooks.unregister(self)
+            if self.ranks is not None:
+                self.ranks.close()
 
     def __enter__(self) -> ContinuousBatchingHandle:
         return self
@@ -275,6 +279,7 @@ def enable_continuous_batching(
     attention: str = "auto",
     query_buckets: tuple[int, ...] | None = None,
     debug: bool | None = None,
+    tp_timeout: float = 300.0,
 ) -> ContinuousBatchingHandle:
     """Run the model's continuous-batching steps as breakable graphs, one per query bucket.
 
@@ -287,6 +292,13 @@ def enable_continuous_batching(
         query_buckets: query-token counts to capture (default: powers of two from 8);
             the CB config's ``max_batch_tokens`` is always the largest bucket.
         debug: capture graphs in breakgraph's debug mode (slow; see ``docs/debugging.md``).
+            Under tensor parallelism it also checks, on every step, that all ranks
+            scheduled the same requests with the same lengths.
+        tp_timeout: tensor parallelism only (detected from the model's DTensor
+            parameters): seconds a rank waits for the others in a capture or in the
+            per-step agreement before raising :class:`~breakgraph.RankFailedError`.
+            Every rank must call this function, in the same order as its other
+            process-group creations (it creates a gloo group).
 
     Returns a :class:`ContinuousBatchingHandle` (also a context manager). While it is
     enabled, CB managers of this model created afterwards (``generate_batch``,
@@ -326,7 +338,21 @@ def enable_continuous_batching(
                 f"{_WHO}: the model holds a persistent CB manager created without breakgraph; "
                 f"call model.destroy_cached_continuous_batching_manager() first."
             )
-        handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug)
+        group = distributed.tensor_parallel_group(model)
+        ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
+        if ranks is not None:  # every rank enables the same way (or all raise)
+            try:
+                options = (chosen, kernel, query_buckets, debug)
+                ranks.agree(
+                    0,
+                    distributed.fingerprint(repr(options)),
+                    f"{_WHO} options",
+                    f"call {_WHO} with the same arguments on every rank",
+                )
+            except BaseException:
+                ranks.close()
+                raise
+        handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug, ranks)
         cb_hooks.register(handle)  # installs the hooks with the first handle
         try:
             if needs_experts_break(model):
@@ -337,6 +363,8 @@ def enable_continuous_batching(
             if handle._previous_experts is not None:
                 model.set_experts_implementation(handle._previous_experts)
             cb_hooks.unregister(handle)
+            if ranks is not None:
+                ranks.close()
             raise
         handle.enabled = True
     return handle
