@@ -3,7 +3,8 @@
 transformers shards the model itself (``DistributedConfig(tp_size=2)``); its row-parallel
 layers all-reduce and its ``lm_head`` all-gathers. ``PrefillRunner`` detects the sharding:
 every rank captures the same graphs, every call agrees its bucket across ranks, and every
-rank gets the full-vocabulary logits.
+rank gets the full-vocabulary logits. Then the same TP model serves through continuous
+batching (``enable_continuous_batching``), its steps replayed as breakable graphs.
 
     torchrun --nproc-per-node 2 examples/tensor_parallel.py   # 2 GPUs: NCCL and CUDA graphs
     python examples/tensor_parallel.py                         # launches itself the same way
@@ -24,8 +25,10 @@ import torch
 def main() -> None:
     import torch.distributed as dist
     import transformers
-    from breakgraph.integrations.transformers import PrefillRunner
+    from breakgraph.integrations.transformers import PrefillRunner, enable_continuous_batching
+    from transformers import GenerationConfig
     from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cuda = torch.cuda.device_count() >= 2
     rank = int(os.environ["RANK"])
@@ -85,6 +88,35 @@ def main() -> None:
     if rank == 0:
         print(runner.stats)
     runner.close()
+
+    # continuous batching of the same TP model: transformers schedules rank 0's requests on
+    # every rank; breakgraph captures the same buckets everywhere and agrees every step
+    generation = GenerationConfig(
+        max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    batching = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=32)
+    requests = [p.tolist() for p in prompts]
+
+    def generate() -> list:
+        outs = model.generate_batch(
+            requests,
+            generation_config=generation,
+            continuous_batching_config=batching,
+            progress_bar=False,
+        )
+        return [outs[key].generated_tokens for key in sorted(outs)]
+
+    stock = generate()  # transformers' own TP continuous batching, eager steps
+    with enable_continuous_batching(model, backend=backend) as handle:
+        tokens = generate()
+    same = sum(a == b for a, b in zip(tokens, stock))
+    print(
+        f"rank {rank}: continuous batching, same tokens as transformers' TP CB: "
+        f"{same}/{len(stock)} prompts; graph steps {handle.stats.replays}, eager steps "
+        f"{handle.stats.eager_steps}"
+    )
+    if rank == 0:
+        print(handle.stats)
     dist.destroy_process_group()
 
 
