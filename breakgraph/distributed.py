@@ -23,7 +23,8 @@ the same ranks. The values are:
 
 During the capture phase the same exchange follows every warm-up and every capture, and
 it has a timeout. A rank that fails there makes the others raise within ``timeout``
-seconds, and they raise if the ranks recorded different segments or breaks.
+seconds, and they raise if the ranks recorded different segments or breaks; with NCCL the
+model group's communicators are then aborted, so no GPU keeps waiting for a peer.
 
 Why a separate gloo group, as transformers' continuous batching also uses: the values stay
 on the host, so agreeing needs no GPU synchronisation. It never mixes with the model's
@@ -230,7 +231,11 @@ class RankGroup:
 
         With NCCL the device is synchronised before the step and after a successful exchange
         (never before it: a rank whose peer failed would wait on its GPU forever), so no
-        captured collective is in flight when the next eager one starts.
+        captured collective is in flight when the next eager one starts. A capture replays
+        each segment as soon as it is captured, so a rank whose peer failed mid-capture has
+        collectives spinning on its GPU that no peer will join; on any failure the model
+        group's NCCL communicators are therefore aborted (``ncclCommAbort`` stops those
+        kernels), or the next device sync, even a ``cudaFree``, would hang.
         """
         if self.nccl:
             torch.cuda.synchronize()
@@ -244,6 +249,7 @@ class RankGroup:
             except RankFailedError:
                 failed = []
             self._broken = f"{what} failed on rank(s) {failed or [self._me]}"
+            self._abort_device_collectives()
             if level == _COLLATERAL and failed and self._me not in failed:
                 raise RankFailedError(
                     f"RankGroup: {what} failed on rank(s) {failed}, which cut off this rank's "
@@ -260,6 +266,7 @@ class RankGroup:
         _, same, failed = self._exchange(0, fingerprint(result) if fingerprint else 0, 0)
         if failed:
             self._broken = f"{what} failed on rank(s) {failed}"
+            self._abort_device_collectives()
             raise RankFailedError(
                 f"RankGroup: {what} failed on rank(s) {failed} (see the error there); rank "
                 f"{self._me} stopped instead of waiting for their collectives. The model's "
@@ -267,6 +274,7 @@ class RankGroup:
             )
         if not same:
             self._broken = f"{what} differed across ranks"
+            self._abort_device_collectives()
             raise RankMismatchError(
                 f"RankGroup: {what} produced different segments or breaks on different ranks, "
                 f"so their replays would not run the same collectives. Every rank must run the "
@@ -327,6 +335,13 @@ class RankGroup:
         worst = flags.max()
         failed_ranks = [r for r, flag in zip(self.ranks, flags) if worst and flag == worst]
         return int(values[0]), bool(values[1] == -values[2]), failed_ranks
+
+    def _abort_device_collectives(self) -> None:
+        """Abort the model group's NCCL communicators (nothing for gloo); see capture_step."""
+        if not self.nccl:
+            return
+        with contextlib.suppress(Exception):  # already aborted, or a torch without the accessor
+            self.group._get_backend(torch.device("cuda")).abort()
 
     @contextlib.contextmanager
     def _model_collective_timeout(self, seconds: float) -> Iterator[None]:

@@ -59,7 +59,7 @@ def launch(
     processes = [
         context.Process(
             target=_worker,
-            args=(rank, port, scenario, backend, path, results, timeout),
+            args=(rank, port, scenario, backend, path, results, time.time() + timeout),
             daemon=True,
         )
         for rank in range(WORLD)
@@ -132,11 +132,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, port, scenario, backend, path, results, timeout) -> None:
+def _worker(rank, port, scenario, backend, path, results, deadline) -> None:
     import faulthandler
 
+    # the parent gives up at `deadline` (its start-up counts): dump the stacks shortly before
     stacks = open(os.path.join(path, f"stack-rank{rank}.txt"), "w")  # noqa: SIM115 (until exit)
-    faulthandler.dump_traceback_later(max(1.0, timeout - 4), file=stacks)
+    faulthandler.dump_traceback_later(max(1.0, deadline - time.time() - 5), file=stacks)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
