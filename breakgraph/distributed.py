@@ -23,8 +23,9 @@ the same ranks. The values are:
 
 During the capture phase the same exchange follows every warm-up and every capture, and
 it has a timeout. A rank that fails there makes the others raise within ``timeout``
-seconds, and they raise if the ranks recorded different segments or breaks; with NCCL the
-model group's communicators are then aborted, so no GPU keeps waiting for a peer.
+seconds, and they raise if the ranks recorded different segments or breaks. With NCCL a
+rank whose peer failed mid-capture may have collectives waiting on its GPU for ever, so the
+process must end after the error (``torchrun`` ends the others when one rank raises).
 
 Why a separate gloo group, as transformers' continuous batching also uses: the values stay
 on the host, so agreeing needs no GPU synchronisation. It never mixes with the model's
@@ -69,6 +70,7 @@ CAPTURE_ERROR_MODE = "thread_local"
 
 _MASK = (1 << 62) - 1  # fingerprints stay positive and can be negated in int64
 _PRIMARY, _COLLATERAL = 2, 1  # failure flags: failed by itself, or cut off by another rank
+_KEPT_UNTIL_EXIT: list = []  # graphs and buffers of failed NCCL capture steps (capture_step)
 _TORCH_DISTRIBUTED_DIR = os.path.join(
     os.path.dirname(os.path.abspath(torch.__file__)), "distributed"
 )
@@ -216,7 +218,11 @@ class RankGroup:
 
     # -- capture phase ---------------------------------------------------------------------
     def capture_step(
-        self, what: str, step: Callable[[], T], fingerprint: Callable[[T], int] | None = None
+        self,
+        what: str,
+        step: Callable[[], T],
+        fingerprint: Callable[[T], int] | None = None,
+        keep: Any = None,
     ) -> T:
         """Run one capture-phase step (a warm-up, a capture) on this rank, then check that it
         succeeded on every rank and, with ``fingerprint``, produced the same structure.
@@ -233,9 +239,12 @@ class RankGroup:
         (never before it: a rank whose peer failed would wait on its GPU forever), so no
         captured collective is in flight when the next eager one starts. A capture replays
         each segment as soon as it is captured, so a rank whose peer failed mid-capture has
-        collectives spinning on its GPU that no peer will join; on any failure the model
-        group's NCCL communicators are therefore aborted (``ncclCommAbort`` stops those
-        kernels), or the next device sync, even a ``cudaFree``, would hang.
+        collectives spinning on its GPU that no peer will join. Nothing can stop those
+        kernels (``ncclCommAbort`` itself hung on 2xH200 with graphs holding NCCL work), and
+        any device sync would then wait forever, including the ``cudaFree`` that releasing a
+        graph pool may issue. So on any failure with NCCL, ``keep`` (the step's graphs and
+        buffers) is kept alive until the process exits: this rank raises at once and the
+        process must end, which ``torchrun`` does when a rank raises.
         """
         if self.nccl:
             torch.cuda.synchronize()
@@ -249,7 +258,7 @@ class RankGroup:
             except RankFailedError:
                 failed = []
             self._broken = f"{what} failed on rank(s) {failed or [self._me]}"
-            self._abort_device_collectives()
+            self._keep_until_exit(keep)
             if level == _COLLATERAL and failed and self._me not in failed:
                 raise RankFailedError(
                     f"RankGroup: {what} failed on rank(s) {failed}, which cut off this rank's "
@@ -266,7 +275,7 @@ class RankGroup:
         _, same, failed = self._exchange(0, fingerprint(result) if fingerprint else 0, 0)
         if failed:
             self._broken = f"{what} failed on rank(s) {failed}"
-            self._abort_device_collectives()
+            self._keep_until_exit(keep)
             raise RankFailedError(
                 f"RankGroup: {what} failed on rank(s) {failed} (see the error there); rank "
                 f"{self._me} stopped instead of waiting for their collectives. The model's "
@@ -274,7 +283,7 @@ class RankGroup:
             )
         if not same:
             self._broken = f"{what} differed across ranks"
-            self._abort_device_collectives()
+            self._keep_until_exit(keep)
             raise RankMismatchError(
                 f"RankGroup: {what} produced different segments or breaks on different ranks, "
                 f"so their replays would not run the same collectives. Every rank must run the "
@@ -336,12 +345,10 @@ class RankGroup:
         failed_ranks = [r for r, flag in zip(self.ranks, flags) if worst and flag == worst]
         return int(values[0]), bool(values[1] == -values[2]), failed_ranks
 
-    def _abort_device_collectives(self) -> None:
-        """Abort the model group's NCCL communicators (nothing for gloo); see capture_step."""
-        if not self.nccl:
-            return
-        with contextlib.suppress(Exception):  # already aborted, or a torch without the accessor
-            self.group._get_backend(torch.device("cuda")).abort()
+    def _keep_until_exit(self, keep: Any) -> None:
+        """With NCCL, never free what a failed capture step touched (see capture_step)."""
+        if self.nccl and keep is not None:
+            _KEPT_UNTIL_EXIT.append(keep)
 
     @contextlib.contextmanager
     def _model_collective_timeout(self, seconds: float) -> Iterator[None]:

@@ -431,7 +431,11 @@ class BucketedRunner:
         start = time.perf_counter()
         if first or self.warmup_each:
             with context_scope(context):
-                self._on_all_ranks(f"warm-up of bucket {size}", lambda: self._warm_up(inputs))
+                self._on_all_ranks(
+                    f"warm-up of bucket {size}",
+                    lambda: self._warm_up(inputs),
+                    keep=(self._buckets, inputs),
+                )
             self.stats.warmup_seconds += time.perf_counter() - start
         graph = BreakableCUDAGraph()
         backend = select_backend(self.backend)
@@ -452,7 +456,10 @@ class BucketedRunner:
                 return self._captured_fn(*inputs)
 
         output = self._on_all_ranks(
-            f"capture of bucket {size}", record, lambda _: distributed.fingerprint(repr(graph))
+            f"capture of bucket {size}",
+            record,
+            lambda _: distributed.fingerprint(repr(graph)),
+            keep=(self._buckets, graph, inputs),
         )
         self._pool = graph.pool()
         self.stats.graph_memory_bytes[size] = (backend.pool_bytes(self._pool) or 0) - (
@@ -469,11 +476,14 @@ class BucketedRunner:
         if self.progress:
             print(message, file=sys.stderr, flush=True)
 
-    def _on_all_ranks(self, what: str, step: Callable, fingerprint: Callable | None = None):
-        """Run a capture-phase step; with ``ranks``, check it succeeded alike on every rank."""
+    def _on_all_ranks(
+        self, what: str, step: Callable, fingerprint: Callable | None = None, keep: Any = None
+    ):
+        """Run a capture-phase step; with ``ranks``, check it succeeded alike on every rank
+        (``keep``: what must not be freed if it failed; see RankGroup.capture_step)."""
         if self.ranks is None:
             return step()
-        return self.ranks.capture_step(what, step, fingerprint)
+        return self.ranks.capture_step(what, step, fingerprint, keep)
 
     def _warm_up(self, inputs: tuple) -> None:
         if self.warmup <= 0:

@@ -196,6 +196,7 @@ class BreakgraphModelRunner(ModelRunner):
                 f"capture of continuous-batching bucket {bucket}",
                 lambda: self._warm_up_and_capture(graph, args),
                 lambda _: distributed.fingerprint(repr(graph)),
+                keep=(self._graphs, graph),
             )
         self._pool = graph.pool()
         self._graphs[pair, bucket] = graph
