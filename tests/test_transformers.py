@@ -785,3 +785,17 @@ def test_bad_prefill_inputs_raise_input_errors(backend):
         runner.prefill(prompts_of([30, 30], device))  # 60 tokens > largest bucket 48
     assert "capture_window" not in str(info.value)
     assert "token_buckets" in str(info.value)
+
+
+def test_default_ladder_pads_at_most_7_tokens_below_256_and_an_eighth_above():
+    from breakgraph.integrations.transformers import default_token_buckets
+
+    ladder = default_token_buckets(4096)
+    assert ladder[0] == 8 and ladder[-1] == 4096 and list(ladder) == sorted(set(ladder))
+    for n in range(1, 4097):
+        bucket = next(b for b in ladder if b >= n)
+        assert bucket - n <= 7 if n <= 256 else (bucket - n) / n < 0.125, n
+    assert default_token_buckets(100)[-1] == 100  # the limit is always the last bucket
+    assert default_token_buckets(512, step=16, dense_until=128)[:3] == (16, 32, 48)
+    with pytest.raises(InputError, match="default_token_buckets"):
+        default_token_buckets(0)
