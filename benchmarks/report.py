@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 
-from . import cb_report, report_breaks, report_earlier, report_prefill, report_suite
+from . import cb_report, report_breaks, report_earlier, report_prefill, report_suite, tp_report
 from . import targets as T
 from .template import fill, table
 
@@ -45,7 +45,7 @@ def sources_table(loaded: dict[str, dict]) -> str:
         rows.append(
             [
                 f"`{name}`",
-                meta.get("gpu") or "-",
+                meta.get("gpu") or meta.get("device") or "-",
                 meta.get("torch") or "-",
                 meta.get("transformers") or "-",
                 date,
@@ -61,6 +61,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         [report_prefill.FILE, report_breaks.OVERHEAD_FILE, report_breaks.BEFORE_DEBUG_FILE]
         + list(report_breaks.ANATOMY_FILES)
         + [report_earlier.FILE, *report_earlier.RUN_FILES, report_earlier.MOE_FILE]
+        + [tp_report.FILE, tp_report.NO_MIXING_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -89,6 +90,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     cb = load(cb_report.FILE)
     if cb is not None:
         blocks.append("\n".join(cb_report.cb_section(cb)))
+    tp = loaded.get(tp_report.FILE)
+    if tp is not None:
+        blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))
     if suite_data is not None:
         blocks += report_suite.suite_section(suite_data)
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
@@ -121,6 +125,9 @@ def write_plots(
     cb = _load(cb_report.FILE, results)
     if cb:
         written.append(cb_report.write_cb_plot(cb, plt, save, img))
+    tp = _load(tp_report.FILE, results)
+    if tp:
+        written.append(tp_report.write_tp_plot(tp, plt, save, img))
     if suite and os.path.exists(suite):
         with open(suite) as f:
             path = os.path.join(img, "suite.png")

@@ -287,3 +287,20 @@ def test_plots_are_written(tmp_path):
         "suite.png",
     ]
     assert all(os.path.getsize(p) > 1000 for p in written)
+
+
+def test_tp_section_computes_its_verdicts_from_the_data():
+    import copy
+
+    from benchmarks import tp_report
+
+    with open(os.path.join(RESULTS, tp_report.FILE)) as f:
+        data = json.load(f)
+    text = "\n".join(tp_report.tp_section(data))
+    assert "missed" not in text  # the committed run met every target
+    slower = copy.deepcopy(data)
+    row = next(e for e in slower["summary"]["table"] if e["workload"] == "512 tokens")
+    row["bg_over_full"], row["tp1_over_tp2_bg"] = 1.2, 0.9
+    text = "\n".join(tp_report.tp_section(slower))
+    assert "512 tokens: 1.200x the whole graph (target <= 1.05x: missed)" in text
+    assert "512 tokens: TP=2 0.90x faster than TP=1 (target > 1: missed)" in text
