@@ -21,6 +21,8 @@ repeated passes cannot reuse cached blocks). Variants:
                 each layer's cache access + varlen attention an eager break
   breakgraph_async  (b) with ``use_async_batching=True``: two IO pairs, the host prepares
                 step N+1 while the device runs step N (CUDA only)
+  breakgraph_pow2  (b) with the earlier default query buckets (powers of two from 8), to
+                measure what the coarser default (32, 128, 512, ...) costs or saves
   whole_graph   (c) transformers' own whole-step CUDA graphs (the design it uses with
                 flash_attn: keys query x KV x max_seqlen_k, upper-bound lengths baked in),
                 built with torch's FlashAttention varlen kernel (``paged|torch_varlen``,
@@ -239,7 +241,10 @@ def run_cb_variant(model, name, args, sets, gen, instruments, backend) -> tuple[
         use_async_batching=True if name in ("whole_graph", "breakgraph_async") else None,
     )
     handle = None
-    if name == "paged_sdpa":
+    if name == "breakgraph_pow2":  # the earlier default ladder: powers of two from 8
+        buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]
+        handle = enable_continuous_batching(model, backend=backend, query_buckets=buckets)
+    elif name == "paged_sdpa":
         model.set_attn_implementation("sdpa")  # CB switches it to paged|sdpa
     elif name == "whole_graph":
         model.set_attn_implementation(VARLEN_KEY)
@@ -447,6 +452,7 @@ def main() -> None:
     parser.add_argument(
         "--variants", default="paged_sdpa,breakgraph,breakgraph_async,whole_graph,generate",
         help="comma-separated subset of paged_sdpa, breakgraph, breakgraph_async, whole_graph, "
+        "breakgraph_pow2 (query buckets 8, 16, 32, ...: the earlier default), "
         "generate",
     )  # fmt: skip
     parser.add_argument("--prompts", type=int, default=200)

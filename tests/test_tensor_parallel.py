@@ -391,7 +391,7 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
         return [outs[key].generated_tokens for key in sorted(outs)]
 
     out: dict = {"stock_tp": generate(sharded), "stock_unsharded": generate(full)}
-    with enable_continuous_batching(sharded, backend=backend) as handle:
+    with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,)) as handle:
         out["breakgraph_tp"] = generate(sharded)
     stats = handle.stats
     out["stats"] = (stats.captures, stats.replays, stats.eager_steps, str(stats))

@@ -55,14 +55,27 @@ from .prefill import UnsupportedModelError
 __all__ = ["BreakgraphModelRunner", "bucket_sizes"]
 
 
+#: The default query buckets grow by this factor from DEFAULT_FIRST_BUCKET: 32, 128, 512, 2048.
+#: Coarse on purpose. The attention breaks run at the exact lengths, so padding costs only in
+#: the dense layers, and a CB step is either decode (a few tokens per request: the GEMMs read
+#: their weights whatever the row count) or a large prefill chunk (in the largest bucket).
+DEFAULT_BUCKET_FACTOR, DEFAULT_FIRST_BUCKET = 4, 32
+
+
 def bucket_sizes(query_buckets, max_batch_tokens: int) -> tuple[int, ...]:
-    """The query-token buckets of a runner: the given sizes (default powers of two from 8)
-    up to ``max_batch_tokens``, which is always the last bucket."""
+    """The query-token buckets of a runner: the given sizes (default: 32, 128, 512, ...,
+    powers of 4 times 2) up to ``max_batch_tokens``, which is always the last bucket.
+
+    Example::
+
+        >>> bucket_sizes(None, 2048), bucket_sizes(None, 1000), bucket_sizes((8, 64), 256)
+        ((32, 128, 512, 2048), (32, 128, 512, 1000), (8, 64, 256))
+    """
     if query_buckets is None:
-        query_buckets, size = [], 8
+        query_buckets, size = [], DEFAULT_FIRST_BUCKET
         while size < max_batch_tokens:
             query_buckets.append(size)
-            size *= 2
+            size *= DEFAULT_BUCKET_FACTOR
     sizes = {int(b) for b in query_buckets if 0 < int(b) < max_batch_tokens}
     return tuple(sorted(sizes)) + (max_batch_tokens,)
 

@@ -289,7 +289,7 @@ def enable_continuous_batching(
         backend: ``"cuda"`` or ``"emulated"`` (CPU), as for :func:`breakgraph.capture`.
         attention: ``"auto"`` (FlashAttention varlen inside ATen on CUDA in bf16/fp16,
             else the exact per-sequence reference), ``"flash"`` or ``"reference"``.
-        query_buckets: query-token counts to capture (default: powers of two from 8);
+        query_buckets: query-token counts to capture (default: 32, 128, 512, ...);
             the CB config's ``max_batch_tokens`` is always the largest bucket.
         debug: capture graphs in breakgraph's debug mode (slow; see ``docs/debugging.md``).
             Under tensor parallelism it also checks, on every step, that all ranks

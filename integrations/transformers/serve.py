@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--query-buckets",
         default=None,
-        help="comma-separated query-token buckets (default: powers of two from 8)",
+        help="comma-separated query-token buckets (default: 32, 128, 512, ...)",
     )
     return parser
 
