@@ -32,7 +32,13 @@ def cb_section(data: dict) -> list:
         " `model.generate` one prompt at a time, measured on a few prompts and extrapolated;"
         " `breakgraph_async`: (b) with `use_async_batching=True`."
         " (c) captures lazily: its row is the second (warm) pass; breakgraph captures every"
-        " bucket before serving. Time to first token counts from submission.",
+        " bucket before serving. Time to first token counts from submission. *Same tokens"
+        " as (a)*: the share of prompts whose greedy tokens all equal (a)'s. In bf16 on random"
+        " weights the top logits are nearly tied, so any two implementations whose arithmetic"
+        " differs (attention kernel, GEMM row count, batch composition) part ways after a few"
+        " tokens; `python -m benchmarks.cb_agreement` measures that pairwise, against"
+        " `model.generate` too (`docs/results/h200-cb-agreement.log`), and the tests check"
+        " token equality in fp32.",
         "",
     ]
     for m in data["models"]:
