@@ -6,9 +6,8 @@
 # "-m requires_cuda tests" for the CUDA tests only). Optional sections: RUN_INTERPLAY=1
 # (breakgraph after torch.compile reduce-overhead: benchmarks/compile_interplay.py, about 3 min),
 # RUN_BEFORE_AFTER=REV (per-break overhead of git revision REV against this tree, one process).
-# Tensor parallelism needs 2 GPUs (kind nvidia-h200-x2):
-#   python -m pytest -q tests/test_tensor_parallel.py && torchrun --nproc-per-node 2 \
-#     examples/tensor_parallel.py && torchrun --nproc-per-node 2 -m benchmarks.bench_tp --out tp.json
+# Tensor parallelism needs 2 GPUs (kind nvidia-h200-x2): bash scripts/tp_check.sh (the TP
+# tests, the example and the TP benchmark, with and without NCCL graph mixing).
 # PREFILL_ARGS adds flags to the prefill benchmark (e.g. "--families llama-1b,mixtral-4l" or
 # "--compile-families mistral-7b-4l,llama-1b --budget-s 400"; see python -m benchmarks.bench_prefill
 # --help). Expected on an H200: prefill about 5 min (its --budget-s, 300 s by default, trims
@@ -22,12 +21,7 @@
 # prefill-baselines.json, overhead.json, anatomy.json, pytest-benchmark.json, suite.log.
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
-set -u -o pipefail
-OUT=${OUT:-gpu-results}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/breakgraph-install.log 2>&1 \
-  || { cat /tmp/breakgraph-install.log; exit 1; }
+source "$(dirname "$0")/setup_device.sh"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi

@@ -6,14 +6,9 @@
 # 3. the benchmark (8B-Llama shape, graph mixing on: NCCL's default)         -> tp.json, tp-bench.log
 # 4. the benchmark again with NCCL_GRAPH_MIXING_SUPPORT=0, if time is left   -> tp-no-mixing.json
 # SKIP_TP_TESTS=1 / SKIP_TP_EXAMPLE=1 / SKIP_TP_BENCH=1 / SKIP_TP_NO_MIXING=1 skip a step;
-# TP_EXTRA (a command) runs last, e.g. the continuous-batching TP test.
+# TP_EXTRA (any command) runs last, with the same logging and a 300 s limit.
 # Then, here: copy tp.json to docs/results/h200x2-tp.json and run python -m benchmarks.report.
-set -u -o pipefail
-OUT=${OUT:-gpu-results}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/breakgraph-install.log 2>&1 \
-  || { cat /tmp/breakgraph-install.log; exit 1; }
+source "$(dirname "$0")/setup_device.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__, '| NCCL', torch.cuda.nccl.version(), '| GPUs', torch.cuda.device_count())"
 status=0
