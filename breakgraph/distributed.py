@@ -345,10 +345,21 @@ class RankGroup:
         failed_ranks = [r for r, flag in zip(self.ranks, flags) if worst and flag == worst]
         return int(values[0]), bool(values[1] == -values[2]), failed_ranks
 
+    @property
+    def keeps_memory(self) -> bool:
+        """True once a step failed with NCCL: graphs must not be freed (see capture_step);
+        owners call :meth:`keep_until_exit` in their ``close()`` instead of resetting them."""
+        return self.nccl and self._broken is not None
+
+    def keep_until_exit(self, keep: Any) -> None:
+        """Keep ``keep`` (graphs, buffers) alive until the process exits."""
+        _KEPT_UNTIL_EXIT.append(keep)
+
     def _keep_until_exit(self, keep: Any) -> None:
-        """With NCCL, never free what a failed capture step touched (see capture_step)."""
+        """With NCCL, never free what a failed capture step touched (see capture_step).
+        A snapshot: the owner may clear its own containers later."""
         if self.nccl and keep is not None:
-            _KEPT_UNTIL_EXIT.append(keep)
+            _KEPT_UNTIL_EXIT.append(_snapshot(keep))
 
     @contextlib.contextmanager
     def _model_collective_timeout(self, seconds: float) -> Iterator[None]:
@@ -404,6 +415,15 @@ def all_reduce_as_breaks() -> Iterator[None]:
         yield
     finally:
         dist.all_reduce = original
+
+
+def _snapshot(keep: Any) -> Any:
+    """``keep`` with its dicts and lists copied (their values, not the containers, are kept)."""
+    if isinstance(keep, dict):
+        return tuple(keep.values())
+    if isinstance(keep, (list, tuple)):
+        return tuple(_snapshot(item) for item in keep)
+    return keep
 
 
 def _raised_by_a_collective(exc: BaseException) -> bool:

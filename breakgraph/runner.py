@@ -673,9 +673,13 @@ class BucketedRunner:
         return map_tensors(trim, output)
 
     def close(self) -> None:
-        """Release every graph and static buffer."""
-        for bucket in self._buckets.values():
-            bucket.graph.reset()
+        """Release every graph and static buffer (after a failed multi-rank NCCL capture:
+        keep them until the process exits, see ``RankGroup.capture_step``)."""
+        if self.ranks is not None and self.ranks.keeps_memory:
+            self.ranks.keep_until_exit(tuple(self._buckets.values()))
+        else:
+            for bucket in self._buckets.values():
+                bucket.graph.reset()
         self._buckets.clear()
         self._sizes = ()
         self._decisions.clear()

@@ -23,7 +23,7 @@ step() {  # step NAME TIMEOUT LOG COMMAND...
   echo "== $name: exit $rc after $((SECONDS - t0)) s"
   [ $rc -eq 0 ] || status=1
 }
-[ -n "${SKIP_TP_TESTS:-}" ] || step tests 240 "$OUT/tp-pytest.log" \
+[ -n "${SKIP_TP_TESTS:-}" ] || step tests 500 "$OUT/tp-pytest.log" \
   python3 -m pytest -q -rs tests/test_tensor_parallel.py
 [ -n "${SKIP_TP_EXAMPLE:-}" ] || step example 150 "$OUT/tp-example.log" \
   torchrun --nproc-per-node 2 examples/tensor_parallel.py

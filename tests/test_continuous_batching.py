@@ -41,6 +41,7 @@ from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
 from breakgraph.errors import BackendError, InputError  # noqa: E402
+from tests.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 
 pytestmark = pytest.mark.transformers
 
@@ -55,37 +56,22 @@ VOCAB, PAD = 128, 127
 MAX_NEW = 5
 BUCKETS = (8, 16, 24)
 COMMON = dict(
+    TINY_SHAPE,
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=512,
     pad_token_id=PAD,
     bos_token_id=None,
     eos_token_id=None,
 )
 MOE = dict(num_experts_per_tok=2)
-ARCHS = {
-    "llama": ("LlamaConfig", dict(head_dim=16)),
-    "qwen2": ("Qwen2Config", dict()),
-    "qwen3": ("Qwen3Config", dict(head_dim=16)),
-    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=8)),  # window < prompts
-    "gemma": ("GemmaConfig", dict(head_dim=16)),
-    # full and sliding layers in one model: three cache groups, two key layouts per step
-    "qwen2_hybrid": (
-        "Qwen2Config",
-        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, num_hidden_layers=3),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(
-            MOE, num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[]
-        ),
-    ),
-    "mixtral": ("MixtralConfig", dict(MOE, head_dim=16, num_local_experts=4)),
-}
+ARCHS = dict(DENSE_FAMILIES)  # Mistral's window is shorter than the prompts
+# full and sliding layers in one model: three cache groups, two key layouts per step
+ARCHS["qwen2_hybrid"] = (
+    "Qwen2Config",
+    dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, num_hidden_layers=3),
+)
+ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", dict(MOE, **QWEN3_MOE))
+ARCHS["mixtral"] = ("MixtralConfig", dict(MOE, **MIXTRAL))
 # (arch, experts implementation): MoE families with transformers' default captured experts
 # (grouped_mm) and with the eager loop, which must become an eager break
 CASES = [(arch, None) for arch in ARCHS] + [("qwen3_moe", "eager"), ("mixtral", "eager")]

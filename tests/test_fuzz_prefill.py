@@ -31,17 +31,12 @@ transformers = pytest.importorskip("transformers")
 from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
 
 from breakgraph.errors import InputError  # noqa: E402
+from tests.tiny_models import DENSE_FAMILIES, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.transformers
 
 VOCAB = 128
-ARCHS = {
-    "llama": ("LlamaConfig", dict(head_dim=16)),
-    "qwen2": ("Qwen2Config", dict()),
-    "qwen3": ("Qwen3Config", dict(head_dim=16)),
-    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=8)),
-    "gemma": ("GemmaConfig", dict(head_dim=16)),
-}
+ARCHS = DENSE_FAMILIES
 BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_PREFILL_BATCHES", "100"))
 CUDA_BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_CUDA_PREFILL_BATCHES", "400"))
 KINDS = ("random", "random", "exact_bucket", "bucket_minus_one", "one_token", "full", "overflow")
@@ -49,16 +44,7 @@ KINDS = ("random", "random", "exact_bucket", "bucket_minus_one", "one_token", "f
 
 def build_model(arch: str, seed: int, device: str, dtype: torch.dtype):
     cls_name, extra = ARCHS[arch]
-    config = getattr(transformers, cls_name)(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        **extra,
-    )
+    config = tiny_config(cls_name, vocab_size=VOCAB, max_position_embeddings=256, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         config, dtype=dtype, attn_implementation="sdpa"

@@ -15,13 +15,17 @@ import contextlib
 import multiprocessing
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
+
+from tests.tiny_models import tiny_config
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -56,10 +60,11 @@ def launch(
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = _free_port()
+    stacks = tempfile.mkdtemp(prefix="breakgraph-tp-stacks-")
     processes = [
         context.Process(
             target=_worker,
-            args=(rank, port, scenario, backend, path, results, time.time() + timeout),
+            args=(rank, port, scenario, backend, path, results, time.time() + timeout, stacks),
             daemon=True,
         )
         for rank in range(WORLD)
@@ -76,22 +81,30 @@ def launch(
             if remaining <= 0:
                 raise AssertionError(
                     f"scenario {scenario!r} ({backend}) hung: ranks {sorted(collected)} answered "
-                    f"within {timeout:g} s\n" + _hang_report(path, collected)
+                    f"within {timeout:g} s\n" + _hang_report(stacks, collected)
                 )
             try:
                 rank, result = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:  # every rank reports before it exits (code 0): a crash
                 crashed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
                 if crashed:
-                    raise AssertionError(f"rank(s) {crashed} died without a result") from None
+                    raise AssertionError(
+                        f"rank(s) {crashed} died without a result\n"
+                        + _hang_report(stacks, collected)
+                    ) from None
                 continue
             collected[rank] = result
     finally:
-        for process in processes:
+        stuck = []
+        for rank, process in enumerate(processes):
             process.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
             if process.is_alive():
+                stuck.append(rank)
                 process.kill()
                 process.join()
+        shutil.rmtree(stacks, ignore_errors=True)
+    # a rank that reported but could not exit (say, a device sync in its teardown) is a hang too
+    assert not stuck, f"scenario {scenario!r} ({backend}): rank(s) {stuck} did not exit"
     return [collected[rank] for rank in range(WORLD)]
 
 
@@ -110,7 +123,7 @@ def _environment(values: dict):
                 os.environ[name] = value
 
 
-def _hang_report(path: str, collected: dict) -> str:
+def _hang_report(stacks: str, collected: dict) -> str:
     """What the answered ranks said and where the others were (their stacks, dumped by
     faulthandler shortly before the deadline)."""
     lines = []
@@ -120,7 +133,7 @@ def _hang_report(path: str, collected: dict) -> str:
     for rank in range(WORLD):
         if rank in collected:
             continue
-        stack = os.path.join(path, f"stack-rank{rank}.txt")
+        stack = os.path.join(stacks, f"stack-rank{rank}.txt")
         text = open(stack).read() if os.path.exists(stack) else "(no stack dumped)"
         lines.append(f"--- rank {rank} did not answer; its threads:\n{text}")
     return "\n".join(lines)
@@ -132,11 +145,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, port, scenario, backend, path, results, deadline) -> None:
+def _worker(rank, port, scenario, backend, path, results, deadline, stack_dir) -> None:
     import faulthandler
 
     # the parent gives up at `deadline` (its start-up counts): dump the stacks shortly before
-    stacks = open(os.path.join(path, f"stack-rank{rank}.txt"), "w")  # noqa: SIM115 (until exit)
+    stacks = open(os.path.join(stack_dir, f"stack-rank{rank}.txt"), "w")  # noqa: SIM115 (until exit)
     faulthandler.dump_traceback_later(max(1.0, deadline - time.time() - 5), file=stacks)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -178,15 +191,7 @@ def load_models(rank: int, backend: str, path: str, dtype: torch.dtype | None = 
     transformers.utils.logging.disable_progress_bar()
     if rank == 0:
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        )
+        config = tiny_config("LlamaConfig", vocab_size=VOCAB, max_position_embeddings=256)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     dist.barrier()
     if dtype is None:
@@ -226,6 +231,15 @@ def error_of(call) -> str:
         call()
     except Exception as exc:
         return type(exc).__name__
+    return "no error"
+
+
+def error_text_of(call) -> str:
+    """``"ErrorName: message"`` of what ``call`` raises."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
@@ -398,7 +412,30 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
     out["breaks"] = {bucket: entry.breaks for bucket, entry in stats.buckets.items()}
     with enable_continuous_batching(sharded, backend=backend, tp_timeout=30):
         # graphs on one rank only: the runners' settings differ, both raise before any step
-        out["settings_mismatch"] = error_of(lambda: generate(sharded, use_cuda_graph=rank == 0))
+        out["settings_mismatch"] = error_text_of(
+            lambda: generate(sharded, use_cuda_graph=rank == 0)
+        )
+    with enable_continuous_batching(sharded, backend=backend, tp_timeout=30) as handle:
+        # the per-step check: rank 1 fingerprints its steps in debug mode (requests too), so
+        # the very first step (a warm-up capture) differs and both ranks raise before it runs
+        handle.debug = rank == 1
+        out["step_mismatch"] = error_text_of(lambda: generate(sharded))
+    with enable_continuous_batching(sharded, backend=backend, tp_timeout=30):
+        # the manager API without warmup(): a capture in the generation thread is refused
+        manager = sharded.init_continuous_batching(
+            generation_config=generation,
+            continuous_batching_config=ContinuousBatchingConfig(
+                block_size=16, num_blocks=32, max_batch_tokens=16
+            ),
+        )
+        manager.start()
+        try:
+            request = manager.add_request(prompts[0], max_new_tokens=2)
+            result = manager.get_result(request_id=request, timeout=60)
+            out["lazy_capture"] = "no result" if result is None else str(result.error)
+        finally:
+            manager.stop(block=True)
+            manager.destroy()
     # different query buckets: enable raises on both ranks
     buckets = (8,) if rank == 0 else (4, 8)
     out["options_mismatch"] = error_of(
@@ -516,6 +553,10 @@ def test_continuous_batching_under_tp_gives_the_tokens_of_eager_tp(cb_run):
 def test_continuous_batching_under_tp_refuses_different_settings_on_every_rank(cb_run):
     _, results = cb_run
     for result in results:
-        assert result["settings_mismatch"] == "RankMismatchError"
+        assert result["settings_mismatch"].startswith("RankMismatchError")
+        assert "continuous-batching settings" in result["settings_mismatch"]
+        assert result["step_mismatch"].startswith("RankMismatchError")
+        assert "continuous-batching steps" in result["step_mismatch"]
+        assert "was not captured before serving" in result["lazy_capture"]
         assert result["options_mismatch"] == "RankMismatchError"
         assert result["restored"]

@@ -35,6 +35,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
 from breakgraph.integrations.transformers import attention as bg_attention  # noqa: E402
 
 from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
+from tests.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 
 pytestmark = pytest.mark.transformers
 
@@ -46,44 +47,19 @@ ARGMAX_MARGIN = (
     0.05  # bf16 (cuda): argmax compared only where the reference's top-2 gap exceeds this
 )
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+COMMON = dict(TINY_SHAPE, vocab_size=VOCAB, max_position_embeddings=512)
 
-# name -> (config class name, extra config kwargs, number of MoE layers)
-ARCHS = {
-    "llama": ("LlamaConfig", dict(head_dim=16), 0),
-    "qwen2": ("Qwen2Config", dict(), 0),
-    "qwen3": ("Qwen3Config", dict(head_dim=16), 0),
-    # a window shorter than the prompts: the runner must apply it like the eager model does
-    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=8), 0),
-    "gemma": ("GemmaConfig", dict(head_dim=16), 0),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        ),
-        2,
-    ),
-    "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2), 2),
-}
+# name -> (config class name, extra config kwargs, number of MoE layers); Mistral's window is
+# shorter than the prompts: the runner must apply it like the eager model does
+ARCHS = {name: (cls, extra, 0) for name, (cls, extra) in DENSE_FAMILIES.items()}
+ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", dict(QWEN3_MOE, num_experts_per_tok=2), 2)
+ARCHS["mixtral"] = ("MixtralConfig", dict(MIXTRAL, num_experts_per_tok=2), 2)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
 def make_config(arch: str, **overrides):
     cls_name, extra, _ = ARCHS[arch]
-    kwargs = {**COMMON, **extra, **overrides}
-    return getattr(transformers, cls_name)(**kwargs)
+    return getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
 
 
 def build_model(

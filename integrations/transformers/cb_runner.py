@@ -102,6 +102,7 @@ class BreakgraphModelRunner(ModelRunner):
         self._pool = None
         self._closed = False
         self.thread: threading.Thread | None = None  # the generation loop that ran the last step
+        self._warmer: threading.Thread | None = None  # the thread that ran warmup()
         if handle.ranks is not None:  # the same buckets and modes on every rank, or none
             settings = (use_graphs, self.buckets, self.async_io, self.do_sample, handle.kernel)
             handle.ranks.agree(
@@ -163,6 +164,14 @@ class BreakgraphModelRunner(ModelRunner):
         args = (model, batch_data, *io.get_cb_kwargs())
         graph = self._graphs.get((pair, bucket))
         if graph is None:
+            if self.handle.ranks is not None and threading.current_thread() is not self._warmer:
+                raise ReplayError(
+                    f"breakgraph continuous batching under tensor parallelism: bucket {bucket} "
+                    f"was not captured before serving. Capture every bucket in the calling "
+                    f"thread first: generate_batch() does, and with the manager API call "
+                    f"manager.warmup() before manager.start(). A capture in transformers' "
+                    f"generation thread could not fail cleanly on every rank."
+                )
             self._capture(pair, bucket, args)
         elif stream is None:
             graph.replay(context=step)
@@ -247,6 +256,7 @@ class BreakgraphModelRunner(ModelRunner):
     def warmup(self, model: torch.nn.Module) -> None:
         if not self.use_graphs:
             return
+        self._warmer = threading.current_thread()
         io = self.inputs_and_outputs
         for _ in range(2 if self.async_io else 1):
             for bucket in sorted(self.buckets, reverse=True):
@@ -293,9 +303,14 @@ class BreakgraphModelRunner(ModelRunner):
         return thread is not None and thread.is_alive() and thread is not threading.current_thread()
 
     def close(self) -> None:
-        """Release the graphs; later steps raise."""
+        """Release the graphs; later steps raise. (After a failed multi-rank NCCL capture the
+        graphs are kept until the process exits, see ``RankGroup.capture_step``.)"""
         self._closed = True
-        for graph in self._graphs.values():
-            graph.reset()
+        ranks = self.handle.ranks
+        if ranks is not None and ranks.keeps_memory:
+            ranks.keep_until_exit(tuple(self._graphs.values()))
+        else:
+            for graph in self._graphs.values():
+                graph.reset()
         self._graphs.clear()
         self._pool = None

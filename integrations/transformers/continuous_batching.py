@@ -47,6 +47,7 @@ from typing import Any
 
 from breakgraph import distributed
 from breakgraph.backends import select_backend
+from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError
 
 from . import attention as _attention
@@ -265,6 +266,11 @@ class ContinuousBatchingHandle:
                 f"enable_continuous_batching(); create a new one (destroy a persistent manager "
                 f"with model.destroy_cached_continuous_batching_manager())."
             )
+        if self.ranks is not None and any(runner.in_use for runner in self._runners):
+            raise UnsupportedModelError(
+                f"{_WHO}: under tensor parallelism one continuous-batching manager of a model "
+                f"runs at a time (its steps agree over one group); stop the other one first."
+            )
         runner = BreakgraphModelRunner(
             handle=self, use_graphs=use_graphs, cb_config=cb_config, **kwargs
         )
@@ -328,6 +334,7 @@ def enable_continuous_batching(
             f"FlashAttention varlen kernel; use attention='reference'."
         )
     cb_hooks.check_transformers(_WHO)
+    debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too
     chosen = select_backend(backend).name
     kernel = "flash" if attention == "flash" or (attention == "auto" and can_flash) else "reference"
     with cb_hooks.lock:
@@ -340,29 +347,27 @@ def enable_continuous_batching(
             )
         group = distributed.tensor_parallel_group(model)
         ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
-        if ranks is not None:  # every rank enables the same way (or all raise)
-            try:
-                options = (chosen, kernel, query_buckets, debug)
+        handle = None
+        try:
+            if ranks is not None:  # every rank enables the same way (or all raise)
+                buckets = None if query_buckets is None else sorted({int(b) for b in query_buckets})
                 ranks.agree(
                     0,
-                    distributed.fingerprint(repr(options)),
+                    distributed.fingerprint(repr((chosen, kernel, buckets, debug))),
                     f"{_WHO} options",
                     f"call {_WHO} with the same arguments on every rank",
                 )
-            except BaseException:
-                ranks.close()
-                raise
-        handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug, ranks)
-        cb_hooks.register(handle)  # installs the hooks with the first handle
-        try:
+            handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug, ranks)
+            cb_hooks.register(handle)  # installs the hooks with the first handle
             if needs_experts_break(model):
                 handle._previous_experts = model.get_experts_implementation()
                 model.set_experts_implementation(EXPERTS_KEY)
             model.set_attn_implementation(CB_ATTENTION_KEY)
         except BaseException:
-            if handle._previous_experts is not None:
-                model.set_experts_implementation(handle._previous_experts)
-            cb_hooks.unregister(handle)
+            if handle is not None:
+                if handle._previous_experts is not None:
+                    model.set_experts_implementation(handle._previous_experts)
+                cb_hooks.unregister(handle)
             if ranks is not None:
                 ranks.close()
             raise

@@ -1,0 +1,37 @@
+"""The tiny random transformers models the integration tests share (CPU-fast, any family).
+
+Every test file builds its models from these pieces, so a change of shape (or a family
+added) happens once. Two layers, hidden 64, 4 query and 2 KV heads; head_dim 16 where the
+family allows it. Mistral's window (8) is shorter than the longer test prompts, so the
+window must be applied.
+"""
+
+from __future__ import annotations
+
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+#: family -> (transformers config class name, extra config kwargs), the dense families
+DENSE_FAMILIES = {
+    "llama": ("LlamaConfig", dict(head_dim=16)),
+    "qwen2": ("Qwen2Config", dict()),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=8)),
+    "gemma": ("GemmaConfig", dict(head_dim=16)),
+}
+
+#: the MoE families' extra kwargs (each test file adds the routing it needs)
+QWEN3_MOE = dict(num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+MIXTRAL = dict(head_dim=16, num_local_experts=4)
+
+
+def tiny_config(class_name: str, **kwargs):
+    """``transformers.<class_name>(**TINY_SHAPE, **kwargs)``; kwargs override the shape."""
+    import transformers
+
+    return getattr(transformers, class_name)(**{**TINY_SHAPE, **kwargs})
