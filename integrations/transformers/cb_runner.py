@@ -63,8 +63,8 @@ DEFAULT_BUCKET_FACTOR, DEFAULT_FIRST_BUCKET = 4, 32
 
 
 def bucket_sizes(query_buckets, max_batch_tokens: int) -> tuple[int, ...]:
-    """The query-token buckets of a runner: the given sizes (default: 32, 128, 512, ...,
-    powers of 4 times 2) up to ``max_batch_tokens``, which is always the last bucket.
+    """The query-token buckets of a runner: the given sizes (default: 32, 128, 512, ..., a
+    factor of 4 apart) below ``max_batch_tokens``, which is always the last bucket.
 
     Example::
 
