@@ -560,3 +560,43 @@ def test_continuous_batching_under_tp_refuses_different_settings_on_every_rank(c
         assert "was not captured before serving" in result["lazy_capture"]
         assert result["options_mismatch"] == "RankMismatchError"
         assert result["restored"]
+
+
+# -- in one process: the keep-alive after a failed NCCL capture ------------------------------------
+def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch):
+    """After a failed NCCL capture step a runner's close() must not free its graphs (a device
+    sync could wait for ever on collectives no peer joins); gloo and healthy groups free them."""
+    import torch.distributed as dist
+
+    from breakgraph import distributed
+    from breakgraph.runner import BucketedRunner
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = distributed.RankGroup(timeout=30)
+        runner = BucketedRunner(
+            lambda x: x * 2, (4, 8), (torch.zeros(1, 3),), backend="emulated", ranks=ranks
+        )
+        graphs = [bucket.graph for bucket in runner._buckets.values()]
+        kept = len(distributed._KEPT_UNTIL_EXIT)
+        # a healthy group: close() resets the graphs
+        assert not ranks.keeps_memory
+        # the state capture_step leaves after a failure with NCCL
+        monkeypatch.setattr(ranks, "nccl", True)
+        ranks._broken = "capture of bucket 4 failed on rank(s) [1]"
+        assert ranks.keeps_memory
+        runner.close()
+        assert len(distributed._KEPT_UNTIL_EXIT) == kept + 1
+        held = distributed._KEPT_UNTIL_EXIT[-1]
+        assert {id(bucket.graph) for bucket in held} == {id(g) for g in graphs}
+        assert all(g.num_segments > 0 for g in graphs)  # not reset
+        # capture_step's own keep is a snapshot: clearing the owner's dict keeps the values
+        owner = {4: "graph"}
+        ranks._keep_until_exit((owner, "buffer"))
+        owner.clear()
+        assert distributed._KEPT_UNTIL_EXIT[-1] == (("graph",), "buffer")
+        ranks._broken = None
+        ranks.close()
+    finally:
+        del distributed._KEPT_UNTIL_EXIT[kept:]
+        dist.destroy_process_group()
