@@ -57,9 +57,9 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 try:  # python -m benchmarks.bench_cb
-    from .families import FAMILIES
+    from .families import FAMILIES, SMOKE_FAMILIES
 except ImportError:  # python benchmarks/bench_cb.py
-    from families import FAMILIES
+    from families import FAMILIES, SMOKE_FAMILIES
 
 CONFIGS = {  # the dense shapes are benchmarks/families.py's (bench_prefill uses them too)
     "llama-1b": FAMILIES["llama-1b"].config,
@@ -79,16 +79,7 @@ CONFIGS = {  # the dense shapes are benchmarks/families.py's (bench_prefill uses
         decoder_sparse_step=1,
         mlp_only_layers=[],
     ),
-    "tiny-llama": lambda: transformers.LlamaConfig(  # --smoke
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    ),
+    "tiny-llama": SMOKE_FAMILIES["tiny-llama"].config,  # --smoke
 }
 VARLEN_KEY = "paged|torch_varlen"
 

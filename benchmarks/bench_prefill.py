@@ -427,7 +427,6 @@ def correctness(model, singles, batch, padded, runners, graphs, compiled) -> dic
 
 def time_single(run: Run, model, n: int, p, runners, graphs, compiled) -> dict:
     """One prompt of ``n`` tokens: medians of all variants, taking turns."""
-    s = run.settings
     fns = {"hf_eager": lambda: hf_eager(model, p)}
     if n in graphs:
         fns["hf_graph"] = lambda: graphs[n](input_ids=p[None])
@@ -435,7 +434,16 @@ def time_single(run: Run, model, n: int, p, runners, graphs, compiled) -> dict:
         fns[name] = lambda r=r: r.prefill([p])
     if "compile_ro" in compiled:
         fns["compile_ro"] = lambda: compiled["compile_ro"](p)
-    timed = interleaved(
+    timed = take_turns(run, fns)
+    buckets = runners["breakgraph"].buckets if "breakgraph" in runners else ()
+    row = {"workload": f"single {n}", "kind": "single", "tokens": n, "prompts": 1}
+    return {**row, "bucket": bucket_for(buckets, n), **timed}
+
+
+def take_turns(run: Run, fns: dict) -> dict:
+    """The variants in ``fns`` timed taking turns, with the run's rounds and spread pairs."""
+    s = run.settings
+    return interleaved(
         fns,
         rounds=s.rounds,
         iters=s.iters,
@@ -443,9 +451,6 @@ def time_single(run: Run, model, n: int, p, runners, graphs, compiled) -> dict:
         sync=run.sync,
         spread=[x for x in SPREAD_PAIRS if set(x) <= set(fns)],
     )
-    buckets = runners["breakgraph"].buckets if "breakgraph" in runners else ()
-    row = {"workload": f"single {n}", "kind": "single", "tokens": n, "prompts": 1}
-    return {**row, "bucket": bucket_for(buckets, n), **timed}
 
 
 def time_batch(run: Run, model, batch, padded, runners, graphs) -> dict:
@@ -457,14 +462,7 @@ def time_batch(run: Run, model, batch, padded, runners, graphs) -> dict:
         fns["hf_graph"] = lambda: graphs["batch"](**padded.inputs())
     for name, r in serving(runners, batch).items():
         fns[name] = lambda r=r: r.prefill(batch)
-    timed = interleaved(
-        fns,
-        rounds=s.rounds,
-        iters=s.iters,
-        warmup=s.warmup,
-        sync=run.sync,
-        spread=[x for x in SPREAD_PAIRS if set(x) <= set(fns)],
-    )
+    timed = take_turns(run, fns)
     timed["ms"]["hf_eager"] = median_ms(
         lambda: [hf_eager(model, p) for p in batch], calls=s.eager_batch_calls, sync=run.sync
     )

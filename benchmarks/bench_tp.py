@@ -42,6 +42,11 @@ from datetime import timedelta
 
 import torch
 
+try:  # python -m benchmarks.bench_tp
+    from .families import TINY
+except ImportError:  # torchrun benchmarks/bench_tp.py
+    from families import TINY
+
 LLAMA_8B = dict(
     vocab_size=128256,
     hidden_size=4096,
@@ -51,15 +56,6 @@ LLAMA_8B = dict(
     num_key_value_heads=8,
     max_position_embeddings=4096,
     rope_theta=500000.0,
-)
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
 )
 FULL = {"config": LLAMA_8B, "lengths": (32, 128, 512, 2048), "batch": (8, 200), "rounds": 5}
 SMOKE = {"config": TINY, "lengths": (8, 16, 32, 64), "batch": (1, 5), "rounds": 1}

@@ -139,7 +139,7 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
-_TINY = dict(
+TINY = dict(  # the smoke runs' shape (bench_prefill, bench_cb, bench_tp)
     vocab_size=128,
     hidden_size=64,
     intermediate_size=128,
@@ -152,10 +152,10 @@ _TINY = dict(
 SMOKE_FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("tiny-llama", lambda: _tf().LlamaConfig(**_TINY), "2 layers, hidden 64"),
+        Family("tiny-llama", lambda: _tf().LlamaConfig(**TINY), "2 layers, hidden 64"),
         Family(
             "tiny-mixtral",
-            lambda: _tf().MixtralConfig(**_TINY, num_local_experts=4, num_experts_per_tok=2),
+            lambda: _tf().MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
             "2 layers, hidden 64, 4 experts, top-2",
         ),
     )

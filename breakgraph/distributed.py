@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -347,13 +347,8 @@ class RankGroup:
 
     @property
     def keeps_memory(self) -> bool:
-        """True once a step failed with NCCL: graphs must not be freed (see capture_step);
-        owners call :meth:`keep_until_exit` in their ``close()`` instead of resetting them."""
+        """True once a step failed with NCCL: graphs must not be freed (see capture_step)."""
         return self.nccl and self._broken is not None
-
-    def keep_until_exit(self, keep: Any) -> None:
-        """Keep ``keep`` (graphs, buffers) alive until the process exits."""
-        _KEPT_UNTIL_EXIT.append(keep)
 
     def _keep_until_exit(self, keep: Any) -> None:
         """With NCCL, never free what a failed capture step touched (see capture_step).
@@ -415,6 +410,16 @@ def all_reduce_as_breaks() -> Iterator[None]:
         yield
     finally:
         dist.all_reduce = original
+
+
+def release_graphs(graphs: Iterable[Any], ranks: RankGroup | None) -> None:
+    """Reset ``graphs`` (a runner's ``close()``), unless ``ranks`` saw a failed NCCL capture
+    step: then keep them until the process exits (see :meth:`RankGroup.capture_step`)."""
+    if ranks is not None and ranks.keeps_memory:
+        _KEPT_UNTIL_EXIT.append(tuple(graphs))
+        return
+    for graph in graphs:
+        graph.reset()
 
 
 def _snapshot(keep: Any) -> Any:

@@ -675,11 +675,7 @@ class BucketedRunner:
     def close(self) -> None:
         """Release every graph and static buffer (after a failed multi-rank NCCL capture:
         keep them until the process exits, see ``RankGroup.capture_step``)."""
-        if self.ranks is not None and self.ranks.keeps_memory:
-            self.ranks.keep_until_exit(tuple(self._buckets.values()))
-        else:
-            for bucket in self._buckets.values():
-                bucket.graph.reset()
+        distributed.release_graphs((b.graph for b in self._buckets.values()), self.ranks)
         self._buckets.clear()
         self._sizes = ()
         self._decisions.clear()

@@ -588,7 +588,7 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
         runner.close()
         assert len(distributed._KEPT_UNTIL_EXIT) == kept + 1
         held = distributed._KEPT_UNTIL_EXIT[-1]
-        assert {id(bucket.graph) for bucket in held} == {id(g) for g in graphs}
+        assert {id(graph) for graph in held} == {id(g) for g in graphs}
         assert all(g.num_segments > 0 for g in graphs)  # not reset
         # capture_step's own keep is a snapshot: clearing the owner's dict keeps the values
         owner = {4: "graph"}

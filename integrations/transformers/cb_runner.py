@@ -306,11 +306,6 @@ class BreakgraphModelRunner(ModelRunner):
         """Release the graphs; later steps raise. (After a failed multi-rank NCCL capture the
         graphs are kept until the process exits, see ``RankGroup.capture_step``.)"""
         self._closed = True
-        ranks = self.handle.ranks
-        if ranks is not None and ranks.keeps_memory:
-            ranks.keep_until_exit(tuple(self._graphs.values()))
-        else:
-            for graph in self._graphs.values():
-                graph.reset()
+        distributed.release_graphs(self._graphs.values(), self.handle.ranks)
         self._graphs.clear()
         self._pool = None
