@@ -17,10 +17,12 @@ repeated passes cannot reuse cached blocks). Variants:
 
   paged_sdpa    (a) transformers CB as shipped without flash_attn: ``paged|sdpa``, a dense
                 [tokens x KV] mask, no graphs
-  breakgraph    (b) ``enable_continuous_batching``: one breakable graph per query bucket,
-                each layer's cache access + varlen attention an eager break
-  breakgraph_async  (b) with ``use_async_batching=True``: two IO pairs, the host prepares
-                step N+1 while the device runs step N (CUDA only)
+  breakgraph    (b) ``enable_continuous_batching`` with ``use_async_batching=False``: one
+                breakable graph per query bucket, each layer's cache access + varlen
+                attention an eager break, steps synchronous
+  breakgraph_async  (b) with asynchronous batching, the default on CUDA: two IO pairs
+                sharing one graph per bucket, the host prepares step N+1 while the device
+                runs step N (CUDA only)
   breakgraph_pow2  (b) with the earlier default query buckets (powers of two from 8), to
                 measure what the coarser default (32, 128, 512, ...) costs or saves
   whole_graph   (c) transformers' own whole-step CUDA graphs (the design it uses with
@@ -229,7 +231,7 @@ def run_cb_variant(model, name, args, sets, gen, instruments, backend) -> tuple[
         max_batch_tokens=args.max_batch_tokens,
         allow_block_sharing=False,
         use_cuda_graph=True if name == "whole_graph" else None,
-        use_async_batching=True if name in ("whole_graph", "breakgraph_async") else None,
+        use_async_batching=name in ("whole_graph", "breakgraph_async"),
     )
     handle = None
     if name == "breakgraph_pow2":  # the earlier default ladder: powers of two from 8

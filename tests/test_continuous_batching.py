@@ -564,7 +564,7 @@ def agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[float, float]
     return first, whole
 
 
-def cuda_run(dtype, attention, arch="llama", async_batching=None):
+def cuda_run(dtype, attention, arch="llama", async_batching=False):
     model = build_model(arch, device="cuda", dtype=dtype, **CUDA_SHAPE)
     prompts = cuda_prompts()
     gen = generation_config(max_new_tokens=16, pad_token_id=999)
@@ -575,7 +575,7 @@ def cuda_run(dtype, attention, arch="llama", async_batching=None):
     with enable_continuous_batching(model, attention=attention) as handle:
         got = generate_batch(model, prompts, gen=gen, cbc=cbc(use_async_batching=async_batching))
         runners = handle.runners
-    assert all(r.async_io == bool(async_batching) for r in runners)
+    assert all(r.async_io == (async_batching is not False) for r in runners)  # None: on (CUDA)
     return got, ref, handle
 
 
@@ -689,15 +689,96 @@ def test_serve_launcher_answers_a_completion(tmp_path):
 @needs_517
 @pytest.mark.requires_cuda
 def test_cuda_async_batching_agrees_with_paged_sdpa():
-    """Asynchronous batching: two IO pairs, so two graphs per bucket; the host prepares step
-    N+1 while the device runs step N (the breaks never wait for the device)."""
-    got, ref, handle = cuda_run(torch.bfloat16, "flash", async_batching=True)
+    """Asynchronous batching: two IO pairs sharing one graph per bucket (SharedStepIO); the
+    host prepares step N+1 while the device runs step N (the breaks never wait for it)."""
+    got, ref, handle = cuda_run(torch.bfloat16, "flash", async_batching=None)  # the default
     first, whole = agreement(got, ref)
     print(f"\nasync bf16: first tokens {first:.3f}, whole sequences {whole:.3f}\n{handle.stats}")
     assert first >= 0.9 and whole >= 0.5, (first, whole)
     stats = handle.stats
     assert stats.eager_steps == 0 and stats.replays > 0
-    assert stats.captures == 2 * len(stats.buckets)
+    assert stats.captures == len(stats.buckets)  # one graph per bucket for both pairs
+
+
+@needs_517
+@pytest.mark.requires_cuda
+def test_cuda_fp32_async_batching_matches_paged_sdpa():
+    """Exact tokens with asynchronous batching: a step that read the other pair's inputs or
+    lost a carried-over token would change the sequences."""
+    got, ref, handle = cuda_run(torch.float32, "reference", async_batching=True)
+    first, whole = agreement(got, ref)
+    print(f"\nasync fp32 reference: first tokens {first:.3f}, whole sequences {whole:.3f}")
+    assert first >= 0.99 and whole >= 0.97, (first, whole)
+    stats = handle.stats
+    assert stats.eager_steps == 0 and stats.replays > 0
+    assert stats.captures == len(stats.buckets)
+
+
+def test_async_batching_is_the_default_with_graphs_on_a_single_cuda_model():
+    """transformers' own rule for its graphs (async with graphs and no mask), applied to
+    breakgraph's: on for a CUDA model with graphs, off without graphs, on the CPU (transformers'
+    async IO needs CUDA) and under tensor parallelism. The CUDA tests run it for real."""
+    model = build_model("llama")
+    with enable_continuous_batching(model, backend="emulated") as handle:
+        assert not handle._async_by_default(True)  # a CPU model
+        handle.device = torch.device("cuda")  # what the rule reads: the model's device
+        assert handle._async_by_default(True)
+        assert not handle._async_by_default(False)
+        handle.ranks = object()  # a RankGroup: tensor parallelism
+        assert not handle._async_by_default(True)
+        handle.ranks, handle.device = None, torch.device("cpu")
+
+
+def test_shared_step_io_moves_every_view_of_the_bulk_tensor():
+    """SharedStepIO.rebase: views of the pair's bulk tensor (in the batch, in lists and dicts,
+    the carry-over ids) become the same views of the shared one; other tensors stay; load and
+    store copy a pair's inputs in and its output ids out."""
+    from types import SimpleNamespace
+
+    from breakgraph.integrations.transformers.cb_runner import SharedStepIO
+
+    def pair(seed):
+        g = torch.Generator().manual_seed(seed)
+        bulk = torch.randint(0, 100, (8, 64), generator=g, dtype=torch.int32)
+        return SimpleNamespace(
+            _bulk_input_tensor=bulk,
+            output_ids=torch.randint(0, 100, (1, 65), generator=g, dtype=torch.int32),
+            write_index_storage=torch.randint(0, 100, (2, 64), generator=g),
+        )
+
+    first, second = pair(1), pair(2)
+    shared = SharedStepIO(first)
+    bulk = first._bulk_input_tensor
+    batch = {
+        "input_ids": bulk[0, :16].unsqueeze(0),
+        "logits_processor_args": bulk[7:, :4],
+        "cu_seq_lens_k": {"full_attention": bulk[4, :5]},
+        "write_index": [first.write_index_storage[0, :16]],
+        "max_seqlen_q": 16,
+        "cache": "the cache",
+    }
+    model, data, carry, previous, output = shared.rebase(
+        ("model", batch, bulk[6, :16], second.output_ids, first.output_ids), first
+    )
+    assert model == "model" and data["max_seqlen_q"] == 16 and data["cache"] == "the cache"
+    assert data["write_index"][0] is batch["write_index"][0]  # read by the breaks, live
+    assert previous is shared.previous_output and output is shared.output
+    pairs = [
+        (data["input_ids"], batch["input_ids"]),
+        (data["logits_processor_args"], batch["logits_processor_args"]),
+        (data["cu_seq_lens_k"]["full_attention"], batch["cu_seq_lens_k"]["full_attention"]),
+        (carry, bulk[6, :16]),
+    ]
+    for view, original in pairs:
+        assert view.untyped_storage().data_ptr() == shared.bulk.untyped_storage().data_ptr()
+        assert view.shape == original.shape and view.stride() == original.stride()
+    shared.load(second, first)  # a step of the other pair: its inputs, the first pair's outputs
+    assert torch.equal(data["input_ids"], second._bulk_input_tensor[0, :16].unsqueeze(0))
+    assert torch.equal(carry, second._bulk_input_tensor[6, :16])
+    assert torch.equal(shared.previous_output, first.output_ids)
+    shared.output.random_(0, 100)
+    shared.store(second)
+    assert torch.equal(second.output_ids, shared.output)
 
 
 @needs_517

@@ -25,6 +25,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import breakgraph
+
 transformers = pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers import (  # noqa: E402
@@ -614,6 +616,52 @@ def test_captured_attention_needs_cuda_flash(backend):
                 )
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize(
+    "prompt, window, kernel",
+    [
+        (13, None, "sdpa"),  # one prompt, a padding tail of 7 rows
+        (20, None, "sdpa"),  # one prompt filling the bucket
+        (13, 20, "sdpa"),  # a window as wide as the row never binds
+        (13, 8, "varlen"),  # a window that binds: SDPA's is_causal cannot express it
+    ],
+)
+def test_one_prompt_runs_causal_sdpa_over_the_row(prompt, window, kernel, monkeypatch):
+    """A batch of one prompt runs HF's own causal SDPA call over the whole bucket row (the
+    padding rows follow the prompt, so causality keeps them out of its rows); anything
+    else runs the varlen kernel. CPU, fp32: the SDPA path against the exact reference."""
+    rows, heads, kv_heads, dim = 20, 4, 2, 16
+    generator = torch.Generator().manual_seed(prompt + (window or 0))
+    q, k, v = (
+        torch.randn(1, h, rows, dim, generator=generator) for h in (heads, kv_heads, kv_heads)
+    )
+    bounds = [(0, prompt)] + ([(prompt, rows)] if prompt < rows else [])
+    exact = bg_attention.reference_attention(
+        *(t[0].transpose(0, 1) for t in (q, k, v)), bounds, 0.25, window
+    )
+    seen = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None):
+        seen.append("varlen")
+        return out.copy_(exact)
+
+    monkeypatch.setattr(bg_attention, "flash_varlen", fake_varlen)
+    out = torch.full((rows, heads, dim), float("nan"))
+    call = bg_attention.LayerAttention(0, q, k, v, 0.25, window, "flash", out=out)
+    batch = bg_attention.PackedBatch(bounds, None, prompt, one_prompt=True)
+    for _ in range(2):  # the head-major views of ``out`` are made once, then reused
+        with breakgraph.context_scope(batch):
+            got = call()
+    assert got is out and seen == ["varlen"] * (2 if kernel == "varlen" else 0)
+    torch.testing.assert_close(got[:prompt], exact[:prompt], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()  # the tail rows are written too
+    # several prompts in the row: always the varlen kernel
+    two = bg_attention.PackedBatch([(0, 5), (5, prompt)], None, prompt - 5, one_prompt=False)
+    seen.clear()
+    with breakgraph.context_scope(two):
+        call()
+    assert seen == ["varlen"]
 
 
 def test_auto_attention_choice(backend, closing):

@@ -8,10 +8,14 @@ norms, projections, RoPE, MLPs, lm_head) is captured; the attention itself runs
 eagerly on every replay with the *exact* metadata of the live batch (sequence
 boundaries, maximum length), read from :func:`breakgraph.replay_context`.
 
-Kernels: FlashAttention-2's varlen kernel inside ATen (what
-``torch.nn.attention.varlen.varlen_attn`` calls; no ``flash_attn`` package) on
-CUDA in bf16/fp16; otherwise a per-sequence ``scaled_dot_product_attention``
-reference (CPU, fp32), exact to the model's own attention.
+Kernels: on CUDA in bf16/fp16, a batch of one prompt runs
+``scaled_dot_product_attention`` with ``is_causal`` over the whole bucket, the very
+call HF's own ``sdpa`` attention makes (cuDNN's Hopper kernel on an H200: 2-3x faster
+than the varlen kernel at a few hundred tokens; the padding rows come after the prompt,
+so causality keeps them out of its rows); several packed prompts run FlashAttention-2's
+varlen kernel inside ATen (what ``torch.nn.attention.varlen.varlen_attn`` calls; no
+``flash_attn`` package). Otherwise (CPU, fp32) a per-sequence
+``scaled_dot_product_attention`` reference, exact to the model's own attention.
 
 The break of each layer is a small callable built once at capture with its views
 of the capture-time ``q``/``k``/``v`` prepared, so a replay pays one kernel launch
@@ -59,12 +63,15 @@ class PackedBatch:
     ``bounds`` are ``(start, end)`` token ranges of each sequence in the packed
     row, the padding tail included as a last dummy sequence so every row is
     written; ``cu_seqlens`` holds the same boundaries on the device (int32) and
-    ``max_seqlen`` the longest sequence.
+    ``max_seqlen`` the longest sequence. ``one_prompt``: the row holds one prompt
+    from row 0 (and maybe a padding tail), so causal attention over the whole row
+    is exact for the prompt's rows.
     """
 
     bounds: list
     cu_seqlens: torch.Tensor | None
     max_seqlen: int
+    one_prompt: bool = False
 
 
 def flash_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -145,14 +152,39 @@ class LayerAttention:
         self.scaling, self.window, self.kernel = scaling, window, kernel
         self.contiguous = all(t.stride(-1) == 1 for t in (self.q, self.k, self.v))
         self.out = out
+        # one prompt filling the row from 0: plain causal SDPA is exact (the window never
+        # binds when it spans the whole row)
+        rows = self.q.shape[0]
+        self.whole_row_causal = kernel == "flash" and (window is None or window >= rows)
+        self.gqa = self.q.shape[1] != self.k.shape[1]
+        self._head_major()
+        self._out, self._out_head_major = None, None
+
+    def _head_major(self) -> None:
+        # ``[1, H, N, D]`` views for SDPA, made once (a view costs host time on every replay)
+        self.q4, self.k4, self.v4 = (t.transpose(0, 1)[None] for t in (self.q, self.k, self.v))
 
     def __call__(self) -> torch.Tensor:
         batch: PackedBatch = breakgraph.replay_context()
         if self.kernel == "flash":
+            if batch.one_prompt and self.whole_row_causal:
+                return self.causal_sdpa(self.out)
             return self.flash(batch.cu_seqlens, batch.max_seqlen, self.out)
         return reference_attention(
             self.q, self.k, self.v, batch.bounds, self.scaling, self.window, out=self.out
         )
+
+    def causal_sdpa(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal SDPA over every row (HF's own ``sdpa`` call): ``[N, Hq, D]``, into ``out``."""
+        result = F.scaled_dot_product_attention(
+            self.q4, self.k4, self.v4, is_causal=True, scale=self.scaling, enable_gqa=self.gqa
+        )
+        if out is None:
+            return result[0].transpose(0, 1)
+        if out is not self._out:
+            self._out, self._out_head_major = out, out.transpose(0, 1)[None]
+        self._out_head_major.copy_(result)
+        return out
 
     def flash(
         self, cu_seqlens: torch.Tensor, max_seqlen: int, out: torch.Tensor | None = None
@@ -168,6 +200,7 @@ class LayerAttention:
     def borrow(self) -> None:
         """Read ``q``/``k``/``v`` through borrowed aliases (see breakgraph.memory)."""
         self.q, self.k, self.v = (borrowed(t) for t in (self.q, self.k, self.v))
+        self._head_major()
 
 
 def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None) -> torch.Tensor:

@@ -166,6 +166,8 @@ class _TransformersPatches:
         use_graphs = handle._use_graphs(cb_config)
         adjusted = copy.copy(cb_config)
         adjusted.use_cuda_graph = False  # transformers' own whole-step graphs: never here
+        if adjusted.use_async_batching is None:
+            adjusted.use_async_batching = handle._async_by_default(use_graphs)
         resolved = self.original_resolve(
             config=config,
             cb_config=adjusted,

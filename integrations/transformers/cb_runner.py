@@ -18,8 +18,9 @@ tokens) and changes three things:
 * ``warmup``: captures every bucket up front (largest first, so smaller ones reuse
   its memory pool), with fake one-request batches that read no cache.
 
-With asynchronous batching (two IO pairs of static buffers, CUDA only) there is one
-graph per bucket and pair.
+With asynchronous batching (two IO pairs of static buffers, CUDA only) both pairs share
+one graph per bucket: the graphs read a third set of static tensors (:class:`SharedStepIO`),
+and each step copies its pair's inputs in and its output ids out (three small copies).
 
 Under tensor parallelism (the handle holds a :class:`~breakgraph.distributed.RankGroup`)
 transformers keeps the ranks in lock step: rank 0 broadcasts the requests and every rank's
@@ -80,6 +81,62 @@ def bucket_sizes(query_buckets, max_batch_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(sizes)) + (max_batch_tokens,)
 
 
+class SharedStepIO:
+    """Asynchronous batching: the static tensors that the graphs read, shared by both IO pairs.
+
+    transformers' asynchronous IO alternates two pairs of static buffers so the host can
+    stage step N+1 while the device runs step N; a plain graph reads fixed addresses, so
+    it would need one graph per pair. The captured kernels of a step read only three
+    tensors of the pairs: the pair's bulk input tensor (ids, positions, logits indices,
+    carry-over ids, logits-processor arguments, all in one int32 tensor), the other
+    pair's output ids (tokens carried over from the step before) and the pair's output ids
+    (written). The attention breaks read the live pair through :class:`CBStep`. So the
+    graphs are captured over copies of those three, and every step copies in, replays and
+    copies out, on the compute stream: one graph per bucket for both pairs.
+
+    Example (what a step does; ``pair`` and ``previous`` are transformers' device IOs)::
+
+        shared = SharedStepIO(io.io_pairs[0].device_io)
+        args = shared.rebase(args, pair)        # once, for the capture
+        shared.load(pair, previous); graph.replay(); shared.store(pair)
+    """
+
+    def __init__(self, device_io: Any) -> None:
+        self.bulk = torch.zeros_like(device_io._bulk_input_tensor)
+        self.previous_output = torch.zeros_like(device_io.output_ids)
+        self.output = torch.zeros_like(device_io.output_ids)
+
+    def rebase(self, args: tuple, device_io: Any) -> tuple:
+        """``(model, batch_data, carry_over_ids, prev_output_ids, output_ids)`` of a step of
+        ``device_io``, with every view of its bulk tensor moved onto the shared one."""
+        model, batch_data, carry_over_ids, _, _ = args
+        base = device_io._bulk_input_tensor
+
+        def moved(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if value.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                    return value
+                offset = value.storage_offset() - base.storage_offset()
+                return self.bulk.as_strided(value.shape, value.stride(), offset)
+            if isinstance(value, list):
+                return [moved(v) for v in value]
+            if isinstance(value, dict):
+                return {k: moved(v) for k, v in value.items()}
+            return value
+
+        data = {k: moved(v) for k, v in batch_data.items()}
+        return model, data, moved(carry_over_ids), self.previous_output, self.output
+
+    def load(self, device_io: Any, previous_io: Any) -> None:
+        """Copy a step's inputs in (on the current stream, after its host-to-device copy)."""
+        self.bulk.copy_(device_io._bulk_input_tensor)
+        self.previous_output.copy_(previous_io.output_ids)
+
+    def store(self, device_io: Any) -> None:
+        """Copy the step's output ids back into its pair (read by the device-to-host copy)."""
+        device_io.output_ids.copy_(self.output)
+
+
 class BreakgraphModelRunner(ModelRunner):
     """A CB ``ModelRunner`` whose steps replay breakable graphs (one per query bucket).
 
@@ -97,8 +154,10 @@ class BreakgraphModelRunner(ModelRunner):
         self.buckets = bucket_sizes(handle.query_buckets, self.cache.max_batch_tokens)
         self.async_io = isinstance(self.inputs_and_outputs, ContinuousBatchingAsyncIOs)
         self.step = CBStep(handle.kernel, self._ios()[1].cumulative_seqlens_k.keys())
-        # asynchronous batching alternates two IO pairs (static buffers): a graph per pair
-        self._graphs: dict[tuple[int, int], breakgraph.BreakableCUDAGraph] = {}
+        # asynchronous batching alternates two IO pairs of static buffers; the graphs read a
+        # third set, shared (see SharedStepIO)
+        self.shared = SharedStepIO(self._ios()[1]) if self.async_io and use_graphs else None
+        self._graphs: dict[int, breakgraph.BreakableCUDAGraph] = {}
         self._pool = None
         self._closed = False
         self.thread: threading.Thread | None = None  # the generation loop that ran the last step
@@ -119,6 +178,11 @@ class BreakgraphModelRunner(ModelRunner):
             return io, io, 0
         pair = io.io_pairs[io.current_pair]
         return pair.host_io, pair.device_io, io.current_pair
+
+    def _previous_device_io(self) -> Any:
+        """The other pair's device IO: its output ids are the tokens carried over."""
+        io = self.inputs_and_outputs
+        return io.io_pairs[1 - io.current_pair].device_io
 
     # -- buckets ---------------------------------------------------------------------------
     def bucket_for(self, num_q_tokens: int) -> int:
@@ -161,8 +225,7 @@ class BreakgraphModelRunner(ModelRunner):
             return
         if self.supports_logits_to_keep(model):
             batch_data["logits_to_keep"] = batch_data["logits_indices"]
-        args = (model, batch_data, *io.get_cb_kwargs())
-        graph = self._graphs.get((pair, bucket))
+        graph = self._graphs.get(bucket)
         if graph is None:
             if self.handle.ranks is not None and threading.current_thread() is not self._warmer:
                 raise ReplayError(
@@ -172,13 +235,18 @@ class BreakgraphModelRunner(ModelRunner):
                     f"manager.warmup() before manager.start(). A capture in transformers' "
                     f"generation thread could not fail cleanly on every rank."
                 )
-            self._capture(pair, bucket, args)
+            self._capture(bucket, (model, batch_data, *io.get_cb_kwargs()), device_io)
         elif stream is None:
             graph.replay(context=step)
             self.handle.stats._record(bucket, replays=1)
         else:
+            shared = self.shared
             with torch.cuda.stream(stream):
+                if shared is not None:
+                    shared.load(device_io, self._previous_device_io())
                 graph.replay(context=step)
+                if shared is not None:
+                    shared.store(device_io)
             self.handle.stats._record(bucket, replays=1)
 
     def _agree(self, host_io: Any, bucket: int, pair: int) -> None:
@@ -204,30 +272,34 @@ class BreakgraphModelRunner(ModelRunner):
             "schedules the requests of TP rank 0 on all ranks",
         )
 
-    def _capture(self, pair: int, bucket: int, args: tuple) -> None:
+    def _capture(self, bucket: int, args: tuple, device_io: Any) -> None:
         """Warm up eagerly (no cache access), then capture; the capture pass computes the step.
 
         Under tensor parallelism both happen in one capture step of the rank group."""
         start = time.perf_counter()
         graph = breakgraph.BreakableCUDAGraph()
         ranks = self.handle.ranks
+        if self.shared is not None:
+            args = self.shared.rebase(args, device_io)
         if ranks is None:
-            self._warm_up_and_capture(graph, args)
+            self._warm_up_and_capture(graph, args, device_io)
         else:
             ranks.capture_step(
                 f"capture of continuous-batching bucket {bucket}",
-                lambda: self._warm_up_and_capture(graph, args),
+                lambda: self._warm_up_and_capture(graph, args, device_io),
                 lambda _: distributed.fingerprint(repr(graph)),
                 keep=(self._graphs, graph),
             )
         self._pool = graph.pool()
-        self._graphs[pair, bucket] = graph
+        self._graphs[bucket] = graph
         self.handle.stats._record(
             bucket, captures=1, capture_s=time.perf_counter() - start, breaks=graph.num_breaks
         )
 
-    def _warm_up_and_capture(self, graph: breakgraph.BreakableCUDAGraph, args: tuple) -> None:
-        io, step = self.inputs_and_outputs, self.step
+    def _warm_up_and_capture(
+        self, graph: breakgraph.BreakableCUDAGraph, args: tuple, device_io: Any
+    ) -> None:
+        io, step, shared = self.inputs_and_outputs, self.step, self.shared
         stream = io.compute_stream
         step.warmup = True
         try:
@@ -235,6 +307,8 @@ class BreakgraphModelRunner(ModelRunner):
                 torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
                 breakgraph.context_scope(step),
             ):
+                if shared is not None:
+                    shared.load(device_io, self._previous_device_io())
                 self._forward_process_and_sample(*args)
         finally:
             step.warmup = False
@@ -248,6 +322,9 @@ class BreakgraphModelRunner(ModelRunner):
             debug=self.handle.debug,
         ):
             self._forward_process_and_sample(*args)
+        if shared is not None:
+            with torch.cuda.stream(stream):
+                shared.store(device_io)  # the capture pass computed this step
         if stream is not None:
             stream.synchronize()  # count the capture pass in the capture time
 
@@ -257,13 +334,9 @@ class BreakgraphModelRunner(ModelRunner):
         if not self.use_graphs:
             return
         self._warmer = threading.current_thread()
-        io = self.inputs_and_outputs
-        for _ in range(2 if self.async_io else 1):
-            for bucket in sorted(self.buckets, reverse=True):
-                if (self._ios()[2], bucket) not in self._graphs:
-                    self._warm_bucket(model, bucket)
-            if self.async_io:
-                io.swap_io_pairs()
+        for bucket in sorted(self.buckets, reverse=True):  # largest first: the rest reuse its pool
+            if bucket not in self._graphs:
+                self._warm_bucket(model, bucket)
 
     def _warm_bucket(self, model: torch.nn.Module, bucket: int) -> None:
         """Capture ``bucket`` with a fake one-request prefill that reads no cache.
@@ -293,8 +366,8 @@ class BreakgraphModelRunner(ModelRunner):
     # -- lifetime --------------------------------------------------------------------------
     @property
     def graphs(self) -> dict[int, breakgraph.BreakableCUDAGraph]:
-        """Captured graphs by query bucket (of the first IO pair with asynchronous batching)."""
-        return {bucket: g for (pair, bucket), g in self._graphs.items() if pair == 0}
+        """Captured graphs by query bucket (one for both IO pairs with asynchronous batching)."""
+        return dict(self._graphs)
 
     @property
     def in_use(self) -> bool:

@@ -244,6 +244,12 @@ class ContinuousBatchingHandle:
             f"(varlen, decode) pair, got {choice!r}."
         )
 
+    def _async_by_default(self, use_graphs: bool) -> bool:
+        """``use_async_batching`` when the caller left it unset: transformers' own rule for its
+        graphs (on with CUDA graphs and no attention mask), applied to breakgraph's graphs.
+        Under tensor parallelism it stays off (not run on GPUs there yet)."""
+        return use_graphs and self.device.type == "cuda" and self.ranks is None
+
     def _remember(self, resolved, use_graphs: bool) -> None:
         compiled = resolved.varlen_compile_config or resolved.decode_compile_config
         if use_graphs and compiled is not None:
@@ -310,7 +316,11 @@ def enable_continuous_batching(
     enabled, CB managers of this model created afterwards (``generate_batch``,
     ``init_continuous_batching``) run their steps as breakable graphs, unless their
     ``ContinuousBatchingConfig`` says ``use_cuda_graph=False`` (eager steps through
-    the same attention). The model's attention implementation is
+    the same attention). On a CUDA model their steps are asynchronous by default
+    (``use_async_batching`` unset: the host prepares step N+1 while the device runs step
+    N, both IO pairs sharing one graph per bucket), as transformers decides for its own
+    graphs; pass ``use_async_batching=False`` to run them synchronously (under tensor
+    parallelism that is the default). The model's attention implementation is
     ``"paged|breakgraph"`` until ``disable()``; a plain ``model.generate()`` raises
     meanwhile.
 

@@ -464,7 +464,9 @@ class PrefillRunner:
         """During capture of a bucket: one sequence filling it (any batch shape would do)."""
         self._steps.write_ids([], [], self.vocab_size)
         bounds = self._steps.commit([], [], size)
-        return _attention.PackedBatch(bounds, self._steps.cu_seqlens[: len(bounds) + 1], size)
+        return _attention.PackedBatch(
+            bounds, self._steps.cu_seqlens[: len(bounds) + 1], size, one_prompt=True
+        )  # builds the single-prompt kernel's plan (cuDNN) at capture, not at first use
 
     # -- serving ---------------------------------------------------------------------------
     @property
@@ -526,7 +528,10 @@ class PrefillRunner:
             bucket = decision.bucket
             bounds = self._steps.commit(prompts, lengths, bucket)
             batch = _attention.PackedBatch(
-                bounds, self._steps.cu_seqlens[: len(bounds) + 1], max(b - a for a, b in bounds)
+                bounds,
+                self._steps.cu_seqlens[: len(bounds) + 1],
+                max(b - a for a, b in bounds),
+                one_prompt=n == 1,
             )
             logits = self._runner.replay(bucket, batch, total)[0, :n]
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
@@ -551,7 +556,10 @@ class PrefillRunner:
                     starts, dtype=torch.int32, device=self.device
                 )
         batch = _attention.PackedBatch(
-            bounds, self._steps.cu_seqlens[: len(bounds) + 1], max(b - a for a, b in bounds)
+            bounds,
+            self._steps.cu_seqlens[: len(bounds) + 1],
+            max(b - a for a, b in bounds),
+            one_prompt=len(lengths) == 1,
         )
         logits = self._runner.run_eagerly((ids, positions), batch, reason)
         return logits[0, : len(lengths)], bounds
