@@ -346,8 +346,10 @@ def run_model(name, args, device, dtype, backend) -> dict:
         "variants": {},
     }
     instruments = Instruments()
+    rounds: dict[str, list] = {}  # variant -> its result in each round
     try:
         tokens = {}
+        runnable = []
         for variant in args.variants:
             if variant == "generate":
                 continue
@@ -355,21 +357,33 @@ def run_model(name, args, device, dtype, backend) -> dict:
                 device.type != "cuda" or not bg_attention.flash_available(dtype, device)
             ):
                 out["variants"][variant] = {"skipped": "needs CUDA and bf16/fp16"}
-                continue
-            if variant == "breakgraph_async" and device.type != "cuda":
+            elif variant == "breakgraph_async" and device.type != "cuda":
                 out["variants"][variant] = {"skipped": "needs CUDA"}
-                continue
-            # (c) captures lazily while serving: a cold pass first; (a) has no graphs and
-            # breakgraph captures every bucket in manager.warmup(): one pass each
-            sets = (
-                [("cold", cold), ("warm", warm)] if variant == "whole_graph" else [("warm", warm)]
+            else:
+                runnable.append(variant)
+        for turn in range(args.rounds):  # the variants take turns: noise hits them alike
+            for variant in runnable:
+                if variant == "paged_sdpa" and turn > 0:
+                    continue  # (a) is 4-8x slower: one pass (its noise cannot move a 3x target)
+                # (c) captures lazily while serving: a cold pass first; (a) has no graphs and
+                # breakgraph captures every bucket in manager.warmup(): one pass each
+                sets = (
+                    [("cold", cold), ("warm", warm)]
+                    if variant == "whole_graph"
+                    else [("warm", warm)]
+                )
+                print(f"[{name}] {variant} (round {turn + 1}) ...", flush=True)
+                result, tokens[variant] = run_cb_variant(
+                    model, variant, args, sets, gen, instruments, backend
+                )
+                rounds.setdefault(variant, []).append(result)
+                print(f"[{name}] {variant}: {result['tokens_per_s']:.0f} tok/s", flush=True)
+        for variant, results in rounds.items():  # the median round stands for the variant
+            ordered = sorted(results, key=lambda r: r["tokens_per_s"])
+            out["variants"][variant] = dict(
+                ordered[len(ordered) // 2],
+                rounds_tokens_per_s=[r["tokens_per_s"] for r in results],
             )
-            print(f"[{name}] {variant} ...", flush=True)
-            result, tokens[variant] = run_cb_variant(
-                model, variant, args, sets, gen, instruments, backend
-            )
-            out["variants"][variant] = result
-            print(f"[{name}] {variant}: {result['tokens_per_s']:.0f} tok/s", flush=True)
         if "paged_sdpa" in tokens:
             for variant, got in tokens.items():
                 out["variants"][variant]["tokens_agree_with_paged_sdpa"] = agreement(
@@ -380,22 +394,29 @@ def run_model(name, args, device, dtype, backend) -> dict:
             out["variants"]["generate"] = run_generate(model, warm, args)
     finally:
         instruments.remove()
-    variants = out["variants"]
-    ratios = {}
+    variants = out["variants"] = {
+        v: out["variants"][v] for v in args.variants if v in out["variants"]
+    }
+    ratios, spread = {}, {}
     for bg in ("breakgraph", "breakgraph_async"):
-        if "tokens_per_s" not in variants.get(bg, {}):
+        if bg not in rounds:
             continue
-        if "paged_sdpa" in variants:
-            ratios[f"{bg}_over_paged_sdpa"] = (
-                variants[bg]["tokens_per_s"] / variants["paged_sdpa"]["tokens_per_s"]
-            )
-        if "tokens_per_s" in variants.get("whole_graph", {}):
-            whole = variants["whole_graph"]
-            ratios[f"{bg}_over_whole_graph"] = variants[bg]["tokens_per_s"] / whole["tokens_per_s"]
-            ratios[f"whole_graph_graphs_over_{bg}"] = whole["graphs"] / max(
+        if "paged_sdpa" in rounds:
+            per_round = [r["tokens_per_s"] / rounds["paged_sdpa"][0]["tokens_per_s"]
+                         for r in rounds[bg]]  # fmt: skip
+            ratios[f"{bg}_over_paged_sdpa"] = statistics.median(per_round)
+            spread[f"{bg}_over_paged_sdpa"] = [min(per_round), max(per_round)]
+        if "whole_graph" in rounds:  # round by round: the two ran next to each other
+            per_round = [
+                r["tokens_per_s"] / w["tokens_per_s"]
+                for r, w in zip(rounds[bg], rounds["whole_graph"])
+            ]
+            ratios[f"{bg}_over_whole_graph"] = statistics.median(per_round)
+            spread[f"{bg}_over_whole_graph"] = [min(per_round), max(per_round)]
+            ratios[f"whole_graph_graphs_over_{bg}"] = variants["whole_graph"]["graphs"] / max(
                 1, variants[bg]["graphs"]
             )
-    out["ratios"] = ratios
+    out["ratios"], out["ratio_spread"] = ratios, spread
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -425,7 +446,9 @@ def print_summary(results: dict) -> None:
                 f"{v.get('tokens_agree_with_paged_sdpa', float('nan')):>7.2f}"
             )
         for key, value in m["ratios"].items():
-            print(f"  {key}: {value:.2f}")
+            low_high = m.get("ratio_spread", {}).get(key)
+            spread = f" (rounds {low_high[0]:.2f}-{low_high[1]:.2f})" if low_high else ""
+            print(f"  {key}: {value:.2f}{spread}")
         if "note" in m["variants"].get("generate", {}):
             print(f"  generate: {m['variants']['generate']['note']}")
         if "stats_table" in m["variants"].get("breakgraph", {}):
@@ -448,6 +471,11 @@ def main() -> None:
         "breakgraph_pow2 (query buckets 8, 16, 32, ...: the earlier default), "
         "generate",
     )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="rounds in which the graph variants take turns (medians and spread reported); "
+        "paged_sdpa and generate run once",
+    )  # fmt: skip
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=1024)
@@ -463,6 +491,7 @@ def main() -> None:
         args.prompts, args.min_len, args.max_len, args.new_tokens = 8, 4, 40, 6
         args.block_size, args.num_blocks, args.max_batch_tokens = 16, 64, 32
         args.generate_prompts, args.generate_new_tokens = 2, 4
+        args.rounds = 1
     args.variants = [v for v in args.variants.split(",") if v]
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")

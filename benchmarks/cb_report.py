@@ -79,6 +79,12 @@ def _verdict(ok: bool) -> str:
 def cb_target_lines(m: dict) -> list:
     """The issue's targets, met or missed, from the numbers (each breakgraph variant)."""
     r, v = m["ratios"], m["variants"]
+    spreads = m.get("ratio_spread", {})
+
+    def rounds(key: str) -> str:  # the spread over rounds, where the run had several
+        low_high = spreads.get(key)
+        return f", rounds {low_high[0]:.2f}-{low_high[1]:.2f}" if low_high else ""
+
     eager, whole = T.TARGET_CB_THROUGHPUT_VS_EAGER, T.TARGET_CB_THROUGHPUT_VS_WHOLE_GRAPH
     fewest, capture = T.TARGET_CB_FEWER_GRAPHS, T.TARGET_CB_CAPTURE_S
     lines = []
@@ -87,13 +93,14 @@ def cb_target_lines(m: dict) -> list:
             ratio = r[f"{bg}_over_paged_sdpa"]
             lines.append(
                 f"- {bg} throughput vs (a): {ratio:.2f}x (target >= {eager:g}x: "
-                f"{_verdict(ratio >= eager)})"
+                f"{_verdict(ratio >= eager)}{rounds(f'{bg}_over_paged_sdpa')})"
             )
         if f"{bg}_over_whole_graph" in r:
             ratio, fewer = r[f"{bg}_over_whole_graph"], r[f"whole_graph_graphs_over_{bg}"]
             lines.append(
                 f"- {bg} throughput vs (c): {ratio:.2f}x (target >= {whole:g}x: "
-                f"{_verdict(ratio >= whole)}); graphs: {v['whole_graph']['graphs']} for (c) "
+                f"{_verdict(ratio >= whole)}{rounds(f'{bg}_over_whole_graph')}); graphs: "
+                f"{v['whole_graph']['graphs']} for (c) "
                 f"against {v[bg]['graphs']}, {fewer:.1f}x fewer (target >= {fewest:g}x: "
                 f"{_verdict(fewer >= fewest)})"
             )
