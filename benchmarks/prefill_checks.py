@@ -407,4 +407,6 @@ def loss_lines(data: dict, check_list: list[Check]) -> list[str]:
                             bg_ms=num(row["ms"]["breakgraph"]),
                         )
                     )
+    if any(c.met is False and c.target == "TARGET_CAPTURE_S_PER_EXTRA_BUCKET" for c in check_list):
+        lines.append(fill("why.capture"))
     return lines

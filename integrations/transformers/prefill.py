@@ -274,8 +274,9 @@ class PrefillRunner:
         backend: ``"cuda"`` or ``"emulated"`` (see :func:`breakgraph.capture`).
         on_miss: ``"raise"`` (default) or ``"eager"`` when a batch has more tokens
             than the largest bucket (``"eager"`` runs the forward without a graph).
-        attention: ``"auto"`` (FlashAttention varlen on CUDA in bf16/fp16, else the
-            per-sequence reference), ``"flash"``, ``"reference"``, or ``"captured"``:
+        attention: ``"auto"`` (FlashAttention varlen on CUDA in bf16/fp16, and for a
+            batch of one prompt the causal SDPA call of HF's own attention; else the
+            per-sequence reference), ``"flash"`` (the same), ``"reference"``, or ``"captured"``:
             FlashAttention recorded *inside* the graph with upper-bound lengths and no
             breaks at all (a baseline; it relies on the kernel tolerating upper-bound
             ``max_seqlen`` and holds at most ``max_prompts`` sequences).
