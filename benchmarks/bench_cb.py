@@ -1,6 +1,7 @@
 """Continuous batching throughput and time to first token: stock transformers vs breakgraph.
 
-Run on a GPU machine (bf16, random weights, no download; about 4 minutes on an H200)::
+Run on a GPU machine (bf16, random weights, no download; with 120 prompts and 3 rounds about
+4 minutes on an H200, longer with the default 200 prompts)::
 
     python benchmarks/bench_cb.py --out cb.json
 
