@@ -374,16 +374,17 @@ def run_model(name, args, device, dtype, backend) -> dict:
                     else [("warm", warm)]
                 )
                 print(f"[{name}] {variant} (round {turn + 1}) ...", flush=True)
-                result, tokens[variant] = run_cb_variant(
+                result, result["_tokens"] = run_cb_variant(
                     model, variant, args, sets, gen, instruments, backend
                 )
                 rounds.setdefault(variant, []).append(result)
                 print(f"[{name}] {variant}: {result['tokens_per_s']:.0f} tok/s", flush=True)
         for variant, results in rounds.items():  # the median round stands for the variant
             ordered = sorted(results, key=lambda r: r["tokens_per_s"])
+            median_round = ordered[(len(ordered) - 1) // 2]  # the lower middle, as median_low
+            tokens[variant] = median_round.pop("_tokens")
             out["variants"][variant] = dict(
-                ordered[len(ordered) // 2],
-                rounds_tokens_per_s=[r["tokens_per_s"] for r in results],
+                median_round, rounds_tokens_per_s=[r["tokens_per_s"] for r in results]
             )
         if "paged_sdpa" in tokens:
             for variant, got in tokens.items():
@@ -405,14 +406,14 @@ def run_model(name, args, device, dtype, backend) -> dict:
         if "paged_sdpa" in rounds:
             per_round = [r["tokens_per_s"] / rounds["paged_sdpa"][0]["tokens_per_s"]
                          for r in rounds[bg]]  # fmt: skip
-            ratios[f"{bg}_over_paged_sdpa"] = statistics.median(per_round)
+            ratios[f"{bg}_over_paged_sdpa"] = statistics.median_low(per_round)
             spread[f"{bg}_over_paged_sdpa"] = [min(per_round), max(per_round)]
         if "whole_graph" in rounds:  # round by round: the two ran next to each other
             per_round = [
                 r["tokens_per_s"] / w["tokens_per_s"]
                 for r, w in zip(rounds[bg], rounds["whole_graph"])
             ]
-            ratios[f"{bg}_over_whole_graph"] = statistics.median(per_round)
+            ratios[f"{bg}_over_whole_graph"] = statistics.median_low(per_round)
             spread[f"{bg}_over_whole_graph"] = [min(per_round), max(per_round)]
             ratios[f"whole_graph_graphs_over_{bg}"] = variants["whole_graph"]["graphs"] / max(
                 1, variants[bg]["graphs"]
@@ -493,7 +494,7 @@ def main() -> None:
         args.block_size, args.num_blocks, args.max_batch_tokens = 16, 64, 32
         args.generate_prompts, args.generate_new_tokens = 2, 4
         args.rounds = 1
-    args.variants = [v for v in args.variants.split(",") if v]
+    args.variants = list(dict.fromkeys(v for v in args.variants.split(",") if v))  # once each
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -299,8 +299,9 @@ class PrefillRunner:
             agreement) before raising :class:`~breakgraph.RankFailedError`.
         tune_buckets: after capture, time every bucket and send each batch to the fastest
             bucket that holds it (:meth:`~breakgraph.runner.BucketedRunner.tune`: some
-            padded sizes are slower than larger ones). CUDA, one process only; about a
-            second for the default ladder.
+            padded sizes are slower than larger ones). Each bucket is timed with one prompt
+            filling it, so with the single-prompt attention kernel. CUDA, one process only;
+            about a second for the default ladder.
 
     Under tensor parallelism every rank must call ``prefill`` with the same prompts; each
     call agrees the bucket and checks the prompt lengths (and, in debug mode, the ids)
