@@ -60,9 +60,9 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 try:  # python -m benchmarks.bench_cb
-    from .families import FAMILIES, SMOKE_FAMILIES
+    from .families import FAMILIES, SMOKE_FAMILIES, make_model
 except ImportError:  # python benchmarks/bench_cb.py
-    from families import FAMILIES, SMOKE_FAMILIES
+    from families import FAMILIES, SMOKE_FAMILIES, make_model
 
 CONFIGS = {  # the dense shapes are benchmarks/families.py's (bench_prefill uses them too)
     "llama-1b": FAMILIES["llama-1b"].config,
@@ -165,15 +165,6 @@ def make_prompts(count, min_len, max_len, vocab, seed) -> list[list[int]]:
         min_len, max_len + 1, (count,), generator=torch.Generator().manual_seed(0)
     )
     return [torch.randint(0, vocab - 1, (int(n),), generator=generator).tolist() for n in lengths]
-
-
-def make_model(config, device, dtype):
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="sdpa"
-        )
-    return model.eval()
 
 
 def synchronize(device) -> None:

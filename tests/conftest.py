@@ -44,6 +44,16 @@ def capture(backend):
     return functools.partial(breakgraph.capture, backend=backend)
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Tiny models: intra-op threads cost far more than they save on 2 cores (10-100x).
+    Used by the transformers test modules through ``pytest.mark.usefixtures``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

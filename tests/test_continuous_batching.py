@@ -43,7 +43,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from breakgraph.errors import BackendError, InputError  # noqa: E402
 from tests.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 
-pytestmark = pytest.mark.transformers
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 
 SUPPORTED = transformers.__version__.startswith("5.17.")
 needs_517 = pytest.mark.skipif(
@@ -177,15 +177,6 @@ def transformers_state(model) -> dict:
         instance_attrs=sorted(vars(model)),
         manager=getattr(model, "_cached_continuous_batching_manager", None),
     )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    """Tiny models: intra-op threads cost far more than they save on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

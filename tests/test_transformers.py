@@ -39,7 +39,7 @@ from breakgraph.integrations.transformers import attention as bg_attention  # no
 from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
 from tests.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 
-pytestmark = pytest.mark.transformers
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 
 VOCAB = 160
 BUCKETS = (16, 48)
@@ -158,15 +158,6 @@ def experts_modules(model) -> list:
 
 def instance_forwards(model) -> list:
     return [name for name, m in model.named_modules() if "forward" in vars(m)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    """These models are tiny: intra-op threads cost far more than they save (10-100x on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
