@@ -6,11 +6,13 @@ Turn it on per capture with ``capture(g, debug=True)`` or for the process with
 1. stops at the Python line of a host synchronisation inside a segment (always on;
    see :mod:`breakgraph.syncs`), naming the function to mark ``@eager_on_graph``;
 2. records every tensor the graph reads but did not produce (static inputs,
-   parameters, break arguments) and, before each segment of every replay, checks it
-   is still alive at its captured address: a freed tensor or one whose storage was
-   replaced (``.set_()``, ``resize_``, ``model.half()`` after capture) raises
-   :class:`~breakgraph.StaleTensorError` naming its shape, dtype and the line that
-   first read it;
+   parameters, break arguments) and, before each segment of every replay, checks that
+   the *memory* it reads is still alive at its captured address: a tensor whose storage
+   was replaced (``.set_()``, ``resize_``, ``model.half()`` after capture), or memory
+   freed (CUDA) raises :class:`~breakgraph.StaleTensorError` naming its shape, dtype and
+   the line that first read it. A temporary view of a live buffer (continuous batching
+   hands the model a fresh one every step) may die: its memory is what counts
+   (:class:`InputWatch` lists what is and is not seen);
 3. names side streams your code left unjoined at a segment end (a
    :class:`~breakgraph.BreakgraphWarning`; breakgraph joins them either way);
 4. times every break on the host and marks segments and breaks with NVTX ranges
@@ -77,7 +79,25 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 @dataclass
 class _Watched:
-    ref: Any  # weakref to the tensor
+    """One tensor a graph reads without producing it, and the memory behind it.
+
+    The graph reads *memory*, not a Python object, so the checks judge memory. Three weak
+    references, none of which keeps anything alive, say who still vouches for that memory:
+
+    * ``tensor``: the object the graph was handed. While it lives, it is the user's handle:
+      its storage must still be the captured one (``x.set_(other)`` replaces it even when the
+      old storage survives), big enough, with the captured shape and strides;
+    * ``base``: the tensor it is a view of, if autograd tracks one (inference tensors' views
+      have none). Once a temporary view died, its base is the user's buffer: its storage must
+      still be the captured one (``buf.set_(other)`` after the view died);
+    * ``storage``: the memory itself. Once no watched object lives, the storage must still be
+      alive (someone outside the graph holds it; on the emulated backend the graph holds it
+      too, see :class:`InputWatch`) at the captured address, with the captured size.
+    """
+
+    tensor: Any  # weakref to the tensor the graph was handed
+    base: Any  # weakref to the tensor it is a view of, or None
+    storage: Any  # weakref to its torch.UntypedStorage
     ptr: int
     storage_ptr: int
     nbytes: int
@@ -87,20 +107,45 @@ class _Watched:
     reader: str  # "segment 3" or "eager function 'name'"
 
     def problem(self) -> str | None:
-        t = self.ref()
-        if t is None:
-            return "was freed"
-        if t.data_ptr() != self.ptr or _storage_ptr(t) != self.storage_ptr:
-            return "was moved to new memory (its storage was replaced)"
-        if t.untyped_storage().nbytes() < self.nbytes:
+        t = self.tensor()
+        if t is not None:
+            if t.data_ptr() != self.ptr or _storage_ptr(t) != self.storage_ptr:
+                return "was moved to new memory (its storage was replaced)"
+            if t.untyped_storage().nbytes() < self.nbytes:
+                return "was resized smaller"
+            if tuple(t.shape) != self.shape or t.stride() != self.stride:
+                return f"changed its shape to {tuple(t.shape)} (or its strides)"
+            return None
+        base = self.base() if self.base is not None else None
+        if base is not None:  # a temporary view died: its base is the user's buffer
+            problem = self._memory_problem(base.untyped_storage())
+            return None if problem is None else f"was a view of a tensor that {problem}"
+        storage = self.storage()  # nothing left but the memory itself
+        return "was freed" if storage is None else self._memory_problem(storage)
+
+    def _memory_problem(self, storage: torch.UntypedStorage) -> str | None:
+        if storage.data_ptr() != self.storage_ptr:
+            return "was moved to new memory (its storage was replaced or reallocated)"
+        if storage.nbytes() < self.nbytes:
             return "was resized smaller"
-        if tuple(t.shape) != self.shape or t.stride() != self.stride:
-            return f"changed its shape to {tuple(t.shape)} (or its strides)"
         return None
 
 
 class InputWatch:
-    """Records the tensors each segment reads without producing them, and checks them on replay."""
+    """Records the tensors each segment reads without producing them, and checks them on replay.
+
+    Seen on both backends: the tensor the graph was handed still lives and its storage was
+    replaced, reallocated or shrunk, or its shape or strides changed; it died (a temporary
+    view) and the tensor it viewed, still alive, had its storage replaced; nothing watched
+    lives and the storage itself was reallocated or shrunk. Seen on CUDA only: the memory was
+    freed (the emulated graph's recorded operations hold what they read, so it never frees
+    there, and reading it stays harmless). Not seen: a name rebound to a new tensor while the
+    old one lives; a live view whose base's storage was replaced (refills through the view
+    still reach the graph). A buffer whose storage was replaced behind a dead view that has no
+    recorded base (views of inference tensors) leaves only the old storage to judge: on CUDA
+    it is reported as freed unless something else (a break's arguments) still holds it; on
+    the emulated backend, whose graph holds it, it is not seen.
+    """
 
     def __init__(self) -> None:
         self.segment = 0
@@ -141,9 +186,12 @@ class InputWatch:
         self._seen.add(key)
         description = f"{describe(t)} first read by {where}"
         segment = self.segment if segment is None else segment
+        base = t._base
         self.by_segment.setdefault(segment, []).append(
             _Watched(
                 weakref.ref(t),
+                weakref.ref(base) if base is not None else None,
+                weakref.ref(t.untyped_storage()),
                 t.data_ptr(),
                 storage,
                 t.untyped_storage().nbytes(),

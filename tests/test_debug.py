@@ -1,5 +1,6 @@
 """Debug mode, the coverage report, testing helpers, the pytest plugin and logging."""
 
+import functools
 import logging
 import warnings
 
@@ -62,15 +63,19 @@ def test_replaced_static_input_is_named(capture, device):
     assert "shape=(4, 8)" in message and "aten.mm" in message and "test_debug.py" in message
 
 
-def test_replaced_parameter_after_capture_is_named(capture, device):
+@pytest.mark.parametrize("replace", ["rebind-data", "half"])
+def test_replaced_parameter_after_capture_is_named(capture, device, replace):
     lin = torch.nn.Linear(8, 8).to(device)
     x = torch.randn(2, 8, device=device)
     g = BreakableCUDAGraph()
     with torch.no_grad(), capture(g, debug=True):
         y = host_scale(lin(x)) + 1
     g.replay()
-    lin.weight.data = torch.randn(8, 8, device=device)  # e.g. reloading weights by rebinding
-    with pytest.raises(StaleTensorError, match="shape=\\(8, 8\\)"):
+    if replace == "rebind-data":
+        lin.weight.data = torch.randn(8, 8, device=device)  # e.g. reloading weights by rebinding
+    else:
+        lin.half()  # a dtype change converts every parameter into new memory
+    with pytest.raises(StaleTensorError, match=r"moved to new memory.*shape=\(8, 8\)"):
         g.replay()
 
 
@@ -83,6 +88,75 @@ def test_resized_break_argument_is_named(capture, device):
     x.resize_(2)
     with pytest.raises(StaleTensorError, match="host_scale"):
         g.replay()
+
+
+def capture_over_a_temporary_view(capture, buf, w):
+    """Capture ``model`` over a fresh view of ``buf`` that dies right after, the way transformers'
+    continuous batching hands its model a new view of its live static buffer on every step."""
+    g = BreakableCUDAGraph()
+    view = buf[:4]
+    with capture(g, debug=True):
+        y = model(view, w)
+    del view
+    return g, y
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_temporary_view_of_a_live_refilled_buffer_replays(capture, device, inference):
+    """The view object is gone but the memory the graph reads is alive and refilled: no error.
+    Inference tensors' views carry no ``_base``, so only their storage tells that."""
+    with torch.inference_mode(inference):
+        buf = torch.randn(16, 8, device=device)
+        w = torch.randn(8, 8, device=device)
+        g, y = capture_over_a_temporary_view(capture, buf, w)
+        for _ in range(3):
+            new = torch.randn(4, 8, device=device)
+            buf[:4].copy_(new)  # refilled through yet another fresh view
+            g.replay()
+            torch.testing.assert_close(y, model(new, w), atol=1e-4, rtol=1e-4)
+
+
+def test_replaced_buffer_behind_a_dead_view_is_named(capture, device):
+    """The view died, its base lives on: replacing the base's storage is the user's bug."""
+    buf, w = torch.randn(16, 8, device=device), torch.randn(8, 8, device=device)
+    g, _ = capture_over_a_temporary_view(capture, buf, w)
+    g.replay()
+    buf.set_(torch.randn(16, 8, device=device))  # the planted bug: refills now miss the graph
+    with pytest.raises(StaleTensorError) as info:
+        g.replay()
+    message = str(info.value)
+    assert "segment 0" in message and "moved to new memory" in message
+    assert "view of a tensor" in message
+    assert "shape=(4, 8)" in message and "aten.mm" in message and "test_debug.py" in message
+
+
+def test_reallocated_buffer_behind_a_dead_inference_view_is_named(capture, device):
+    """No ``_base`` to follow: the storage itself shows that its memory moved."""
+    with torch.inference_mode():
+        buf, w = torch.randn(16, 8, device=device), torch.randn(8, 8, device=device)
+        g, _ = capture_over_a_temporary_view(capture, buf, w)
+        g.replay()
+        buf.resize_(1024, 8)  # the storage grows: reallocated, the graph reads the old memory
+        with pytest.raises(StaleTensorError) as info:
+            g.replay()
+    message = str(info.value)
+    assert "moved to new memory" in message and "shape=(4, 8)" in message
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_freed_buffer_behind_a_dead_view_is_named_on_cuda(inference):
+    """On CUDA nothing but the user holds the memory a graph reads: freeing it is seen."""
+    with torch.inference_mode(inference):
+        buf, w = torch.randn(16, 8, device="cuda"), torch.randn(8, 8, device="cuda")
+        g, _ = capture_over_a_temporary_view(
+            functools.partial(breakgraph.capture, backend="cuda"), buf, w
+        )
+        g.replay()
+        del buf
+        torch.cuda.synchronize()
+        with pytest.raises(StaleTensorError, match=r"was freed.*shape=\(4, 8\)"):
+            g.replay()
 
 
 @pytest.mark.requires_cuda
