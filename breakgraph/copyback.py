@@ -6,12 +6,19 @@ returns new tensors, so their values must be copied into those capture-time
 tensors. ``Tensor.copy_`` silently broadcasts and casts, which turns a shape bug
 into wrong numbers; this module refuses instead.
 
-Two more ways a copy can silently corrupt, both refused:
+Copy-back writes only into memory the graph owns. Three ways a copy could silently
+corrupt, all refused:
 
-* **The output is the function's own argument** (or shares its memory), the zero-copy
-  pattern of in-place functions. Segments then read that memory as the argument *and*
-  as the output; copying a new result into it would overwrite the argument. So such an
-  output must be the same memory on every replay (in-place), never a new tensor.
+* **The output is memory that something else holds.** The function's own argument (the
+  zero-copy pattern of in-place functions), a long-lived tensor (``ADAPTERS[name]``, a
+  global buffer, a module buffer, a cache): segments read that memory as the graph's
+  output, but its other holders read it too, so copying a new result into it would
+  overwrite their values (adapter "a" would become adapter "b"). Such an output must be
+  the same memory on every replay, never a different tensor. :func:`call_and_classify`
+  finds these outputs right after the capture-time call.
+* **Outputs that overlap each other** (``(y, y)``, ``(y, y[:2])``) must overlap the same
+  way on every replay; two independent tensors copied into one memory would leave the last
+  copy in both.
 * **The output's elements overlap** (an ``expand()``-ed view): nothing can be copied
   into it. Refused at capture.
 
@@ -32,6 +39,8 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,31 +49,243 @@ import torch
 from .errors import CopyBackError
 from .structure import Split, StructureError, describe, iter_tensors, split
 
-__all__ = ["build_copy_back", "storages_of"]
+__all__ = ["build_copy_back", "call_and_classify", "storages_of"]
 
 Copier = Callable[[Any], None]
 
 
 def storages_of(*values: Any) -> frozenset:
     """The storage addresses of every tensor inside ``values`` (an eager call's arguments)."""
-    return frozenset(
-        t.untyped_storage().data_ptr() for v in values for _, t in iter_tensors(v, "argument")
-    )
+    return frozenset(_storage_key(t) for v in values for _, t in iter_tensors(v, "argument"))
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------------------------
+# Which outputs the graph owns (once, at capture)
+# ---------------------------------------------------------------------------------------
+
+
+def call_and_classify(function: Callable, args: tuple, kwargs: dict) -> tuple[Any, frozenset]:
+    """Call an eager function at capture; return its output and the storages it does not own.
+
+    Copy-back may write only into memory that nothing but the graph will read. A storage
+    of the output is *held elsewhere* when anything outside the returned structure holds
+    it: a dict of adapters, a global buffer, a module attribute, the arguments, a list the
+    function appends its result to, a cache holding the returned container. Counted right
+    after the call, before any other code can take a view: the holders of each storage,
+    tensor and container, minus those inside the output (the output's own views and their
+    bases included). Anything unaccounted for makes the storage held elsewhere.
+
+    Autograd counts like any other holder: a tensor it saved for backward (the output of
+    ``sigmoid`` under grad mode, say) is held elsewhere, so a function that returns new
+    tensors must run under ``torch.no_grad()`` or ``torch.inference_mode()`` (as the
+    runners capture), or its first replay raises :class:`~breakgraph.CopyBackError`.
+    Memory reached through a second storage object (``torch.from_numpy``, DLPack,
+    ``breakgraph.memory.borrowed``) cannot be seen.
+
+    Example::
+
+        >>> import torch
+        >>> from breakgraph.copyback import call_and_classify
+        >>> weights = torch.ones(2)
+        >>> output, held = call_and_classify(lambda x: (x * 2, weights), (torch.ones(2),), {})
+        >>> [t.untyped_storage().data_ptr() in held for t in output]
+        [False, True]
+    """
+    output = function(*args, **kwargs)
+    try:
+        held = _held_elsewhere(output)
+    except StructureError:  # a reference cycle: build_copy_back names it
+        held = frozenset()
+    return output, held
+
+
+def _held_elsewhere(output: Any) -> frozenset:
+    census = _Census(output)
+    # measured first, while only census.nodes holds the nodes (and the two callers' names
+    # hold the root), against a probe tensor held the same way
+    references = [sys.getrefcount(node) for node in census.nodes]
+    census.inner[id(output)] += 2  # call_and_classify's `output` and this function's argument
+    probe = census.nodes[-1]
+    baseline, base_uses, base_storage = references[-1], probe._use_count(), _holders(probe)
+    del probe
+    outside = set()  # ids of nodes that something outside the output holds
+    tensors = collections.Counter()  # storage -> tensor nodes over it
+    for node, count in zip(census.nodes[:-1], references):
+        extra = count - baseline - census.inner[id(node)]
+        if isinstance(node, torch.Tensor):
+            uses = node._use_count() - base_uses  # C++ holders: views' bases, autograd, ...
+            extra -= uses > 0  # torch keeps the Python object alive while C++ holds the tensor
+            if uses > census.viewers[id(node)]:
+                outside.add(id(node))
+            tensors[_storage_key(node)] += 1
+        if extra > 0:
+            outside.add(id(node))
+    held = set()
+    for node in census.nodes[:-1]:
+        if not isinstance(node, torch.Tensor):
+            continue
+        key = _storage_key(node)
+        if key in held:
+            continue
+        impls, python = _holders(node)
+        if (
+            id(node) in outside
+            or not census.above.get(id(node), set()).isdisjoint(outside)
+            or impls - base_storage[0] > tensors[key] - 1  # tensors over it outside the output
+            or python > base_storage[1]  # a Python storage object held elsewhere
+        ):
+            held.add(key)
+    return frozenset(held)
+
+
+def _holders(tensor: torch.Tensor) -> tuple[int, int]:
+    """The holders of ``tensor``'s storage (tensors and storage objects) and the Python
+    references to its storage object, compared against a probe measured the same way."""
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+class _Census:
+    """Every container and tensor of an output once (then the bases of its views, then a
+    probe), the references between them, and the containers above each tensor."""
+
+    def __init__(self, output: Any):
+        self.nodes: list = []
+        self.seen: set = set()
+        self.inner = collections.Counter()  # id -> references from containers in the output
+        self.above: dict = {}  # tensor id -> ids of the containers above it
+        self.viewers = collections.Counter()  # tensor id -> views in the output of it
+        self._visit(output, ())
+        for index in range(len(self.nodes)):
+            node = self.nodes[index]
+            base = node._base if isinstance(node, torch.Tensor) else None
+            if base is not None:  # a view holds its base
+                self.viewers[id(base)] += 1
+                self._add(base)
+        self.nodes.append(torch.empty(1, device="cpu"))
+
+    def _add(self, node: Any) -> bool:
+        if id(node) in self.seen:
+            return False
+        self.seen.add(id(node))
+        self.nodes.append(node)
+        return True
+
+    def _visit(self, value: Any, above: tuple) -> None:
+        if isinstance(value, torch.Tensor):
+            self._add(value)
+            self.above.setdefault(id(value), set()).update(above)
+            return
+        parts = split(value)
+        if parts is None:
+            return
+        if id(value) in above:
+            raise StructureError("output", "a reference cycle")
+        if self._add(value):
+            references = list(parts.values)
+            if parts.kind == "mapping" and hasattr(value, "__dict__"):
+                references += vars(value).values()  # ModelOutput: keys are attributes too
+            for item in references:
+                self.inner[id(item)] += 1
+        for item in parts.values:
+            self._visit(item, above + (id(value),))
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs that overlap each other (once, at capture)
+# ---------------------------------------------------------------------------------------
+
+_EXACT_OVERLAP_LIMIT = 1 << 20  # elements; larger tensors whose spans meet count as overlapping
+
+
+def _overlap_groups(captured: Any, not_owned: frozenset) -> list:
+    """Lists of ``(path, tensor)`` of owned outputs whose memory overlaps, first seen first."""
+    by_storage = collections.defaultdict(list)
+    for path, tensor in iter_tensors(captured, "output"):
+        if tensor.numel() and _storage_key(tensor) not in not_owned:
+            by_storage[_storage_key(tensor)].append((path, tensor))
+    groups = []
+    for members in by_storage.values():
+        if len(members) > 1:
+            groups += _overlapping(members)
+    return groups
+
+
+def _overlapping(members: list) -> list:
+    """The groups (of two or more) that ``members`` form, joined by pairwise overlap."""
+    parent = list(range(len(members)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i in range(len(members)):
+        for j in range(i):
+            if _overlap(members[i][1], members[j][1]):
+                parent[root(i)] = root(j)
+    components = collections.defaultdict(list)
+    for i, member in enumerate(members):
+        components[root(i)].append(member)
+    return [c for c in components.values() if len(c) > 1]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``t`` may touch."""
+    size = t.element_size()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset() * size, (last + 1) * size
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors over one storage share an element (conservative when large)."""
+    (a_start, a_end), (b_start, b_end) = _span(a), _span(b)
+    if a_end <= b_start or b_end <= a_start:
+        return False
+    if a.element_size() != b.element_size() or a.numel() + b.numel() > _EXACT_OVERLAP_LIMIT:
+        return True
+    length = max(a_end, b_end) // a.element_size()
+    index = torch.arange(length, device="cpu")
+    marks = torch.zeros(length, dtype=torch.bool, device="cpu")
+    marks[index.as_strided(a.shape, a.stride(), a.storage_offset())] = True
+    return bool(marks[index.as_strided(b.shape, b.stride(), b.storage_offset())].any())
+
+
+# ---------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------
 
 
 def build_copy_back(
-    captured: Any, function: str, check_values: bool = True, arguments: frozenset = frozenset()
+    captured: Any,
+    function: str,
+    check_values: bool = True,
+    arguments: frozenset = frozenset(),
+    held: frozenset = frozenset(),
 ) -> Copier:
     """Compile a function that copies a new result into ``captured``, checking it first.
 
     ``function`` is the eager function's name, used in error messages. ``arguments`` are
-    the storages of its capture-time arguments (:func:`storages_of`): outputs in that
-    memory must stay that memory on replay. With ``check_values=False`` Python values
-    (ints, strings, ...) that differ from the capture-time ones are accepted: use it when
-    such values are only informational and no captured segment depends on them.
+    the storages of its capture-time arguments (:func:`storages_of`) and ``held`` those
+    of its outputs that something else holds (:func:`call_and_classify`): outputs in that
+    memory must stay that very memory on replay. Owned outputs that overlap each other
+    must overlap the same way on replay. With ``check_values=False`` Python values (ints,
+    strings, ...) that differ from the capture-time ones are accepted: use it when such
+    values are only informational and no captured segment depends on them.
     """
     try:
-        return _build(captured, "output", function, check_values, arguments, set())
+        members = {}  # path -> (slots of its group, index in the group)
+        finishers = []
+        for group in _overlap_groups(captured, arguments | held):
+            slots = [None] * len(group)
+            members.update({path: (slots, i) for i, (path, _) in enumerate(group)})
+            finishers.append(_overlap_finisher(group, slots, function))
+        plan = _Plan(function, check_values, arguments, held, members)
+        tree = plan.build(captured, "output", set())
     except StructureError as exc:
         raise CopyBackError(
             function,
@@ -73,34 +294,71 @@ def build_copy_back(
             "a tree of containers",
             "a container that contains itself",
         ) from None
+    if not finishers:  # the common case: nothing but the tree runs on replay
+        return tree
+    all_slots = list({id(slots): slots for slots, _ in members.values()}.values())
+
+    def copy_with_overlaps(new: Any) -> None:
+        try:
+            tree(new)  # checks every slot, copies the outputs that overlap nothing
+            for finish in finishers:  # checks the overlapping ones, then copies them
+                finish()
+        finally:
+            for slots in all_slots:  # hold no replay result past the replay
+                slots[:] = [None] * len(slots)
+
+    return copy_with_overlaps
 
 
-def _build(
-    captured: Any, path: str, function: str, check: bool, arguments: frozenset, active: set
-) -> Copier:
-    if isinstance(captured, torch.Tensor):
-        if captured.untyped_storage().data_ptr() in arguments:
-            return _argument_copier(captured, path, function)
-        return _tensor_copier(captured, path, function)
-    parts = split(captured)
-    if parts is None:
-        return _value_copier(captured, path, function, check)
-    if id(captured) in active:
-        raise StructureError(path, "a reference cycle")
-    active.add(id(captured))
-    children = [
-        _build(v, parts.label(path, k), function, check, arguments, active)
-        for k, v in zip(parts.keys, parts.values)
-    ]
-    active.discard(id(captured))
-    if parts.kind in ("sequence", "namedtuple"):
-        return _sequence_copier(type(captured), children, path, function)
-    if parts.kind == "mapping":
-        return _mapping_copier(type(captured), parts.keys, children, path, function)
-    return _attribute_copier(type(captured), parts, children, path, function)
+class _Plan:
+    """What the tree needs while it is built: the error context and the memory rules."""
+
+    def __init__(self, function, check, arguments, held, members):
+        self.function, self.check = function, check
+        self.arguments, self.held, self.members = arguments, held, members
+
+    def build(self, captured: Any, path: str, active: set) -> Copier:
+        function = self.function
+        if isinstance(captured, torch.Tensor):
+            key = _storage_key(captured)
+            if key in self.arguments:
+                return _same_memory_copier(captured, path, function, _ARGUMENT)
+            if key in self.held and captured.numel():
+                return _same_memory_copier(captured, path, function, _HELD)
+            if path in self.members:
+                slots, index = self.members[path]
+                return _member_copier(captured, path, function, slots, index)
+            return _tensor_copier(captured, path, function)
+        parts = split(captured)
+        if parts is None:
+            return _value_copier(captured, path, function, self.check)
+        if id(captured) in active:
+            raise StructureError(path, "a reference cycle")
+        active.add(id(captured))
+        children = [
+            self.build(v, parts.label(path, k), active) for k, v in zip(parts.keys, parts.values)
+        ]
+        active.discard(id(captured))
+        if parts.kind in ("sequence", "namedtuple"):
+            return _sequence_copier(type(captured), children, path, function)
+        if parts.kind == "mapping":
+            return _mapping_copier(type(captured), parts.keys, children, path, function)
+        return _attribute_copier(type(captured), parts, children, path, function)
 
 
-def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
+def _writer(captured: torch.Tensor) -> Callable[[torch.Tensor], Any]:
+    """``captured.copy_``, entered into inference mode if ``captured`` was made under it."""
+    if not captured.is_inference():
+        return captured.copy_
+
+    def copy_(new: torch.Tensor, _copy=captured.copy_) -> None:  # only writable in that mode
+        with torch.inference_mode():
+            _copy(new)
+
+    return copy_
+
+
+def _refuse_internal_overlap(captured: torch.Tensor, path: str, function: str) -> None:
     if torch._debug_has_internal_overlap(captured) == 1:
         raise CopyBackError(
             function,
@@ -111,13 +369,12 @@ def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
             "Nothing can be copied into such a tensor on replay: return .contiguous() or "
             ".clone() of it instead.",
         )
-    shape, dtype, device = captured.shape, captured.dtype, captured.device
-    copy_ = captured.copy_
-    if captured.is_inference():  # captured under inference_mode: only writable inside it
 
-        def copy_(new: torch.Tensor, _copy=captured.copy_) -> None:
-            with torch.inference_mode():
-                _copy(new)
+
+def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
+    _refuse_internal_overlap(captured, path, function)
+    shape, dtype, device = captured.shape, captured.dtype, captured.device
+    copy_ = _writer(captured)
 
     def copy_tensor(new: Any) -> None:
         if new is captured:  # in-place function: nothing to copy
@@ -134,9 +391,113 @@ def _tensor_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
     return copy_tensor
 
 
-def _argument_copier(captured: torch.Tensor, path: str, function: str) -> Copier:
-    """The output is (a view of) an argument: on replay it must be that very memory again."""
-    pointer, shape, stride = captured.data_ptr(), captured.shape, captured.stride()
+def _member_copier(
+    captured: torch.Tensor, path: str, function: str, slots: list, index: int
+) -> Copier:
+    """An output that overlaps another: checked here, copied once its group is checked."""
+    _refuse_internal_overlap(captured, path, function)
+    shape, dtype, device = captured.shape, captured.dtype, captured.device
+
+    def hold(new: Any) -> None:
+        if new is not captured and (
+            not isinstance(new, torch.Tensor)
+            or new.shape != shape
+            or new.dtype != dtype
+            or new.device != device
+        ):
+            raise _mismatch(function, path, captured, new)
+        slots[index] = new
+
+    return hold
+
+
+def _storage_start(t: torch.Tensor) -> int:
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
+def _overlap_finisher(group: list, slots: list, function: str) -> Callable[[], None]:
+    """Checks that a group of overlapping outputs overlaps as at capture, then copies it."""
+    (first_path, first), rest = group[0], group[1:]
+    first_stride = first.stride()
+    layouts = [  # (path, captured, byte offset from the first, stride, same layout as first)
+        (
+            path,
+            t,
+            t.data_ptr() - first.data_ptr(),
+            t.stride(),
+            t.data_ptr() == first.data_ptr() and t.stride() == first_stride,
+        )
+        for path, t in rest
+    ]
+    writers = [_writer(t) for _, t in group]
+    captured = [t for _, t in group]
+
+    def finish() -> None:
+        new_first = slots[0]
+        start = _storage_start(new_first)
+        for i, (path, t, offset, stride, same) in enumerate(layouts, 1):
+            new = slots[i]
+            if same and new is new_first:  # (y, y) again
+                continue
+            if not (
+                new.data_ptr() - new_first.data_ptr() == offset
+                and new.stride() == stride
+                and new_first.stride() == first_stride
+                and _storage_start(new) == start
+            ):
+                raise CopyBackError(
+                    function,
+                    path,
+                    f"a tensor that does not share memory with {first_path} as at capture",
+                    f"{describe(t)} sharing memory with {first_path}",
+                    describe(new),
+                    f"Segments read {first_path} and {path} from one memory, so one copy "
+                    f"cannot give them different values. Return outputs that share memory "
+                    f"the same way on every call, or independent tensors on every call, "
+                    f"including at capture (e.g. `(y, y.clone())` instead of `(y, y)`).",
+                )
+        for write, target, new in zip(writers, captured, slots):
+            if new is not target:
+                write(new)  # the shared elements receive the same values from each
+
+    return finish
+
+
+_ARGUMENT = (
+    "a new tensor where it returned (memory of) its own argument at capture",
+    "Segments read that memory as the argument too, so copying into it would overwrite "
+    "the argument. Return the argument (updated in place) on every call, or a new tensor "
+    "on every call, including at capture (e.g. `x.clone()`); a capture_stub that returns "
+    "its argument stands for an in-place function: for one that returns new tensors, let "
+    "the stub return new ones too (`torch.empty_like(x)`).",
+)
+_HELD = (
+    "a different tensor where, at capture, it returned memory it does not own",
+    "Something outside its result also holds that memory (a dict of adapters, a global or "
+    "module buffer, a cache, the function itself), so copying the new result into it would "
+    "overwrite it for them: breakgraph copies only into memory the graph owns. Return a new "
+    "tensor on every call, including at capture (e.g. `weights[name].clone()`), or the very "
+    "same tensor on every call. To choose among long-lived tensors per replay (adapters, "
+    "buffers), use the chosen one inside the eager function and return the result, or copy "
+    "it into one static buffer that the function returns every time.",
+)
+_AUTOGRAD = (
+    " This output requires grad, and autograd may hold it for backward: capture inference "
+    "code under torch.no_grad() or torch.inference_mode()."
+)
+
+
+def _same_memory_copier(captured: torch.Tensor, path: str, function: str, why: tuple) -> Copier:
+    """The output is memory that something else holds: on replay it must be that memory."""
+    pointer, shape, stride, dtype = (
+        captured.data_ptr(),
+        captured.shape,
+        captured.stride(),
+        captured.dtype,
+    )
+    problem, fix = why
+    if captured.requires_grad and why is _HELD:
+        fix += _AUTOGRAD
 
     def same_memory(new: Any) -> None:
         if new is captured:
@@ -146,20 +507,10 @@ def _argument_copier(captured: torch.Tensor, path: str, function: str) -> Copier
             and new.data_ptr() == pointer
             and new.shape == shape
             and new.stride() == stride
+            and new.dtype == dtype
         ):
             return
-        raise CopyBackError(
-            function,
-            path,
-            "a new tensor where it returned (memory of) its own argument at capture",
-            describe(captured),
-            describe(new),
-            "Segments read that memory as the argument too, so copying into it would overwrite "
-            "the argument. Return the argument (updated in place) on every call, or a new tensor "
-            "on every call, including at capture (e.g. `x.clone()`); a capture_stub that returns "
-            "its argument stands for an in-place function: for one that returns new tensors, let "
-            "the stub return new ones too (`torch.empty_like(x)`).",
-        )
+        raise CopyBackError(function, path, problem, describe(captured), describe(new), fix)
 
     return same_memory
 

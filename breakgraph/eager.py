@@ -56,9 +56,9 @@ def eager_on_graph(
     * ``enable=False`` returns ``function`` itself, unchanged (a switch for A/B runs);
     * ``capture_stub`` runs *instead of* ``function`` during the capture pass only
       (for rank-coupled or expensive work); it must return the same structure,
-      shapes and dtypes. Replays run the real function. Outputs of the stub that are
-      its own arguments (``lambda x: x``) are cloned, so the real results never
-      overwrite an argument;
+      shapes and dtypes. Replays run the real function. A stub that returns its
+      argument (``lambda x: x``) stands for an in-place function: the real function
+      must then return that argument on every replay;
     * ``check_values=False`` accepts Python values in the output (ints, strings)
       that differ from the capture-time ones, for values that are informational
       only; tensors are always checked.
@@ -67,9 +67,10 @@ def eager_on_graph(
     per-step state from static tensors or from :func:`breakgraph.replay_context`.
     It may return new tensors (copied into the capture-time ones, checked for
     shape, dtype and device) or the very tensors it was given (no copy). Not both:
-    an output that was an argument (or its memory) at capture must be that memory on
-    every replay, or :class:`~breakgraph.CopyBackError` is raised (copying into it would
-    overwrite the argument). If it raises during capture, the capture fails with
+    an output in memory that something else held at capture (an argument, a long-lived
+    tensor such as one of several adapters) must be that memory on every replay, or
+    :class:`~breakgraph.CopyBackError` is raised (copying into it would overwrite it for
+    its other holders). If it raises during capture, the capture fails with
     :class:`~breakgraph.CaptureError` even when the exception is caught inside the
     capture block. A break replays under ``torch.inference_mode()`` if it was captured
     under it.

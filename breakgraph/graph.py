@@ -36,7 +36,7 @@ import torch
 from . import debug as _debug
 from .backends import select_backend
 from .backends.base import Backend, CaptureOptions, Segment, Session
-from .copyback import build_copy_back, storages_of
+from .copyback import build_copy_back, call_and_classify, storages_of
 from .errors import BreakgraphError, CaptureError, HostSyncError, ReplayError
 from .state import context_scope, is_capturing, replay_context, state
 
@@ -412,9 +412,11 @@ class _Capture:
     ) -> tuple[Any, Callable[[], None]]:
         arguments = storages_of(args, kwargs)
         # a stub that returns its argument stands for an in-place function: like any output in
-        # an argument's memory, the real function must then return that memory on every replay
-        output = (options.capture_stub or function)(*args, **kwargs)
-        copy_back = build_copy_back(output, options.name, options.check_values, arguments)
+        # memory that something else holds (an argument, a long-lived tensor), the real
+        # function must then return that memory on every replay. Who holds the output is
+        # counted right after the call, before any other code can take a view of it.
+        output, held = call_and_classify(options.capture_stub or function, args, kwargs)
+        copy_back = build_copy_back(output, options.name, options.check_values, arguments, held)
         if torch.is_inference_mode_enabled():  # its tensors are only writable in that mode
 
             def replay() -> None:

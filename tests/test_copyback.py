@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import breakgraph
 from breakgraph import BreakableCUDAGraph, BreakgraphError, CopyBackError, eager_on_graph
 from breakgraph.copyback import build_copy_back
+from tests.helpers import fresh_into
 
 try:
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -409,3 +410,311 @@ def test_in_place_eager_function_replays(capture, device):
         g.replay()
         expected_h = new + 1
         torch.testing.assert_close(y, expected_h * expected_h.abs().max() * 2)
+
+
+# ---------------------------------------------------------------------------------------
+# Memory the graph does not own (issue 22, item 1)
+# ---------------------------------------------------------------------------------------
+
+# how an eager function hands back one of several long-lived tensors, chosen per replay
+PICKS = {
+    "the tensor": lambda w: w,
+    "a view": lambda w: w[:, :2],
+    "a detached alias": lambda w: w.detach(),
+    "inside a dict": lambda w: {"w": w, "note": "adapter"},
+}
+
+
+@pytest.mark.parametrize("pick", PICKS.values(), ids=PICKS.keys())
+def test_adapter_chosen_by_the_replay_context_is_never_overwritten(capture, device, pick):
+    """The multi-adapter pattern: captured with adapter "a", replayed with "b". Copying b's
+    weights into the capture-time output would overwrite adapter a (the user's memory)."""
+    adapters = {name: torch.randn(4, 3, device=device) for name in "ab"}
+    originals = {name: w.clone() for name, w in adapters.items()}
+
+    @eager_on_graph
+    def adapter_weights():
+        return pick(adapters[breakgraph.replay_context()])
+
+    def weights_of(result):
+        return result["w"] if isinstance(result, dict) else result
+
+    x = torch.randn(2, 4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, context="a"):
+        y = (x * 1) @ weights_of(adapter_weights())
+    for _ in range(2):
+        fresh = torch.randn_like(x)
+        x.copy_(fresh)
+        g.replay(context="a")
+        torch.testing.assert_close(y, fresh @ weights_of(pick(originals["a"])))
+    with pytest.raises(CopyBackError, match="adapter_weights.*does not own") as info:
+        g.replay(context="b")
+    assert info.value.path.startswith("output")
+    assert "clone()" in str(info.value)
+    for name in "ab":
+        torch.testing.assert_close(adapters[name], originals[name], rtol=0, atol=0)
+    x.copy_(torch.randn_like(x))
+    g.replay(context="a")  # the graph still works with the adapter it was captured with
+    torch.testing.assert_close(y, x @ weights_of(pick(originals["a"])))
+    with breakgraph.context_scope("a"):  # and plain eager calls see the right weights
+        torch.testing.assert_close(weights_of(adapter_weights()), weights_of(pick(originals["a"])))
+
+
+def test_global_buffer_chosen_by_the_replay_context_is_never_overwritten(capture, device):
+    buffers = [torch.zeros(3, device=device), torch.zeros(3, device=device)]
+
+    @eager_on_graph
+    def into_buffer(h):
+        buf = buffers[breakgraph.replay_context()]
+        buf.copy_(h * 2)
+        return buf
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, context=0):
+        y = into_buffer(x + 1) + 1
+    fresh = fresh_into(x)
+    g.replay(context=0)
+    torch.testing.assert_close(y, (fresh + 1) * 2 + 1)
+    before = buffers[0].clone()
+    fresh_into(x)
+    with pytest.raises(CopyBackError, match=r"into_buffer.*does not own at output: "):
+        g.replay(context=1)
+    torch.testing.assert_close(buffers[0], before, rtol=0, atol=0)
+
+
+def test_cached_structure_chosen_per_replay_is_never_overwritten(capture, device):
+    """The tensors are held only by a cached tuple, and the cache holds the tuple."""
+    cache = {name: (torch.randn(3, device=device),) for name in "ab"}
+    originals = {name: t[0].clone() for name, t in cache.items()}
+
+    @eager_on_graph
+    def cached():
+        return cache[breakgraph.replay_context()]
+
+    g = BreakableCUDAGraph()
+    with capture(g, context="a"):
+        y = cached()[0] * 2
+    with pytest.raises(CopyBackError, match=r"cached.*at output\[0\]"):
+        g.replay(context="b")
+    torch.testing.assert_close(cache["a"][0], originals["a"], rtol=0, atol=0)
+
+
+def test_output_the_function_also_keeps_is_never_overwritten(capture, device):
+    """A fresh tensor that the function also keeps (a history list) is the user's memory too:
+    copying the next result into it would rewrite the history."""
+    history = []
+
+    @eager_on_graph
+    def remember(h):
+        y = h * 2
+        history.append(y)
+        return y
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = remember(x + 1) + 0
+    first = history[0].clone()
+    fresh_into(x)
+    with pytest.raises(CopyBackError, match="remember.*does not own"):
+        g.replay()
+    torch.testing.assert_close(history[0], first, rtol=0, atol=0)
+
+
+def test_function_returning_its_own_preallocated_buffer_still_replays(capture, device):
+    """The integration's attention breaks: a callable object that writes into a buffer it holds
+    and returns that buffer (or a fresh view of it) on every call: no copy, no error."""
+
+    class IntoOwnBuffer:
+        def __init__(self, n):
+            self.out = torch.empty(n, device=device)
+
+        def __call__(self, h):
+            torch.mul(h, 3, out=self.out)
+            return self.out, self.out[:2]
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        full, head = eager_on_graph(IntoOwnBuffer(4))(x + 1)
+        y = full * 1 + head.sum()
+    for _ in range(3):
+        fresh = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, (fresh + 1) * 3 + ((fresh[:2] + 1) * 3).sum())
+
+
+def test_in_place_function_returning_its_argument_and_a_view_of_it(capture, device):
+    @eager_on_graph
+    def scale_(h):
+        h.mul_(2)
+        return h, h[:2]
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        h = x + 1
+        a, b = scale_(h)
+        y = a * 1 + b.sum()
+    for _ in range(3):
+        fresh = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, (fresh + 1) * 2 + ((fresh[:2] + 1) * 2).sum())
+
+
+def test_persistent_tensor_at_replay_is_copied_from_not_into(capture, device):
+    """Fresh at capture, a long-lived tensor on replay: the copy goes from the user's tensor
+    into graph memory, which is always safe."""
+    weights = {"a": torch.randn(3, device=device)}
+    original = weights["a"].clone()
+    state = {"persistent": False}
+
+    @eager_on_graph
+    def weights_or_fresh(h):
+        return weights["a"] if state["persistent"] else h * 1
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = weights_or_fresh(x + 1) * 2
+    state["persistent"] = True
+    fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, original * 2)
+    torch.testing.assert_close(weights["a"], original, rtol=0, atol=0)
+
+
+def test_stub_returning_a_long_lived_tensor_stands_for_a_function_returning_it(capture, device):
+    """capture_stub semantics are unchanged: the stub's output is the graph's; a persistent
+    tensor from the stub must be what the real function returns on every replay."""
+    table = torch.randn(3, device=device)
+    other = torch.randn(3, device=device)
+    original = table.clone()
+    state = {"other": False}
+
+    @eager_on_graph(capture_stub=lambda: table)
+    def lookup():
+        return other if state["other"] else table
+
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = lookup() * 2
+    g.replay()
+    torch.testing.assert_close(y, original * 2)
+    state["other"] = True
+    with pytest.raises(CopyBackError, match="lookup.*does not own"):
+        g.replay()
+    torch.testing.assert_close(table, original, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs that share memory (issue 22, item 2)
+# ---------------------------------------------------------------------------------------
+
+ALIASED = {
+    "(y, y)": lambda y: (y, y),
+    "(y, y[:2])": lambda y: (y, y[:2]),
+    "{'k': y[1:], 'v': y[:3]}": lambda y: {"k": y[1:], "v": y[:3]},
+}
+INDEPENDENT = {
+    "(y, y)": lambda h: (h * 2, h * 3),
+    "(y, y[:2])": lambda h: (h * 2, h[:2] * 3),
+    "{'k': y[1:], 'v': y[:3]}": lambda h: {"k": h[1:] * 2, "v": h[:3] * 3},
+}
+FIRST_AND_OTHER = {
+    "(y, y)": ("output[0]", "output[1]"),
+    "(y, y[:2])": ("output[0]", "output[1]"),
+    "{'k': y[1:], 'v': y[:3]}": ("output['k']", "output['v']"),
+}
+
+
+def _leaves(value):
+    return list(value.values()) if isinstance(value, dict) else list(value)
+
+
+@pytest.mark.parametrize("shape", ALIASED)
+def test_outputs_aliased_at_capture_but_not_at_replay_raise(capture, device, shape):
+    """(y, y) at capture (k and v of an empty cache), two tensors on replay: copying both into
+    one memory would leave the last copy in both slots."""
+    state = {"aliased": True}
+
+    @eager_on_graph
+    def keys_values(h):
+        return ALIASED[shape](h * 2) if state["aliased"] else INDEPENDENT[shape](h)
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        outs = [t * 1 for t in _leaves(keys_values(x + 1))]
+    fresh = fresh_into(x)
+    g.replay()  # aliased the same way: fine
+    for out, expected in zip(outs, _leaves(ALIASED[shape]((fresh + 1) * 2))):
+        torch.testing.assert_close(out, expected)
+    state["aliased"] = False
+    fresh_into(x)
+    with pytest.raises(CopyBackError, match="keys_values") as info:
+        g.replay()
+    first, other = FIRST_AND_OTHER[shape]
+    assert info.value.path == other
+    assert first in str(info.value)
+
+
+@pytest.mark.parametrize("shape", ALIASED)
+def test_outputs_aliased_the_same_way_on_every_replay(capture, device, shape):
+    @eager_on_graph
+    def keys_values(h):
+        return ALIASED[shape](h * 2)
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        outs = [t * 1 for t in _leaves(keys_values(x + 1))]
+    for _ in range(3):
+        fresh = fresh_into(x)
+        g.replay()
+        for out, expected in zip(outs, _leaves(ALIASED[shape]((fresh + 1) * 2))):
+            torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("shape", ALIASED)
+def test_outputs_distinct_at_capture_may_alias_at_replay(capture, device, shape):
+    state = {"aliased": False}
+
+    @eager_on_graph
+    def keys_values(h):
+        return ALIASED[shape](h * 2) if state["aliased"] else INDEPENDENT[shape](h)
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        outs = [t * 1 for t in _leaves(keys_values(x + 1))]
+    state["aliased"] = True
+    for _ in range(2):
+        fresh = fresh_into(x)
+        g.replay()
+        for out, expected in zip(outs, _leaves(ALIASED[shape]((fresh + 1) * 2))):
+            torch.testing.assert_close(out, expected)
+
+
+def test_chunks_of_one_tensor_may_become_independent_tensors(capture, device):
+    """Outputs that share a storage without overlapping (q, k, v chunks, interleaved too)
+    need no aliasing on replay: each is copied on its own."""
+    state = {"chunks": True}
+
+    @eager_on_graph
+    def qkv(h):
+        if state["chunks"]:
+            return (h * 2).chunk(3, dim=-1)
+        return tuple(h[:, i * 2 : i * 2 + 2] * 2 for i in range(3))
+
+    x = torch.randn(5, 6, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        outs = [t * 1 for t in qkv(x + 1)]
+    state["chunks"] = False
+    fresh = fresh_into(x)
+    g.replay()
+    for out, expected in zip(outs, ((fresh + 1) * 2).chunk(3, dim=-1)):
+        torch.testing.assert_close(out, expected)
