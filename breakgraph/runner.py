@@ -8,12 +8,13 @@ and filling the rest of the bucket (the *tail*) with a defined value.
 
 Three small pieces, one job each:
 
-* :func:`choose_bucket` decides, as a pure function of the sizes, what a call does
-  (replay a bucket, capture a new one, run eagerly, or refuse);
+* a :class:`~breakgraph.ladder.GraphLadder` owns the graphs: it captures every bucket
+  largest first into one pool, decides per call (:func:`choose_bucket`: replay a bucket,
+  capture a new one, run eagerly, or refuse), replays, counts and releases;
 * :class:`StaticInputs` owns the static input buffers: their spec, validation,
   copy-in and tail padding;
-* :class:`BucketedRunner` is the capture lifecycle (warm up once, capture every
-  bucket largest first into one pool, capture windows) plus dispatch.
+* :class:`BucketedRunner` holds one of each, plus the output trimming, the eager
+  fallback and the dispatch of each call.
 
 Rules it enforces (each one a bug in a peer):
 
@@ -46,23 +47,27 @@ Example::
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import logging
+import math
 import numbers
-import sys
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from . import distributed
-from .backends import select_backend
 from .eager import eager_on_graph
-from .errors import CaptureError, InputError, ReplayError
-from .graph import BreakableCUDAGraph, capture
+from .errors import CaptureError, InputError
+from .graph import BreakableCUDAGraph
+from .ladder import (
+    Action,
+    Decision,
+    GraphLadder,
+    LadderStats,
+    choose_bucket,
+    faster_buckets,
+    validate_buckets,
+)
 from .state import context_scope
 from .structure import map_tensors
 
@@ -75,64 +80,6 @@ __all__ = [
     "faster_buckets",
 ]
 
-logger = logging.getLogger("breakgraph")
-
-
-# -- the decision -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What a call of some size does.
-
-    ``action`` is ``"replay"`` (the graph of ``bucket``), ``"capture"`` (a new bucket of
-    ``bucket`` first, inside a capture window), ``"eager"`` (run the function on the live
-    inputs; ``reason`` says why) or ``"raise"``.
-    """
-
-    action: str
-    bucket: int | None = None
-    reason: str = ""
-
-
-def choose_bucket(
-    buckets: Sequence[int],
-    size: int,
-    *,
-    max_padding_fraction: float | None = None,
-    can_capture: bool = False,
-    on_miss: str = "eager",
-    faster: Mapping[int, int] | None = None,
-) -> Decision:
-    """The one bucket decision: the smallest captured bucket that holds ``size``.
-
-    ``buckets`` are ascending. A size above every bucket is captured (``can_capture``:
-    a capture window is open), run eagerly or refused (``on_miss``); a bucket whose tail
-    would exceed ``max_padding_fraction`` of it runs eagerly. ``faster`` maps a bucket to
-    a larger one that was measured faster (:meth:`BucketedRunner.tune`): the call goes
-    there. With several ranks, pass the size agreed across them, so every rank takes the
-    same path.
-
-    Example::
-
-        >>> from breakgraph.runner import choose_bucket
-        >>> choose_bucket((4, 16), 5)
-        Decision(action='replay', bucket=16, reason='')
-        >>> choose_bucket((4, 16), 20).action
-        'eager'
-    """
-    index = bisect.bisect_left(buckets, size)
-    if index == len(buckets):
-        if can_capture:
-            return Decision("capture", size)
-        if on_miss == "raise":
-            return Decision("raise", None, "larger than every bucket")
-        return Decision("eager", None, "larger than every bucket")
-    bucket = buckets[index]
-    if max_padding_fraction is not None and bucket - size > max_padding_fraction * bucket:
-        return Decision("eager", None, "too much padding")
-    return Decision("replay", faster.get(bucket, bucket) if faster else bucket)
-
 
 # -- static inputs --------------------------------------------------------------------------------
 
@@ -141,10 +88,12 @@ class StaticInputs:
     """The static input buffers of a runner: spec, validation, copy-in, tail padding.
 
     One tensor per input of the captured function; ``dims`` is the bucketed dimension
-    of each, ``pad_values`` what its tail is filled with. ``allocate(size)`` makes the
-    buffers of a bucket; ``size_of(inputs)`` validates live inputs and returns their
-    size along the bucketed dimension; ``fill(buffers, inputs, size)`` copies them in
-    and writes the tail.
+    of each, ``pad_values`` what its tail is filled with (a value the input's dtype holds:
+    ``0.5`` for an integer input raises instead of padding with 0). ``allocate(size)``
+    makes the buffers of a bucket; ``size_of(inputs)`` validates live inputs and returns
+    their size along the bucketed dimension; ``fill(buffers, inputs, size)`` validates the
+    same way (a wrong shape never broadcasts, a wrong dtype is never cast), then copies
+    them in and writes the tail.
 
     Example::
 
@@ -184,6 +133,8 @@ class StaticInputs:
                 raise InputError(
                     f"BucketedRunner: dims[{i}]={d!r} is out of range for a {t.dim()}-D input."
                 )
+        for i, (t, pad) in enumerate(zip(examples, self.pads)):
+            _check_pad_value(pad, t.dtype, f"BucketedRunner: pad_values[{i}]")
         self.dims = tuple(d % t.dim() for t, d in zip(examples, dims))
         self.specs = tuple((t.dtype, t.device, tuple(t.shape)) for t in examples)
 
@@ -234,7 +185,49 @@ class StaticInputs:
         return size
 
     def fill(self, buffers: tuple, inputs: tuple, size: int) -> None:
-        """Copy ``inputs`` into ``buffers`` and write the tail with the pad values."""
+        """Copy ``inputs`` into ``buffers`` (one bucket's, from :meth:`allocate`) and write the
+        tail with the pad values. Validates first, as :meth:`size_of` does, and checks that
+        ``size`` is the inputs' size and fits the buffers: ``InputError``, nothing copied."""
+        held = self.size_of(inputs)
+        if held != size:
+            raise InputError(
+                f"StaticInputs.fill: size={size}, but the inputs hold {held} along the bucketed "
+                f"dimension (pass spec.size_of(inputs)). Nothing was copied."
+            )
+        self._check_buffers(buffers, size)
+        self._copy_in(buffers, inputs, size)
+
+    def _check_buffers(self, buffers: tuple, size: int) -> None:
+        if len(buffers) != len(self.specs):
+            raise InputError(
+                f"StaticInputs.fill: {len(buffers)} buffers for {len(self.specs)} inputs."
+            )
+        for i, (buffer, (dtype, device, shape), d) in enumerate(
+            zip(buffers, self.specs, self.dims)
+        ):
+            fits = (
+                isinstance(buffer, torch.Tensor)
+                and buffer.dtype == dtype
+                and buffer.device == device
+                and buffer.dim() == len(shape)
+                and _with_dim(tuple(buffer.shape), d, size) == _with_dim(shape, d, size)
+                and buffer.shape[d] >= size
+            )
+            if not fits:
+                described = (
+                    f"{tuple(buffer.shape)} {buffer.dtype} on {buffer.device}"
+                    if isinstance(buffer, torch.Tensor)
+                    else type(buffer).__name__
+                )
+                raise InputError(
+                    f"StaticInputs.fill: buffer {i} ({described}) is not a bucket buffer of this "
+                    f"spec for size {size} (use allocate(bucket), bucket >= size). Nothing was "
+                    f"copied."
+                )
+
+    def _copy_in(self, buffers: tuple, inputs: tuple, size: int) -> None:
+        """:meth:`fill` without the checks: inputs that :meth:`size_of` validated (``size``)
+        and buffers of a bucket; the runner's per-call path."""
         for buffer, value, d, pad in zip(buffers, inputs, self.dims, self.pads):
             bucket = buffer.shape[d]
             buffer.narrow(d, 0, size).copy_(value)
@@ -245,37 +238,8 @@ class StaticInputs:
 # -- the runner -----------------------------------------------------------------------------------
 
 
-@dataclass
-class RunnerStats:
-    """Counters of a :class:`BucketedRunner`; ``str(stats)`` prints a small table."""
-
-    calls: dict[int, int] = field(default_factory=dict)
-    padded_elements: dict[int, int] = field(default_factory=dict)  # tail size (bucketed dim)
-    eager_fallbacks: dict[str, int] = field(default_factory=dict)  # by reason
-    capture_seconds: dict[int, float] = field(default_factory=dict)
-    graph_memory_bytes: dict[int, int] = field(default_factory=dict)  # pool growth (CUDA)
-    warmup_seconds: float = 0.0
-    replay_ms: dict[int, float] = field(default_factory=dict)  # measured by tune() (CUDA)
-    routed: dict[int, int] = field(default_factory=dict)  # bucket -> faster larger bucket
-
-    def __str__(self) -> str:
-        rows = ["bucket   calls  padded rows  capture s  graph MiB"]
-        for size in sorted(self.calls):
-            rows.append(
-                f"{size:>6} {self.calls[size]:>7} {self.padded_elements.get(size, 0):>12} "
-                f"{self.capture_seconds.get(size, 0.0):>10.3f} "
-                f"{self.graph_memory_bytes.get(size, 0) / 2**20:>10.1f}"
-            )
-        fallbacks = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items()))
-        rows.append(f"eager fallbacks: {fallbacks or 'none'}")
-        return "\n".join(rows)
-
-
-class _Bucket:
-    __slots__ = ("size", "graph", "inputs", "output")
-
-    def __init__(self, size: int, graph: BreakableCUDAGraph, inputs: tuple, output: Any):
-        self.size, self.graph, self.inputs, self.output = size, graph, inputs, output
+#: The counters of a runner: the ladder's (see :class:`~breakgraph.ladder.LadderStats`).
+RunnerStats = LadderStats
 
 
 class BucketedRunner:
@@ -346,18 +310,23 @@ class BucketedRunner:
         static_inputs: StaticInputs | None = None,
         progress: bool = False,
     ):
-        sizes = _bucket_sizes(buckets, "BucketedRunner")
-        if on_miss not in ("eager", "raise"):
+        sizes = validate_buckets(buckets, "BucketedRunner")
+        if ranks is not None and warmup < 1:
             raise InputError(
-                f"BucketedRunner: on_miss must be 'eager' or 'raise', got {on_miss!r}."
+                "BucketedRunner: with ranks=, collectives must run eagerly before capture "
+                "(warmup >= 1)."
             )
-        if max_padding_fraction is not None and not 0.0 <= max_padding_fraction < 1.0:
-            raise InputError("BucketedRunner: max_padding_fraction must be in [0, 1).")
-        if ranks is not None and (agree_size is not None or warmup < 1):
-            raise InputError(
-                "BucketedRunner: with ranks=, the ranks agree the size themselves (drop "
-                "agree_size) and collectives must run eagerly before capture (warmup >= 1)."
-            )
+        self.ladder = GraphLadder(
+            backend=backend,
+            pool=pool,
+            ranks=ranks,
+            debug=debug,
+            on_miss=on_miss,
+            max_padding_fraction=max_padding_fraction,
+            agree_size=agree_size,
+            progress=progress,
+            who="BucketedRunner",
+        )
         self.inputs = (
             static_inputs
             if static_inputs is not None
@@ -365,33 +334,19 @@ class BucketedRunner:
         )
         self.fn = fn
         self._captured_fn = eager_on_graph(fn) if eager_region else fn
-        self.debug = debug
-        self.on_miss = on_miss
-        self.max_padding_fraction = max_padding_fraction
         self.slice_outputs = slice_outputs
-        self.agree_size = agree_size
         self.ranks = ranks
         self.warmup = warmup
         self.warmup_each = warmup_each
-        self.backend = select_backend(backend).name
+        self.backend = self.ladder.backend
         self.context = context
         self.capture_context = capture_context
-        self.progress = progress
-        self.stats = RunnerStats()
-        self._pool = pool
-        self._buckets: dict[int, _Bucket] = {}
-        self._sizes: tuple = ()
-        self._decisions: dict[int, Decision] = {}  # size -> decision (outside capture windows)
-        self._faster: dict[int, int] = {}  # bucket -> a larger bucket measured faster (tune)
-        self._window_open = True
+        self._buffers: dict[int, tuple] = {}  # bucket -> its static input buffers
         if ranks is not None:  # every rank must capture the same buckets in the same order
             shapes = [(dtype, device.type, shape) for dtype, device, shape in self.inputs.specs]
             spec = distributed.fingerprint(sizes, self.inputs.dims, self.inputs.pads, shapes)
             ranks.agree(0, spec, "buckets")
-        try:
-            self._capture_buckets(sizes)
-        finally:
-            self._window_open = False
+        self._capture(sizes)
 
     # -- capture phase ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -401,109 +356,79 @@ class BucketedRunner:
         Capturing mid-run can grow shared workspaces and move addresses that earlier
         graphs baked in: open the window only at a quiet point, e.g. start-up.
         """
-        self._window_open = True
-        self._decisions.clear()
-        try:
+        with self.ladder.capture_window():
             yield self
-        finally:
-            self._window_open = False
-            self._decisions.clear()
 
     def add_buckets(self, buckets: Sequence[int]) -> None:
         """Capture more buckets; only inside ``capture_window()``."""
-        if not self._window_open:
+        self.ladder._check_open("add_buckets")
+        if not self.ladder.window_open:
             raise CaptureError(
                 "BucketedRunner.add_buckets: the capture phase is over; open it again with "
                 "`with runner.capture_window(): runner.add_buckets(...)`."
             )
-        sizes = _bucket_sizes(buckets, "BucketedRunner.add_buckets", allow_empty=True)
-        self._capture_buckets([s for s in sizes if s not in self._buckets])
+        self._capture(validate_buckets(buckets, "BucketedRunner.add_buckets", allow_empty=True))
 
-    def _capture_buckets(self, sizes: Sequence[int]) -> None:
-        """Largest first (smaller ones reuse its pool); one warm-up and one gc pass in all."""
-        ordered = sorted(sizes, reverse=True)
-        for i, size in enumerate(ordered):
-            self._capture_one(size, first=i == 0, position=f"{i + 1}/{len(ordered)}")
+    def _capture(self, sizes: Sequence[int]) -> None:
+        """One capture phase: one warm-up (or one per bucket) and one gc pass in all."""
+        for size in sizes:  # before any capture: allocated inside one, they would be recorded
+            self._buffers_of(size)
+        try:
+            self.ladder.capture(
+                sizes,
+                self._record,
+                warm_up=self._warm_up if self.warmup > 0 else None,
+                warm_up_each=self.warmup_each,
+                context=self._capture_context,
+            )
+        finally:  # a failed bucket's buffers go, unless a failed NCCL step must keep them
+            if self.ranks is None or not self.ranks.keeps_memory:
+                for size in [s for s in self._buffers if s not in self.ladder.buckets]:
+                    del self._buffers[size]
 
-    def _capture_one(self, size: int, first: bool, position: str) -> None:
-        inputs = self.inputs.allocate(size)
-        context = self.capture_context(size) if self.capture_context else self.context
-        start = time.perf_counter()
-        if first or self.warmup_each:
-            with context_scope(context):
-                self._on_all_ranks(
-                    f"warm-up of bucket {size}",
-                    lambda: self._warm_up(inputs),
-                    keep=(self._buckets, inputs),
-                )
-            self.stats.warmup_seconds += time.perf_counter() - start
-        graph = BreakableCUDAGraph()
-        backend = select_backend(self.backend)
-        pool_before = backend.pool_bytes(self._pool) if self._pool is not None else 0
+    def _buffers_of(self, size: int) -> tuple:
+        buffers = self._buffers.get(size)
+        if buffers is None:
+            buffers = self._buffers[size] = self.inputs.allocate(size)
+        return buffers
 
-        def record() -> Any:
-            with capture(
-                graph,
-                pool=self._pool,
-                backend=self.backend,
-                context=context,
-                debug=self.debug,
-                collect_garbage=first,
-                capture_error_mode="global"
-                if self.ranks is None
-                else distributed.CAPTURE_ERROR_MODE,
-            ):
-                return self._captured_fn(*inputs)
+    def _record(self, size: int) -> Any:
+        return self._captured_fn(*self._buffers[size])
 
-        output = self._on_all_ranks(
-            f"capture of bucket {size}",
-            record,
-            lambda _: distributed.fingerprint(repr(graph)),
-            keep=(self._buckets, graph, inputs),
-        )
-        self._pool = graph.pool()
-        self.stats.graph_memory_bytes[size] = (backend.pool_bytes(self._pool) or 0) - (
-            pool_before or 0
-        )
-        seconds = self.stats.capture_seconds[size] = time.perf_counter() - start
-        self.stats.calls.setdefault(size, 0)
-        self.stats.padded_elements.setdefault(size, 0)
-        self._buckets[size] = _Bucket(size, graph, inputs, output)
-        self._sizes = tuple(sorted(self._buckets))
-        self._decisions.clear()
-        message = f"breakgraph: captured bucket {position} (size {size}) in {seconds:.3f} s"
-        logger.info("%s: %r", message, graph)
-        if self.progress:
-            print(message, file=sys.stderr, flush=True)
+    def _warm_up(self, size: int) -> None:
+        inputs = self._buffers[size]
+        for _ in range(self.warmup):
+            self.fn(*inputs)
 
-    def _on_all_ranks(
-        self, what: str, step: Callable, fingerprint: Callable | None = None, keep: Any = None
-    ):
-        """Run a capture-phase step; with ``ranks``, check it succeeded alike on every rank
-        (``keep``: what must not be freed if it failed; see RankGroup.capture_step)."""
-        if self.ranks is None:
-            return step()
-        return self.ranks.capture_step(what, step, fingerprint, keep)
-
-    def _warm_up(self, inputs: tuple) -> None:
-        if self.warmup <= 0:
-            return
-        if self.backend == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self.fn(*inputs)
-            torch.cuda.current_stream().wait_stream(side)
-        else:
-            for _ in range(self.warmup):
-                self.fn(*inputs)
+    def _capture_context(self, size: int) -> Any:
+        return self.capture_context(size) if self.capture_context else self.context
 
     # -- serving ------------------------------------------------------------------------
     @property
     def buckets(self) -> tuple[int, ...]:
         """The captured bucket sizes, ascending."""
-        return self._sizes
+        return self.ladder.buckets
+
+    @property
+    def stats(self) -> LadderStats:
+        """The counters (a :class:`~breakgraph.ladder.LadderStats`, alias ``RunnerStats``)."""
+        return self.ladder.stats
+
+    @property
+    def on_miss(self) -> str:
+        return self.ladder.on_miss
+
+    @property
+    def max_padding_fraction(self) -> float | None:
+        return self.ladder.max_padding_fraction
+
+    @property
+    def agree_size(self) -> Callable[[int], int] | None:
+        return self.ladder.agree_size
+
+    @property
+    def debug(self) -> bool:
+        return self.ladder.debug
 
     def decide(self, size: int, fingerprint: int = 0) -> Decision:
         """What a call of ``size`` does, decided on the agreed size.
@@ -520,41 +445,15 @@ class BucketedRunner:
             >>> r.decide(5).bucket
             16
         """
-        if not self._sizes:
-            raise ReplayError("BucketedRunner: the runner is closed; build a new one.")
-        agreed = size
-        if self.ranks is not None:
-            agreed = self.ranks.agree(size, fingerprint)
-        elif self.agree_size is not None:
-            agreed = self.agree_size(size)
-            if not isinstance(agreed, int) or agreed < size:
-                raise InputError(
-                    f"BucketedRunner: agree_size({size}) returned {agreed!r}; it must return an "
-                    f"int no smaller than the size (the largest size over all ranks)."
-                )
-        decision = self._decisions.get(agreed)
-        if decision is None:
-            decision = self._choose(agreed)
-            if not self._window_open:
-                self._decisions[agreed] = decision
-        return decision
-
-    def _choose(self, size: int) -> Decision:
-        return choose_bucket(
-            self._sizes,
-            size,
-            max_padding_fraction=self.max_padding_fraction,
-            can_capture=self._window_open,
-            on_miss=self.on_miss,
-            faster=self._faster,
-        )
+        return self.ladder.decide(size, fingerprint)
 
     def bucket_for(self, size: int) -> int | None:
         """The bucket a call of ``size`` would replay, or None when it would not replay a graph:
         the decision ``__call__`` makes (``agree_size`` and the capture window included). With
         ``ranks`` it looks at this rank's size only: it exchanges nothing."""
-        decision = self._choose(self.agree_size(size) if self.agree_size is not None else size)
-        return decision.bucket if decision.action == "replay" else None
+        agree = self.ladder.agree_size
+        decision = self.ladder.choose(agree(size) if agree is not None else size)
+        return decision.bucket if decision.action is Action.REPLAY else None
 
     def tune(self, repeats: int = 5, margin: float = 0.02) -> dict[int, float]:
         """Time every bucket's graph; send each size to the fastest bucket that holds it.
@@ -566,41 +465,19 @@ class BucketedRunner:
         bucket replays ``repeats`` times (plus two warm-ups) on its capture-time inputs and
         context. CUDA only (the emulated backend's times mean nothing: nothing is routed);
         not with ``ranks`` (timings differ between ranks, and every rank must take the same
-        bucket). Returns the milliseconds per replay of each bucket.
+        bucket). Returns the milliseconds per replay of each bucket
+        (:meth:`GraphLadder.tune <breakgraph.ladder.GraphLadder.tune>`).
         """
-        if self.ranks is not None:
-            raise InputError(
-                "BucketedRunner.tune: timings differ between ranks, so the routes would too; "
-                "every rank must replay the same bucket. Tune in one process, or not at all."
-            )
-        if self.backend != "cuda" or not self._sizes:
-            return {}
-        times = {}
-        for size in self._sizes:
-            graph = self._buckets[size].graph
-            context = self.capture_context(size) if self.capture_context else self.context
-            for _ in range(2):
-                graph.replay(context=context)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                graph.replay(context=context)
-            end.record()
-            end.synchronize()
-            times[size] = start.elapsed_time(end) / repeats
-        faster = faster_buckets(times, margin)
-        self._faster = faster
-        self._decisions.clear()
-        self.stats.replay_ms, self.stats.routed = dict(times), dict(faster)
-        return times
+        return self.ladder.tune(self._capture_context, repeats, margin)
 
     def graph(self, size: int) -> BreakableCUDAGraph:
         """The captured graph of bucket ``size``."""
-        return self._buckets[size].graph
+        return self.ladder.graph(size)
 
     def static_inputs(self, size: int) -> tuple:
         """The static input buffers of bucket ``size`` (what :meth:`replay` reads)."""
-        return self._buckets[size].inputs
+        self.ladder.graph(size)  # a named error for a size that is not a bucket
+        return self._buffers[size]
 
     def __call__(
         self, *inputs: torch.Tensor, context: Any = None, owned: bool = False, fingerprint: int = 0
@@ -618,23 +495,26 @@ class BucketedRunner:
             if self.ranks is not None:
                 self.ranks.report_failure()  # the other ranks raise instead of waiting
             raise
-        decision = self.decide(size, fingerprint)
+        ladder = self.ladder
+        decision = ladder.decide(size, fingerprint)
         context = self.context if context is None else context
-        if decision.action == "capture":
-            self._capture_buckets([decision.bucket])
-            decision = self.decide(size)
-        if decision.action == "raise":
+        action = decision.action
+        if action is Action.CAPTURE:
+            self._capture([decision.bucket])
+            decision = ladder.decide(size)
+            action = decision.action
+        if action is Action.RAISE:
             raise InputError(
                 f"BucketedRunner: input size {size} exceeds the largest bucket "
-                f"{self._sizes[-1]}; add a bucket (inside runner.capture_window()) or "
+                f"{ladder.buckets[-1]}; add a bucket (inside runner.capture_window()) or "
                 f"construct the runner with on_miss='eager'."
             )
-        if decision.action == "eager":
+        if action is Action.EAGER:
             output = self.run_eagerly(inputs, context, decision.reason)
         else:
-            bucket = self._buckets[decision.bucket]
-            self.inputs.fill(bucket.inputs, inputs, size)
-            output = self._slice(self.replay(decision.bucket, context, size), size, bucket.size)
+            bucket = decision.bucket
+            self.inputs._copy_in(self._buffers[bucket], inputs, size)
+            output = self._slice(ladder.replay(bucket, context, size=size), size, bucket)
         return map_tensors(torch.Tensor.clone, output) if owned else output
 
     def replay(self, bucket: int, context: Any = None, size: int | None = None) -> Any:
@@ -643,18 +523,11 @@ class BucketedRunner:
         For callers that fill the static inputs themselves (:meth:`static_inputs`);
         ``size`` (the live size, for the padding counter) defaults to the bucket.
         """
-        entry = self._buckets[bucket]
-        entry.graph.replay(context=self.context if context is None else context)
-        self.stats.calls[bucket] += 1
-        if size is not None:
-            self.stats.padded_elements[bucket] += bucket - size
-        return entry.output
+        return self.ladder.replay(bucket, self.context if context is None else context, size=size)
 
     def run_eagerly(self, inputs: tuple, context: Any, reason: str) -> Any:
         """Run ``fn`` on the live inputs (counted as an eager fallback for ``reason``)."""
-        self.stats.eager_fallbacks[reason] = self.stats.eager_fallbacks.get(reason, 0) + 1
-        if self.ranks is not None:
-            self.ranks.before_eager()
+        self.ladder.record_eager(reason)
         with context_scope(self.context if context is None else context):
             return self.fn(*inputs)
 
@@ -673,53 +546,13 @@ class BucketedRunner:
         return map_tensors(trim, output)
 
     def close(self) -> None:
-        """Release every graph and static buffer (after a failed multi-rank NCCL capture:
-        keep them until the process exits, see ``RankGroup.capture_step``)."""
-        distributed.release_graphs((b.graph for b in self._buckets.values()), self.ranks)
-        self._buckets.clear()
-        self._sizes = ()
-        self._decisions.clear()
-
-
-def faster_buckets(times: Mapping[int, float], margin: float = 0.02) -> dict[int, int]:
-    """Where each bucket's calls go instead: the smallest larger bucket that beats it by more
-    than ``margin`` and is itself within ``margin`` of the fastest larger bucket.
-
-    Example::
-
-        >>> from breakgraph.runner import faster_buckets
-        >>> faster_buckets({192: 3.7, 200: 3.8, 208: 4.0, 224: 3.9, 256: 3.88})
-        {208: 224}
-    """
-    sizes = sorted(times)
-    faster = {}
-    for i, size in enumerate(sizes):
-        larger = sizes[i + 1 :]
-        if not larger:
-            break
-        best = min(times[b] for b in larger)
-        for b in larger:  # ascending: the least padding first
-            if times[b] < times[size] * (1 - margin) and times[b] <= best * (1 + margin):
-                faster[size] = b
-                break
-    return faster
-
-
-def _bucket_sizes(buckets: Any, where: str, allow_empty: bool = False) -> list[int]:
-    """Validate bucket sizes: positive ints (bools and floats refused), sorted, unique."""
-    try:
-        sizes = list(buckets)
-    except TypeError:
-        raise InputError(
-            f"{where}: buckets must be a sequence of sizes, got {buckets!r}."
-        ) from None
-    bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0]
-    if bad or (not sizes and not allow_empty):
-        raise InputError(
-            f"{where}: bucket sizes must be positive ints, got {sizes!r}"
-            + (f" (bad: {bad!r})." if bad else ".")
-        )
-    return sorted({int(b) for b in sizes})
+        """Release every graph and static buffer, for good: later calls, ``decide``,
+        ``capture_window`` and ``add_buckets`` raise ``ReplayError``. (After a failed
+        multi-rank NCCL capture: keep them until the process exits, see
+        ``RankGroup.capture_step``.)"""
+        self.ladder.close()
+        if self.ranks is None or not self.ranks.keeps_memory:
+            self._buffers.clear()
 
 
 def _per_input(value: Any, n: int, name: str) -> tuple:
@@ -732,3 +565,35 @@ def _per_input(value: Any, n: int, name: str) -> tuple:
 
 def _with_dim(shape: tuple, dim: int, size: Any) -> tuple:
     return tuple(size if j == dim else s for j, s in enumerate(shape))
+
+
+def _check_pad_value(pad: Any, dtype: torch.dtype, where: str) -> None:
+    """Refuse a pad value that ``dtype`` cannot hold: an integer or bool dtype must hold it
+    exactly (``0.5`` would become 0), a floating dtype up to its rounding (no overflow to
+    inf, no underflow to 0)."""
+    if not isinstance(pad, numbers.Number):
+        raise InputError(f"{where}: a pad value must be a number, got {pad!r}.")
+    try:
+        held = torch.full((), pad, dtype=dtype).item()
+    except (RuntimeError, TypeError, OverflowError) as exc:
+        raise InputError(f"{where}: {pad!r} does not fit {dtype} ({exc}).") from None
+    if held == pad or (_is_nan(held) and _is_nan(pad) and not dtype.is_complex):
+        return
+    if dtype.is_floating_point or dtype.is_complex:
+        eps = torch.finfo(dtype.to_real()).eps
+        if _is_finite(held) and abs(held - pad) <= eps * abs(pad):
+            return  # rounded to the dtype's precision, as every assignment of a float is
+    raise InputError(
+        f"{where}: {dtype} cannot hold the pad value {pad!r} (the tail would hold {held!r}); "
+        f"pick a value of the input's dtype."
+    )
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _is_finite(value: Any) -> bool:
+    return not isinstance(value, (float, complex)) or (
+        math.isfinite(value.real) and math.isfinite(value.imag)
+    )

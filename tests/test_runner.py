@@ -57,20 +57,20 @@ def test_random_sizes_match_eager(backend, device):
 
 def test_poisoned_tail_never_reaches_outputs(backend, device):
     runner, model = make(device, backend)
-    bucket = runner._buckets[16]
+    (buffer,) = runner.static_inputs(16)
     for n in (5, 9, 15):  # all served by bucket 16
-        bucket.inputs[0].fill_(float("nan"))  # stale garbage in the whole static buffer
+        buffer.fill_(float("nan"))  # stale garbage in the whole static buffer
         x = torch.randn(n, 8, device=device)
         out = runner(x, context=n)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, eager(model, x), atol=1e-5, rtol=1e-5)
-        assert (bucket.inputs[0][n:] == 0).all()  # the tail was written with the pad value
+        assert (buffer[n:] == 0).all()  # the tail was written with the pad value
 
 
 def test_pad_values_are_written(backend, device):
     runner, _ = make(device, backend, pad_values=-3.0)
     runner(torch.randn(5, 8, device=device), context=5)
-    assert (runner._buckets[16].inputs[0][5:] == -3.0).all()
+    assert (runner.static_inputs(16)[0][5:] == -3.0).all()
 
 
 def test_outputs_live_in_graph_memory_unless_owned(backend, device):
@@ -96,7 +96,7 @@ def test_outputs_live_in_graph_memory_unless_owned(backend, device):
 )
 def test_bad_inputs_raise_before_copying(backend, device, bad, phrase):
     runner, _ = make(device, backend)
-    buffer = runner._buckets[4].inputs[0]
+    buffer = runner.static_inputs(4)[0]
     before = buffer.clone()
     with pytest.raises(InputError, match=phrase):
         runner(bad(device), context=3)
@@ -225,3 +225,84 @@ def test_tune_times_every_bucket_and_results_stay_right():
 def test_tune_is_a_no_op_on_the_emulated_backend():
     runner, _ = make("cpu", "emulated")
     assert runner.tune() == {} and runner.stats.routed == {}
+
+
+# -- close is final; StaticInputs rejects what the runner rejects -------------------------------
+
+
+def test_close_is_final(backend, device):
+    runner, _ = make(device, backend)
+    runner.close()
+    with pytest.raises(ReplayError, match="closed"):
+        runner.decide(3)
+    with pytest.raises(ReplayError, match="closed"):
+        runner.bucket_for(3)
+    with pytest.raises(ReplayError, match="closed"):  # a capture window does not revive it
+        with runner.capture_window():
+            runner.add_buckets([8])
+    with pytest.raises(ReplayError, match="closed"):
+        runner(torch.randn(3, 8, device=device), context=3)
+    assert runner.buckets == ()
+
+
+@pytest.mark.parametrize(
+    "bad, phrase",
+    [
+        (lambda d: torch.ones(1, 2, device=d), "size=3, but the inputs hold 1"),  # 1 row into 3
+        (lambda d: torch.ones(3, 1, device=d), "shape"),  # would broadcast along dim 1
+        (lambda d: torch.ones(3, 2, device=d, dtype=torch.float64), "dtype"),  # would be cast
+        (lambda d: torch.ones(3, 2, 1, device=d), "dimensions"),
+    ],
+)
+def test_static_inputs_fill_never_broadcasts_or_casts(device, bad, phrase):
+    from breakgraph.runner import StaticInputs
+
+    spec = StaticInputs((torch.zeros(1, 2, device=device),), dims=0, pad_values=-1.0)
+    buffers = spec.allocate(4)
+    before = buffers[0].clone()
+    with pytest.raises(InputError, match=phrase):
+        spec.fill(buffers, (bad(device),), 3)
+    assert torch.equal(buffers[0], before)  # nothing was copied
+    x = torch.randn(3, 2, device=device)
+    with pytest.raises(InputError, match="not a bucket buffer"):
+        spec.fill(spec.allocate(2), (x,), 3)  # a bucket smaller than the size
+    with pytest.raises(InputError, match="not a bucket buffer"):
+        spec.fill((torch.zeros(4, 2, device=device, dtype=torch.float16),), (x,), 3)
+    spec.fill(buffers, (x,), 3)
+    assert torch.equal(buffers[0][:3], x) and (buffers[0][3:] == -1).all()
+
+
+@pytest.mark.parametrize(
+    "dtype, pad",
+    [
+        (torch.int64, 0.5),  # would pad with 0
+        (torch.uint8, 300),
+        (torch.uint8, -1),
+        (torch.bool, 2),
+        (torch.int32, float("nan")),
+        (torch.float16, 1e6),  # overflows to inf
+        (torch.float32, 1e-50),  # underflows to 0
+        (torch.float32, "0"),
+    ],
+)
+def test_pad_values_the_dtype_cannot_hold_are_refused(dtype, pad):
+    from breakgraph.runner import StaticInputs
+
+    with pytest.raises(InputError, match="pad"):
+        StaticInputs((torch.zeros(1, 2, dtype=dtype),), pad_values=pad)
+    with pytest.raises(InputError, match="pad"):
+        BucketedRunner(lambda x: x, (4,), (torch.zeros(1, 2, dtype=dtype),), pad_values=pad,
+                       backend="emulated")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype, pad",
+    [(torch.int64, 3.0), (torch.int64, -7), (torch.bool, True), (torch.float32, 0.1),
+     (torch.bfloat16, -1.5), (torch.float32, float("nan")), (torch.float16, float("-inf"))],
+)  # fmt: skip
+def test_pad_values_the_dtype_holds_are_written(dtype, pad):
+    from breakgraph.runner import StaticInputs
+
+    (buffer,) = StaticInputs((torch.zeros(1, 2, dtype=dtype),), pad_values=pad).allocate(3)
+    expected = torch.full((3, 2), pad, dtype=dtype)
+    assert torch.equal(buffer, expected) or (buffer.isnan().all() and expected.isnan().all())

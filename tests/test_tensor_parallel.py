@@ -577,7 +577,7 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
         runner = BucketedRunner(
             lambda x: x * 2, (4, 8), (torch.zeros(1, 3),), backend="emulated", ranks=ranks
         )
-        graphs = [bucket.graph for bucket in runner._buckets.values()]
+        graphs = [runner.graph(bucket) for bucket in runner.buckets]
         kept = len(distributed._KEPT_UNTIL_EXIT)
         # a healthy group: close() resets the graphs
         assert not ranks.keeps_memory

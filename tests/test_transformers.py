@@ -570,7 +570,7 @@ def test_small_batch_after_big_batch_same_bucket(backend, closing):
                 got[i], eager_last_logits(model, p), backend, f"bucket {bucket} prompt {i}"
             )
         # every static input row beyond the batch was rewritten
-        ids, positions = runner._runner._buckets[bucket].inputs
+        ids, positions = runner._runner.static_inputs(bucket)
         total = sum(lengths)
         assert ids.shape == positions.shape == (1, bucket)
         assert torch.equal(ids[0, :total].cpu(), torch.cat(prompts).cpu())

@@ -1,0 +1,777 @@
+"""The graph ladder: one breakable graph per size bucket, and the one decision per call.
+
+Every runner that serves variable sizes from captured graphs does the same job: capture
+one :class:`~breakgraph.BreakableCUDAGraph` per bucket, largest first into one memory
+pool, choose a bucket per call, agree that choice across ranks, count, and release the
+graphs safely. :class:`GraphLadder` does it once, for :class:`~breakgraph.runner.BucketedRunner`,
+``PrefillRunner`` (through it) and the continuous-batching step runner.
+
+The ladder holds **no buffers** (as vLLM's ``CudagraphDispatcher`` and ``CUDAGraphWrapper``):
+its keys, the captured bucket sizes, are the only source of truth, and per bucket it keeps
+only the graph and the output its capture returned. The static input buffers live with
+their owner, which hands the ladder ``record(size)`` (run the captured function on the
+bucket's buffers) and ``warm_up(size)``.
+
+Also here, as pure functions: :func:`choose_bucket` (the decision), :func:`faster_buckets`
+(tuned routes), :func:`validate_buckets` and the default ladders
+(:func:`default_token_buckets`, :func:`geometric_buckets`).
+
+Example::
+
+    >>> import torch
+    >>> from breakgraph.ladder import GraphLadder
+    >>> x = torch.zeros(16)
+    >>> ladder = GraphLadder(backend="emulated")
+    >>> ladder.capture((4, 16), lambda size: x[:size] * 2)
+    >>> ladder.buckets, ladder.decide(3)
+    ((4, 16), Decision(action=Action.REPLAY, bucket=4, reason=''))
+    >>> _ = x.copy_(torch.arange(16.0))
+    >>> ladder.replay(4, size=3).tolist()
+    [0.0, 2.0, 4.0, 6.0]
+    >>> ladder.stats.replays, ladder.stats.buckets[4].padded
+    (1, 1)
+    >>> ladder.close()
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import enum
+import logging
+import numbers
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import distributed
+from .backends import select_backend
+from .debug import debug_enabled
+from .errors import InputError, ReplayError
+from .graph import BreakableCUDAGraph, capture
+from .state import context_scope
+
+__all__ = [
+    "GraphLadder",
+    "Action",
+    "Decision",
+    "choose_bucket",
+    "faster_buckets",
+    "validate_buckets",
+    "default_token_buckets",
+    "geometric_buckets",
+    "BucketStats",
+    "LadderStats",
+]
+
+logger = logging.getLogger("breakgraph")
+
+
+# -- the decision -------------------------------------------------------------------------------
+
+
+class Action(str, enum.Enum):
+    """What a call does. A ``str``: ``decision.action == "replay"`` holds for ``Action.REPLAY``."""
+
+    REPLAY = "replay"  # replay the graph of ``Decision.bucket``
+    CAPTURE = "capture"  # capture a bucket of ``Decision.bucket`` first (a capture window)
+    EAGER = "eager"  # run without a graph; ``Decision.reason`` says why
+    RAISE = "raise"  # refuse (``on_miss="raise"``)
+
+    def __repr__(self) -> str:
+        return f"Action.{self.name}"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a call of some size does: ``action`` (an :class:`Action`), the ``bucket`` it
+    replays or captures, and for ``EAGER`` and ``RAISE`` the ``reason``."""
+
+    action: Action
+    bucket: int | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.action, Action):  # Decision("replay", 4) still works
+            try:
+                object.__setattr__(self, "action", Action(self.action))
+            except ValueError:
+                raise InputError(
+                    f"Decision: action must be one of {[a.value for a in Action]}, got "
+                    f"{self.action!r}."
+                ) from None
+
+
+def choose_bucket(
+    buckets: Sequence[int],
+    size: int,
+    *,
+    max_padding_fraction: float | None = None,
+    can_capture: bool = False,
+    on_miss: str = "eager",
+    faster: Mapping[int, int] | None = None,
+) -> Decision:
+    """The one bucket decision: the smallest captured bucket that holds ``size``.
+
+    ``buckets`` are ascending. A size above every bucket is captured (``can_capture``:
+    a capture window is open), run eagerly or refused (``on_miss``); a bucket whose tail
+    would exceed ``max_padding_fraction`` of it runs eagerly. ``faster`` maps a bucket to
+    a larger one that was measured faster (:meth:`GraphLadder.tune`): the call goes
+    there. With several ranks, pass the size agreed across them, so every rank takes the
+    same path.
+
+    Example::
+
+        >>> from breakgraph.ladder import choose_bucket
+        >>> choose_bucket((4, 16), 5)
+        Decision(action=Action.REPLAY, bucket=16, reason='')
+        >>> choose_bucket((4, 16), 20).action == "eager"
+        True
+    """
+    index = bisect.bisect_left(buckets, size)
+    if index == len(buckets):
+        if can_capture:
+            return Decision(Action.CAPTURE, size)
+        if on_miss == "raise":
+            return Decision(Action.RAISE, None, "larger than every bucket")
+        return Decision(Action.EAGER, None, "larger than every bucket")
+    bucket = buckets[index]
+    if max_padding_fraction is not None and bucket - size > max_padding_fraction * bucket:
+        return Decision(Action.EAGER, None, "too much padding")
+    return Decision(Action.REPLAY, faster.get(bucket, bucket) if faster else bucket)
+
+
+def faster_buckets(times: Mapping[int, float], margin: float = 0.02) -> dict[int, int]:
+    """Where each bucket's calls go instead: the smallest larger bucket that beats it by more
+    than ``margin`` and is itself within ``margin`` of the fastest larger bucket.
+
+    Example::
+
+        >>> from breakgraph.ladder import faster_buckets
+        >>> faster_buckets({192: 3.7, 200: 3.8, 208: 4.0, 224: 3.9, 256: 3.88})
+        {208: 224}
+    """
+    sizes = sorted(times)
+    faster = {}
+    for i, size in enumerate(sizes):
+        larger = sizes[i + 1 :]
+        if not larger:
+            break
+        best = min(times[b] for b in larger)
+        for b in larger:  # ascending: the least padding first
+            if times[b] < times[size] * (1 - margin) and times[b] <= best * (1 + margin):
+                faster[size] = b
+                break
+    return faster
+
+
+# -- bucket lists -------------------------------------------------------------------------------
+
+
+def validate_buckets(buckets: Any, where: str, allow_empty: bool = False) -> list[int]:
+    """Bucket sizes checked once for every runner: positive ints (bools, floats and strings
+    refused), returned sorted and unique. ``where`` names the caller in the ``InputError``.
+
+    Example::
+
+        >>> from breakgraph.ladder import validate_buckets
+        >>> validate_buckets((64, 8, 8), "demo")
+        [8, 64]
+        >>> validate_buckets("16", "demo")
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: demo: bucket sizes must be positive ints, got ['1', '6'] (bad: ['1', '6']).
+    """  # noqa: E501
+    try:
+        sizes = list(buckets)
+    except TypeError:
+        raise InputError(
+            f"{where}: buckets must be a sequence of sizes, got {buckets!r}."
+        ) from None
+    bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0]
+    if bad or (not sizes and not allow_empty):
+        raise InputError(
+            f"{where}: bucket sizes must be positive ints, got {sizes!r}"
+            + (f" (bad: {bad!r})." if bad else ".")
+        )
+    return sorted({int(b) for b in sizes})
+
+
+def default_token_buckets(
+    max_tokens: int = 4096, step: int = 8, dense_until: int = 256
+) -> tuple[int, ...]:
+    """The default ladder: multiples of ``step`` up to ``dense_until``, then 8 buckets per doubling.
+
+    Padding waste is at most ``step - 1`` tokens up to ``dense_until`` (7 tokens below 256
+    by default, like vLLM's capture sizes) and under 12.5 % above it (each bucket is at
+    most 9/8 of the one before). The last bucket is ``max_tokens``. Why this dense: on an
+    H200 a Llama-1B prefill of 200 tokens took 3.80 ms as an exact-length graph, 3.93 ms in
+    breakgraph's bucket 200 and 4.11 ms in bucket 208 (some GEMM shapes are slower than
+    larger ones; ``PrefillRunner(tune_buckets=True)`` routes around those), and each extra
+    bucket costs well under 0.1 s of capture and almost no memory (one shared pool).
+
+    Example::
+
+        >>> from breakgraph.ladder import default_token_buckets
+        >>> default_token_buckets(512)[:4], default_token_buckets(512)[-3:]
+        ((8, 16, 24, 32), (448, 480, 512))
+        >>> len(default_token_buckets(4096))
+        64
+    """
+    if max_tokens < 1 or step < 1 or dense_until < 1:
+        raise InputError(
+            "default_token_buckets: max_tokens, step and dense_until must be positive."
+        )
+    sizes, size = [], step
+    while size < max_tokens:
+        sizes.append(size)
+        # past dense_until: 1/8 of the octave [2^k, 2^(k+1)) the size is in
+        size += step if size < dense_until else max(step, _octave(size) // 8)
+    sizes.append(max_tokens)
+    return tuple(sizes)
+
+
+def _octave(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
+    """``first``, ``first * factor``, ... below ``last``, then ``last`` (always the last bucket).
+
+    The continuous-batching default (32, 128, 512, ...): coarse on purpose when padding is
+    cheap, as for a step whose attention breaks run at the exact lengths.
+
+    Example::
+
+        >>> from breakgraph.ladder import geometric_buckets
+        >>> geometric_buckets(32, 4, 2048), geometric_buckets(32, 4, 1000), geometric_buckets(32, 4, 16)
+        ((32, 128, 512, 2048), (32, 128, 512, 1000), (16,))
+    """  # noqa: E501
+    for name, value in (("first", first), ("factor", factor), ("last", last)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise InputError(f"geometric_buckets: {name} must be a positive int, got {value!r}.")
+    if factor < 2:
+        raise InputError(f"geometric_buckets: factor must be at least 2, got {factor}.")
+    sizes, size = [], int(first)
+    while size < last:
+        sizes.append(size)
+        size *= factor
+    return (*sizes, int(last))
+
+
+# -- counters ----------------------------------------------------------------------------------
+
+
+@dataclass
+class BucketStats:
+    """One bucket's counters."""
+
+    captures: int = 0
+    replays: int = 0
+    padded: int = 0  # padding elements (bucket - size), summed over replays
+    capture_s: float = 0.0  # its capture, plus the warm-up before it when there was one
+    graph_memory_bytes: int = 0  # growth of the ladder's pool during its capture (CUDA)
+    breaks: int = 0  # eager breaks in its graph
+    replay_ms: float | None = None  # measured by GraphLadder.tune()
+
+
+@dataclass
+class LadderStats:
+    """The counters of a :class:`GraphLadder` (``BucketedRunner.stats`` is one too, as
+    ``RunnerStats``); ``str(stats)`` prints a table.
+
+    ``buckets`` maps each captured bucket to its :class:`BucketStats`; ``calls``,
+    ``padded_elements``, ``capture_seconds``, ``graph_memory_bytes`` and ``replay_ms`` are
+    read-only ``{bucket: value}`` views of them.
+
+    Example::
+
+        >>> from breakgraph.ladder import BucketStats, LadderStats
+        >>> stats = LadderStats({64: BucketStats(captures=1, replays=9, padded=20, capture_s=0.25)})
+        >>> stats.eager_fallbacks["larger than every bucket"] = 2
+        >>> (stats.captures, stats.replays, stats.eager_steps, dict(stats.calls))
+        (1, 9, 2, {64: 9})
+        >>> print(stats)
+        bucket  captures  replays  padded  capture s  graph MiB  breaks
+            64         1        9      20      0.250        0.0       0
+         total         1        9      20      0.250        0.0
+        eager fallbacks: larger than every bucket: 2
+    """
+
+    buckets: dict[int, BucketStats] = field(default_factory=dict)
+    eager_fallbacks: dict[str, int] = field(default_factory=dict)  # by reason
+    warmup_seconds: float = 0.0  # summed over every capture() call
+    routed: dict[int, int] = field(default_factory=dict)  # bucket -> faster larger bucket
+
+    @property
+    def captures(self) -> int:
+        return sum(b.captures for b in self.buckets.values())
+
+    @property
+    def replays(self) -> int:
+        return sum(b.replays for b in self.buckets.values())
+
+    @property
+    def eager_steps(self) -> int:
+        return sum(self.eager_fallbacks.values())
+
+    @property
+    def capture_s(self) -> float:
+        return sum(b.capture_s for b in self.buckets.values())
+
+    def _view(self, name: str) -> Mapping[int, Any]:
+        return types.MappingProxyType({k: getattr(b, name) for k, b in self.buckets.items()})
+
+    @property
+    def calls(self) -> Mapping[int, int]:
+        """Replays per bucket."""
+        return self._view("replays")
+
+    @property
+    def padded_elements(self) -> Mapping[int, int]:
+        """Padding elements (positions along the bucketed dimension) per bucket."""
+        return self._view("padded")
+
+    @property
+    def capture_seconds(self) -> Mapping[int, float]:
+        return self._view("capture_s")
+
+    @property
+    def graph_memory_bytes(self) -> Mapping[int, int]:
+        return self._view("graph_memory_bytes")
+
+    @property
+    def replay_ms(self) -> Mapping[int, float]:
+        """Measured replay times of the buckets :meth:`GraphLadder.tune` timed."""
+        return types.MappingProxyType(
+            {k: b.replay_ms for k, b in self.buckets.items() if b.replay_ms is not None}
+        )
+
+    def __str__(self) -> str:
+        rows = [("bucket", "captures", "replays", "padded", "capture s", "graph MiB", "breaks")]
+        for size, b in sorted(self.buckets.items()):
+            mib = f"{b.graph_memory_bytes / 2**20:.1f}"
+            rows.append(
+                (size, b.captures, b.replays, b.padded, f"{b.capture_s:.3f}", mib, b.breaks)
+            )
+        memory = sum(b.graph_memory_bytes for b in self.buckets.values()) / 2**20
+        padded = sum(b.padded for b in self.buckets.values())
+        total = (self.captures, self.replays, padded, f"{self.capture_s:.3f}", f"{memory:.1f}", "")
+        rows.append(("total", *total))
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+        fallbacks = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items()))
+        lines.append(f"eager fallbacks: {fallbacks or 'none'}")
+        return "\n".join(lines)
+
+
+# -- the ladder --------------------------------------------------------------------------------
+
+
+class _Rung:
+    """One captured bucket: its graph, the output its capture returned, its counters."""
+
+    __slots__ = ("graph", "output", "stats")
+
+    def __init__(self, graph: BreakableCUDAGraph, output: Any, stats: BucketStats):
+        self.graph, self.output, self.stats = graph, output, stats
+
+
+class GraphLadder:
+    """The one owner of graphs per bucket: capture, decision, replay, tuning, release.
+
+    Args:
+        backend, pool, debug: as for :func:`breakgraph.capture` (the backend is resolved
+            once; every bucket is captured into one pool, ``pool`` or the first graph's).
+        ranks: a :class:`~breakgraph.distributed.RankGroup` when segments hold collectives:
+            :meth:`decide` agrees the size (and a fingerprint) in one exchange per call, and
+            every warm-up and capture is a capture step checked on every rank.
+        on_miss: ``"eager"`` or ``"raise"``, for a size above every bucket.
+        max_padding_fraction: run eagerly when a bucket's tail would exceed this fraction.
+        agree_size: ``size -> size`` before every decision, in one process (not with
+            ``ranks``); it must return an int no smaller than the size.
+        progress: print one line per captured bucket to stderr (the ``breakgraph`` logger
+            gets it at INFO level anyway).
+        who: the owner's name, for error messages (``"BucketedRunner"``).
+
+    Captures happen only in :meth:`capture`; decisions see a size above every bucket as
+    ``CAPTURE`` only inside :meth:`capture_window`. :meth:`close` is final.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str | None = None,
+        pool: Any = None,
+        ranks: distributed.RankGroup | None = None,
+        debug: bool | None = None,
+        on_miss: str = "eager",
+        max_padding_fraction: float | None = None,
+        agree_size: Callable[[int], int] | None = None,
+        progress: bool = False,
+        who: str = "GraphLadder",
+    ):
+        if on_miss not in ("eager", "raise"):
+            raise InputError(f"{who}: on_miss must be 'eager' or 'raise', got {on_miss!r}.")
+        if max_padding_fraction is not None and not 0.0 <= max_padding_fraction < 1.0:
+            raise InputError(f"{who}: max_padding_fraction must be in [0, 1).")
+        if ranks is not None and agree_size is not None:
+            raise InputError(
+                f"{who}: with ranks=, the ranks agree the size themselves; drop agree_size."
+            )
+        self._backend = select_backend(backend)
+        self.backend: str = self._backend.name
+        self.ranks = ranks
+        self.debug = debug_enabled(debug)
+        self.on_miss = on_miss
+        self.max_padding_fraction = max_padding_fraction
+        self.agree_size = agree_size
+        self.progress = progress
+        self.who = who
+        self.stats = LadderStats()
+        self.closed = False
+        self._pool = pool
+        self._rungs: dict[int, _Rung] = {}
+        self._sizes: tuple[int, ...] = ()
+        self._decisions: dict[int, Decision] = {}  # agreed size -> decision (no window open)
+        self._faster: dict[int, int] = {}  # bucket -> a larger bucket measured faster (tune)
+        self._window_open = False
+
+    def __repr__(self) -> str:
+        state = ", closed" if self.closed else ""
+        return f"GraphLadder(backend={self.backend!r}, buckets={self._sizes}{state})"
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The captured bucket sizes, ascending."""
+        return self._sizes
+
+    @property
+    def window_open(self) -> bool:
+        return self._window_open
+
+    # -- capture ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture_window(self) -> Iterator[GraphLadder]:
+        """Inside the block a size above every bucket decides ``CAPTURE`` (the owner captures
+        it, then decides again). Open it only at a quiet point, e.g. start-up: capturing
+        mid-run can grow shared workspaces and move addresses that earlier graphs baked in."""
+        self._check_open("capture_window")
+        previous, self._window_open = self._window_open, True
+        self._decisions.clear()
+        try:
+            yield self
+        finally:
+            self._window_open = previous
+            self._decisions.clear()
+
+    def capture(
+        self,
+        sizes: Sequence[int],
+        record: Callable[[int], Any],
+        *,
+        warm_up: Callable[[int], None] | None = None,
+        warm_up_each: bool = False,
+        context: Callable[[int], Any] | None = None,
+        stream: Any = None,
+        capture_error_mode: str | None = None,
+    ) -> None:
+        """Capture every size of ``sizes`` not captured yet, largest first, into one pool.
+
+        For each bucket: ``warm_up(size)`` (before the first bucket of this call, or before
+        every one with ``warm_up_each``) runs eagerly under ``context_scope(context(size))``,
+        on a side stream (or ``stream``) with the CUDA backend; then ``record(size)`` runs
+        inside ``breakgraph.capture(...)`` with ``context(size)`` as the capture context, and
+        what it returns is the bucket's output. ONE ``gc.collect()`` per call (the first
+        bucket's capture; on CUDA, where it can free device memory), not one per bucket.
+
+        With ``ranks`` every warm-up and capture is a :meth:`RankGroup.capture_step
+        <breakgraph.distributed.RankGroup.capture_step>`: checked on every rank, with the
+        graph's topology as fingerprint. After a failed NCCL step the graphs and the owner's
+        callables (so whatever they reference) are kept until the process exits: an owner
+        must then keep its buffers too (``ranks.keeps_memory``).
+
+        A bucket is registered only when its capture succeeded; on an exception the
+        buckets captured before it in this call stay.
+        """
+        self._check_open("capture")
+        ordered = [
+            s
+            for s in reversed(validate_buckets(sizes, f"{self.who}.capture", allow_empty=True))
+            if s not in self._rungs
+        ]
+        if capture_error_mode is None:
+            capture_error_mode = "global" if self.ranks is None else distributed.CAPTURE_ERROR_MODE
+        for i, size in enumerate(ordered):
+            self._capture_one(
+                size,
+                f"{i + 1}/{len(ordered)}",
+                record,
+                warm_up if i == 0 or warm_up_each else None,
+                context(size) if context is not None else None,
+                dict(
+                    stream=stream,
+                    capture_error_mode=capture_error_mode,
+                    collect_garbage=i == 0,  # one collection per call (issue 23 item 5)
+                ),
+                keep=(self._rungs, record, warm_up, context),
+            )
+
+    def _capture_one(
+        self,
+        size: int,
+        position: str,
+        record: Callable[[int], Any],
+        warm_up: Callable[[int], None] | None,
+        context: Any,
+        options: dict,
+        keep: tuple,
+    ) -> None:
+        start = time.perf_counter()
+        if warm_up is not None:
+            with context_scope(context):
+                self._step(
+                    f"warm-up of bucket {size}",
+                    lambda: self._warm_up(warm_up, size, options["stream"]),
+                    keep=keep,
+                )
+            self.stats.warmup_seconds += time.perf_counter() - start
+        graph = BreakableCUDAGraph()
+        pool_before = self._pool_bytes()
+
+        def run() -> Any:
+            with capture(
+                graph,
+                pool=self._pool,
+                backend=self.backend,
+                context=context,
+                debug=self.debug,
+                **options,
+            ):
+                return record(size)
+
+        output = self._step(
+            f"capture of bucket {size}",
+            run,
+            lambda _: distributed.fingerprint(repr(graph)),
+            keep=(graph, *keep),
+        )
+        self._pool = graph.pool()
+        seconds = time.perf_counter() - start
+        stats = BucketStats(
+            captures=1,
+            capture_s=seconds,
+            graph_memory_bytes=self._pool_bytes() - pool_before,
+            breaks=graph.num_breaks,
+        )
+        self.stats.buckets[size] = stats
+        self._rungs[size] = _Rung(graph, output, stats)
+        self._sizes = tuple(sorted(self._rungs))
+        self._decisions.clear()
+        message = f"breakgraph: captured bucket {position} (size {size}) in {seconds:.3f} s"
+        logger.info("%s: %r", message, graph)
+        if self.progress:
+            print(message, file=sys.stderr, flush=True)
+
+    def _step(
+        self, what: str, step: Callable, fingerprint: Callable | None = None, keep: Any = None
+    ) -> Any:
+        """A capture-phase step; with ``ranks`` checked on every rank (see capture_step)."""
+        if self.ranks is None:
+            return step()
+        return self.ranks.capture_step(what, step, fingerprint, keep)
+
+    def _warm_up(self, warm_up: Callable[[int], None], size: int, stream: Any) -> None:
+        if self.backend != "cuda":
+            warm_up(size)
+            return
+        side = stream if stream is not None else torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm_up(size)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _pool_bytes(self) -> int:
+        if self._pool is None:
+            return 0
+        return self._backend.pool_bytes(self._pool) or 0
+
+    # -- per call ----------------------------------------------------------------------------
+    def decide(self, size: int, fingerprint: int = 0) -> Decision:
+        """What a call of ``size`` does, decided on the agreed size.
+
+        With ``ranks`` this is the call's one exchange: the largest size over the ranks,
+        and ``fingerprint`` (:func:`breakgraph.distributed.fingerprint` of the call's
+        inputs) must be equal on every rank; else ``agree_size(size)`` if given. Cached per
+        agreed size outside capture windows.
+        """
+        if self.closed:
+            raise self._closed_error("decide")
+        agreed = size
+        if self.ranks is not None:
+            agreed = self.ranks.agree(size, fingerprint)
+        elif self.agree_size is not None:
+            agreed = self.agree_size(size)
+            if not isinstance(agreed, int) or agreed < size:
+                raise InputError(
+                    f"{self.who}: agree_size({size}) returned {agreed!r}; it must return an "
+                    f"int no smaller than the size (the largest size over all ranks)."
+                )
+        decision = self._decisions.get(agreed)
+        if decision is None:
+            decision = self.choose(agreed)
+            if not self._window_open:
+                self._decisions[agreed] = decision
+        return decision
+
+    def choose(self, size: int) -> Decision:
+        """The decision for ``size`` as given: no exchange, no ``agree_size``, no cache."""
+        if self.closed:
+            raise self._closed_error("choose")
+        return choose_bucket(
+            self._sizes,
+            size,
+            max_padding_fraction=self.max_padding_fraction,
+            can_capture=self._window_open,
+            on_miss=self.on_miss,
+            faster=self._faster,
+        )
+
+    def replay(self, bucket: int, context: Any = None, *, size: int | None = None) -> Any:
+        """Replay ``bucket``'s graph with ``context`` as the replay context; returns the output
+        its capture returned (it lives in graph memory). Counts a replay and, with ``size``
+        (the live size), ``bucket - size`` padding elements."""
+        try:
+            rung = self._rungs[bucket]
+        except KeyError:
+            raise self._unknown(bucket, "replay") from None
+        rung.graph.replay(context)
+        stats = rung.stats
+        stats.replays += 1
+        if size is not None:
+            stats.padded += bucket - size
+        return rung.output
+
+    def record_eager(self, reason: str) -> None:
+        """Count an eager fallback for ``reason``; with ``ranks``, make it safe to run an
+        eager forward that communicates (:meth:`RankGroup.before_eager
+        <breakgraph.distributed.RankGroup.before_eager>`)."""
+        fallbacks = self.stats.eager_fallbacks
+        fallbacks[reason] = fallbacks.get(reason, 0) + 1
+        if self.ranks is not None:
+            self.ranks.before_eager()
+
+    def graph(self, bucket: int) -> BreakableCUDAGraph:
+        """The captured graph of ``bucket``."""
+        rung = self._rungs.get(bucket)
+        if rung is None:
+            raise self._unknown(bucket, "graph")
+        return rung.graph
+
+    def output(self, bucket: int) -> Any:
+        """What ``record(bucket)`` returned at capture (graph memory, rewritten by replays)."""
+        rung = self._rungs.get(bucket)
+        if rung is None:
+            raise self._unknown(bucket, "output")
+        return rung.output
+
+    # -- tuning ------------------------------------------------------------------------------
+    def tune(
+        self, context: Callable[[int], Any] | None = None, repeats: int = 5, margin: float = 0.02
+    ) -> dict[int, float]:
+        """Time every bucket's graph; send each size to the fastest bucket that holds it.
+
+        GEMM libraries pick kernels by shape, and some sizes are slow: on an H200 a
+        Llama-1B prefill padded to 208 tokens took longer than one padded to 224 or 256.
+        Each bucket replays ``repeats`` times (after two warm-ups) with ``context(size)``
+        (default: its capture context) on whatever its buffers hold; then :meth:`route`.
+        CUDA only (the emulated backend's times mean nothing: nothing is timed or routed);
+        not with ``ranks`` (timings differ between ranks, and every rank must take the same
+        bucket). Returns the milliseconds per replay of each bucket.
+        """
+        if self.ranks is not None:
+            raise InputError(
+                f"{self.who}.tune: timings differ between ranks, so the routes would too; "
+                f"every rank must replay the same bucket. Tune in one process, or not at all."
+            )
+        self._check_open("tune")
+        if self.backend != "cuda" or not self._sizes:
+            return {}
+        times = {}
+        for size in self._sizes:
+            graph = self._rungs[size].graph
+
+            def replay(graph: BreakableCUDAGraph = graph, size: int = size) -> None:
+                graph.replay() if context is None else graph.replay(context(size))
+
+            for _ in range(2):
+                replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                replay()
+            end.record()
+            end.synchronize()
+            times[size] = start.elapsed_time(end) / repeats
+        self.route(times, margin)
+        return times
+
+    def route(self, times: Mapping[int, float], margin: float = 0.02) -> dict[int, int]:
+        """Route each bucket's calls to a larger bucket that ``times`` (ms per replay of every
+        bucket: :meth:`tune` measures them, or pass a profile's) say is faster by more than
+        ``margin`` (:func:`faster_buckets`). Fills ``stats.routed`` and ``replay_ms``."""
+        self._check_open("route")
+        unknown = sorted(set(times) - set(self._rungs))
+        if unknown:
+            raise InputError(f"{self.who}.route: {unknown} are not captured buckets.")
+        faster = faster_buckets(times, margin)
+        for size, ms in times.items():
+            self._rungs[size].stats.replay_ms = ms
+        self._faster = faster
+        self._decisions.clear()
+        self.stats.routed = dict(faster)
+        return dict(faster)
+
+    # -- release -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release every graph; final: later decide, replay and capture raise ``ReplayError``.
+
+        After a failed multi-rank NCCL capture step the graphs are kept until the process
+        exits instead (see :meth:`RankGroup.capture_step
+        <breakgraph.distributed.RankGroup.capture_step>`). Counters stay readable.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        graphs = [rung.graph for rung in self._rungs.values()]
+        self._rungs.clear()
+        self._sizes = ()
+        self._decisions.clear()
+        self._faster = {}
+        self._window_open = False
+        distributed.release_graphs(graphs, self.ranks)
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise self._closed_error(what)
+
+    def _closed_error(self, what: str) -> ReplayError:
+        return ReplayError(
+            f"{self.who}.{what}: closed by close(), which released its graphs for good; "
+            f"build a new one."
+        )
+
+    def _unknown(self, bucket: Any, what: str) -> Exception:
+        if self.closed:
+            return self._closed_error(what)
+        return InputError(f"{self.who}.{what}: no bucket {bucket!r}; captured: {self._sizes}.")

@@ -1,0 +1,333 @@
+"""GraphLadder: the one owner of graphs per bucket (capture, decision, replay, stats, release).
+
+Behavioural tests run on both backends through the ``backend``/``device`` fixtures; the
+decision and bucket-list functions are pure.
+"""
+
+import pytest
+import torch
+
+import breakgraph
+from breakgraph import InputError, ReplayError, distributed
+from breakgraph import ladder as ladder_module
+from breakgraph.ladder import (
+    Action,
+    Decision,
+    GraphLadder,
+    choose_bucket,
+    default_token_buckets,
+    geometric_buckets,
+    validate_buckets,
+)
+
+
+@breakgraph.eager_on_graph
+def add_context(h):
+    """Host-dependent: adds the replay context (an int) to every element."""
+    return h + breakgraph.replay_context()
+
+
+class Owner:
+    """What a runner does around a ladder: it owns one static buffer per bucket."""
+
+    def __init__(self, device, sizes):
+        self.buffers = {s: torch.zeros(s, 3, device=device) for s in sizes}
+        self.recorded, self.warmed = [], []
+
+    def record(self, size):
+        self.recorded.append(size)
+        return add_context(self.buffers[size] * 2)
+
+    def warm_up(self, size):
+        self.warmed.append((size, breakgraph.replay_context()))
+        add_context(self.buffers[size] * 2)
+
+
+def make(backend, device, sizes=(4, 16, 64), **kwargs):
+    owner = Owner(device, sizes)
+    ladder = GraphLadder(backend=backend, **kwargs)
+    ladder.capture(sizes, owner.record, warm_up=owner.warm_up, context=lambda size: size)
+    return ladder, owner
+
+
+# -- the decision ----------------------------------------------------------------------------------
+
+
+def test_decisions_are_an_enum_that_still_equals_strings():
+    decision = choose_bucket((4, 16), 5)
+    assert decision == Decision(Action.REPLAY, 16)
+    assert decision.action is Action.REPLAY and decision.action == "replay"
+    assert choose_bucket((4, 16), 20).action == "eager"
+    assert choose_bucket((4, 16), 20, on_miss="raise").action is Action.RAISE
+    assert choose_bucket((4, 16), 20, can_capture=True) == Decision("capture", 20)
+    assert Decision("eager", None, "why").action is Action.EAGER  # strings still accepted
+    assert (str(Action.EAGER), f"{Action.RAISE}", repr(Action.REPLAY)) == (
+        "eager",
+        "raise",
+        "Action.REPLAY",
+    )
+    assert {"replay": 1}[Action.REPLAY] == 1  # hashes as its string
+    with pytest.raises(InputError, match="action must be one of"):
+        Decision("maybe")
+
+
+def test_bucket_lists():
+    assert validate_buckets((64, 8, 8), "here") == [8, 64]
+    assert validate_buckets((), "here", allow_empty=True) == []
+    for bad in ((), (0, 4), (2.5,), (True,), "16", (-5,)):
+        with pytest.raises(InputError, match="here: bucket sizes must be positive ints"):
+            validate_buckets(bad, "here")
+    with pytest.raises(InputError, match="here: buckets must be a sequence"):
+        validate_buckets(16, "here")
+    assert geometric_buckets(32, 4, 2048) == (32, 128, 512, 2048)
+    assert geometric_buckets(32, 4, 1000) == (32, 128, 512, 1000)
+    assert geometric_buckets(32, 4, 32) == (32,) and geometric_buckets(32, 4, 8) == (8,)
+    for args in ((0, 4, 64), (32, 1, 64), (32, 4, 0), (32, 2.0, 64), (True, 4, 64)):
+        with pytest.raises(InputError, match="geometric_buckets"):
+            geometric_buckets(*args)
+    assert len(default_token_buckets(4096)) == 64 and default_token_buckets(100)[-1] == 100
+
+
+# -- capture ---------------------------------------------------------------------------------------
+
+
+def test_capture_largest_first_into_one_pool(backend, device):
+    ladder, owner = make(backend, device)
+    assert owner.recorded == [64, 16, 4] and ladder.buckets == (4, 16, 64)
+    assert owner.warmed == [(64, 64)]  # once, before the first bucket, in its context
+    assert list(ladder.stats.buckets) == [64, 16, 4]
+    pools = {id(ladder.graph(b).pool()) if backend == "emulated" else ladder.graph(b).pool()
+             for b in ladder.buckets}  # fmt: skip
+    assert len(pools) == 1
+    # a second call captures only what is new, into the same pool, and warms up again
+    owner.buffers[8] = torch.zeros(8, 3, device=device)
+    ladder.capture((4, 8), owner.record, warm_up=owner.warm_up, context=lambda size: size)
+    assert owner.recorded == [64, 16, 4, 8] and owner.warmed[-1] == (8, 8)
+    assert ladder.buckets == (4, 8, 16, 64)
+    assert (ladder.graph(8).pool() is ladder.graph(64).pool()) or backend == "cuda"
+    # warm_up_each: before every bucket
+    owner.buffers.update({s: torch.zeros(s, 3, device=device) for s in (2, 32)})
+    ladder.capture((2, 32), owner.record, warm_up=owner.warm_up, warm_up_each=True,
+                   context=lambda size: size)  # fmt: skip
+    assert owner.warmed[-2:] == [(32, 32), (2, 2)]
+
+
+def test_replay_uses_the_live_context_and_counts(backend, device):
+    ladder, owner = make(backend, device)
+    for n, context in ((3, 5), (10, -2), (16, 7)):
+        x = torch.randn(16, 3, device=device)
+        owner.buffers[16].copy_(x)
+        bucket = ladder.decide(n).bucket
+        assert bucket == (4 if n <= 4 else 16)
+        if bucket == 16:
+            out = ladder.replay(16, context, size=n)
+            assert out is ladder.output(16)
+            torch.testing.assert_close(out, x * 2 + context)
+    assert ladder.stats.buckets[16].replays == 2 and ladder.stats.buckets[16].padded == 6
+    with pytest.raises(InputError, match=r"no bucket 5; captured: \(4, 16, 64\)"):
+        ladder.replay(5)
+    with pytest.raises(InputError, match="no bucket 5"):
+        ladder.graph(5)
+
+
+def test_a_failed_capture_registers_nothing(backend, device):
+    owner = Owner(device, (4, 16))
+    ladder = GraphLadder(backend=backend)
+
+    def record(size):
+        if size == 4:
+            raise RuntimeError("boom")
+        return owner.record(size)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        ladder.capture((4, 16), record, context=lambda size: size)
+    assert ladder.buckets == (16,) and list(ladder.stats.buckets) == [16]
+    ladder.capture((4,), owner.record, context=lambda size: size)  # a later capture works
+    assert ladder.buckets == (4, 16)
+
+
+def test_one_garbage_collection_per_capture_call(backend, device, monkeypatch):
+    flags = []
+    real_capture = ladder_module.capture
+
+    def spy(*args, **kwargs):
+        flags.append(kwargs["collect_garbage"])
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(ladder_module, "capture", spy)
+    ladder, owner = make(backend, device)
+    assert flags == [True, False, False]  # one per capture() call, not one per bucket
+    owner.buffers[8] = torch.zeros(8, 3, device=device)
+    ladder.capture((8,), owner.record, context=lambda size: size)
+    assert flags == [True, False, False, True]
+
+
+def test_capture_of_nothing_new_does_nothing(backend, device):
+    ladder, owner = make(backend, device)
+    ladder.capture((4, 64), owner.record, warm_up=owner.warm_up)
+    assert owner.recorded == [64, 16, 4] and len(owner.warmed) == 1
+
+
+# -- decisions per call ----------------------------------------------------------------------------
+
+
+def test_capture_window_and_decision_cache(backend, device):
+    ladder, _ = make(backend, device, on_miss="raise")
+    assert not ladder.window_open
+    assert ladder.decide(100) == Decision(Action.RAISE, None, "larger than every bucket")
+    with ladder.capture_window():
+        assert ladder.window_open and ladder.decide(100) == Decision(Action.CAPTURE, 100)
+    assert not ladder.window_open and ladder.decide(100).action is Action.RAISE
+    assert ladder.decide(3) is ladder.decide(3)  # cached outside windows
+
+
+def test_agree_size_and_padding(backend, device):
+    seen = []
+    ladder, _ = make(backend, device, agree_size=lambda size: seen.append(size) or 50,
+                     max_padding_fraction=0.5)  # fmt: skip
+    assert ladder.decide(3) == Decision(Action.REPLAY, 64) and seen == [3]
+    assert ladder.choose(17) == Decision(Action.EAGER, None, "too much padding")
+    bad, _ = make(backend, device, agree_size=lambda size: size - 1)
+    with pytest.raises(InputError, match="agree_size"):
+        bad.decide(3)
+
+
+def test_stats_totals_views_and_table(backend, device):
+    ladder, owner = make(backend, device)
+    ladder.replay(16, 0, size=10)
+    ladder.replay(16, 0, size=16)
+    ladder.replay(4, 0)
+    ladder.record_eager("larger than every bucket")
+    ladder.record_eager("larger than every bucket")
+    stats = ladder.stats
+    assert (stats.captures, stats.replays, stats.eager_steps) == (3, 3, 2)
+    assert dict(stats.calls) == {64: 0, 16: 2, 4: 1}
+    assert dict(stats.padded_elements) == {64: 0, 16: 6, 4: 0}
+    assert set(stats.capture_seconds) == {4, 16, 64} and stats.capture_s > 0
+    assert stats.capture_s == pytest.approx(sum(stats.capture_seconds.values()))
+    assert stats.warmup_seconds > 0 and dict(stats.replay_ms) == {}
+    assert {b.breaks for b in stats.buckets.values()} == {1}
+    if backend == "emulated":
+        assert set(stats.graph_memory_bytes.values()) == {0}
+    with pytest.raises(TypeError):
+        stats.calls[4] = 9  # views are read-only: the counters live in stats.buckets
+    table = str(stats)
+    assert table.splitlines()[0].split() == [
+        "bucket", "captures", "replays", "padded", "capture", "s", "graph", "MiB", "breaks"
+    ]  # fmt: skip
+    assert "total" in table and "eager fallbacks: larger than every bucket: 2" in table
+
+
+def test_route_sends_calls_to_a_faster_larger_bucket(backend, device):
+    ladder, _ = make(backend, device)
+    assert ladder.decide(3).bucket == 4
+    assert ladder.route({4: 1.0, 16: 0.5, 64: 0.49}) == {4: 64}
+    assert ladder.decide(3).bucket == 64  # the cached decision was dropped
+    assert ladder.stats.routed == {4: 64} and dict(ladder.stats.replay_ms)[16] == 0.5
+    with pytest.raises(InputError, match=r"\[5\] are not captured buckets"):
+        ladder.route({5: 1.0})
+
+
+def test_tune_times_nothing_on_the_emulated_backend():
+    ladder, _ = make("emulated", "cpu")
+    assert ladder.tune() == {} and ladder.stats.routed == {}
+
+
+@pytest.mark.requires_cuda
+def test_tune_times_every_bucket_on_cuda():
+    ladder, owner = make("cuda", "cuda")
+    times = ladder.tune(lambda size: 1, repeats=2)
+    assert set(times) == {4, 16, 64} and all(t > 0 for t in times.values())
+    assert dict(ladder.stats.replay_ms) == times
+
+
+# -- release ---------------------------------------------------------------------------------------
+
+
+def test_close_is_final(backend, device):
+    ladder, owner = make(backend, device)
+    graphs = [ladder.graph(b) for b in ladder.buckets]
+    ladder.replay(4, 0)
+    ladder.close()
+    assert ladder.closed and ladder.buckets == () and all(g.num_segments == 0 for g in graphs)
+    assert ladder.stats.replays == 1  # the counters stay readable
+    for call in (
+        lambda: ladder.decide(3),
+        lambda: ladder.choose(3),
+        lambda: ladder.replay(4),
+        lambda: ladder.graph(4),
+        lambda: ladder.capture((4,), owner.record),
+        lambda: ladder.capture_window().__enter__(),
+        lambda: ladder.tune(),
+        lambda: ladder.route({}),
+    ):
+        with pytest.raises(ReplayError, match="closed by close"):
+            call()
+    ladder.close()  # idempotent
+
+
+# -- ranks: every warm-up and capture a checked step, one exchange per decision ------------------
+
+
+class FakeRanks:
+    """Stands in for a RankGroup: records what the ladder asks of it."""
+
+    keeps_memory = False
+
+    def __init__(self, agreed=None):
+        self.agreed, self.steps, self.exchanges, self.eager = agreed, [], [], 0
+
+    def agree(self, size, fingerprint=0, what="inputs", fix=None):
+        self.exchanges.append((size, fingerprint))
+        return size if self.agreed is None else self.agreed
+
+    def capture_step(self, what, step, fingerprint=None, keep=None):
+        result = step()
+        self.steps.append((what, fingerprint(result) if fingerprint else None, keep))
+        return result
+
+    def before_eager(self):
+        self.eager += 1
+
+
+def test_rank_agreement(backend, device, monkeypatch):
+    modes = []
+    real_capture = ladder_module.capture
+    monkeypatch.setattr(
+        ladder_module,
+        "capture",
+        lambda *a, **k: modes.append(k["capture_error_mode"]) or real_capture(*a, **k),
+    )
+    ranks = FakeRanks(agreed=50)
+    ladder, owner = make(backend, device, sizes=(4, 64), ranks=ranks)
+    assert [what for what, _, _ in ranks.steps] == [
+        "warm-up of bucket 64",
+        "capture of bucket 64",
+        "capture of bucket 4",
+    ]
+    graph = ladder.graph(64)
+    assert ranks.steps[1][1] == distributed.fingerprint(repr(graph))  # same segments and breaks
+    assert graph in ranks.steps[1][2]  # kept alive if the step fails with NCCL
+    assert modes == [distributed.CAPTURE_ERROR_MODE] * 2
+    # every decision is an exchange (never cached), on the agreed size
+    assert ladder.decide(3, fingerprint=7) == Decision(Action.REPLAY, 64)
+    ladder.decide(3, fingerprint=7)
+    assert ranks.exchanges == [(3, 7), (3, 7)]
+    ladder.record_eager("larger than every bucket")
+    assert ranks.eager == 1
+    with pytest.raises(InputError, match="timings differ between ranks"):
+        ladder.tune()
+    with pytest.raises(InputError, match="drop agree_size"):
+        GraphLadder(backend=backend, ranks=ranks, agree_size=lambda size: size)
+
+
+def test_close_keeps_the_graphs_of_a_failed_nccl_step(backend, device):
+    ranks = FakeRanks()
+    ladder, _ = make(backend, device, ranks=ranks)
+    graphs = [ladder.graph(b) for b in ladder.buckets]
+    ranks.keeps_memory = True  # what RankGroup reports after a failed NCCL capture step
+    kept = len(distributed._KEPT_UNTIL_EXIT)
+    ladder.close()
+    assert len(distributed._KEPT_UNTIL_EXIT) == kept + 1
+    assert all(g.num_segments > 0 for g in graphs)  # not reset
+    del distributed._KEPT_UNTIL_EXIT[kept:]
