@@ -1,6 +1,7 @@
 """Copy-back: fresh eager results are written into the capture-time outputs, or refused."""
 
 import collections
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -10,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, BreakgraphError, CopyBackError, eager_on_graph
-from breakgraph.copyback import build_copy_back
+from breakgraph.copyback import build_copy_back, call_and_classify
+from breakgraph.structure import iter_tensors
 from tests.helpers import fresh_into
 
 try:
@@ -718,3 +720,101 @@ def test_chunks_of_one_tensor_may_become_independent_tensors(capture, device):
     g.replay()
     for out, expected in zip(outs, ((fresh + 1) * 2).chunk(3, dim=-1)):
         torch.testing.assert_close(out, expected)
+
+
+# ---------------------------------------------------------------------------------------
+# Who holds an output: call_and_classify (issue 22, item 1)
+# ---------------------------------------------------------------------------------------
+
+
+def _held_paths(output, held):
+    return [path for path, t in iter_tensors(output) if t.untyped_storage().data_ptr() in held]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_fresh_outputs_are_owned_in_every_structure(device, kind, mode):
+    """No false alarm: new tensors (views of temporaries included) in every structure."""
+    x = torch.randn(4, 3, device=device)
+    guard = {
+        "grad": contextlib.nullcontext(),
+        "no_grad": torch.no_grad(),
+        "inference_mode": torch.inference_mode(),
+    }[mode]
+    with guard:
+        output, held = call_and_classify(build, (kind, x), {})
+        assert held == frozenset()
+        output, held = call_and_classify(
+            lambda h: ((h * 2)[1:], h.max(0), (h + 1).chunk(2, 1)), (x,), {}
+        )
+        assert held == frozenset()
+
+
+WEIGHTS = torch.randn(4, 3)
+
+
+class Holder:
+    def __init__(self):
+        self.buffer = torch.zeros(4, 3)
+        self.history = []
+        self.cached = (torch.zeros(2),)
+
+    def kept(self, h):
+        y = h * 2
+        self.history.append(y)
+        return y
+
+
+HOLDER = Holder()
+HELD_ELSEWHERE = {
+    "global tensor": (lambda h: (h * 2, WEIGHTS), ["output[1]"]),
+    "view of a global": (lambda h: {"w": WEIGHTS[1:], "h": h + 1}, ["output['w']"]),
+    "detached global": (lambda h: WEIGHTS.detach(), ["output"]),
+    "module buffer": (lambda h: HOLDER.buffer, ["output"]),
+    "kept by the function": (HOLDER.kept, ["output"]),
+    "cached container": (lambda h: HOLDER.cached, ["output[0]"]),
+    "argument": (lambda h: (h, h * 1), ["output[0]"]),
+    "storage object kept": (
+        lambda h: torch.empty(0).set_(
+            HOLDER.__dict__.setdefault("storage", h.clone().untyped_storage())
+        ),
+        ["output"],
+    ),
+    "view of one output kept": (
+        lambda h: (lambda y: (HOLDER.history.append(y[:1]), y)[1])(h * 3),
+        ["output"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HELD_ELSEWHERE.values(), ids=HELD_ELSEWHERE.keys())
+def test_outputs_held_elsewhere_are_found(case):
+    function, paths = case
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        output, held = call_and_classify(function, (x,), {})
+    assert _held_paths(output, held) == paths
+
+
+def test_output_autograd_saved_for_backward_is_held_elsewhere(capture, device):
+    """Autograd counts like any holder (it saved sigmoid's result for backward): the replay
+    raises and says to capture under no_grad; under no_grad the same program replays."""
+    w = torch.randn(3, device=device, requires_grad=True)
+
+    @eager_on_graph
+    def gate(h):
+        return torch.sigmoid(h)
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = gate(x * w) + 1
+    fresh_into(x)
+    with pytest.raises(CopyBackError, match=r"gate.*requires grad.*no_grad"):
+        g.replay()
+    g2 = BreakableCUDAGraph()
+    with torch.no_grad(), capture(g2):
+        y = gate(x * w) + 1
+    fresh = fresh_into(x)
+    g2.replay()
+    torch.testing.assert_close(y, torch.sigmoid(fresh * w.detach()) + 1)
