@@ -1,11 +1,20 @@
-"""Scoped patches: set an attribute for the length of a capture, restore it exactly.
+"""Scoped patches: replace an attribute or a registry entry for a defined scope, restore it exactly.
 
-breakgraph patches a few process-wide attributes while a capture runs (``streams.py``
-hooks ``torch.cuda.Event.record``/``wait``; the emulated backend answers
-``torch.cuda.is_current_stream_capturing``). Each patch is registered on the capture
-session's ``contextlib.ExitStack`` so every exit path undoes it, and an attribute is
-restored only if it still holds breakgraph's value: if other code replaced it meanwhile,
-theirs stays and a :class:`~breakgraph.BreakgraphWarning` says so.
+Every process-wide or host-library replacement breakgraph makes goes through this module
+(the complete list is the patch table in ``docs/design.md``):
+
+* for the length of a capture (``streams.py`` hooks ``torch.cuda.Event.record``/``wait``;
+  the emulated backend answers ``torch.cuda.is_current_stream_capturing``), registered on
+  the capture session's ``contextlib.ExitStack`` with :func:`patch_attribute`;
+* for the life of an integration handle (an instance attribute of one model, a method of a
+  host-library class shared by every handle), held by a :class:`PatchSet`, or by a
+  :class:`SharedPatches` that installs its set with the first user and removes it with
+  the last.
+
+Restoring is exact: an attribute that the owner did not hold itself (an inherited method, a
+method looked up on the class) is deleted again rather than copied onto the owner, and an
+attribute is restored only if it still holds breakgraph's value. If other code replaced it
+meanwhile, theirs stays and a :class:`~breakgraph.BreakgraphWarning` says so.
 
 Example::
 
@@ -23,29 +32,173 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from .errors import BreakgraphWarning
 
-__all__ = ["patch_attribute"]
+__all__ = ["patch_attribute", "patch_item", "PatchSet", "SharedPatches"]
+
+_ABSENT = object()
 
 
 def patch_attribute(stack: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
-    """``owner.name = value`` until ``stack`` closes; then the original, if still ours."""
-    original = getattr(owner, name)
+    """``owner.name = value`` until ``stack`` closes; then the original, if still ours.
+
+    If ``owner`` did not hold ``name`` itself (an instance whose method comes from its
+    class, a subclass inheriting it), the attribute is deleted on restore, so the owner
+    ends exactly as it was.
+    """
+    own = _own_value(owner, name)
     setattr(owner, name, value)
 
     def restore() -> None:
-        if getattr(owner, name) is value:
-            setattr(owner, name, original)
+        if _own_value(owner, name) is not value:
+            _warn_replaced(owner, name)
             return
-        where = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
-        warnings.warn(
-            f"breakgraph: {where}.{name} was replaced by other code while breakgraph had patched "
-            f"it for a capture; leaving the new value in place (breakgraph's patch is gone).",
-            BreakgraphWarning,
-            stacklevel=2,
-        )
+        if own is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
 
     stack.callback(restore)
+
+
+def patch_item(stack: contextlib.ExitStack, mapping: MutableMapping, key: Any, value: Any) -> None:
+    """``mapping[key] = value`` until ``stack`` closes; then the original entry (or none).
+
+    Example::
+
+        >>> import contextlib
+        >>> registry = {"a": 1}
+        >>> with contextlib.ExitStack() as stack:
+        ...     patch_item(stack, registry, "b", 2)
+        ...     sorted(registry)
+        ['a', 'b']
+        >>> registry
+        {'a': 1}
+    """
+    previous = mapping.get(key, _ABSENT)
+    mapping[key] = value
+
+    def restore() -> None:
+        if mapping.get(key, _ABSENT) is not value:
+            _warn_replaced(mapping, repr(key))
+            return
+        if previous is _ABSENT:
+            del mapping[key]
+        else:
+            mapping[key] = previous
+
+    stack.callback(restore)
+
+
+class PatchSet:
+    """Replacements with one scope, undone in reverse order by :meth:`restore` (or on exit).
+
+    Example::
+
+        >>> import types
+        >>> from breakgraph.patches import PatchSet
+        >>> box = types.SimpleNamespace(f=len)
+        >>> with PatchSet() as patches:
+        ...     patches.attribute(box, "f", abs)
+        ...     box.f(-2)
+        2
+        >>> box.f is len
+        True
+    """
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+
+    def attribute(self, owner: Any, name: str, value: Any) -> None:
+        """``owner.name = value`` until :meth:`restore` (see :func:`patch_attribute`)."""
+        patch_attribute(self._stack, owner, name, value)
+
+    def item(self, mapping: MutableMapping, key: Any, value: Any) -> None:
+        """``mapping[key] = value`` until :meth:`restore` (see :func:`patch_item`)."""
+        patch_item(self._stack, mapping, key, value)
+
+    def restore(self) -> None:
+        """Undo every replacement, last first (idempotent)."""
+        self._stack.close()
+
+    def __enter__(self) -> PatchSet:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+
+class SharedPatches:
+    """A :class:`PatchSet` installed while at least one user holds it (reference counted).
+
+    ``install(patches)`` makes the replacements on a fresh set when the first user calls
+    :meth:`acquire`; the last :meth:`release` restores them. For replacements of a host
+    library that every enabled model needs once (a class method shared by all of them).
+
+    Example::
+
+        >>> import types
+        >>> from breakgraph.patches import SharedPatches
+        >>> box = types.SimpleNamespace(f=len)
+        >>> shared = SharedPatches(lambda patches: patches.attribute(box, "f", abs))
+        >>> shared.acquire(); shared.acquire(); shared.release()
+        >>> box.f is abs
+        True
+        >>> shared.release(); box.f is len
+        True
+    """
+
+    def __init__(self, install: Callable[[PatchSet], None]) -> None:
+        self._install = install
+        self._lock = threading.Lock()
+        self._users = 0
+        self._patches: PatchSet | None = None
+
+    @property
+    def installed(self) -> bool:
+        return self._patches is not None
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                patches = PatchSet()
+                try:
+                    self._install(patches)
+                except BaseException:
+                    patches.restore()
+                    raise
+                self._patches = patches
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                return
+            self._users -= 1
+            if self._users == 0 and self._patches is not None:
+                patches, self._patches = self._patches, None
+                patches.restore()
+
+
+def _own_value(owner: Any, name: str) -> Any:
+    """What ``owner`` holds itself under ``name`` (not what it inherits), else ``_ABSENT``."""
+    namespace = getattr(owner, "__dict__", None)
+    if namespace is None:  # __slots__ objects: no inherited lookup to tell apart
+        return getattr(owner, name, _ABSENT)
+    return namespace.get(name, _ABSENT)
+
+
+def _warn_replaced(owner: Any, name: str) -> None:
+    where = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None)
+    where = where or type(owner).__name__
+    warnings.warn(
+        f"breakgraph: {where}.{name} was replaced by other code while breakgraph had patched "
+        f"it; leaving the new value in place (breakgraph's patch is gone).",
+        BreakgraphWarning,
+        stacklevel=3,
+    )

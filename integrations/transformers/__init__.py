@@ -19,13 +19,8 @@ from .continuous_batching import (
     enable_continuous_batching,
 )
 from .experts import EXPERTS_KEY
-from .prefill import (
-    SUPPORTED_MODEL_TYPES,
-    PrefillOutput,
-    PrefillRunner,
-    UnsupportedModelError,
-    default_token_buckets,
-)
+from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, default_token_buckets
+from .prefill import PrefillOutput, PrefillRunner
 
 __all__ = [
     "default_token_buckets",

@@ -1,13 +1,29 @@
 """Continuous batching of HF causal LMs under breakable graphs: ``enable_continuous_batching``.
 
-transformers 5.17's continuous batching (``model.generate_batch``, the
-``init_continuous_batching`` manager, ``transformers serve --continuous-batching``)
-serves streams of requests whose steps mix prefill chunks and decode tokens.
-While enabled, each step of a model runs as one breakable graph per *query-token
-bucket*: everything is captured (embeddings, projections, MLPs/MoE, norms, RoPE,
-lm_head, logits processing, sampling) except each layer's paged-cache access and
-varlen attention, which runs as an eager break with the live step's exact
-lengths. No KV-size graph keys, no upper-bound kernels, no ``flash_attn``.
+transformers' continuous batching (``model.generate_batch``, the ``init_continuous_batching``
+manager, ``transformers serve --continuous-batching``) serves streams of requests whose
+steps mix prefill chunks and decode tokens. While enabled, each step of the model replays
+one breakable graph per *query-token bucket*: everything is captured (embeddings,
+projections, MLPs/MoE, norms, RoPE, ``lm_head``) except each layer's paged-cache access and
+varlen attention, which runs as an eager break with the live step's exact lengths. No
+KV-size graph keys, no upper-bound kernels, no ``flash_attn``.
+
+transformers keeps everything it owns (scheduler, paged cache, logits processing, sampling,
+request lifecycle). breakgraph takes over only the model's forward for the CB steps, through
+the narrowest contract that works on transformers 5.17 to 5.24 (:mod:`.compat` lists every
+name it reads, next to its probe):
+
+* on the model *instance*, for the life of the handle: ``forward`` (a CB step goes to
+  :class:`~.cb_step.StepRunner`, any other call to the original) and
+  ``init_continuous_batching`` (every entry point goes through it: a copy of the caller's
+  ``ContinuousBatchingConfig`` with transformers' own graphs off, then every bucket is
+  captured before the manager serves); the model also gets a private copy of its config, so
+  models sharing a config object are untouched;
+* in transformers, while at least one model is enabled: ``AttentionInterface`` and
+  ``ExpertsInterface`` entries, and ``ContinuousBatchingManager.switch_to_cb_friendly_attn``
+  keeps an enabled model's attention key (from 5.19 it refuses any other).
+
+Every replacement goes through :mod:`breakgraph.patches` and is undone by ``disable()``.
 
 Example::
 
@@ -30,31 +46,27 @@ Example::
     [4, 4]
     >>> handle.stats.replays > 0
     True
-
-It hooks in through ``AttentionInterface["paged|breakgraph"]``,
-``ExpertsInterface[EXPERTS_KEY]`` (transformers' eager experts loop as an eager
-break; ``grouped_mm``/``batched_mm`` experts stay captured), the model's
-``set_attn_implementation`` / ``set_experts_implementation``, and three scoped patches
-of transformers' CB internals, unavoidable in 5.17 and removed with the last handle
-(see :mod:`.cb_hooks`).
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 from breakgraph import distributed
 from breakgraph.backends import select_backend
 from breakgraph.debug import debug_enabled
-from breakgraph.errors import InputError
+from breakgraph.errors import InputError, ReplayError
+from breakgraph.ladder import BucketStats, LadderStats
+from breakgraph.patches import PatchSet, SharedPatches
 
-from . import attention as _attention
-from . import cb_hooks
-from .cb_attention import CB_ATTENTION_KEY
-from .experts import EXPERTS_KEY, needs_experts_break
-from .prefill import UnsupportedModelError, _check_model
+from . import compat
+from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
+from .experts import EXPERTS_KEY, breakgraph_experts, needs_experts_break
+from .models import DEFAULT_MAX_BATCH_TOKENS, UnsupportedModelError, check_model
+from .models import resolve_attention as _resolve_attention
 
 __all__ = [
     "enable_continuous_batching",
@@ -66,147 +78,123 @@ __all__ = [
 
 _WHO = "enable_continuous_batching"
 
+#: The statistics of a handle: the one ladder stats type (per query bucket: captures, replays,
+#: padding, capture seconds, breaks; totals; eager steps by reason).
+ContinuousBatchingStats = LadderStats
 
-# -- statistics ----------------------------------------------------------------------------
-@dataclass
-class BucketStats:
-    """Counters of one query-token bucket."""
-
-    captures: int = 0
-    replays: int = 0  # graph steps
-    eager_steps: int = 0  # steps that ran eagerly (graphs off)
-    capture_s: float = 0.0  # warm-up + capture, seconds
-    breaks: int = 0  # eager breaks in the bucket's graph (attention layers + eager experts)
+_lock = threading.RLock()  # enable and disable
+_enabled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> handle
 
 
-class ContinuousBatchingStats:
-    """Per-bucket counters of every runner of a handle; ``str()`` prints a table.
-
-    Example::
-
-        >>> stats = ContinuousBatchingStats()
-        >>> stats._record(64, captures=1, capture_s=0.25, breaks=22)
-        >>> stats._record(64, replays=9)
-        >>> (stats.captures, stats.replays, stats.eager_steps)
-        (1, 9, 0)
-        >>> print(stats)
-        bucket  captures  replays  eager steps  capture s  breaks
-            64         1        9            0       0.25      22
-         total         1        9            0       0.25
-    """
-
-    def __init__(self) -> None:
-        self.buckets: dict[int, BucketStats] = {}
-
-    def _record(
-        self,
-        bucket: int,
-        captures: int = 0,
-        replays: int = 0,
-        eager_steps: int = 0,
-        capture_s: float = 0.0,
-        breaks: int | None = None,
-    ) -> None:
-        entry = self.buckets.get(bucket)
-        if entry is None:
-            entry = self.buckets[bucket] = BucketStats()
-        entry.captures += captures
-        entry.replays += replays
-        entry.eager_steps += eager_steps
-        entry.capture_s += capture_s
-        if breaks is not None:
-            entry.breaks = breaks
-
-    @property
-    def captures(self) -> int:
-        return sum(b.captures for b in self.buckets.values())
-
-    @property
-    def replays(self) -> int:
-        return sum(b.replays for b in self.buckets.values())
-
-    @property
-    def eager_steps(self) -> int:
-        return sum(b.eager_steps for b in self.buckets.values())
-
-    @property
-    def capture_s(self) -> float:
-        return sum(b.capture_s for b in self.buckets.values())
-
-    def __str__(self) -> str:
-        rows = [("bucket", "captures", "replays", "eager steps", "capture s", "breaks")]
-        for bucket, b in sorted(self.buckets.items()):
-            rows.append(
-                (bucket, b.captures, b.replays, b.eager_steps, f"{b.capture_s:.2f}", b.breaks)
-            )
-        total = (self.captures, self.replays, self.eager_steps, f"{self.capture_s:.2f}", "")
-        rows.append(("total", *total))
-        widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-        lines = ("  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows)
-        return "\n".join(line.rstrip() for line in lines)
-
-    def __repr__(self) -> str:
-        return (
-            f"ContinuousBatchingStats(captures={self.captures}, replays={self.replays}, "
-            f"eager_steps={self.eager_steps}, buckets={sorted(self.buckets)})"
-        )
+def _handle_of(model: Any) -> ContinuousBatchingHandle | None:
+    """The enabled handle of ``model`` (keyed by the model object, never by its config)."""
+    try:
+        return _enabled.get(model)
+    except TypeError:  # not weak-referenceable: never enabled
+        return None
 
 
-# -- the handle ----------------------------------------------------------------------------
+def _install_shared(patches: PatchSet) -> None:
+    """Replacements in transformers shared by every enabled model (see the module docstring)."""
+    patches.item(compat.attention_registry()._global_mapping, CB_ATTENTION_KEY, paged_attention)
+    patches.item(compat.experts_registry()._global_mapping, EXPERTS_KEY, breakgraph_experts)
+    manager = compat.manager_class()
+    original = manager.__dict__["switch_to_cb_friendly_attn"]
+
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        if _handle_of(model) is not None:
+            return None  # an enabled model keeps breakgraph's attention key
+        return original(self, model, *args, **kwargs)
+
+    patches.attribute(manager, "switch_to_cb_friendly_attn", switch_to_cb_friendly_attn)
+
+
+_shared = SharedPatches(_install_shared)
+
+
 class ContinuousBatchingHandle:
-    """What :func:`enable_continuous_batching` returns: stats, runners, ``disable()``.
+    """What :func:`enable_continuous_batching` returns: stats, the step runner, ``disable()``.
 
     Also a context manager: leaving the ``with`` block disables it.
     """
 
-    def __init__(self, model, backend, kernel, query_buckets, debug, ranks=None) -> None:
+    def __init__(self, model, backend: str, kernel: str, query_buckets, debug: bool,
+                 ranks=None) -> None:  # fmt: skip
         self.model = model
-        self.config = model.config.get_text_config()
-        self.device = next(model.parameters()).device
-        self.backend = backend
-        self.kernel = kernel
+        self.backend, self.kernel, self.debug = backend, kernel, debug
         self.query_buckets = query_buckets
-        self.debug = debug
         self.ranks = ranks  # a RankGroup under tensor parallelism, else None
-        self.stats = ContinuousBatchingStats()
+        self.device = next(model.parameters()).device
         self.enabled = False
-        self._runners: weakref.WeakSet = weakref.WeakSet()
-        self._choices: dict[int, tuple] = {}  # id(resolved CB config) -> (weakref, use_graphs)
-        self._previous_attn = model.config._attn_implementation
-        self._previous_experts = None
+        self.runner = StepRunner(model, backend=backend, kernel=kernel, debug=debug, ranks=ranks,
+                                 query_buckets=query_buckets, who=_WHO)  # fmt: skip
+        self._patches = PatchSet()
+        self._managers: weakref.WeakSet = weakref.WeakSet()  # created while enabled
+
+    @property
+    def stats(self) -> ContinuousBatchingStats:
+        """Per query bucket: captures, replays, padding, capture seconds, breaks; totals."""
+        return self.runner.stats
 
     @property
     def runners(self) -> list:
-        """The live :class:`~.cb_runner.BreakgraphModelRunner` objects (one per CB manager)."""
-        return list(self._runners)
+        """The step runner (``.graphs``: bucket -> ``BreakableCUDAGraph``, ``.buckets``), as a
+        one-element list: every manager of the model shares it."""
+        return [self.runner] if self.enabled else []
+
+    # -- enable / disable ----------------------------------------------------------------------
+    def _enable(self) -> None:
+        """Install everything; on any failure, nothing stays."""
+        model = self.model
+        _shared.acquire()
+        try:
+            config = model.config
+            private = copy.copy(config)  # models sharing `config` keep their attention key
+            for module in model.modules():
+                if module.__dict__.get("config") is config:
+                    self._patches.attribute(module, "config", private)
+            if needs_experts_break(model):
+                model.set_experts_implementation(EXPERTS_KEY)
+            model.set_attn_implementation(CB_ATTENTION_KEY)
+            self._patches.attribute(model, "forward", self._forward(model.forward))
+            self._patches.attribute(
+                model, "init_continuous_batching", self._init(model.init_continuous_batching)
+            )
+        except BaseException:
+            self._patches.restore()
+            _shared.release()
+            raise
+        _enabled[model] = self
+        self.enabled = True
 
     def disable(self) -> None:
         """Restore the model and transformers exactly as before (idempotent).
 
-        A persistent CB manager created while enabled is destroyed (its graphs and KV
-        cache belong to this handle); a manager whose generation loop is still running
-        must be stopped first (``InputError``).
+        Raises ``InputError`` while a manager created through this handle (or a persistent
+        manager of the model) is running: stop it first. Managers created while enabled
+        are destroyed; starting one again raises ``ReplayError``.
         """
-        with cb_hooks.lock:
+        with _lock:
             if not self.enabled:
                 return
-            manager = getattr(self.model, "_cached_continuous_batching_manager", None)
-            running = manager is not None and manager.is_running()
-            if running or any(runner.in_use for runner in self._runners):
+            managers = list(self._managers)
+            cached = compat.cached_manager(self.model)
+            running = [m for m in [*managers, cached] if m is not None and m.is_running()]
+            if running:
                 raise InputError(
                     "ContinuousBatchingHandle.disable: a continuous-batching manager of this model "
                     "is still running; call manager.stop() first."
                 )
-            for runner in list(self._runners):
-                runner.close()
-            if manager is not None:
+            if cached is not None:
                 self.model.destroy_cached_continuous_batching_manager()
-            self.model.set_attn_implementation(self._previous_attn)
-            if self._previous_experts is not None:
-                self.model.set_experts_implementation(self._previous_experts)
-            self._choices.clear()
+            for manager in managers:
+                manager.destroy()
+                manager.start = _retired_start  # its cache was built for breakgraph's key
+            self.runner.close()
+            self._patches.restore()
+            del _enabled[self.model]
+            _shared.release()
             self.enabled = False
-            cb_hooks.unregister(self)
             if self.ranks is not None:
                 self.ranks.close()
 
@@ -220,19 +208,95 @@ class ContinuousBatchingHandle:
         state = "enabled" if self.enabled else "disabled"
         return (
             f"ContinuousBatchingHandle({type(self.model).__name__}, {state}, "
-            f"backend={self.backend!r}, attention={self.kernel!r}, {self.stats!r})"
+            f"backend={self.backend!r}, attention={self.kernel!r}, "
+            f"buckets={list(self.runner.buckets)}, replays={self.stats.replays})"
         )
 
-    # -- used by the patches ------------------------------------------------------------------
-    def _use_graphs(self, cb_config) -> bool:
-        """Read the caller's ``ContinuousBatchingConfig`` before transformers resolves it."""
-        if cb_config.use_async_batching and self.device.type != "cuda":
+    # -- the two instance methods --------------------------------------------------------------
+    def _forward(self, original):
+        runner, cache_key = self.runner, compat.step_kwargs().read_index
+
+        def forward(*args, **kwargs):
+            if cache_key in kwargs and not args:  # a continuous-batching step
+                return runner.forward(**kwargs)
+            return original(*args, **kwargs)
+
+        forward.__wrapped__ = original
+        return forward
+
+    def _init(self, original):
+        def init_continuous_batching(generation_config=None, continuous_batching_config=None,
+                                     *args, **kwargs):  # fmt: skip
+            if compat.cached_manager(self.model) is not None:  # transformers returns it
+                return original(generation_config, continuous_batching_config, *args, **kwargs)
+            config = self._prepare(continuous_batching_config, generation_config)
+            manager = original(generation_config, config, *args, **kwargs)
+            self._managers.add(manager)
+            if not self._graphs_wanted(continuous_batching_config):
+                self.runner.graphs_off(manager)
+            return manager
+
+        init_continuous_batching.__wrapped__ = original
+        return init_continuous_batching
+
+    def _prepare(self, given, generation_config):
+        """A copy of the caller's CB config for transformers: its own graphs (and padding) off,
+        asynchronous steps on a single CUDA model unless the caller decided, and
+        ``max_batch_tokens`` no larger than the captured buckets. Captures them first."""
+        from transformers import ContinuousBatchingConfig
+
+        if given is None:  # transformers' own default (a config in the generation config: legacy)
+            legacy = getattr(generation_config or self.model.generation_config,
+                             "continuous_batching_config", None)  # fmt: skip
+            given = legacy if isinstance(legacy, ContinuousBatchingConfig) else None
+        config = copy.copy(given) if given is not None else ContinuousBatchingConfig()
+        use_graphs = self._graphs_wanted(config)
+        if config.use_async_batching and self.device.type != "cuda":
             raise UnsupportedModelError(
                 f"{_WHO}: asynchronous batching (use_async_batching=True) needs a CUDA model "
                 f"(transformers overlaps host and device work with CUDA streams); leave it "
                 f"unset or False here."
             )
-        choice = cb_config.use_cuda_graph
+        compiled = config.varlen_compile_config or config.decode_compile_config
+        if use_graphs and (compiled is not None or getattr(config, "default_compile_level", 0)):
+            raise UnsupportedModelError(
+                f"{_WHO}: torch.compile of the CB step (compile configs) cannot be combined with "
+                f"breakgraph's graphs; pass ContinuousBatchingConfig(use_cuda_graph=False) to "
+                f"compile instead."
+            )
+        config.use_cuda_graph = False  # transformers' whole-step graphs: never here
+        config.max_blocks_per_request = 0  # the block-table decode path is a flash_attn kernel
+        for name in compat.CB_OPTIONAL_FIELDS:  # auto_switch_to_flash: keep breakgraph's key
+            if hasattr(config, name):
+                setattr(config, name, False)
+        if config.use_async_batching is None:
+            config.use_async_batching = self._async_by_default(use_graphs)
+        if use_graphs:
+            planned = self.runner.buckets
+            default = planned[-1] if planned else self._default_max_batch_tokens()
+            config.max_batch_tokens = config.max_batch_tokens or default
+            if self.ranks is not None:  # every rank enables the same way, or all raise
+                self.ranks.agree(
+                    0,
+                    distributed.fingerprint(repr((config.max_batch_tokens, use_graphs))),
+                    "continuous-batching settings",
+                    "pass the same ContinuousBatchingConfig on every rank",
+                )
+            self.runner.plan(config.max_batch_tokens)  # capture before serving
+        return config
+
+    def _async_by_default(self, use_graphs: bool) -> bool:
+        """``use_async_batching`` when the caller left it unset: transformers' own rule for its
+        graphs (on with graphs and no attention mask), applied to breakgraph's graphs. Under
+        tensor parallelism it stays off (not run on GPUs there yet)."""
+        return use_graphs and self.device.type == "cuda" and self.ranks is None
+
+    def _default_max_batch_tokens(self) -> int:
+        return max(self.query_buckets) if self.query_buckets else DEFAULT_MAX_BATCH_TOKENS
+
+    @staticmethod
+    def _graphs_wanted(config) -> bool:
+        choice = None if config is None else config.use_cuda_graph
         if choice is None:
             return True
         if isinstance(choice, bool):
@@ -244,44 +308,13 @@ class ContinuousBatchingHandle:
             f"(varlen, decode) pair, got {choice!r}."
         )
 
-    def _async_by_default(self, use_graphs: bool) -> bool:
-        """``use_async_batching`` when the caller left it unset: transformers' own rule for its
-        graphs (on with CUDA graphs and no attention mask), applied to breakgraph's graphs.
-        Under tensor parallelism it stays off (not run on GPUs there yet)."""
-        return use_graphs and self.device.type == "cuda" and self.ranks is None
 
-    def _remember(self, resolved, use_graphs: bool) -> None:
-        compiled = resolved.varlen_compile_config or resolved.decode_compile_config
-        if use_graphs and compiled is not None:
-            raise UnsupportedModelError(
-                f"{_WHO}: torch.compile of the CB step (compile configs) cannot be combined with "
-                f"breakgraph's graphs; pass ContinuousBatchingConfig(use_cuda_graph=False) to "
-                f"compile instead."
-            )
-        alive = {key: entry for key, entry in self._choices.items() if entry[0]() is not None}
-        alive[id(resolved)] = (weakref.ref(resolved), use_graphs)
-        self._choices = alive  # one entry per live manager config
-
-    def _new_runner(self, cb_config, **kwargs):
-        from .cb_runner import BreakgraphModelRunner
-
-        ref, use_graphs = self._choices.get(id(cb_config), (None, None))
-        if ref is None or ref() is not cb_config:
-            raise UnsupportedModelError(
-                f"{_WHO}: this continuous-batching manager was configured before "
-                f"enable_continuous_batching(); create a new one (destroy a persistent manager "
-                f"with model.destroy_cached_continuous_batching_manager())."
-            )
-        if self.ranks is not None and any(runner.in_use for runner in self._runners):
-            raise UnsupportedModelError(
-                f"{_WHO}: under tensor parallelism one continuous-batching manager of a model "
-                f"runs at a time (its steps agree over one group); stop the other one first."
-            )
-        runner = BreakgraphModelRunner(
-            handle=self, use_graphs=use_graphs, cb_config=cb_config, **kwargs
-        )
-        self._runners.add(runner)
-        return runner
+def _retired_start(*args: Any, **kwargs: Any) -> None:
+    raise ReplayError(
+        "this continuous-batching manager was created while breakgraph's continuous batching "
+        "was enabled and was destroyed by handle.disable(); create a new manager with "
+        "model.init_continuous_batching()."
+    )
 
 
 def enable_continuous_batching(
@@ -301,11 +334,12 @@ def enable_continuous_batching(
         backend: ``"cuda"`` or ``"emulated"`` (CPU), as for :func:`breakgraph.capture`.
         attention: ``"auto"`` (FlashAttention varlen inside ATen on CUDA in bf16/fp16,
             else the exact per-sequence reference), ``"flash"`` or ``"reference"``.
-        query_buckets: query-token counts to capture (default: 32, 128, 512, ...);
-            the CB config's ``max_batch_tokens`` is always the largest bucket.
+        query_buckets: query-token counts to capture (default: 32, 128, 512, ... up to the
+            first manager's ``max_batch_tokens``, which is always the largest bucket; 2048
+            when its config leaves it unset). Positive ints.
         debug: capture graphs in breakgraph's debug mode (slow; see ``docs/debugging.md``).
-            Under tensor parallelism it also checks, on every step, that all ranks
-            scheduled the same requests with the same lengths.
+            Under tensor parallelism it also checks, on every step, that all ranks run the
+            same tokens with the same boundaries.
         tp_timeout: tensor parallelism only (detected from the model's DTensor
             parameters): seconds a rank waits for the others in a capture or in the
             per-step agreement before raising :class:`~breakgraph.RankFailedError`.
@@ -314,72 +348,53 @@ def enable_continuous_batching(
 
     Returns a :class:`ContinuousBatchingHandle` (also a context manager). While it is
     enabled, CB managers of this model created afterwards (``generate_batch``,
-    ``init_continuous_batching``) run their steps as breakable graphs, unless their
-    ``ContinuousBatchingConfig`` says ``use_cuda_graph=False`` (eager steps through
-    the same attention). On a CUDA model their steps are asynchronous by default
-    (``use_async_batching`` unset: the host prepares step N+1 while the device runs step
-    N, both IO pairs sharing one graph per bucket), as transformers decides for its own
-    graphs; pass ``use_async_batching=False`` to run them synchronously (under tensor
-    parallelism that is the default). The model's attention implementation is
-    ``"paged|breakgraph"`` until ``disable()``; a plain ``model.generate()`` raises
-    meanwhile.
+    ``init_continuous_batching``, ``transformers serve``) run their steps as breakable graphs,
+    captured when the manager is created, unless their ``ContinuousBatchingConfig`` says
+    ``use_cuda_graph=False`` (eager steps through the same attention). On a CUDA model their
+    steps are asynchronous by default (the host prepares step N+1 while the device runs step
+    N), as transformers decides for its own graphs; pass ``use_async_batching=False`` to run
+    them synchronously (under tensor parallelism that is the default). A plain
+    ``model.generate()`` raises meanwhile; other models are untouched.
 
     Example::
 
         handle = enable_continuous_batching(model)
         outs = model.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=64))
-        print(handle.stats)     # captures, replays and eager steps per query bucket
+        print(handle.stats)     # captures and replays per query bucket
         handle.disable()
     """
-    _check_model(model, _WHO)
-    if attention not in ("auto", "flash", "reference"):
-        raise InputError(
-            f"{_WHO}: attention must be 'auto', 'flash' or 'reference', got {attention!r}."
-        )
+    check_model(model, _WHO)
+    compat.require("continuous_batching", _WHO)
     parameter = next(model.parameters())
-    can_flash = _attention.flash_available(parameter.dtype, parameter.device)
-    if attention == "flash" and not can_flash:
-        raise UnsupportedModelError(
-            f"{_WHO}: attention='flash' needs a CUDA model in bf16/fp16 and torch's "
-            f"FlashAttention varlen kernel; use attention='reference'."
-        )
-    cb_hooks.check_transformers(_WHO)
-    debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too
     chosen = select_backend(backend).name
-    kernel = "flash" if attention == "flash" or (attention == "auto" and can_flash) else "reference"
-    with cb_hooks.lock:
-        if cb_hooks.handle_for(model.config.get_text_config()) is not None:
+    kernel = _resolve_attention(attention, parameter.dtype, parameter.device, _WHO)
+    if query_buckets is not None:
+        from breakgraph.ladder import validate_buckets
+
+        query_buckets = tuple(validate_buckets(query_buckets, f"{_WHO}: query_buckets"))
+    debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too
+    with _lock:
+        if _handle_of(model) is not None:
             raise InputError(f"{_WHO}: continuous batching is already enabled for this model.")
-        if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+        if compat.cached_manager(model) is not None:
             raise InputError(
                 f"{_WHO}: the model holds a persistent CB manager created without breakgraph; "
                 f"call model.destroy_cached_continuous_batching_manager() first."
             )
         group = distributed.tensor_parallel_group(model)
         ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
-        handle = None
         try:
             if ranks is not None:  # every rank enables the same way (or all raise)
-                buckets = None if query_buckets is None else sorted({int(b) for b in query_buckets})
                 ranks.agree(
                     0,
-                    distributed.fingerprint(repr((chosen, kernel, buckets, debug))),
+                    distributed.fingerprint(repr((chosen, kernel, query_buckets, debug))),
                     f"{_WHO} options",
                     f"call {_WHO} with the same arguments on every rank",
                 )
             handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug, ranks)
-            cb_hooks.register(handle)  # installs the hooks with the first handle
-            if needs_experts_break(model):
-                handle._previous_experts = model.get_experts_implementation()
-                model.set_experts_implementation(EXPERTS_KEY)
-            model.set_attn_implementation(CB_ATTENTION_KEY)
+            handle._enable()
         except BaseException:
-            if handle is not None:
-                if handle._previous_experts is not None:
-                    model.set_experts_implementation(handle._previous_experts)
-                cb_hooks.unregister(handle)
             if ranks is not None:
                 ranks.close()
             raise
-        handle.enabled = True
     return handle

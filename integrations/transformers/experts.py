@@ -27,6 +27,9 @@ import torch
 
 import breakgraph
 
+from . import compat
+from .models import UnsupportedModelError
+
 __all__ = ["EXPERTS_KEY", "experts_as_breaks", "needs_experts_break"]
 
 EXPERTS_KEY = "breakgraph_eager_loop"
@@ -40,10 +43,8 @@ def experts_loop(module: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 def _eager_forward(module: Any):
     """The experts class's original ``forward`` (``use_experts_implementation`` wraps it)."""
-    original = getattr(type(module).forward, "__wrapped__", None)
+    original = compat.eager_experts_forward(module)
     if original is None:
-        from .prefill import UnsupportedModelError
-
         raise UnsupportedModelError(
             f"breakgraph: {type(module).__name__}.forward does not expose transformers' eager "
             f"experts loop (no __wrapped__); this transformers version dispatches experts "
@@ -60,16 +61,12 @@ def breakgraph_experts(module: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 def register() -> None:
     """Register :data:`EXPERTS_KEY` in transformers' ``ExpertsInterface`` (idempotent)."""
-    from transformers.integrations.moe import ExpertsInterface
-
-    ExpertsInterface.register(EXPERTS_KEY, breakgraph_experts)
+    compat.experts_registry().register(EXPERTS_KEY, breakgraph_experts)
 
 
 def needs_experts_break(model: Any) -> bool:
     """True when the model's experts run transformers' eager loop (``nonzero``: not capturable)."""
-    can_set = getattr(model, "_can_set_experts_implementation", None)
-    implementation = getattr(model.config, "_experts_implementation", None)
-    return bool(can_set and can_set()) and implementation in ("eager", EXPERTS_KEY)
+    return compat.experts_key(model) in ("eager", EXPERTS_KEY)
 
 
 @contextlib.contextmanager
@@ -79,7 +76,7 @@ def experts_as_breaks(model: Any) -> Iterator[None]:
         yield
         return
     register()
-    original = model.config._experts_implementation
+    original = compat.experts_key(model)
     model.set_experts_implementation(EXPERTS_KEY)
     try:
         yield

@@ -51,6 +51,8 @@ from breakgraph.runner import BucketedRunner, StaticInputs
 
 from . import attention as _attention
 from .experts import experts_as_breaks
+from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from .models import check_model as _check_model
 
 __all__ = [
     "PrefillRunner",
@@ -59,13 +61,6 @@ __all__ = [
     "UnsupportedModelError",
     "default_token_buckets",
 ]
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
-_STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
-
-
-class UnsupportedModelError(breakgraph.BreakgraphError, ValueError):
-    """The model or configuration cannot be served correctly by the prefill runner."""
 
 
 def default_token_buckets(
@@ -604,49 +599,3 @@ class PrefillRunner:
         self._outputs.clear()
         if self.ranks is not None:
             self.ranks.close()
-
-
-def _check_model(model: Any, who: str = "PrefillRunner") -> None:
-    """Reject models the graphs cannot serve correctly; ``who`` names the caller in messages."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"{who}: model type {model_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
-    if (
-        isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-        or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
-        or getattr(model, "_compiled_call_impl", None) is not None  # nn.Module.compile(), in place
-    ):
-        raise UnsupportedModelError(
-            f"{who}: the model is compiled with torch.compile; pass the uncompiled model "
-            "(breakgraph captures it itself)."
-        )
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if type(model).__name__ != causal_lm:
-        raise UnsupportedModelError(
-            f"{who}: {type(model).__name__} is not a causal LM (for {model_type!r} "
-            f"that is {causal_lm}); the runner returns next-token logits from the LM head. "
-            f"Load the model with AutoModelForCausalLM."
-        )
-    if model.training:
-        raise UnsupportedModelError(
-            f"{who}: the model is in training mode; call model.eval() first."
-        )
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if rope_type not in _STATIC_ROPE_TYPES:
-        static = ", ".join(map(str, _STATIC_ROPE_TYPES[1:]))
-        raise UnsupportedModelError(
-            f"{who}: rope_type {rope_type!r} recomputes its frequencies from the live "
-            f"sequence length on the host; only static RoPE ({static}) can be captured."
-        )
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            raise UnsupportedModelError(f"{who}: {name} is not supported.")
-    if len({p.device for p in model.parameters()}) != 1:
-        raise UnsupportedModelError(f"{who}: all parameters must be on one device.")

@@ -1,0 +1,378 @@
+"""Continuous batching: one model's CB steps as breakable graphs (the step runner).
+
+transformers' continuous batching keeps everything it owns (scheduler, paged KV cache,
+request lifecycle, logits processing and sampling) and calls ``model(**kwargs)`` once per
+step with the step's packed query tokens and paged-attention metadata. While
+:func:`~.continuous_batching.enable_continuous_batching` is on, that call reaches
+:meth:`StepRunner.forward`, which runs the step through two graph ladders
+(:class:`breakgraph.ladder.GraphLadder`) of its own:
+
+* **tokens** (keyed by the query-token bucket ``B``): the decoder over static ``[1, B]`` ids
+  and positions. Everything is captured except each layer's paged-cache write + read +
+  varlen causal attention, an eager break (:class:`PagedAttention`) that reads the live
+  step's exact lengths and indices (:class:`CBStep`, the replay context). The graph ends by
+  copying the last hidden states into one shared buffer;
+* **logits** (keyed by the logits-row bucket ``L``): ``lm_head`` over the rows of that buffer
+  picked by a static index (the step's ``logits_to_keep``), so a step computes logits for
+  about as many rows as it has requests, not one per token. Under tensor parallelism the
+  ``lm_head`` all-gather stays inside a graph too.
+
+The step's inputs are copied into the buckets' static buffers (three small copies) and the
+logits come back as a fresh fp32 tensor (what transformers' ``.float()`` would make), so the
+next step can reuse graph memory at once. Every bucket is captured before serving (when a
+manager is created), with a fake one-sequence step that touches no cache.
+
+Example (what the handle does for every CB forward)::
+
+    runner = StepRunner(model, backend="cuda", kernel="flash", debug=False, ranks=None,
+                        query_buckets=None)
+    runner.plan(max_batch_tokens=2048)     # capture every bucket
+    logits = runner.forward(**cb_kwargs).logits
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+import breakgraph
+from breakgraph import distributed
+from breakgraph.errors import CaptureError, InputError
+from breakgraph.ladder import Action, GraphLadder
+
+from . import compat
+from .attention import FLASH_WRITES_IN_PLACE, flash_varlen, reference_attention
+from .models import UnsupportedModelError, default_query_buckets
+
+__all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
+
+#: The attention key a model holds while continuous batching is enabled (a plain key: from
+#: transformers 5.19 the ``paged|`` prefix is stripped, and any key but its own is refused).
+CB_ATTENTION_KEY = "breakgraph_paged"
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+class CBStep:
+    """Host description of the step being run: everything an attention break reads.
+
+    One object per runner, refilled before every step from the CB forward's keyword
+    arguments (no allocation per layer). ``warmup`` marks the eager warm-up and capture
+    passes, which run on a fake step of one sequence filling the bucket and touch no cache.
+    """
+
+    __slots__ = ("kernel", "update_takes_kwargs", "tokens", "cache", "cu_q", "max_q", "cu_k",
+                 "max_k", "read_index", "write_index", "warmup", "_q_bounds")  # fmt: skip
+
+    def __init__(self, kernel: str, update_takes_kwargs: bool) -> None:
+        self.kernel, self.update_takes_kwargs = kernel, update_takes_kwargs
+        self.tokens, self.warmup = 0, False
+        self.cache = self.cu_q = self.max_q = self.cu_k = self.max_k = None
+        self.read_index = self.write_index = None
+        self._q_bounds = None
+
+    def refill(self, kwargs: dict, names: compat.StepKwargs, tokens: int) -> None:
+        """The live step (views of transformers' static buffers; no device sync)."""
+        self.tokens, self.warmup = tokens, False
+        self.cache = kwargs[names.cache]
+        self.cu_q, self.max_q = kwargs[names.cu_q], kwargs[names.max_q]
+        self.cu_k, self.max_k = kwargs[names.cu_k], kwargs[names.max_k]
+        self.read_index, self.write_index = kwargs[names.read_index], kwargs[names.write_index]
+        self._q_bounds = None
+
+    def fake(self, bucket: int) -> CBStep:
+        """The warm-up / capture step of ``bucket``: one sequence filling it, no cache."""
+        self.tokens, self.warmup, self.cache, self._q_bounds = bucket, True, None, None
+        return self
+
+    def q_bounds(self) -> list:
+        """Host ``(start, end)`` query rows per sequence (reference kernel only: reads ``cu_q``)."""
+        if self._q_bounds is None:
+            self._q_bounds = _bounds(self.cu_q)
+        return self._q_bounds
+
+
+def _bounds(cu: torch.Tensor) -> list:
+    cumulative = cu.tolist()
+    return list(zip(cumulative, cumulative[1:]))
+
+
+class PagedAttention:
+    """One layer's paged-cache write + read + varlen causal attention: the eager break.
+
+    Built during the capture from the layer's ``query`` ``[1, Hq, B, D]`` and new
+    ``key``/``value`` ``[1, Hkv, B, D]`` (RoPE applied); calling it returns ``[B, Hq, D]``
+    for the step in ``replay_context()``: rows of the step's ``n`` real tokens attend to
+    their sequences' cached keys (the cache gets the new ones), rows past them are zero.
+    """
+
+    def __init__(self, layer: int, query, key, value, scaling: float, window, kernel: str):
+        self.__qualname__ = self.__name__ = f"paged attention[layer {layer}]"
+        self.layer = layer
+        self.q = query[0].transpose(0, 1)
+        if self.q.stride(-1) != 1:
+            self.q = self.q.contiguous()  # only if RoPE left an odd layout
+        self.key, self.value = key, value
+        self.scaling, self.window, self.kernel = scaling, window, kernel
+        self.layer_type = _SLIDING if window is not None else _FULL
+        self.out = None  # with torch >= 2.12 the kernel writes here: no copy-back per replay
+        if kernel == "flash" and FLASH_WRITES_IN_PLACE:
+            with torch.inference_mode(False):
+                self.out = torch.zeros(self.q.shape, dtype=self.q.dtype, device=self.q.device)
+
+    def __call__(self) -> torch.Tensor:
+        step: CBStep = breakgraph.replay_context()
+        if step.warmup:
+            return self._own_keys()
+        n = step.tokens
+        k, v, cu_k, max_k = compat.cache_read_write(
+            step, self.key[:, :, :n], self.value[:, :, :n], self.layer, self.layer_type
+        )
+        if self.kernel == "reference":
+            return reference_attention(
+                self.q, k, v, step.q_bounds(), self.scaling, self.window, _bounds(cu_k), self.out
+            )
+        out = flash_varlen(
+            self.q, k.contiguous(), v.contiguous(), step.cu_q, cu_k, step.max_q, max_k,
+            self.scaling, self.window, self.out,
+        )  # fmt: skip
+        if self.out is None:
+            out[n:].zero_()  # rows the kernel skipped: uninitialised
+        return out
+
+    def _own_keys(self) -> torch.Tensor:
+        """Warm-up and capture: causal attention over the bucket's own keys, as one sequence."""
+        rows = self.q.shape[0]
+        k, v = self.key[0].transpose(0, 1), self.value[0].transpose(0, 1)
+        return reference_attention(self.q, k, v, [(0, rows)], self.scaling, self.window,
+                                   out=self.out)  # fmt: skip
+
+
+@torch.compiler.disable
+def paged_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+):
+    """The function registered as ``AttentionInterface[CB_ATTENTION_KEY]``."""
+    try:
+        step = breakgraph.replay_context()
+    except breakgraph.ReplayError:
+        step = None
+    if not isinstance(step, CBStep):
+        raise InputError(
+            "breakgraph's continuous-batching attention was called outside a CB step: the model "
+            "is in breakgraph continuous-batching mode, which serves generate_batch() and the CB "
+            "manager only. Call handle.disable() (or leave the `with` block) before "
+            "model.generate() or a plain forward."
+        )
+    if softcap is not None:
+        raise CaptureError("breakgraph CB attention: attention softcapping is not supported.")
+    if attention_mask is not None:
+        raise CaptureError(
+            "breakgraph CB attention: the model built an attention mask; continuous batching "
+            "with this key must run without one."
+        )
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    call = PagedAttention(module.layer_idx, query, key, value, scale, sliding_window, step.kernel)
+    return breakgraph.eager_on_graph(call)().unsqueeze(0), None
+
+
+class StepRunner:
+    """One model's continuous-batching steps: two graph ladders and their static buffers.
+
+    Shared by every CB manager of the model (one step at a time: a lock, and on CUDA an
+    event that orders steps issued on different streams). ``plan`` captures the buckets
+    for a manager's ``max_batch_tokens``; ``forward`` serves one step.
+    """
+
+    def __init__(self, model, *, backend: str, kernel: str, debug: bool, ranks, query_buckets,
+                 who: str) -> None:  # fmt: skip
+        self.model, self.who, self.query_buckets = model, who, query_buckets
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.names = compat.step_kwargs()
+        self.step = CBStep(kernel, compat.update_takes_kwargs())
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        options = dict(backend=backend, ranks=ranks, debug=debug, on_miss="eager", who=who)
+        self.tokens = GraphLadder(**options)
+        self.logits = GraphLadder(**options)
+        self.ranks = ranks
+        self.debug = debug
+        self._inputs: dict[int, torch.Tensor] = {}  # query bucket -> [2, B] ids and positions
+        self._rows: dict[int, torch.Tensor] = {}  # logits bucket -> [L] row index
+        self._hidden: torch.Tensor | None = None  # [1, largest bucket, hidden]
+        self._lock = threading.Lock()
+        self._event = torch.cuda.Event() if self.tokens.backend == "cuda" else None
+        self._eager_managers: weakref.WeakSet = weakref.WeakSet()  # graphs off for these
+        self._eager_caches: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def stats(self):
+        """The query-token ladder's :class:`~breakgraph.ladder.LadderStats`."""
+        return self.tokens.stats
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.tokens.buckets
+
+    # -- planning: capture before serving ------------------------------------------------------
+    def plan(self, max_batch_tokens: int) -> None:
+        """Capture every bucket up to ``max_batch_tokens`` (once; later managers must fit)."""
+        with self._lock:
+            sizes = default_query_buckets(self.query_buckets, max_batch_tokens, self.who)
+            if self.tokens.buckets:
+                if max_batch_tokens > self.tokens.buckets[-1]:
+                    raise InputError(
+                        f"{self.who}: this model's steps were captured for at most "
+                        f"{self.tokens.buckets[-1]} query tokens; a manager with "
+                        f"max_batch_tokens={max_batch_tokens} does not fit. Pass "
+                        f"ContinuousBatchingConfig(max_batch_tokens<={self.tokens.buckets[-1]}), "
+                        f"or disable and enable again before the first manager."
+                    )
+                return
+            hidden_size = self.lm_head.weight.shape[-1]
+            with torch.inference_mode(False):
+                self._hidden = torch.zeros(
+                    1, sizes[-1], hidden_size, dtype=self.lm_head.weight.dtype, device=self.device
+                )
+                for size in sizes:
+                    self._inputs[size] = torch.zeros(2, size, dtype=torch.long, device=self.device)
+                    self._rows[size] = torch.zeros(size, dtype=torch.long, device=self.device)
+            with torch.no_grad(), self.tokens.capture_window(), self.logits.capture_window():
+                self.tokens.capture(sizes, self._record_tokens, warm_up=self._warm_up_tokens,
+                                    context=self.step.fake)  # fmt: skip
+                self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits)
+
+    def _decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        with _tensor_parallel_safe(self.model):
+            out = self.decoder(input_ids=ids, position_ids=positions, use_cache=False)
+        return out.last_hidden_state
+
+    def _record_tokens(self, bucket: int) -> None:
+        inputs = self._inputs[bucket]
+        hidden = self._decoder(inputs[0:1], inputs[1:2])
+        self._hidden[:, :bucket].copy_(hidden)
+
+    def _warm_up_tokens(self, bucket: int) -> None:
+        with breakgraph.context_scope(self.step.fake(bucket)):
+            self._record_tokens(bucket)
+
+    def _record_logits(self, rows: int) -> torch.Tensor:
+        return self.lm_head(self._hidden.index_select(1, self._rows[rows]))
+
+    # -- serving -------------------------------------------------------------------------------
+    def graphs_off(self, manager) -> None:
+        """``manager`` (its config says ``use_cuda_graph=False``) runs eager steps."""
+        self._eager_managers.add(manager)
+
+    def forward(self, **kwargs: Any) -> Any:
+        """One CB step: logits ``[1, rows, vocab]`` (fp32) for ``logits_to_keep``."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        names = self.names
+        if kwargs.get(names.block_table) is not None:
+            raise UnsupportedModelError(
+                f"{self.who}: the block-table decode path is a flash_attn kernel; it cannot run "
+                f"under breakgraph (ContinuousBatchingConfig(max_blocks_per_request=0))."
+            )
+        ids, positions = kwargs[names.input_ids], kwargs[names.position_ids]
+        n = ids.shape[-1]
+        keep = kwargs.get(names.logits_to_keep)
+        rows = keep.numel() if isinstance(keep, torch.Tensor) else n
+        with self._lock, torch.no_grad():
+            if self._event is not None:  # a step another manager issued on another stream
+                torch.cuda.current_stream().wait_event(self._event)
+            step = self.step
+            step.refill(kwargs, names, n)
+            if self._graphs_off(step.cache):
+                self.tokens.record_eager("graphs off (use_cuda_graph=False)")
+                logits = self._eager(ids, positions, keep, n)
+            else:
+                decision = self.tokens.decide(n, self._fingerprint(n, rows, ids))
+                if decision.action is Action.REPLAY:
+                    logits = self._replay(decision.bucket, ids, positions, keep, n, rows)
+                else:
+                    self.tokens.record_eager(decision.reason)
+                    logits = self._eager(ids, positions, keep, n)
+            # fresh fp32 memory (what transformers' .float() makes): the next step, maybe of
+            # another manager on another thread, reuses the graph's output at once
+            logits = logits.to(torch.float32, copy=True)
+            if self._event is not None:
+                self._event.record()
+        return CausalLMOutputWithPast(logits=logits)
+
+    def _replay(self, bucket: int, ids, positions, keep, n: int, rows: int) -> torch.Tensor:
+        inputs = self._inputs[bucket]
+        inputs[0, :n].copy_(ids[0])
+        inputs[1, :n].copy_(positions[0])
+        if n < bucket:
+            inputs[:, n:].zero_()  # the tail: defined ids and positions
+        self.tokens.replay(bucket, self.step, size=n)
+        rows_bucket = self.logits.choose(rows).bucket
+        index = self._rows[rows_bucket]
+        if isinstance(keep, torch.Tensor):
+            index[:rows].copy_(keep)
+        else:
+            torch.arange(rows, out=index[:rows])
+        if rows < rows_bucket:
+            index[rows:].zero_()
+        return self.logits.replay(rows_bucket, None, size=rows)[:, :rows]
+
+    def _eager(self, ids, positions, keep, n: int) -> torch.Tensor:
+        with breakgraph.context_scope(self.step):
+            hidden = self._decoder(ids, positions)
+        if isinstance(keep, torch.Tensor):
+            hidden = hidden.index_select(1, keep.to(torch.long))
+        return self.lm_head(hidden)
+
+    def _graphs_off(self, cache) -> bool:
+        if not self._eager_managers:
+            return False
+        if cache in self._eager_caches:
+            return True
+        for manager in list(self._eager_managers):
+            if compat.manager_cache(manager) is cache:
+                self._eager_caches.add(cache)
+                return True
+        return False
+
+    def _fingerprint(self, n: int, rows: int, ids: torch.Tensor) -> int:
+        """What every rank must agree on for this step (tensor parallelism only): its sizes;
+        in debug mode also its tokens and sequence boundaries (host copies)."""
+        if self.ranks is None:
+            return 0
+        digest = (n << 32) | rows
+        if self.debug:
+            digest = distributed.fingerprint(digest, ids, self.step.cu_q)
+        return digest
+
+    def close(self) -> None:
+        """Release the graphs and buffers (final)."""
+        with self._lock:
+            self.tokens.close()
+            self.logits.close()
+            self._inputs.clear()
+            self._rows.clear()
+            self._hidden = None
+
+
+def _tensor_parallel_safe(model) -> Any:
+    """The tensor-parallel embedding made safe to capture (transformers >= 5.21), if any."""
+    try:
+        from .tensor_parallel import graph_safe_tensor_parallel
+    except ImportError:
+        return contextlib.nullcontext()
+    return graph_safe_tensor_parallel(model)

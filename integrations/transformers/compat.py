@@ -1,0 +1,326 @@
+"""The transformers contract: every transformers name breakgraph reads, next to its probe.
+
+breakgraph supports a transformers release when the names below are there and behave as
+described; support is decided by probing them (:func:`require`, :func:`supported`), never
+by comparing version strings. The library and its tests use the same probes. Every other
+module reaches transformers through this one (public extension points aside:
+``AttentionInterface``, ``ExpertsInterface``, ``generate_batch`` and friends, which are
+used where they are documented).
+
+The contract, by feature (P = public API, I = internal name):
+
+prefill
+  1. P ``AttentionInterface.register``: the attention of every layer becomes an eager break.
+  2. I ``config._attn_implementation`` (read) and P ``model.set_attn_implementation``.
+  3. P ``ExpertsInterface.register``, ``model.set_experts_implementation``; I
+     ``config._experts_implementation`` and ``model._can_set_experts_implementation``; I the
+     experts class's original ``forward`` under ``__wrapped__`` (the eager loop).
+  4. I ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (which class is the causal LM of a model type).
+
+continuous batching (transformers keeps its scheduler, paged cache, sampling and request
+lifecycle; breakgraph takes over the model's forward for the CB steps only)
+  5. P ``model.init_continuous_batching`` (wrapped on the model instance: every entry point,
+     ``generate_batch``, the manager API, ``transformers serve``, goes through it) and the
+     ``ContinuousBatchingConfig`` fields :data:`CB_CONFIG_FIELDS`.
+  6. I the keyword arguments of one CB forward (``PagedAttentionArgs``): :data:`STEP_KWARGS`,
+     with ``max_seqlen_*`` renamed ``max_length_*`` in 5.19.
+  7. I ``PagedAttentionCache.update``: ``(key, value, layer_idx, read_index, write_index)``
+     up to 5.18, ``(key, value, layer_idx, kwargs)`` from 5.19 (:func:`cache_read_write`).
+  8. I ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (replaced for enabled models
+     through ``breakgraph.patches``: from 5.19 it refuses any attention key but its own).
+  9. I ``model._cached_continuous_batching_manager`` with P
+     ``destroy_cached_continuous_batching_manager`` and P ``manager.is_running``.
+ 10. I ``manager.batch_processor.cache`` (which paged cache a manager steps with; read only
+     for managers whose graphs are off).
+
+Tested: transformers 5.17.0, 5.19.0, 5.21.1 and 5.24.0 (CI runs 5.17.0 and 5.24.0).
+
+Example::
+
+    >>> from breakgraph.integrations.transformers import compat
+    >>> compat.supported("prefill")
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .models import UnsupportedModelError
+
+__all__ = [
+    "TESTED_VERSIONS",
+    "FEATURES",
+    "problems",
+    "supported",
+    "require",
+    "STEP_KWARGS",
+    "StepKwargs",
+    "cache_read_write",
+]
+
+#: The releases the test suite runs on (the declared range is 5.17 to the newest of these).
+TESTED_VERSIONS = ("5.17.0", "5.19.0", "5.21.1", "5.24.0")
+FEATURES = ("prefill", "continuous_batching")
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# -- 1-4: prefill -----------------------------------------------------------------------------
+def attention_registry() -> Any:
+    """1. ``transformers.AttentionInterface`` (public)."""
+    from transformers import AttentionInterface
+
+    return AttentionInterface
+
+
+def attention_key(model: Any) -> str | None:
+    """2. The model's attention implementation key (``config._attn_implementation``)."""
+    return model.config._attn_implementation
+
+
+def experts_registry() -> Any:
+    """3. ``ExpertsInterface`` (public, ``transformers.integrations.moe``)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    return ExpertsInterface
+
+
+def experts_key(model: Any) -> str | None:
+    """3. The model's experts implementation when it can be set, else None (dense models)."""
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    if not (can_set and can_set()):
+        return None
+    return getattr(model.config, "_experts_implementation", None)
+
+
+def eager_experts_forward(module: Any) -> Callable | None:
+    """3. The experts class's own ``forward`` (the eager loop) that
+    ``@use_experts_implementation`` wraps, or None."""
+    return getattr(type(module).forward, "__wrapped__", None)
+
+
+def causal_lm_class_name(model_type: str) -> str | None:
+    """4. The ``*ForCausalLM`` class name of a model type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+def _probe_prefill() -> list[str]:
+    found = []
+    try:
+        if not callable(getattr(attention_registry(), "register", None)):
+            found.append("AttentionInterface.register is missing")
+        from transformers import PreTrainedModel
+
+        for name in ("set_attn_implementation", "get_decoder"):
+            if not callable(getattr(PreTrainedModel, name, None)):
+                found.append(f"PreTrainedModel.{name} is missing")
+        if causal_lm_class_name("llama") is None:
+            found.append("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES has no 'llama'")
+    except ImportError as exc:
+        found.append(f"an import failed ({exc})")
+    return found
+
+
+# -- 5-10: continuous batching ----------------------------------------------------------------
+#: 5. The ``ContinuousBatchingConfig`` fields breakgraph reads or sets on its copy of a config.
+CB_CONFIG_FIELDS = (
+    "use_cuda_graph",
+    "use_async_batching",
+    "max_batch_tokens",
+    "max_blocks_per_request",
+    "varlen_compile_config",
+    "decode_compile_config",
+)
+#: 5. Fields only some releases have; set when present.
+CB_OPTIONAL_FIELDS = ("auto_switch_to_flash",)
+
+
+class StepKwargs:
+    """6. The names of the CB forward's keyword arguments, resolved once per release."""
+
+    input_ids = "input_ids"
+    position_ids = "position_ids"
+    cache = "cache"
+    cu_q = "cu_seq_lens_q"
+    cu_k = "cu_seq_lens_k"
+    max_q = "max_length_q"  # "max_seqlen_q" before 5.19
+    max_k = "max_length_k"  # "max_seqlen_k" before 5.19
+    read_index = "read_index"
+    write_index = "write_index"
+    block_table = "block_table"
+    logits_to_keep = "logits_to_keep"
+
+
+STEP_KWARGS = StepKwargs()
+
+
+@functools.lru_cache(maxsize=1)
+def _step_kwargs_problem() -> str | None:
+    from transformers.generation.continuous_batching import input_outputs
+
+    names = set(getattr(input_outputs.PagedAttentionArgs, "__annotations__", {}))
+    if "max_seqlen_q" in names:  # 5.17, 5.18
+        STEP_KWARGS.max_q, STEP_KWARGS.max_k = "max_seqlen_q", "max_seqlen_k"
+    wanted = ("input_ids", "position_ids", "cache", "cu_seq_lens_q", "cu_seq_lens_k",
+              STEP_KWARGS.max_q, STEP_KWARGS.max_k, "read_index", "write_index",
+              "block_table")  # fmt: skip
+    missing = [name for name in wanted if name not in names]
+    return f"PagedAttentionArgs lacks {missing}" if missing else None
+
+
+@functools.lru_cache(maxsize=1)
+def _update_takes_kwargs() -> bool | None:
+    """7. True: ``update(key, value, layer_idx, kwargs)``; False: ``(..., read_index,
+    write_index)``; None: neither."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    parameters = list(inspect.signature(PagedAttentionCache.update).parameters)[1:]
+    if parameters[:4] == ["key_states", "value_states", "layer_idx", "kwargs"]:
+        return True
+    if parameters[:5] == ["key_states", "value_states", "layer_idx", "read_index", "write_index"]:
+        return False
+    return None
+
+
+def cache_read_write(step: Any, key: torch.Tensor, value: torch.Tensor, layer: int,
+                     layer_type: str) -> tuple:  # fmt: skip
+    """7. Write one layer's new keys and values into transformers' paged cache and read back
+    every key row its sequences see.
+
+    ``key``/``value`` are ``[1, Hkv, n, D]`` (the step's real tokens); ``step`` holds the CB
+    forward's ``cache``, indices and key lengths. Returns ``(k, v, cu_k, max_k)`` with
+    ``k``/``v`` as ``[rows, Hkv, D]`` and the layer's cumulative key lengths (device, int32)
+    and longest key length (host int).
+    """
+    if step.update_takes_kwargs:
+        kwargs = {
+            "cu_seq_lens_k": step.cu_k,
+            STEP_KWARGS.max_k: step.max_k,
+            "read_index": step.read_index,
+            "write_index": step.write_index,
+        }
+        k, v = step.cache.update(key, value, layer, kwargs=kwargs)
+        return k[0].transpose(0, 1), v[0].transpose(0, 1), kwargs["cu_seq_lens_k"], kwargs[
+            STEP_KWARGS.max_k
+        ]
+    k, v = step.cache.update(key, value, layer, step.read_index, step.write_index)
+    cu_k, max_k = step.cu_k, step.max_k
+    if isinstance(cu_k, dict):
+        cu_k, max_k = cu_k[layer_type], max_k[layer_type]
+    return k, v, cu_k, max_k
+
+
+def manager_class() -> Any:
+    """8. ``ContinuousBatchingManager`` (whose ``switch_to_cb_friendly_attn`` is replaced for
+    enabled models)."""
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager,
+    )
+
+    return ContinuousBatchingManager
+
+
+def cached_manager(model: Any) -> Any:
+    """9. The persistent CB manager a model holds (``generate_batch(persistent_manager=True)``)."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
+
+
+def manager_cache(manager: Any) -> Any:
+    """10. The paged cache a manager's steps use, once its batch processor exists."""
+    return getattr(getattr(manager, "batch_processor", None), "cache", None)
+
+
+def _probe_continuous_batching() -> list[str]:
+    found = []
+    try:
+        from transformers import ContinuousBatchingConfig, GenerationMixin
+
+        for name in ("init_continuous_batching", "destroy_cached_continuous_batching_manager"):
+            if not callable(getattr(GenerationMixin, name, None)):
+                found.append(f"GenerationMixin.{name} is missing")
+        fields = vars(ContinuousBatchingConfig())
+        missing = [name for name in CB_CONFIG_FIELDS if name not in fields]
+        if missing:
+            found.append(f"ContinuousBatchingConfig has no {missing}")
+        problem = _step_kwargs_problem()
+        if problem:
+            found.append(problem)
+        if _update_takes_kwargs() is None:
+            found.append("PagedAttentionCache.update has an unknown signature")
+        manager = manager_class()
+        for name in ("switch_to_cb_friendly_attn", "is_running"):
+            if not callable(getattr(manager, name, None)):
+                found.append(f"ContinuousBatchingManager.{name} is missing")
+    except ImportError as exc:
+        found.append(f"continuous batching cannot be imported ({exc})")
+    return found
+
+
+_PROBES = {"prefill": _probe_prefill, "continuous_batching": _probe_continuous_batching}
+
+
+# -- the gate ---------------------------------------------------------------------------------
+@functools.cache
+def problems(feature: str) -> tuple[str, ...]:
+    """What the installed transformers lacks for ``feature`` (empty: supported).
+
+    Example::
+
+        >>> problems("prefill")
+        ()
+    """
+    if feature not in _PROBES:
+        raise ValueError(f"unknown feature {feature!r}; one of {FEATURES}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return ("transformers is not installed",)
+    return tuple(_PROBES[feature]())
+
+
+def supported(feature: str) -> bool:
+    """Whether the installed transformers has everything ``feature`` reads (the tests use this
+    to decide what to run)."""
+    return not problems(feature)
+
+
+def require(feature: str, who: str) -> None:
+    """Raise :class:`~.models.UnsupportedModelError` unless ``feature`` is supported, naming
+    the installed version, what is missing and the tested releases."""
+    found = problems(feature)
+    if found:
+        raise UnsupportedModelError(
+            f"{who}: transformers {_version()} is not supported for {feature.replace('_', ' ')}: "
+            f"{'; '.join(found)}. Tested releases: {', '.join(TESTED_VERSIONS)} (declared "
+            f"range >=5.17,<5.25); install one of them."
+        )
+
+
+def clear_probes() -> None:
+    """Forget the cached probe results (tests that swap a transformers name at run time)."""
+    for probe in (problems, _step_kwargs_problem, _update_takes_kwargs):
+        probe.cache_clear()
+
+
+def update_takes_kwargs() -> bool:
+    """7. Which ``PagedAttentionCache.update`` signature this release has (after
+    :func:`require`)."""
+    return bool(_update_takes_kwargs())
+
+
+def step_kwargs() -> StepKwargs:
+    """6. The CB forward's keyword names for this release (after :func:`require`)."""
+    _step_kwargs_problem()
+    return STEP_KWARGS

@@ -1,0 +1,150 @@
+"""Which models breakgraph serves, and how: the support policy of the transformers integration.
+
+One place for what both entry points (``PrefillRunner`` and ``enable_continuous_batching``)
+decide the same way: the supported model families and configurations
+(:func:`check_model`), the error they raise (:class:`UnsupportedModelError`), the attention
+kernel behind ``attention="auto"`` (:func:`resolve_attention`) and the default bucket
+ladders (:func:`default_token_buckets` for prefill, :func:`default_query_buckets` for the
+continuous-batching steps). Whether the *installed transformers* has what the code reads is
+decided by probes in :mod:`.compat`.
+
+Example::
+
+    >>> import torch
+    >>> from breakgraph.integrations.transformers.models import resolve_attention
+    >>> resolve_attention("auto", torch.float32, torch.device("cpu"), "PrefillRunner")
+    'reference'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import breakgraph
+from breakgraph.errors import InputError
+from breakgraph.ladder import default_token_buckets, geometric_buckets
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "check_model",
+    "resolve_attention",
+    "default_token_buckets",
+    "default_query_buckets",
+    "DEFAULT_MAX_BATCH_TOKENS",
+]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
+_STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
+
+#: Continuous batching: the query buckets grow by this factor from the first: 32, 128, 512,
+#: 2048. Coarse on purpose. The attention breaks run at the exact lengths, so padding costs
+#: only in the dense layers, and a CB step is either decode (a few tokens per request: the
+#: GEMMs read their weights whatever the row count) or a large prefill chunk (in the largest
+#: bucket).
+DEFAULT_BUCKET_FACTOR, DEFAULT_FIRST_BUCKET = 4, 32
+#: ``max_batch_tokens`` of a CB manager whose config leaves it unset (the largest bucket).
+DEFAULT_MAX_BATCH_TOKENS = 2048
+
+
+class UnsupportedModelError(breakgraph.BreakgraphError, ValueError):
+    """The model, its configuration or the installed transformers cannot be served correctly."""
+
+
+def default_query_buckets(query_buckets: Any, max_batch_tokens: int, who: str) -> tuple[int, ...]:
+    """The query-token buckets of continuous-batching steps: the given sizes (default: 32, 128,
+    512, ..., a factor of 4 apart) below ``max_batch_tokens``, which is always the last.
+
+    Sizes are validated like every bucket list (positive ints; no strings, floats or bools).
+
+    Example::
+
+        >>> default_query_buckets(None, 2048, "f"), default_query_buckets((8, 64), 256, "f")
+        ((32, 128, 512, 2048), (8, 64, 256))
+    """
+    from breakgraph.ladder import validate_buckets
+
+    if query_buckets is None:
+        sizes = geometric_buckets(DEFAULT_FIRST_BUCKET, DEFAULT_BUCKET_FACTOR, max_batch_tokens)
+    else:
+        sizes = validate_buckets(query_buckets, f"{who}: query_buckets")
+    return tuple(s for s in sizes if s < max_batch_tokens) + (max_batch_tokens,)
+
+
+def resolve_attention(attention: str, dtype: torch.dtype, device: torch.device, who: str,
+                      allowed: tuple = ("auto", "flash", "reference")) -> str:  # fmt: skip
+    """The attention kernel of an entry point: ``"flash"`` or ``"reference"`` (or, for
+    prefill, ``"captured"``).
+
+    ``"auto"`` is FlashAttention varlen (inside ATen; for one prefill prompt, HF's own causal
+    SDPA call) on CUDA in bf16/fp16, else the exact per-sequence reference.
+    """
+    from .attention import flash_available
+
+    if attention not in allowed:
+        choices = ", ".join(repr(a) for a in allowed)
+        raise InputError(f"{who}: attention must be one of {choices}, got {attention!r}.")
+    can_flash = flash_available(dtype, device)
+    if attention in ("flash", "captured") and not can_flash:
+        raise UnsupportedModelError(
+            f"{who}: attention={attention!r} needs the CUDA backend, bf16/fp16 weights and "
+            f"torch's FlashAttention varlen kernel; use attention='reference'."
+        )
+    if attention == "auto":
+        return "flash" if can_flash else "reference"
+    return attention
+
+
+def check_model(model: Any, who: str = "PrefillRunner") -> None:
+    """Reject models the graphs cannot serve correctly; ``who`` names the caller in messages.
+
+    Example::
+
+        >>> check_model(torch.nn.Linear(2, 2), "f")
+        Traceback (most recent call last):
+        breakgraph.integrations.transformers.models.UnsupportedModelError: f: model type None ...
+    """
+    from .compat import causal_lm_class_name
+
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{who}: model type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    if (
+        isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+        or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
+        or getattr(model, "_compiled_call_impl", None) is not None  # nn.Module.compile(), in place
+    ):
+        raise UnsupportedModelError(
+            f"{who}: the model is compiled with torch.compile; pass the uncompiled model "
+            "(breakgraph captures it itself)."
+        )
+    causal_lm = causal_lm_class_name(model_type)
+    if type(model).__name__ != causal_lm:
+        raise UnsupportedModelError(
+            f"{who}: {type(model).__name__} is not a causal LM (for {model_type!r} "
+            f"that is {causal_lm}); breakgraph returns next-token logits from the LM head. "
+            f"Load the model with AutoModelForCausalLM."
+        )
+    if model.training:
+        raise UnsupportedModelError(
+            f"{who}: the model is in training mode; call model.eval() first."
+        )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type not in _STATIC_ROPE_TYPES:
+        static = ", ".join(map(str, _STATIC_ROPE_TYPES[1:]))
+        raise UnsupportedModelError(
+            f"{who}: rope_type {rope_type!r} recomputes its frequencies from the live "
+            f"sequence length on the host; only static RoPE ({static}) can be captured."
+        )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise UnsupportedModelError(f"{who}: {name} is not supported.")
+    if len({p.device for p in model.parameters()}) != 1:
+        raise UnsupportedModelError(f"{who}: all parameters must be on one device.")
