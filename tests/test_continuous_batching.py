@@ -401,7 +401,7 @@ def test_two_threads_share_one_enabled_model():
             errors.append(exc)
 
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
-        threads = [threading.Thread(target=serve, args=(i, p)) for i, p in enumerate([first, second])]
+        threads = [threading.Thread(target=serve, args=job) for job in enumerate([first, second])]
         for thread in threads:
             thread.start()
         for thread in threads:
