@@ -248,8 +248,10 @@ def capture(
     default, during replays. ``detect_syncs=False`` turns off the check that names
     host synchronisations inside segments. ``debug=True`` (default:
     ``$BREAKGRAPH_DEBUG``) adds the checks of :mod:`breakgraph.debug` to every replay.
-    ``collect_garbage=False`` skips the ``gc.collect()`` (and, on CUDA, the cache
-    flush) before the capture: a runner capturing many graphs in a row does it once.
+    ``collect_garbage=False`` skips, on CUDA, the ``gc.collect()`` and cache flush before
+    the capture (they hand memory that dead Python cycles hold back to the device; the
+    emulated backend has none): a runner capturing many graphs in a row does it once. The
+    collector is disabled during the capture either way.
 
     Unlike ``torch.cuda.graph``, the capture pass computes real values: each
     segment is replayed once as soon as it is captured, so eager functions see real
@@ -344,8 +346,9 @@ class _Capture:
         self.watch = _debug.InputWatch() if options.debug else None
         self._gc_was_enabled = gc.isenabled()
         self._previous_context = state.context
-        if options.collect_garbage:
-            gc.collect()  # once, not once per segment: it dominated capture time in peers
+        # no collection inside the capture: finalizers would run their tensor operations (and
+        # CUDA frees or syncs) inside a segment. The one collection before it, which hands
+        # device memory held by dead cycles back (collect_garbage), is the CUDA backend's.
         gc.disable()
         try:
             observer = self.watch.observe if self.watch is not None else None

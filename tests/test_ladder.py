@@ -4,6 +4,8 @@ Behavioural tests run on both backends through the ``backend``/``device`` fixtur
 decision and bucket-list functions are pure.
 """
 
+import gc
+
 import pytest
 import torch
 
@@ -146,6 +148,12 @@ def test_a_failed_capture_registers_nothing(backend, device):
     assert ladder.buckets == (4, 16)
 
 
+def count_collections(monkeypatch) -> list:
+    collections, real_collect = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or real_collect(*a))
+    return collections
+
+
 def test_one_garbage_collection_per_capture_call(backend, device, monkeypatch):
     flags = []
     real_capture = ladder_module.capture
@@ -155,11 +163,33 @@ def test_one_garbage_collection_per_capture_call(backend, device, monkeypatch):
         return real_capture(*args, **kwargs)
 
     monkeypatch.setattr(ladder_module, "capture", spy)
+    collections = count_collections(monkeypatch)
     ladder, owner = make(backend, device)
     assert flags == [True, False, False]  # one per capture() call, not one per bucket
     owner.buffers[8] = torch.zeros(8, 3, device=device)
     ladder.capture((8,), owner.record, context=lambda size: size)
     assert flags == [True, False, False, True]
+    # what a collection protects is device memory held by dead cycles (handed back to the
+    # device before the graph's pool grows): only the CUDA backend has any
+    assert len(collections) == (2 if backend == "cuda" else 0)
+
+
+def test_a_capture_collects_only_where_it_frees_device_memory(capture, backend, monkeypatch):
+    collections = count_collections(monkeypatch)
+    enabled = []
+
+    @breakgraph.eager_on_graph
+    def watch(h):
+        enabled.append(gc.isenabled())
+        return h
+
+    x = torch.randn(4, device="cuda" if backend == "cuda" else "cpu")
+    with capture(breakgraph.BreakableCUDAGraph()):
+        watch(x * 2)
+    with capture(breakgraph.BreakableCUDAGraph(), collect_garbage=False):
+        watch(x * 2)
+    assert len(collections) == (1 if backend == "cuda" else 0)
+    assert enabled == [False, False] and gc.isenabled()  # off during every capture, then back
 
 
 def test_capture_of_nothing_new_does_nothing(backend, device):

@@ -39,7 +39,7 @@ class CaptureOptions:
     capture_error_mode: str = "global"
     detect_syncs: bool = True  # raise HostSyncError at the line of a host sync in a segment
     debug: bool = False  # input checks, break timers, NVTX (see breakgraph.debug)
-    collect_garbage: bool = True  # gc.collect() and empty the CUDA cache before capturing
+    collect_garbage: bool = True  # CUDA: gc.collect() and empty the cache before capturing
 
 
 class Segment(Protocol):

@@ -21,6 +21,7 @@ torch frees it, the memory stays in that pool, unused by anyone but cuBLAS scrat
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -65,8 +66,9 @@ class CudaSession:
                 f"breakgraph.capture: stream must be a torch.cuda.Stream, got {stream!r}"
             )
         torch.cuda.synchronize()
-        if options.collect_garbage:
-            torch.cuda.empty_cache()
+        if options.collect_garbage:  # as torch.cuda.graph with force_cudagraph_gc
+            gc.collect()  # device memory that dead Python cycles hold goes back to the cache,
+            torch.cuda.empty_cache()  # and from the cache to the device, for the graph's pool
         device = torch.cuda.current_device()
         if stream is None:
             stream = _capture_streams.get(device)
