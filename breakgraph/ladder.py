@@ -607,19 +607,22 @@ class GraphLadder:
         return self._backend.pool_bytes(self._pool) or 0
 
     # -- per call ----------------------------------------------------------------------------
-    def decide(self, size: int, fingerprint: int = 0) -> Decision:
+    def decide(
+        self, size: int, fingerprint: int = 0, what: str = "inputs", fix: str | None = None
+    ) -> Decision:
         """What a call of ``size`` does, decided on the agreed size.
 
         With ``ranks`` this is the call's one exchange: the largest size over the ranks,
         and ``fingerprint`` (:func:`breakgraph.distributed.fingerprint` of the call's
-        inputs) must be equal on every rank; else ``agree_size(size)`` if given. Cached per
-        agreed size outside capture windows.
+        inputs) must be equal on every rank (``what`` and ``fix`` word the error otherwise,
+        see :meth:`RankGroup.agree <breakgraph.distributed.RankGroup.agree>`); else
+        ``agree_size(size)`` if given. Cached per agreed size outside capture windows.
         """
         if self.closed:
             raise self._closed_error("decide")
         agreed = size
         if self.ranks is not None:
-            agreed = self.ranks.agree(size, fingerprint)
+            agreed = self.ranks.agree(size, fingerprint, what, fix)
         elif self.agree_size is not None:
             agreed = self.agree_size(size)
             if not isinstance(agreed, int) or agreed < size:
