@@ -534,6 +534,9 @@ def test_bad_runner_arguments():
         PrefillRunner(model, token_buckets=BUCKETS, attention="sdpa", backend="emulated")
     with pytest.raises(InputError, match="on_miss"):
         PrefillRunner(model, token_buckets=BUCKETS, on_miss="pad", backend="emulated", warmup=1)
+    for bad in ("16", (2.5,), (True, 16), (0, 16), ()):  # validated as every runner's buckets
+        with pytest.raises(InputError, match="PrefillRunner: token_buckets: bucket sizes must"):
+            PrefillRunner(model, token_buckets=bad, backend="emulated", warmup=1)
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -803,8 +806,12 @@ def test_bad_prefill_inputs_raise_input_errors(backend):
 
 
 def test_default_ladder_pads_at_most_7_tokens_below_256_and_an_eighth_above():
-    from breakgraph.integrations.transformers import default_token_buckets
+    from breakgraph.integrations.transformers import default_token_buckets, prefill
 
+    from breakgraph.ladder import default_token_buckets as in_the_core
+
+    # one implementation; the integration's public names re-export it
+    assert default_token_buckets is prefill.default_token_buckets is in_the_core
     ladder = default_token_buckets(4096)
     assert ladder[0] == 8 and ladder[-1] == 4096 and list(ladder) == sorted(set(ladder))
     for n in range(1, 4097):

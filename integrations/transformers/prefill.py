@@ -46,12 +46,13 @@ import breakgraph
 from breakgraph import distributed
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
+from breakgraph.ladder import Action, validate_buckets
 from breakgraph.memory import borrowed
 from breakgraph.runner import BucketedRunner, StaticInputs
 
 from . import attention as _attention
 from .experts import experts_as_breaks
-from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, default_token_buckets
 from .models import check_model as _check_model
 
 __all__ = [
@@ -61,44 +62,6 @@ __all__ = [
     "UnsupportedModelError",
     "default_token_buckets",
 ]
-
-
-def default_token_buckets(
-    max_tokens: int = 4096, step: int = 8, dense_until: int = 256
-) -> tuple[int, ...]:
-    """The default ladder: multiples of ``step`` up to ``dense_until``, then 8 buckets per doubling.
-
-    Padding waste is at most ``step - 1`` tokens up to ``dense_until`` (7 tokens below 256
-    by default, like vLLM's capture sizes) and under 12.5 % above it (each bucket is at
-    most 9/8 of the one before). The last bucket is ``max_tokens``. Why this dense: on an
-    H200 a Llama-1B prefill of 200 tokens took 3.80 ms as an exact-length graph, 3.93 ms in
-    breakgraph's bucket 200 and 4.11 ms in bucket 208 (some GEMM shapes are slower than
-    larger ones; ``PrefillRunner(tune_buckets=True)`` routes around those), and each extra
-    bucket costs well under 0.1 s of capture and almost no memory (one shared pool).
-
-    Example::
-
-        >>> from breakgraph.integrations.transformers import default_token_buckets
-        >>> default_token_buckets(512)[:4], default_token_buckets(512)[-3:]
-        ((8, 16, 24, 32), (448, 480, 512))
-        >>> len(default_token_buckets(4096))
-        64
-    """
-    if max_tokens < 1 or step < 1 or dense_until < 1:
-        raise InputError(
-            "default_token_buckets: max_tokens, step and dense_until must be positive."
-        )
-    sizes, size = [], step
-    while size < max_tokens:
-        sizes.append(size)
-        # past dense_until: 1/8 of the octave [2^k, 2^(k+1)) the size is in
-        size += step if size < dense_until else max(step, _octave(size) // 8)
-    sizes.append(max_tokens)
-    return tuple(sizes)
-
-
-def _octave(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
 
 
 class PrefillOutput:
@@ -343,14 +306,8 @@ class PrefillRunner:
         limit = getattr(model.config, "max_position_embeddings", None)
         if token_buckets is None:
             token_buckets = default_token_buckets(min(4096, limit or 4096))
-        token_buckets = tuple(token_buckets)
-        if not token_buckets or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in token_buckets
-        ):
-            raise InputError(
-                f"PrefillRunner: token_buckets must be positive ints, got {token_buckets!r}."
-            )
-        longest = max(token_buckets)
+        token_buckets = validate_buckets(token_buckets, "PrefillRunner: token_buckets")
+        longest = token_buckets[-1]
         if limit is not None and longest > limit:
             raise UnsupportedModelError(
                 f"PrefillRunner: bucket {longest} exceeds max_position_embeddings={limit}."
@@ -472,7 +429,8 @@ class PrefillRunner:
 
     @property
     def stats(self):
-        """Counters of the underlying :class:`~breakgraph.runner.BucketedRunner`."""
+        """The counters (:class:`~breakgraph.ladder.LadderStats`) of the graph ladder under the
+        :class:`~breakgraph.runner.BucketedRunner` this runner composes."""
         return self._runner.stats
 
     def graph(self, bucket: int) -> breakgraph.BreakableCUDAGraph:
@@ -510,7 +468,7 @@ class PrefillRunner:
                 lengths, *(prompts if self._check_ids else ())
             )
         decision = self._runner.decide(total, same_on_all_ranks)
-        if decision.action == "raise":
+        if decision.action is Action.RAISE:
             raise InputError(
                 f"PrefillRunner.prefill: {total} tokens exceed the largest token bucket "
                 f"{self.buckets[-1]}; build the runner with larger token_buckets, split the "
@@ -518,7 +476,7 @@ class PrefillRunner:
             )
         self._step += 1  # outputs of earlier prefills are invalid from here on, even on failure
         n = len(lengths)
-        if decision.action == "eager":
+        if decision.action is Action.EAGER:
             logits, bounds = self._prefill_eagerly(prompts, lengths, staged, decision.reason)
             bucket = None
         else:
