@@ -5,16 +5,18 @@ segment code (elementwise ops, reductions, views, in-place ops on inputs, views 
 fresh tensors, in-place metadata ops, ``out=`` ops, matmuls, ``break_graph()``) and
 calls to generated ``@breakgraph.eager_on_graph`` functions of many kinds (new
 tensors, their argument, views of it, nested containers, in-place mutation, host work
-with ``.item()`` and boolean masks, ``replay_context()``, ``capture_stub``s). It is
-emitted as readable Python source and that very source is what runs, so a failure
-prints a program that reproduces it.
+with ``.item()`` and boolean masks, ``replay_context()``, ``capture_stub``s, long-lived
+tensors, outputs that share memory). It is emitted as readable Python source and that
+very source is what runs, so a failure prints a program that reproduces it.
 
 The oracle (:func:`run_program`): capture the program once, then for several replays
 copy FRESH random inputs into the static ones, replay, run the same program eagerly
 on copies of the same inputs and compare every output and every input (inputs may be
-mutated). A program must match eager on every replay; programs of the families in
-:data:`MAY_RAISE` may instead raise the named breakgraph error (the contract the
-core may choose for them), never return a wrong value.
+mutated), and the program's long-lived tensors (``PERSISTENT``: the user's memory, which
+a replay must leave as the eager run does, and a failed replay must not write). A
+program must match eager on every replay; programs of the families in :data:`MAY_RAISE`
+may instead raise the named breakgraph error (the contract the core may choose for
+them, from a break of such a family), never return a wrong value.
 
 Only programs whose graph semantics are well defined are generated: no host sync
 inside a segment, no randomness, no read of uninitialised memory, no in-place write
@@ -104,6 +106,16 @@ FAMILIES: dict[str, str] = {
     "break_returns_cycle": "a break returning an object that refers to itself (issue 11 item 11)",
     "break_check_values_false": "check_values=False with an informational Python value that "
     "changes per replay",
+    "break_returns_persistent": "a break returning a long-lived tensor (an adapter it reads, a "
+    "global buffer it writes into), or a view of it: the same one on every call",
+    "break_returns_persistent_by_context": "a break returning the long-lived tensor that "
+    "replay_context() chooses (multi-adapter; issue 22 item 1)",
+    "break_returns_aliased_outputs": "a break returning outputs that share memory, (y, y) or "
+    "(y, y[1:]), on every call",
+    "break_aliased_then_independent": "a break returning outputs that share memory at capture "
+    "and independent ones on replay (issue 22 item 2)",
+    "break_independent_then_aliased": "a break returning independent outputs at capture and "
+    "outputs that share memory on replay",
     "caught_break_exception": "a break raising an exception that the program catches inside "
     "the capture (issue 11 item 9)",
     "break_raises_in_inference_mode": "a break that raises (or is refused) at capture inside a "
@@ -127,6 +139,8 @@ MAY_RAISE: dict[str, type[BaseException]] = {
     "break_returns_slots_object": breakgraph.CopyBackError,
     "break_returns_cycle": breakgraph.BreakgraphError,
     "caught_break_exception": breakgraph.CaptureError,
+    "break_returns_persistent_by_context": breakgraph.CopyBackError,
+    "break_aliased_then_independent": breakgraph.CopyBackError,
 }
 
 #: Ways a break can change its output on replay; each must raise CopyBackError naming it.
@@ -383,6 +397,38 @@ NEW_IN_BREAK = (
     "a.clone()",
     "a.abs() + 0.25",
 )
+
+
+ALIASED_KINDS = (
+    "break_returns_aliased_outputs",
+    "break_aliased_then_independent",
+    "break_independent_then_aliased",
+)
+#: The long-lived tensors of a program (module level): adapters and global buffers by key.
+PERSISTENT_HELPER = [
+    "PERSISTENT = {}  # long-lived tensors by key: adapters, global buffers",
+    "",
+    "",
+    "def persistent(key, like):",
+    '    """The long-lived tensor ``key``, shaped like ``like``: made once, then the same one."""',
+    "    if key not in PERSISTENT:",
+    "        with torch.inference_mode(False):  # a normal tensor, whatever mode calls first",
+    "            generator = torch.Generator().manual_seed(key)",
+    "            made = torch.randn(like.shape, generator=generator)",
+    "            PERSISTENT[key] = made.to(like.device, like.dtype)",
+    "    return PERSISTENT[key]",
+]
+
+
+def _returned(structure: str, exprs: list[str]) -> str:
+    """The return expression of ``exprs`` in a single/tuple/list/dict structure."""
+    if structure == "single":
+        return exprs[0]
+    if structure == "tuple":
+        return "(" + "".join(e + ", " for e in exprs) + ")"
+    if structure == "list":
+        return "[" + ", ".join(exprs) + "]"
+    return "{" + ", ".join(f'"k{i}": {e}' for i, e in enumerate(exprs)) + "}"
 
 
 class _Generator:
@@ -841,6 +887,11 @@ class _Generator:
             "break_returns_new_then_argument": 0.5,
             "break_returns_expanded_view": 0.3,
             "caught_break_exception": 0.2,
+            "break_returns_persistent": 0.3,
+            "break_returns_persistent_by_context": 0.3,
+            "break_returns_aliased_outputs": 0.25,
+            "break_aliased_then_independent": 0.2,
+            "break_independent_then_aliased": 0.2,
         }
         return {k: w * self.boost(k) for k, w in kinds.items() if self.allowed(k)}
 
@@ -949,6 +1000,10 @@ class _Generator:
         rng = self.rng
         if kind == "caught_break_exception":
             return self.caught_break()
+        if kind in ("break_returns_persistent", "break_returns_persistent_by_context"):
+            return self.persistent_break(kind)
+        if kind in ALIASED_KINDS:
+            return self.aliased_break(kind)
         mutates = kind == "break_mutates_argument"
         a, b = self.pick_args(need_writable=mutates)
         if a is None:
@@ -1186,6 +1241,101 @@ class _Generator:
         self.breaks.append(definition)
         return self.call_break(definition, a, b, frozenset(families))
 
+    def persistent_break(self, kind: str) -> list[Stmt] | None:
+        """A break returning a long-lived tensor: an adapter it only reads, or a global buffer
+        it writes into, or a view of either; maybe next to a new tensor. The same one on every
+        call, or (``..._by_context``) the one ``replay_context()`` picks: a replay that picks
+        another than the capture may raise CopyBackError, and must then have written nothing
+        into any long-lived tensor (the oracle checks ``PERSISTENT``)."""
+        rng = self.rng
+        a = self.pick(self.tensors())
+        if a is None:
+            return None
+        name = self.new_name("brk")
+        families, needs, prelude, body = {kind}, ["persistent"], [], []
+        self.definitions["persistent"] = (PERSISTENT_HELPER, ())
+        key = 2 * self.counter  # unique: the context adds 0 or 1
+        chosen = str(key)
+        if kind == "break_returns_persistent_by_context":
+            chosen = f'{key} + int(breakgraph.replay_context()["scale"] * 4) % 2'
+        if rng.random() < 0.5:  # a global buffer, written by the function
+            expr = self.new_expr(a.shape, False, prelude, families, needs)
+            body += [f"buf = persistent({chosen}, a)", f"buf.copy_({expr})  # a global buffer"]
+            target = "buf"
+        else:  # an adapter, only read
+            target = f"persistent({chosen}, a)"
+        leaf = _Leaf("persistent", target, a.shape)
+        like = _Var("w", a.shape, "w", True, "op")  # persistent tensors are contiguous
+        options = [o for o in self.view_options(like, in_break=True) if ".expand(" not in o[0]]
+        if options and rng.random() < 0.4:
+            expr, shape, _, _ = rng.choice(options)
+            leaf = _Leaf("persistent", expr.format(a=target), shape)
+        leaves = [leaf]
+        structure = "single"
+        if rng.random() < 0.4:
+            structure = rng.choice(("tuple", "dict"))
+            fresh = self.new_expr(a.shape, False, prelude, families, needs)
+            leaves.insert(rng.randrange(2), _Leaf("new", fresh, a.shape))
+        returned = _returned(structure, [leaf.expr for leaf in leaves])
+        self.definitions[name] = (
+            ["@breakgraph.eager_on_graph", f"def {name}(a):"]
+            + ["    " + line for line in prelude + body + [f"return {returned}"]],
+            tuple(needs),
+        )
+        definition = _BreakDef(
+            name, a.shape, None, False, structure, leaves, False, frozenset(families), (name,),
+            reusable=False,
+        )  # fmt: skip
+        return self.call_break(definition, a, None, frozenset(families))
+
+    def aliased_break(self, kind: str) -> list[Stmt] | None:
+        """A break returning two outputs over one new tensor ``y``: ``(y, y)``, ``(y, view)``,
+        ``(view, y)`` or ``(view, view)``; on every call, at capture only (may raise
+        CopyBackError, never a wrong value) or on replay only. The independent form gives the
+        second output other values, so a copy into shared memory cannot pass unnoticed."""
+        rng = self.rng
+        a = self.pick(self.tensors(min_dim=1))
+        if a is None:
+            return None
+        name = self.new_name("brk")
+        families, needs, prelude = {kind}, [], []
+        prelude.append(f"y = {self.new_expr(a.shape, False, prelude, families, needs)}")
+        y = _Var("y", a.shape, "y", False, "op")
+        views = [o for o in self.view_options(y, in_break=True) if ".expand(" not in o[0]]
+        view, view_shape, _, _ = rng.choice(views)
+        forms = [("{a}", a.shape), (view, view_shape)]
+        (first, first_shape), (second, second_shape) = rng.choice(forms), rng.choice(forms)
+        structure = rng.choice(("tuple", "list", "dict"))
+        aliased = _returned(structure, [first.format(a="y"), second.format(a="y")])
+        independent = _returned(
+            structure, [first.format(a="y"), second.format(a="(y * 2.0 + 1.0)")]
+        )
+        if kind == "break_returns_aliased_outputs":
+            body = [f"return {aliased}  # outputs that share memory"]
+        else:
+            at_capture, on_replay = (aliased, independent)
+            if kind == "break_independent_then_aliased":
+                at_capture, on_replay = independent, aliased
+            body = [
+                'if breakgraph.replay_context()["phase"] == "capture":',
+                f"    return {at_capture}",
+                f"return {on_replay}",
+            ]
+        self.definitions[name] = (
+            ["@breakgraph.eager_on_graph", f"def {name}(a):"]
+            + ["    " + line for line in prelude + body],
+            tuple(needs),
+        )
+        leaves = [
+            _Leaf("aliased", first.format(a="y"), first_shape),
+            _Leaf("aliased", second.format(a="y"), second_shape),
+        ]
+        definition = _BreakDef(
+            name, a.shape, None, False, structure, leaves, False, frozenset(families), (name,),
+            reusable=False,
+        )  # fmt: skip
+        return self.call_break(definition, a, None, frozenset(families))
+
     def caught_break(self) -> list[Stmt] | None:
         """A break that raises, caught by the program: eager takes the ``except`` branch."""
         a = self.pick(self.tensors())
@@ -1278,6 +1428,11 @@ class _Generator:
             var = _Var(name, leaf.shape, a.root, False, "break", a.writable and leaf.view_writable)
         elif leaf.kind == "expanded":
             var = _Var(name, leaf.shape, name, False, "break", False)
+        elif leaf.kind in ("persistent", "aliased"):
+            # long-lived memory (the user's), or memory shared with another output (perhaps on
+            # one side of capture/replay only): read-only from here
+            var = _Var(name, leaf.shape, name, False, "break", False)
+            self.readonly_roots.add(name)
         elif leaf.kind == "alias_switch":
             # aliases its argument on one side of capture/replay only: writes after it would be
             # defined differently by eager and by any graph, so both stay read-only from here
@@ -1467,6 +1622,20 @@ def _allowed_errors(program: Program) -> tuple[type[BaseException], ...]:
     return tuple(MAY_RAISE[f] for f in program.families if f in MAY_RAISE)
 
 
+def _is_allowed(program: Program, error: BaseException) -> bool:
+    """An error of a :data:`MAY_RAISE` family; one that names its eager function (as
+    CopyBackError does) must name a break of such a family, so that another break's false
+    alarm cannot hide behind it."""
+    allowed = _allowed_errors(program)
+    if not (allowed and isinstance(error, allowed)):
+        return False
+    function = getattr(error, "function", None)
+    if function is None:
+        return True
+    families = set().union(*(s.families for s in program.body if function in s.needs))
+    return any(isinstance(error, MAY_RAISE[f]) for f in families if f in MAY_RAISE)
+
+
 def run_program(
     program: Program,
     backend: str = "emulated",
@@ -1499,7 +1668,7 @@ def _run_program(program: Program, backend: str, replays: int, dtype: torch.dtyp
                     fn(*[s.clone() for s in static])
     except Exception as exc:  # noqa: BLE001
         return Outcome("invalid", f"the program fails when run eagerly: {exc!r}", exc)
-    allowed = _allowed_errors(program)
+    persistent = fn.__globals__.get("PERSISTENT", {})  # the program's long-lived tensors
     graph = breakgraph.BreakableCUDAGraph()
     stage = "capture"
     try:
@@ -1517,14 +1686,29 @@ def _run_program(program: Program, backend: str, replays: int, dtype: torch.dtyp
                 if program.replay_autocast
                 else contextlib.nullcontext()
             )
-            with autocast:
-                graph.replay(context=context)
+            before = _snapshot(persistent)
+            failure = None
+            try:
+                with autocast:
+                    graph.replay(context=context)
+            except Exception as exc:  # noqa: BLE001 (judged after the eager run, below)
+                failure = exc
+            # before the eager run, which may write the same long-lived tensors
+            got = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
+            after_replay = _snapshot(persistent)
+            for key, value in before.items():  # eager runs from where the replay started
+                persistent[key].copy_(value)
             expected_inputs = [f.clone() for f in fresh]
             with _eager_mode(program.mode), breakgraph.context_scope(context):
                 expected = fn(*expected_inputs)
+            problem = _user_memory_problem(before, after_replay, persistent, failure, tol)
+            if problem is not None:
+                return Outcome("mismatch", f"{stage}: {problem}", failure)
+            if failure is not None:
+                raise failure
             pairs = [
                 (f"output[{i}] ({n})", g, e)
-                for i, (n, g, e) in enumerate(zip(program.outputs, outputs, expected))
+                for i, (n, g, e) in enumerate(zip(program.outputs, got, expected))
             ]
             pairs += [
                 (f"input x{i}", s, e) for i, (s, e) in enumerate(zip(static, expected_inputs))
@@ -1535,7 +1719,7 @@ def _run_program(program: Program, backend: str, replays: int, dtype: torch.dtyp
                 except AssertionError as exc:
                     return Outcome("mismatch", f"{stage}: {what} differs from eager: {exc}")
     except Exception as exc:  # noqa: BLE001
-        if allowed and isinstance(exc, allowed):
+        if _is_allowed(program, exc):
             outcome = Outcome("allowed-error", f"{stage}: {type(exc).__name__}: {exc}", exc)
         else:
             detail = f"{stage}: {type(exc).__name__}: {exc}"
@@ -1545,6 +1729,36 @@ def _run_program(program: Program, backend: str, replays: int, dtype: torch.dtyp
     finally:
         graph.reset()
     return outcome
+
+
+def _snapshot(persistent: dict) -> dict:
+    return {key: value.clone() for key, value in persistent.items()}
+
+
+def _user_memory_problem(
+    before: dict, after_replay: dict, after_eager: dict, failure: BaseException | None, tol: dict
+) -> str | None:
+    """Long-lived tensors (the user's memory) after a replay must hold what the eager run
+    leaves in them; after a failed replay (stopped part-way), what they held before or that."""
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        try:
+            torch.testing.assert_close(a, b, equal_nan=True, **tol)
+        except AssertionError:
+            return False
+        return True
+
+    for key, value in after_replay.items():
+        if close(value, after_eager[key]):
+            continue
+        if failure is not None and key in before and close(value, before[key]):
+            continue
+        how = f"a failed replay ({type(failure).__name__})" if failure is not None else "the replay"
+        return (
+            f"{how} wrote into the long-lived tensor PERSISTENT[{key}] (user memory): it holds "
+            f"neither its earlier values nor what the eager run leaves in it"
+        )
+    return None
 
 
 def _left_behind(outcome: Outcome) -> Outcome:

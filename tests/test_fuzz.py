@@ -231,3 +231,38 @@ def test_the_oracle_catches_wrong_replays():
         body=program.body + [fp.Stmt(["synced = x0 * float(x0.sum())"])], outputs=["synced"]
     )
     assert fp.run_program(synced).kind == "error:HostSyncError"
+
+
+@pytest.mark.parametrize(
+    "family, disable",
+    [
+        ("break_returns_persistent_by_context", "call_and_classify"),
+        ("break_aliased_then_independent", "_overlap_groups"),
+    ],
+)
+def test_the_oracle_catches_writes_into_user_memory_and_shared_outputs(
+    family, disable, monkeypatch
+):
+    """With issue 22's checks switched off (copy-back as before: into any returned tensor, one
+    leaf at a time), focused programs of these families fail: a replay that picks another
+    adapter writes into the one captured (only the PERSISTENT check sees it: the outputs still
+    match), and outputs shared at capture get the last copy. The families are not idle."""
+    import breakgraph.copyback
+    import breakgraph.graph
+
+    if disable == "call_and_classify":
+        monkeypatch.setattr(
+            breakgraph.graph,
+            "call_and_classify",
+            lambda function, args, kwargs: (function(*args, **kwargs), frozenset()),
+        )
+    else:
+        monkeypatch.setattr(breakgraph.copyback, "_overlap_groups", lambda *args: [])
+    for seed in range(STILL_BROKEN_SEEDS):
+        outcome = fp.run_program(fp.generate(seed, gated("emulated"), family))
+        if outcome.kind == "mismatch":
+            break
+    else:
+        pytest.fail(f"no {family} program failed with {disable} disabled")
+    if family == "break_returns_persistent_by_context":
+        assert "wrote into the long-lived tensor" in outcome.detail
