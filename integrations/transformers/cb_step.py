@@ -55,6 +55,11 @@ __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_
 CB_ATTENTION_KEY = "breakgraph_paged"
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
+_STEPS = (  # what the ranks must agree on for each step, and how to fix a mismatch
+    "continuous-batching steps",
+    "run the same transformers version and options on every rank; transformers schedules the "
+    "requests of TP rank 0 on all ranks",
+)
 
 
 class CBStep:
@@ -301,7 +306,7 @@ class StepRunner:
                 self.tokens.record_eager("graphs off (use_cuda_graph=False)")
                 logits = self._eager(ids, positions, keep, n)
             else:
-                decision = self.tokens.decide(n, self._fingerprint(n, rows, ids))
+                decision = self.tokens.decide(n, self._fingerprint(n, rows, ids), *_STEPS)
                 if decision.action is Action.REPLAY:
                     logits = self._replay(decision.bucket, ids, positions, keep, n, rows)
                 else:

@@ -275,13 +275,15 @@ class ContinuousBatchingHandle:
             planned = self.runner.buckets
             default = planned[-1] if planned else self._default_max_batch_tokens()
             config.max_batch_tokens = config.max_batch_tokens or default
-            if self.ranks is not None:  # every rank enables the same way, or all raise
-                self.ranks.agree(
-                    0,
-                    distributed.fingerprint(repr((config.max_batch_tokens, use_graphs))),
-                    "continuous-batching settings",
-                    "pass the same ContinuousBatchingConfig on every rank",
-                )
+        if self.ranks is not None:  # every rank serves the same way, or all raise
+            settings = (use_graphs, config.max_batch_tokens, config.use_async_batching)
+            self.ranks.agree(
+                0,
+                distributed.fingerprint(repr(settings)),
+                "continuous-batching settings",
+                "pass the same ContinuousBatchingConfig and GenerationConfig on every rank",
+            )
+        if use_graphs:
             self.runner.plan(config.max_batch_tokens)  # capture before serving
         return config
 
