@@ -33,6 +33,13 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
  10. I ``manager.batch_processor.cache`` (which paged cache a manager steps with; read only
      for managers whose graphs are off).
 
+serve (the ``transformers serve`` launcher, :mod:`.serve`)
+ 11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: ``_load_model``
+     enables breakgraph on the model it loads) and ``transformers.cli.serving.utils.
+     GenerationState`` (subclassed: remembered, to stop its CB worker at exit), both replaced
+     in their modules for the server's life; P the CLI ``app`` (``transformers.cli.transformers``)
+     and its dependency ``requests``.
+
 Tested: transformers 5.17.0, 5.19.0, 5.21.1 and 5.24.0 (CI runs 5.17.0 and 5.24.0).
 
 Example::
@@ -66,7 +73,7 @@ __all__ = [
 
 #: The releases the test suite runs on (the declared range is 5.17 to the newest of these).
 TESTED_VERSIONS = ("5.17.0", "5.19.0", "5.21.1", "5.24.0")
-FEATURES = ("prefill", "continuous_batching")
+FEATURES = ("prefill", "continuous_batching", "serve")
 
 
 def _version() -> str:
@@ -268,7 +275,36 @@ def _probe_continuous_batching() -> list[str]:
     return found
 
 
-_PROBES = {"prefill": _probe_prefill, "continuous_batching": _probe_continuous_batching}
+def serving() -> tuple:
+    """11. ``(model_manager module, utils module, CLI app)`` of ``transformers serve``."""
+    from transformers.cli.serving import model_manager, utils
+    from transformers.cli.transformers import app
+
+    return model_manager, utils, app
+
+
+def _probe_serve() -> list[str]:
+    found = list(_probe_continuous_batching())
+    try:
+        from transformers.utils.import_utils import is_serve_available
+
+        if not is_serve_available():
+            return [*found, "transformers' serving extras (fastapi, uvicorn, openai) are missing"]
+        manager_module, state_module, _ = serving()
+        if not callable(getattr(manager_module.ModelManager, "_load_model", None)):
+            found.append("ModelManager._load_model is missing")
+        if not isinstance(getattr(state_module, "GenerationState", None), type):
+            found.append("transformers.cli.serving.utils.GenerationState is missing")
+    except ImportError as exc:  # requests: imported by the CLI, not installed by [serving]
+        found.append(f"transformers' CLI cannot be imported ({exc})")
+    return found
+
+
+_PROBES = {
+    "prefill": _probe_prefill,
+    "continuous_batching": _probe_continuous_batching,
+    "serve": _probe_serve,
+}
 
 
 # -- the gate ---------------------------------------------------------------------------------

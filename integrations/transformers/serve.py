@@ -18,9 +18,14 @@ itself. The launcher therefore swaps, for the duration of the server and no long
 two classes the server builds by name: ``ModelManager`` (loads the models) for a
 subclass that enables the integration right after loading, and ``GenerationState``
 for a subclass that is remembered, so that its CB worker thread is stopped when the
-server stops (transformers 5.17's own ``serve --continuous-batching`` leaves it
-running and never exits on Ctrl+C). The model must be given (``MODEL``): a pinned
-model is never unloaded, so the integration lives exactly as long as the server.
+server stops (transformers' own ``serve --continuous-batching`` leaves it running and
+never exits on Ctrl+C). Both replacements go through :class:`breakgraph.patches.PatchSet`
+and are listed, with the probe that guards them, in :mod:`.compat` ("serve"). The model
+must be given (``MODEL``): a pinned model is never unloaded, so the integration lives
+exactly as long as the server.
+
+Install: ``pip install "breakgraph[serve]"`` (transformers' serving extras, and
+``requests``, which transformers' CLI imports but its ``serving`` extra does not install).
 """
 
 from __future__ import annotations
@@ -51,12 +56,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ours, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    from transformers.utils.import_utils import is_serve_available
+    from . import compat
 
-    if not is_serve_available():
+    missing = compat.problems("serve")
+    if missing:
         print(
-            "transformers serve needs its serving extras (fastapi, uvicorn, pydantic, openai): "
-            "pip install 'transformers[serving]'",
+            f"python -m breakgraph.integrations.transformers.serve: {'; '.join(missing)}. "
+            f'Install the serving extras: pip install "breakgraph[serve]"',
             file=sys.stderr,
         )
         return 2
@@ -71,14 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     if ours.query_buckets:
         buckets = tuple(int(b) for b in ours.query_buckets.split(","))
 
-    from transformers.cli.serving import model_manager as manager_module
-    from transformers.cli.serving import utils as serving_utils
-    from transformers.cli.transformers import app
+    from breakgraph.patches import PatchSet
 
     from .continuous_batching import enable_continuous_batching
 
     handles, states = [], []
-    original_manager, original_state = manager_module.ModelManager, serving_utils.GenerationState
+    manager_module, state_module, app = compat.serving()
+    original_manager, original_state = manager_module.ModelManager, state_module.GenerationState
 
     class BreakgraphModelManager(original_manager):
         """transformers' ModelManager, enabling breakgraph CB on every model it loads."""
@@ -103,21 +108,21 @@ def main(argv: list[str] | None = None) -> int:
 
     class StoppableGenerationState(original_state):
         """transformers' GenerationState, remembered so its CB worker can be stopped at exit
-        (transformers 5.17's server leaves it running: the process never exits on Ctrl+C)."""
+        (transformers' server leaves it running: the process never exits on Ctrl+C)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             states.append(self)
 
-    manager_module.ModelManager = BreakgraphModelManager
-    serving_utils.GenerationState = StoppableGenerationState
+    patches = PatchSet()
+    patches.attribute(manager_module, "ModelManager", BreakgraphModelManager)
+    patches.attribute(state_module, "GenerationState", StoppableGenerationState)
     try:
         app.main(args=["serve", *rest], prog_name="transformers", standalone_mode=False)
     except click.exceptions.Abort:
         pass  # Ctrl+C: uvicorn has shut the server down
     finally:
-        manager_module.ModelManager = original_manager
-        serving_utils.GenerationState = original_state
+        patches.restore()
         for state in states:
             state.shutdown()  # stop the CB worker thread
         for handle in handles:
