@@ -22,6 +22,28 @@ def pytest_configure(config):
         plugin.pytest_configure(config)
 
 
+#: Test modules that exercise transformers (directly or through breakgraph's integration): CI
+#: runs every test marked ``transformers`` on the newest tested release too (``.ci/run``).
+TRANSFORMERS_MODULES = {
+    "test_transformers",
+    "test_continuous_batching",
+    "test_tensor_parallel",
+    "test_bench_tp",
+    "test_examples",
+    "test_fuzz_prefill",
+    "test_prefill_benchmark_smoke",
+    "test_doctests",
+    "test_bench_prefill",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.rsplit(".", 1)[-1] in TRANSFORMERS_MODULES:
+            item.add_marker(pytest.mark.transformers)
+
+
 BACKENDS = [
     pytest.param("emulated", id="emulated"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.requires_cuda),
