@@ -106,26 +106,29 @@ def call_and_classify(function: Callable, args: tuple, kwargs: dict) -> tuple[An
 def _held_elsewhere(output: Any) -> frozenset:
     census = _Census(output)
     # measured first, while only census.nodes holds the nodes (and the two callers' names
-    # hold the root), against a probe tensor held the same way
+    # hold the root), against two probe tensors held the same way: one alone, one that a
+    # view holds from C++ (torch versions differ in what that adds to Python's count)
     references = [sys.getrefcount(node) for node in census.nodes]
     census.inner[id(output)] += 2  # call_and_classify's `output` and this function's argument
-    probe = census.nodes[-1]
-    baseline, base_uses, base_storage = references[-1], probe._use_count(), _holders(probe)
-    del probe
+    nodes, (held_probe, probe) = census.nodes[:-2], census.nodes[-2:]
+    baseline, base_uses, base_storage = references[-1], _uses(probe), _holders(probe)
+    kept_alive = references[-2] - baseline  # what a C++ holder adds to the Python count
+    del held_probe, probe
     outside = set()  # ids of nodes that something outside the output holds
     tensors = collections.Counter()  # storage -> tensor nodes over it
-    for node, count in zip(census.nodes[:-1], references):
+    for node, count in zip(nodes, references):
         extra = count - baseline - census.inner[id(node)]
         if isinstance(node, torch.Tensor):
-            uses = node._use_count() - base_uses  # C++ holders: views' bases, autograd, ...
-            extra -= uses > 0  # torch keeps the Python object alive while C++ holds the tensor
+            uses = _uses(node) - base_uses  # C++ holders: views' bases, autograd, ...
+            if uses > 0 or census.viewers[id(node)]:
+                extra -= kept_alive
             if uses > census.viewers[id(node)]:
                 outside.add(id(node))
             tensors[_storage_key(node)] += 1
         if extra > 0:
             outside.add(id(node))
     held = set()
-    for node in census.nodes[:-1]:
+    for node in nodes:
         if not isinstance(node, torch.Tensor):
             continue
         key = _storage_key(node)
@@ -140,6 +143,13 @@ def _held_elsewhere(output: Any) -> frozenset:
         ):
             held.add(key)
     return frozenset(held)
+
+
+def _uses(tensor: torch.Tensor) -> int:
+    """How many hold the tensor itself (its Python object and C++: views, autograd); 0 on
+    torch versions without ``Tensor._use_count`` (the storage count still sees views)."""
+    use_count = getattr(tensor, "_use_count", None)
+    return use_count() if use_count is not None else 0
 
 
 def _holders(tensor: torch.Tensor) -> tuple[int, int]:
@@ -166,7 +176,10 @@ class _Census:
             if base is not None:  # a view holds its base
                 self.viewers[id(base)] += 1
                 self._add(base)
-        self.nodes.append(torch.empty(1, device="cpu"))
+        with torch.inference_mode(False):  # views of inference tensors hold no base
+            held_probe = torch.empty(2, device="cpu")
+            self._probe_view = held_probe[:1]  # holds held_probe from C++
+        self.nodes += [held_probe, torch.empty(1, device="cpu")]
 
     def _add(self, node: Any) -> bool:
         if id(node) in self.seen:
