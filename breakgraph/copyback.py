@@ -160,8 +160,8 @@ def _holders(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 class _Census:
-    """Every container and tensor of an output once (then the bases of its views, then a
-    probe), the references between them, and the containers above each tensor."""
+    """Every container and tensor of an output once (then the bases of its views, then two
+    probe tensors), the references between them, and the containers above each tensor."""
 
     def __init__(self, output: Any):
         self.nodes: list = []
@@ -259,9 +259,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a_start, a_end), (b_start, b_end) = _span(a), _span(b)
     if a_end <= b_start or b_end <= a_start:
         return False
-    if a.element_size() != b.element_size() or a.numel() + b.numel() > _EXACT_OVERLAP_LIMIT:
-        return True
     length = max(a_end, b_end) // a.element_size()
+    if (
+        a.element_size() != b.element_size()
+        or a.numel() + b.numel() > _EXACT_OVERLAP_LIMIT
+        or length > 16 * _EXACT_OVERLAP_LIMIT
+    ):
+        return True
     index = torch.arange(length, device="cpu")
     marks = torch.zeros(length, dtype=torch.bool, device="cpu")
     marks[index.as_strided(a.shape, a.stride(), a.storage_offset())] = True
