@@ -1,0 +1,649 @@
+"""Where the host time of one ``PrefillRunner.prefill`` call goes, stage by stage (issue 23).
+
+On the CPU (the emulated backend; the graph replay is stubbed, so only the host path runs)::
+
+    python -m benchmarks.prefill_host_path                  # 32 tokens, a tiny Llama
+    python -m benchmarks.prefill_host_path --compare .baseline   # the same, old code and new
+
+On a GPU (real replays; CUDA events; a ``torch.profiler`` trace per workload under ``--out``),
+before and after in one run: the old code is a checkout at ``--compare`` (each tree is timed in
+a process of its own, with that tree first on ``PYTHONPATH``)::
+
+    python -m benchmarks.prefill_host_path --device cuda --compare .baseline --out "$OUT"
+
+What one call is cut into (each piece is the runner's own method, wrapped for the timed pass
+by an instance attribute, removed afterwards; the graph's replay steps are wrapped by
+swapping the graph's ``Captured`` record for the pass):
+
+* ``validate``, ``write_ids``, ``decide``, ``commit``: ``PrefillRunner._validate``, the step
+  buffers' ``write_ids`` and ``commit``, ``BucketedRunner.decide``;
+* ``batch``: the ``PackedBatch`` the breaks read;
+* ``replay -> launch``: from entering ``BucketedRunner.replay`` to the first segment's launch;
+* ``glue``: what ``prefill`` itself does between them (entry to launch minus the stages);
+* ``entry -> launch``: the sum: the host time before the device has anything to run;
+* after the launch: ``segments`` and ``breaks`` (host time of the graph's steps; on the
+  emulated backend with the replay stubbed there are none) and ``output`` (from the replay's
+  return to ``prefill``'s: slicing, the ``owned=True`` clone, ``PrefillOutput``); ``clone``
+  is also timed alone.
+
+A second pass times the call with only the launch probe (``entry -> launch, probe only``) and
+a third with nothing wrapped (``return, unwrapped``): the wrappers' own cost is the difference.
+On CUDA, events recorded at entry, at the launch and at return give what the device saw: the
+gap before the first kernel of the graph (the host path, plus the input copies) and the
+graph's own time; and the variants take turns (``benchmarks.timing.interleaved``): the default
+runner, its one-graph variant (``attention="captured"`` on the buckets it used) and the
+exact-length whole-forward graph (``benchmarks.baselines.exact_length_graph``), as in
+``benchmarks/bench_prefill.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+# absolute imports: --compare runs this file with another checkout's packages first on the path
+from benchmarks.baselines import exact_length_graph
+from benchmarks.families import SMOKE_FAMILIES, Family, config_summary, make_model
+from benchmarks.timing import interleaved, no_sync
+
+SCHEMA = "breakgraph-prefill-host-path/1"
+STAGES = ("validate", "write_ids", "decide", "commit", "batch", "replay -> launch", "glue")
+
+
+def _tf():
+    import transformers
+
+    return transformers
+
+
+#: The two small shapes of issue 23 item 1 (4 layers each), where a fixed per-call cost shows.
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "mistral-sw256-4l",
+            lambda: _tf().MistralConfig(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=4,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=32768,
+                sliding_window=256,
+            ),
+            "Mistral-7B widths cut to 4 layers, sliding window 256",
+        ),
+        Family(
+            "mixtral-1k-4l",
+            lambda: _tf().MixtralConfig(
+                vocab_size=32000,
+                hidden_size=1024,
+                intermediate_size=3584,
+                num_hidden_layers=4,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                max_position_embeddings=4096,
+            ),
+            "Mixtral at hidden 1024: 4 layers, 8 experts top-2, GQA 16/4",
+        ),
+    )
+}
+ALL_FAMILIES = {**FAMILIES, **SMOKE_FAMILIES}
+
+
+# -- instrumentation -----------------------------------------------------------------------------
+
+
+class Marks:
+    """The timestamps and stage durations of the call being timed (seconds)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.stages: dict[str, float] = {}
+        self.replay_in = self.launch = self.replay_out = None
+        self.segments = self.breaks = 0.0
+        self.launch_event = None
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.stages[stage] = self.stages.get(stage, 0.0) + seconds
+
+
+def _timed(marks: Marks, stage: str, inner: Callable) -> Callable:
+    clock = time.perf_counter
+
+    def timed(*args, **kwargs):
+        start = clock()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            marks.add(stage, clock() - start)
+
+    return timed
+
+
+def _launch_probe(marks: Marks, first: Callable | None, event: bool) -> Callable:
+    clock = time.perf_counter
+
+    def launch() -> None:
+        if marks.launch is None:
+            marks.launch = clock()
+            if event:
+                marks.launch_event = torch.cuda.Event(enable_timing=True)
+                marks.launch_event.record()
+        if first is not None:
+            start = clock()
+            first()
+            marks.segments += clock() - start
+
+    return launch
+
+
+def _step_timer(marks: Marks, step: Callable, kind: str) -> Callable:
+    clock = time.perf_counter
+
+    def run() -> None:
+        start = clock()
+        step()
+        setattr(marks, kind, getattr(marks, kind) + clock() - start)
+
+    return run
+
+
+@contextlib.contextmanager
+def instrumented(
+    runner, marks: Marks, *, stages: bool, stub: bool, event: bool = False
+) -> Iterator[None]:
+    """Wrap the runner's per-call pieces (``stages``) and every graph's replay steps for the
+    block; ``stub``: the graphs replay nothing (only the launch probe runs)."""
+    from breakgraph.integrations.transformers import attention
+
+    from breakgraph.patches import patch_attribute
+
+    graphs = {bucket: runner.graph(bucket) for bucket in runner.buckets}
+    saved = {bucket: g._captured for bucket, g in graphs.items()}
+    with contextlib.ExitStack() as stack:
+        for bucket, graph in graphs.items():
+            captured = saved[bucket]
+            if stub:
+                steps = (_launch_probe(marks, None, event),)
+            else:
+                segments = [s.replay for s in captured.segments]
+                steps = [_launch_probe(marks, captured.steps[0], event)]
+                for step in captured.steps[1:]:
+                    kind = "segments" if any(step == s for s in segments) else "breaks"
+                    steps.append(_step_timer(marks, step, kind))
+                steps = tuple(steps)
+            graph._captured = dataclasses.replace(captured, steps=steps)
+        stack.callback(_restore, graphs, saved)
+        clock = time.perf_counter
+        replay = runner._runner.replay
+
+        def replay_marked(*args, **kwargs):
+            marks.replay_in = clock()
+            try:
+                return replay(*args, **kwargs)
+            finally:
+                marks.replay_out = clock()
+
+        patch_attribute(stack, runner._runner, "replay", replay_marked)
+        if stages:
+            patch_attribute(stack, runner, "_validate", _timed(marks, "validate", runner._validate))
+            steps = runner._steps
+            for name in ("write_ids", "commit"):
+                patch_attribute(stack, steps, name, _timed(marks, name, getattr(steps, name)))
+            decide = _timed(marks, "decide", runner._runner.decide)
+            patch_attribute(stack, runner._runner, "decide", decide)
+            batch = _timed(marks, "batch", attention.PackedBatch)
+            patch_attribute(stack, attention, "PackedBatch", batch)
+        yield
+
+
+@contextlib.contextmanager
+def stubbed(runner) -> Iterator[None]:
+    """Every graph of ``runner`` replays nothing for the block (its replay() still runs)."""
+    graphs = {bucket: runner.graph(bucket) for bucket in runner.buckets}
+    saved = {bucket: g._captured for bucket, g in graphs.items()}
+    for bucket, graph in graphs.items():
+        graph._captured = dataclasses.replace(saved[bucket], steps=())
+    try:
+        yield
+    finally:
+        _restore(graphs, saved)
+
+
+def _restore(graphs: dict, saved: dict) -> None:
+    for bucket, graph in graphs.items():
+        graph._captured = saved[bucket]
+
+
+def breakdown(
+    runner,
+    prompts: list,
+    *,
+    iters: int,
+    stub: bool,
+    sync: Callable[[], None] = no_sync,
+    rounds: int = 10,
+) -> dict:
+    """Host microseconds of each stage of ``runner.prefill(prompts)`` (see the module
+    docstring), the device idle at the start of each call: the three passes take turns in
+    ``rounds`` rounds of ``iters // rounds`` calls each; a stage's number is the lowest of its
+    per-round medians (a shared, busy host inflates some rounds, never deflates one)."""
+    marks = Marks()
+    rounds_of: dict[str, list[list[float]]] = {}
+    calls = max(1, iters // rounds)
+
+    def note(name: str, seconds: float | None) -> None:
+        if seconds is not None:
+            rounds_of.setdefault(name, [[]])[-1].append(seconds)
+
+    for r in range(rounds):
+        for values in rounds_of.values():
+            values.append([])
+        _stages_pass(runner, prompts, marks, note, calls, stub, sync, warm=r == 0)
+        _probe_pass(runner, prompts, marks, note, calls, stub, sync)
+        _plain_pass(runner, prompts, note, calls, stub, sync)
+    return {
+        name: min(statistics.median(v) for v in values if v) * 1e6
+        for name, values in rounds_of.items()
+    }
+
+
+def _stages_pass(runner, prompts, marks, note, calls, stub, sync, warm) -> None:
+    """Every stage wrapped."""
+    with instrumented(runner, marks, stages=True, stub=stub):
+        for _ in range(3 if warm else 0):
+            runner.prefill(prompts)
+        for _ in range(calls):
+            sync()
+            marks.reset()
+            start = time.perf_counter()
+            runner.prefill(prompts)
+            end = time.perf_counter()
+            if marks.launch is None:
+                raise RuntimeError("prefill_host_path: the call replayed no graph (eager?)")
+            to_launch = marks.launch - start
+            for stage in STAGES[:-2]:
+                note(stage, marks.stages.get(stage, 0.0))
+            note("replay -> launch", marks.launch - marks.replay_in)
+            note("glue", to_launch - sum(marks.stages.values()) - (marks.launch - marks.replay_in))
+            note("entry -> launch", to_launch)
+            note("segments", marks.segments)
+            note("breaks", marks.breaks)
+            note("output", end - marks.replay_out)
+            note("return", end - start)
+        sync()
+
+
+def _probe_pass(runner, prompts, marks, note, calls, stub, sync) -> None:
+    """Only the launch probe (and the replay marks)."""
+    with instrumented(runner, marks, stages=False, stub=stub):
+        for _ in range(calls):
+            sync()
+            marks.reset()
+            start = time.perf_counter()
+            runner.prefill(prompts)
+            end = time.perf_counter()
+            note("entry -> launch, probe only", marks.launch - start)
+            note("return, probe only", end - start)
+        sync()
+
+
+def _plain_pass(runner, prompts, note, calls, stub, sync) -> None:
+    """Nothing wrapped (with ``stub``, the graphs still replay nothing); then the clone alone."""
+    with stubbed(runner) if stub else contextlib.nullcontext():
+        for _ in range(calls):
+            sync()
+            start = time.perf_counter()
+            runner.prefill(prompts)
+            note("return, unwrapped", time.perf_counter() - start)
+        for _ in range(calls):
+            sync()
+            start = time.perf_counter()
+            runner.prefill(prompts, owned=False)
+            note("return, owned=False", time.perf_counter() - start)
+        logits = runner.prefill(prompts, owned=False).logits
+        for _ in range(calls):
+            sync()
+            start = time.perf_counter()
+            logits.clone()
+            note("clone (alone)", time.perf_counter() - start)
+        sync()
+
+
+def device_view(runner, prompts: list, *, iters: int) -> dict:
+    """CUDA events at entry, at the first segment's launch and at return: what the device saw
+    (milliseconds; the device is idle at entry, so the entry -> launch gap is host time plus
+    the input copies the call issued before the launch)."""
+    marks = Marks()
+    gaps, graph_ms, total = [], [], []
+    with instrumented(runner, marks, stages=False, stub=False, event=True):
+        for _ in range(3):
+            runner.prefill(prompts)
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            marks.reset()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            runner.prefill(prompts)
+            end.record()
+            end.synchronize()
+            gaps.append(start.elapsed_time(marks.launch_event))
+            graph_ms.append(marks.launch_event.elapsed_time(end))
+            total.append(start.elapsed_time(end))
+    return {
+        "entry_to_launch_ms": statistics.median(gaps),
+        "launch_to_return_ms": statistics.median(graph_ms),
+        "call_ms": statistics.median(total),
+    }
+
+
+def _ranged(inner: Callable, name: str) -> Callable:
+    from torch.profiler import record_function
+
+    label = f"prefill.{name.lstrip('_')}"
+
+    def ranged(*args, **kwargs):
+        with record_function(label):
+            return inner(*args, **kwargs)
+
+    return ranged
+
+
+def profile(runner, prompts: list, path: str, calls: int = 3) -> str:
+    """A ``torch.profiler`` trace of ``calls`` calls (CPU and CUDA activity), each stage a
+    named range, written as a Chrome trace to ``path``."""
+    from torch.profiler import ProfilerActivity, record_function
+
+    from breakgraph.patches import patch_attribute
+
+    with contextlib.ExitStack() as stack:
+        steps = runner._steps
+        pieces = ((runner, "_validate"), (steps, "write_ids"), (runner._runner, "decide"),
+                  (steps, "commit"), (runner._runner, "replay"))  # fmt: skip
+        for owner, name in pieces:
+            patch_attribute(stack, owner, name, _ranged(getattr(owner, name), name))
+        runner.prefill(prompts)
+        torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(calls):
+                with record_function("prefill"):
+                    runner.prefill(prompts)
+                torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    return path
+
+
+# -- one tree: the runs --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Settings:
+    device: str = "cpu"
+    families: list[str] = dataclasses.field(default_factory=lambda: ["tiny-llama"])
+    sizes: list[int] = dataclasses.field(default_factory=lambda: [32])
+    iters: int = 1000
+    rounds: int = 6
+    turns: int = 10
+    prompt_device: str = "same"  # where the prompts live: "same" as the model, or "cpu"
+    out: str | None = None
+    trace: bool = True
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+def measure_family(settings: Settings, family: Family) -> dict:
+    from breakgraph.integrations.transformers import PrefillRunner
+
+    cuda = settings.cuda
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else no_sync
+    model = make_model(family.config(), settings.device, dtype)
+    result: dict = {"family": family.name, "shape": family.shape}
+    result["config"] = config_summary(model.config)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    where = settings.device if settings.prompt_device == "same" else settings.prompt_device
+    prompts = {n: torch.randint(vocab, (n,), generator=g).to(where) for n in settings.sizes}
+    closers: list[Callable[[], None]] = []
+    try:
+        start = time.perf_counter()
+        if cuda:  # default settings
+            runner = PrefillRunner(model)
+        else:  # a short ladder: the emulated backend captures slowly, and the replay is stubbed
+            runner = PrefillRunner(model, token_buckets=(32, 64, 256, 512), backend="emulated")
+        closers.append(runner.close)
+        sync()
+        result["construction_s"] = time.perf_counter() - start
+        result["buckets"] = len(runner.buckets)
+        result["routed"] = {str(k): v for k, v in runner.stats.routed.items()}
+        one = graphs = None
+        if cuda:
+            used = sorted({runner._runner.bucket_for(n) for n in settings.sizes})
+            one = PrefillRunner(
+                model, token_buckets=used, max_prompts=runner.max_prompts, attention="captured"
+            )
+            closers.append(one.close)
+            pool = torch.cuda.graph_pool_handle()
+            graphs = {}
+            for n in sorted(prompts, reverse=True):  # largest first: the pool is reused
+                graphs[n] = exact_length_graph(model, prompts[n].to(settings.device), pool=pool)
+                closers.append(graphs[n].close)
+        result["rows"] = []
+        for n, p in prompts.items():
+            row: dict = {"tokens": n, "bucket": runner._runner.bucket_for(n)}
+            row["host_us"] = breakdown(runner, [p], iters=settings.iters, stub=not cuda, sync=sync)
+            if cuda:
+                row["device_ms"] = device_view(runner, [p], iters=max(10, settings.iters // 10))
+                fresh = p.to(settings.device)[None]
+                fns = {
+                    "breakgraph": lambda p=p: runner.prefill([p]),
+                    "bg_one_graph": lambda p=p: one.prefill([p]),
+                    "hf_graph": lambda n=n, fresh=fresh: graphs[n](input_ids=fresh),
+                }
+                timed = interleaved(
+                    fns,
+                    rounds=settings.rounds,
+                    iters=settings.turns,
+                    warmup=3,
+                    sync=sync,
+                    spread=[("breakgraph", "hf_graph"), ("breakgraph", "bg_one_graph")],
+                )
+                ms = timed["ms"]
+                row["ms"], row["spread"] = ms, timed["spread"]
+                row["bg/exact"] = ms["breakgraph"] / ms["hf_graph"]
+                row["bg/one_graph"] = ms["breakgraph"] / ms["bg_one_graph"]
+                row["one_graph/exact"] = ms["bg_one_graph"] / ms["hf_graph"]
+                if settings.trace and settings.out:
+                    name = f"trace-{settings_tag()}-{family.name}-{n}.json"
+                    row["trace"] = profile(runner, [p], os.path.join(settings.out, name))
+            result["rows"].append(row)
+    finally:
+        for close in closers:
+            close()
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    return result
+
+
+def settings_tag() -> str:
+    return os.environ.get("PREFILL_HOST_PATH_TAG", "this")
+
+
+def run_tree(settings: Settings) -> dict:
+    import transformers
+
+    import breakgraph
+
+    torch.set_num_threads(1 if not settings.cuda else torch.get_num_threads())
+    results = {
+        "schema": SCHEMA,
+        "tree": os.path.dirname(os.path.dirname(os.path.abspath(breakgraph.__file__))),
+        "tag": settings_tag(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name() if settings.cuda else None,
+        "settings": dataclasses.asdict(settings),
+        "families": [],
+    }
+    for name in settings.families:
+        start = time.perf_counter()
+        results["families"].append(measure_family(settings, ALL_FAMILIES[name]))
+        results["families"][-1]["seconds"] = time.perf_counter() - start
+    return results
+
+
+# -- reporting and the before/after run ----------------------------------------------------------
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(results: list[dict]) -> str:
+    """One line per stage and workload, one column per tree (microseconds, medians)."""
+    tags = [r["tag"] for r in results]
+    keys = list(STAGES) + [
+        "entry -> launch",
+        "segments",
+        "breaks",
+        "output",
+        "return",
+        "entry -> launch, probe only",
+        "return, probe only",
+        "return, unwrapped",
+        "return, owned=False",
+        "clone (alone)",
+    ]
+    lines = []
+    for f, family in enumerate(results[0]["families"]):
+        for r, row in enumerate(family["rows"]):
+            head = f"{family['family']}, {row['tokens']} tokens (bucket {row['bucket']})"
+            lines.append(f"{head}: host microseconds, the lowest of the rounds' medians")
+            lines.append(f"  {'stage':30s}" + "".join(f"{t:>12s}" for t in tags))
+            rows = [tree["families"][f]["rows"][r] for tree in results]
+            for key in keys:
+                cells = "".join(f"{_fmt(x['host_us'].get(key)):>12s}" for x in rows)
+                lines.append(f"  {key:30s}{cells}")
+            if "ms" in row:
+                for key in ("bg/exact", "bg/one_graph", "one_graph/exact"):
+                    cells = "".join(f"{_fmt(x[key], 3):>12s}" for x in rows)
+                    lines.append(f"  {key:30s}{cells}")
+                for key in ("breakgraph", "bg_one_graph", "hf_graph"):
+                    cells = "".join(f"{_fmt(x['ms'][key], 3):>12s}" for x in rows)
+                    lines.append(f"  {key + ' ms':30s}{cells}")
+                for key in ("entry_to_launch_ms", "launch_to_return_ms", "call_ms"):
+                    cells = "".join(f"{_fmt(x['device_ms'][key], 3):>12s}" for x in rows)
+                    lines.append(f"  {'device ' + key:30s}{cells}")
+    return "\n".join(lines)
+
+
+def compare(settings: Settings, baseline: str, argv: list[str]) -> list[dict]:
+    """Time the old tree (``baseline``) and this one, each in a process of its own with the
+    tree first on ``PYTHONPATH``, on the same settings; returns both results."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = [("old", os.path.abspath(baseline)), ("new", here)]
+    out_dir = settings.out or os.path.join(here, ".benchmarks")
+    os.makedirs(out_dir, exist_ok=True)
+    results = []
+    for tag, tree in trees:
+        path = os.path.join(out_dir, f"host-path-{tag}.json")
+        env = {**os.environ, "PYTHONPATH": tree, "PREFILL_HOST_PATH_TAG": tag}
+        command = [sys.executable, os.path.abspath(__file__), *argv, "--json", path]
+        print(f"[{tag}] {tree}", flush=True)
+        subprocess.run(command, env=env, cwd=tree, check=True)
+        with open(path) as f:
+            results.append(json.load(f))
+        if os.path.realpath(results[-1]["tree"]) != os.path.realpath(tree):
+            raise SystemExit(f"prefill_host_path: the {tag} run imported {results[-1]['tree']}")
+    return results
+
+
+def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    names = lambda text: [x for x in text.split(",") if x]  # noqa: E731
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--families", type=names, default=None)
+    parser.add_argument("--sizes", type=ints, default=None)
+    parser.add_argument("--iters", type=int, default=None, help="calls per timed pass")
+    parser.add_argument("--prompt-device", choices=("same", "cpu"), default="same")
+    parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument("--out", default=None, help="folder for the JSON and the traces")
+    parser.add_argument("--compare", default=None, help="an older checkout to time first")
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a --compare child
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    settings = Settings(
+        device=args.device,
+        families=args.families or (list(FAMILIES) if cuda else ["tiny-llama"]),
+        sizes=args.sizes or ([32, 200, 1000] if cuda else [32]),
+        iters=args.iters or (200 if cuda else 1000),
+        prompt_device=args.prompt_device,
+        out=args.out,
+        trace=not args.no_trace,
+    )
+    unknown = set(settings.families) - set(ALL_FAMILIES)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}; known: {', '.join(ALL_FAMILIES)}")
+    return settings, args
+
+
+def _without_compare(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--compare":
+            skip = True
+        elif not arg.startswith("--compare="):
+            out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    settings, args = parse_args(argv)
+    if settings.cuda and not torch.cuda.is_available():
+        raise SystemExit("prefill_host_path: no CUDA device; run without --device cuda")
+    if settings.out:
+        os.makedirs(settings.out, exist_ok=True)
+    if args.compare:
+        child = _without_compare(argv)
+        results = compare(settings, args.compare, child)
+    else:
+        results = [run_tree(settings)]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results[0], f, indent=1)
+            return results
+    if settings.out:
+        with open(os.path.join(settings.out, "host-path.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
