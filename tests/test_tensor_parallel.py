@@ -25,7 +25,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.tiny_models import tiny_config
+from tests.tiny_models import DENSE_FAMILIES, tiny_config
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -181,8 +181,11 @@ def _worker(rank, port, scenario, backend, path, results, deadline, stack_dir) -
 
 
 # -- shared pieces of the scenarios ----------------------------------------------------------------
-def load_models(rank: int, backend: str, path: str, dtype: torch.dtype | None = None):
-    """Rank 0 saves a tiny random Llama; every rank loads it with TP=2 and unsharded."""
+def load_models(
+    rank: int, backend: str, path: str, dtype: torch.dtype | None = None, family: str = "llama"
+):
+    """Rank 0 saves a tiny random model of ``family``; every rank loads it with TP=2 and
+    unsharded."""
     import torch.distributed as dist
     import transformers
     from transformers.distributed.configuration_utils import DistributedConfig
@@ -191,7 +194,8 @@ def load_models(rank: int, backend: str, path: str, dtype: torch.dtype | None = 
     transformers.utils.logging.disable_progress_bar()
     if rank == 0:
         torch.manual_seed(0)
-        config = tiny_config("LlamaConfig", vocab_size=VOCAB, max_position_embeddings=256)
+        class_name, extra = DENSE_FAMILIES[family]
+        config = tiny_config(class_name, vocab_size=VOCAB, max_position_embeddings=256, **extra)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     dist.barrier()
     if dtype is None:
@@ -250,7 +254,7 @@ def scenario_main(rank: int, backend: str, path: str) -> dict:
     from breakgraph.integrations.transformers import PrefillRunner
 
     sharded, full = load_models(rank, backend, path)
-    out: dict = {}
+    out: dict = embedding_under_capture(rank, backend, sharded, full)
     original_all_reduce = dist.all_reduce
 
     # collectives captured inside the segments
@@ -290,6 +294,46 @@ def scenario_main(rank: int, backend: str, path: str) -> dict:
 
     out.update(bucket_agreement(rank, backend))
     out["capture_failure"] = capture_failure(rank, backend, sharded)
+    return out
+
+
+def embedding_under_capture(rank: int, backend: str, sharded, full) -> dict:
+    """The input embedding captured alone (in graph_safe_tensor_parallel), replayed with fresh
+    ids that fall in both ranks' vocabulary shards: it must equal the unsharded embedding
+    exactly, and the model's TP hook must be back afterwards."""
+    from breakgraph.integrations.transformers.tensor_parallel import (
+        graph_safe_tensor_parallel,
+        vocab_parallel_embeddings,
+    )
+    from torch.distributed.tensor import DTensor, Shard
+
+    import breakgraph
+    from breakgraph.distributed import CAPTURE_ERROR_MODE
+
+    embedding = sharded.model.embed_tokens
+    weight, hook = embedding.weight, embedding.__dict__.get("forward")  # TP hook (or None)
+    device = weight.device
+    out = {
+        # the feature, seen directly: an embedding weight sharded over the vocabulary
+        "embedding_sharded": isinstance(weight, DTensor) and weight.placements == (Shard(0),),
+        "vocab_parallel": [name for name, _ in vocab_parallel_embeddings(sharded)],
+    }
+    ids = torch.zeros(1, 24, dtype=torch.long, device=device)
+    graph = breakgraph.BreakableCUDAGraph()
+    generator = torch.Generator().manual_seed(20)
+    exact = []
+    with torch.no_grad():
+        with graph_safe_tensor_parallel(sharded):
+            embedding(ids)  # the first use checks the lookup; collectives run before capture
+            with breakgraph.capture(graph, backend=backend, capture_error_mode=CAPTURE_ERROR_MODE):
+                looked_up = embedding(ids)
+        for _ in range(3):  # the same fresh ids on both ranks, every replay
+            ids.copy_(torch.randint(0, VOCAB, (1, 24), generator=generator))
+            graph.replay()
+            exact.append(torch.equal(looked_up, full.model.embed_tokens(ids)))
+    graph.reset()
+    out["embedding_exact"] = exact
+    out["embedding_restored"] = embedding.__dict__.get("forward") is hook
     return out
 
 
@@ -449,7 +493,56 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
     return out
 
 
-SCENARIOS = {"main": scenario_main, "cb": scenario_cb}
+def scenario_gemma(rank: int, backend: str, path: str) -> dict:
+    """Gemma (tied embeddings: vocab-parallel on every transformers; its embedding scales the
+    lookup): two runners in turn, collectives captured then as eager breaks, then continuous
+    batching. fp32, so CB's greedy tokens can be compared exactly."""
+    from breakgraph.integrations.transformers import PrefillRunner, enable_continuous_batching
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    sharded, full = load_models(rank, backend, path, dtype=torch.float32, family="gemma")
+    out = embedding_under_capture(rank, backend, sharded, full)
+    runner = PrefillRunner(sharded, token_buckets=BUCKETS, max_prompts=4, backend=backend, warmup=1)
+    out["captured_diff"] = max(max_diff(runner, full, seed) for seed in (1, 2))
+    runner.close()
+    runner = PrefillRunner(
+        sharded, token_buckets=BUCKETS, max_prompts=4, backend=backend, warmup=1,
+        tp_collectives="eager",
+    )  # fmt: skip
+    out["eager_graph"] = repr(runner.graph(BUCKETS[0]))
+    out["eager_diff"] = max(max_diff(runner, full, seed) for seed in (3, 4))
+    runner.close()
+    # the model itself still runs as transformers made it (its own hook, eagerly)
+    prompts = prompts_for(5, (7,))
+    with torch.no_grad():
+        stock = sharded(prompts[0][None].to(full.device), use_cache=False).logits[0, -1].float()
+    out["stock_after_diff"] = (stock.cpu() - reference_logits(full, prompts)[0]).abs().max().item()
+
+    def generate() -> list:
+        outs = sharded.generate_batch(
+            [p.tolist() for p in prompts_for(6, (5, 19, 9))],
+            generation_config=GenerationConfig(
+                max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0
+            ),
+            continuous_batching_config=ContinuousBatchingConfig(
+                block_size=16, num_blocks=16, max_batch_tokens=16
+            ),
+            progress_bar=False,
+        )
+        return [(outs[key].error, outs[key].generated_tokens) for key in sorted(outs)]
+
+    out["cb_stock"] = generate()  # transformers' own TP continuous batching, eager
+    with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,)):
+        out["cb_breakgraph"] = generate()
+    return out
+
+
+SCENARIOS = {
+    "main": scenario_main,
+    "cb": scenario_cb,
+    "gemma": scenario_gemma,
+}
 
 
 # -- tests -----------------------------------------------------------------------------------------
@@ -457,6 +550,15 @@ SCENARIOS = {"main": scenario_main, "cb": scenario_cb}
 def main_run(request, tmp_path_factory):
     backend = request.param
     results = launch("main", backend, str(tmp_path_factory.mktemp("tp-model")))
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+    return backend, results
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def gemma_run(request, tmp_path_factory):
+    backend = request.param
+    results = launch("gemma", backend, str(tmp_path_factory.mktemp("tp-gemma")))
     for rank, result in enumerate(results):
         assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
     return backend, results
@@ -493,8 +595,42 @@ def test_breaking_at_each_all_reduce_gives_the_same_logits(main_run):
     backend, results = main_run
     for result in results:
         assert result["eager_diff"] < tolerance(backend)
-        assert result["eager_graph"].count("all_reduce") == 4  # o_proj and down_proj, 2 layers
+        # o_proj and down_proj of 2 layers, and the embedding's where it is vocab-parallel
+        expected = 4 + len(result["vocab_parallel"])
+        assert result["eager_graph"].count("all_reduce") == expected
         assert result["all_reduce_restored"]
+
+
+def test_the_vocab_parallel_embedding_is_found_by_its_sharding(main_run):
+    """transformers 5.21+ shards every embedding over the vocabulary, earlier ones only tied
+    embeddings (see the Gemma test): the probe follows the weight, not the version."""
+    for result in main_run[1]:
+        assert result["vocab_parallel"] == (
+            ["model.embed_tokens"] if result["embedding_sharded"] else []
+        )
+
+
+def test_the_captured_embedding_equals_the_unsharded_one_exactly(main_run):
+    for result in main_run[1]:
+        assert result["embedding_exact"] == [True, True, True]
+        assert result["embedding_restored"]
+
+
+def test_gemma_under_tp_matches_the_unsharded_model(gemma_run):
+    """Gemma's scaled embedding returned a _MaskPartial DTensor: the first prefill raised a
+    raw DTensor error, the next runner 'MaskBuffer has been materialized with conflicting
+    data', and continuous batching failed every request."""
+    backend, results = gemma_run
+    for result in results:
+        assert result["embedding_sharded"] and result["vocab_parallel"] == ["model.embed_tokens"]
+        assert result["embedding_exact"] == [True, True, True]
+        assert result["embedding_restored"]
+        assert result["captured_diff"] < tolerance(backend)
+        assert result["eager_diff"] < tolerance(backend)
+        assert result["eager_graph"].count("all_reduce") == 5  # the embedding's too
+        assert result["stock_after_diff"] < tolerance(backend)
+        assert all(error is None for error, _ in result["cb_stock"])
+        assert result["cb_breakgraph"] == result["cb_stock"]  # CB failed every request
 
 
 def test_different_prompts_raise_the_named_error_on_every_rank(main_run):

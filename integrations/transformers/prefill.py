@@ -54,6 +54,7 @@ from . import attention as _attention
 from .experts import experts_as_breaks
 from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, default_token_buckets
 from .models import check_model as _check_model
+from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = [
     "PrefillRunner",
@@ -405,11 +406,12 @@ class PrefillRunner:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Switch the model to breakgraph attention (and eager MoE experts to eager breaks,
-        through transformers' ``ExpertsInterface``) for the block, then back."""
+        through transformers' ``ExpertsInterface``; a vocab-parallel embedding to its
+        graph-safe lookup, see :mod:`.tensor_parallel`) for the block, then back."""
         original = self.model.config._attn_implementation
         self.model.set_attn_implementation(_attention.ATTENTION_KEY)
         try:
-            with experts_as_breaks(self.model):
+            with experts_as_breaks(self.model), graph_safe_tensor_parallel(self.model):
                 yield
         finally:
             self.model.set_attn_implementation(original)
