@@ -492,8 +492,10 @@ class GraphLadder:
         every one with ``warm_up_each``) runs eagerly under ``context_scope(context(size))``,
         on a side stream (or ``stream``) with the CUDA backend; then ``record(size)`` runs
         inside ``breakgraph.capture(...)`` with ``context(size)`` as the capture context, and
-        what it returns is the bucket's output. ONE ``gc.collect()`` per call (the first
-        bucket's capture; on CUDA, where it can free device memory), not one per bucket.
+        what it returns is the bucket's output. Allocate the buffers ``record`` reads before
+        the call: whatever it allocates is captured (the emulated backend would replay the
+        allocation, refilling the buffer on every replay). ONE ``gc.collect()`` per call (the
+        first bucket's capture; on CUDA, where it can free device memory), not one per bucket.
 
         With ``ranks`` every warm-up and capture is a :meth:`RankGroup.capture_step
         <breakgraph.distributed.RankGroup.capture_step>`: checked on every rank, with the
