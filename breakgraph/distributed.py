@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -203,6 +203,46 @@ class RankGroup:
             )
         return agreed
 
+    def agree_settings(self, who: str, settings: Mapping[str, Any]) -> None:
+        """Check that every rank was built with the same ``settings`` (name -> value), before
+        the first collective they shape. Raises :class:`~breakgraph.RankMismatchError` on
+        every rank, naming each setting that differs.
+
+        Call it in a runner's constructor, before anything exchanges data whose size or
+        number depends on a setting: ranks that disagree there would send buffers of
+        different sizes (gloo aborts the process) or wait for a collective that never comes.
+        Two all-reduces on the host: the names, then one fingerprint per setting.
+
+        Example (one rank)::
+
+            >>> import torch.distributed as dist
+            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            >>> ranks = RankGroup()
+            >>> ranks.agree_settings("MyRunner", {"max_prompts": 16, "warmup": 2})
+            >>> ranks.close(); dist.destroy_process_group()
+        """
+        names = sorted(settings)
+        # first the names (a different set would make the second exchange differ in size)
+        self.agree(
+            len(names),
+            fingerprint(names),
+            f"{who} settings",
+            "build the runner with the same code and options on every rank",
+        )
+        digests = [fingerprint(settings[name]) for name in names]
+        values = torch.tensor(digests + [-d for d in digests], dtype=torch.int64)
+        self._all_reduce_max(values)
+        n = len(names)
+        differ = [name for i, name in enumerate(names) if values[i] != -values[n + i]]
+        if differ:
+            here = ", ".join(f"{name}={settings[name]!r}" for name in differ)
+            raise RankMismatchError(
+                f"{who}: the ranks were built with different {', '.join(differ)} (rank "
+                f"{self._me} of {self.ranks} has {here}). Under tensor parallelism these "
+                f"settings decide which collectives run, so every rank must use the same "
+                f"values. Nothing ran."
+            )
+
     def report_failure(self) -> None:
         """Take part in this call's exchange as failed, so the other ranks raise instead of
         waiting. The caller then raises its own error."""
@@ -318,9 +358,6 @@ class RankGroup:
 
     # -- internals -------------------------------------------------------------------------
     def _exchange(self, size: int, digest: int, failed: int) -> tuple[int, bool, list[int]]:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d  # never all_reduce_as_breaks' wrapper
-
         if self._broken is not None:
             raise RankFailedError(
                 f"RankGroup: {self._broken} earlier; the ranks' collective sequences have "
@@ -332,18 +369,25 @@ class RankGroup:
         values[:] = 0
         values[0], values[1], values[2] = size, digest, -digest
         values[3 + self.rank] = failed
+        self._all_reduce_max(self._buffer)
+        flags = values[3:]
+        worst = flags.max()
+        failed_ranks = [r for r, flag in zip(self.ranks, flags) if worst and flag == worst]
+        return int(values[0]), bool(values[1] == -values[2]), failed_ranks
+
+    def _all_reduce_max(self, buffer: torch.Tensor) -> None:
+        """``buffer`` (int64, on the host) becomes its element-wise maximum over the ranks."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d  # never all_reduce_as_breaks' wrapper
+
         try:
-            distributed_c10d.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._control)
+            distributed_c10d.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self._control)
         except Exception as exc:  # gloo's timeout, or a rank that exited
             self._broken = f"no answer from every rank within {self.timeout:g} s"
             raise RankFailedError(
                 f"RankGroup: {self._broken} (rank {self._me} of {self.ranks}): another rank "
                 f"failed, exited or is blocked. End the processes and restart."
             ) from exc
-        flags = values[3:]
-        worst = flags.max()
-        failed_ranks = [r for r, flag in zip(self.ranks, flags) if worst and flag == worst]
-        return int(values[0]), bool(values[1] == -values[2]), failed_ranks
 
     @property
     def keeps_memory(self) -> bool:

@@ -538,10 +538,35 @@ def scenario_gemma(rank: int, backend: str, path: str) -> dict:
     return out
 
 
+def scenario_settings(rank: int, backend: str, path: str) -> dict:
+    """Ranks building PrefillRunner with different settings: RankMismatchError on every rank,
+    naming the setting, before any collective; the ranks stay usable."""
+    from breakgraph.integrations.transformers import PrefillRunner
+
+    sharded, full = load_models(rank, backend, path)
+
+    def build(**settings):
+        options = dict(token_buckets=BUCKETS, max_prompts=4, backend=backend, warmup=1)
+        return PrefillRunner(sharded, **{**options, **settings}, tp_timeout=30)
+
+    out = {
+        "max_prompts": error_text_of(lambda: build(max_prompts=4 + rank)),
+        "warmup": error_text_of(lambda: build(warmup=1 + rank)),
+        "pad_token_id": error_text_of(lambda: build(pad_token_id=rank)),
+        "token_buckets": error_text_of(lambda: build(token_buckets=(16, 32 + 16 * rank))),
+        "debug": error_text_of(lambda: build(debug=rank == 1)),  # ids checked on one rank
+    }
+    runner = build()
+    out["after_diff"] = max_diff(runner, full, seed=1)
+    runner.close()
+    return out
+
+
 SCENARIOS = {
     "main": scenario_main,
     "cb": scenario_cb,
     "gemma": scenario_gemma,
+    "settings": scenario_settings,
 }
 
 
@@ -559,6 +584,15 @@ def main_run(request, tmp_path_factory):
 def gemma_run(request, tmp_path_factory):
     backend = request.param
     results = launch("gemma", backend, str(tmp_path_factory.mktemp("tp-gemma")))
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+    return backend, results
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def settings_run(request, tmp_path_factory):
+    backend = request.param
+    results = launch("settings", backend, str(tmp_path_factory.mktemp("tp-settings")))
     for rank, result in enumerate(results):
         assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
     return backend, results
@@ -631,6 +665,19 @@ def test_gemma_under_tp_matches_the_unsharded_model(gemma_run):
         assert result["stock_after_diff"] < tolerance(backend)
         assert all(error is None for error, _ in result["cb_stock"])
         assert result["cb_breakgraph"] == result["cb_stock"]  # CB failed every request
+
+
+def test_ranks_built_with_different_settings_raise_the_named_error_on_every_rank(settings_run):
+    """Different max_prompts killed rank 0 in gloo (SIGABRT: an all-gather of another size),
+    different warm-ups timed out in a raw recv, a pad_token_id said 'different buckets'."""
+    backend, results = settings_run
+    for result in results:
+        for setting in ("max_prompts", "warmup", "pad_token_id", "token_buckets", "debug"):
+            message = result[setting]
+            assert message.startswith("RankMismatchError: PrefillRunner"), message
+            assert f"different {setting} (" in message, message
+        assert "buckets" not in result["pad_token_id"]
+        assert result["after_diff"] < tolerance(backend)  # nothing ran: the ranks are in step
 
 
 def test_different_prompts_raise_the_named_error_on_every_rank(main_run):

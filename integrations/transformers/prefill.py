@@ -353,6 +353,17 @@ class PrefillRunner:
         group = distributed.tensor_parallel_group(model)
         self.ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
         if self.ranks is not None:
+            try:  # before any collective: the settings decide their sizes and number
+                self.ranks.agree_settings("PrefillRunner", {
+                    "token_buckets": token_buckets, "max_prompts": max_prompts,
+                    "warmup": warmup, "pad_token_id": pad_token_id, "on_miss": on_miss,
+                    "attention": self.attention, "tp_collectives": tp_collectives,
+                    "compile": bool(compile), "debug": self._check_ids, "backend": backend_name,
+                    "model dtype": self.dtype,
+                })  # fmt: skip
+            except BaseException:
+                self.ranks.close()
+                raise
             self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
         _attention.register()
         self._runner = BucketedRunner(
