@@ -1,22 +1,240 @@
 """The continuous-batching section of docs/performance.md (from ``benchmarks/bench_cb.py``).
 
-Used by ``benchmarks/report.py`` when ``docs/results/h200-cb.json`` exists::
+Used by ``benchmarks/report.py`` with every JSON of ``FILES`` that exists, one per
+transformers release (the CI pin and the newest tested)::
 
-    python benchmarks/bench_cb.py --out docs/results/h200-cb.json   # on the GPU
-    python benchmarks/report.py                                      # the page and img/cb.png
+    bash scripts/gpu_check.sh cb_bench "$OUT/cb-5.17.json"           # on the GPU, per release
+    cp cb-5.17.json docs/results/h200-cb.json; cp cb-5.24.json docs/results/h200-cb-5.24.json
+    python -m benchmarks.report                                       # the page and img/cb.png
+
+or alone, to read a run: ``python -m benchmarks.cb_report cb-5.17.json cb-5.24.json``. With
+several JSONs each model gets one table per transformers release. A JSON of the earlier
+layout (schema 1: ``paged_sdpa``, ``whole_graph``; transformers 5.17 only) renders as it
+always did (:func:`legacy_section`). The prose is in ``performance.md.in`` (``cb.*``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 from . import targets as T
+from .template import fill, num, span, table
 
-FILE = "h200-cb.json"
+FILE = "h200-cb.json"  # transformers 5.17 (the CI pin)
+FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
 
 
-def cb_section(data: dict) -> list:
-    """Continuous batching (benchmarks/bench_cb.py): throughput, time to first token, graphs."""
+def schema(data: dict) -> int:
+    return data["meta"].get("schema", 1)
+
+
+def cb_section(*runs: dict) -> list:
+    """The section from one or more bench_cb JSONs (one per transformers release)."""
+    lines = []
+    for data in runs:
+        if schema(data) < 2:
+            lines += legacy_section(data)
+    current = [data for data in runs if schema(data) >= 2]
+    if current:
+        lines += section(current)
+    return lines
+
+
+# -- schema 2: per model, one table per transformers release --------------------------------
+COLUMNS = (  # (header, key, format)
+    ("tokens/s", "tokens_per_s", ".0f"),
+    ("x floor", "over_roofline", ".1f"),
+    ("TTFT mean s", "ttft_mean_s", ".2f"),
+    ("TTFT p50 s", "ttft_p50_s", ".2f"),
+    ("steps", "steps", "d"),
+    ("ms/step", "wall_ms_per_step", ".1f"),
+    ("prep ms", "host_prepare_ms_per_step", ".1f"),
+    ("fwd ms", "forward_host_ms_per_step", ".1f"),
+    ("device ms", "forward_device_ms_per_step", ".1f"),
+    ("in forward", "gpu_forward_fraction", ".0%"),
+    ("decode ms", "decode_step_ms", ".2f"),
+    ("decode x floor", "decode_over_floor", ".1f"),
+    ("graphs", "graphs", "d"),
+    ("capture s", "capture_s", ".2f"),
+    ("same tokens", "tokens_agree_with_stock", ".0%"),
+)
+
+
+def _cell(entry: dict, key: str, spec: str) -> str:
+    value = entry.get(key)
+    return "-" if value is None else format(value, spec)
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def _release(data: dict) -> str:
+    return data["meta"]["transformers"]
+
+
+def section(runs: list) -> list:
+    """Schema-2 runs: the workload, a tokens/s summary per release, then per model its floor
+    and one table per release with the targets."""
+    first = runs[0]["meta"]
+    a = first["args"]
+    variants = {}  # every variant of every run, first seen first: its one-line description
+    for data in runs:
+        for m in data["models"]:
+            for name, v in m.get("variants", {}).items():
+                variants.setdefault(name, v.get("what"))
+    lines = [
+        fill(
+            "cb.intro",
+            files=", ".join(f"transformers {_release(d)}: {d['meta']['device']}" for d in runs),
+            dtype=first["dtype"],
+            prompts=a["prompts"],
+            min_len=a["min_len"],
+            max_len=a["max_len"],
+            new_tokens=a["new_tokens"],
+            block_size=a["block_size"],
+            num_blocks=a["num_blocks"],
+            max_batch_tokens=a["max_batch_tokens"],
+            variants="\n".join(f"- `{n}`: {w}" for n, w in variants.items() if w),
+            rounds=a["rounds"],
+            repeat=", ".join(f"`{v}`" for v in a["repeat"]),
+            hbm=num(first["hbm_bytes_per_s"] / 1e12, 1),
+            peak=num(first["peak_flops"] / 1e12, 0),
+        ),
+        "",
+    ]
+    if len(runs) > 1:
+        lines += [fill("cb.versions", table=_versions_table(runs)), ""]
+    for name in _model_names(runs):
+        lines += _model_block(name, runs) + [""]
+    return lines
+
+
+def _model_names(runs: list) -> list:
+    names = []
+    for data in runs:
+        names += [m["model"] for m in data["models"] if m["model"] not in names]
+    return names
+
+
+def _entry(data: dict, name: str) -> dict | None:
+    return next((m for m in data["models"] if m["model"] == name), None)
+
+
+def _versions_table(runs: list) -> str:
+    rows = []
+    for name in _model_names(runs):
+        variants = []
+        for data in runs:
+            m = _entry(data, name) or {}
+            variants += [v for v in m.get("variants", {}) if v not in variants]
+        for variant in variants:
+            cells = [f"{name}", f"`{variant}`"]
+            for data in runs:
+                v = ((_entry(data, name) or {}).get("variants") or {}).get(variant, {})
+                cells.append("-" if "tokens_per_s" not in v else f"{v['tokens_per_s']:.0f}")
+            rows.append(cells)
+    return table(["model", "variant"] + [f"transformers {_release(d)}" for d in runs], rows)
+
+
+def _model_block(name: str, runs: list) -> list:
+    measured = [m for d in runs if (m := _entry(d, name)) is not None and "floor" in m]
+    if not measured:
+        why = "; ".join(f"transformers {_release(d)}: {(_entry(d, name) or {}).get('skipped')}"
+                        for d in runs)  # fmt: skip
+        return [f"### {name}", "", f"Not measured ({why}).", ""]
+    m, f = measured[0], measured[0]["floor"]
+    releases = []
+    for data in runs:
+        entry = _entry(data, name)
+        if entry is None or "floor" not in entry:
+            why = "not in this run" if entry is None else entry.get("skipped", "skipped")
+            releases.append(fill("cb.release.skipped", transformers=_release(data), why=why))
+            continue
+        meta = data["meta"]
+        rows = []
+        for variant, v in entry["variants"].items():
+            if "skipped" in v:
+                blank = [""] * (len(COLUMNS) - 1)
+                rows.append([f"`{variant}`", f"skipped: {v['skipped']}", *blank])
+            else:
+                rows.append([f"`{variant}`"] + [_cell(v, k, spec) for _, k, spec in COLUMNS])
+        releases.append(
+            fill(
+                "cb.release",
+                transformers=_release(data),
+                torch=meta["torch"],
+                date=meta["date"],
+                table=table(["variant"] + [h for h, _, _ in COLUMNS], rows),
+                targets="\n".join(target_lines(entry)),
+            )
+        )
+    return [
+        fill(
+            "cb.model",
+            model=name,
+            params=f"{m['params_m']:.0f}",
+            prompt_tokens=m["prompt_tokens"],
+            shape=m["shape"],
+            floor=num(f["roofline_s"], 3),
+            prefill=num(f["prefill_s"], 3),
+            decode=num(f["decode_s"], 3),
+            bound=num(f["bound_s"], 3),
+            weights=num(f["weight_bytes_per_decode_step"] / 1e9),
+            releases="\n\n".join(releases),
+        )
+    ]
+
+
+def target_lines(m: dict) -> list:
+    """Issue 23's targets for each breakgraph variant of one model entry, met or missed."""
+    ratios, spreads, v = m["ratios"], m["ratio_spread"], m["variants"]
+    graphs = [s for s in ("stock_graphs", "stock_graphs_async") if "tokens_per_s" in v.get(s, {})]
+    rival = max(graphs, key=lambda s: v[s]["tokens_per_s"], default=None)
+    lines = []
+    for bg in (name for name in v if name.startswith("breakgraph") and "tokens_per_s" in v[name]):
+        entry = v[bg]
+        key = f"{bg}_over_stock_sdpa"
+        if key in ratios:
+            ok = ratios[key] >= T.TARGET_CB_VS_STOCK
+            lines.append(fill(
+                "cb.target.stock", variant=bg, ratio=num(ratios[key]), spread=span(spreads[key]),
+                limit=f"{T.TARGET_CB_VS_STOCK:g}", verdict=_verdict(ok),
+            ))  # fmt: skip
+        key = f"{bg}_over_{rival}"
+        if key in ratios:
+            ok = ratios[key] >= T.TARGET_CB_VS_STOCK_GRAPHS
+            lines.append(fill(
+                "cb.target.graphs", variant=bg, rival=rival, ratio=num(ratios[key]),
+                spread=span(spreads[key]), limit=f"{T.TARGET_CB_VS_STOCK_GRAPHS:g}",
+                verdict=_verdict(ok), graphs=entry["graphs"], rival_graphs=v[rival]["graphs"],
+            ))  # fmt: skip
+        if "decode_over_floor" in entry:
+            judged = entry["decode_requests"] >= T.TARGET_CB_DECODE_MIN_REQUESTS
+            ok = entry["decode_over_floor"] <= T.TARGET_CB_DECODE_OVER_FLOOR
+            lines.append(fill(
+                "cb.target.decode", variant=bg, requests=entry["decode_requests"],
+                keys=f"{entry['decode_context']:.0f}", ms=num(entry["decode_step_ms"]),
+                over=num(entry["decode_over_floor"], 1), floor=num(entry["decode_floor_ms"], 3),
+                limit=f"{T.TARGET_CB_DECODE_OVER_FLOOR:g}",
+                min_requests=T.TARGET_CB_DECODE_MIN_REQUESTS,
+                verdict=_verdict(ok) if judged else "not judged: fewer requests",
+            ))  # fmt: skip
+        lines.append(fill(
+            "cb.target.capture", variant=bg, seconds=num(entry["capture_s"]),
+            limit=f"{T.TARGET_CB_CAPTURE_S:g}",
+            verdict=_verdict(entry["capture_s"] <= T.TARGET_CB_CAPTURE_S),
+            breaks=entry.get("breaks_per_graph", "-"), eager=entry.get("eager_steps", 0),
+        ))  # fmt: skip
+    return lines
+
+
+# -- schema 1 (the committed 5.17 run, until it is re-measured) -----------------------------
+def legacy_section(data: dict) -> list:
+    """The section from a schema-1 JSON (bench_cb before transformers 5.19: `paged_sdpa`,
+    `whole_graph`), kept so the committed page renders until its JSON is re-measured."""
     a = data["meta"]["args"]
     lines = [
         "## Continuous batching (transformers `generate_batch` / manager)",
@@ -68,7 +286,7 @@ def cb_section(data: dict) -> list:
                 f"| {v['ttft_p50_s']:.2f} | {steps} | {host} | {v.get('graphs', '-')} "
                 f"| {v.get('capture_s', 0.0):.2f} | {agree} |"
             )
-        lines += [""] + cb_target_lines(m) + [""]
+        lines += [""] + legacy_target_lines(m) + [""]
     return lines
 
 
@@ -76,8 +294,8 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "missed"
 
 
-def cb_target_lines(m: dict) -> list:
-    """The issue's targets, met or missed, from the numbers (each breakgraph variant)."""
+def legacy_target_lines(m: dict) -> list:
+    """Issue 14's targets, met or missed, from a schema-1 model entry."""
     r, v = m["ratios"], m["variants"]
     spreads = m.get("ratio_spread", {})
 
@@ -115,23 +333,43 @@ def cb_target_lines(m: dict) -> list:
 
 
 def write_cb_plot(data: dict, plt, save: dict, img: str) -> str:
-    """Tokens/s per model and variant (log scale)."""
-    names = ["paged_sdpa", "breakgraph", "breakgraph_async", "whole_graph", "generate"]
-    models = data["models"]
+    """Tokens/s per model and variant (log scale), from one JSON of either schema."""
+    models = [m for m in data["models"] if "variants" in m]
+    if schema(data) < 2:
+        names = ["paged_sdpa", "breakgraph", "breakgraph_async", "whole_graph", "generate"]
+    else:
+        names = []
+        for m in models:
+            names += [v for v in m["variants"] if v not in names]
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    width = 0.16
+    width = 0.8 / max(1, len(names))
     for k, name in enumerate(names):
         values = [m["variants"].get(name, {}).get("tokens_per_s", 0) for m in models]
         if any(values):
-            x = [i + (k - 2) * width for i in range(len(models))]
+            x = [i + (k - (len(names) - 1) / 2) * width for i in range(len(models))]
             ax.bar(x, values, width, label=name)
     ax.set_yscale("log")
     ax.set_ylabel("generated tokens/s (log)")
-    ax.set_xticks(list(range(len(models))), [m["model"] for m in models])
-    ax.set_title("continuous batching, H200, bf16", fontsize=9)
+    ax.set_xticks(list(range(len(models))), [m["model"] for m in models], fontsize=7)
+    release = data["meta"].get("transformers", "")
+    ax.set_title(f"continuous batching, H200, bf16, transformers {release}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(img, "cb.png")
     fig.savefig(path, **save)
     plt.close(fig)
     return path
+
+
+def main(argv=None) -> None:
+    """Print the section rendered from the JSON files given (one per transformers release)."""
+    paths = sys.argv[1:] if argv is None else argv
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    print("\n".join(cb_section(*runs)))
+
+
+if __name__ == "__main__":
+    main()

@@ -87,9 +87,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     blocks += report_earlier.section(
         loaded.get(report_earlier.FILE), runs, loaded.get(report_earlier.MOE_FILE)
     )
-    cb = load(cb_report.FILE)
-    if cb is not None:
-        blocks.append("\n".join(cb_report.cb_section(cb)))
+    cb = [data for name in cb_report.FILES if (data := load(name)) is not None]
+    if cb:  # one JSON per transformers release
+        blocks.append("\n".join(cb_report.cb_section(*cb)))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

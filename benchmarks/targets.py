@@ -59,6 +59,11 @@ TARGET_CB_THROUGHPUT_VS_EAGER = 3.0  # breakgraph CB tokens/s / paged|sdpa CB ea
 TARGET_CB_THROUGHPUT_VS_WHOLE_GRAPH = 0.9  # within 10 % of the whole-step graph variant
 TARGET_CB_FEWER_GRAPHS = 5.0  # whole-step graphs captured / breakgraph graphs
 TARGET_CB_CAPTURE_S = 5.0  # capture time of all buckets
+# continuous batching on shapes not tuned on (issue 23, bench_cb's JSON schema 2)
+TARGET_CB_VS_STOCK = 5.0  # breakgraph tokens/s / stock sdpa CB (no graphs)
+TARGET_CB_VS_STOCK_GRAPHS = 2.0  # / the faster of stock sdpa with use_cuda_graph=True, sync|async
+TARGET_CB_DECODE_OVER_FLOOR = 2.0  # a pure-decode step's wall time / its HBM floor ...
+TARGET_CB_DECODE_MIN_REQUESTS = 32  # ... at this many requests or more
 
 # tensor parallelism (benchmarks/bench_tp.py, issue 15)
 TARGET_TP_BG_VS_WHOLE_GRAPH = 1.05  # TP=2 breakgraph / TP=2 whole graph, from TP_FROM_TOKENS
