@@ -1,165 +1,182 @@
-"""Continuous batching throughput and time to first token: stock transformers vs breakgraph.
+"""Continuous batching: breakgraph against what a transformers user would run instead.
 
-Run on a GPU machine (bf16, random weights, no download; with 120 prompts and 3 rounds about
-4 minutes on an H200, longer with the default 200 prompts)::
+On an H200, once per transformers release (about 6 minutes each; the script prints its
+estimate first and skips whole models that would run past ``--budget-s``)::
 
-    python benchmarks/bench_cb.py --out cb.json
+    bash scripts/gpu_check.sh cb_bench "$OUT/cb-5.17.json"          # the image's transformers
+    bash scripts/gpu_check.sh cb_bench "$OUT/cb-5.24.json" WHEEL    # a carried 5.24 wheel
 
-and on any machine, in seconds (tiny model, CPU, the emulated backend; checks that the
-script runs and that breakgraph's tokens equal transformers')::
+(``cb_bench`` runs ``python -m benchmarks.bench_cb --out FILE``), and on any machine in about
+20 seconds (tiny model, CPU, fp32, the emulated backend; it fails unless every variant's
+tokens equal stock transformers' exactly)::
 
-    python benchmarks/bench_cb.py --smoke --out cb-smoke.json
+    python -m benchmarks.bench_cb --smoke --out cb-smoke.json
 
-Workload: ``--prompts`` random prompts of ``--min-len``..``--max-len`` tokens, all
-submitted at once to one continuous-batching manager, ``--new-tokens`` greedy tokens
-each (no EOS). Every CB variant uses the same ``ContinuousBatchingConfig``
-(``--block-size``, ``--num-blocks``, ``--max-batch-tokens``; prefix sharing off, so
-repeated passes cannot reuse cached blocks). Variants:
+Workload (issue 23): ``--prompts`` random prompts of ``--min-len``..``--max-len`` tokens,
+submitted at once to one manager (``init_continuous_batching``), ``--new-tokens`` greedy
+tokens each, no EOS, prefix sharing off; every variant uses the same
+``ContinuousBatchingConfig`` (``--block-size``, ``--num-blocks``, ``--max-batch-tokens``).
 
-  paged_sdpa    (a) transformers CB as shipped without flash_attn: ``paged|sdpa``, a dense
-                [tokens x KV] mask, no graphs
-  breakgraph    (b) ``enable_continuous_batching`` with ``use_async_batching=False``: one
-                breakable graph per query bucket, each layer's cache access + varlen
-                attention an eager break, steps synchronous
-  breakgraph_async  (b) with asynchronous batching, the default on CUDA: two IO pairs
-                sharing one graph per bucket, the host prepares step N+1 while the device
-                runs step N (CUDA only)
-  breakgraph_pow2  (b) with the earlier default query buckets (powers of two from 8), to
-                measure what the coarser default (32, 128, 512, ...) costs or saves
-  whole_graph   (c) transformers' own whole-step CUDA graphs (the design it uses with
-                flash_attn: keys query x KV x max_seqlen_k, upper-bound lengths baked in),
-                built with torch's FlashAttention varlen kernel (``paged|torch_varlen``,
-                registered by this script); async batching on, as transformers picks with flash
-  generate      (d) ``model.generate`` one prompt at a time, on ``--generate-prompts``
-                prompts of median length with ``--generate-new-tokens`` tokens; tokens/s is
-                measured there and the queue's time to first token extrapolated (it says so)
+Variants:
 
-(c) captures its graphs lazily while serving, so it runs the workload twice on one manager
-with fresh prompts of the same lengths: ``cold`` includes the captures, ``warm`` is the
-headline. breakgraph captures every bucket in ``manager.warmup()`` (reported as capture
-seconds), so one pass measures it.
-Reported per variant: tokens/s, time to first token (mean, p50, p90 from submission),
-steps, transformers' host scheduling time per step, graphs captured, capture seconds,
-and token agreement with (a) (bf16 runs differ at near-ties; the smoke run must agree
-exactly).
+  stock_sdpa          transformers as shipped without flash_attn: ``sdpa`` with a dense
+                      mask, no graphs, synchronous steps (its default there)
+  stock_graphs        stock_sdpa with ``use_cuda_graph=True``: transformers' own whole-step
+                      graphs (one per padded query x KV x max key length, captured lazily
+                      while serving), synchronous
+  stock_graphs_async  the same with ``use_async_batching=True`` (CUDA only)
+  breakgraph          ``enable_continuous_batching`` with its defaults: one graph per query
+                      bucket (each layer's paged attention an eager break) and one lm_head
+                      graph per logits-row bucket, all captured when the manager is created;
+                      asynchronous steps on CUDA
+  breakgraph_sync     breakgraph with ``use_async_batching=False``
+  breakgraph_pow2     breakgraph with the earlier query buckets (powers of two from 8)
+  generate            ``model.generate`` one prompt at a time on a few median-length prompts
+                      (tokens/s measured, the queue's time to first token extrapolated)
+
+The three shapes issue 23 asks for (``qwen2.5-3b-12l``, ``llama3-8b-4l``, ``mixtral-1k-8l``)
+run the first five variants; the shapes measured since issue 14 (``llama-1b``,
+``qwen3-0.6b``, ``qwen3-moe``) run stock_sdpa, breakgraph and breakgraph_sync (``--variants``
+replaces both lists). ``breakgraph`` takes ``--rounds`` turns with the variants in
+``--repeat`` (median round reported, with the spread); the others run once (their noise
+cannot move a 2x or 5x target). stock_graphs* capture while serving, so they serve a cold
+pass first (``--cold-new-tokens`` each; captures the keys) and report the warm pass with
+fresh prompts of the same lengths; breakgraph has captured everything before serving.
+
+Dropped since transformers 5.19: ``whole_graph`` (transformers' whole-step graphs around
+torch's varlen kernel under a custom attention key). From 5.19 CB refuses a custom attention
+key unless its name says "flash" (and then looks it up as a flash kernel and turns on
+flash_attn's block-table decode path); from 5.24 the model calls ``cache.update`` itself.
+Keeping it would need a benchmark-side replacement of ``switch_to_cb_friendly_attn`` and
+three attention signatures that only a GPU can check; stock_graphs is transformers' own
+whole-step design on what a user without flash_attn has. Its last numbers (5.17) are in
+``docs/results/h200-cb.json``.
+
+Reported per variant and pass: tokens/s, time to first token (mean, p50, p90 from
+submission), steps and wall ms per step, transformers' host scheduling ms per step
+(``prepare_next_batch``), graphs and capture seconds; where breakgraph's (or stock eager's)
+forward is wrapped: its host ms per step and, on CUDA, its device span per step (CUDA events
+around the forward) and the share of the pass the device spent inside forwards
+(``gpu_forward_fraction``: bubbles inside a forward count as busy, transformers' sampling and
+waits between forwards as idle). Pure-decode steps come from the requests' token timestamps:
+between the last request's first token and the first request's last token every step decodes
+one token of every request; their median interval is the decode step's wall time, set against
+its HBM floor (:mod:`benchmarks.roofline`), as is the whole pass against the workload's floor.
+How each number is taken, and the transformers internals read to take it (breakgraph reads
+none of them), is in :mod:`benchmarks.cb_instruments`; they are probed before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import json
+import os
 import statistics
+import sys
 import time
+import types
 
 import torch
-import transformers
-from breakgraph.integrations.transformers import attention as bg_attention
-from breakgraph.integrations.transformers import enable_continuous_batching
-from transformers import GenerationConfig
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-try:  # python -m benchmarks.bench_cb
-    from .families import FAMILIES, SMOKE_FAMILIES, make_model
-except ImportError:  # python benchmarks/bench_cb.py
-    from families import FAMILIES, SMOKE_FAMILIES, make_model
+if __package__ in (None, ""):  # python benchmarks/bench_cb.py: make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CONFIGS = {  # the dense shapes are benchmarks/families.py's (bench_prefill uses them too)
-    "llama-1b": FAMILIES["llama-1b"].config,
-    "qwen3-0.6b": FAMILIES["qwen3-0.6b"].config,
-    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(  # ~0.4B parameters, grouped_mm experts
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        moe_intermediate_size=512,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=64,
-        num_experts=16,
-        num_experts_per_tok=4,
-        max_position_embeddings=4096,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    ),
-    "tiny-llama": SMOKE_FAMILIES["tiny-llama"].config,  # --smoke
+import transformers  # noqa: E402
+from breakgraph.integrations.transformers import compat, enable_continuous_batching  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+
+from benchmarks import roofline  # noqa: E402
+from benchmarks.bench_prefill import environment  # noqa: E402
+from benchmarks.cb_instruments import (  # noqa: E402
+    INTERNALS,
+    GraphLog,
+    StepCounter,
+    StepTimer,
+    decode_window,
+    require_internals,
+)
+from benchmarks.families import (  # noqa: E402
+    CB_FAMILIES,
+    FAMILIES,
+    SMOKE_FAMILIES,
+    Family,
+    config_summary,
+    make_model,
+)
+from breakgraph.patches import PatchSet  # noqa: E402
+
+SCHEMA = 2  # the JSON layout (1: the 5.17-only layout with paged_sdpa and whole_graph)
+
+
+# -- models and variants ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    what: str
+    breakgraph: bool
+    use_cuda_graph: bool | None = None  # stock variants only (breakgraph decides its own)
+    use_async_batching: bool | None = None
+    pow2: bool = False  # breakgraph's earlier query buckets
+    needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
+
+
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("stock_sdpa", "transformers without flash_attn: sdpa, dense mask, no graphs",
+                False),  # fmt: skip
+        Variant("stock_graphs", "stock_sdpa + use_cuda_graph=True (whole-step graphs), sync",
+                False, use_cuda_graph=True, use_async_batching=False),  # fmt: skip
+        Variant("stock_graphs_async", "stock_sdpa + use_cuda_graph=True, async batching", False,
+                use_cuda_graph=True, use_async_batching=True,
+                needs_cuda="async batching runs on CUDA streams"),  # fmt: skip
+        Variant("breakgraph", "enable_continuous_batching defaults (async on CUDA)", True),
+        Variant("breakgraph_sync", "breakgraph with use_async_batching=False", True,
+                use_async_batching=False),  # fmt: skip
+        Variant("breakgraph_pow2", "breakgraph with query buckets 8, 16, 32, ... (earlier)", True,
+                pow2=True),  # fmt: skip
+    )
 }
-VARLEN_KEY = "paged|torch_varlen"
+GENERATE = "generate"
+STOCK = ("stock_sdpa", "stock_graphs", "stock_graphs_async")
+NEW_SHAPE_VARIANTS = ("stock_sdpa", "stock_graphs", "stock_graphs_async", "breakgraph",
+                      "breakgraph_sync")  # fmt: skip
+CONTINUITY_VARIANTS = ("stock_sdpa", "breakgraph", "breakgraph_sync")
+SMOKE_VARIANTS = ("stock_sdpa", "stock_graphs", "stock_graphs_async", "breakgraph",
+                  "breakgraph_sync", "breakgraph_pow2")  # fmt: skip
 
 
-# -- (c): transformers' whole-step graphs with torch's varlen kernel ---------------------------
-def torch_varlen_paged_attention(
-    module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs
-):
-    """transformers' ``paged|flash_attention_2`` without flash_attn: the cache update and
-    ATen's FlashAttention varlen kernel with the lengths CB passes (upper bounds under graphs)."""
-    layer_type = "sliding_attention" if sliding_window else "full_attention"
-    cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
-    if isinstance(cu_k, dict):
-        cu_k, max_k = cu_k[layer_type], max_k[layer_type]
-    k, v = kwargs["cache"].update(
-        key, value, module.layer_idx, kwargs["read_index"], kwargs["write_index"]
-    )
-    out = bg_attention.flash_varlen(
-        query[0].transpose(0, 1).contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        kwargs["cu_seq_lens_q"],
-        cu_k,
-        kwargs["max_seqlen_q"],
-        max_k,
-        scaling,
-        sliding_window,
-    )
-    return out, None
+@dataclasses.dataclass(frozen=True)
+class CBModel:
+    family: Family
+    variants: tuple[str, ...]  # the default variants (``--variants`` replaces them)
 
 
-class Instruments:
-    """Counts CB steps, transformers' host scheduling time and whole-step graph captures."""
+MODELS = {
+    **{n: CBModel(CB_FAMILIES[n], NEW_SHAPE_VARIANTS)
+       for n in ("qwen2.5-3b-12l", "llama3-8b-4l", "mixtral-1k-8l")},  # fmt: skip
+    "llama-1b": CBModel(FAMILIES["llama-1b"], CONTINUITY_VARIANTS),
+    "qwen3-0.6b": CBModel(FAMILIES["qwen3-0.6b"], CONTINUITY_VARIANTS),
+    "qwen3-moe": CBModel(CB_FAMILIES["qwen3-moe"], CONTINUITY_VARIANTS),
+    **{n: CBModel(f, SMOKE_VARIANTS) for n, f in SMOKE_FAMILIES.items()},
+}
+DEFAULT_MODELS = ("qwen2.5-3b-12l", "llama3-8b-4l", "mixtral-1k-8l", "llama-1b", "qwen3-0.6b",
+                  "qwen3-moe")  # fmt: skip
+CONFIGS = {name: m.family.config for name, m in MODELS.items()}  # (benchmarks.cb_agreement)
 
-    def __init__(self) -> None:
-        from transformers.generation.continuous_batching import continuous_api, model_runner
-
-        self.steps = 0
-        self.prepare_s = 0.0
-        self.captures = 0
-        self.capture_s = 0.0
-        self._saved = []
-        processor = continuous_api.ContinuousBatchProcessor
-        runner = model_runner.ModelRunner
-        prepare, capture = processor.prepare_next_batch, runner._capture_graph
-
-        def prepare_next_batch(this):
-            start = time.perf_counter()
-            scheduled = prepare(this)
-            self.prepare_s += time.perf_counter() - start
-            self.steps += int(scheduled)
-            return scheduled
-
-        def capture_graph(this, *args):
-            start = time.perf_counter()
-            capture(this, *args)
-            torch.cuda.synchronize()
-            self.captures += 1
-            self.capture_s += time.perf_counter() - start
-
-        for owner, name, fn in (
-            (processor, "prepare_next_batch", prepare_next_batch),
-            (runner, "_capture_graph", capture_graph),
-        ):
-            self._saved.append((owner, name, owner.__dict__[name]))
-            setattr(owner, name, fn)
-
-    def reset(self) -> None:
-        self.steps, self.prepare_s = 0, 0.0
-
-    def remove(self) -> None:
-        for owner, name, fn in self._saved:
-            setattr(owner, name, fn)
+#: Rough generated tokens/s on the H200 at the default workload, for the time estimate only
+#: (from docs/results/h200-cb.json and issue 23's runs, rounded down).
+ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async": 1500,
+                  "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000}  # fmt: skip
+ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
 # -- workload ---------------------------------------------------------------------------------
 def make_prompts(count, min_len, max_len, vocab, seed) -> list[list[int]]:
+    """Random prompts; their lengths depend on ``count`` and the bounds only (not ``seed``)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(
         min_len, max_len + 1, (count,), generator=torch.Generator().manual_seed(0)
@@ -173,7 +190,7 @@ def synchronize(device) -> None:
 
 
 def serve(manager, prompts, new_tokens) -> tuple[list, float, list]:
-    """Submit every prompt at once; (tokens per prompt, seconds, time to first token each)."""
+    """Submit every prompt at once; (tokens per prompt, seconds, the finished outputs)."""
     start = time.perf_counter()
     ids = manager.add_requests(prompts, max_new_tokens=new_tokens, record_timestamps=True)
     results = {}
@@ -189,103 +206,135 @@ def serve(manager, prompts, new_tokens) -> tuple[list, float, list]:
             results[result.request_id] = result
     seconds = time.perf_counter() - start
     ordered = [results[i] for i in ids]
-    return (
-        [r.generated_tokens for r in ordered],
-        seconds,
-        [r.timestamps[0] - r.created_time for r in ordered],
-    )
+    return [r.generated_tokens for r in ordered], seconds, ordered
 
 
-def summary(tokens, seconds, ttft, instruments) -> dict:
-    ttft = sorted(ttft)
+def pass_summary(tokens, seconds, outputs, prompts, run, captures_before: int) -> dict:
+    """One pass: throughput, time to first token, steps, host scheduling, captures during it,
+    pure-decode steps against their floor, forward times (where wrapped); a full-length
+    pass also against the workload's floor."""
+    ttft = sorted(o.timestamps[0] - o.created_time for o in outputs)
     generated = sum(len(t) for t in tokens)
-    return {
+    steps = run.counter.steps
+    out = {
         "seconds": seconds,
         "tokens": generated,
         "tokens_per_s": generated / seconds,
         "ttft_mean_s": statistics.mean(ttft),
         "ttft_p50_s": ttft[len(ttft) // 2],
         "ttft_p90_s": ttft[int(len(ttft) * 0.9)],
-        "steps": instruments.steps,
-        "host_prepare_ms_per_step": 1e3 * instruments.prepare_s / max(1, instruments.steps),
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * seconds / max(1, steps),
+        "host_prepare_ms_per_step": 1e3 * run.counter.prepare_s / max(1, steps),
+        "captures": run.graphs.captures - captures_before,
     }
+    out.update(decode_window(outputs, [len(p) for p in prompts]))
+    if "decode_requests" in out:
+        floor = roofline.decode_step_floor(run.shape, out["decode_requests"],
+                                           out["decode_context"], *run.peaks)  # fmt: skip
+        out["decode_floor_ms"] = floor["floor_ms"]
+        out["decode_over_floor"] = out["decode_step_ms"] / floor["floor_ms"]
+    if run.timer is not None:
+        out.update(run.timer.summary(seconds, min(32, len(prompts))))
+    if generated == len(prompts) * run.args.new_tokens:  # the workload the floor is for
+        out["over_roofline"] = seconds / run.floor["roofline_s"]
+    return out
 
 
-def agreement(got, ref) -> float:
-    return sum(g == r for g, r in zip(got, ref)) / len(ref)
+def cb_config(args, variant: Variant):
+    """One ``ContinuousBatchingConfig`` for every variant (``page_size`` from 5.18,
+    ``block_size`` before; transformers' switch to flash attention off where it has one)."""
+    from transformers import ContinuousBatchingConfig
 
-
-def run_cb_variant(model, name, args, sets, gen, instruments, backend) -> tuple[dict, list]:
-    """One CB variant: a manager, warm-up, then one or two passes of the workload."""
-    cbc = ContinuousBatchingConfig(
-        block_size=args.block_size,
+    fields = vars(ContinuousBatchingConfig())
+    size = "page_size" if "page_size" in fields else "block_size"
+    extra = {"auto_switch_to_flash": False} if "auto_switch_to_flash" in fields else {}
+    return ContinuousBatchingConfig(
+        **{size: args.block_size},
         num_blocks=args.num_blocks,
         max_batch_tokens=args.max_batch_tokens,
         allow_block_sharing=False,
-        use_cuda_graph=True if name == "whole_graph" else None,
-        use_async_batching=name in ("whole_graph", "breakgraph_async"),
+        use_cuda_graph=variant.use_cuda_graph,
+        use_async_batching=variant.use_async_batching,
+        **extra,
     )
-    handle = None
-    if name == "breakgraph_pow2":  # the earlier default ladder: powers of two from 8
-        buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]
-        handle = enable_continuous_batching(model, backend=backend, query_buckets=buckets)
-    elif name == "paged_sdpa":
-        model.set_attn_implementation("sdpa")  # CB switches it to paged|sdpa
-    elif name == "whole_graph":
-        model.set_attn_implementation(VARLEN_KEY)
-    else:
-        handle = enable_continuous_batching(model, backend=backend)
-    instruments.captures, instruments.capture_s = 0, 0.0
-    try:
-        manager = model.init_continuous_batching(
-            generation_config=gen, continuous_batching_config=cbc
-        )
-        start = time.perf_counter()
-        manager.warmup()
-        synchronize(model.device)
-        warmup_s = time.perf_counter() - start
-        manager.start()
-        passes = {}
+
+
+# -- one variant, one round -------------------------------------------------------------------
+def run_round(model, variant: Variant, run) -> dict:
+    """A manager of ``variant``: created (breakgraph captures here), warmed up, then the
+    passes (stock graphs: cold, then warm; else warm), stopped and destroyed."""
+    args, device = run.args, run.device
+    lazy_graphs = bool(variant.use_cuda_graph) and device.type == "cuda"
+    passes = [("warm", run.warm, args.new_tokens)]
+    if lazy_graphs:
+        passes.insert(0, ("cold", run.cold, args.cold_new_tokens))
+    handle, result = None, {}
+    with PatchSet() as patches:
+        if variant.breakgraph:
+            buckets = None
+            if variant.pow2:
+                buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]
+            handle = enable_continuous_batching(model, backend=run.backend, query_buckets=buckets)
+        else:
+            model.set_attn_implementation("sdpa")
+        run.timer = None
+        if not variant.use_cuda_graph:  # never around transformers' own graphs
+            run.timer = StepTimer(device.type == "cuda")
+            run.timer.install(patches, handle.runner if handle is not None else model)
         try:
-            for label, prompts in sets:
-                instruments.reset()
-                tokens, seconds, ttft = serve(manager, prompts, args.new_tokens)
-                passes[label] = summary(tokens, seconds, ttft, instruments)
-                passes[label]["_tokens"] = tokens
+            run.graphs.reset()
+            start = time.perf_counter()
+            manager = model.init_continuous_batching(
+                generation_config=run.gen, continuous_batching_config=cb_config(args, variant)
+            )
+            manager.warmup()
+            synchronize(device)
+            result["manager_s"] = time.perf_counter() - start
+            result["warmup_captures"] = run.graphs.captures
+            manager.start()
+            try:
+                for label, prompts, new_tokens in passes:
+                    run.counter.reset()
+                    captures = run.graphs.captures
+                    if run.timer is not None:
+                        run.timer.reset()
+                    tokens, seconds, outputs = serve(manager, prompts, new_tokens)
+                    result[label] = pass_summary(tokens, seconds, outputs, prompts, run, captures)
+                    result["_tokens"] = tokens
+            finally:
+                manager.stop(block=True)
+                manager.destroy()
         finally:
-            manager.stop(block=True)
-            manager.destroy()
-    finally:
-        if handle is not None:
-            stats = handle.stats
-            handle.disable()
-        model.set_attn_implementation("sdpa")
-    result = {"warmup_s": warmup_s, **passes}
+            if handle is not None:
+                runner = handle.runner
+                tokens_stats, logits_stats = runner.tokens.stats, runner.logits.stats
+                handle.disable()
+            model.set_attn_implementation("sdpa")
     if handle is not None:
         result.update(
-            graphs=stats.captures,
-            capture_s=stats.capture_s,
-            replays=stats.replays,
-            eager_steps=stats.eager_steps,
-            breaks_per_graph=max((b.breaks for b in stats.buckets.values()), default=0),
-            buckets=sorted(stats.buckets),
-            stats_table=str(stats),
+            graphs=tokens_stats.captures + logits_stats.captures,
+            capture_s=tokens_stats.capture_s + logits_stats.capture_s,
+            replays=tokens_stats.replays,
+            eager_steps=tokens_stats.eager_steps,
+            breaks_per_graph=max((b.breaks for b in tokens_stats.buckets.values()), default=0),
+            buckets=sorted(tokens_stats.buckets),
+            logits_buckets=sorted(logits_stats.buckets),
+            stats_table=str(tokens_stats),
         )
-    elif name == "whole_graph":
-        result.update(graphs=instruments.captures, capture_s=instruments.capture_s)
     else:
-        result.update(graphs=0, capture_s=0.0)
-    headline = passes["warm"] if "warm" in passes else passes["cold"]
-    tokens = headline.pop("_tokens")
-    for entry in passes.values():
-        entry.pop("_tokens", None)
-    result.update({k: headline[k] for k in ("tokens_per_s", "ttft_mean_s", "ttft_p50_s")})
-    return result, tokens
+        result.update(graphs=run.graphs.captures, capture_s=run.graphs.capture_s)
+    if variant.use_cuda_graph and device.type != "cuda":
+        result["note"] = "no CUDA: transformers turns its graphs off"
+    headline = dict(result["warm"])  # the row of the page
+    result["warm_captures"] = headline.pop("captures")
+    result.update(headline)
+    return result
 
 
 @torch.no_grad()
 def run_generate(model, prompts, args) -> dict:
-    """(d): ``model.generate`` one prompt at a time on a few median-length prompts."""
+    """``model.generate`` one prompt at a time on a few median-length prompts."""
     subset = sorted(prompts, key=len)[len(prompts) // 2 :][: args.generate_prompts]
     gen = GenerationConfig(
         max_new_tokens=args.generate_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
@@ -305,6 +354,7 @@ def run_generate(model, prompts, args) -> dict:
     per_prompt = per_token * args.new_tokens  # a whole request of the workload, extrapolated
     n = args.prompts
     return {
+        "what": "model.generate, one prompt at a time",
         "measured_prompts": len(subset),
         "measured_new_tokens": args.generate_new_tokens,
         "seconds": seconds,
@@ -319,200 +369,309 @@ def run_generate(model, prompts, args) -> dict:
     }
 
 
-def run_model(name, args, device, dtype, backend) -> dict:
-    config = CONFIGS[name]()
+# -- one model: variants in turns, medians, ratios --------------------------------------------
+def agreement(got, ref) -> float:
+    return sum(g == r for g, r in zip(got, ref)) / len(ref)
+
+
+def _ratios(rounds: dict) -> tuple[dict, dict]:
+    """breakgraph / stock tokens/s per round (a baseline that ran once divides every round);
+    the lower median and the spread."""
+    ratios, spread = {}, {}
+    for bg in (v for v in rounds if VARIANTS[v].breakgraph):
+        for base in (v for v in STOCK if v in rounds):
+            mine, theirs = rounds[bg], rounds[base]
+            if len(theirs) != len(mine):
+                theirs = [statistics.median_low([r["tokens_per_s"] for r in theirs])] * len(mine)
+            else:
+                theirs = [r["tokens_per_s"] for r in theirs]
+            per_round = [m["tokens_per_s"] / t for m, t in zip(mine, theirs)]
+            ratios[f"{bg}_over_{base}"] = statistics.median_low(per_round)
+            spread[f"{bg}_over_{base}"] = [min(per_round), max(per_round)]
+    return ratios, spread
+
+
+def model_variants(name: str, args) -> list[str]:
+    chosen = args.variants or list(MODELS[name].variants)
+    return list(dict.fromkeys(chosen))
+
+
+def run_model(name: str, args, run) -> dict:
+    started = time.perf_counter()
+    config = MODELS[name].family.config()
     for key in ("bos_token_id", "eos_token_id"):
         setattr(config, key, None)
     config.pad_token_id = 0
-    model = make_model(config, device, dtype)
+    model = make_model(config, run.device, run.dtype)
     vocab = config.vocab_size
-    cold = make_prompts(args.prompts, args.min_len, args.max_len, vocab, seed=1)
-    warm = make_prompts(args.prompts, args.min_len, args.max_len, vocab, seed=2)
-    gen = GenerationConfig(
-        max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
-    )
+    run.cold = make_prompts(args.prompts, args.min_len, args.max_len, vocab, seed=1)
+    run.warm = make_prompts(args.prompts, args.min_len, args.max_len, vocab, seed=2)
+    run.shape = roofline.shape_of(model)
+    run.floor = roofline.workload_floor(run.shape, [len(p) for p in run.warm], args.new_tokens,
+                                        args.max_batch_tokens, *run.peaks)  # fmt: skip
+    variants = model_variants(name, args)
     out = {
         "model": name,
+        "shape": MODELS[name].family.shape,
+        "config": config_summary(config),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-        "prompt_tokens": sum(map(len, cold)),
+        "prompts": args.prompts,
+        "prompt_tokens": sum(map(len, run.warm)),
+        "new_tokens": args.new_tokens,
+        "floor": dict(run.floor, shape=run.shape.as_dict()),
         "variants": {},
     }
-    instruments = Instruments()
-    rounds: dict[str, list] = {}  # variant -> its result in each round
-    try:
-        tokens = {}
-        runnable = []
-        for variant in args.variants:
-            if variant == "generate":
+    runnable = []
+    for v in variants:
+        if v != GENERATE and VARIANTS[v].needs_cuda and run.device.type != "cuda":
+            out["variants"][v] = {"skipped": f"needs CUDA ({VARIANTS[v].needs_cuda})"}
+        elif v != GENERATE:
+            runnable.append(v)
+    rounds: dict[str, list] = {}
+    for turn in range(args.rounds):  # the repeated variants take turns: drift hits them alike
+        for v in runnable:
+            if turn > 0 and v not in args.repeat:
                 continue
-            if variant == "whole_graph" and (
-                device.type != "cuda" or not bg_attention.flash_available(dtype, device)
-            ):
-                out["variants"][variant] = {"skipped": "needs CUDA and bf16/fp16"}
-            elif variant == "breakgraph_async" and device.type != "cuda":
-                out["variants"][variant] = {"skipped": "needs CUDA"}
-            else:
-                runnable.append(variant)
-        for turn in range(args.rounds):  # the variants take turns: noise hits them alike
-            for variant in runnable:
-                if variant == "paged_sdpa" and turn > 0:
-                    continue  # (a) is 4-8x slower: one pass (its noise cannot move a 3x target)
-                # (c) captures lazily while serving: a cold pass first; (a) has no graphs and
-                # breakgraph captures every bucket in manager.warmup(): one pass each
-                sets = (
-                    [("cold", cold), ("warm", warm)]
-                    if variant == "whole_graph"
-                    else [("warm", warm)]
-                )
-                print(f"[{name}] {variant} (round {turn + 1}) ...", flush=True)
-                result, result["_tokens"] = run_cb_variant(
-                    model, variant, args, sets, gen, instruments, backend
-                )
-                rounds.setdefault(variant, []).append(result)
-                print(f"[{name}] {variant}: {result['tokens_per_s']:.0f} tok/s", flush=True)
-        for variant, results in rounds.items():  # the median round stands for the variant
-            ordered = sorted(results, key=lambda r: r["tokens_per_s"])
-            median_round = ordered[(len(ordered) - 1) // 2]  # the lower middle, as median_low
-            tokens[variant] = median_round.pop("_tokens")
-            out["variants"][variant] = dict(
-                median_round, rounds_tokens_per_s=[r["tokens_per_s"] for r in results]
-            )
-        if "paged_sdpa" in tokens:
-            for variant, got in tokens.items():
-                out["variants"][variant]["tokens_agree_with_paged_sdpa"] = agreement(
-                    got, tokens["paged_sdpa"]
-                )
-        if "generate" in args.variants:
-            print(f"[{name}] generate ...", flush=True)
-            out["variants"]["generate"] = run_generate(model, warm, args)
-    finally:
-        instruments.remove()
-    variants = out["variants"] = {
-        v: out["variants"][v] for v in args.variants if v in out["variants"]
-    }
-    ratios, spread = {}, {}
-    for bg in ("breakgraph", "breakgraph_async"):
-        if bg not in rounds:
-            continue
-        if "paged_sdpa" in rounds:
-            per_round = [r["tokens_per_s"] / rounds["paged_sdpa"][0]["tokens_per_s"]
-                         for r in rounds[bg]]  # fmt: skip
-            ratios[f"{bg}_over_paged_sdpa"] = statistics.median_low(per_round)
-            spread[f"{bg}_over_paged_sdpa"] = [min(per_round), max(per_round)]
-        if "whole_graph" in rounds:  # round by round: the two ran next to each other
-            per_round = [
-                r["tokens_per_s"] / w["tokens_per_s"]
-                for r, w in zip(rounds[bg], rounds["whole_graph"])
-            ]
-            ratios[f"{bg}_over_whole_graph"] = statistics.median_low(per_round)
-            spread[f"{bg}_over_whole_graph"] = [min(per_round), max(per_round)]
-            ratios[f"whole_graph_graphs_over_{bg}"] = variants["whole_graph"]["graphs"] / max(
-                1, variants[bg]["graphs"]
-            )
-    out["ratios"], out["ratio_spread"] = ratios, spread
+            print(f"[{name}] {v} (round {turn + 1}) ...", flush=True)
+            result = run_round(model, VARIANTS[v], run)
+            rounds.setdefault(v, []).append(result)
+            print(f"[{name}] {v}: {result['tokens_per_s']:.0f} tok/s, {result['steps']} steps",
+                  flush=True)  # fmt: skip
+            gc.collect()
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+    tokens = {}
+    for v, results in rounds.items():  # the median round stands for the variant
+        ordered = sorted(results, key=lambda r: r["tokens_per_s"])
+        median_round = ordered[(len(ordered) - 1) // 2]  # the lower middle, as median_low
+        tokens[v] = median_round.pop("_tokens")
+        for r in results:
+            r.pop("_tokens", None)
+        out["variants"][v] = dict(
+            median_round,
+            what=VARIANTS[v].what,
+            rounds=len(results),
+            rounds_tokens_per_s=[r["tokens_per_s"] for r in results],
+        )
+    if "stock_sdpa" in tokens:
+        for v, got in tokens.items():
+            out["variants"][v]["tokens_agree_with_stock"] = agreement(got, tokens["stock_sdpa"])
+    if GENERATE in variants:
+        print(f"[{name}] generate ...", flush=True)
+        out["variants"][GENERATE] = run_generate(model, run.warm, args)
+    out["variants"] = {v: out["variants"][v] for v in variants if v in out["variants"]}
+    out["ratios"], out["ratio_spread"] = _ratios(rounds)
+    out["seconds"] = time.perf_counter() - started
     del model
-    if device.type == "cuda":
+    gc.collect()
+    if run.device.type == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
+def check_smoke_tokens(result: dict) -> None:
+    """The smoke run's proof: in fp32 every variant's greedy tokens equal stock transformers'."""
+    for v, entry in result["variants"].items():
+        agree = entry.get("tokens_agree_with_stock")
+        if agree is not None and agree != 1.0:
+            raise SystemExit(
+                f"bench_cb --smoke: {result['model']} {v}: {agree:.0%} of the prompts got "
+                f"stock_sdpa's tokens in fp32 (expected all)"
+            )
+
+
+# -- the time estimate and budget -------------------------------------------------------------
+def estimate_s(name: str, args) -> float:
+    """Rough H200 seconds for one model (ESTIMATE_TOK_S; cold passes count 1.5x)."""
+    tokens = args.prompts * args.new_tokens
+    cold = args.prompts * args.cold_new_tokens
+    total = ESTIMATE_FIXED_S["model"]
+    for v in model_variants(name, args):
+        if v == GENERATE:
+            total += ESTIMATE_FIXED_S[GENERATE]
+            continue
+        rounds = args.rounds if v in args.repeat else 1
+        per_round = ESTIMATE_FIXED_S["manager"] + tokens / ESTIMATE_TOK_S[v]
+        if VARIANTS[v].use_cuda_graph:
+            per_round += 1.5 * cold / ESTIMATE_TOK_S[v]
+        total += rounds * per_round
+    return total
+
+
+# -- output -----------------------------------------------------------------------------------
+#: The summary's columns: (header, width, the variant's key, format).
+COLUMNS = (
+    ("tok/s", 7, "tokens_per_s", ".0f"),
+    ("s", 6, "seconds", ".2f"),
+    ("xfloor", 7, "over_roofline", ".1f"),
+    ("TTFTp50", 7, "ttft_p50_s", ".2f"),
+    ("steps", 5, "steps", "d"),
+    ("ms/step", 7, "wall_ms_per_step", ".1f"),
+    ("prep", 5, "host_prepare_ms_per_step", ".1f"),
+    ("fwd", 5, "forward_host_ms_per_step", ".1f"),
+    ("dev", 5, "forward_device_ms_per_step", ".1f"),
+    ("busy", 4, "gpu_forward_fraction", ".0%"),
+    ("dec ms", 6, "decode_step_ms", ".2f"),
+    ("xfl", 5, "decode_over_floor", ".1f"),
+    ("graphs", 6, "graphs", "d"),
+    ("cap s", 5, "capture_s", ".2f"),
+    ("agree", 5, "tokens_agree_with_stock", ".2f"),
+)
+
+
+def _cell(entry: dict, key: str, width: int, spec: str) -> str:
+    value = entry.get(key)
+    return ("-" if value is None else format(value, spec)).rjust(width)
+
+
 def print_summary(results: dict) -> None:
+    """Per model: the floor, one row per variant (COLUMNS), the ratios, the decode steps."""
     for m in results["models"]:
+        if "skipped" in m:
+            print(f"\n{m['model']}: skipped ({m['skipped']})")
+            continue
+        f = m["floor"]
         print(
-            f"\n{m['model']} ({m['params_m']:.0f}M params), {len(m.get('variants', {}))} variants, "
-            f"{m['prompt_tokens']} prompt tokens"
+            f"\n{m['model']} ({m['params_m']:.0f}M params; {m['prompts']} prompts, "
+            f"{m['prompt_tokens']} prompt tokens, {m['new_tokens']} new tokens each)\n"
+            f"  floor {f['roofline_s']:.3f} s (prefill {f['prefill_s']:.3f} + decode "
+            f"{f['decode_s']:.3f}; strict bound {f['bound_s']:.3f}); "
+            f"{f['weight_bytes_per_decode_step'] / 1e9:.2f} GB of weights per decode step"
         )
-        print(
-            f"  {'variant':<18}{'tok/s':>9}{'TTFT mean':>11}{'TTFT p50':>10}{'steps':>7}"
-            f"{'host ms/step':>14}{'graphs':>8}{'capture s':>11}{'agree':>7}"
-        )
+        print("  " + "variant".ljust(19) + " ".join(h.rjust(w) for h, w, _, _ in COLUMNS))
         for name, v in m["variants"].items():
             if "skipped" in v:
-                print(f"  {name:<18}skipped: {v['skipped']}")
-                continue
-            row = v.get("warm", v)
-            print(
-                f"  {name:<18}{v['tokens_per_s']:>9.1f}{v['ttft_mean_s']:>11.2f}"
-                f"{v['ttft_p50_s']:>10.2f}{row.get('steps', '-'):>7}"
-                f"{row.get('host_prepare_ms_per_step', float('nan')):>14.1f}"
-                f"{v.get('graphs', '-'):>8}{v.get('capture_s', 0.0):>11.2f}"
-                f"{v.get('tokens_agree_with_paged_sdpa', float('nan')):>7.2f}"
-            )
+                print(f"  {name:<19}skipped: {v['skipped']}")
+            elif name == GENERATE:
+                print(f"  {name:<19}{v['tokens_per_s']:>7.1f}  ({v['note']})")
+            else:
+                print(f"  {name:<19}" + " ".join(_cell(v, k, w, f) for _, w, k, f in COLUMNS))
         for key, value in m["ratios"].items():
-            low_high = m.get("ratio_spread", {}).get(key)
-            spread = f" (rounds {low_high[0]:.2f}-{low_high[1]:.2f})" if low_high else ""
-            print(f"  {key}: {value:.2f}{spread}")
-        if "note" in m["variants"].get("generate", {}):
-            print(f"  generate: {m['variants']['generate']['note']}")
+            low, high = m["ratio_spread"][key]
+            print(f"  {key}: {value:.2f} (rounds {low:.2f}-{high:.2f})")
+        for name, v in m["variants"].items():
+            if "decode_floor_ms" in v:
+                print(f"  {name}: pure decode at {v['decode_requests']} requests x "
+                      f"{v['decode_context']:.0f} keys: {v['decode_step_ms']:.2f} ms/step, "
+                      f"floor {v['decode_floor_ms']:.3f} ms")  # fmt: skip
         if "stats_table" in m["variants"].get("breakgraph", {}):
-            print(
-                "  breakgraph stats:\n    "
-                + m["variants"]["breakgraph"]["stats_table"].replace("\n", "\n    ")
-            )
+            table = m["variants"]["breakgraph"]["stats_table"].replace("\n", "\n    ")
+            print("  breakgraph query-bucket stats:\n    " + table)
 
 
-def main() -> None:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    names = lambda text: [n for n in text.split(",") if n]  # noqa: E731
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU, emulated backend")
-    parser.add_argument("--models", default="llama-1b,qwen3-0.6b,qwen3-moe")
-    parser.add_argument(
-        "--variants", default="paged_sdpa,breakgraph,breakgraph_async,whole_graph,generate",
-        help="comma-separated subset of paged_sdpa, breakgraph, breakgraph_async, whole_graph, "
-        "breakgraph_pow2 (query buckets 8, 16, 32, ...: the earlier default), "
-        "generate",
-    )  # fmt: skip
-    parser.add_argument(
-        "--rounds", type=int, default=3,
-        help="rounds in which the graph variants take turns (medians and spread reported); "
-        "paged_sdpa and generate run once",
-    )  # fmt: skip
-    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--models", type=names, default=None,
+                        help=f"comma-separated, of {', '.join(MODELS)} (default: "
+                        f"{','.join(DEFAULT_MODELS)}; --smoke: tiny-llama)")  # fmt: skip
+    parser.add_argument("--variants", type=names, default=None,
+                        help=f"comma-separated, of {', '.join(VARIANTS)}, {GENERATE} (default: "
+                        "per model, see above)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="turns taken by the --repeat variants (median and spread)")
+    parser.add_argument("--repeat", type=names, default=["breakgraph"],
+                        help="variants that take every round; the others run once")
+    parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--cold-new-tokens", type=int, default=32,
+                        help="new tokens per prompt of the stock graphs' cold (capturing) pass")
+    parser.add_argument("--block-size", type=int, default=256, help="page size of the cache")
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--generate-prompts", type=int, default=2)
     parser.add_argument("--generate-new-tokens", type=int, default=32)
-    args = parser.parse_args()
+    parser.add_argument("--hbm-tbs", type=float, default=roofline.H200_HBM_BYTES_PER_S / 1e12,
+                        help="HBM bandwidth of the floor, TB/s")  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=roofline.H200_PEAK_FLOPS / 1e12,
+                        help="dense bf16 peak of the floor, TFLOP/s")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="skip a model whose estimate would end the run past this many "
+                        "seconds (0: no budget)")  # fmt: skip
+    args = parser.parse_args(argv)
     if args.smoke:
-        args.models = "tiny-llama"
-        args.prompts, args.min_len, args.max_len, args.new_tokens = 8, 4, 40, 6
+        args.models = args.models or ["tiny-llama"]
+        args.prompts, args.min_len, args.max_len, args.new_tokens = 8, 4, 40, 12
+        args.cold_new_tokens = 3
         args.block_size, args.num_blocks, args.max_batch_tokens = 16, 64, 32
         args.generate_prompts, args.generate_new_tokens = 2, 4
-        args.rounds = 1
-    args.variants = list(dict.fromkeys(v for v in args.variants.split(",") if v))  # once each
+        args.rounds, args.budget_s = 2, 0.0
+    args.models = args.models or list(DEFAULT_MODELS)
+    unknown = set(args.models) - set(MODELS)
+    unknown |= set(args.variants or ()) - set(VARIANTS) - {GENERATE}
+    if unknown:
+        parser.error(f"unknown model or variant: {sorted(unknown)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    backend = "cuda" if cuda else "emulated"
+    every_variant = {v for name in args.models for v in model_variants(name, args)}
+    compat.require("continuous_batching", "bench_cb")
+    require_internals(any(VARIANTS[v].use_cuda_graph for v in every_variant if v in VARIANTS))
     if not cuda:
         torch.set_num_threads(1)  # tiny model: threads cost more than they save
-    transformers.AttentionInterface.register(VARLEN_KEY, torch_varlen_paged_attention)
-    results = {
-        "meta": {
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "backend": backend,
-            "dtype": str(dtype),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-            "args": {k: v for k, v in vars(args).items()},
-        },
-        "models": [],
-    }
-    for name in filter(None, args.models.split(",")):
-        results["models"].append(run_model(name, args, device, dtype, backend))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2, default=str)
+    estimates = {name: estimate_s(name, args) for name in args.models}
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {device}; "
+          f"estimate on an H200: {sum(estimates.values()):.0f} s "
+          f"({', '.join(f'{n} {s:.0f}' for n, s in estimates.items())})", flush=True)  # fmt: skip
+    peaks = (args.hbm_tbs * 1e12, args.peak_tflops * 1e12)
+    gen = GenerationConfig(
+        max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    run = types.SimpleNamespace(
+        args=args, device=device, dtype=dtype, backend="cuda" if cuda else "emulated", gen=gen,
+        peaks=peaks, counter=StepCounter(), graphs=GraphLog(), timer=None,
+    )  # fmt: skip
+    meta = environment(types.SimpleNamespace(cuda=cuda))
+    meta.update(
+        schema=SCHEMA,
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        backend=run.backend,
+        dtype=str(dtype),
+        flash_attn_installed=transformers.utils.is_flash_attn_2_available(),
+        hbm_bytes_per_s=peaks[0],
+        peak_flops=peaks[1],
+        internals=list(INTERNALS),
+        estimate_s=estimates,
+        args=vars(args),
+    )
+    results = {"meta": meta, "models": []}
+    started = time.perf_counter()
+    spent_estimate = 0.0  # estimates of the models already run (the pace corrects them)
+    with contextlib.ExitStack() as stack:
+        run.counter.install(stack.enter_context(PatchSet()))
+        run.graphs.install(stack)
+        for name in args.models:
+            elapsed = time.perf_counter() - started
+            pace = elapsed / spent_estimate if spent_estimate else 1.0
+            if args.budget_s and elapsed + pace * estimates[name] > args.budget_s:
+                results["models"].append({"model": name, "skipped": (
+                    f"time budget: {elapsed:.0f} s spent, about {pace * estimates[name]:.0f} s "
+                    f"more needed, --budget-s {args.budget_s:.0f}")})  # fmt: skip
+                print(f"[{name}] skipped: {results['models'][-1]['skipped']}", flush=True)
+                continue
+            result = run_model(name, args, run)
+            spent_estimate += estimates[name]
+            results["models"].append(result)
+            if args.smoke:
+                check_smoke_tokens(result)
+            meta["elapsed_s"] = time.perf_counter() - started
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=2, default=str)
     print_summary(results)
-    with contextlib.suppress(KeyError):
-        del transformers.AttentionInterface._global_mapping[VARLEN_KEY]
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    return results
 
 
 if __name__ == "__main__":

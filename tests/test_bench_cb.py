@@ -1,0 +1,247 @@
+"""The continuous-batching benchmark's own parts (``benchmarks/bench_cb.py``, ``roofline``,
+``cb_report``), on the CPU: the floor arithmetic, the pure-decode window, the transformers
+internals it reads (probed, and failing with a clear message), the graph counter, the
+ratios, and the performance page's section with one table per transformers release. The
+whole script runs in ``test_continuous_batching.py::test_benchmark_smoke_mode``."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import json
+import logging
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from breakgraph.integrations.transformers import compat  # noqa: E402
+
+from benchmarks import bench_cb, cb_instruments, cb_report, roofline  # noqa: E402
+
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
+needs_cb = pytest.mark.skipif(
+    not compat.supported("continuous_batching"),
+    reason=f"transformers {transformers.__version__}: {compat.problems('continuous_batching')}",
+)
+
+SHAPE = roofline.Shape(layers=2, heads=4, kv_heads=2, head_dim=16, dense_params=1000,
+                       expert_params=800, experts=8, top_k=2, head_params=500,
+                       bytes_per_param=2)  # fmt: skip
+
+
+# -- the floor --------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", [roofline, cb_instruments], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_decode_step_floor_counts_weights_routed_experts_and_kv_rows():
+    one = roofline.decode_step_floor(SHAPE, requests=1, context=10, hbm_bytes_per_s=1e3)
+    # one token reads 2 of 8 experts: 800 * 2/8 = 200 expert parameters
+    assert one["bytes"] == (1000 + 500 + 200) * 2 + 10 * SHAPE.kv_bytes_per_token
+    many = roofline.decode_step_floor(SHAPE, requests=1000, context=10, hbm_bytes_per_s=1e3)
+    weights = many["bytes"] - 1000 * 10 * SHAPE.kv_bytes_per_token
+    assert weights == pytest.approx((1000 + 500 + 800) * 2)  # every expert routed to
+    assert one["memory_bound"] and one["floor_ms"] == pytest.approx(one["bytes"])  # 1 kB/s
+
+
+def test_workload_floor_adds_the_phases_and_bounds_them():
+    floor = roofline.workload_floor(SHAPE, [100, 300], new_tokens=5, max_batch_tokens=256)
+    assert floor["prefill_steps"] == 2 and floor["decode_steps"] == 4
+    assert floor["roofline_s"] == pytest.approx(floor["prefill_s"] + floor["decode_s"])
+    assert 0 < floor["bound_s"] <= floor["roofline_s"]
+    longer = roofline.workload_floor(SHAPE, [100, 300], new_tokens=50, max_batch_tokens=256)
+    assert longer["decode_s"] > 10 * floor["decode_s"]
+
+
+def test_shape_of_counts_experts_apart_and_a_tied_head_once():
+    from benchmarks.families import SMOKE_FAMILIES, TINY
+
+    moe = transformers.AutoModelForCausalLM.from_config(SMOKE_FAMILIES["tiny-mixtral"].config())
+    shape = roofline.shape_of(moe)
+    total = sum(p.numel() for p in moe.parameters())
+    embedding = moe.get_input_embeddings().weight.numel()
+    assert shape.experts == 4 and shape.top_k == 2 and shape.expert_params > 0
+    assert shape.dense_params + shape.expert_params + embedding + shape.head_params == total
+    tied = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**TINY, tie_word_embeddings=True)
+    )
+    shape = roofline.shape_of(tied)
+    assert shape.experts == 0 and shape.bytes_per_param == 4
+    assert shape.head_params == tied.get_input_embeddings().weight.numel()
+    assert shape.dense_params + shape.head_params == sum(p.numel() for p in tied.parameters())
+
+
+# -- the pure-decode window -------------------------------------------------------------------
+def _output(stamps):
+    return types.SimpleNamespace(timestamps=stamps, created_time=0.0)
+
+
+def test_decode_window_takes_the_steps_where_every_request_decodes():
+    # request a: first token at 1, then every 1 s; b is prefilled later (first token at 3)
+    a = _output([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    b = _output([3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5])
+    window = cb_instruments.decode_window([a, b], [10, 20])
+    # window [3, 6]: a's intervals 3-4, 4-5, 5-6 (1 s), b's six of 0.5 s between 3 and 6
+    assert window["decode_intervals"] == 9 and window["decode_requests"] == 2
+    assert window["decode_step_ms"] == pytest.approx(500.0)
+    keys = [10 + i for i in (3, 4, 5)] + [20 + i for i in range(1, 7)]
+    assert window["decode_context"] == pytest.approx(sum(keys) / len(keys))
+    assert cb_instruments.decode_window([_output([1.0, 2.0]), _output([3.0, 4.0])], [5, 5]) == {}
+
+
+# -- the transformers internals the benchmark reads --------------------------------------------
+@needs_cb
+def test_the_internals_read_are_there_on_this_release():
+    assert cb_instruments.internals_problems(stock_graphs=True) == []
+
+
+@needs_cb
+def test_a_missing_internal_fails_with_a_clear_message(monkeypatch):
+    processor = cb_instruments._processor_class()
+    monkeypatch.delattr(processor, "prepare_next_batch")
+    found = cb_instruments.internals_problems(stock_graphs=False)
+    assert any("prepare_next_batch" in problem for problem in found)
+    with pytest.raises(SystemExit) as error:
+        cb_instruments.require_internals(stock_graphs=False)
+    message = str(error.value)
+    assert f"transformers {transformers.__version__}" in message and "INTERNALS" in message
+
+
+@needs_cb
+def test_a_vanished_graph_message_is_named(monkeypatch):
+    log = cb_instruments.GraphLog
+    monkeypatch.setattr(log, "MESSAGES", ("Creating graph for", "No such message"))
+    assert cb_instruments.internals_problems(stock_graphs=False) == []  # not read then
+    found = cb_instruments.internals_problems(stock_graphs=True)
+    assert found == ["transformers no longer logs 'No such message' (stock graph count)"]
+
+
+def test_graph_log_counts_captures_quietly_and_restores_the_logger(capfd):
+    import contextlib
+
+    logger = logging.getLogger(cb_instruments.GraphLog.LOGGER)
+    console = logging.StreamHandler()
+    logger.addHandler(console)  # as transformers' own console handler
+    level = logger.level
+    try:
+        log = cb_instruments.GraphLog()
+        with contextlib.ExitStack() as stack:
+            log.install(stack)
+            logger.info("Creating graph for key = (64, 16384)")
+            logger.info("Setting graph for key = (64, 16384)")
+            logger.info("Setting graph for key = (128, 16384)")  # no 'Creating' seen: no time
+            assert log.captures == 2 and log.capture_s >= 0
+            logger.warning("a warning still shows")
+        assert log not in logger.handlers and logger.level == level
+        assert console.level == logging.NOTSET
+    finally:
+        logger.removeHandler(console)
+    err = capfd.readouterr().err
+    assert "a warning still shows" in err and "Setting graph" not in err
+
+
+# -- ratios ------------------------------------------------------------------------------------
+def test_ratios_pair_rounds_or_divide_by_a_baseline_that_ran_once():
+    def rounds(*values):
+        return [{"tokens_per_s": v} for v in values]
+
+    ratios, spread = bench_cb._ratios({
+        "stock_sdpa": rounds(100.0),
+        "stock_graphs": rounds(200.0, 400.0, 100.0),
+        "breakgraph": rounds(500.0, 800.0, 600.0),
+    })  # fmt: skip
+    assert ratios["breakgraph_over_stock_sdpa"] == 6.0  # 5, 8, 6: the lower median
+    assert spread["breakgraph_over_stock_sdpa"] == [5.0, 8.0]
+    assert ratios["breakgraph_over_stock_graphs"] == 2.5  # round by round: 2.5, 2, 6
+    assert "stock_graphs_over_stock_sdpa" not in ratios
+
+
+def test_every_model_and_variant_is_known_and_estimated():
+    args = bench_cb.parse_args([])
+    assert args.models == list(bench_cb.DEFAULT_MODELS) and args.prompts >= 100
+    total = sum(bench_cb.estimate_s(name, args) for name in args.models)
+    assert 120 < total < 450  # the H200 run must fit its ~6 minutes (printed at the start)
+    for name in bench_cb.MODELS:
+        assert set(bench_cb.model_variants(name, args)) <= set(bench_cb.VARIANTS)
+    with pytest.raises(SystemExit):
+        bench_cb.parse_args(["--variants", "whole_graph"])  # dropped (see the module docstring)
+
+
+# -- the performance page's section -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke_json():
+    """One in-process smoke run of two variants (the subprocess run covers them all)."""
+    if not compat.supported("continuous_batching"):
+        pytest.skip("continuous batching is not supported on this transformers")
+    threads = torch.get_num_threads()
+    original = vars(cb_instruments._processor_class())["prepare_next_batch"]
+    try:
+        data = bench_cb.main(["--smoke", "--variants", "stock_sdpa,breakgraph", "--rounds", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    return types.SimpleNamespace(data=json.loads(json.dumps(data, default=str)), original=original)
+
+
+def test_in_process_run_restores_transformers(smoke_json):
+    assert vars(cb_instruments._processor_class())["prepare_next_batch"] is smoke_json.original
+    logger = logging.getLogger(cb_instruments.GraphLog.LOGGER)
+    assert not any(isinstance(h, cb_instruments.GraphLog) for h in logger.handlers)
+    variants = smoke_json.data["models"][0]["variants"]
+    assert variants["breakgraph"]["tokens_agree_with_stock"] == 1.0
+
+
+def test_section_has_a_table_per_transformers_release(smoke_json):
+    older = copy.deepcopy(smoke_json.data)
+    newer = copy.deepcopy(older)
+    older["meta"]["transformers"], newer["meta"]["transformers"] = "5.17.0", "5.24.0"
+    newer["models"][0]["variants"]["breakgraph"]["tokens_per_s"] = 12345.0
+    page = "\n".join(cb_report.cb_section(older, newer))
+    assert page.count("## Continuous batching") == 1
+    assert "transformers 5.17.0 (torch" in page and "transformers 5.24.0 (torch" in page
+    assert "| tiny-llama | `breakgraph` |" in page and "| 12345 |" in page  # the summary
+    assert page.count("\n| `breakgraph` |") == 2 and "capture, all graphs" in page
+    assert "target ≥ 5x" in page  # issue 23's targets, judged from the numbers
+
+
+def test_a_model_skipped_by_the_budget_is_said_so(smoke_json):
+    data = copy.deepcopy(smoke_json.data)
+    data["models"].append({"model": "llama3-8b-4l", "skipped": "time budget: ..."})
+    page = "\n".join(cb_report.cb_section(data))
+    assert "### llama3-8b-4l" in page and "time budget" in page
+
+
+def test_the_committed_earlier_layout_still_renders():
+    import os
+
+    from benchmarks.report import RESULTS
+
+    with open(os.path.join(RESULTS, cb_report.FILE)) as f:
+        data = json.load(f)
+    if cb_report.schema(data) >= 2:
+        pytest.skip("the committed CB JSON is already the current layout")
+    page = "\n".join(cb_report.cb_section(data))
+    assert "| breakgraph_async |" in page and "whole_graph" in page
+
+
+def test_step_timer_keeps_the_forward_signature_transformers_reads():
+    """transformers passes ``logits_to_keep`` only to a forward whose signature has it: a
+    timer that hid it would make stock CB compute logits for every token (a slower baseline)."""
+    from benchmarks.families import TINY
+    from breakgraph.patches import PatchSet
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY))
+    assert model._supports_logits_to_keep()
+    timer = cb_instruments.StepTimer(cuda=False)
+    with PatchSet() as patches:
+        timer.install(patches, model)
+        assert model._supports_logits_to_keep()
+        ids = torch.randint(0, 100, (1, 5))
+        logits = model(input_ids=ids, logits_to_keep=torch.tensor([1, 4])).logits
+        assert logits.shape[:2] == (1, 2)
+        assert [r[3:] for r in timer.records] == [(5, 2)] and timer.records[0][0] > 0
+    assert "forward" not in vars(model)
