@@ -42,7 +42,9 @@ from .state import context_scope, is_capturing, replay_context, state
 
 __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "context_scope"]
 
-_capture_lock = threading.Lock()  # one capture at a time per process (CUDA requires it too)
+# one capture at a time per process (CUDA allows one global-mode capture, and breakgraph patches
+# process-wide hooks while capturing): a capture started on another thread waits for it
+_capture_lock = threading.Lock()
 _NO_CONTEXT = object()
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -260,6 +262,10 @@ def capture(
     On any exception nothing is left behind: the graph holds no capture, hooks are
     removed, the current stream is restored and a new capture works.
 
+    Captures run one at a time per process: a capture started while another thread is
+    capturing waits for it (runners and managers serving from several threads take turns);
+    a capture started inside a capture on the same thread raises ``CaptureError``.
+
     Example::
 
         >>> import torch, breakgraph
@@ -295,11 +301,13 @@ def capture(
         _debug.debug_enabled(debug),
         collect_garbage,
     )
-    if not _capture_lock.acquire(blocking=False):
+    if state.capture is not None:  # this thread is capturing: waiting would never end
         raise CaptureError(
-            "breakgraph.capture: another capture is in progress (nested captures are not "
-            "supported, and CUDA allows one capture at a time). Finish it first."
+            "breakgraph.capture: a capture is already in progress on this thread (nested "
+            "captures are not supported, and CUDA allows one capture at a time). Finish it "
+            "first, or call the function itself inside the outer capture."
         )
+    _capture_lock.acquire()  # a capture on another thread: wait for it to finish
     recording = None
     try:
         recording = _Capture(graph, chosen, options, context)

@@ -7,6 +7,7 @@ inputs.
 """
 
 import gc
+import time
 
 import pytest
 import torch
@@ -646,3 +647,45 @@ def test_first_matmul_of_the_process_inside_a_capture():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_captures_on_two_threads_take_turns(capture, device):
+    """A capture started while another thread captures waits for it, then succeeds (nested
+    captures on one thread still raise): two runners or managers built from two threads."""
+    import threading
+
+    inside, release, order = threading.Event(), threading.Event(), []
+    x = torch.randn(4, device=device)
+
+    def first():
+        g = breakgraph.BreakableCUDAGraph()
+        with capture(g):
+            y = x * 2
+            order.append("first in")
+            inside.set()
+            release.wait(timeout=30)
+        order.append("first out")
+        g.replay()
+        results["first"] = torch.equal(y, x * 2)
+
+    def second():
+        inside.wait(timeout=30)
+        g = breakgraph.BreakableCUDAGraph()
+        with capture(g):
+            order.append("second in")
+            z = x + 1
+        g.replay()
+        results["second"] = torch.equal(z, x + 1)
+
+    results = {}
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    inside.wait(timeout=30)
+    time.sleep(0.2)  # the second thread is now waiting for the lock
+    assert order == ["first in"]
+    release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert order == ["first in", "first out", "second in"]
+    assert results == {"first": True, "second": True}
