@@ -55,6 +55,7 @@ import torch
 
 from .eager import eager_on_graph
 from .errors import InputError, RankFailedError, RankMismatchError
+from .patches import patch_attribute
 
 __all__ = [
     "RankGroup",
@@ -449,11 +450,9 @@ def all_reduce_as_breaks() -> Iterator[None]:
             return original(tensor, op=op, group=group, async_op=True)
         return as_break(tensor, op=op, group=group)
 
-    dist.all_reduce = all_reduce
-    try:
+    with contextlib.ExitStack() as stack:
+        patch_attribute(stack, dist, "all_reduce", all_reduce)
         yield
-    finally:
-        dist.all_reduce = original
 
 
 def release_graphs(graphs: Iterable[Any], ranks: RankGroup | None) -> None:
