@@ -13,8 +13,15 @@
 # --help). Expected on an H200: prefill about 5 min (its --budget-s, 300 s by default, trims
 # the compile work and then whole families if it falls behind; PREFILL_TIMEOUT, 480 s, stops
 # it for good, keeping the families already written), overhead about 1 min, anatomy under 1 min,
-# continuous batching about 4 min with CB_ARGS="--prompts 120" (3 rounds; CB_TIMEOUT, 480 s).
+# continuous batching about 6 min (see cb_bench below).
 # The whole script does not fit one 10-minute device call: split it with the SKIP_ flags.
+# Continuous batching alone, once per transformers release (one device call each, ~6.5 min):
+#   bash scripts/gpu_check.sh cb_bench "$OUT/cb-5.17.json"   # the image's transformers (5.17)
+#   bash scripts/gpu_check.sh cb_bench "$OUT/cb-5.24.json"   # carry .whl holding the 5.24 wheel:
+#     mkdir -p .whl && cp ../wheels/transformers-5.24.0-py3-none-any.whl .whl/   (then carry .whl)
+# (everything in a call that carries .whl runs on the wheels in it; the JSON records the
+# transformers and torch versions). Then, here: cp cb-5.17.json docs/results/h200-cb.json,
+# cp cb-5.24.json docs/results/h200-cb-5.24.json, python -m benchmarks.report.
 # RUN_SUITE=1 also runs the pytest-benchmark suite (tests/benchmarks) into
 # $OUT/pytest-benchmark.json; carry .whl (breakable-cuda-graphs wheel, for the peer comparison)
 # with the device call; fetch it first (git-ignored):
@@ -28,6 +35,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -c "import torch, transformers; print('gpu:', torch.cuda.get_device_name(), '| torch', torch.__version__, '| transformers', transformers.__version__)"
+
+# cb_bench OUTFILE: benchmarks/bench_cb.py (stock sdpa CB, stock CUDA graphs, breakgraph; six
+# shapes) into OUTFILE on the transformers this call has; it prints its H200 estimate first
+# (about 340 s) and skips a model that would end past --budget-s (360 s). CB_ARGS adds flags
+# (e.g. "--models qwen2.5-3b-12l,llama3-8b-4l"); CB_TIMEOUT (540 s) stops it for good, keeping
+# the models already written.
+cb_bench() {
+  # shellcheck disable=SC2086  # CB_ARGS is a list of flags
+  timeout "${CB_TIMEOUT:-540}" python3 -m benchmarks.bench_cb --out "$1" ${CB_ARGS:-}
+}
+if [ "${1:-}" = cb_bench ]; then
+  [ -n "${2:-}" ] || { echo "usage: bash scripts/gpu_check.sh cb_bench OUTFILE"; exit 2; }
+  cb_bench "$2" 2>&1 | tee "${2%.json}.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 status=0
 LOG="$OUT/benchmarks.log"
@@ -47,9 +69,7 @@ if [ -z "${SKIP_PREFILL:-}" ]; then
 fi
 if [ -z "${SKIP_CB:-}" ]; then
   t=$SECONDS
-  # shellcheck disable=SC2086
-  timeout "${CB_TIMEOUT:-480}" python3 benchmarks/bench_cb.py --out "$OUT/cb.json" ${CB_ARGS:-} \
-    2>&1 | tee -a "$LOG" || status=1
+  cb_bench "$OUT/cb.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[continuous batching: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_BEFORE_AFTER:-}" ]; then
