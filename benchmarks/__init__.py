@@ -11,6 +11,7 @@ without touching ``sys.path``. Run the scripts as modules from the repository ro
 
 Modules: ``timing`` (turn-taking medians, host and device time), ``families`` (model
 shapes), ``baselines`` (what a user would otherwise run: HF eager, an exact-length CUDA
-graph, ``torch.compile``), ``bench_prefill`` (the prefill comparison), ``report`` and its
-``performance.md.in`` template.
+graph, ``torch.compile``), ``bench_prefill`` (the prefill comparison), ``bench_cb`` (continuous
+batching against stock transformers; ``cb_instruments``: how it measures; ``roofline``: the
+device floor of a workload), ``report`` and its ``performance.md.in`` template.
 """
