@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -114,6 +115,21 @@ class PrefillOutput:
         return cache
 
 
+class _HostView:
+    """Numpy views of one pinned host buffer, made once (a ``.numpy()`` call or a slice is
+    host time on every step): ``ids`` (and ``unsigned_ids``, the same memory as uint64),
+    ``positions``, ``last`` (last-token indices), ``cu`` (int32 boundaries)."""
+
+    __slots__ = ("ids", "unsigned_ids", "positions", "last", "cu")
+
+    def __init__(self, buffer: torch.Tensor, max_tokens: int, max_prompts: int):
+        host, t, p = buffer.numpy(), max_tokens, max_prompts
+        self.ids, self.positions = host[:t], host[t : 2 * t]
+        self.unsigned_ids = self.ids.view(np.uint64)  # a negative id is a huge unsigned one
+        self.last = host[2 * t : 2 * t + p]
+        self.cu = host[2 * t + p :].view(np.int32)[: p + 2]
+
+
 class _StepBuffers(StaticInputs):
     """Where one prefill's inputs live: one device buffer, filled by one copy per call.
 
@@ -122,6 +138,10 @@ class _StepBuffers(StaticInputs):
     views of its start, so the bucket graphs read the same memory (they never run at the
     same time). The host side is two pinned buffers used in turn, each guarded by an event,
     so preparing a step never waits for the previous one to be read.
+
+    Per call this is host work on a model step, so every view it writes through (numpy views
+    of both host buffers, ``cu_seqlens[: k]`` for every count ``k``) is made here, once; one
+    prompt (the common case) takes a path with no numpy reduction over the lengths.
     """
 
     def __init__(self, max_tokens: int, max_prompts: int, device: torch.device, pad_id: int):
@@ -134,12 +154,14 @@ class _StepBuffers(StaticInputs):
         with torch.inference_mode(False):
             self.device_buffer = torch.zeros(self.words, dtype=torch.long, device=device)
             self.hosts = [torch.zeros(self.words, dtype=torch.long, pin_memory=pin) for _ in (0, 1)]
+        self.views = [_HostView(host, max_tokens, max_prompts) for host in self.hosts]
         self.events = [torch.cuda.Event() if pin else None for _ in (0, 1)]
         self.turn = 0
         t, p = max_tokens, max_prompts
         self.ids, self.positions = self.device_buffer[:t], self.device_buffer[t : 2 * t]
         self.last_index = self.device_buffer[2 * t : 2 * t + p]
         self.cu_seqlens = self.device_buffer[2 * t + p :].view(torch.int32)[: p + 2]
+        self.cu_views = [self.cu_seqlens[:k] for k in range(p + 3)]  # cu_views[k] = cu[:k]
         self.arange = np.arange(max_tokens, dtype=np.int64)
 
     def allocate(self, size: int) -> tuple:
@@ -152,24 +174,25 @@ class _StepBuffers(StaticInputs):
         batch is longer than the buffer (an eager fallback builds its own tensors)."""
         total = sum(lengths)
         if total > self.max_tokens:
-            _check_vocabulary([p for p in prompts if p.device.type == "cpu"], vocab_size)
+            _check_vocabulary([p for p in prompts if p.is_cpu], vocab_size)
             return False
         i = self.turn
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # the copy of two steps ago has read this buffer
-        ids = self.hosts[i].numpy()[: self.max_tokens]
+        event = self.events[i]
+        if event is not None:
+            event.synchronize()  # the copy of two steps ago has read this buffer
+        view = self.views[i]
+        ids = view.ids
         start = 0
         on_device = False
         for prompt, n in zip(prompts, lengths):
-            if prompt.device.type == "cpu":
+            if prompt.is_cpu:
                 ids[start : start + n] = prompt.numpy()
             else:
                 on_device = True
             start += n
         if on_device:  # device prompts are not checked: it would cost a host sync
-            host = [p for p in prompts if p.device.type == "cpu"]
-            _check_vocabulary(host, vocab_size)
-        elif total and (ids[:total].min() < 0 or ids[:total].max() >= vocab_size):
+            _check_vocabulary([p for p in prompts if p.is_cpu], vocab_size)
+        elif total and view.unsigned_ids[:total].max() >= vocab_size:  # < 0 or >= vocab
             raise _vocabulary_error(vocab_size)
         return True
 
@@ -177,32 +200,43 @@ class _StepBuffers(StaticInputs):
         """Second half: positions, tail, last-token indices, boundaries, then ONE async copy
         to the device. Returns the ``(start, end)`` bounds of the prompts and of the tail
         (a dummy sequence, so every row is written)."""
-        t, p = self.max_tokens, self.max_prompts
         i = self.turn
         self.turn ^= 1
-        host = self.hosts[i].numpy()
-        ids, positions = host[:t], host[t : 2 * t]
-        starts = np.cumsum([0] + lengths)
-        total = int(starts[-1])
-        ids[total:bucket] = self.pad_id
-        positions[:total] = self.arange[:total] - np.repeat(starts[:-1], lengths)
-        positions[total:bucket] = 0
-        last = host[2 * t : 2 * t + p]
+        view = self.views[i]
+        n = len(lengths)
+        if n == 1:  # one prompt: positions 0..total-1, boundaries [0, total, bucket, ...]
+            total = lengths[0]
+            view.positions[:total] = self.arange[:total]
+            bounds = [(0, total)]
+        else:  # several prompts, or none (the capture's batch: all tail)
+            ends = list(itertools.accumulate(lengths))
+            starts = [0, *ends][:n]
+            total = ends[-1] if n else 0
+            view.positions[:total] = self.arange[:total] - np.repeat(starts, lengths)
+            bounds = list(zip(starts, ends))
+        view.ids[total:bucket] = self.pad_id
+        view.positions[total:bucket] = 0
+        last, cu = view.last, view.cu
         last[:] = 0
-        last[: len(lengths)] = starts[1:] - 1
-        bounds = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+        cu[0] = 0
+        if n == 1:
+            last[0] = total - 1
+            cu[1] = total
+        else:
+            last[:n] = ends
+            last[:n] -= 1
+            cu[1 : n + 1] = ends
+        cu[n + 1 :] = bucket  # the tail's end, then trailing zero-length sequences
         if bucket > total:
             bounds.append((total, bucket))
-        cu = host[2 * t + p :].view(np.int32)[: p + 2]
-        cu[0] = 0
-        cu[1 : len(bounds) + 1] = [end for _, end in bounds]
-        cu[len(bounds) + 1 :] = bucket  # trailing zero-length sequences (captured attention)
         self.device_buffer.copy_(self.hosts[i], non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
-        for prompt, a, b in zip(prompts, starts[:-1], starts[1:]):
-            if prompt.device.type != "cpu":  # device prompts: device-to-device copies
-                self.ids[a:b].copy_(prompt)
+        start = 0
+        for prompt, length in zip(prompts, lengths):
+            if not prompt.is_cpu:  # device prompts: device-to-device copies
+                self.ids[start : start + length].copy_(prompt)
+            start += length
         return bounds
 
 
@@ -467,9 +501,10 @@ class PrefillRunner:
                 "prompt), not one tensor; wrap a single prompt as [ids]."
             )
         prompts = prompts if isinstance(prompts, list) else list(prompts)
+        steps = self._steps
         try:
             lengths = self._validate(prompts)
-            staged = self._steps.write_ids(prompts, lengths, self.vocab_size)
+            staged = steps.write_ids(prompts, lengths, self.vocab_size)
         except InputError:
             if self.ranks is not None:
                 self.ranks.report_failure()  # the other ranks raise instead of waiting
@@ -481,7 +516,8 @@ class PrefillRunner:
                 lengths, *(prompts if self._check_ids else ())
             )
         decision = self._runner.decide(total, same_on_all_ranks)
-        if decision.action is Action.RAISE:
+        action = decision.action
+        if action is Action.RAISE:
             raise InputError(
                 f"PrefillRunner.prefill: {total} tokens exceed the largest token bucket "
                 f"{self.buckets[-1]}; build the runner with larger token_buckets, split the "
@@ -489,17 +525,16 @@ class PrefillRunner:
             )
         self._step += 1  # outputs of earlier prefills are invalid from here on, even on failure
         n = len(lengths)
-        if decision.action is Action.EAGER:
+        if action is Action.EAGER:
             logits, bounds = self._prefill_eagerly(prompts, lengths, staged, decision.reason)
             bucket = None
         else:
             bucket = decision.bucket
-            bounds = self._steps.commit(prompts, lengths, bucket)
+            bounds = steps.commit(prompts, lengths, bucket)
+            # the longest sequence: the prompt or the tail for one prompt (no scan)
+            longest = max(total, bucket - total) if n == 1 else max(b - a for a, b in bounds)
             batch = _attention.PackedBatch(
-                bounds,
-                self._steps.cu_seqlens[: len(bounds) + 1],
-                max(b - a for a, b in bounds),
-                one_prompt=n == 1,
+                bounds, steps.cu_views[len(bounds) + 1], longest, one_prompt=n == 1
             )
             logits = self._runner.replay(bucket, batch, total)[0, :n]
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
@@ -525,7 +560,7 @@ class PrefillRunner:
                 )
         batch = _attention.PackedBatch(
             bounds,
-            self._steps.cu_seqlens[: len(bounds) + 1],
+            self._steps.cu_views[len(bounds) + 1],
             max(b - a for a, b in bounds),
             one_prompt=len(lengths) == 1,
         )
@@ -533,6 +568,8 @@ class PrefillRunner:
         return logits[0, : len(lengths)], bounds
 
     def _validate(self, prompts: list) -> list[int]:
+        """The prompts' lengths; ``InputError`` unless ``prompts`` holds 1 to ``max_prompts``
+        non-empty 1-D LongTensors."""
         if not prompts:
             raise InputError("PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors.")
         if len(prompts) > self.max_prompts:
@@ -541,25 +578,28 @@ class PrefillRunner:
                 f"max_prompts={self.max_prompts}; split the batch or build the runner with a "
                 f"larger max_prompts."
             )
+        long = torch.long
         lengths = []
-        for i, p in enumerate(prompts):
-            if (
-                not isinstance(p, torch.Tensor)
-                or p.dim() != 1
-                or p.dtype != torch.long
-                or p.numel() == 0
-            ):
-                raise InputError(
-                    f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of "
-                    f"token ids, got {type(p).__name__}"
-                    + (
-                        f" of shape {tuple(p.shape)} and dtype {p.dtype}"
-                        if isinstance(p, torch.Tensor)
-                        else ""
-                    )
-                )
-            lengths.append(p.numel())
-        return lengths
+        for p in prompts:  # the common case first: one pass of cheap attribute reads
+            if not isinstance(p, torch.Tensor) or p.ndim != 1 or p.dtype is not long:
+                break
+            n = p.numel()
+            if not n:
+                break
+            lengths.append(n)
+        else:
+            return lengths
+        i = len(lengths)  # the first bad prompt
+        p = prompts[i]
+        raise InputError(
+            f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of "
+            f"token ids, got {type(p).__name__}"
+            + (
+                f" of shape {tuple(p.shape)} and dtype {p.dtype}"
+                if isinstance(p, torch.Tensor)
+                else ""
+            )
+        )
 
     def close(self) -> None:
         """Release graphs and buffers; the model is exactly as before. Outputs of earlier

@@ -1,0 +1,160 @@
+"""The per-call host path of ``PrefillRunner.prefill`` (issue 23 item 1).
+
+Every call runs it before the device has anything to do, so it must stay small: the views it
+writes through are made once, at construction (no tensor view, no ``.numpy()`` of the step
+buffers per call), the step reaches the device in one copy, and what it writes is exactly what
+the graphs and the attention breaks read. ``benchmarks/prefill_host_path.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+transformers = pytest.importorskip("transformers")
+
+from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
+from breakgraph.integrations.transformers.prefill import _StepBuffers  # noqa: E402
+
+from breakgraph.errors import InputError  # noqa: E402
+from tests.tiny_models import tiny_config  # noqa: E402
+
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
+
+VOCAB = 128
+
+
+@pytest.fixture
+def runner(backend):
+    device, dtype = ("cuda", torch.bfloat16) if backend == "cuda" else ("cpu", torch.float32)
+    torch.manual_seed(0)
+    config = tiny_config("LlamaConfig", vocab_size=VOCAB, max_position_embeddings=256)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation="sdpa"
+    )
+    runner = PrefillRunner(
+        model.to(device).eval(), token_buckets=(16, 48), max_prompts=4, backend=backend, warmup=1
+    )
+    yield runner
+    runner.close()
+
+
+class _Calls(TorchFunctionMode):
+    """Every torch function and tensor method called, up to the graph replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.launched = [], False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.launched:
+            self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+    def count(self, func) -> int:
+        return sum(f is func for f in self.calls)
+
+
+def _watch(runner, prompts: list) -> _Calls:
+    """The torch calls ``runner.prefill(prompts)`` makes before its graph replay."""
+    replay = runner._runner.replay
+    watch = _Calls()
+
+    def launch(*args, **kwargs):
+        watch.launched = True
+        return replay(*args, **kwargs)
+
+    runner._runner.replay = launch
+    try:
+        with watch:
+            runner.prefill(prompts)
+    finally:
+        del runner._runner.replay
+    return watch
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_call_makes_no_tensor_view_and_one_copy_to_the_device(runner, backend, where):
+    if where == "device" and backend != "cuda":
+        pytest.skip("prompts on the device: CUDA only")
+    prompts = [
+        torch.randint(VOCAB, (n,), device="cpu" if where == "host" else "cuda") for n in (5, 9)
+    ]
+    for batch in ([prompts[0]], prompts):
+        runner.prefill(batch)  # the bucket decision is cached from the second call on
+        watch = _watch(runner, batch)
+        if where == "host":
+            # one copy (the staged step), one .numpy() per host prompt, no view of any buffer
+            assert watch.count(torch.Tensor.copy_) == 1, watch.calls
+            assert watch.count(torch.Tensor.numpy) == len(batch), watch.calls
+            assert watch.count(torch.Tensor.__getitem__) == 0, watch.calls
+        else:  # the staged step, then one device-to-device copy (into a view) per prompt
+            assert watch.count(torch.Tensor.copy_) == 1 + len(batch), watch.calls
+            assert watch.count(torch.Tensor.numpy) == 0, watch.calls
+            assert watch.count(torch.Tensor.__getitem__) == len(batch), watch.calls
+
+
+@pytest.mark.parametrize("bad", [[-1], [VOCAB], [2**62], [-(2**63)]])
+def test_host_prompts_outside_the_vocabulary_are_refused(runner, bad):
+    """Negative ids (a huge unsigned value in the one-pass check) and ids >= vocab, alone or in
+    a batch; nothing is replayed and the runner keeps working."""
+    good = torch.randint(VOCAB, (6,))
+    wrong = torch.tensor([3, *bad, 4])
+    for batch in ([wrong], [good, wrong], [wrong, good]):
+        with pytest.raises(InputError, match=r"outside the vocabulary \(0\.\.127\)"):
+            runner.prefill(batch)
+    assert sum(runner.stats.calls.values()) == 0
+    assert runner.prefill([good.to(runner.device)]).logits.shape == (1, VOCAB)
+
+
+def _reference(lengths: list, bucket: int, pad: int, max_prompts: int, ids: list) -> dict:
+    """What one committed step must hold, written the slow, obvious way."""
+    positions, bounds, start = [], [], 0
+    for n in lengths:
+        positions += list(range(n))
+        bounds.append((start, start + n))
+        start += n
+    total = start
+    if bucket > total:
+        bounds.append((total, bucket))
+    ends = [end for _, end in bounds]
+    return {
+        "ids": ids + [pad] * (bucket - total),
+        "positions": positions + [0] * (bucket - total),
+        "last": [end - 1 for end in ends[: len(lengths)]] + [0] * (max_prompts - len(lengths)),
+        "cu": [0, *ends] + [bucket] * (max_prompts + 1 - len(ends)),
+        "bounds": bounds,
+    }
+
+
+def test_committed_steps_match_the_reference():
+    """Random batches (one prompt, several, max_prompts, none: the capture's) through both host
+    buffers in turn, after larger ones (stale values must not survive)."""
+    t, p, pad = 64, 5, 7
+    steps = _StepBuffers(t, p, torch.device("cpu"), pad)
+    rng = random.Random(0)
+    cases = [[], [64], [1], [3, 4], [1] * p, [60, 1, 1, 1, 1], [2], [33]]
+    cases += [[rng.randint(1, 12) for _ in range(rng.randint(1, p))] for _ in range(40)]
+    for lengths in cases:
+        prompts = [torch.randint(VOCAB, (n,)) for n in lengths]
+        total = sum(lengths)
+        bucket = rng.choice([b for b in (total, 16, 48, 64) if b >= max(total, 1)])
+        assert steps.write_ids(prompts, lengths, VOCAB)
+        turn = steps.turn
+        bounds = steps.commit(prompts, lengths, bucket)
+        ids = list(itertools.chain.from_iterable(q.tolist() for q in prompts))
+        want = _reference(lengths, bucket, pad, p, ids)
+        assert bounds == want["bounds"], lengths
+        for buffer in (steps.hosts[turn], steps.device_buffer):  # staged, then copied
+            assert buffer[:bucket].tolist() == want["ids"], lengths
+            assert buffer[t : t + bucket].tolist() == want["positions"], lengths
+            assert buffer[2 * t : 2 * t + p].tolist() == want["last"], lengths
+            cu = buffer[2 * t + p :].view(torch.int32)[: p + 2]
+            assert cu.tolist() == want["cu"], lengths
+        k = len(bounds) + 1
+        assert steps.cu_views[k].tolist() == want["cu"][:k]
+        assert steps.cu_views[k].data_ptr() == steps.cu_seqlens.data_ptr()
