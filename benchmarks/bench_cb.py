@@ -77,6 +77,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 import types
 
 import torch
@@ -428,18 +429,30 @@ def run_model(name: str, args, run) -> dict:
         elif v != GENERATE:
             runnable.append(v)
     rounds: dict[str, list] = {}
+    failures: dict[str, str] = {}
     for turn in range(args.rounds):  # the repeated variants take turns: drift hits them alike
         for v in runnable:
-            if turn > 0 and v not in args.repeat:
+            if (turn > 0 and v not in args.repeat) or v in failures:
                 continue
             print(f"[{name}] {v} (round {turn + 1}) ...", flush=True)
-            result = run_round(model, VARIANTS[v], run)
-            rounds.setdefault(v, []).append(result)
-            print(f"[{name}] {v}: {result['tokens_per_s']:.0f} tok/s, {result['steps']} steps",
-                  flush=True)  # fmt: skip
+            try:
+                result = run_round(model, VARIANTS[v], run)
+            except Exception as exc:  # one variant's failure must not cost the others' numbers
+                if not args.keep_going:
+                    raise
+                traceback.print_exc()
+                failures[v] = f"round {turn + 1}: {type(exc).__name__}: {exc}"[:400]
+                print(f"[{name}] {v} failed ({failures[v]})", flush=True)
+            else:
+                rounds.setdefault(v, []).append(result)
+                print(f"[{name}] {v}: {result['tokens_per_s']:.0f} tok/s, {result['steps']} "
+                      f"steps", flush=True)  # fmt: skip
             gc.collect()
             if run.device.type == "cuda":
                 torch.cuda.empty_cache()
+    for v, why in failures.items():
+        if v not in rounds:
+            out["variants"][v] = {"failed": why}
     tokens = {}
     for v, results in rounds.items():  # the median round stands for the variant
         ordered = sorted(results, key=lambda r: r["tokens_per_s"])
@@ -453,6 +466,8 @@ def run_model(name: str, args, run) -> dict:
             rounds=len(results),
             rounds_tokens_per_s=[r["tokens_per_s"] for r in results],
         )
+        if v in failures:
+            out["variants"][v]["failed_round"] = failures[v]
     if "stock_sdpa" in tokens:
         for v, got in tokens.items():
             out["variants"][v]["tokens_agree_with_stock"] = agreement(got, tokens["stock_sdpa"])
@@ -540,8 +555,9 @@ def print_summary(results: dict) -> None:
         )
         print("  " + "variant".ljust(19) + " ".join(h.rjust(w) for h, w, _, _ in COLUMNS))
         for name, v in m["variants"].items():
-            if "skipped" in v:
-                print(f"  {name:<19}skipped: {v['skipped']}")
+            if "skipped" in v or "failed" in v:
+                print(f"  {name:<19}{'skipped' if 'skipped' in v else 'failed'}: "
+                      f"{v.get('skipped') or v['failed']}")  # fmt: skip
             elif name == GENERATE:
                 print(f"  {name:<19}{v['tokens_per_s']:>7.1f}  ({v['note']})")
             else:
@@ -594,7 +610,10 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="skip a model whose estimate would end the run past this many "
                         "seconds (0: no budget)")  # fmt: skip
+    parser.add_argument("--keep-going", action="store_true",
+                        help="record a variant that fails and go on (always without --smoke)")
     args = parser.parse_args(argv)
+    args.keep_going = args.keep_going or not args.smoke
     if args.smoke:
         args.models = args.models or ["tiny-llama"]
         args.prompts, args.min_len, args.max_len, args.new_tokens = 8, 4, 40, 12

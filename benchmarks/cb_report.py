@@ -156,9 +156,10 @@ def _model_block(name: str, runs: list) -> list:
         meta = data["meta"]
         rows = []
         for variant, v in entry["variants"].items():
-            if "skipped" in v:
+            if "skipped" in v or "failed" in v:
                 blank = [""] * (len(COLUMNS) - 1)
-                rows.append([f"`{variant}`", f"skipped: {v['skipped']}", *blank])
+                why = f"skipped: {v['skipped']}" if "skipped" in v else f"failed: {v['failed']}"
+                rows.append([f"`{variant}`", why, *blank])
             else:
                 rows.append([f"`{variant}`"] + [_cell(v, k, spec) for _, k, spec in COLUMNS])
         releases.append(

@@ -245,3 +245,26 @@ def test_step_timer_keeps_the_forward_signature_transformers_reads():
         assert logits.shape[:2] == (1, 2)
         assert [r[3:] for r in timer.records] == [(5, 2)] and timer.records[0][0] > 0
     assert "forward" not in vars(model)
+
+
+@needs_cb
+def test_a_failing_variant_is_recorded_and_the_others_still_run(monkeypatch, capsys):
+    real = bench_cb.run_round
+
+    def run_round(model, variant, run):
+        if variant.name == "breakgraph":
+            raise RuntimeError("boom")
+        return real(model, variant, run)
+
+    monkeypatch.setattr(bench_cb, "run_round", run_round)
+    argv = ["--smoke", "--variants", "stock_sdpa,breakgraph,breakgraph_sync", "--rounds", "2"]
+    with pytest.raises(RuntimeError, match="boom"):  # --smoke stops at the first failure
+        bench_cb.main(argv)
+    data = bench_cb.main([*argv, "--keep-going"])  # as every GPU run does
+    variants = data["models"][0]["variants"]
+    assert variants["breakgraph"] == {"failed": "round 1: RuntimeError: boom"}
+    assert variants["breakgraph_sync"]["tokens_agree_with_stock"] == 1.0
+    assert set(data["models"][0]["ratios"]) == {"breakgraph_sync_over_stock_sdpa"}
+    page = "\n".join(cb_report.cb_section(json.loads(json.dumps(data, default=str))))
+    assert "| `breakgraph` | failed: round 1: RuntimeError: boom |" in page
+    assert "breakgraph failed (round 1: RuntimeError: boom)" in capsys.readouterr().out
