@@ -334,6 +334,16 @@ def embedding_under_capture(rank: int, backend: str, sharded, full) -> dict:
     graph.reset()
     out["embedding_exact"] = exact
     out["embedding_restored"] = embedding.__dict__.get("forward") is hook
+    if out["vocab_parallel"]:  # a weight replaced after the check is the one looked up
+        embedding.weight = torch.nn.Parameter(
+            DTensor.from_local(weight.to_local() * 2, weight.device_mesh, [Shard(0)]),
+            requires_grad=False,
+        )
+        with torch.no_grad(), graph_safe_tensor_parallel(sharded):
+            doubled = embedding(ids)
+        embedding.weight = weight
+        with torch.no_grad():
+            out["embedding_follows_weight"] = torch.equal(doubled, 2 * full.model.embed_tokens(ids))
     return out
 
 
@@ -648,6 +658,7 @@ def test_the_captured_embedding_equals_the_unsharded_one_exactly(main_run):
     for result in main_run[1]:
         assert result["embedding_exact"] == [True, True, True]
         assert result["embedding_restored"]
+        assert result.get("embedding_follows_weight", True)
 
 
 def test_gemma_under_tp_matches_the_unsharded_model(gemma_run):
@@ -658,7 +669,7 @@ def test_gemma_under_tp_matches_the_unsharded_model(gemma_run):
     for result in results:
         assert result["embedding_sharded"] and result["vocab_parallel"] == ["model.embed_tokens"]
         assert result["embedding_exact"] == [True, True, True]
-        assert result["embedding_restored"]
+        assert result["embedding_restored"] and result["embedding_follows_weight"]
         assert result["captured_diff"] < tolerance(backend)
         assert result["eager_diff"] < tolerance(backend)
         assert result["eager_graph"].count("all_reduce") == 5  # the embedding's too

@@ -146,17 +146,18 @@ def vocab_parallel_embeddings(model: torch.nn.Module) -> list[tuple[str, torch.n
 class VocabParallelLookup:
     """The graph-safe forward of one vocab-parallel embedding (see the module doc).
 
-    Built once per module; calling it allocates only what the lookup itself produces.
+    Built once per module. Each call reads the module's current weight (one view of its
+    local shard), so a weight replaced after the check (``load_state_dict``, a dtype
+    change) is the one looked up; otherwise it allocates only what the lookup produces.
     """
 
     def __init__(self, module: torch.nn.Embedding, name: str = "embedding"):
         weight = module.weight
         mesh = weight.device_mesh
-        local = weight.to_local()
         total, world, coordinate = weight.shape[0], mesh.size(), mesh.get_local_rank()
         per_rank = -(-total // world)  # DTensor's Shard: torch.chunk's sizes
         self.offset = min(coordinate * per_rank, total)
-        self.rows = local.shape[0]
+        self.rows = weight.to_local().shape[0]
         if self.rows != max(0, min(per_rank, total - self.offset)):
             raise _unsupported(
                 f"{name}: rank {coordinate} holds {self.rows} of {total} rows, not the even "
@@ -166,19 +167,22 @@ class VocabParallelLookup:
             raise _unsupported(f"{name}: max_norm renormalises the weight in place")
         self.group = mesh.get_group()
         self.name = name
-        # the class's forward on a shallow copy holding the local shard: no DTensor, and
-        # the model's own module is never modified. padding_idx only shapes gradients (and
-        # is a global index, perhaps outside this shard).
+        self.module = module
+        # the class's forward runs on a shallow copy whose own parameter dict holds the local
+        # shard: no DTensor, and the model's module is never modified. padding_idx only
+        # shapes gradients (and is a global index, perhaps outside this shard).
         shard = copy.copy(module)
-        shard._parameters = {**module._parameters, "weight": local}
+        shard._parameters = dict(module._parameters)
         shard.padding_idx = None
         self._shard = shard
         self._forward = type(module).forward
 
     def __call__(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        shard = self._shard
+        shard._parameters["weight"] = self.module.weight.to_local()  # this rank's rows, now
         shifted = input_ids - self.offset
         outside = (shifted < 0) | (shifted >= self.rows)
-        out = self._forward(self._shard, shifted.masked_fill(outside, 0), *args, **kwargs)
+        out = self._forward(shard, shifted.masked_fill(outside, 0), *args, **kwargs)
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         dist.all_reduce(out, group=self.group)  # looked up per call: all_reduce_as_breaks
         return out
@@ -224,7 +228,7 @@ def _compare_with_hook(module: torch.nn.Module, lookup: VocabParallelLookup) -> 
     compares the same all-reduced values, so every rank decides the same way."""
     from torch.distributed.tensor import DTensor
 
-    ids = lookup.probe_ids(lookup._shard.weight.device)
+    ids = lookup.probe_ids(module.weight.device)
     with torch.no_grad():
         expected = module.forward(ids)
         got = lookup(ids)
