@@ -54,7 +54,7 @@ import torch
 # absolute imports: --compare runs this file with another checkout's packages first on the path
 from benchmarks.baselines import exact_length_graph
 from benchmarks.families import SMOKE_FAMILIES, Family, config_summary, make_model
-from benchmarks.timing import interleaved, no_sync
+from benchmarks.timing import DeviceClock, interleaved, no_sync
 
 SCHEMA = "breakgraph-prefill-host-path/1"
 STAGES = ("validate", "write_ids", "decide", "commit", "batch", "replay -> launch", "glue")
@@ -452,6 +452,10 @@ def measure_family(settings: Settings, family: Family) -> dict:
             row: dict = {"tokens": n, "bucket": runner._runner.bucket_for(n)}
             row["host_us"] = breakdown(runner, [p], iters=settings.iters, stub=not cuda, sync=sync)
             if cuda:
+                if n == min(prompts) and p.is_cuda:  # a serving caller's token ids: on the host
+                    row["host_us, host prompt"] = breakdown(
+                        runner, [p.cpu()], iters=settings.iters, stub=False, sync=sync
+                    )
                 row["device_ms"] = device_view(runner, [p], iters=max(10, settings.iters // 10))
                 fresh = p.to(settings.device)[None]
                 fns = {
@@ -459,19 +463,7 @@ def measure_family(settings: Settings, family: Family) -> dict:
                     "bg_one_graph": lambda p=p: one.prefill([p]),
                     "hf_graph": lambda n=n, fresh=fresh: graphs[n](input_ids=fresh),
                 }
-                timed = interleaved(
-                    fns,
-                    rounds=settings.rounds,
-                    iters=settings.turns,
-                    warmup=3,
-                    sync=sync,
-                    spread=[("breakgraph", "hf_graph"), ("breakgraph", "bg_one_graph")],
-                )
-                ms = timed["ms"]
-                row["ms"], row["spread"] = ms, timed["spread"]
-                row["bg/exact"] = ms["breakgraph"] / ms["hf_graph"]
-                row["bg/one_graph"] = ms["breakgraph"] / ms["bg_one_graph"]
-                row["one_graph/exact"] = ms["bg_one_graph"] / ms["hf_graph"]
+                row.update(ratios(settings, fns))
                 if settings.trace and settings.out:
                     name = f"trace-{settings_tag()}-{family.name}-{n}.json"
                     row["trace"] = profile(runner, [p], os.path.join(settings.out, name))
@@ -483,6 +475,65 @@ def measure_family(settings: Settings, family: Family) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     return result
+
+
+def ratios(settings: Settings, fns: dict) -> dict:
+    """The variants' wall time per call, taking turns (``interleaved``, as bench_prefill), and
+    each one's pure device time (``DeviceClock``: a sleep kernel hides the host's issue time):
+    what a ratio owes to the device and what to the host."""
+    timed = interleaved(
+        fns,
+        rounds=settings.rounds,
+        iters=settings.turns,
+        warmup=3,
+        sync=torch.cuda.synchronize,
+        spread=[("breakgraph", "hf_graph"), ("breakgraph", "bg_one_graph")],
+    )
+    ms = timed["ms"]
+    clock = DeviceClock(hold_ms=10.0)
+    device = {name: clock.measure(fn, iters=10) for name, fn in fns.items()}
+    return {
+        "ms": ms,
+        "spread": timed["spread"],
+        "device_only_ms": {name: d["device_ms"] for name, d in device.items()},
+        "hidden": {name: d["hidden"] for name, d in device.items()},
+        "bg/exact": ms["breakgraph"] / ms["hf_graph"],
+        "bg/one_graph": ms["breakgraph"] / ms["bg_one_graph"],
+        "one_graph/exact": ms["bg_one_graph"] / ms["hf_graph"],
+    }
+
+
+def cuda_primitives(iters: int = 200) -> dict:
+    """Host microseconds of the CUDA calls the per-call path makes (medians of batches of
+    ``iters`` calls, synchronised between batches): what is left when the Python is gone."""
+    words = 2 * 4096 + 16 + 9  # the default runner's step buffer
+    host = torch.zeros(words, dtype=torch.long, pin_memory=True)
+    device = torch.zeros(words, dtype=torch.long, device="cuda")
+    prompt = torch.zeros(32, dtype=torch.long, device="cuda")
+    ids = device[:32]
+    event = torch.cuda.Event()
+    stream = torch.cuda.current_stream()
+    calls = {
+        "Event.record()": event.record,
+        "Event.record(stream)": lambda: event.record(stream),
+        "Event.synchronize() (done)": event.synchronize,
+        "torch.cuda.current_stream()": torch.cuda.current_stream,
+        "H2D copy_ of the step buffer": lambda: device.copy_(host, non_blocking=True),
+        "D2D copy_ of 32 ids": lambda: ids.copy_(prompt),
+        "device[:32] (a view)": lambda: device[:32],
+    }
+    out = {}
+    for name, call in calls.items():
+        samples = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                call()
+            samples.append((time.perf_counter() - start) / iters * 1e6)
+        out[name] = statistics.median(samples)
+    torch.cuda.synchronize()
+    return out
 
 
 def settings_tag() -> str:
@@ -505,6 +556,8 @@ def run_tree(settings: Settings) -> dict:
         "settings": dataclasses.asdict(settings),
         "families": [],
     }
+    if settings.cuda:
+        results["cuda_primitives_us"] = cuda_primitives()
     for name in settings.families:
         start = time.perf_counter()
         results["families"].append(measure_family(settings, ALL_FAMILIES[name]))
@@ -519,41 +572,54 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+HOST_KEYS = (
+    *STAGES,
+    "entry -> launch",
+    "segments",
+    "breaks",
+    "output",
+    "return",
+    "entry -> launch, probe only",
+    "return, probe only",
+    "return, unwrapped",
+    "return, owned=False",
+    "clone (alone)",
+)
+
+
 def table(results: list[dict]) -> str:
-    """One line per stage and workload, one column per tree (microseconds, medians)."""
+    """One line per measurement and workload, one column per tree."""
     tags = [r["tag"] for r in results]
-    keys = list(STAGES) + [
-        "entry -> launch",
-        "segments",
-        "breaks",
-        "output",
-        "return",
-        "entry -> launch, probe only",
-        "return, probe only",
-        "return, unwrapped",
-        "return, owned=False",
-        "clone (alone)",
-    ]
+    header = "".join(f"{t:>12s}" for t in tags)
     lines = []
+
+    def line(label: str, values: list, digits: int = 1) -> None:
+        lines.append(f"  {label:34s}" + "".join(f"{_fmt(v, digits):>12s}" for v in values))
+
+    if "cuda_primitives_us" in results[0]:
+        lines.append(f"CUDA calls, host microseconds per call{header}")
+        for key in results[0]["cuda_primitives_us"]:
+            line(key, [r["cuda_primitives_us"].get(key) for r in results], 2)
     for f, family in enumerate(results[0]["families"]):
         for r, row in enumerate(family["rows"]):
-            head = f"{family['family']}, {row['tokens']} tokens (bucket {row['bucket']})"
-            lines.append(f"{head}: host microseconds, the lowest of the rounds' medians")
-            lines.append(f"  {'stage':30s}" + "".join(f"{t:>12s}" for t in tags))
             rows = [tree["families"][f]["rows"][r] for tree in results]
-            for key in keys:
-                cells = "".join(f"{_fmt(x['host_us'].get(key)):>12s}" for x in rows)
-                lines.append(f"  {key:30s}{cells}")
-            if "ms" in row:
-                for key in ("bg/exact", "bg/one_graph", "one_graph/exact"):
-                    cells = "".join(f"{_fmt(x[key], 3):>12s}" for x in rows)
-                    lines.append(f"  {key:30s}{cells}")
-                for key in ("breakgraph", "bg_one_graph", "hf_graph"):
-                    cells = "".join(f"{_fmt(x['ms'][key], 3):>12s}" for x in rows)
-                    lines.append(f"  {key + ' ms':30s}{cells}")
-                for key in ("entry_to_launch_ms", "launch_to_return_ms", "call_ms"):
-                    cells = "".join(f"{_fmt(x['device_ms'][key], 3):>12s}" for x in rows)
-                    lines.append(f"  {'device ' + key:30s}{cells}")
+            head = f"{family['family']}, {row['tokens']} tokens (bucket {row['bucket']})"
+            lines.append(f"{head}: host us (lowest round median){header}")
+            for key in HOST_KEYS:
+                line(key, [x["host_us"].get(key) for x in rows])
+            if "host_us, host prompt" in row:
+                lines.append("  the prompt on the host:")
+                for key in HOST_KEYS[:8]:
+                    line("  " + key, [x.get("host_us, host prompt", {}).get(key) for x in rows])
+            if "ms" not in row:
+                continue
+            for key in ("bg/exact", "bg/one_graph", "one_graph/exact"):
+                line(key, [x[key] for x in rows], 3)
+            for key in ("breakgraph", "bg_one_graph", "hf_graph"):
+                line(f"{key} ms (wall)", [x["ms"][key] for x in rows], 3)
+                line(f"{key} ms (device only)", [x["device_only_ms"][key] for x in rows], 3)
+            for key in ("entry_to_launch_ms", "launch_to_return_ms", "call_ms"):
+                line(f"events: {key}", [x["device_ms"][key] for x in rows], 3)
     return "\n".join(lines)
 
 
