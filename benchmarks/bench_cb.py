@@ -486,7 +486,7 @@ def run_model(name: str, args, run) -> dict:
 
 def check_smoke_tokens(result: dict) -> None:
     """The smoke run's proof: in fp32 every variant's greedy tokens equal stock transformers'."""
-    for v, entry in result["variants"].items():
+    for v, entry in result.get("variants", {}).items():
         agree = entry.get("tokens_agree_with_stock")
         if agree is not None and agree != 1.0:
             raise SystemExit(
@@ -542,8 +542,8 @@ def _cell(entry: dict, key: str, width: int, spec: str) -> str:
 def print_summary(results: dict) -> None:
     """Per model: the floor, one row per variant (COLUMNS), the ratios, the decode steps."""
     for m in results["models"]:
-        if "skipped" in m:
-            print(f"\n{m['model']}: skipped ({m['skipped']})")
+        if "floor" not in m:
+            print(f"\n{m['model']}: {m.get('skipped') or 'failed: ' + m['failed']}")
             continue
         f = m["floor"]
         print(
@@ -678,12 +678,18 @@ def main(argv=None) -> dict:
                     f"time budget: {elapsed:.0f} s spent, about {pace * estimates[name]:.0f} s "
                     f"more needed, --budget-s {args.budget_s:.0f}")})  # fmt: skip
                 print(f"[{name}] skipped: {results['models'][-1]['skipped']}", flush=True)
-                continue
-            result = run_model(name, args, run)
-            spent_estimate += estimates[name]
-            results["models"].append(result)
-            if args.smoke:
-                check_smoke_tokens(result)
+            else:
+                try:
+                    result = run_model(name, args, run)
+                except Exception as exc:
+                    if not args.keep_going:
+                        raise
+                    traceback.print_exc()
+                    result = {"model": name, "failed": f"{type(exc).__name__}: {exc}"[:400]}
+                spent_estimate += estimates[name]
+                results["models"].append(result)
+                if args.smoke:
+                    check_smoke_tokens(result)
             meta["elapsed_s"] = time.perf_counter() - started
             if args.out:
                 with open(args.out, "w") as f:

@@ -123,6 +123,13 @@ def _entry(data: dict, name: str) -> dict | None:
     return next((m for m in data["models"] if m["model"] == name), None)
 
 
+def _why(entry: dict | None) -> str:
+    """Why a model has no numbers in a run."""
+    if entry is None:
+        return "not in this run"
+    return entry.get("skipped") or f"failed: {entry.get('failed')}"
+
+
 def _versions_table(runs: list) -> str:
     rows = []
     for name in _model_names(runs):
@@ -142,16 +149,15 @@ def _versions_table(runs: list) -> str:
 def _model_block(name: str, runs: list) -> list:
     measured = [m for d in runs if (m := _entry(d, name)) is not None and "floor" in m]
     if not measured:
-        why = "; ".join(f"transformers {_release(d)}: {(_entry(d, name) or {}).get('skipped')}"
-                        for d in runs)  # fmt: skip
+        why = "; ".join(f"transformers {_release(d)}: {_why(_entry(d, name))}" for d in runs)
         return [f"### {name}", "", f"Not measured ({why}).", ""]
     m, f = measured[0], measured[0]["floor"]
     releases = []
     for data in runs:
         entry = _entry(data, name)
         if entry is None or "floor" not in entry:
-            why = "not in this run" if entry is None else entry.get("skipped", "skipped")
-            releases.append(fill("cb.release.skipped", transformers=_release(data), why=why))
+            releases.append(fill("cb.release.skipped", transformers=_release(data),
+                                 why=_why(entry)))  # fmt: skip
             continue
         meta = data["meta"]
         rows = []

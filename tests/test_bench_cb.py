@@ -208,11 +208,17 @@ def test_section_has_a_table_per_transformers_release(smoke_json):
     assert "target ≥ 5x" in page  # issue 23's targets, judged from the numbers
 
 
-def test_a_model_skipped_by_the_budget_is_said_so(smoke_json):
+def test_a_model_skipped_or_failed_is_said_so(smoke_json):
     data = copy.deepcopy(smoke_json.data)
     data["models"].append({"model": "llama3-8b-4l", "skipped": "time budget: ..."})
-    page = "\n".join(cb_report.cb_section(data))
+    data["models"].append({"model": "mixtral-1k-8l", "failed": "OutOfMemoryError: ..."})
+    newer = copy.deepcopy(data)
+    newer["meta"]["transformers"] = "5.99.0"
+    newer["models"] = newer["models"][1:]  # this release did not get to tiny-llama
+    page = "\n".join(cb_report.cb_section(data, newer))
     assert "### llama3-8b-4l" in page and "time budget" in page
+    assert "failed: OutOfMemoryError" in page
+    assert "transformers 5.99.0: not measured (not in this run)." in page
 
 
 def test_the_committed_earlier_layout_still_renders():
