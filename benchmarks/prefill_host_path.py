@@ -402,6 +402,7 @@ class Settings:
     rounds: int = 6
     turns: int = 10
     prompt_device: str = "same"  # where the prompts live: "same" as the model, or "cpu"
+    split: int = 0  # also time each workload split into this many prompts (0: not)
     out: str | None = None
     trace: bool = True
 
@@ -451,6 +452,11 @@ def measure_family(settings: Settings, family: Family) -> dict:
         for n, p in prompts.items():
             row: dict = {"tokens": n, "bucket": runner._runner.bucket_for(n)}
             row["host_us"] = breakdown(runner, [p], iters=settings.iters, stub=not cuda, sync=sync)
+            if settings.split > 1:  # the same tokens as a batch of prompts
+                row[f"host_us, {settings.split} prompts"] = breakdown(
+                    runner, list(p.chunk(settings.split)), iters=settings.iters, stub=not cuda,
+                    sync=sync,
+                )  # fmt: skip
             if cuda:
                 if n == min(prompts) and p.is_cuda:  # a serving caller's token ids: on the host
                     row["host_us, host prompt"] = breakdown(
@@ -607,10 +613,10 @@ def table(results: list[dict]) -> str:
             lines.append(f"{head}: host us (lowest round median){header}")
             for key in HOST_KEYS:
                 line(key, [x["host_us"].get(key) for x in rows])
-            if "host_us, host prompt" in row:
-                lines.append("  the prompt on the host:")
+            for extra in [k for k in row if k.startswith("host_us, ")]:
+                lines.append(f"  {extra[len('host_us, ') :]}:")
                 for key in HOST_KEYS[:8]:
-                    line("  " + key, [x.get("host_us, host prompt", {}).get(key) for x in rows])
+                    line("  " + key, [x.get(extra, {}).get(key) for x in rows])
             if "ms" not in row:
                 continue
             for key in ("bg/exact", "bg/one_graph", "one_graph/exact"):
@@ -655,6 +661,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--sizes", type=ints, default=None)
     parser.add_argument("--iters", type=int, default=None, help="calls per timed pass")
     parser.add_argument("--prompt-device", choices=("same", "cpu"), default="same")
+    parser.add_argument("--split", type=int, default=0, help="also time K prompts per workload")
     parser.add_argument("--no-trace", action="store_true")
     parser.add_argument("--out", default=None, help="folder for the JSON and the traces")
     parser.add_argument("--compare", default=None, help="an older checkout to time first")
@@ -667,6 +674,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         sizes=args.sizes or ([32, 200, 1000] if cuda else [32]),
         iters=args.iters or (200 if cuda else 1000),
         prompt_device=args.prompt_device,
+        split=args.split,
         out=args.out,
         trace=not args.no_trace,
     )

@@ -131,14 +131,15 @@ def _reference(lengths: list, bucket: int, pad: int, max_prompts: int, ids: list
     }
 
 
-def test_committed_steps_match_the_reference():
+@pytest.mark.parametrize("p", [5, 12])  # 12: batches past the few-prompt path
+def test_committed_steps_match_the_reference(p):
     """Random batches (one prompt, several, max_prompts, none: the capture's) through both host
     buffers in turn, after larger ones (stale values must not survive)."""
-    t, p, pad = 64, 5, 7
+    t, pad = 64, 7
     steps = _StepBuffers(t, p, torch.device("cpu"), pad)
-    rng = random.Random(0)
-    cases = [[], [64], [1], [3, 4], [1] * p, [60, 1, 1, 1, 1], [2], [33]]
-    cases += [[rng.randint(1, 12) for _ in range(rng.randint(1, p))] for _ in range(40)]
+    rng = random.Random(p)
+    cases = [[], [64], [1], [3, 4], [1] * p, [60 - p, *[1] * (p - 1)], [2], [33], [5] * p, [1]]
+    cases += [[rng.randint(1, 5) for _ in range(rng.randint(1, p))] for _ in range(60)]
     for lengths in cases:
         prompts = [torch.randint(VOCAB, (n,)) for n in lengths]
         total = sum(lengths)

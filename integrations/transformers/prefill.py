@@ -36,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -113,6 +112,9 @@ class PrefillOutput:
         for layer, key, value in sorted(runner._layers[self._bucket], key=lambda e: e[0]):
             cache.update(key[:, :, start:end].clone(), value[:, :, start:end].clone(), layer)
         return cache
+
+
+_FEW_PROMPTS = 8  # up to this many prompts, a step is staged with scalar writes
 
 
 class _HostView:
@@ -203,30 +205,31 @@ class _StepBuffers(StaticInputs):
         i = self.turn
         self.turn ^= 1
         view = self.views[i]
+        positions, last, cu = view.positions, view.last, view.cu
         n = len(lengths)
-        if n == 1:  # one prompt: positions 0..total-1, boundaries [0, total, bucket, ...]
-            total = lengths[0]
-            view.positions[:total] = self.arange[:total]
-            bounds = [(0, total)]
-        else:  # several prompts, or none (the capture's batch: all tail)
-            ends = list(itertools.accumulate(lengths))
-            starts = [0, *ends][:n]
-            total = ends[-1] if n else 0
-            view.positions[:total] = self.arange[:total] - np.repeat(starts, lengths)
-            bounds = list(zip(starts, ends))
-        view.ids[total:bucket] = self.pad_id
-        view.positions[total:bucket] = 0
-        last, cu = view.last, view.cu
         last[:] = 0
-        cu[0] = 0
-        if n == 1:
-            last[0] = total - 1
-            cu[1] = total
+        if n <= _FEW_PROMPTS:  # scalar writes: cheaper than numpy's per-call cost for a few
+            arange, bounds, start = self.arange, [], 0
+            for j, length in enumerate(lengths):
+                end = start + length
+                positions[start:end] = arange[:length]
+                last[j] = end - 1
+                cu[j + 1] = end
+                bounds.append((start, end))
+                start = end
+            total = start
         else:
-            last[:n] = ends
-            last[:n] -= 1
+            ends = np.cumsum(lengths)
+            starts = ends - lengths
+            total = int(ends[-1])
+            positions[:total] = self.arange[:total] - np.repeat(starts, lengths)
+            last[:n] = ends - 1
             cu[1 : n + 1] = ends
+            bounds = list(zip(starts.tolist(), ends.tolist()))
+        cu[0] = 0
         cu[n + 1 :] = bucket  # the tail's end, then trailing zero-length sequences
+        view.ids[total:bucket] = self.pad_id
+        positions[total:bucket] = 0
         if bucket > total:
             bounds.append((total, bucket))
         self.device_buffer.copy_(self.hosts[i], non_blocking=True)
@@ -531,8 +534,7 @@ class PrefillRunner:
         else:
             bucket = decision.bucket
             bounds = steps.commit(prompts, lengths, bucket)
-            # the longest sequence: the prompt or the tail for one prompt (no scan)
-            longest = max(total, bucket - total) if n == 1 else max(b - a for a, b in bounds)
+            longest = max(max(lengths), bucket - total)  # a prompt or the tail
             batch = _attention.PackedBatch(
                 bounds, steps.cu_views[len(bounds) + 1], longest, one_prompt=n == 1
             )
