@@ -159,3 +159,22 @@ def test_committed_steps_match_the_reference(p):
         k = len(bounds) + 1
         assert steps.cu_views[k].tolist() == want["cu"][:k]
         assert steps.cu_views[k].data_ptr() == steps.cu_seqlens.data_ptr()
+
+
+def test_the_breakdown_script_runs_on_the_cpu(tmp_path):
+    """``benchmarks/prefill_host_path.py`` end to end on the CPU (emulated, replay stubbed), so
+    the GPU run cannot rot between runs; its table reads two trees' results side by side."""
+    from benchmarks import prefill_host_path as script
+
+    (result,) = script.main(["--iters", "20", "--split", "2", "--out", str(tmp_path)])
+    (row,) = result["families"][0]["rows"]
+    host = row["host_us"]
+    assert set(script.HOST_KEYS) <= set(host), sorted(host)
+    assert 0 < host["entry -> launch"] < host["return"]
+    assert row["bucket"] == 32 and "host_us, 2 prompts" in row
+    old = {**result, "tag": "old"}
+    lines = script.table([old, result]).splitlines()
+    assert lines[0].split()[-2:] == ["old", "this"]
+    assert (tmp_path / "host-path.json").exists()
+    argv = ["--device", "cuda", "--compare", ".baseline", "--out", "o", "--compare=x"]
+    assert script._without_compare(argv) == ["--device", "cuda", "--out", "o"]
