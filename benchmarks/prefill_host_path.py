@@ -399,7 +399,7 @@ class Settings:
     families: list[str] = dataclasses.field(default_factory=lambda: ["tiny-llama"])
     sizes: list[int] = dataclasses.field(default_factory=lambda: [32])
     iters: int = 1000
-    rounds: int = 6
+    rounds: int = 5
     turns: int = 10
     prompt_device: str = "same"  # where the prompts live: "same" as the model, or "cpu"
     split: int = 0  # also time each workload split into this many prompts (0: not)
@@ -471,7 +471,7 @@ def measure_family(settings: Settings, family: Family) -> dict:
                 }
                 row.update(ratios(settings, fns))
                 if settings.trace and settings.out:
-                    name = f"trace-{settings_tag()}-{family.name}-{n}.json"
+                    name = f"trace-{settings_tag()}-{family.name}-{n}.json.gz"
                     row["trace"] = profile(runner, [p], os.path.join(settings.out, name))
             result["rows"].append(row)
     finally:
@@ -634,6 +634,44 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(results: list[dict]) -> str:
+    """The CUDA run in a few lines per workload (the whole table goes to host-path.txt)."""
+    tags = "/".join(r["tag"] for r in results)
+    lines = [f"per workload, {tags}:"]
+
+    def cells(values: list, digits: int) -> str:
+        return " / ".join(_fmt(v, digits) for v in values)
+
+    for f, family in enumerate(results[0]["families"]):
+        for r, row in enumerate(family["rows"]):
+            rows = [tree["families"][f]["rows"][r] for tree in results]
+            host = [x["host_us"] for x in rows]
+            lines.append(f"{family['family']} {row['tokens']} tokens (bucket {row['bucket']}):")
+            lines.append(
+                "  host us entry->launch "
+                + cells([h.get("entry -> launch, probe only") for h in host], 1)
+                + " | return "
+                + cells([h.get("return, unwrapped") for h in host], 1)
+                + " | clone "
+                + cells([h.get("clone (alone)") for h in host], 1)
+            )
+            if "host_us, host prompt" in row:
+                on_host = [x.get("host_us, host prompt", {}) for x in rows]
+                launch = cells([h.get("entry -> launch, probe only") for h in on_host], 1)
+                lines.append(f"  host us entry->launch, the prompt on the host {launch}")
+            if "ms" not in row:
+                continue
+            gap = cells([x["device_ms"]["entry_to_launch_ms"] * 1e3 for x in rows], 1)
+            lines.append(f"  events: device idle from entry to the launch, us {gap}")
+            for key in ("bg/exact", "bg/one_graph", "one_graph/exact"):
+                lines.append(f"  {key:16s}" + cells([x[key] for x in rows], 3))
+            for key in ("breakgraph", "bg_one_graph", "hf_graph"):
+                wall = cells([x["ms"][key] for x in rows], 3)
+                device = cells([x["device_only_ms"][key] for x in rows], 3)
+                lines.append(f"  {key:16s}ms wall {wall} | device only {device}")
+    return "\n".join(lines)
+
+
 def compare(settings: Settings, baseline: str, argv: list[str]) -> list[dict]:
     """Time the old tree (``baseline``) and this one, each in a process of its own with the
     tree first on ``PYTHONPATH``, on the same settings; returns both results."""
@@ -677,7 +715,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         device=args.device,
         families=args.families or (list(FAMILIES) if cuda else ["tiny-llama"]),
         sizes=args.sizes or ([32, 200, 1000] if cuda else [32]),
-        iters=args.iters or (200 if cuda else 1000),
+        iters=args.iters or (100 if cuda else 1000),
         prompt_device=args.prompt_device,
         split=args.split,
         out=args.out,
@@ -717,10 +755,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             with open(args.json, "w") as f:
                 json.dump(results[0], f, indent=1)
             return results
+    full = table(results)
     if settings.out:
         with open(os.path.join(settings.out, "host-path.json"), "w") as f:
             json.dump(results, f, indent=1)
-    print(table(results))
+        with open(os.path.join(settings.out, "host-path.txt"), "w") as f:
+            f.write(full + "\n")
+    print(summary(results) if settings.cuda else full)
     return results
 
 
