@@ -518,11 +518,14 @@ def cuda_primitives(iters: int = 200) -> dict:
     prompt = torch.zeros(32, dtype=torch.long, device="cuda")
     ids = device[:32]
     event = torch.cuda.Event()
+    generic = torch.Event(torch.device("cuda"), enable_timing=False)
     stream = torch.cuda.current_stream()
     calls = {
-        "Event.record()": event.record,
-        "Event.record(stream)": lambda: event.record(stream),
-        "Event.synchronize() (done)": event.synchronize,
+        "torch.cuda.Event.record()": event.record,
+        "torch.cuda.Event.record(stream)": lambda: event.record(stream),
+        "torch.cuda.Event.synchronize()": event.synchronize,
+        "torch.Event.record()": generic.record,
+        "torch.Event.synchronize()": generic.synchronize,
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "H2D copy_ of the step buffer": lambda: device.copy_(host, non_blocking=True),
         "D2D copy_ of 32 ids": lambda: ids.copy_(prompt),

@@ -157,7 +157,9 @@ class _StepBuffers(StaticInputs):
             self.device_buffer = torch.zeros(self.words, dtype=torch.long, device=device)
             self.hosts = [torch.zeros(self.words, dtype=torch.long, pin_memory=pin) for _ in (0, 1)]
         self.views = [_HostView(host, max_tokens, max_prompts) for host in self.hosts]
-        self.events = [torch.cuda.Event() if pin else None for _ in (0, 1)]
+        # torch.Event: its record() finds the current stream in C++ (torch.cuda.Event.record
+        # builds a Python torch.cuda.Stream for it on every call, a few microseconds)
+        self.events = [torch.Event(device, enable_timing=False) if pin else None for _ in (0, 1)]
         self.turn = 0
         t, p = max_tokens, max_prompts
         self.ids, self.positions = self.device_buffer[:t], self.device_buffer[t : 2 * t]
