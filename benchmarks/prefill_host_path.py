@@ -676,10 +676,12 @@ def summary(results: list[dict]) -> str:
 
 
 def compare(settings: Settings, baseline: str, argv: list[str]) -> list[dict]:
-    """Time the old tree (``baseline``) and this one, each in a process of its own with the
-    tree first on ``PYTHONPATH``, on the same settings; returns both results."""
+    """Time this tree, then the old one (``baseline``), each in a process of its own with the
+    tree first on ``PYTHONPATH``, on the same settings (this tree first: if the run is cut
+    short, the new numbers are the ones kept); returns the results, old first. A tree whose run
+    fails is reported and left out."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trees = [("old", os.path.abspath(baseline)), ("new", here)]
+    trees = [("new", here), ("old", os.path.abspath(baseline))]
     out_dir = settings.out or os.path.join(here, ".benchmarks")
     os.makedirs(out_dir, exist_ok=True)
     results = []
@@ -688,11 +690,17 @@ def compare(settings: Settings, baseline: str, argv: list[str]) -> list[dict]:
         env = {**os.environ, "PYTHONPATH": tree, "PREFILL_HOST_PATH_TAG": tag}
         command = [sys.executable, os.path.abspath(__file__), *argv, "--json", path]
         print(f"[{tag}] {tree}", flush=True)
-        subprocess.run(command, env=env, cwd=tree, check=True)
+        done = subprocess.run(command, env=env, cwd=tree)
+        if done.returncode != 0:
+            print(f"[{tag}] failed (exit {done.returncode}); left out", flush=True)
+            continue
         with open(path) as f:
-            results.append(json.load(f))
-        if os.path.realpath(results[-1]["tree"]) != os.path.realpath(tree):
-            raise SystemExit(f"prefill_host_path: the {tag} run imported {results[-1]['tree']}")
+            result = json.load(f)
+        if os.path.realpath(result["tree"]) != os.path.realpath(tree):
+            raise SystemExit(f"prefill_host_path: the {tag} run imported {result['tree']}")
+        results.insert(0, result)
+    if not results:
+        raise SystemExit("prefill_host_path: no tree could be timed")
     return results
 
 
