@@ -729,7 +729,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         iters=args.iters or (100 if cuda else 1000),
         prompt_device=args.prompt_device,
         split=args.split,
-        out=args.out,
+        out=os.path.abspath(args.out) if args.out else None,
         trace=not args.no_trace,
     )
     unknown = set(settings.families) - set(ALL_FAMILIES)
@@ -738,16 +738,18 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     return settings, args
 
 
-def _without_compare(argv: list[str]) -> list[str]:
-    out, skip = [], False
+def _child_argv(argv: list[str], out: str | None) -> list[str]:
+    """``argv`` for a ``--compare`` child: no ``--compare``, and ``--out`` made absolute (the
+    child runs in the tree it times)."""
+    kept, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--compare":
+        elif arg in ("--compare", "--out"):
             skip = True
-        elif not arg.startswith("--compare="):
-            out.append(arg)
-    return out
+        elif not arg.startswith(("--compare=", "--out=")):
+            kept.append(arg)
+    return kept + (["--out", out] if out else [])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -758,7 +760,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if settings.out:
         os.makedirs(settings.out, exist_ok=True)
     if args.compare:
-        child = _without_compare(argv)
+        child = _child_argv(argv, settings.out)
         results = compare(settings, args.compare, child)
     else:
         results = [run_tree(settings)]

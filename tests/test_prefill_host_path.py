@@ -177,4 +177,4 @@ def test_the_breakdown_script_runs_on_the_cpu(tmp_path):
     assert lines[0].split()[-2:] == ["old", "this"]
     assert (tmp_path / "host-path.json").exists()
     argv = ["--device", "cuda", "--compare", ".baseline", "--out", "o", "--compare=x"]
-    assert script._without_compare(argv) == ["--device", "cuda", "--out", "o"]
+    assert script._child_argv(argv, "/abs/o") == ["--device", "cuda", "--out", "/abs/o"]
