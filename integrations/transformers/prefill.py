@@ -142,8 +142,9 @@ class _StepBuffers(StaticInputs):
     so preparing a step never waits for the previous one to be read.
 
     Per call this is host work on a model step, so every view it writes through (numpy views
-    of both host buffers, ``cu_seqlens[: k]`` for every count ``k``) is made here, once; one
-    prompt (the common case) takes a path with no numpy reduction over the lengths.
+    of both host buffers, ``cu_seqlens[: k]`` for every count ``k``) is made here, once; up to
+    ``_FEW_PROMPTS`` prompts (one is the common case) are staged with scalar writes, with no
+    numpy call over the lengths.
     """
 
     def __init__(self, max_tokens: int, max_prompts: int, device: torch.device, pad_id: int):
