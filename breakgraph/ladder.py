@@ -12,9 +12,9 @@ only the graph and the output its capture returned. The static input buffers liv
 their owner, which hands the ladder ``record(size)`` (run the captured function on the
 bucket's buffers) and ``warm_up(size)``.
 
-Also here, as pure functions: :func:`choose_bucket` (the decision), :func:`faster_buckets`
-(tuned routes), :func:`validate_buckets` and the default ladders
-(:func:`default_token_buckets`, :func:`geometric_buckets`).
+The decision per call (:func:`~breakgraph.buckets.choose_bucket`), tuned routes
+(:func:`~breakgraph.buckets.faster_buckets`) and the bucket lists are pure functions of
+:mod:`breakgraph.buckets`; they are re-exported here.
 
 Example::
 
@@ -35,11 +35,8 @@ Example::
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import enum
 import logging
-import numbers
 import sys
 import time
 import types
@@ -51,6 +48,15 @@ import torch
 
 from . import distributed
 from .backends import select_backend
+from .buckets import (
+    Action,
+    Decision,
+    choose_bucket,
+    default_token_buckets,
+    faster_buckets,
+    geometric_buckets,
+    validate_buckets,
+)
 from .debug import debug_enabled
 from .errors import InputError, ReplayError
 from .graph import BreakableCUDAGraph, capture
@@ -70,203 +76,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("breakgraph")
-
-
-# -- the decision -------------------------------------------------------------------------------
-
-
-class Action(str, enum.Enum):
-    """What a call does. A ``str``: ``decision.action == "replay"`` holds for ``Action.REPLAY``."""
-
-    REPLAY = "replay"  # replay the graph of ``Decision.bucket``
-    CAPTURE = "capture"  # capture a bucket of ``Decision.bucket`` first (a capture window)
-    EAGER = "eager"  # run without a graph; ``Decision.reason`` says why
-    RAISE = "raise"  # refuse (``on_miss="raise"``)
-
-    def __repr__(self) -> str:
-        return f"Action.{self.name}"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What a call of some size does: ``action`` (an :class:`Action`), the ``bucket`` it
-    replays or captures, and for ``EAGER`` and ``RAISE`` the ``reason``."""
-
-    action: Action
-    bucket: int | None = None
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.action, Action):  # Decision("replay", 4) still works
-            try:
-                object.__setattr__(self, "action", Action(self.action))
-            except ValueError:
-                raise InputError(
-                    f"Decision: action must be one of {[a.value for a in Action]}, got "
-                    f"{self.action!r}."
-                ) from None
-
-
-def choose_bucket(
-    buckets: Sequence[int],
-    size: int,
-    *,
-    max_padding_fraction: float | None = None,
-    can_capture: bool = False,
-    on_miss: str = "eager",
-    faster: Mapping[int, int] | None = None,
-) -> Decision:
-    """The one bucket decision: the smallest captured bucket that holds ``size``.
-
-    ``buckets`` are ascending. A size above every bucket is captured (``can_capture``:
-    a capture window is open), run eagerly or refused (``on_miss``); a bucket whose tail
-    would exceed ``max_padding_fraction`` of it runs eagerly. ``faster`` maps a bucket to
-    a larger one that was measured faster (:meth:`GraphLadder.tune`): the call goes
-    there. With several ranks, pass the size agreed across them, so every rank takes the
-    same path.
-
-    Example::
-
-        >>> from breakgraph.ladder import choose_bucket
-        >>> choose_bucket((4, 16), 5)
-        Decision(action=Action.REPLAY, bucket=16, reason='')
-        >>> choose_bucket((4, 16), 20).action == "eager"
-        True
-    """
-    index = bisect.bisect_left(buckets, size)
-    if index == len(buckets):
-        if can_capture:
-            return Decision(Action.CAPTURE, size)
-        if on_miss == "raise":
-            return Decision(Action.RAISE, None, "larger than every bucket")
-        return Decision(Action.EAGER, None, "larger than every bucket")
-    bucket = buckets[index]
-    if max_padding_fraction is not None and bucket - size > max_padding_fraction * bucket:
-        return Decision(Action.EAGER, None, "too much padding")
-    return Decision(Action.REPLAY, faster.get(bucket, bucket) if faster else bucket)
-
-
-def faster_buckets(times: Mapping[int, float], margin: float = 0.02) -> dict[int, int]:
-    """Where each bucket's calls go instead: the smallest larger bucket that beats it by more
-    than ``margin`` and is itself within ``margin`` of the fastest larger bucket.
-
-    Example::
-
-        >>> from breakgraph.ladder import faster_buckets
-        >>> faster_buckets({192: 3.7, 200: 3.8, 208: 4.0, 224: 3.9, 256: 3.88})
-        {208: 224}
-    """
-    sizes = sorted(times)
-    faster = {}
-    for i, size in enumerate(sizes):
-        larger = sizes[i + 1 :]
-        if not larger:
-            break
-        best = min(times[b] for b in larger)
-        for b in larger:  # ascending: the least padding first
-            if times[b] < times[size] * (1 - margin) and times[b] <= best * (1 + margin):
-                faster[size] = b
-                break
-    return faster
-
-
-# -- bucket lists -------------------------------------------------------------------------------
-
-
-def validate_buckets(buckets: Any, where: str, allow_empty: bool = False) -> list[int]:
-    """Bucket sizes checked once for every runner: positive ints (bools, floats and strings
-    refused), returned sorted and unique. ``where`` names the caller in the ``InputError``.
-
-    Example::
-
-        >>> from breakgraph.ladder import validate_buckets
-        >>> validate_buckets((64, 8, 8), "demo")
-        [8, 64]
-        >>> validate_buckets("16", "demo")
-        Traceback (most recent call last):
-        breakgraph.errors.InputError: demo: bucket sizes must be positive ints, got ['1', '6'] (bad: ['1', '6']).
-    """  # noqa: E501
-    try:
-        sizes = list(buckets)
-    except TypeError:
-        raise InputError(
-            f"{where}: buckets must be a sequence of sizes, got {buckets!r}."
-        ) from None
-    bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0]
-    if bad or (not sizes and not allow_empty):
-        raise InputError(
-            f"{where}: bucket sizes must be positive ints, got {sizes!r}"
-            + (f" (bad: {bad!r})." if bad else ".")
-        )
-    return sorted({int(b) for b in sizes})
-
-
-def default_token_buckets(
-    max_tokens: int = 4096, step: int = 8, dense_until: int = 256
-) -> tuple[int, ...]:
-    """The default ladder: multiples of ``step`` up to ``dense_until``, then 8 buckets per doubling.
-
-    Padding waste is at most ``step - 1`` tokens up to ``dense_until`` (7 tokens below 256
-    by default, like vLLM's capture sizes) and under 12.5 % above it (each bucket is at
-    most 9/8 of the one before). The last bucket is ``max_tokens``. Why this dense: on an
-    H200 a Llama-1B prefill of 200 tokens took 3.80 ms as an exact-length graph, 3.93 ms in
-    breakgraph's bucket 200 and 4.11 ms in bucket 208 (some GEMM shapes are slower than
-    larger ones; ``PrefillRunner(tune_buckets=True)`` routes around those), and each extra
-    bucket costs well under 0.1 s of capture and almost no memory (one shared pool).
-
-    Example::
-
-        >>> from breakgraph.ladder import default_token_buckets
-        >>> default_token_buckets(512)[:4], default_token_buckets(512)[-3:]
-        ((8, 16, 24, 32), (448, 480, 512))
-        >>> len(default_token_buckets(4096))
-        64
-    """
-    if max_tokens < 1 or step < 1 or dense_until < 1:
-        raise InputError(
-            "default_token_buckets: max_tokens, step and dense_until must be positive."
-        )
-    sizes, size = [], step
-    while size < max_tokens:
-        sizes.append(size)
-        # past dense_until: 1/8 of the octave [2^k, 2^(k+1)) the size is in
-        size += step if size < dense_until else max(step, _octave(size) // 8)
-    sizes.append(max_tokens)
-    return tuple(sizes)
-
-
-def _octave(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
-def geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
-    """``first``, ``first * factor``, ... below ``last``, then ``last`` (always the last bucket).
-
-    The continuous-batching default (32, 128, 512, ...): coarse on purpose when padding is
-    cheap, as for a step whose attention breaks run at the exact lengths.
-
-    Example::
-
-        >>> from breakgraph.ladder import geometric_buckets
-        >>> geometric_buckets(32, 4, 2048), geometric_buckets(32, 4, 1000), geometric_buckets(32, 4, 16)
-        ((32, 128, 512, 2048), (32, 128, 512, 1000), (16,))
-    """  # noqa: E501
-    for name, value in (("first", first), ("factor", factor), ("last", last)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise InputError(f"geometric_buckets: {name} must be a positive int, got {value!r}.")
-    if factor < 2:
-        raise InputError(f"geometric_buckets: factor must be at least 2, got {factor}.")
-    sizes, size = [], int(first)
-    while size < last:
-        sizes.append(size)
-        size *= factor
-    return (*sizes, int(last))
 
 
 # -- counters ----------------------------------------------------------------------------------

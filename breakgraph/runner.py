@@ -56,18 +56,11 @@ from typing import Any
 import torch
 
 from . import distributed
+from .buckets import Action, Decision, choose_bucket, faster_buckets, validate_buckets
 from .eager import eager_on_graph
 from .errors import CaptureError, InputError
 from .graph import BreakableCUDAGraph
-from .ladder import (
-    Action,
-    Decision,
-    GraphLadder,
-    LadderStats,
-    choose_bucket,
-    faster_buckets,
-    validate_buckets,
-)
+from .ladder import GraphLadder, LadderStats
 from .state import context_scope
 from .structure import map_tensors
 

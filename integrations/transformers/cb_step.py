@@ -41,8 +41,9 @@ import torch
 
 import breakgraph
 from breakgraph import distributed
+from breakgraph.buckets import Action
 from breakgraph.errors import CaptureError, InputError
-from breakgraph.ladder import Action, GraphLadder
+from breakgraph.ladder import GraphLadder
 
 from . import compat
 from .attention import FLASH_WRITES_IN_PLACE, flash_varlen, reference_attention

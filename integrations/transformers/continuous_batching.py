@@ -371,7 +371,7 @@ def enable_continuous_batching(
     chosen = select_backend(backend).name
     kernel = _resolve_attention(attention, parameter.dtype, parameter.device, _WHO)
     if query_buckets is not None:
-        from breakgraph.ladder import validate_buckets
+        from breakgraph.buckets import validate_buckets
 
         query_buckets = tuple(validate_buckets(query_buckets, f"{_WHO}: query_buckets"))
     debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 import breakgraph
+from breakgraph.buckets import default_token_buckets, geometric_buckets, validate_buckets
 from breakgraph.errors import InputError
-from breakgraph.ladder import default_token_buckets, geometric_buckets
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -64,8 +64,6 @@ def default_query_buckets(query_buckets: Any, max_batch_tokens: int, who: str) -
         >>> default_query_buckets(None, 2048, "f"), default_query_buckets((8, 64), 256, "f")
         ((32, 128, 512, 2048), (8, 64, 256))
     """
-    from breakgraph.ladder import validate_buckets
-
     if query_buckets is None:
         sizes = geometric_buckets(DEFAULT_FIRST_BUCKET, DEFAULT_BUCKET_FACTOR, max_batch_tokens)
     else:

@@ -44,9 +44,9 @@ import torch
 
 import breakgraph
 from breakgraph import distributed
+from breakgraph.buckets import Action, validate_buckets
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
-from breakgraph.ladder import Action, validate_buckets
 from breakgraph.memory import borrowed
 from breakgraph.runner import BucketedRunner, StaticInputs
 
