@@ -706,6 +706,24 @@ def test_cuda_bf16_flash_agrees_with_paged_sdpa(arch):
 
 @needs_cb
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("async_batching", [False, None], ids=["sync", "async"])
+def test_cuda_fp32_tokens_equal_generate(async_batching):
+    """fp32 on the GPU, every family's tiny model: greedy ``generate_batch`` tokens under
+    breakgraph (graphs, paged-attention breaks with the reference kernel) equal
+    ``model.generate()`` per prompt, synchronous and asynchronous (the default on CUDA)."""
+    for arch in ("llama", "qwen2_hybrid", "mixtral"):
+        model = build_model(arch, device="cuda")
+        prompts = random_prompts(seed=21)
+        expected = generate_each(model, prompts)
+        cbc = cb_config(use_async_batching=async_batching)
+        with enable_continuous_batching(model, query_buckets=BUCKETS) as handle:
+            assert generate_batch(model, prompts, cbc=cbc) == expected, arch
+        assert handle.kernel == "reference" and handle.stats.eager_steps == 0, arch
+        assert handle.stats.replays > 0, arch
+
+
+@needs_cb
+@pytest.mark.requires_cuda
 def test_cuda_fp32_reference_matches_paged_sdpa():
     got, ref, handle = cuda_run(torch.float32, "reference")
     first, whole = agreement(got, ref)
