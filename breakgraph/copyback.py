@@ -14,8 +14,9 @@ corrupt, all refused:
   global buffer, a module buffer, a cache): segments read that memory as the graph's
   output, but its other holders read it too, so copying a new result into it would
   overwrite their values (adapter "a" would become adapter "b"). Such an output must be
-  the same memory on every replay, never a different tensor. :func:`call_and_classify`
-  finds these outputs right after the capture-time call.
+  the same memory on every replay, never a different tensor.
+  :func:`~breakgraph.ownership.call_and_classify` finds these outputs right after the
+  capture-time call (see :mod:`breakgraph.ownership`).
 * **Outputs that overlap each other** (``(y, y)``, ``(y, y[:2])``) must overlap the same
   way on every replay; two independent tensors copied into one memory would leave the last
   copy in both.
@@ -40,172 +41,19 @@ Example::
 from __future__ import annotations
 
 import collections
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .errors import CopyBackError
+from .ownership import call_and_classify, storage_key, storages_of
 from .structure import Split, StructureError, describe, iter_tensors, split
 
+# call_and_classify and storages_of live in breakgraph.ownership; re-exported here
 __all__ = ["build_copy_back", "call_and_classify", "storages_of"]
 
 Copier = Callable[[Any], None]
-
-
-def storages_of(*values: Any) -> frozenset:
-    """The storage addresses of every tensor inside ``values`` (an eager call's arguments)."""
-    return frozenset(_storage_key(t) for v in values for _, t in iter_tensors(v, "argument"))
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-# ---------------------------------------------------------------------------------------
-# Which outputs the graph owns (once, at capture)
-# ---------------------------------------------------------------------------------------
-
-
-def call_and_classify(function: Callable, args: tuple, kwargs: dict) -> tuple[Any, frozenset]:
-    """Call an eager function at capture; return its output and the storages it does not own.
-
-    Copy-back may write only into memory that nothing but the graph will read. A storage
-    of the output is *held elsewhere* when anything outside the returned structure holds
-    it: a dict of adapters, a global buffer, a module attribute, the arguments, a list the
-    function appends its result to, a cache holding the returned container. Counted right
-    after the call, before any other code can take a view: the holders of each storage,
-    tensor and container, minus those inside the output (the output's own views and their
-    bases included). Anything unaccounted for makes the storage held elsewhere.
-
-    Autograd counts like any other holder: a tensor it saved for backward (the output of
-    ``sigmoid`` under grad mode, say) is held elsewhere, so a function that returns new
-    tensors must run under ``torch.no_grad()`` or ``torch.inference_mode()`` (as the
-    runners capture), or its first replay raises :class:`~breakgraph.CopyBackError`.
-    Memory reached through a second storage object (``torch.from_numpy``, DLPack,
-    ``breakgraph.memory.borrowed``) cannot be seen.
-
-    Example::
-
-        >>> import torch
-        >>> from breakgraph.copyback import call_and_classify
-        >>> weights = torch.ones(2)
-        >>> output, held = call_and_classify(lambda x: (x * 2, weights), (torch.ones(2),), {})
-        >>> [t.untyped_storage().data_ptr() in held for t in output]
-        [False, True]
-    """
-    output = function(*args, **kwargs)
-    try:
-        held = _held_elsewhere(output)
-    except StructureError:  # a reference cycle: build_copy_back names it
-        held = frozenset()
-    return output, held
-
-
-def _held_elsewhere(output: Any) -> frozenset:
-    census = _Census(output)
-    # measured first, while only census.nodes holds the nodes (and the two callers' names
-    # hold the root), against two probe tensors held the same way: one alone, one that a
-    # view holds from C++ (torch versions differ in what that adds to Python's count)
-    references = [sys.getrefcount(node) for node in census.nodes]
-    census.inner[id(output)] += 2  # call_and_classify's `output` and this function's argument
-    nodes, (held_probe, probe) = census.nodes[:-2], census.nodes[-2:]
-    baseline, base_uses, base_storage = references[-1], _uses(probe), _holders(probe)
-    kept_alive = references[-2] - baseline  # what a C++ holder adds to the Python count
-    del held_probe, probe
-    outside = set()  # ids of nodes that something outside the output holds
-    tensors = collections.Counter()  # storage -> tensor nodes over it
-    for node, count in zip(nodes, references):
-        extra = count - baseline - census.inner[id(node)]
-        if isinstance(node, torch.Tensor):
-            uses = _uses(node) - base_uses  # C++ holders: views' bases, autograd, ...
-            if uses > 0 or census.viewers[id(node)]:
-                extra -= kept_alive
-            if uses > census.viewers[id(node)]:
-                outside.add(id(node))
-            tensors[_storage_key(node)] += 1
-        if extra > 0:
-            outside.add(id(node))
-    held = set()
-    for node in nodes:
-        if not isinstance(node, torch.Tensor):
-            continue
-        key = _storage_key(node)
-        if key in held:
-            continue
-        impls, python = _holders(node)
-        if (
-            id(node) in outside
-            or not census.above.get(id(node), set()).isdisjoint(outside)
-            or impls - base_storage[0] > tensors[key] - 1  # tensors over it outside the output
-            or python > base_storage[1]  # a Python storage object held elsewhere
-        ):
-            held.add(key)
-    return frozenset(held)
-
-
-def _uses(tensor: torch.Tensor) -> int:
-    """How many hold the tensor itself (its Python object and C++: views, autograd); 0 on
-    torch versions without ``Tensor._use_count`` (the storage count still sees views)."""
-    use_count = getattr(tensor, "_use_count", None)
-    return use_count() if use_count is not None else 0
-
-
-def _holders(tensor: torch.Tensor) -> tuple[int, int]:
-    """The holders of ``tensor``'s storage (tensors and storage objects) and the Python
-    references to its storage object, compared against a probe measured the same way."""
-    storage = tensor.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
-
-
-class _Census:
-    """Every container and tensor of an output once (then the bases of its views, then two
-    probe tensors), the references between them, and the containers above each tensor."""
-
-    def __init__(self, output: Any):
-        self.nodes: list = []
-        self.seen: set = set()
-        self.inner = collections.Counter()  # id -> references from containers in the output
-        self.above: dict = {}  # tensor id -> ids of the containers above it
-        self.viewers = collections.Counter()  # tensor id -> views in the output of it
-        self._visit(output, ())
-        for index in range(len(self.nodes)):
-            node = self.nodes[index]
-            base = node._base if isinstance(node, torch.Tensor) else None
-            if base is not None:  # a view holds its base
-                self.viewers[id(base)] += 1
-                self._add(base)
-        with torch.inference_mode(False):  # views of inference tensors hold no base
-            held_probe = torch.empty(2, device="cpu")
-            self._probe_view = held_probe[:1]  # holds held_probe from C++
-        self.nodes += [held_probe, torch.empty(1, device="cpu")]
-
-    def _add(self, node: Any) -> bool:
-        if id(node) in self.seen:
-            return False
-        self.seen.add(id(node))
-        self.nodes.append(node)
-        return True
-
-    def _visit(self, value: Any, above: tuple) -> None:
-        if isinstance(value, torch.Tensor):
-            self._add(value)
-            self.above.setdefault(id(value), set()).update(above)
-            return
-        parts = split(value)
-        if parts is None:
-            return
-        if id(value) in above:
-            raise StructureError("output", "a reference cycle")
-        if self._add(value):
-            references = list(parts.values)
-            if parts.kind == "mapping" and hasattr(value, "__dict__"):
-                references += vars(value).values()  # ModelOutput: keys are attributes too
-            for item in references:
-                self.inner[id(item)] += 1
-        for item in parts.values:
-            self._visit(item, above + (id(value),))
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,8 +67,8 @@ def _overlap_groups(captured: Any, not_owned: frozenset) -> list:
     """Lists of ``(path, tensor)`` of owned outputs whose memory overlaps, first seen first."""
     by_storage = collections.defaultdict(list)
     for path, tensor in iter_tensors(captured, "output"):
-        if tensor.numel() and _storage_key(tensor) not in not_owned:
-            by_storage[_storage_key(tensor)].append((path, tensor))
+        if tensor.numel() and storage_key(tensor) not in not_owned:
+            by_storage[storage_key(tensor)].append((path, tensor))
     groups = []
     for members in by_storage.values():
         if len(members) > 1:
@@ -287,8 +135,9 @@ def build_copy_back(
     """Compile a function that copies a new result into ``captured``, checking it first.
 
     ``function`` is the eager function's name, used in error messages. ``arguments`` are
-    the storages of its capture-time arguments (:func:`storages_of`) and ``held`` those
-    of its outputs that something else holds (:func:`call_and_classify`): outputs in that
+    the storages of its capture-time arguments (:func:`~breakgraph.ownership.storages_of`)
+    and ``held`` those of its outputs that something else holds
+    (:func:`~breakgraph.ownership.call_and_classify`): outputs in that
     memory must stay that very memory on replay. Owned outputs that overlap each other
     must overlap the same way on replay. With ``check_values=False`` Python values (ints,
     strings, ...) that differ from the capture-time ones are accepted: use it when such
@@ -337,7 +186,7 @@ class _Plan:
     def build(self, captured: Any, path: str, active: set) -> Copier:
         function = self.function
         if isinstance(captured, torch.Tensor):
-            key = _storage_key(captured)
+            key = storage_key(captured)
             if key in self.arguments:
                 return _same_memory_copier(captured, path, function, _ARGUMENT)
             if key in self.held and captured.numel():

@@ -36,8 +36,9 @@ import torch
 from . import debug as _debug
 from .backends import select_backend
 from .backends.base import Backend, CaptureOptions, Segment, Session
-from .copyback import build_copy_back, call_and_classify, storages_of
+from .copyback import build_copy_back
 from .errors import BreakgraphError, CaptureError, HostSyncError, ReplayError
+from .ownership import call_and_classify, storages_of
 from .state import context_scope, is_capturing, replay_context, state
 
 __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "context_scope"]
