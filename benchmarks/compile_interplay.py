@@ -4,7 +4,8 @@ CUDA graph trees free every cuBLAS workspace around their captures
 (``torch._C._cuda_clearCublasWorkspaces``). A captured matmul writes scratch data into
 the workspace address it saw at capture; if that memory went back to the ordinary
 allocator, replays corrupt whatever tensor got it next. Scenarios, each in a fresh
-process, with breakgraph's workspace isolation on (default) and off (the old behaviour):
+process, with breakgraph's workspace isolation on (the library) and off (the old behaviour,
+which this benchmark restores for its own run: see ``cublas_workspaces``):
 
   clear     capture a breakable graph, clear the workspaces, fill the freed memory with
             sentinels, replay: are the sentinels intact and the outputs right?
@@ -18,21 +19,49 @@ Usage (GPU): python -m benchmarks.compile_interplay --out interplay.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 SCENARIOS = ("clear", "plain", "compiled")
 
 
-def _clear(isolate: bool, plain: bool) -> dict:
+def _prepare_cublas_in_the_ordinary_allocator(device: int, stream) -> None:
+    """The old preparation: the cuBLAS handles created on the caller's stream, then the
+    capture stream's workspace allocated by a matmul on it, in torch's ordinary allocator
+    (where ``_cuda_clearCublasWorkspaces`` hands it to other tensors)."""
+    import torch
+
+    from breakgraph.backends import cuda as bg_cuda
+
+    bg_cuda._small_matmuls(device)
+    with torch.cuda.stream(stream):
+        bg_cuda._small_matmuls(device)
+
+
+@contextlib.contextmanager
+def cublas_workspaces(isolated: bool) -> Iterator[None]:
+    """Unless ``isolated``, breakgraph's captures prepare cuBLAS the old way for the block
+    (the CUDA backend's ``_prepare_cublas``, replaced through ``breakgraph.patches``)."""
+    from breakgraph.backends import cuda as bg_cuda
+    from breakgraph.patches import patch_attribute
+
+    with contextlib.ExitStack() as stack:
+        if not isolated:
+            patch_attribute(
+                stack, bg_cuda, "_prepare_cublas", _prepare_cublas_in_the_ordinary_allocator
+            )
+        yield
+
+
+def _clear(plain: bool) -> dict:
     import torch
 
     import breakgraph
-    from breakgraph.backends import cuda as bg_cuda
 
-    bg_cuda.ISOLATE_CUBLAS_WORKSPACES = isolate
     torch.manual_seed(0)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)  # split-K: uses the workspace
@@ -71,14 +100,11 @@ def _clear(isolate: bool, plain: bool) -> dict:
     return {"sentinels_intact": intact, "max_rel_error": worst}
 
 
-def _compiled(isolate: bool) -> dict:
+def _compiled() -> dict:
     import torch
     import transformers
     from breakgraph.integrations.transformers import PrefillRunner
 
-    from breakgraph.backends import cuda as bg_cuda
-
-    bg_cuda.ISOLATE_CUBLAS_WORKSPACES = isolate
     cfg = transformers.Qwen2Config(
         vocab_size=32000, hidden_size=1536, intermediate_size=8960, num_hidden_layers=4,
         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
@@ -123,7 +149,8 @@ def main() -> None:
     if args.one:
         name, isolate = args.one.split(":")
         isolate = isolate == "1"
-        result = _compiled(isolate) if name == "compiled" else _clear(isolate, name == "plain")
+        with cublas_workspaces(isolated=isolate):
+            result = _compiled() if name == "compiled" else _clear(name == "plain")
         print("RESULT " + json.dumps(result))
         return
     results = []

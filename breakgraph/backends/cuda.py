@@ -33,10 +33,6 @@ from ..streams import StreamTracker
 from ..syncs import CompileTransparentSegmentMode, SegmentMode
 from .base import CaptureOptions, Observer
 
-#: Keep the capture stream's cuBLAS workspaces in a pool of their own (see the module
-#: docstring). Only ``benchmarks/compile_interplay.py`` turns it off, to show why it is on.
-ISOLATE_CUBLAS_WORKSPACES = True
-
 _capture_streams: dict = {}  # device -> breakgraph's capture stream
 _workspace_pools: dict = {}  # device -> (pool handle, graph) holding cuBLAS workspaces
 
@@ -147,10 +143,6 @@ def _prepare_cublas(device: int, stream: torch.cuda.Stream) -> None:
     exist yet, in breakgraph's workspace pool; if it exists this does nothing.
     """
     _small_matmuls(device)  # creates the cuBLAS and cuBLASLt handles on the caller's stream
-    if not ISOLATE_CUBLAS_WORKSPACES:
-        with torch.cuda.stream(stream):  # the old behaviour: workspaces in the ordinary allocator
-            _small_matmuls(device)
-        return
     entry = _workspace_pools.get(device)
     if entry is None:
         entry = _workspace_pools[device] = [torch.cuda.graph_pool_handle(), []]
