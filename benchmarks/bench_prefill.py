@@ -52,9 +52,9 @@ VARIANTS = {
     "model(ids, use_cache=False, logits_to_keep=1) captured at the prompt's exact length "
     "(sdpa, 3 warm-up runs first); for a batch, captured at the left-padded batch's shape",
     "breakgraph": "PrefillRunner(model): default settings (bucket ladder, max_prompts, warm-up)",
-    "bg_one_graph": "PrefillRunner(model, token_buckets=<the buckets breakgraph used>, "
-    "max_prompts=<breakgraph's>, attention='captured'): the same packed forward in ONE graph, "
-    "attention captured at upper-bound lengths, no breaks",
+    "bg_one_graph": "OneGraphPrefillRunner(model, token_buckets=<the buckets breakgraph used>, "
+    "max_prompts=<breakgraph's>) (benchmarks/one_graph.py): the same packed forward in ONE "
+    "graph, attention captured at upper-bound lengths, no breaks",
     "compile_ro": 'torch.compile(model, mode="reduce-overhead") at exact lengths (single '
     "prompts; torch's default dynamic=None unless --compile-dynamic)",
     "bg_compiled": "PrefillRunner(model, compile=True): Inductor-fused segments, default ladder",
@@ -248,6 +248,8 @@ def runner_record(runner, construction_s: float) -> dict:
 def run_family(run: Run, family: Family) -> dict:
     from breakgraph.integrations.transformers import PrefillRunner
 
+    from .one_graph import OneGraphPrefillRunner
+
     s = run.settings
     config = family.config()
     result: dict = {"family": family.name, "shape": family.shape, "config": config_summary(config)}
@@ -288,11 +290,8 @@ def run_family(run: Run, family: Family) -> dict:
         elif used:
             with attempt(result, "bg_one_graph"):
                 start = time.perf_counter()
-                one = PrefillRunner(
-                    model,
-                    token_buckets=used,
-                    max_prompts=result["runner"]["max_prompts"],
-                    attention="captured",
+                one = OneGraphPrefillRunner(
+                    model, token_buckets=used, max_prompts=result["runner"]["max_prompts"]
                 )
                 run.sync()
                 result["one_graph_runner"] = runner_record(one, time.perf_counter() - start)

@@ -12,8 +12,8 @@ Started with plain ``python``, it relaunches itself under ``torchrun --nproc-per
 
 Variants. The TP=2 ones take turns call by call, in every order, on the same inputs:
   tp_eager       transformers' TP forward, eagerly (the mixed batch: one prompt at a time)
-  tp_full_graph  PrefillRunner(attention="captured"): the whole forward in ONE CUDA graph,
-                 attention with upper-bound lengths, collectives captured (CUDA only)
+  tp_full_graph  OneGraphPrefillRunner (benchmarks/one_graph.py): the whole forward in ONE
+                 CUDA graph, attention with upper-bound lengths, collectives captured (CUDA)
   tp_breakgraph  PrefillRunner: attention as an eager break per layer, collectives captured
   tp_bg_eager_ar PrefillRunner(tp_collectives="eager"): also an eager break at every all-reduce
   tp1_breakgraph PrefillRunner on rank 0 alone with an unsharded model (after the TP runs)
@@ -42,10 +42,10 @@ from datetime import timedelta
 
 import torch
 
-try:  # python -m benchmarks.bench_tp
-    from .families import TINY
-except ImportError:  # torchrun benchmarks/bench_tp.py
-    from families import TINY
+if __package__ in (None, ""):  # torchrun benchmarks/bench_tp.py: make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.families import TINY  # noqa: E402
 
 LLAMA_8B = dict(
     vocab_size=128256,
@@ -181,6 +181,8 @@ def run_tp(bench: Bench, path: str, loads: dict) -> dict:
     from breakgraph.integrations.transformers import PrefillRunner
     from transformers.distributed.configuration_utils import DistributedConfig
 
+    from benchmarks.one_graph import OneGraphPrefillRunner
+
     torch.manual_seed(0)  # every rank initialises its shards and the replicated weights alike
     start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -189,13 +191,13 @@ def run_tp(bench: Bench, path: str, loads: dict) -> dict:
     result = {"model_load_s": time.perf_counter() - start}
     buckets = tuple(bench.setting["lengths"])
     options = dict(token_buckets=buckets, max_prompts=16, backend=bench.backend)
-    variants = {
-        "tp_breakgraph": {},
-        "tp_bg_eager_ar": {"tp_collectives": "eager"},
-        "tp_full_graph": {"attention": "captured"},
+    variants = {  # name -> (runner class, extra arguments)
+        "tp_breakgraph": (PrefillRunner, {}),
+        "tp_bg_eager_ar": (PrefillRunner, {"tp_collectives": "eager"}),
+        "tp_full_graph": (OneGraphPrefillRunner, {}),
     }
     runners, result["capture_s"], result["skipped"] = {}, {}, {}
-    for name, extra in variants.items():
+    for name, (runner_class, extra) in variants.items():
         if name == "tp_full_graph" and not bench.cuda:
             result["skipped"][name] = "captured attention needs CUDA (FlashAttention)"
             continue
@@ -203,7 +205,7 @@ def run_tp(bench: Bench, path: str, loads: dict) -> dict:
             result["skipped"][name] = "NCCL_GRAPH_MIXING_SUPPORT=0"
             continue
         start = time.perf_counter()
-        runners[name] = PrefillRunner(model, **options, **extra)
+        runners[name] = runner_class(model, **options, **extra)
         result["capture_s"][name] = time.perf_counter() - start
     runner = runners["tp_breakgraph"]
     result["topology"] = {name: repr(r.graph(buckets[0]))[:160] for name, r in runners.items()}

@@ -2,9 +2,10 @@
 
 Four prefill runners of the same model, timed call by call in turns:
 
-  full graph       attention captured inside ONE graph (PrefillRunner(attention="captured"))
-  + cuts           the same, plus an empty ``break_graph()`` after every layer's attention:
-                   the cost of cutting the graph alone (same kernels, nothing eager)
+  full graph       attention captured inside ONE graph (``benchmarks/one_graph.py``)
+  + cuts           the same, plus an empty ``break_graph()`` after every layer's attention
+                   (``cut_after_attention=True``): the cost of cutting the graph alone (same
+                   kernels, nothing eager)
   + eager flash    breakgraph with the attention kernel launched eagerly, its result NOT
                    copied back (timing only: the answer is wrong); what the in-place
                    FlashAttention op of torch >= 2.12 would cost
@@ -16,6 +17,7 @@ Four prefill runners of the same model, timed call by call in turns:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -23,29 +25,13 @@ import torch
 from breakgraph.integrations.transformers import PrefillRunner
 from breakgraph.integrations.transformers import attention as _attention
 
-import breakgraph
+from breakgraph.patches import patch_attribute
 
 from .families import FAMILIES, make_model
+from .one_graph import OneGraphPrefillRunner
 from .timing import interleaved
 
 TOKENS = (32, 128, 2048)
-
-
-def runner_with_cuts(model, buckets):
-    """attention="captured" plus an empty break after every layer's attention."""
-    original = _attention.breakgraph_attention
-
-    def attention_then_cut(*args, **kwargs):
-        out = original(*args, **kwargs)
-        breakgraph.break_graph()
-        return out
-
-    _attention.breakgraph_attention = attention_then_cut
-    try:
-        return PrefillRunner(model, token_buckets=buckets, max_prompts=16, attention="captured")
-    finally:
-        _attention.breakgraph_attention = original
-        _attention.register()
 
 
 class _LaunchWithoutCopyBack(_attention.LayerAttention):
@@ -60,12 +46,9 @@ class _LaunchWithoutCopyBack(_attention.LayerAttention):
 
 
 def runner_without_copy_back(model, buckets):
-    original = _attention.LayerAttention
-    _attention.LayerAttention = _LaunchWithoutCopyBack  # the breaks built during capture keep it
-    try:
+    with contextlib.ExitStack() as stack:  # the breaks built during capture keep the class
+        patch_attribute(stack, _attention, "LayerAttention", _LaunchWithoutCopyBack)
         return PrefillRunner(model, token_buckets=buckets, max_prompts=16)
-    finally:
-        _attention.LayerAttention = original
 
 
 @torch.no_grad()
@@ -77,10 +60,10 @@ def main() -> None:
     config = FAMILIES[args.model].config()
     model = make_model(config, "cuda", torch.bfloat16)
     runners = {
-        "full_graph": PrefillRunner(
-            model, token_buckets=TOKENS, max_prompts=16, attention="captured"
+        "full_graph": OneGraphPrefillRunner(model, token_buckets=TOKENS, max_prompts=16),
+        "cuts_only": OneGraphPrefillRunner(
+            model, token_buckets=TOKENS, max_prompts=16, cut_after_attention=True
         ),
-        "cuts_only": runner_with_cuts(model, TOKENS),
         "eager_flash_no_copy": runner_without_copy_back(model, TOKENS),
         "breakgraph": PrefillRunner(model, token_buckets=TOKENS, max_prompts=16),
     }

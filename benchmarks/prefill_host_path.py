@@ -31,7 +31,7 @@ a third with nothing wrapped (``return, unwrapped``): the wrappers' own cost is 
 On CUDA, events recorded at entry, at the launch and at return give what the device saw: the
 gap before the first kernel of the graph (the host path, plus the input copies) and the
 graph's own time; and the variants take turns (``benchmarks.timing.interleaved``): the default
-runner, its one-graph variant (``attention="captured"`` on the buckets it used) and the
+runner, its one-graph variant (``benchmarks.one_graph`` on the buckets it used) and the
 exact-length whole-forward graph (``benchmarks.baselines.exact_length_graph``), as in
 ``benchmarks/bench_prefill.py``.
 """
@@ -411,6 +411,20 @@ class Settings:
         return self.device == "cuda"
 
 
+def one_graph_runner(model, **kwargs):
+    """The one-graph variant (``benchmarks/one_graph.py``) where the timed tree has it; older
+    trees (``--compare``) had it as ``PrefillRunner(attention="captured")``."""
+    try:
+        from benchmarks.one_graph import OneGraphPrefillRunner
+    except ModuleNotFoundError as missing:
+        if missing.name != "benchmarks.one_graph":
+            raise
+        from breakgraph.integrations.transformers import PrefillRunner
+
+        return PrefillRunner(model, attention="captured", **kwargs)
+    return OneGraphPrefillRunner(model, **kwargs)
+
+
 def measure_family(settings: Settings, family: Family) -> dict:
     from breakgraph.integrations.transformers import PrefillRunner
 
@@ -439,9 +453,7 @@ def measure_family(settings: Settings, family: Family) -> dict:
         one = graphs = None
         if cuda:
             used = sorted({runner._runner.bucket_for(n) for n in settings.sizes})
-            one = PrefillRunner(
-                model, token_buckets=used, max_prompts=runner.max_prompts, attention="captured"
-            )
+            one = one_graph_runner(model, token_buckets=used, max_prompts=runner.max_prompts)
             closers.append(one.close)
             pool = torch.cuda.graph_pool_handle()
             graphs = {}

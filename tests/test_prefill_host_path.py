@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 transformers = pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
-from breakgraph.integrations.transformers.prefill import _StepBuffers  # noqa: E402
+from breakgraph.integrations.transformers.prefill_buffers import StepBuffers  # noqa: E402
 
 from breakgraph.errors import InputError  # noqa: E402
 from tests.tiny_models import tiny_config  # noqa: E402
@@ -136,7 +136,7 @@ def test_committed_steps_match_the_reference(p):
     """Random batches (one prompt, several, max_prompts, none: the capture's) through both host
     buffers in turn, after larger ones (stale values must not survive)."""
     t, pad = 64, 7
-    steps = _StepBuffers(t, p, torch.device("cpu"), pad)
+    steps = StepBuffers(t, p, torch.device("cpu"), pad)
     rng = random.Random(p)
     cases = [[], [64], [1], [3, 4], [1] * p, [60 - p, *[1] * (p - 1)], [2], [33], [5] * p, [1]]
     cases += [[rng.randint(1, 5) for _ in range(rng.randint(1, p))] for _ in range(60)]

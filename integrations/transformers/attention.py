@@ -86,16 +86,12 @@ def flash_available(dtype: torch.dtype, device: torch.device) -> bool:
 class RunnerState:
     """What the registered attention function needs from the runner during one forward.
 
-    ``kernel`` is ``"flash"`` or ``"reference"``; ``captured_cu`` (a static
-    ``[max_prompts + 2]`` int32 buffer) switches to *captured* attention: the kernel
-    is recorded inside the graph with upper-bound lengths and no break (the
-    baseline that breakgraph is measured against). ``outputs`` maps a layer to its
+    ``kernel`` is ``"flash"`` or ``"reference"``. ``outputs`` maps a layer to its
     shared attention-output buffer (kept by the runner across buckets). ``layers``
     collects ``(layer, key, value)`` and ``calls`` the breaks seen during a capture.
     """
 
     kernel: str
-    captured_cu: torch.Tensor | None = None
     outputs: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
     calls: list = field(default_factory=list)
@@ -293,13 +289,10 @@ def breakgraph_attention(
         state.layers.append((layer, key, value))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     call = LayerAttention(layer, query, key, value, scale, sliding_window, state.kernel)
-    if state.captured_cu is not None:
-        out = call.flash(state.captured_cu, query.shape[2])  # upper bound: the bucket size
-    else:
-        call.out = state.output_for(layer, call.q)
-        if capturing:
-            state.calls.append(call)
-        out = breakgraph.eager_on_graph(call)()
+    call.out = state.output_for(layer, call.q)
+    if capturing:
+        state.calls.append(call)
+    out = breakgraph.eager_on_graph(call)()
     return out.unsqueeze(0), None
 
 

@@ -72,20 +72,22 @@ def default_query_buckets(query_buckets: Any, max_batch_tokens: int, who: str) -
 
 
 def resolve_attention(attention: str, dtype: torch.dtype, device: torch.device, who: str,
-                      allowed: tuple = ("auto", "flash", "reference")) -> str:  # fmt: skip
-    """The attention kernel of an entry point: ``"flash"`` or ``"reference"`` (or, for
-    prefill, ``"captured"``).
+                      backend: str | None = None) -> str:  # fmt: skip
+    """The attention kernel of an entry point: ``"flash"`` or ``"reference"``.
 
     ``"auto"`` is FlashAttention varlen (inside ATen; for one prefill prompt, HF's own causal
-    SDPA call) on CUDA in bf16/fp16, else the exact per-sequence reference.
+    SDPA call) on CUDA in bf16/fp16, else the exact per-sequence reference. With ``backend``
+    (prefill passes its own) FlashAttention also needs it to be ``"cuda"``: the emulated
+    backend reproduces CUDA graph semantics, not the kernels.
     """
     from .attention import flash_available
 
+    allowed = ("auto", "flash", "reference")
     if attention not in allowed:
         choices = ", ".join(repr(a) for a in allowed)
         raise InputError(f"{who}: attention must be one of {choices}, got {attention!r}.")
-    can_flash = flash_available(dtype, device)
-    if attention in ("flash", "captured") and not can_flash:
+    can_flash = flash_available(dtype, device) and backend in (None, "cuda")
+    if attention == "flash" and not can_flash:
         raise UnsupportedModelError(
             f"{who}: attention={attention!r} needs the CUDA backend, bf16/fp16 weights and "
             f"torch's FlashAttention varlen kernel; use attention='reference'."

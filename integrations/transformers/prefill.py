@@ -48,12 +48,18 @@ from breakgraph.buckets import Action, validate_buckets
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
 from breakgraph.memory import borrowed
-from breakgraph.runner import BucketedRunner, StaticInputs
+from breakgraph.runner import BucketedRunner
 
 from . import attention as _attention
 from .experts import experts_as_breaks
-from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, default_token_buckets
+from .models import (
+    SUPPORTED_MODEL_TYPES,
+    UnsupportedModelError,
+    default_token_buckets,
+    resolve_attention,
+)
 from .models import check_model as _check_model
+from .prefill_buffers import StepBuffers
 from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = [
@@ -114,152 +120,6 @@ class PrefillOutput:
         return cache
 
 
-_FEW_PROMPTS = 8  # up to this many prompts, a step is staged with scalar writes
-
-
-class _HostView:
-    """Numpy views of one pinned host buffer, made once (a ``.numpy()`` call or a slice is
-    host time on every step): ``ids`` (and ``unsigned_ids``, the same memory as uint64),
-    ``positions``, ``last`` (last-token indices), ``cu`` (int32 boundaries)."""
-
-    __slots__ = ("ids", "unsigned_ids", "positions", "last", "cu")
-
-    def __init__(self, buffer: torch.Tensor, max_tokens: int, max_prompts: int):
-        host, t, p = buffer.numpy(), max_tokens, max_prompts
-        self.ids, self.positions = host[:t], host[t : 2 * t]
-        self.unsigned_ids = self.ids.view(np.uint64)  # a negative id is a huge unsigned one
-        self.last = host[2 * t : 2 * t + p]
-        self.cu = host[2 * t + p :].view(np.int32)[: p + 2]
-
-
-class _StepBuffers(StaticInputs):
-    """Where one prefill's inputs live: one device buffer, filled by one copy per call.
-
-    Layout (int64): ``ids [T] | positions [T] | last-token indices [P] | cu_seqlens``
-    (``P + 2`` int32 values in the int64 words after). Every bucket's static inputs are
-    views of its start, so the bucket graphs read the same memory (they never run at the
-    same time). The host side is two pinned buffers used in turn, each guarded by an event,
-    so preparing a step never waits for the previous one to be read.
-
-    Per call this is host work on a model step, so every view it writes through (numpy views
-    of both host buffers, ``cu_seqlens[: k]`` for every count ``k``) is made here, once; up to
-    ``_FEW_PROMPTS`` prompts (one is the common case) are staged with scalar writes, with no
-    numpy call over the lengths.
-    """
-
-    def __init__(self, max_tokens: int, max_prompts: int, device: torch.device, pad_id: int):
-        example = torch.zeros(1, 1, dtype=torch.long, device=device)
-        super().__init__((example, example), dims=1, pad_values=(pad_id, 0))
-        self.max_tokens, self.max_prompts, self.pad_id = max_tokens, max_prompts, pad_id
-        cu_words = (max_prompts + 3) // 2
-        self.words = 2 * max_tokens + max_prompts + cu_words
-        pin = device.type == "cuda"
-        with torch.inference_mode(False):
-            self.device_buffer = torch.zeros(self.words, dtype=torch.long, device=device)
-            self.hosts = [torch.zeros(self.words, dtype=torch.long, pin_memory=pin) for _ in (0, 1)]
-        self.views = [_HostView(host, max_tokens, max_prompts) for host in self.hosts]
-        # torch.Event: its record() finds the current stream in C++ (torch.cuda.Event.record
-        # builds a Python torch.cuda.Stream for it on every call, a few microseconds)
-        self.events = [torch.Event(device, enable_timing=False) if pin else None for _ in (0, 1)]
-        self.turn = 0
-        t, p = max_tokens, max_prompts
-        self.ids, self.positions = self.device_buffer[:t], self.device_buffer[t : 2 * t]
-        self.last_index = self.device_buffer[2 * t : 2 * t + p]
-        self.cu_seqlens = self.device_buffer[2 * t + p :].view(torch.int32)[: p + 2]
-        self.cu_views = [self.cu_seqlens[:k] for k in range(p + 3)]  # cu_views[k] = cu[:k]
-        self.arange = np.arange(max_tokens, dtype=np.int64)
-
-    def allocate(self, size: int) -> tuple:
-        return self.ids[:size].view(1, size), self.positions[:size].view(1, size)
-
-    def write_ids(self, prompts: list, lengths: list, vocab_size: int) -> bool:
-        """First half of a step: the prompts' ids into the host buffer, checked against the
-        vocabulary (host prompts, one vectorised pass). Runs before the bucket is decided,
-        so a bad batch fails on this rank before any rank agrees to run it. False when the
-        batch is longer than the buffer (an eager fallback builds its own tensors)."""
-        total = sum(lengths)
-        if total > self.max_tokens:
-            _check_vocabulary([p for p in prompts if p.is_cpu], vocab_size)
-            return False
-        i = self.turn
-        event = self.events[i]
-        if event is not None:
-            event.synchronize()  # the copy of two steps ago has read this buffer
-        view = self.views[i]
-        ids = view.ids
-        start = 0
-        on_device = False
-        for prompt, n in zip(prompts, lengths):
-            if prompt.is_cpu:
-                ids[start : start + n] = prompt.numpy()
-            else:
-                on_device = True
-            start += n
-        if on_device:  # device prompts are not checked: it would cost a host sync
-            _check_vocabulary([p for p in prompts if p.is_cpu], vocab_size)
-        elif total and view.unsigned_ids[:total].max() >= vocab_size:  # < 0 or >= vocab
-            raise _vocabulary_error(vocab_size)
-        return True
-
-    def commit(self, prompts: list, lengths: list, bucket: int) -> list:
-        """Second half: positions, tail, last-token indices, boundaries, then ONE async copy
-        to the device. Returns the ``(start, end)`` bounds of the prompts and of the tail
-        (a dummy sequence, so every row is written)."""
-        i = self.turn
-        self.turn ^= 1
-        view = self.views[i]
-        positions, last, cu = view.positions, view.last, view.cu
-        n = len(lengths)
-        last[:] = 0
-        if n <= _FEW_PROMPTS:  # scalar writes: cheaper than numpy's per-call cost for a few
-            arange, bounds, start = self.arange, [], 0
-            for j, length in enumerate(lengths):
-                end = start + length
-                positions[start:end] = arange[:length]
-                last[j] = end - 1
-                cu[j + 1] = end
-                bounds.append((start, end))
-                start = end
-            total = start
-        else:
-            ends = np.cumsum(lengths)
-            starts = ends - lengths
-            total = int(ends[-1])
-            positions[:total] = self.arange[:total] - np.repeat(starts, lengths)
-            last[:n] = ends - 1
-            cu[1 : n + 1] = ends
-            bounds = list(zip(starts.tolist(), ends.tolist()))
-        cu[0] = 0
-        cu[n + 1 :] = bucket  # the tail's end, then trailing zero-length sequences
-        view.ids[total:bucket] = self.pad_id
-        positions[total:bucket] = 0
-        if bucket > total:
-            bounds.append((total, bucket))
-        self.device_buffer.copy_(self.hosts[i], non_blocking=True)
-        if self.events[i] is not None:
-            self.events[i].record()
-        start = 0
-        for prompt, length in zip(prompts, lengths):
-            if not prompt.is_cpu:  # device prompts: device-to-device copies
-                self.ids[start : start + length].copy_(prompt)
-            start += length
-        return bounds
-
-
-def _check_vocabulary(prompts: list, vocab_size: int) -> None:
-    for p in prompts:
-        if int(p.min()) < 0 or int(p.max()) >= vocab_size:
-            raise _vocabulary_error(vocab_size)
-
-
-def _vocabulary_error(vocab_size: int) -> InputError:
-    # on the GPU an out-of-range id is a device-side assert that kills the process
-    return InputError(
-        f"PrefillRunner.prefill: a prompt holds token ids outside the vocabulary "
-        f"(0..{vocab_size - 1})."
-    )
-
-
 class PrefillRunner:
     """Prefill batches of variable-length prompts through captured breakable graphs.
 
@@ -275,10 +135,7 @@ class PrefillRunner:
             than the largest bucket (``"eager"`` runs the forward without a graph).
         attention: ``"auto"`` (FlashAttention varlen on CUDA in bf16/fp16, and for a
             batch of one prompt the causal SDPA call of HF's own attention; else the
-            per-sequence reference), ``"flash"`` (the same), ``"reference"``, or ``"captured"``:
-            FlashAttention recorded *inside* the graph with upper-bound lengths and no
-            breaks at all (a baseline; it relies on the kernel tolerating upper-bound
-            ``max_seqlen`` and holds at most ``max_prompts`` sequences).
+            per-sequence reference), ``"flash"`` (the same) or ``"reference"``.
         pad_token_id: token id written into the bucket tail.
         warmup: eager runs of the forward before the first (largest) bucket is captured.
         compile: ``torch.compile`` the model's forward (True, or a dict of
@@ -339,11 +196,6 @@ class PrefillRunner:
             raise InputError(
                 f"PrefillRunner: max_prompts must be >= 1 (an int), got {max_prompts!r}."
             )
-        if attention not in ("auto", "flash", "reference", "captured"):
-            raise InputError(
-                f"PrefillRunner: attention must be 'auto', 'flash', 'reference' or 'captured', "
-                f"got {attention!r}."
-            )
         limit = getattr(model.config, "max_position_embeddings", None)
         if token_buckets is None:
             token_buckets = default_token_buckets(min(4096, limit or 4096))
@@ -357,14 +209,8 @@ class PrefillRunner:
         self.model = model
         self.device, self.dtype = parameter.device, parameter.dtype
         backend_name = breakgraph.backends.select_backend(backend).name
-        can_flash = _attention.flash_available(self.dtype, self.device) and backend_name == "cuda"
-        if attention in ("flash", "captured") and not can_flash:
-            raise UnsupportedModelError(
-                f"PrefillRunner: attention={attention!r} needs the CUDA backend, bf16/fp16 weights "
-                f"and torch's FlashAttention varlen kernel; use attention='reference'."
-            )
-        self.attention = (
-            ("flash" if can_flash else "reference") if attention == "auto" else attention
+        self.attention = resolve_attention(
+            attention, self.dtype, self.device, "PrefillRunner", backend=backend_name
         )
         self.max_prompts = max_prompts
         self.vocab_size = model.config.get_text_config().vocab_size
@@ -382,7 +228,7 @@ class PrefillRunner:
             {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
         )
         self._borrow = backend_name == "cuda"
-        self._steps = _StepBuffers(longest, max_prompts, self.device, pad_token_id)
+        self._steps = StepBuffers(longest, max_prompts, self.device, pad_token_id)
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
         self._layers: dict = {}  # bucket -> [(layer, key, value)] seen at capture
         self._step = 0
@@ -425,11 +271,7 @@ class PrefillRunner:
 
     # -- the captured forward ------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        state = _attention.RunnerState(
-            "reference" if self.attention == "reference" else "flash",
-            self._steps.cu_seqlens if self.attention == "captured" else None,
-            self._outputs,
-        )
+        state = _attention.RunnerState(self.attention, self._outputs)
         capturing = breakgraph.is_capturing()
         collectives = (
             distributed.all_reduce_as_breaks()

@@ -10,6 +10,7 @@ import torch
 from breakgraph.integrations.transformers import PrefillRunner
 
 from benchmarks.families import FAMILIES, make_model
+from benchmarks.one_graph import OneGraphPrefillRunner
 
 MODEL = "llama-1b"
 TOKENS = (32, 128, 512, 2048)
@@ -29,9 +30,7 @@ def setup():
     model = make_model(FAMILIES[MODEL].config(), "cuda", torch.bfloat16)
     runners = {
         "breakgraph": PrefillRunner(model, token_buckets=BUCKETS, max_prompts=16),
-        "full_graph": PrefillRunner(
-            model, token_buckets=BUCKETS, max_prompts=16, attention="captured"
-        ),
+        "full_graph": OneGraphPrefillRunner(model, token_buckets=BUCKETS, max_prompts=16),
     }
     vocab = model.config.vocab_size
     prompts = {n: [torch.randint(vocab, (n,), device="cuda")] for n in TOKENS}
