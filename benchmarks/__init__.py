@@ -10,8 +10,10 @@ without touching ``sys.path``. Run the scripts as modules from the repository ro
     python -m benchmarks.report                         # docs/results/*.json -> docs/performance.md
 
 Modules: ``timing`` (turn-taking medians, host and device time), ``families`` (model
-shapes), ``baselines`` (what a user would otherwise run: HF eager, an exact-length CUDA
-graph, ``torch.compile``), ``bench_prefill`` (the prefill comparison), ``bench_cb`` (continuous
-batching against stock transformers; ``cb_instruments``: how it measures; ``roofline``: the
-device floor of a workload), ``report`` and its ``performance.md.in`` template.
+shapes), ``environment`` (the run metadata every script's JSON records), ``baselines`` (what a
+user would otherwise run: HF eager, an exact-length CUDA graph, ``torch.compile``),
+``one_graph`` (breakgraph's packed forward in one graph with no breaks: what the breaks cost),
+``bench_prefill`` (the prefill comparison), ``bench_cb`` (continuous batching against stock
+transformers; ``cb_instruments``: how it measures; ``roofline``: the device floor of a
+workload), ``report`` and its ``performance.md.in`` template.
 """

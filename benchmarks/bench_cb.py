@@ -90,7 +90,6 @@ from breakgraph.integrations.transformers import compat, enable_continuous_batch
 from transformers import GenerationConfig  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
-from benchmarks.bench_prefill import environment  # noqa: E402
 from benchmarks.cb_instruments import (  # noqa: E402
     INTERNALS,
     GraphLog,
@@ -99,6 +98,7 @@ from benchmarks.cb_instruments import (  # noqa: E402
     decode_window,
     require_internals,
 )
+from benchmarks.environment import environment  # noqa: E402
 from benchmarks.families import (  # noqa: E402
     CB_FAMILIES,
     FAMILIES,
@@ -651,7 +651,7 @@ def main(argv=None) -> dict:
         args=args, device=device, dtype=dtype, backend="cuda" if cuda else "emulated", gen=gen,
         peaks=peaks, counter=StepCounter(), graphs=GraphLog(), timer=None,
     )  # fmt: skip
-    meta = environment(types.SimpleNamespace(cuda=cuda))
+    meta = environment(cuda)
     meta.update(
         schema=SCHEMA,
         device=torch.cuda.get_device_name() if cuda else "cpu",

@@ -18,6 +18,8 @@ import torch
 
 import breakgraph
 
+from .environment import environment
+
 REGIMES = {
     # name: (elements per tensor, kernels per segment, segments)
     "tiny kernels": (1024, 1, 32),
@@ -132,12 +134,7 @@ def main() -> None:
             f"{r['noise_per_break_us']:>8.2f}{r['debug_mode_per_break_us']:>8.2f}"
         )
     if args.out:
-        meta = {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-            "trials": args.trials,
-        }
+        meta = {**environment(cuda=True), "trials": args.trials}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "overhead": rows}, f, indent=2)
 

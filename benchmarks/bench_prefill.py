@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ from .baselines import (
     exact_length_graph,
     hf_eager,
 )
+from .environment import environment
 from .families import FAMILIES, SMOKE_FAMILIES, Family, config_summary, make_model
 from .timing import DeviceClock, host_times, interleaved, median_ms, no_sync, probe_replays
 
@@ -502,31 +502,6 @@ def host_and_device(run: Run, prompts: list, runners: dict, graph, fresh: dict) 
     return host
 
 
-def environment(settings: Settings) -> dict:
-    import transformers
-
-    meta = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "argv": sys.argv[1:],
-    }
-    if settings.cuda:
-        meta["gpu"] = torch.cuda.get_device_name()
-        meta["cuda"] = torch.version.cuda
-    else:
-        meta["gpu"] = None
-        meta["cpu"] = platform.processor() or platform.machine()
-    try:
-        from breakgraph.integrations.transformers.attention import FLASH_WRITES_IN_PLACE
-
-        meta["attention_writes_in_place"] = FLASH_WRITES_IN_PLACE
-    except ImportError:
-        pass
-    return meta
-
-
 def run_all(settings: Settings, out: str | None = None) -> dict:
     """Every family of ``settings`` (compile families last, so the budget cuts compile
     work before it cuts families); the JSON is rewritten after each family."""
@@ -534,7 +509,7 @@ def run_all(settings: Settings, out: str | None = None) -> dict:
     catalogue = SMOKE_FAMILIES if settings.smoke else FAMILIES
     results = {
         "schema": SCHEMA,
-        "meta": environment(settings),
+        "meta": environment(settings.cuda),
         "settings": dataclasses.asdict(settings),
         "variants": VARIANTS,
         "skipped": run.skipped,

@@ -45,6 +45,7 @@ import torch
 if __package__ in (None, ""):  # torchrun benchmarks/bench_tp.py: make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.environment import environment  # noqa: E402
 from benchmarks.families import TINY  # noqa: E402
 
 LLAMA_8B = dict(
@@ -418,14 +419,12 @@ def main() -> None:
         print(f"TP={bench.world}: {len(loads)} workloads, variants take turns", flush=True)
     results = {
         "meta": {
+            **environment(bench.cuda),
             "device": torch.cuda.get_device_name() if bench.cuda else "cpu",
             "world_size": bench.world,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if bench.cuda else None,
             "nccl_graph_mixing_support": os.environ.get("NCCL_GRAPH_MIXING_SUPPORT", "unset (1)"),
             "smoke": bench.smoke,
-            "date": time.strftime("%Y-%m-%d"),
         },
         "settings": {
             "config": bench.setting["config"],

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 
 import torch
 from breakgraph.integrations.transformers import PrefillRunner
@@ -27,6 +26,7 @@ from breakgraph.integrations.transformers import attention as _attention
 
 from breakgraph.patches import patch_attribute
 
+from .environment import environment
 from .families import FAMILIES, make_model
 from .one_graph import OneGraphPrefillRunner
 from .timing import interleaved
@@ -98,13 +98,7 @@ def main() -> None:
             f"{per['eager_flash_no_copy']:>15.2f}{per['breakgraph']:>12.2f}"
         )
     if args.out:
-        meta = {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-            "model": args.model,
-            "breaks": breaks,
-        }
+        meta = {**environment(cuda=True), "model": args.model, "breaks": breaks}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
 

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+from .environment import environment
+
 SCENARIOS = ("clear", "plain", "compiled")
 
 
@@ -169,7 +171,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"scenarios": results}, f, indent=1)
+            json.dump({"meta": environment(cuda=True), "scenarios": results}, f, indent=1)
 
 
 if __name__ == "__main__":

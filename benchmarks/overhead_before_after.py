@@ -28,6 +28,7 @@ import torch
 import breakgraph
 
 from .bench_overhead import REGIMES, segment_work
+from .environment import environment
 
 
 def load_before(folder: str):
@@ -116,8 +117,7 @@ def main() -> None:
             f"{r['added_per_break_after_us']:>16.2f}{r['after_minus_before_per_break_us']:>8.2f}"
         )
     if args.out:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "trials": args.trials, "before": args.before}  # fmt: skip
+        meta = {**environment(cuda=True), "trials": args.trials, "before": args.before}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -56,6 +56,11 @@ from benchmarks.baselines import exact_length_graph
 from benchmarks.families import SMOKE_FAMILIES, Family, config_summary, make_model
 from benchmarks.timing import DeviceClock, interleaved, no_sync
 
+try:
+    from benchmarks.environment import environment
+except ModuleNotFoundError:  # an older tree (--compare) without it: this file's own folder
+    from environment import environment  # type: ignore[no-redef]
+
 SCHEMA = "breakgraph-prefill-host-path/1"
 STAGES = ("validate", "write_ids", "decide", "commit", "batch", "replay -> launch", "glue")
 
@@ -562,7 +567,6 @@ def settings_tag() -> str:
 
 
 def run_tree(settings: Settings) -> dict:
-    import transformers
 
     import breakgraph
 
@@ -570,9 +574,7 @@ def run_tree(settings: Settings) -> dict:
         "schema": SCHEMA,
         "tree": os.path.dirname(os.path.dirname(os.path.abspath(breakgraph.__file__))),
         "tag": settings_tag(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "gpu": torch.cuda.get_device_name() if settings.cuda else None,
+        **environment(settings.cuda),  # torch, transformers, gpu, ...: at the top level
         "settings": dataclasses.asdict(settings),
         "families": [],
     }

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benchmarks import bench_prefill, report_prefill, template, timing  # noqa: E402
+from benchmarks import bench_prefill, environment, report_prefill, template, timing  # noqa: E402
 
 pytestmark = pytest.mark.transformers
 
@@ -27,6 +27,7 @@ def test_smoke_run_writes_every_setting_and_skip(smoke):
     assert data["schema"] == bench_prefill.SCHEMA
     meta, settings = data["meta"], data["settings"]
     assert meta["torch"] and meta["transformers"] and meta["gpu"] is None
+    assert meta["date"] and meta["host"] and meta["cpu"]  # benchmarks.environment's record
     assert settings["smoke"] and settings["backend"] == "emulated"
     assert settings["runner_kwargs"]["token_buckets"] == [16, 32]
     assert set(data["variants"]) == set(bench_prefill.VARIANTS)
@@ -79,7 +80,7 @@ def test_defaults_fit_the_gpu_budget():
         bench_prefill.parse_args(["--families", "no-such-model"])
 
 
-@pytest.mark.parametrize("module", [timing, template])
+@pytest.mark.parametrize("module", [timing, template, environment])
 def test_docstring_examples(module):
     assert doctest.testmod(module).failed == 0
 
