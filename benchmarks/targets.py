@@ -70,3 +70,5 @@ TARGET_TP_BG_VS_WHOLE_GRAPH = 1.05  # TP=2 breakgraph / TP=2 whole graph, from T
 TP_FROM_TOKENS = 128
 TARGET_TP_EAGER_OVER_BG = 5.0  # TP=2 eager / TP=2 breakgraph, up to TP_EAGER_MAX_TOKENS
 TP_EAGER_MAX_TOKENS = 128
+TARGET_TP2_OVER_TP1 = 1.0  # TP=1 breakgraph / TP=2 breakgraph must exceed it, from ...
+TP_SCALING_FROM_TOKENS = 512  # ... this many tokens (below, one GPU is about as fast)
