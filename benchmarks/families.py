@@ -2,7 +2,7 @@
 
 Deep, narrow models (many attention breaks per token of work) and wide, shallow ones
 (the 4-layer Mistral/Mixtral cuts: a 7B layer's compute with few breaks), dense and MoE.
-``SMOKE_FAMILIES`` are tiny versions for the CPU smoke run.
+``SMOKE_FAMILIES`` are tiny versions for the CPU smoke run (``tiny_models``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from .tiny_models import MIXTRAL, TINY, tiny_config
 
 
 @dataclass(frozen=True)
@@ -212,23 +214,13 @@ CB_FAMILIES: dict[str, Family] = {
     )
 }
 
-TINY = dict(  # the smoke runs' shape (bench_prefill, bench_cb, bench_tp)
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-
-SMOKE_FAMILIES: dict[str, Family] = {
+SMOKE_FAMILIES: dict[str, Family] = {  # the tiny models (tiny_models.TINY)
     f.name: f
     for f in (
-        Family("tiny-llama", lambda: _tf().LlamaConfig(**TINY), "2 layers, hidden 64"),
+        Family("tiny-llama", lambda: tiny_config("LlamaConfig", **TINY), "2 layers, hidden 64"),
         Family(
             "tiny-mixtral",
-            lambda: _tf().MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+            lambda: tiny_config("MixtralConfig", **TINY, **MIXTRAL, num_experts_per_tok=2),
             "2 layers, hidden 64, 4 experts, top-2",
         ),
     )

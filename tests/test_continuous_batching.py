@@ -41,8 +41,8 @@ from breakgraph.integrations.transformers.experts import EXPERTS_KEY  # noqa: E4
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
+from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 from breakgraph.errors import BackendError, InputError, ReplayError  # noqa: E402
-from tests.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 

@@ -222,14 +222,9 @@ def test_random_ops_draw_fresh_numbers_each_replay():
 @torch.no_grad()
 def test_tiny_llama_logits_match_eager():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-    )
+    from benchmarks.tiny_models import TINY_SHAPE
+
+    config = transformers.LlamaConfig(vocab_size=128, **TINY_SHAPE)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.eval()
     static_ids = torch.randint(0, 128, (2, 16))

@@ -30,8 +30,8 @@ transformers = pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
 
+from benchmarks.tiny_models import DENSE_FAMILIES, tiny_config  # noqa: E402
 from breakgraph.errors import InputError  # noqa: E402
-from tests.tiny_models import DENSE_FAMILIES, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.transformers
 

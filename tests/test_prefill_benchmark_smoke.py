@@ -9,7 +9,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benchmarks import bench_prefill, environment, report_prefill, template, timing  # noqa: E402
+from benchmarks import (  # noqa: E402
+    bench_prefill,
+    environment,
+    report_prefill,
+    template,
+    timing,
+    tiny_models,
+)
 
 pytestmark = pytest.mark.transformers
 
@@ -80,7 +87,7 @@ def test_defaults_fit_the_gpu_budget():
         bench_prefill.parse_args(["--families", "no-such-model"])
 
 
-@pytest.mark.parametrize("module", [timing, template, environment])
+@pytest.mark.parametrize("module", [timing, template, environment, tiny_models])
 def test_docstring_examples(module):
     assert doctest.testmod(module).failed == 0
 

@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
 from breakgraph.integrations.transformers.prefill_buffers import StepBuffers  # noqa: E402
 
+from benchmarks.tiny_models import tiny_config  # noqa: E402
 from breakgraph.errors import InputError  # noqa: E402
-from tests.tiny_models import tiny_config  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 

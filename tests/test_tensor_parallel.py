@@ -25,7 +25,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.tiny_models import DENSE_FAMILIES, tiny_config
+from benchmarks.tiny_models import DENSE_FAMILIES, tiny_config
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -36,8 +36,8 @@ from breakgraph.integrations.transformers import (  # noqa: E402
 )
 from breakgraph.integrations.transformers import attention as bg_attention  # noqa: E402
 
+from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
-from tests.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 

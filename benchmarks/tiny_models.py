@@ -1,9 +1,18 @@
-"""The tiny random transformers models the integration tests share (CPU-fast, any family).
+"""The tiny random transformers models: the one home of the CPU-fast shapes.
 
-Every test file builds its models from these pieces, so a change of shape (or a family
-added) happens once. Two layers, hidden 64, 4 query and 2 KV heads; head_dim 16 where the
-family allows it. Mistral's window (8) is shorter than the longer test prompts, so the
-window must be applied.
+The tests build their models from these pieces, and so do the benchmarks' smoke runs
+(``families.SMOKE_FAMILIES``, ``bench_tp --smoke``, ``bench_cb --smoke``), so a change of
+shape (or a family added) happens once. Two layers, hidden 64, 4 query and 2 KV heads;
+head_dim 16 where the family allows it. Mistral's window (8) is shorter than the longer test
+prompts, so the window must be applied. (The examples and the docstring examples spell out
+their own small configs: a reader runs them from an installed package, without this folder.)
+
+Example::
+
+    >>> from benchmarks.tiny_models import TINY, tiny_config
+    >>> config = tiny_config("LlamaConfig", **TINY)
+    >>> config.num_hidden_layers, config.hidden_size, config.vocab_size
+    (2, 64, 128)
 """
 
 from __future__ import annotations
@@ -15,6 +24,9 @@ TINY_SHAPE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
 )
+
+#: the smoke runs' model: the shape with a small vocabulary and context
+TINY = dict(TINY_SHAPE, vocab_size=128, max_position_embeddings=512)
 
 #: family -> (transformers config class name, extra config kwargs), the dense families
 DENSE_FAMILIES = {
