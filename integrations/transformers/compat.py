@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from .models import UnsupportedModelError
+from .errors import UnsupportedModelError
 
 __all__ = [
     "TESTED_VERSIONS",
@@ -333,7 +333,7 @@ def supported(feature: str) -> bool:
 
 
 def require(feature: str, who: str) -> None:
-    """Raise :class:`~.models.UnsupportedModelError` unless ``feature`` is supported, naming
+    """Raise :class:`~.errors.UnsupportedModelError` unless ``feature`` is supported, naming
     the installed version, what is missing and the tested releases."""
     found = problems(feature)
     if found:

@@ -2,11 +2,11 @@
 
 One place for what both entry points (``PrefillRunner`` and ``enable_continuous_batching``)
 decide the same way: the supported model families and configurations
-(:func:`check_model`), the error they raise (:class:`UnsupportedModelError`), the attention
-kernel behind ``attention="auto"`` (:func:`resolve_attention`) and the default bucket
-ladders (:func:`default_token_buckets` for prefill, :func:`default_query_buckets` for the
-continuous-batching steps). Whether the *installed transformers* has what the code reads is
-decided by probes in :mod:`.compat`.
+(:func:`check_model`), the error they raise (:class:`UnsupportedModelError`, from
+:mod:`.errors`), the attention kernel behind ``attention="auto"`` (:func:`resolve_attention`)
+and the default bucket ladders (:func:`default_token_buckets` for prefill,
+:func:`default_query_buckets` for the continuous-batching steps). Whether the *installed
+transformers* has what the code reads is decided by probes in :mod:`.compat`.
 
 Example::
 
@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
-import breakgraph
 from breakgraph.buckets import default_token_buckets, geometric_buckets, validate_buckets
 from breakgraph.errors import InputError
+
+from .compat import causal_lm_class_name
+from .errors import UnsupportedModelError
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -47,10 +49,6 @@ _STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
 DEFAULT_BUCKET_FACTOR, DEFAULT_FIRST_BUCKET = 4, 32
 #: ``max_batch_tokens`` of a CB manager whose config leaves it unset (the largest bucket).
 DEFAULT_MAX_BATCH_TOKENS = 2048
-
-
-class UnsupportedModelError(breakgraph.BreakgraphError, ValueError):
-    """The model, its configuration or the installed transformers cannot be served correctly."""
 
 
 def default_query_buckets(query_buckets: Any, max_batch_tokens: int, who: str) -> tuple[int, ...]:
@@ -104,10 +102,8 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
 
         >>> check_model(torch.nn.Linear(2, 2), "f")
         Traceback (most recent call last):
-        breakgraph.integrations.transformers.models.UnsupportedModelError: f: model type None ...
+        breakgraph.integrations.transformers.errors.UnsupportedModelError: f: model type None ...
     """
-    from .compat import causal_lm_class_name
-
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
