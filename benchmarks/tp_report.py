@@ -108,40 +108,31 @@ def _targets(rows: list, world: int) -> list:
         tokens, single = e["tokens"], e["workload"].endswith(" tokens")
         if "bg_over_full" in e and tokens >= T.TP_FROM_TOKENS:
             limit = T.TARGET_TP_BG_VS_WHOLE_GRAPH
-            out.append(
-                fill(
-                    "tp.target.whole_graph",
-                    workload=e["workload"],
-                    ratio=num(e["bg_over_full"], 3),
-                    limit=f"{limit:g}",
-                    verdict=_verdict(e["bg_over_full"] <= limit),
-                )
-            )
+            ratio = e["bg_over_full"]
+            out.append(_target("whole_graph", e, num(ratio, 3), limit, ratio <= limit))
         if single and tokens <= T.TP_EAGER_MAX_TOKENS:
             limit = T.TARGET_TP_EAGER_OVER_BG
-            out.append(
-                fill(
-                    "tp.target.eager",
-                    workload=e["workload"],
-                    ratio=num(e["eager_over_bg"], 1),
-                    limit=f"{limit:g}",
-                    verdict=_verdict(e["eager_over_bg"] >= limit),
-                )
-            )
+            ratio = e["eager_over_bg"]
+            out.append(_target("eager", e, num(ratio, 1), limit, ratio >= limit))
         if tokens >= T.TP_SCALING_FROM_TOKENS:
             limit = T.TARGET_TP2_OVER_TP1
+            ratio = e["tp1_over_tp2_bg"]
             out.append(
-                fill(
-                    "tp.target.tp1",
-                    workload=e["workload"],
-                    world=world,
-                    single=SINGLE,
-                    ratio=num(e["tp1_over_tp2_bg"]),
-                    limit=f"{limit:g}",
-                    verdict=_verdict(e["tp1_over_tp2_bg"] > limit),
-                )
+                _target("tp1", e, num(ratio), limit, ratio > limit, world=world, single=SINGLE)
             )
     return out
+
+
+def _target(kind: str, e: dict, ratio: str, limit: float, met: bool, **more) -> str:
+    """One target's line (fragment ``tp.target.<kind>``) for workload ``e``."""
+    return fill(
+        f"tp.target.{kind}",
+        workload=e["workload"],
+        ratio=ratio,
+        limit=f"{limit:g}",
+        verdict=_verdict(met),
+        **more,
+    )
 
 
 def _capture(data: dict) -> str:
