@@ -335,6 +335,8 @@ def _is_cuda_capture_failure(exc: BaseException, backend: str) -> bool:
         return False
     text = str(exc)
     cuda_error = getattr(torch, "AcceleratorError", ())
+    if "during CUDA graph capture" in text:  # torch refusing a host copy (unpinned memory)
+        return True
     from_cuda = isinstance(exc, cuda_error) or "CUDA error" in text or "cudaError" in text
     return from_cuda and ("captur" in text or "StreamCapture" in text)
 

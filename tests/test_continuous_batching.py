@@ -722,8 +722,10 @@ def test_cuda_fp32_tokens_equal_generate(async_batching):
     """fp32 on the GPU, every family's tiny model: greedy ``generate_batch`` tokens under
     breakgraph (graphs, paged-attention breaks with the reference kernel) equal
     ``model.generate()`` per prompt, synchronous and asynchronous (the default on CUDA)."""
-    for arch in ("llama", "qwen2_hybrid", "mixtral"):
-        model = build_model(arch, device="cuda")
+    # mixtral with its eager experts loop (a break): torch 2.11's grouped_mm has no fp32 CUDA
+    # kernel that can be captured (its fallback copies to the host; bf16 is fine)
+    for arch, experts in (("llama", None), ("qwen2_hybrid", None), ("mixtral", "eager")):
+        model = build_model(arch, experts, device="cuda")
         prompts = random_prompts(seed=21)
         expected = generate_each(model, prompts)
         cbc = cb_config(use_async_batching=async_batching)

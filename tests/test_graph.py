@@ -664,7 +664,7 @@ def test_captures_on_two_threads_take_turns(capture, device):
             order.append("first in")
             inside.set()
             release.wait(timeout=30)
-        order.append("first out")
+            order.append("first done")  # still inside the capture (its lock held)
         g.replay()
         results["first"] = torch.equal(y, x * 2)
 
@@ -687,5 +687,20 @@ def test_captures_on_two_threads_take_turns(capture, device):
     release.set()
     for thread in threads:
         thread.join(timeout=30)
-    assert order == ["first in", "first out", "second in"]
+    assert order == ["first in", "first done", "second in"]
     assert results == {"first": True, "second": True}
+
+
+def test_torch_refusing_a_host_copy_during_capture_is_named_a_host_sync():
+    """torch's own refusal of an unpinned host copy inside a CUDA capture (e.g. fp32
+    ``grouped_mm``'s fallback) becomes HostSyncError with the fix, like CUDA's capture errors."""
+    from breakgraph.graph import _is_cuda_capture_failure
+
+    refusal = RuntimeError(
+        "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+        "tensor is pinned. Please use tensor.pin_memory() or allocate the tensor with "
+        "pin_memory=True."
+    )
+    assert _is_cuda_capture_failure(refusal, "cuda")
+    assert not _is_cuda_capture_failure(refusal, "emulated")
+    assert not _is_cuda_capture_failure(RuntimeError("my own error about capture"), "cuda")
