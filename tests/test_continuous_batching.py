@@ -829,7 +829,7 @@ def test_serve_launcher_answers_a_completion(tmp_path):
 @needs_cb
 @pytest.mark.requires_cuda
 def test_cuda_async_batching_agrees_with_paged_sdpa():
-    """Asynchronous batching: two IO pairs sharing one graph per bucket (SharedStepIO); the
+    """Asynchronous batching: two IO pairs sharing breakgraph's graphs (own static buffers); the
     host prepares step N+1 while the device runs step N (the breaks never wait for it)."""
     got, ref, handle = cuda_run(torch.bfloat16, "flash", async_batching=None)  # the default
     first, whole = agreement(got, ref)

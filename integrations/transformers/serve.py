@@ -12,7 +12,7 @@ continuous batching on, and enables :func:`~.continuous_batching.enable_continuo
 on the model as soon as the server has loaded it. Every CB step of the server then
 replays breakable graphs; the stats are printed when the server stops.
 
-Why a launcher and not ``transformers serve --attn-implementation paged|breakgraph``:
+Why a launcher and not ``transformers serve --attn-implementation breakgraph_paged``:
 the CLI accepts only its built-in attention names, and the server loads its models
 itself. The launcher therefore swaps, for the duration of the server and no longer,
 two classes the server builds by name: ``ModelManager`` (loads the models) for a
