@@ -44,7 +44,7 @@ def generate(**kwargs) -> list:
     return [out.generated_tokens for out in outs.values()]
 
 
-stock = generate()  # transformers' own continuous batching (paged|sdpa, no graphs)
+stock = generate()  # transformers' own continuous batching (sdpa with a mask, no graphs)
 
 with enable_continuous_batching(model, backend=backend) as handle:
     print("attention implementation while enabled:", model.config._attn_implementation)
