@@ -32,7 +32,6 @@ Example (what the handle does for every CB forward)::
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from typing import Any
@@ -48,6 +47,7 @@ from breakgraph.ladder import GraphLadder
 from . import compat
 from .attention import FLASH_WRITES_IN_PLACE, flash_varlen, reference_attention
 from .models import UnsupportedModelError, default_query_buckets
+from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
 
@@ -209,6 +209,9 @@ class StepRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.names = compat.step_kwargs()
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        self._output = CausalLMOutputWithPast  # what the CausalLM's forward returns
         self.step = CBStep(kernel, compat.update_takes_kwargs())
         parameter = next(model.parameters())
         self.device = parameter.device
@@ -260,13 +263,13 @@ class StepRunner:
             # thread_local: other managers may be stepping other models on other threads
             mode = {} if self.ranks is not None else {"capture_error_mode": "thread_local"}
             with torch.no_grad(), self.tokens.capture_window(), self.logits.capture_window():
-                self.tokens.capture(sizes, self._record_tokens, warm_up=self._warm_up_tokens,
+                self.tokens.capture(sizes, self._record_tokens, warm_up=self._record_tokens,
                                     context=self.step.fake, **mode)  # fmt: skip
                 self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits,
                                     **mode)  # fmt: skip
 
     def _decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with _tensor_parallel_safe(self.model):
+        with graph_safe_tensor_parallel(self.model):
             out = self.decoder(input_ids=ids, position_ids=positions, use_cache=False)
         return out.last_hidden_state
 
@@ -274,10 +277,6 @@ class StepRunner:
         inputs = self._inputs[bucket]
         hidden = self._decoder(inputs[0:1], inputs[1:2])
         self._hidden[:, :bucket].copy_(hidden)
-
-    def _warm_up_tokens(self, bucket: int) -> None:
-        with breakgraph.context_scope(self.step.fake(bucket)):
-            self._record_tokens(bucket)
 
     def _record_logits(self, rows: int) -> torch.Tensor:
         return self.lm_head(self._hidden.index_select(1, self._rows[rows]))
@@ -289,8 +288,6 @@ class StepRunner:
 
     def forward(self, **kwargs: Any) -> Any:
         """One CB step: logits ``[1, rows, vocab]`` (fp32) for ``logits_to_keep``."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         names = self.names
         if kwargs.get(names.block_table) is not None:
             raise UnsupportedModelError(
@@ -321,7 +318,7 @@ class StepRunner:
             logits = logits.to(torch.float32, copy=True)
             if self._event is not None:
                 self._event.record()
-        return CausalLMOutputWithPast(logits=logits)
+        return self._output(logits=logits)
 
     def _replay(self, bucket: int, ids, positions, keep, n: int, rows: int) -> torch.Tensor:
         inputs = self._inputs[bucket]
@@ -378,10 +375,3 @@ class StepRunner:
             self._hidden = None
 
 
-def _tensor_parallel_safe(model) -> Any:
-    """The tensor-parallel embedding made safe to capture (transformers >= 5.21), if any."""
-    try:
-        from .tensor_parallel import graph_safe_tensor_parallel
-    except ImportError:
-        return contextlib.nullcontext()
-    return graph_safe_tensor_parallel(model)
