@@ -889,3 +889,27 @@ def test_cuda_sampling_on_graph_logits():
     assert all(len(t) == 8 and all(0 <= x < 1000 for x in t) for t in sampled.values())
     assert sampled != expected  # 64 x 8 tokens drawn from the top 50: not all greedy
     assert handle.stats.eager_steps == 0 and handle.stats.replays > 0
+
+
+def test_attention_functions_refuse_a_mask_and_softcapping():
+    """Both attention functions read exact sequence boundaries: a mask the model built, or
+    softcapping, would be silently ignored; they raise instead, naming themselves."""
+    from breakgraph import CaptureError, context_scope
+    from breakgraph.integrations.transformers import attention as prefill_attention
+
+    q = torch.randn(1, 4, 8, 16)
+    kv = torch.randn(1, 2, 8, 16)
+    module = types.SimpleNamespace(layer_idx=0)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    step = cb_step.CBStep("reference", compat.update_takes_kwargs()).fake(8)
+    with context_scope(step):
+        with pytest.raises(CaptureError, match="breakgraph CB attention: the model built"):
+            cb_step.paged_attention(module, q, kv, kv, mask)
+        with pytest.raises(CaptureError, match="breakgraph CB attention: attention softcap"):
+            cb_step.paged_attention(module, q, kv, kv, None, softcap=30.0)
+    state = prefill_attention.RunnerState("reference")
+    with prefill_attention.running(state):
+        with pytest.raises(CaptureError, match="breakgraph attention: the model built"):
+            prefill_attention.breakgraph_attention(module, q, kv, kv, mask)
+        with pytest.raises(CaptureError, match="breakgraph attention: attention softcap"):
+            prefill_attention.breakgraph_attention(module, q, kv, kv, None, softcap=30.0)

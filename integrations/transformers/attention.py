@@ -254,6 +254,17 @@ def reference_attention(q, k, v, bounds, scaling, window, kv_bounds=None, out=No
     return out
 
 
+def refuse_mask_and_softcap(who: str, attention_mask: Any, softcap: Any, why: str) -> None:
+    """What breakgraph's attention functions cannot serve: softcapping, and a mask the model
+    built (the breaks read exact sequence boundaries instead; ``why`` says whose)."""
+    if softcap is not None:
+        raise breakgraph.CaptureError(f"{who}: attention softcapping is not supported.")
+    if attention_mask is not None:
+        raise breakgraph.CaptureError(
+            f"{who}: the model built an attention mask, which must be None here: {why}."
+        )
+
+
 @torch.compiler.disable  # with PrefillRunner(compile=...), Dynamo's graph breaks here too
 def breakgraph_attention(
     module: Any,
@@ -274,15 +285,10 @@ def breakgraph_attention(
             "breakgraph attention was called outside a PrefillRunner; the runner sets the "
             "model's attention implementation only while it captures or runs."
         )
-    if softcap is not None:
-        raise breakgraph.CaptureError(
-            "breakgraph attention: attention softcapping is not supported."
-        )
-    if attention_mask is not None:
-        raise breakgraph.CaptureError(
-            "breakgraph attention: the model built an attention mask; the prefill runner packs "
-            "prompts itself and needs the mask to be None (do not pass attention_mask)."
-        )
+    refuse_mask_and_softcap(
+        "breakgraph attention", attention_mask, softcap,
+        "the prefill runner packs prompts itself (do not pass attention_mask)",
+    )  # fmt: skip
     layer = getattr(module, "layer_idx", len(state.layers))
     capturing = breakgraph.is_capturing()
     if capturing:

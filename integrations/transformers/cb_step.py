@@ -41,11 +41,16 @@ import torch
 import breakgraph
 from breakgraph import distributed
 from breakgraph.buckets import Action
-from breakgraph.errors import CaptureError, InputError
+from breakgraph.errors import InputError
 from breakgraph.ladder import GraphLadder
 
 from . import compat
-from .attention import FLASH_WRITES_IN_PLACE, flash_varlen, reference_attention
+from .attention import (
+    FLASH_WRITES_IN_PLACE,
+    flash_varlen,
+    reference_attention,
+    refuse_mask_and_softcap,
+)
 from .models import UnsupportedModelError, default_query_buckets
 from .tensor_parallel import graph_safe_tensor_parallel
 
@@ -183,13 +188,10 @@ def paged_attention(
             "manager only. Call handle.disable() (or leave the `with` block) before "
             "model.generate() or a plain forward."
         )
-    if softcap is not None:
-        raise CaptureError("breakgraph CB attention: attention softcapping is not supported.")
-    if attention_mask is not None:
-        raise CaptureError(
-            "breakgraph CB attention: the model built an attention mask; continuous batching "
-            "with this key must run without one."
-        )
+    refuse_mask_and_softcap(
+        "breakgraph CB attention", attention_mask, softcap,
+        "continuous batching with this key reads the step's exact lengths",
+    )  # fmt: skip
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     call = PagedAttention(module.layer_idx, query, key, value, scale, sliding_window, step.kernel)
     return breakgraph.eager_on_graph(call)().unsqueeze(0), None
