@@ -894,8 +894,9 @@ def test_cuda_sampling_on_graph_logits():
 def test_attention_functions_refuse_a_mask_and_softcapping():
     """Both attention functions read exact sequence boundaries: a mask the model built, or
     softcapping, would be silently ignored; they raise instead, naming themselves."""
-    from breakgraph import CaptureError, context_scope
     from breakgraph.integrations.transformers import attention as prefill_attention
+
+    from breakgraph import CaptureError, context_scope
 
     q = torch.randn(1, 4, 8, 16)
     kv = torch.randn(1, 2, 8, 16)
