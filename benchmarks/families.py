@@ -138,6 +138,36 @@ FAMILIES: dict[str, Family] = {
             ),
             "Qwen3-30B-A3B cut to 8 layers: 128 experts, top-8, hidden 2048",
         ),
+        # the two small shapes of issue 23 (4 layers each): a fixed per-call cost shows there
+        Family(
+            "mistral-sw256-4l",
+            lambda: _tf().MistralConfig(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=4,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=32768,
+                sliding_window=256,
+            ),
+            "Mistral-7B widths cut to 4 layers, sliding window 256",
+        ),
+        Family(
+            "mixtral-1k-4l",
+            lambda: _tf().MixtralConfig(
+                vocab_size=32000,
+                hidden_size=1024,
+                intermediate_size=3584,
+                num_hidden_layers=4,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                max_position_embeddings=4096,
+            ),
+            "Mixtral at hidden 1024: 4 layers, 8 experts top-2, GQA 16/4",
+        ),
     )
 }
 
