@@ -397,13 +397,25 @@ def model_variants(name: str, args) -> list[str]:
     return list(dict.fromkeys(chosen))
 
 
-def run_model(name: str, args, run) -> dict:
-    started = time.perf_counter()
+def build_model(name: str, device, dtype) -> tuple:
+    """(config, model) of ``MODELS[name]``: random weights, no BOS/EOS, pad id 0."""
     config = MODELS[name].family.config()
     for key in ("bos_token_id", "eos_token_id"):
         setattr(config, key, None)
     config.pad_token_id = 0
-    model = make_model(config, run.device, run.dtype)
+    return config, make_model(config, device, dtype)
+
+
+def generation_config(new_tokens: int) -> GenerationConfig:
+    """Greedy, exactly ``new_tokens`` per request (no EOS), as every CB variant serves."""
+    return GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+
+
+def run_model(name: str, args, run) -> dict:
+    started = time.perf_counter()
+    config, model = build_model(name, run.device, run.dtype)
     vocab = config.vocab_size
     run.cold = make_prompts(args.prompts, args.min_len, args.max_len, vocab, seed=1)
     run.warm = make_prompts(args.prompts, args.min_len, args.max_len, vocab, seed=2)
@@ -644,9 +656,7 @@ def main(argv=None) -> dict:
           f"estimate on an H200: {sum(estimates.values()):.0f} s "
           f"({', '.join(f'{n} {s:.0f}' for n, s in estimates.items())})", flush=True)  # fmt: skip
     peaks = (args.hbm_tbs * 1e12, args.peak_tflops * 1e12)
-    gen = GenerationConfig(
-        max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
-    )
+    gen = generation_config(args.new_tokens)
     run = types.SimpleNamespace(
         args=args, device=device, dtype=dtype, backend="cuda" if cuda else "emulated", gen=gen,
         peaks=peaks, counter=StepCounter(), graphs=GraphLog(), timer=None,
