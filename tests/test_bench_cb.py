@@ -1,8 +1,8 @@
 """The continuous-batching benchmark's own parts (``benchmarks/bench_cb.py``, ``roofline``,
 ``cb_report``), on the CPU: the floor arithmetic, the pure-decode window, the transformers
 internals it reads (probed, and failing with a clear message), the graph counter, the
-ratios, and the performance page's section with one table per transformers release. The
-whole script runs in ``test_continuous_batching.py::test_benchmark_smoke_mode``."""
+ratios, and the performance page's section with one table per transformers release; and the
+whole ``--smoke`` run (every variant), once, in this process."""
 
 from __future__ import annotations
 
@@ -174,17 +174,52 @@ def test_every_model_and_variant_is_known_and_estimated():
 
 # -- the performance page's section -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smoke_json():
-    """One in-process smoke run of two variants (the subprocess run covers them all)."""
+def smoke_json(tmp_path_factory):
+    """``python -m benchmarks.bench_cb --smoke --out cb.json``, every variant, run in this
+    process (``main`` is the whole script); ``data`` is what it wrote."""
     if not compat.supported("continuous_batching"):
         pytest.skip("continuous batching is not supported on this transformers")
+    out = tmp_path_factory.mktemp("bench-cb") / "cb.json"
     threads = torch.get_num_threads()
     original = vars(cb_instruments._processor_class())["prepare_next_batch"]
     try:
-        data = bench_cb.main(["--smoke", "--variants", "stock_sdpa,breakgraph", "--rounds", "1"])
+        returned = bench_cb.main(["--smoke", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
-    return types.SimpleNamespace(data=json.loads(json.dumps(data, default=str)), original=original)
+    data = json.loads(out.read_text())
+    return types.SimpleNamespace(data=data, returned=returned, original=original)
+
+
+def test_smoke_run_measures_every_variant(smoke_json):
+    """The smoke run on this transformers (5.17 and 5.24 in CI): every variant's fp32 tokens
+    equal stock CB's exactly (the script itself fails otherwise), each pass is measured
+    (steps, host scheduling, forward times, pure-decode steps, the floor), the run records its
+    versions, and the performance page's section renders from the JSON."""
+    data = smoke_json.data
+    assert data == json.loads(json.dumps(smoke_json.returned, default=str))  # what it returned
+    meta = data["meta"]
+    assert meta["transformers"] == transformers.__version__ and meta["torch"] == torch.__version__
+    assert meta["schema"] == 2 and meta["backend"] == "emulated"
+    for model in data["models"]:
+        variants = model["variants"]
+        assert "needs CUDA" in variants["stock_graphs_async"]["skipped"]  # CPU
+        for name in ("stock_sdpa", "stock_graphs", "breakgraph", "breakgraph_sync"):
+            v = variants[name]
+            assert v["tokens_agree_with_stock"] == 1.0, name
+            assert v["tokens_per_s"] > 0 and v["steps"] > 0 and v["host_prepare_ms_per_step"] > 0
+            assert v["decode_requests"] == model["prompts"] and v["decode_step_ms"] > 0
+            assert v["over_roofline"] > 1 and v["decode_over_floor"] > 1
+        for name in ("breakgraph", "breakgraph_sync"):
+            v = variants[name]
+            assert v["graphs"] >= 2 and v["replays"] == v["steps"] == v["forward_calls"]
+            assert v["forward_host_ms_per_step"] > 0 and v["decode_forward_steps"] > 0
+        assert variants["breakgraph"]["rounds"] == 2 and variants["stock_sdpa"]["rounds"] == 1
+        ratios = set(model["ratios"])
+        assert {"breakgraph_over_stock_sdpa", "breakgraph_over_stock_graphs"} <= ratios
+        assert model["floor"]["roofline_s"] >= model["floor"]["bound_s"] > 0
+    # the performance page's section renders from it (benchmarks/report.py uses cb_report.py)
+    page = "\n".join(cb_report.cb_section(data))
+    assert "| `breakgraph` |" in page and "capture, all graphs" in page
 
 
 def test_in_process_run_restores_transformers(smoke_json):
