@@ -50,11 +50,11 @@ def test_summary_counts_device_time_inside_each_host_range():
         *_step(405, 100, 10, 95),
         # device: busy over 250..350 (two overlapping kernels, counted once) and 500..600
         _x("gemm", "kernel", 250, 80),
-        _x("attn", "kernel", 300, 50),
+        dict(_x("attn", "kernel", 300, 50), args={"correlation": 7}),  # the graph's
         _x("copy", "gpu_memcpy", 500, 100),
         _x("cb.prepare", "gpu_user_annotation", 0, 600),  # not device work
         _x("cudaStreamSynchronize", "cuda_runtime", 320, 40),
-        _x("cudaGraphLaunch", "cuda_runtime", 312, 2),
+        dict(_x("cudaGraphLaunch", "cuda_runtime", 312, 2), args={"correlation": 7}),
         _x("aten::mm", "cpu_op", 210, 50),
     ]
     s = cb_trace.summarize_trace({"traceEvents": events}, settle=1)
@@ -72,6 +72,14 @@ def test_summary_counts_device_time_inside_each_host_range():
     assert first["wall_ms"] == pytest.approx(0.205)
     assert first["device_busy_ms"] == pytest.approx(0.1)
     assert second["prepare_device_busy_fraction"] == pytest.approx(5 / 100)
+    assert "note" not in s
+
+
+def test_summary_flags_graph_launches_whose_kernels_are_missing():
+    launch = dict(_x("cudaGraphLaunch", "cuda_runtime", 12, 2), args={"correlation": 9})
+    kernel = dict(_x("attn", "kernel", 14, 5), args={"correlation": 8})  # an eager one
+    s = cb_trace.summarize_trace({"traceEvents": [*_step(0, 10, 5, 5), launch, kernel]})
+    assert s["graph_launches"] == 1 and "1 of 1 graph launches have no device work" in s["note"]
 
 
 def test_summary_without_device_work_says_so():
@@ -81,6 +89,24 @@ def test_summary_without_device_work_says_so():
     assert s["prepare_ms_per_step"] == pytest.approx(0.01)
     empty = cb_trace.summarize_trace({"traceEvents": _step(0, 10, 5, 5)}, settle=1)
     assert empty["steps"] == 0 and "settling" in empty["note"]
+
+
+def test_printed_summary_says_whether_async_preparation_overlaps(capsys):
+    row = dict(what="w", steps=4, wall_ms_per_step=9.0, device_busy_fraction=0.6,
+               prepare_ms_per_step=8.8, step_ms_per_step=1.0, update_ms_per_step=0.3,
+               step_device_busy_fraction=0.9, update_device_busy_fraction=0.8,
+               host_sync_ms_per_step=0.2, trace_mb=1.0)  # fmt: skip
+    variants = {
+        "breakgraph": dict(row, async_batching=True, prepare_device_busy_fraction=0.12),
+        "stock_graphs_async": dict(row, async_batching=True, prepare_device_busy_fraction=0.9),
+        "breakgraph_sync": dict(row, async_batching=False, prepare_device_busy_fraction=0.0),
+    }
+    meta = {"model": "m", "device": "gpu", "transformers": "5.24.0"}
+    cb_trace.print_summary({"meta": meta, "variants": variants})
+    out = capsys.readouterr().out
+    assert "breakgraph: async preparation does NOT overlap the device (busy 12% of prep)" in out
+    assert "stock_graphs_async: async preparation overlaps the device (busy 90%" in out
+    assert "breakgraph_sync: async" not in out and "prep 8.80 (12%)" in out
 
 
 class _Profiler:
