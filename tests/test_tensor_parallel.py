@@ -4,9 +4,11 @@ Every scenario runs in two spawned processes (gloo and the emulated backend on t
 NCCL and CUDA graphs on two GPUs). The model is sharded by transformers itself
 (``DistributedConfig(tp_size=2)``): its row-parallel layers all-reduce and its ``lm_head``
 all-gathers, inside breakgraph's segments or, with ``tp_collectives="eager"``, in breaks.
-One launch per backend runs every scenario (the capture failure last: it leaves the process
-group broken) and the tests below check its results. The launch has a hard timeout, so a
-hang fails the tests instead of stalling CI.
+One launch per backend runs the scenarios one after the other in the same two processes
+(starting a pair costs more than most scenarios; ``main`` last: its capture failure leaves
+the process group broken; on CUDA continuous batching gets a launch of its own, for its NCCL
+setting) and the tests below check their results. The launch has a hard timeout, so a hang
+fails the tests instead of stalling CI.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ pytest.importorskip("accelerate")
 WORLD = 2
 VOCAB = 128
 BUCKETS = (16, 32)
-LAUNCH_TIMEOUT = 120.0  # seconds for a whole launch (start-up, model, scenarios)
+SCENARIO_TIMEOUT = 120.0  # seconds per scenario of a launch (start-up included)
 
 BACKENDS = [
     pytest.param("emulated", id="gloo-emulated"),
@@ -49,22 +51,22 @@ BACKENDS = [
 
 
 # -- the launcher ----------------------------------------------------------------------------------
-def launch(
-    scenario: str, backend: str, path: str, timeout: float = LAUNCH_TIMEOUT, env: dict | None = None
-) -> list:
-    """Run ``scenario`` on 2 fresh processes; return each rank's result dict (rank order).
+def launch(scenarios: tuple, backend: str, path: str, env: dict | None = None) -> dict:
+    """Run ``scenarios``, in order, on 2 fresh processes; return ``{scenario: [each rank's
+    result dict (rank order)]}``.
 
-    A rank that raised returns ``{"error": ..., "traceback": ...}``; ranks still running at
-    the deadline are killed and the launch fails.
+    A rank whose scenario raised returns ``{"error": ..., "traceback": ...}`` for it and goes
+    on with the next; ranks still running at the deadline are killed and the launch fails.
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = _free_port()
     stacks = tempfile.mkdtemp(prefix="breakgraph-tp-stacks-")
+    timeout = SCENARIO_TIMEOUT * len(scenarios)
     processes = [
         context.Process(
             target=_worker,
-            args=(rank, port, scenario, backend, path, results, time.time() + timeout, stacks),
+            args=(rank, port, scenarios, backend, path, results, time.time() + timeout, stacks),
             daemon=True,
         )
         for rank in range(WORLD)
@@ -80,7 +82,7 @@ def launch(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(
-                    f"scenario {scenario!r} ({backend}) hung: ranks {sorted(collected)} answered "
+                    f"scenarios {scenarios} ({backend}) hung: ranks {sorted(collected)} answered "
                     f"within {timeout:g} s\n" + _hang_report(stacks, collected)
                 )
             try:
@@ -104,8 +106,8 @@ def launch(
                 process.join()
         shutil.rmtree(stacks, ignore_errors=True)
     # a rank that reported but could not exit (say, a device sync in its teardown) is a hang too
-    assert not stuck, f"scenario {scenario!r} ({backend}): rank(s) {stuck} did not exit"
-    return [collected[rank] for rank in range(WORLD)]
+    assert not stuck, f"scenarios {scenarios} ({backend}): rank(s) {stuck} did not exit"
+    return {name: [collected[rank][name] for rank in range(WORLD)] for name in scenarios}
 
 
 @contextlib.contextmanager
@@ -127,9 +129,10 @@ def _hang_report(stacks: str, collected: dict) -> str:
     """What the answered ranks said and where the others were (their stacks, dumped by
     faulthandler shortly before the deadline)."""
     lines = []
-    for rank, result in sorted(collected.items()):
-        said = result.get("traceback") or {k: v for k, v in result.items() if k != "traceback"}
-        lines.append(f"--- rank {rank} answered: {said}")
+    for rank, by_scenario in sorted(collected.items()):
+        for name, result in by_scenario.items():
+            said = result.get("traceback") or {k: v for k, v in result.items() if k != "traceback"}
+            lines.append(f"--- rank {rank} answered ({name}): {said}")
     for rank in range(WORLD):
         if rank in collected:
             continue
@@ -145,7 +148,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, port, scenario, backend, path, results, deadline, stack_dir) -> None:
+def _worker(rank, port, scenarios, backend, path, results, deadline, stack_dir) -> None:
     import faulthandler
 
     # the parent gives up at `deadline` (its start-up counts): dump the stacks shortly before
@@ -160,6 +163,14 @@ def _worker(rank, port, scenario, backend, path, results, deadline, stack_dir) -
     )
     import torch.distributed as dist
 
+    def failed(exc: BaseException) -> dict:  # reported to the parent, which asserts on it
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "traceback": traceback.format_exc(),
+        }
+
+    result = {}
     try:
         if backend == "cuda":
             torch.cuda.set_device(rank)
@@ -169,10 +180,13 @@ def _worker(rank, port, scenario, backend, path, results, deadline, stack_dir) -
         else:
             torch.set_num_threads(1)  # two ranks on a 2-core CI machine
             dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-        result = SCENARIOS[scenario](rank, backend, path)
-    except BaseException as exc:  # reported to the parent, which asserts on it
-        result = {"error": type(exc).__name__, "message": str(exc)}
-        result["traceback"] = traceback.format_exc()
+        for name in scenarios:  # each in a folder of its own (rank 0 saves its model there)
+            try:
+                result[name] = SCENARIOS[name](rank, backend, os.path.join(path, name))
+            except BaseException as exc:
+                result[name] = failed(exc)
+    except BaseException as exc:  # the process group did not start
+        result = {name: failed(exc) for name in scenarios}
     faulthandler.cancel_dump_traceback_later()
     results.put((rank, result))
     results.close()
@@ -582,42 +596,47 @@ SCENARIOS = {
 
 # -- tests -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=BACKENDS)
-def main_run(request, tmp_path_factory):
+def tp_runs(request, tmp_path_factory):
+    """``{scenario: (backend, [each rank's result])}``: every scenario on this backend."""
     backend = request.param
-    results = launch("main", backend, str(tmp_path_factory.mktemp("tp-model")))
+    path = str(tmp_path_factory.mktemp("tp"))
+    if backend == "cuda":
+        # transformers' CB recommends NCCL_GRAPH_MIXING_SUPPORT=0 under TP (set before NCCL
+        # starts), which the eager all-reduce breaks of `main` must not run under; breakgraph's
+        # CB steps never issue an eager collective while a graph launch is in flight
+        results = launch(("settings", "gemma", "main"), backend, path)
+        env = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
+        results.update(launch(("cb",), backend, os.path.join(path, "cb-launch"), env=env))
+    else:
+        results = launch(("settings", "cb", "gemma", "main"), backend, path)
+    return {name: (backend, by_rank) for name, by_rank in results.items()}
+
+
+def scenario_run(tp_runs, name: str) -> tuple:
+    backend, results = tp_runs[name]
     for rank, result in enumerate(results):
         assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
     return backend, results
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def gemma_run(request, tmp_path_factory):
-    backend = request.param
-    results = launch("gemma", backend, str(tmp_path_factory.mktemp("tp-gemma")))
-    for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
-    return backend, results
+@pytest.fixture
+def main_run(tp_runs):
+    return scenario_run(tp_runs, "main")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def settings_run(request, tmp_path_factory):
-    backend = request.param
-    results = launch("settings", backend, str(tmp_path_factory.mktemp("tp-settings")))
-    for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
-    return backend, results
+@pytest.fixture
+def gemma_run(tp_runs):
+    return scenario_run(tp_runs, "gemma")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def cb_run(request, tmp_path_factory):
-    backend = request.param
-    # transformers' CB recommends NCCL_GRAPH_MIXING_SUPPORT=0 under TP (set before NCCL starts);
-    # breakgraph's CB steps never issue an eager collective while a graph launch is in flight
-    env = {"NCCL_GRAPH_MIXING_SUPPORT": "0"} if backend == "cuda" else {}
-    results = launch("cb", backend, str(tmp_path_factory.mktemp("tp-cb-model")), env=env)
-    for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
-    return backend, results
+@pytest.fixture
+def settings_run(tp_runs):
+    return scenario_run(tp_runs, "settings")
+
+
+@pytest.fixture
+def cb_run(tp_runs):
+    return scenario_run(tp_runs, "cb")
 
 
 def tolerance(backend: str) -> float:
