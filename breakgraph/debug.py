@@ -225,7 +225,7 @@ class GraphReport:
     """What a captured graph holds: see :meth:`BreakableCUDAGraph.report`."""
 
     backend: str
-    segment_ops: list[int]
+    segment_ops: list[int | None]  # None: not counted (CUDA, captured with detect_syncs=False)
     break_names: list[str]
     break_host_us: list[float | None]  # mean host time per replay (debug mode only)
     graph_memory_bytes: int | None
@@ -242,7 +242,8 @@ class GraphReport:
                 if i in self.unjoined_streams
                 else ""
             )
-            rows.append(f"  segment {i:<3} {ops:>6} aten ops{note}")
+            counted = f"{ops:>6}" if ops is not None else "     ?"
+            rows.append(f"  segment {i:<3} {counted} aten ops{note}")
             if i < len(self.break_names):
                 t = self.break_host_us[i]
                 timing = (

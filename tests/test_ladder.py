@@ -361,3 +361,11 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_step(backend, device):
     assert len(distributed._KEPT_UNTIL_EXIT) == kept + 1
     assert all(g.num_segments > 0 for g in graphs)  # not reset
     del distributed._KEPT_UNTIL_EXIT[kept:]
+
+
+def test_every_bucket_is_watched_for_host_syncs_off_cuda(backend):
+    # the emulated backend would record a sync silently: it watches every bucket (CUDA
+    # watches only the first of a capture call: tests/test_syncs_cuda.py)
+    ladder = GraphLadder(backend=backend)
+    watched = [ladder._watch_syncs(i) for i in range(3)]
+    assert watched == ([True, False, False] if backend == "cuda" else [True, True, True])

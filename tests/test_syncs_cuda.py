@@ -120,3 +120,43 @@ def test_outputs_are_ready_for_the_callers_stream_right_after_capture():
     early = y.clone()  # on the caller's stream, no explicit synchronisation
     torch.cuda.synchronize()
     torch.testing.assert_close(early, y)
+
+
+@torch.no_grad()
+def test_a_ladder_watches_only_the_first_bucket_of_a_capture_call():
+    # watching every aten operation costs host time per bucket; the buckets run the same code
+    from breakgraph.ladder import GraphLadder
+
+    buffer = torch.randn(64, device="cuda")
+    ladder = GraphLadder(backend="cuda")
+    ladder.capture((8, 16, 32), lambda size: buffer[:size].sin() * 2)
+    ops = {size: ladder.graph(size).report().segment_ops for size in (8, 16, 32)}
+    assert ops[32][0] > 0  # the first captured (largest): watched, its operations counted
+    assert ops[16] == ops[8] == [None]
+    fresh_into(buffer)
+    torch.testing.assert_close(ladder.replay(16, None), buffer[:16].sin() * 2)
+    ladder.close()
+
+
+def _sync_below(limit: int):
+    def record(size: int) -> torch.Tensor:
+        y = torch.ones(size, device="cuda")
+        if size < limit:
+            y = y * y.sum().item()  # a host sync only small buckets take
+        return y
+
+    return record
+
+
+@torch.no_grad()
+def test_a_sync_only_a_later_bucket_takes_is_still_named():
+    from breakgraph.ladder import GraphLadder
+
+    ladder = GraphLadder(backend="cuda")
+    with pytest.raises(HostSyncError) as info:
+        ladder.capture((8, 16, 32), _sync_below(16))
+    assert "aten._local_scalar_dense" in str(info.value)  # the watched retry named it
+    assert "test_syncs_cuda.py" in str(info.value) and ".item()" in str(info.value)
+    assert ladder.buckets == (16, 32)  # the buckets before it stay captured
+    assert_clean()
+    ladder.close()

@@ -38,6 +38,7 @@ class CaptureOptions:
     stream: Any = None  # the capture stream (CUDA; None: breakgraph's own per device)
     capture_error_mode: str = "global"
     detect_syncs: bool = True  # raise HostSyncError at the line of a host sync in a segment
+    # (False on CUDA: no dispatch mode at all; CUDA's own refusal is still reported)
     debug: bool = False  # input checks, break timers, NVTX (see breakgraph.debug)
     collect_garbage: bool = True  # CUDA: gc.collect() and empty the cache before capturing
 
@@ -45,7 +46,7 @@ class CaptureOptions:
 class Segment(Protocol):
     """One captured segment: replayed as a whole, like ``torch.cuda.CUDAGraph``."""
 
-    operations: int  # aten operations recorded (the coverage report)
+    operations: int | None  # aten operations seen (the report; None: not watched, CUDA)
     unjoined: list  # side streams breakgraph had to join at its end (CUDA, debug)
 
     def replay(self) -> None: ...

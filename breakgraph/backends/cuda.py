@@ -42,7 +42,7 @@ class CudaSegment:
 
     __slots__ = ("graph", "replay", "operations", "unjoined")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, operations: int, unjoined: list):
+    def __init__(self, graph: torch.cuda.CUDAGraph, operations: int | None, unjoined: list):
         self.graph = graph
         self.replay = graph.replay
         self.operations = operations
@@ -93,20 +93,28 @@ class CudaSession:
         graph.capture_begin(pool=self.pool, capture_error_mode=self.options.capture_error_mode)
         self._graph = graph
         self.tracker.begin_segment()
-        self._mode = CompileTransparentSegmentMode(
-            check_syncs=self.options.detect_syncs, on_operation=self.observer
-        )
-        self._mode.__enter__()
+        # the dispatch mode sees every aten operation (about 10 us each on the host): only
+        # when it has something to do. Without it CUDA itself still refuses a host sync in
+        # the capture (capture() reports that as HostSyncError, without the line), and the
+        # operations are not counted (``None`` in the report).
+        if self.options.detect_syncs or self.observer is not None:
+            self._mode = CompileTransparentSegmentMode(
+                check_syncs=self.options.detect_syncs, on_operation=self.observer
+            )
+            self._mode.__enter__()
 
     def end_segment(self) -> CudaSegment:
         graph, mode = self._graph, self._mode
         self._graph = self._mode = None
-        mode.__exit__(None, None, None)
+        operations = None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            operations = mode.operations
         unjoined = self.tracker.join_all()
-        with quiet_empty_graph(mode.operations == 0):  # a break right after another
+        with quiet_empty_graph(not operations):  # a break right after another
             graph.capture_end()
         graph.replay()  # real values for the eager code that follows
-        return CudaSegment(graph, mode.operations, unjoined)
+        return CudaSegment(graph, operations, unjoined)
 
     def abort(self) -> None:
         graph, mode = self._graph, self._mode
