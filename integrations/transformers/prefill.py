@@ -51,6 +51,7 @@ from breakgraph.memory import borrowed
 from breakgraph.runner import BucketedRunner
 
 from . import attention as _attention
+from .compiled import CompiledForward
 from .experts import experts_as_breaks
 from .models import (
     SUPPORTED_MODEL_TYPES,
@@ -141,7 +142,11 @@ class PrefillRunner:
         compile: ``torch.compile`` the model's forward (True, or a dict of
             ``torch.compile`` keyword arguments) so segments hold fused kernels;
             attention and MoE experts stay eager breaks (Dynamo breaks its graph
-            there too). Compilation happens in the warm-up of every bucket.
+            there too). Every bucket is warmed up through the compiled forward, but each
+            Dynamo frame compiles once, at the first (largest) bucket: the token dimension
+            is dynamic from that first compile (``dynamic=True`` unless the dict sets
+            ``dynamic``; ``dynamic=False`` compiles every bucket) and the others reuse it.
+            See :mod:`.compiled`.
         debug: capture in debug mode (see :mod:`breakgraph.debug`): input checks on
             every replay, and ``runner.graph(bucket).report()`` gives each attention
             break's host time per replay. Slow; off by default (``$BREAKGRAPH_DEBUG``).
@@ -220,9 +225,8 @@ class PrefillRunner:
                 f"(0..{self.vocab_size - 1})."
             )
         self._forward_model = model
-        if compile:
-            options = compile if isinstance(compile, dict) else {}
-            self._forward_model = torch.compile(model, **options)
+        if compile:  # dynamic token dimension from the first compile: see .compiled
+            self._forward_model = CompiledForward(model, compile, backend_name)
         # MoE models: no router logits (their aux loss would sync; prefill does not need it)
         self._extra = (
             {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}

@@ -1,0 +1,81 @@
+"""``PrefillRunner(compile=...)``: the model's forward under ``torch.compile``, compiled once.
+
+The runner calls the compiled forward in the warm-up of every bucket, largest first. Left to
+torch's default (``dynamic=None``), Dynamo compiles the first bucket at static shapes, then,
+seeing a second size, compiles every frame again with a dynamic token dimension ("automatic
+dynamic"): on an H200 (mistral-7b-4l, 4096-token bucket) 10.4 s for the first bucket and
+7.9 s more for the second. So, unless the caller chose ``dynamic`` in its ``torch.compile``
+options, the forward is compiled with ``dynamic=True``: one compile of each Dynamo frame, at
+the first (largest) bucket, with symbolic sizes that every later bucket reuses. (Every bucket
+but the largest ran those same dynamic kernels before: the second compile was dynamic.)
+
+Two Dynamo behaviours would each undo that, so calls go through :meth:`CompiledForward.__call__`:
+
+* duck shaping gives input dimensions of equal size one symbol. At the largest bucket the
+  token count equals other sizes by construction (the positions' offset in the step buffer,
+  the attention output buffer's base, often the hidden size: 4096), so the compile would
+  guard ``tokens == 4096`` and compile again at the next bucket. Calls turn duck shaping off
+  (``torch.fx.experimental._config.use_duck_shape``, while the call compiles);
+* the emulated backend records a segment under a ``TorchDispatchMode``, where Dynamo cannot
+  run compiled code: it marks every frame it meets "skip", for good, so no later bucket's
+  warm-up would compile. Captures on the emulated backend call the forward under
+  ``torch.compiler.set_stance("force_eager")`` instead (compiled code runs eagerly inside
+  emulated segments either way).
+
+Example::
+
+    >>> import torch
+    >>> from breakgraph.integrations.transformers.compiled import CompiledForward
+    >>> forward = CompiledForward(torch.nn.Linear(4, 4), {"backend": "eager"}, "emulated")
+    >>> forward.options["dynamic"], forward.fn is not None
+    (True, True)
+    >>> CompiledForward(torch.nn.Linear(4, 4), {"dynamic": False}, "cuda").options
+    {'dynamic': False}
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+import breakgraph
+
+__all__ = ["CompiledForward"]
+
+
+class CompiledForward:
+    """``torch.compile(model, **options)`` with the token dimension dynamic from the first
+    compile (unless ``options`` has ``dynamic``), called (keyword arguments only, as the
+    runner does) without duck shaping, and eagerly inside emulated captures. ``compile`` is
+    ``True`` or a dict of ``torch.compile`` keyword arguments; ``backend`` the breakgraph
+    backend name (``"cuda"``, ``"emulated"``). Not on a replay path: the runner calls it in
+    warm-ups, captures and eager fallbacks only."""
+
+    def __init__(self, model: Any, compile: Any, backend: str):
+        options = dict(compile) if isinstance(compile, dict) else {}
+        options.setdefault("dynamic", True)
+        self.options = options
+        self.fn = torch.compile(model, **options)
+        self.emulated = backend != "cuda"
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if self.emulated and breakgraph.is_capturing():
+            scope = torch.compiler.set_stance("force_eager")
+        else:
+            scope = _no_duck_shaping()
+        with scope:
+            return self.fn(**kwargs)
+
+
+def _no_duck_shaping() -> contextlib.AbstractContextManager:
+    """Dynamo's shape environment without duck shaping, for a call that may compile (torch's
+    own scoped config patch; a torch without the switch compiles with duck shaping)."""
+    try:
+        from torch.fx.experimental import _config as config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "use_duck_shape"):
+        return contextlib.nullcontext()
+    return config.patch(use_duck_shape=False)

@@ -1,0 +1,157 @@
+"""``PrefillRunner(compile=...)``: each Dynamo frame compiled once for the whole ladder.
+
+Dynamo left to its defaults compiles the first (largest) bucket at static shapes and every
+frame again, dynamic, at the second: twice the compile time (issue 23 item 4). These tests
+count compiles with a backend that only counts (no Inductor: fast on a CPU) passed through
+``compile={"backend": ...}``, on the emulated backend, whose captures must not stop Dynamo
+from compiling the next bucket's warm-up either (a dispatch mode makes Dynamo skip frames for
+good).
+
+The tiny model's hidden size (64) is the largest bucket on purpose: at that bucket, duck
+shaping would give the token and hidden dimensions one symbol, and the hidden dimension's
+guard (it meets the static weights) would make the token dimension static again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
+
+from benchmarks.tiny_models import TINY, tiny_config  # noqa: E402
+
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
+
+BUCKETS = (16, 40, 64)  # 64: the hidden size (see the module docstring)
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that runs Dynamo's graphs as they are and counts, per
+    compiled graph, how many times it ran."""
+
+    def __init__(self):
+        self.calls: list[int] = []  # one entry per compiled graph
+
+    def __call__(self, gm, example_inputs):
+        index = len(self.calls)
+        self.calls.append(0)
+
+        def run(*args):
+            self.calls[index] += 1
+            return gm.forward(*args)
+
+        return run
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches are per code object, shared by every model of a class: start and end
+    each test with none."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny_llama(device="cpu"):
+    """fp32 everywhere (on CUDA the runner then uses the reference attention, in graphs)."""
+    torch.manual_seed(0)
+    config = tiny_config("LlamaConfig", **TINY, head_dim=16)
+    assert config.hidden_size == BUCKETS[-1]
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def build(model, compile, backend="emulated", **kwargs) -> PrefillRunner:
+    kwargs.setdefault("token_buckets", BUCKETS)
+    return PrefillRunner(model, max_prompts=4, warmup=1, backend=backend, compile=compile,
+                         tune_buckets=False, **kwargs)  # fmt: skip
+
+
+def one_bucket_calls(backend="emulated", device="cpu", **options) -> list:
+    """Per compiled graph, its runs when the runner has the largest bucket only (one warm-up,
+    one capture): the reference of what one compile of the forward is."""
+    counting = CountingBackend()
+    build(tiny_llama(device), {"backend": counting, **options}, backend,
+          token_buckets=BUCKETS[-1:]).close()  # fmt: skip
+    torch._dynamo.reset()
+    return counting.calls
+
+
+def test_compile_true_compiles_each_frame_once_for_all_buckets(backend, device, fresh_dynamo):
+    """The graphs compiled for the whole ladder are those of one bucket, and each serves every
+    bucket's warm-up (and, on CUDA, capture): none compiled again at a second size, no frame
+    left to run eagerly."""
+    once = one_bucket_calls(backend, device)
+    counting = CountingBackend()
+    runner = build(tiny_llama(device), {"backend": counting}, backend)
+    try:
+        assert once, "nothing was compiled"
+        assert counting.calls == [len(BUCKETS) * n for n in once], (
+            f"per compiled graph, its runs for {len(BUCKETS)} buckets: {counting.calls}; "
+            f"in one: {once} (more graphs: compiled again at another size; fewer runs: a "
+            f"frame ran eagerly)"
+        )
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(128, (n,), generator=g) for n in (5, 9, 20)]
+        out = runner.prefill(prompts)  # replays: no compile
+        assert out.logits.shape == (3, 128)
+        assert len(counting.calls) == len(once)
+    finally:
+        runner.close()
+
+
+def test_compile_true_matches_the_eager_runner(fresh_dynamo):
+    """The dynamic compile computes what the uncompiled runner computes."""
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(128, (n,), generator=g) for n in (7, 30)]
+    plain = build(model, False)
+    try:
+        expected = plain.prefill(prompts).logits
+    finally:
+        plain.close()
+    compiled = build(model, {"backend": CountingBackend()}, on_miss="eager")
+    try:
+        torch.testing.assert_close(compiled.prefill(prompts).logits, expected)
+        # more tokens than the largest bucket: the eager fallback calls the compiled forward
+        long = [torch.randint(128, (50,), generator=g), torch.randint(128, (30,), generator=g)]
+        plain = build(model, False, on_miss="eager")
+        try:
+            torch.testing.assert_close(compiled.prefill(long).logits, plain.prefill(long).logits)
+        finally:
+            plain.close()
+    finally:
+        compiled.close()
+
+
+def test_user_dynamic_false_is_honoured(fresh_dynamo):
+    """``compile={"dynamic": False}``: the caller asked for static shapes, so every bucket
+    compiles its own graphs, each serving its own bucket only."""
+    once = one_bucket_calls(dynamic=False)
+    counting = CountingBackend()
+    build(tiny_llama(), {"backend": counting, "dynamic": False}).close()
+    assert counting.calls == once * len(BUCKETS)
+
+
+@pytest.mark.requires_cuda
+def test_inductor_compiled_runner_matches_the_uncompiled_one(fresh_dynamo):
+    """``compile=True`` on the GPU (Inductor, fused kernels captured in the segments) computes
+    what the uncompiled runner computes, at every bucket of the ladder."""
+    model = tiny_llama("cuda")
+    g = torch.Generator().manual_seed(3)
+    lengths = ((5,), (9, 20), (30, 33))  # buckets 16, 40 and 64
+    batches = [[torch.randint(128, (n,), generator=g) for n in batch] for batch in lengths]
+    plain = build(model, False, "cuda")
+    try:
+        expected = [plain.prefill(b).logits for b in batches]
+    finally:
+        plain.close()
+    compiled = build(model, True, "cuda")
+    try:
+        for batch, want in zip(batches, expected):
+            torch.testing.assert_close(compiled.prefill(batch).logits, want, atol=1e-3, rtol=1e-3)
+    finally:
+        compiled.close()
