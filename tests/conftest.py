@@ -66,10 +66,11 @@ def capture(backend):
     return functools.partial(breakgraph.capture, backend=backend)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_cpu_thread():
-    """Tiny models: intra-op threads cost far more than they save on 2 cores (10-100x).
-    Used by the transformers test modules through ``pytest.mark.usefixtures``."""
+    """Tiny models: intra-op threads cost far more than they save on 2 cores (10-100x; 4 s
+    instead of 1 s for the prefill benchmark's smoke run). Every test runs with one; modules
+    that name it (``pytest.mark.usefixtures``) say that their timings depend on it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
