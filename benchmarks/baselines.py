@@ -106,14 +106,131 @@ def _dynamo_counts() -> dict:
     }
 
 
+#: where a compile's time goes: phase -> torch's timer for it (a ``dynamo_timed`` name; its
+#: seconds are appended to ``torch._dynamo.utils.compilation_time_metrics``, the same names in
+#: torch 2.11 to 2.13; a timer a torch lacks reads 0). The timers nest (each line inside the
+#: one above it, the ``inductor`` parts inside ``inductor``); :func:`compile_phases` makes them
+#: exclusive. The last two run after the compile, at a graph's first runs.
+COMPILE_TIMERS = {
+    "frame_compile": "_compile.compile_inner",  # Dynamo's compile of one frame, everything
+    "backend": "OutputGraph.call_user_compiler",  # the backend on one graph: AOT + Inductor
+    "aot_autograd": "create_aot_dispatcher_function",  # includes Inductor's compile
+    "inductor": "compile_fx_inner",
+    "lowering": "GraphLowering.run",
+    "codegen": "GraphLowering.codegen",  # fusion (Scheduler) and kernel sources
+    "kernel_compile_wait": "async_compile.wait",  # waiting for the Triton/C++ compile workers
+    "module_load": "PyCodeCache.load_by_key_path",
+    "guards": "build_guards",
+    "triton_autotune": "CachingAutotuner.benchmark_all_configs",  # a kernel's first run
+    "cudagraph_record": "CUDAGraphNode.record",  # reduce-overhead's CUDA graph recordings
+}
+
+
+def _compile_timers() -> dict:
+    """Per torch timer, how many times it ran so far (its list of seconds is append-only)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: len(times) for name, times in compilation_time_metrics.items()}
+
+
+def _timer_deltas(before: dict) -> dict:
+    """Per torch timer, [runs, seconds] since ``before`` (a cleared list counts whole)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    out = {}
+    for name, times in compilation_time_metrics.items():
+        start = before.get(name, 0)
+        new = times[start:] if len(times) >= start else times
+        if new:
+            out[name] = [len(new), sum(new)]
+    return out
+
+
+def compile_phases(timers: dict) -> dict:
+    """Exclusive seconds per phase from nested timer deltas (``{name: [runs, seconds]}``).
+
+    ``compile_s`` is every frame compile in all; it splits into ``dynamo_s`` (bytecode
+    tracing, fake-tensor propagation, guards: the frame compile outside its backend),
+    ``aot_autograd_s`` (functionalization and partitioning, outside Inductor),
+    ``inductor_s`` and ``backend_other_s`` (the backend outside AOT autograd).
+    ``inductor_s`` holds ``inductor_lowering_s``, ``inductor_codegen_s``,
+    ``inductor_kernel_compile_wait_s`` and ``inductor_module_load_s`` (codegen may include
+    kernel compiles on the CPU). ``triton_autotune_s`` and ``cudagraph_record_s`` are spent
+    at a graph's first runs, outside ``compile_s``.
+
+    Example::
+
+        >>> compile_phases({"_compile.compile_inner": [2, 10.0],
+        ...                 "OutputGraph.call_user_compiler": [2, 8.0],
+        ...                 "create_aot_dispatcher_function": [2, 7.5],
+        ...                 "compile_fx_inner": [2, 7.0]})["dynamo_s"]
+        2.0
+    """
+    t = {phase: timers.get(name, [0, 0.0])[1] for phase, name in COMPILE_TIMERS.items()}
+    return {
+        "compile_s": t["frame_compile"],
+        "dynamo_s": t["frame_compile"] - t["backend"],
+        "guards_s": t["guards"],
+        "aot_autograd_s": t["aot_autograd"] - t["inductor"],
+        "inductor_s": t["inductor"],
+        "inductor_lowering_s": t["lowering"],
+        "inductor_codegen_s": t["codegen"],
+        "inductor_kernel_compile_wait_s": t["kernel_compile_wait"],
+        "inductor_module_load_s": t["module_load"],
+        "backend_other_s": t["backend"] - t["aot_autograd"],
+        "triton_autotune_s": t["triton_autotune"],
+        "cudagraph_record_s": t["cudagraph_record"],
+    }
+
+
+def _cache_counts() -> dict:
+    """Inductor's FX graph cache and AOT autograd's cache: hits and misses so far (a warm
+    cache on disk makes a 'first' compile cheap: the JSON says which it was)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        f"{group}.{name}": value
+        for group in ("inductor", "aot_autograd")
+        for name, value in counters[group].items()
+        if "cache" in name
+    }
+
+
+def _time_spent() -> dict:
+    """``torch._dynamo.utils.calculate_time_spent()`` (seconds per compile phase so far), or
+    nothing on a torch without it."""
+    from torch._dynamo import utils
+
+    spent = getattr(utils, "calculate_time_spent", None)
+    return dict(spent()) if spent is not None else {}
+
+
 def dynamo_delta(before: dict) -> dict:
-    """Dynamo's compile counters since ``before`` (from :func:`dynamo_snapshot`)."""
+    """What Dynamo compiled since ``before`` (from :func:`dynamo_snapshot`): ``frames``,
+    ``graphs``, ``graph_breaks``; ``compile_s``, where the compile time went
+    (:func:`compile_phases`); ``timers``, every torch timer over 0.05 s as [runs, seconds];
+    ``caches``, cache hits and misses; ``time_spent``, torch's own phase totals."""
     now = _dynamo_counts()
-    return {k: now[k] - before[k] for k in now}
+    timers = _timer_deltas(before["timers"])
+    caches = {k: v - before["caches"].get(k, 0) for k, v in _cache_counts().items()}
+    spent = _time_spent()
+    return {
+        **{k: now[k] - before["counts"][k] for k in now},
+        "compile_s": compile_phases(timers),
+        "timers": {k: v for k, v in timers.items() if v[1] >= 0.05},
+        "caches": {k: v for k, v in caches.items() if v},
+        "time_spent": {k: v - before["time_spent"].get(k, 0.0) for k, v in spent.items()},
+    }
 
 
 def dynamo_snapshot() -> dict:
-    return _dynamo_counts()
+    """Dynamo's counters, torch's compile timers and cache counters now."""
+    return {
+        "counts": _dynamo_counts(),
+        "timers": _compile_timers(),
+        "caches": _cache_counts(),
+        "time_spent": _time_spent(),
+    }
 
 
 class CompiledForward:
@@ -132,21 +249,25 @@ class CompiledForward:
         return self.fn(prompt[None], use_cache=False, logits_to_keep=1).logits[0, -1]
 
     def first_calls(self, prompts: Sequence[torch.Tensor], calls: int = 3) -> list[dict]:
+        """Per prompt length: ``first_call_s`` (compile, then CUDA-graph trees' eager
+        warm-up run), ``call_s`` (each call, synchronized: the second records the graph),
+        ``ready_s`` (all of them) and :func:`dynamo_delta` over them."""
         rows = []
         for p in prompts:
             before = dynamo_snapshot()
             start = time.perf_counter()
-            self(p)
-            torch.cuda.synchronize()
-            first = time.perf_counter() - start
-            for _ in range(calls - 1):
+            call_s = []
+            for _ in range(calls):
+                began = time.perf_counter()
                 self(p)
-            torch.cuda.synchronize()
+                torch.cuda.synchronize()
+                call_s.append(time.perf_counter() - began)
             rows.append(
                 {
                     "tokens": len(p),
                     "calls": calls,
-                    "first_call_s": first,
+                    "first_call_s": call_s[0],
+                    "call_s": call_s,
                     "ready_s": time.perf_counter() - start,
                     **dynamo_delta(before),
                 }

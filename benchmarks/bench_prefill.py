@@ -347,7 +347,14 @@ def run_family(run: Run, family: Family) -> dict:
 def compile_variants(run: Run, family: Family, model, result, runners, closers) -> dict:
     """``PrefillRunner(compile=True)`` and ``torch.compile(mode="reduce-overhead")``, with
     the first-call time of each over ``--first-call-lengths`` (breakgraph's first: it
-    compiles with cold caches, the baseline after it may find some kernels cached)."""
+    compiles with cold caches, the baseline after it may find some kernels cached).
+
+    Where the time goes, for both: ``dynamo`` (breakgraph: over the construction) and each
+    reduce-overhead length carry :func:`~benchmarks.baselines.dynamo_delta`'s ``compile_s``
+    (Dynamo, AOT autograd, Inductor's lowering, codegen, kernel compiles; autotuning and CUDA
+    graph recording at first runs), the raw torch ``timers`` and the compile ``caches`` hit;
+    breakgraph's ``breakdown`` splits its construction (:func:`construction_breakdown`),
+    reduce-overhead's ``call_s`` its calls (compile + eager warm-up, record, replay)."""
     from breakgraph.integrations.transformers import PrefillRunner
 
     s = run.settings
@@ -379,13 +386,17 @@ def compile_variants(run: Run, family: Family, model, result, runners, closers) 
         run.sync()
         record = runner_record(bgc, time.perf_counter() - start)
         record["dynamo"] = dynamo_delta(before)
+        record["breakdown"] = construction_breakdown(bgc, record)
         record["lengths"] = []
         closers.append(bgc.close)
         for n, p in lengths.items():
+            before = dynamo_snapshot()
             start = time.perf_counter()
             bgc.prefill([p])
             run.sync()
-            record["lengths"].append({"tokens": n, "first_call_s": time.perf_counter() - start})
+            first = time.perf_counter() - start
+            frames = dynamo_delta(before)["frames"]  # 0: a first call compiles nothing
+            record["lengths"].append({"tokens": n, "first_call_s": first, "frames": frames})
         info["bg_compiled"] = record
         runners["bg_compiled"] = bgc
     with attempt(result, "compile_ro"):
@@ -398,6 +409,27 @@ def compile_variants(run: Run, family: Family, model, result, runners, closers) 
         }
         compiled["compile_ro"] = ro
     return compiled
+
+
+def construction_breakdown(runner, record: dict) -> dict:
+    """Where ``PrefillRunner(compile=True)``'s construction went, in seconds: ``compile_s``
+    (every Dynamo frame compile, split as in ``record["dynamo"]["compile_s"]``) happens inside
+    the warm-ups (``warmup_s``, all buckets), whose remainder is the forward's runs
+    (``warmup_runs_s``: kernel autotuning at first runs included); ``capture_s`` is the
+    captures alone (every bucket's ``capture_seconds`` holds its warm-up too); ``other_s``
+    the rest of the construction (model checks, buffers, ``tune_buckets``)."""
+    stats = runner.stats
+    compile_s = record["dynamo"]["compile_s"]["compile_s"]
+    ladder_s = sum(s for _, s in record["capture_seconds"])
+    return {
+        "construction_s": record["construction_s"],
+        "compile_s": compile_s,
+        "warmup_s": stats.warmup_seconds,
+        "warmup_runs_s": stats.warmup_seconds - compile_s,
+        "capture_s": ladder_s - stats.warmup_seconds,
+        "other_s": record["construction_s"] - ladder_s,
+        "first_bucket_s": record["capture_seconds"][0][1] if record["capture_seconds"] else None,
+    }
 
 
 def correctness(model, singles, batch, padded, runners, graphs, compiled) -> dict:

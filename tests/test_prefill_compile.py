@@ -14,6 +14,8 @@ guard (it meets the static weights) would make the token dimension static again.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -83,10 +85,13 @@ def one_bucket_calls(backend="emulated", device="cpu", **options) -> list:
 def test_compile_true_compiles_each_frame_once_for_all_buckets(backend, device, fresh_dynamo):
     """The graphs compiled for the whole ladder are those of one bucket, and each serves every
     bucket's warm-up (and, on CUDA, capture): none compiled again at a second size, no frame
-    left to run eagerly."""
+    left to run eagerly. Replays compile nothing, and the results are the uncompiled
+    runner's, in the ladder and in the eager fallback (which runs the compiled forward)."""
     once = one_bucket_calls(backend, device)
+    model = tiny_llama(device)
     counting = CountingBackend()
-    runner = build(tiny_llama(device), {"backend": counting}, backend)
+    runner = build(model, {"backend": counting}, backend, on_miss="eager")
+    plain = build(model, False, backend, on_miss="eager")
     try:
         assert once, "nothing was compiled"
         assert counting.calls == [len(BUCKETS) * n for n in once], (
@@ -96,35 +101,13 @@ def test_compile_true_compiles_each_frame_once_for_all_buckets(backend, device, 
         )
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(128, (n,), generator=g) for n in (5, 9, 20)]
-        out = runner.prefill(prompts)  # replays: no compile
-        assert out.logits.shape == (3, 128)
-        assert len(counting.calls) == len(once)
+        torch.testing.assert_close(runner.prefill(prompts).logits, plain.prefill(prompts).logits)
+        assert len(counting.calls) == len(once)  # replays compile nothing
+        longer = [torch.randint(128, (n,), generator=g) for n in (50, 30)]  # > every bucket
+        torch.testing.assert_close(runner.prefill(longer).logits, plain.prefill(longer).logits)
     finally:
         runner.close()
-
-
-def test_compile_true_matches_the_eager_runner(fresh_dynamo):
-    """The dynamic compile computes what the uncompiled runner computes."""
-    model = tiny_llama()
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(128, (n,), generator=g) for n in (7, 30)]
-    plain = build(model, False)
-    try:
-        expected = plain.prefill(prompts).logits
-    finally:
         plain.close()
-    compiled = build(model, {"backend": CountingBackend()}, on_miss="eager")
-    try:
-        torch.testing.assert_close(compiled.prefill(prompts).logits, expected)
-        # more tokens than the largest bucket: the eager fallback calls the compiled forward
-        long = [torch.randint(128, (50,), generator=g), torch.randint(128, (30,), generator=g)]
-        plain = build(model, False, on_miss="eager")
-        try:
-            torch.testing.assert_close(compiled.prefill(long).logits, plain.prefill(long).logits)
-        finally:
-            plain.close()
-    finally:
-        compiled.close()
 
 
 def test_user_dynamic_false_is_honoured(fresh_dynamo):
@@ -132,8 +115,8 @@ def test_user_dynamic_false_is_honoured(fresh_dynamo):
     compiles its own graphs, each serving its own bucket only."""
     once = one_bucket_calls(dynamic=False)
     counting = CountingBackend()
-    build(tiny_llama(), {"backend": counting, "dynamic": False}).close()
-    assert counting.calls == once * len(BUCKETS)
+    build(tiny_llama(), {"backend": counting, "dynamic": False}, token_buckets=(40, 64)).close()
+    assert counting.calls == once * 2
 
 
 @pytest.mark.requires_cuda
@@ -155,3 +138,29 @@ def test_inductor_compiled_runner_matches_the_uncompiled_one(fresh_dynamo):
             torch.testing.assert_close(compiled.prefill(batch).logits, want, atol=1e-3, rtol=1e-3)
     finally:
         compiled.close()
+
+
+def test_the_benchmark_breaks_the_compile_time_down(fresh_dynamo):
+    """``benchmarks/bench_prefill.py``'s compile section: where the construction went (Dynamo,
+    AOT autograd, the warm-up runs, the captures), from torch's own timers."""
+    from benchmarks.baselines import dynamo_delta, dynamo_snapshot
+    from benchmarks.bench_prefill import construction_breakdown, runner_record
+
+    before = dynamo_snapshot()
+    start = time.perf_counter()
+    runner = build(tiny_llama(), {"backend": "aot_eager"}, token_buckets=BUCKETS[-1:])
+    try:
+        record = runner_record(runner, time.perf_counter() - start)
+        record["dynamo"] = dynamo_delta(before)
+        phases = record["dynamo"]["compile_s"]
+        assert record["dynamo"]["frames"] > 0 and record["dynamo"]["graph_breaks"] > 0
+        assert phases["compile_s"] > phases["dynamo_s"] > 0
+        assert phases["aot_autograd_s"] > 0 and phases["inductor_s"] == 0  # no Inductor here
+        assert "_compile.compile_inner" in record["dynamo"]["timers"]
+        breakdown = construction_breakdown(runner, record)
+        assert 0 < breakdown["compile_s"] < breakdown["warmup_s"] < breakdown["construction_s"]
+        parts = ("warmup_s", "capture_s", "other_s")
+        assert sum(breakdown[k] for k in parts) == pytest.approx(breakdown["construction_s"])
+        assert all(breakdown[k] >= 0 for k in (*parts, "warmup_runs_s"))
+    finally:
+        runner.close()
