@@ -8,6 +8,11 @@ dynamic"): on an H200 (mistral-7b-4l, 4096-token bucket) 10.4 s for the first bu
 options, the forward is compiled with ``dynamic=True``: one compile of each Dynamo frame, at
 the first (largest) bucket, with symbolic sizes that every later bucket reuses. (Every bucket
 but the largest ran those same dynamic kernels before: the second compile was dynamic.)
+Marking only the token dimension of the ids and positions (``torch._dynamo.mark_dynamic``)
+is not enough: the attention breaks split the forward into many frames (each decoder layer,
+each resume after a break) whose inputs are fresh, unmarked tensors, and each of those
+compiled twice all the same (a 2-layer Llama over 3 buckets: 14 graphs with the mark, 7 with
+``dynamic=True``; parameters stay static either way).
 
 Two Dynamo behaviours would each undo that, so calls go through :meth:`CompiledForward.__call__`:
 
