@@ -39,9 +39,7 @@ import contextlib
 import logging
 import sys
 import time
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,7 +58,9 @@ from .buckets import (
 from .debug import debug_enabled
 from .errors import HostSyncError, InputError, ReplayError
 from .graph import BreakableCUDAGraph, capture
+from .ladder_stats import BucketStats, LadderStats
 from .state import context_scope
+from .syncs import CompileTransparentSegmentMode
 
 __all__ = [
     "GraphLadder",
@@ -76,112 +76,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("breakgraph")
-
-
-# -- counters ----------------------------------------------------------------------------------
-
-
-@dataclass
-class BucketStats:
-    """One bucket's counters."""
-
-    captures: int = 0
-    replays: int = 0
-    padded: int = 0  # padding elements (bucket - size), summed over replays
-    capture_s: float = 0.0  # its capture, plus the warm-up before it when there was one
-    graph_memory_bytes: int = 0  # growth of the ladder's pool during its capture (CUDA)
-    breaks: int = 0  # eager breaks in its graph
-    replay_ms: float | None = None  # measured by GraphLadder.tune()
-
-
-@dataclass
-class LadderStats:
-    """The counters of a :class:`GraphLadder` (``BucketedRunner.stats`` is one too, as
-    ``RunnerStats``); ``str(stats)`` prints a table.
-
-    ``buckets`` maps each captured bucket to its :class:`BucketStats`; ``calls``,
-    ``padded_elements``, ``capture_seconds``, ``graph_memory_bytes`` and ``replay_ms`` are
-    read-only ``{bucket: value}`` views of them.
-
-    Example::
-
-        >>> from breakgraph.ladder import BucketStats, LadderStats
-        >>> stats = LadderStats({64: BucketStats(captures=1, replays=9, padded=20, capture_s=0.25)})
-        >>> stats.eager_fallbacks["larger than every bucket"] = 2
-        >>> (stats.captures, stats.replays, stats.eager_steps, dict(stats.calls))
-        (1, 9, 2, {64: 9})
-        >>> print(stats)
-        bucket  captures  replays  padded  capture s  graph MiB  breaks
-            64         1        9      20      0.250        0.0       0
-         total         1        9      20      0.250        0.0
-        eager fallbacks: larger than every bucket: 2
-    """
-
-    buckets: dict[int, BucketStats] = field(default_factory=dict)
-    eager_fallbacks: dict[str, int] = field(default_factory=dict)  # by reason
-    warmup_seconds: float = 0.0  # summed over every capture() call
-    routed: dict[int, int] = field(default_factory=dict)  # bucket -> faster larger bucket
-
-    @property
-    def captures(self) -> int:
-        return sum(b.captures for b in self.buckets.values())
-
-    @property
-    def replays(self) -> int:
-        return sum(b.replays for b in self.buckets.values())
-
-    @property
-    def eager_steps(self) -> int:
-        return sum(self.eager_fallbacks.values())
-
-    @property
-    def capture_s(self) -> float:
-        return sum(b.capture_s for b in self.buckets.values())
-
-    def _view(self, name: str) -> Mapping[int, Any]:
-        return types.MappingProxyType({k: getattr(b, name) for k, b in self.buckets.items()})
-
-    @property
-    def calls(self) -> Mapping[int, int]:
-        """Replays per bucket."""
-        return self._view("replays")
-
-    @property
-    def padded_elements(self) -> Mapping[int, int]:
-        """Padding elements (positions along the bucketed dimension) per bucket."""
-        return self._view("padded")
-
-    @property
-    def capture_seconds(self) -> Mapping[int, float]:
-        return self._view("capture_s")
-
-    @property
-    def graph_memory_bytes(self) -> Mapping[int, int]:
-        return self._view("graph_memory_bytes")
-
-    @property
-    def replay_ms(self) -> Mapping[int, float]:
-        """Measured replay times of the buckets :meth:`GraphLadder.tune` timed."""
-        return types.MappingProxyType(
-            {k: b.replay_ms for k, b in self.buckets.items() if b.replay_ms is not None}
-        )
-
-    def __str__(self) -> str:
-        rows = [("bucket", "captures", "replays", "padded", "capture s", "graph MiB", "breaks")]
-        for size, b in sorted(self.buckets.items()):
-            mib = f"{b.graph_memory_bytes / 2**20:.1f}"
-            rows.append(
-                (size, b.captures, b.replays, b.padded, f"{b.capture_s:.3f}", mib, b.breaks)
-            )
-        memory = sum(b.graph_memory_bytes for b in self.buckets.values()) / 2**20
-        padded = sum(b.padded for b in self.buckets.values())
-        total = (self.captures, self.replays, padded, f"{self.capture_s:.3f}", f"{memory:.1f}", "")
-        rows.append(("total", *total))
-        widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
-        fallbacks = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items()))
-        lines.append(f"eager fallbacks: {fallbacks or 'none'}")
-        return "\n".join(lines)
 
 
 # -- the ladder --------------------------------------------------------------------------------
@@ -382,11 +276,8 @@ class GraphLadder:
         except HostSyncError as exc:
             if options["detect_syncs"] or not isinstance(exc.__cause__, RuntimeError):
                 raise
-            # CUDA refused a host sync in an unwatched capture: again, watched, so that the
-            # error names the operation and the line (or, if it does not recur, it captures)
-            options = {**options, "detect_syncs": True, "collect_garbage": False}
-            graph = BreakableCUDAGraph()
-            output = run()
+            _name_the_sync(record, size, context)  # raises the error that names the line
+            raise
         self._pool = graph.pool()
         seconds = time.perf_counter() - start
         stats = BucketStats(
@@ -409,9 +300,9 @@ class GraphLadder:
         syncs. Watching costs about 10 us of host time per aten operation (a third of a deep
         model's capture time per bucket), and every bucket runs the same code: on CUDA only
         the first one is watched. A later bucket whose capture CUDA refuses (a sync on a path
-        only that size takes) is captured again, watched, to name the line
-        (:meth:`_capture_one`). The emulated backend would record a sync silently, and the
-        ranks of a group must take the same steps: both always watch."""
+        only that size takes) runs once more, eagerly and watched, so that the error names
+        the line (:func:`_name_the_sync`). The emulated backend would record a sync silently,
+        and the ranks of a group must take the same steps: both always watch."""
         return i == 0 or self.backend != "cuda" or self.ranks is not None
 
     def _step(
@@ -609,3 +500,18 @@ class GraphLadder:
         if self.closed:
             return self._closed_error(what)
         return InputError(f"{self.who}.{what}: no bucket {bucket!r}; captured: {self._sizes}.")
+
+
+def _name_the_sync(record: Callable[[int], Any], size: int, context: Any) -> None:
+    """After CUDA refused a host sync in an unwatched capture of bucket ``size``: run
+    ``record(size)`` once more, eagerly (like a warm-up) under the sync-watching dispatch mode,
+    which raises ``HostSyncError`` naming the operation and the line before it runs. Not a
+    second capture: after an invalidated capture the shared pool must not be recorded into
+    again. Returns quietly when the eager run shows nothing (the caller re-raises CUDA's)."""
+    try:
+        with context_scope(context), CompileTransparentSegmentMode(check_syncs=True):
+            record(size)
+    except HostSyncError:
+        raise
+    except Exception:  # noqa: S110 (CUDA's own error, re-raised by the caller, says enough)
+        pass
