@@ -20,10 +20,12 @@ import os
 import sys
 
 from . import targets as T
-from .template import fill, num, span, table
+from .template import fill, num, pct, span, table
 
 FILE = "h200-cb.json"  # transformers 5.17 (the CI pin)
 FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
+#: benchmarks/cb_trace.py's summaries (the traces lie beside it)
+TRACE_FILE = "h200-cb-trace-5.17/summary.json"
 
 
 def schema(data: dict) -> int:
@@ -380,3 +382,39 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def trace_section(data: dict) -> str:
+    """``benchmarks/cb_trace.py``: per variant, how much of the host's batch preparation runs
+    while the device is busy (the overlap asynchronous batching is for)."""
+    meta, w = data["meta"], data["meta"]["workload"]
+    rows = []
+    for name, v in data["variants"].items():
+        rows.append(
+            [
+                f"`{name}`",
+                v["batching"],
+                num(v["wall_ms_per_step"], 2),
+                num(v["prepare_ms_per_step"], 2),
+                pct(v["prepare_device_busy_fraction"]),
+                pct(v["device_busy_fraction"]),
+                num(v["host_sync_ms_per_step"], 2),
+            ]
+        )
+    header = ["variant", "batching", "ms per step", "prep ms", "GPU busy during prep",
+              "GPU busy", "host waits ms"]  # fmt: skip
+    return fill(
+        "cb.trace",
+        steps=next(iter(data["variants"].values()))["steps"],
+        file=TRACE_FILE,
+        gpu=meta["gpu"],
+        torch=meta["torch"],
+        transformers=meta["transformers"],
+        date=meta["date"],
+        model=w["model"],
+        prompts=w["prompts"],
+        min_len=w["min_len"],
+        max_len=w["max_len"],
+        new_tokens=w["new_tokens"],
+        table=table(header, rows),
+    )

@@ -62,6 +62,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + list(report_breaks.ANATOMY_FILES)
         + [report_earlier.FILE, *report_earlier.RUN_FILES, report_earlier.MOE_FILE]
         + [tp_report.FILE, tp_report.NO_MIXING_FILE]
+        + [*report_prefill.CAPTURE_FILES, report_prefill.CAPTURE_AFTER_FILE]
+        + [cb_report.TRACE_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -71,6 +73,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded[os.path.basename(suite)] = suite_data
     blocks = [fill("page", sources=sources_table(loaded))]
     blocks += report_prefill.section(loaded.get(report_prefill.FILE))
+    blocks += report_prefill.capture_split_section(
+        [loaded[n] for n in report_prefill.CAPTURE_FILES if n in loaded],
+        loaded.get(report_prefill.CAPTURE_AFTER_FILE),
+    )
     compile_run = load(report_prefill.COMPILE_FILE)
     if compile_run is not None:
         blocks += report_prefill.compile_run_section(compile_run)
@@ -90,6 +96,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     cb = [data for name in cb_report.FILES if (data := load(name)) is not None]
     if cb:  # one JSON per transformers release
         blocks.append("\n".join(cb_report.cb_section(*cb)))
+    if cb_report.TRACE_FILE in loaded:
+        blocks.append(cb_report.trace_section(loaded[cb_report.TRACE_FILE]))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

@@ -398,8 +398,86 @@ def compile_run_section(data: dict) -> list[str]:
         transformers=meta["transformers"],
         date=meta["date"],
         families=", ".join(fams) or "no family",
+        breakdown=compile_breakdown(data),
     )
     return [intro, compile_part(data, checks(data))]
+
+
+def compile_breakdown(data: dict) -> str:
+    """Where the first compiled call's time goes, for the first family with the timers
+    (``compile_s``, recorded since 2026-12-01); empty for older runs."""
+    for fam in ordered(data):
+        info = fam.get("compile") or {}
+        bg, ro = info.get("bg_compiled") or {}, info.get("compile_ro") or {}
+        spent = (bg.get("dynamo") or {}).get("compile_s")
+        ro_lengths = [r for r in ro.get("lengths", []) if "compile_s" in r]
+        if not spent or len(ro_lengths) < 2:
+            continue
+        rest = [s for _, s in bg["capture_seconds"][1:]]
+        first_ro, second_ro = ro_lengths[0]["compile_s"], ro_lengths[1]["compile_s"]
+        return fill(
+            "prefill.compile.breakdown",
+            bg_compile=num(spent["compile_s"], 1),
+            bg_first=num(bg["capture_seconds"][0][1], 1),
+            bg_dynamo=num(spent["dynamo_s"], 1),
+            bg_frames=bg["dynamo"]["frames"],
+            bg_aot=num(spent["aot_autograd_s"], 1),
+            bg_inductor=num(spent["inductor_s"], 1),
+            bg_load=num(spent["inductor_module_load_s"], 1),
+            bg_rest_ms=num(1000 * sum(rest) / len(rest), 0) if rest else "-",
+            ro_compile=num(first_ro["compile_s"], 1),
+            ro_dynamo=num(first_ro["dynamo_s"], 1),
+            ro_aot=num(first_ro["aot_autograd_s"], 1),
+            ro_inductor=num(first_ro["inductor_s"], 1),
+            ro_compile_2=num(second_ro["compile_s"], 1),
+        )
+    return ""
+
+
+#: benchmarks/capture_time.py runs: before (every variant) and after the sync-watch change
+CAPTURE_FILES = ("h200-capture-time-llama.json", "h200-capture-time-mistral.json")
+CAPTURE_AFTER_FILE = "h200-capture-time-after.json"
+
+
+def capture_split_section(runs: list[dict], after: dict | None) -> list[str]:
+    """``benchmarks/capture_time.py``: construction time per variant, first and second runner."""
+    rows = []
+    for data, tag in [(d, "") for d in runs] + ([(after, "after")] if after else []):
+        for r in data["results"]:
+            first, second = r["first"], r["second"]
+            rows.append(
+                [
+                    r["family"],
+                    f"`{r['variant']}`" + (f", {tag}" if tag else ""),
+                    num(first["construction_s"], 2),
+                    num(1000 * first["rest_mean_s"], 0),
+                    num(second["construction_s"], 2),
+                    num(1000 * second["rest_mean_s"], 0),
+                ]
+            )
+    if not rows:
+        return []
+    meta = runs[0]["meta"]
+    header = [
+        "family",
+        "variant",
+        "first runner s",
+        "ms per extra bucket",
+        "second runner s",
+        "ms per extra bucket",
+    ]
+    names = [*CAPTURE_FILES, *([CAPTURE_AFTER_FILE] if after else [])]
+    return [
+        fill(
+            "prefill.capture_split",
+            files="`, `".join(names),
+            gpu=meta.get("gpu") or "-",
+            torch=meta["torch"],
+            transformers=meta["transformers"],
+            date=meta["date"],
+            table=table(header, rows),
+        )
+    ]
 
 
 def section(data: dict | None) -> list[str]:

@@ -76,6 +76,15 @@ def prefill_text(tmp_path, data: dict) -> str:
     ]
 
 
+@pytest.fixture
+def issue13_targets(monkeypatch):
+    """The synthetic baselines are written around issue 13's limits (1.08 at 32 tokens, 1.05
+    above): the verdict mechanics are under test here, not today's target values."""
+    monkeypatch.setattr(T, "TARGET_BG_VS_EXACT_GRAPH_32", 1.08)
+    monkeypatch.setattr(T, "TARGET_BG_VS_EXACT_GRAPH", 1.05)
+
+
+@pytest.mark.usefixtures("issue13_targets")
 def test_prefill_section_from_results(tmp_path):
     text = prefill_text(tmp_path, baselines())
     assert "Not measured yet" not in text
@@ -98,6 +107,7 @@ def test_prefill_section_from_results(tmp_path):
     assert "- llama-1b: compile skipped: not in --compile-families." in text
 
 
+@pytest.mark.usefixtures("issue13_targets")
 def test_a_changed_value_changes_the_verdict_and_the_text(tmp_path):
     data = baselines()
     row = data["families"][0]["rows"][1]  # llama-1b, single 200: 1.100, missed
@@ -112,6 +122,7 @@ def test_a_changed_value_changes_the_verdict_and_the_text(tmp_path):
     assert "llama-1b, single 200: breakgraph takes 1.125×" in text
 
 
+@pytest.mark.usefixtures("issue13_targets")
 def test_a_changed_target_changes_the_text_and_the_verdict(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "TARGET_BG_VS_EXACT_GRAPH", 1.12)
     text = prefill_text(tmp_path, baselines())
