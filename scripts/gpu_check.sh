@@ -10,7 +10,7 @@
 # tests, the example and the TP benchmark, with and without NCCL graph mixing).
 # PREFILL_ARGS adds flags to the prefill benchmark (e.g. "--families llama-1b,mixtral-4l" or
 # "--compile-families mistral-7b-4l,llama-1b --budget-s 400"; see python -m benchmarks.bench_prefill
-# --help). Expected on an H200: prefill about 5 min (its --budget-s, 300 s by default, trims
+# --help). Expected on an H200: prefill about 6-7 min (its --budget-s, 420 s by default, trims
 # the compile work and then whole families if it falls behind; PREFILL_TIMEOUT, 480 s, stops
 # it for good, keeping the families already written), overhead about 1 min, anatomy under 1 min,
 # continuous batching about 6 min (see cb_bench below).
