@@ -71,14 +71,17 @@ class Bench:
 
         self.smoke = smoke
         self.cuda = not smoke
-        self.rank = int(os.environ["RANK"])
         if self.cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             self.device = torch.device("cuda", torch.cuda.current_device())
-            dist.init_process_group("nccl", device_id=self.device)
         else:
             self.device = torch.device("cpu")
-            dist.init_process_group("gloo")
+        if not dist.is_initialized():  # a caller's group (the TP tests' processes) is kept
+            if self.cuda:
+                dist.init_process_group("nccl", device_id=self.device)
+            else:
+                dist.init_process_group("gloo")
+        self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         # a host-side group to park rank 1 while rank 0 runs TP=1 (no NCCL kernel spinning)
         self.host = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
@@ -411,6 +414,17 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     bench = Bench(args.smoke, args.iters)
+    run(bench, args.out)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def run(bench: Bench, out: str | None = None) -> dict | None:
+    """The whole benchmark on ``bench``'s ranks; rank 0 writes ``out`` and returns the results
+    (the other ranks None). The process group stays up (its owner ends it)."""
+    import transformers
+
     config = transformers.LlamaConfig(**bench.setting["config"])
     started = time.perf_counter()
     path = write_checkpoint(bench, config)
@@ -445,14 +459,12 @@ def main() -> None:
         results["tp1"] = run_tp1(bench, config, loads)
         results["summary"] = summarise(results)
         results["total_s"] = time.perf_counter() - started
-        if args.out:
-            with open(args.out, "w") as f:
+        if out:
+            with open(out, "w") as f:
                 json.dump(results, f, indent=2, default=str)
         print_summary(results)
     bench.barrier()  # rank 1 waits (on the host) while rank 0 runs TP=1
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    return results if bench.rank == 0 else None
 
 
 if __name__ == "__main__":

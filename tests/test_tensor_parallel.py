@@ -7,7 +7,8 @@ all-gathers, inside breakgraph's segments or, with ``tp_collectives="eager"``, i
 One launch per backend runs the scenarios one after the other in the same two processes
 (starting a pair costs more than most scenarios; ``main`` last: its capture failure leaves
 the process group broken; on CUDA continuous batching gets a launch of its own, for its NCCL
-setting) and the tests below check their results. The launch has a hard timeout, so a hang
+setting; on the CPU the TP benchmark's smoke run goes before it, since CB sets that setting in
+the environment) and the tests below check their results. The launch has a hard timeout, so a hang
 fails the tests instead of stalling CI.
 """
 
@@ -586,7 +587,24 @@ def scenario_settings(rank: int, backend: str, path: str) -> dict:
     return out
 
 
+def scenario_bench(rank: int, backend: str, path: str) -> dict:
+    """``benchmarks/bench_tp.py --smoke`` on these two processes (its whole path: every
+    variant, TP=1, the summary and the JSON), so the GPU run does not fail late. Its relaunch
+    under torchrun from plain ``python`` is the example's (test_examples.py)."""
+    import io
+
+    from benchmarks import bench_tp
+
+    os.makedirs(path, exist_ok=True)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        bench = bench_tp.Bench(smoke=True, iters=None)
+        data = bench_tp.run(bench, os.path.join(path, "tp.json") if rank == 0 else None)
+    return {"data": data, "printed": printed.getvalue()}
+
+
 SCENARIOS = {
+    "bench": scenario_bench,
     "main": scenario_main,
     "cb": scenario_cb,
     "gemma": scenario_gemma,
@@ -608,7 +626,7 @@ def tp_runs(request, tmp_path_factory):
         env = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
         results.update(launch(("cb",), backend, os.path.join(path, "cb-launch"), env=env))
     else:
-        results = launch(("settings", "cb", "gemma", "main"), backend, path)
+        results = launch(("settings", "bench", "cb", "gemma", "main"), backend, path)
     return {name: (backend, by_rank) for name, by_rank in results.items()}
 
 
@@ -817,3 +835,26 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
     finally:
         del distributed._KEPT_UNTIL_EXIT[kept:]
         dist.destroy_process_group()
+
+
+def test_bench_tp_smoke_writes_every_variant(tp_runs):
+    if "bench" not in tp_runs:
+        pytest.skip("bench_tp --smoke is a CPU run (gloo, emulated)")
+    _, results = scenario_run(tp_runs, "bench")
+    data = results[0]["data"]
+    assert data["meta"]["smoke"] and data["meta"]["world_size"] == 2
+    rows = data["tp"]["rows"]
+    assert [row["workload"].split()[0] for row in rows] == ["8", "16", "32", "64", "batch"]
+    for row in rows:
+        for variant in ("tp_eager", "tp_breakgraph", "tp_bg_eager_ar"):
+            assert row[variant]["median_ms"] > 0
+    assert data["tp"]["skipped"] == {
+        "tp_full_graph": "captured attention needs CUDA (FlashAttention)"
+    }
+    for by_variant in data["tp"]["correctness_vs_tp_eager"].values():
+        for variant in ("tp_breakgraph", "tp_bg_eager_ar"):
+            assert by_variant[variant]["max_abs_diff"] < 1e-4
+    assert len(data["tp1"]["rows"]) == len(rows)
+    assert len(data["summary"]["table"]) == len(rows) and data["summary"]["targets"] == {}
+    assert "max |logits - TP eager|" in results[0]["printed"]
+    assert results[1]["data"] is None  # rank 1 returns nothing, writes nothing
