@@ -28,7 +28,6 @@ TRANSFORMERS_MODULES = {
     "test_transformers",
     "test_continuous_batching",
     "test_tensor_parallel",
-    "test_bench_tp",
     "test_examples",
     "test_fuzz_prefill",
     "test_prefill_benchmark_smoke",
