@@ -5,7 +5,11 @@
 # SKIP_ANATOMY=1; TEST_ARGS replaces the test selection (default: the whole suite; e.g.
 # "-m requires_cuda tests" for the CUDA tests only). Optional sections: RUN_INTERPLAY=1
 # (breakgraph after torch.compile reduce-overhead: benchmarks/compile_interplay.py, about 3 min),
-# RUN_BEFORE_AFTER=REV (per-break overhead of git revision REV against this tree, one process).
+# RUN_BEFORE_AFTER=REV (per-break overhead of git revision REV against this tree, one process),
+# RUN_CAPTURE=1 (PrefillRunner construction split by variant: benchmarks/capture_time.py, ~2 min;
+# copy capture-time.json to docs/results/h200-capture-time-after.json), RUN_TRACE=1 (a CB profiler
+# trace, async against sync: benchmarks/cb_trace.py, ~40 s; its folder goes to
+# docs/results/h200-cb-trace-5.17/). The tests also write test-times.txt (seconds per test).
 # Tensor parallelism needs 2 GPUs (kind nvidia-h200-x2): bash scripts/tp_check.sh (the TP
 # tests, the example and the TP benchmark, with and without NCCL graph mixing).
 # PREFILL_ARGS adds flags to the prefill benchmark (e.g. "--families llama-1b,mixtral-4l" or
@@ -26,8 +30,9 @@
 # $OUT/pytest-benchmark.json; carry .whl (breakable-cuda-graphs wheel, for the peer comparison)
 # with the device call; fetch it first (git-ignored):
 #   python3 -m pip download --no-deps -d .whl breakable-cuda-graphs==0.1.0
-# At most 7 files land in $OUT (the device tool returns 8): pytest.log, benchmarks.log,
-# prefill-baselines.json, overhead.json, anatomy.json, pytest-benchmark.json, suite.log.
+# The device tool returns at most 8 files: the default sections write pytest.log,
+# test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
+# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4 (skip other sections to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
 source "$(dirname "$0")/setup_device.sh"
@@ -56,7 +61,10 @@ LOG="$OUT/benchmarks.log"
 start=$SECONDS
 if [ -z "${SKIP_TESTS:-}" ]; then
   # shellcheck disable=SC2086  # TEST_ARGS is a list of arguments
-  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -rfEs ${TEST_ARGS:-tests} 2>&1 \
+  # per-test times appended as each test ends (scripts/pytest_timing.py): a run cut by the
+  # device tool's limit still says where its time went
+  PYTHONPATH="scripts${PYTHONPATH:+:$PYTHONPATH}" PYTEST_TIMING_FILE="$OUT/test-times.txt" \
+    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -rfEs -p pytest_timing ${TEST_ARGS:-tests} 2>&1 \
     | tee "$OUT/pytest.log" | tail -25 || status=1
   echo "[tests: $((SECONDS - start)) s]"
 fi
@@ -96,6 +104,18 @@ if [ -z "${SKIP_ANATOMY:-}" ]; then
   t=$SECONDS
   python3 -m benchmarks.break_anatomy --out "$OUT/anatomy.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[anatomy: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_CAPTURE:-}" ]; then  # construction time split: benchmarks/capture_time.py (~2 min)
+  t=$SECONDS
+  timeout 300 python3 -m benchmarks.capture_time --families "${CAPTURE_FAMILIES:-llama-1b,mistral-sw256-4l}" \
+    --out "$OUT/capture-time.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[capture time: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_TRACE:-}" ]; then  # does async CB preparation overlap the device (~40 s)
+  t=$SECONDS
+  timeout 200 python3 -m benchmarks.cb_trace --model "${TRACE_MODEL:-mixtral-1k-8l}" \
+    --out "$OUT/cb-trace" 2>&1 | tee -a "$LOG" || status=1
+  echo "[cb trace: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
   python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \
