@@ -15,5 +15,7 @@ user would otherwise run: HF eager, an exact-length CUDA graph, ``torch.compile`
 ``one_graph`` (breakgraph's packed forward in one graph with no breaks: what the breaks cost),
 ``bench_prefill`` (the prefill comparison), ``bench_cb`` (continuous batching against stock
 transformers; ``cb_instruments``: how it measures; ``roofline``: the device floor of a
-workload), ``report`` and its ``performance.md.in`` template.
+workload; ``cb_trace``: a profiler trace of CB steps, whether async preparation overlaps the
+device), ``prefill_host_path`` (one prefill call's host path, stage by stage), ``capture_time``
+(where a runner's construction time goes), ``report`` and its ``performance.md.in`` template.
 """
