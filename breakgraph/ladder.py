@@ -276,7 +276,9 @@ class GraphLadder:
         except HostSyncError as exc:
             if options["detect_syncs"] or not isinstance(exc.__cause__, RuntimeError):
                 raise
-            _name_the_sync(record, size, context)  # raises the error that names the line
+            # raises the error that names the line (the emulated backend's mode flags CPU
+            # tensors too; it only gets here in tests, which fake CUDA's refusal)
+            _name_the_sync(record, size, context, all_devices=self.backend != "cuda")
             raise
         self._pool = graph.pool()
         seconds = time.perf_counter() - start
@@ -502,14 +504,17 @@ class GraphLadder:
         return InputError(f"{self.who}.{what}: no bucket {bucket!r}; captured: {self._sizes}.")
 
 
-def _name_the_sync(record: Callable[[int], Any], size: int, context: Any) -> None:
+def _name_the_sync(
+    record: Callable[[int], Any], size: int, context: Any, all_devices: bool = False
+) -> None:
     """After CUDA refused a host sync in an unwatched capture of bucket ``size``: run
     ``record(size)`` once more, eagerly (like a warm-up) under the sync-watching dispatch mode,
     which raises ``HostSyncError`` naming the operation and the line before it runs. Not a
     second capture: after an invalidated capture the shared pool must not be recorded into
     again. Returns quietly when the eager run shows nothing (the caller re-raises CUDA's)."""
     try:
-        with context_scope(context), CompileTransparentSegmentMode(check_syncs=True):
+        watching = CompileTransparentSegmentMode(all_devices=all_devices, check_syncs=True)
+        with context_scope(context), watching:
             record(size)
     except HostSyncError:
         raise

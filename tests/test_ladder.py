@@ -369,3 +369,48 @@ def test_every_bucket_is_watched_for_host_syncs_off_cuda(backend):
     ladder = GraphLadder(backend=backend)
     watched = [ladder._watch_syncs(i) for i in range(3)]
     assert watched == ([True, False, False] if backend == "cuda" else [True, True, True])
+
+
+def _refused_by_cuda(ladder, monkeypatch, bucket):
+    """Make ``ladder`` behave as on CUDA for the test: only the first bucket watched, and the
+    capture of ``bucket`` refused the way ``capture()`` reports CUDA's refusal (a
+    ``HostSyncError`` caused by CUDA's ``RuntimeError``, without the line)."""
+    monkeypatch.setattr(ladder, "_watch_syncs", lambda i: i == 0)
+    step = ladder._step
+
+    def refusing(what, fn, fingerprint=None, keep=None):
+        if what == f"capture of bucket {bucket}":
+            try:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            except RuntimeError as cuda:
+                raise breakgraph.HostSyncError("the CUDA capture failed inside a segment") from cuda
+        return step(what, fn, fingerprint, keep)
+
+    monkeypatch.setattr(ladder, "_step", refusing)
+
+
+def test_a_sync_cuda_refuses_in_an_unwatched_bucket_is_named_by_an_eager_run(monkeypatch):
+    x = torch.randn(32)
+
+    def record(size):
+        y = x[:size] * 2
+        if size < 16:  # a host sync only the small bucket takes
+            y = y * y.sum().item()
+        return y
+
+    ladder = GraphLadder(backend="emulated")
+    _refused_by_cuda(ladder, monkeypatch, bucket=8)
+    with pytest.raises(breakgraph.HostSyncError) as info:
+        ladder.capture((8, 16, 32), record)
+    assert "aten._local_scalar_dense" in str(info.value)  # the eager watched run named it
+    assert "test_ladder.py" in str(info.value) and "y.sum().item()" in str(info.value)
+    assert ladder.buckets == (16, 32)  # the buckets captured before it stay
+
+
+def test_cudas_own_error_stands_when_the_eager_run_shows_no_sync(monkeypatch):
+    x = torch.randn(32)
+    ladder = GraphLadder(backend="emulated")
+    _refused_by_cuda(ladder, monkeypatch, bucket=8)
+    with pytest.raises(breakgraph.HostSyncError, match="the CUDA capture failed") as info:
+        ladder.capture((8, 16, 32), lambda size: x[:size] * 2)
+    assert isinstance(info.value.__cause__, RuntimeError)
