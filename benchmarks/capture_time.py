@@ -112,9 +112,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(child(*args.child)))
         return
+    from benchmarks.families import CB_FAMILIES, FAMILIES, SMOKE_FAMILIES
+
+    families, variants = args.families.split(","), args.variants.split(",")
+    known = {**FAMILIES, **CB_FAMILIES, **SMOKE_FAMILIES}
+    if unknown := [f for f in families if f not in known]:
+        parser.error(f"unknown families {unknown}; known: {', '.join(known)}")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     results = []
-    for family in args.families.split(","):
-        for variant in args.variants.split(","):
+    for family in families:
+        for variant in variants:
             done = subprocess.run(
                 [sys.executable, "-m", "benchmarks.capture_time", "--child", family, variant],
                 capture_output=True, text=True, env=dict(os.environ),

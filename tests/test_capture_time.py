@@ -1,6 +1,7 @@
 """``benchmarks/capture_time.py``: its variants change one thing each and restore it (the
 measurement itself needs CUDA; the GPU check runs it)."""
 
+import pytest
 import torch
 
 from benchmarks import capture_time
@@ -29,3 +30,11 @@ def test_the_ladder_summary_splits_the_first_bucket_from_the_rest():
     summary = capture_time._ladder({64: 0.5, 32: 0.02, 16: 0.04})
     assert summary["first_s"] == 0.5 and summary["buckets"] == 3
     assert abs(summary["rest_mean_s"] - 0.03) < 1e-12 and summary["rest_median_s"] == 0.03
+
+
+def test_unknown_families_and_variants_are_refused_by_name(capsys):
+    for argv, named in ((["--families", "llama-1b,no-such"], "no-such"),
+                        (["--variants", "default,fastest"], "fastest")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            capture_time.main(argv)
+        assert named in capsys.readouterr().err
