@@ -54,7 +54,7 @@ import torch
 from benchmarks import families as _families
 
 # absolute imports: --compare runs this file with another checkout's packages first on the path
-from benchmarks.baselines import exact_length_graph
+from benchmarks.baselines import exact_length_graph, hf_eager
 from benchmarks.families import SMOKE_FAMILIES, Family, config_summary, make_model
 from benchmarks.timing import DeviceClock, interleaved, no_sync
 
@@ -378,6 +378,7 @@ class Settings:
     split: int = 0  # also time each workload split into this many prompts (0: not)
     out: str | None = None
     trace: bool = True
+    neighbours: bool = False  # also take turns beside HF eager and beside pure host work
 
     @property
     def cuda(self) -> bool:
@@ -455,6 +456,8 @@ def measure_family(settings: Settings, family: Family) -> dict:
                     "hf_graph": lambda n=n, fresh=fresh: graphs[n](input_ids=fresh),
                 }
                 row.update(ratios(settings, fns))
+                if settings.neighbours:
+                    row["neighbours"] = neighbours(settings, fns, model, p)
                 if settings.trace and settings.out:
                     name = f"trace-{settings_tag()}-{family.name}-{n}.json.gz"
                     row["trace"] = profile(runner, [p], os.path.join(settings.out, name))
@@ -492,6 +495,43 @@ def ratios(settings: Settings, fns: dict) -> dict:
         "bg/one_graph": ms["breakgraph"] / ms["bg_one_graph"],
         "one_graph/exact": ms["bg_one_graph"] / ms["hf_graph"],
     }
+
+
+def host_churn(objects: int = 200_000) -> None:
+    """Pure host work that walks several megabytes of Python objects (no GPU): what a
+    serving loop's scheduler or tokenizer does to the CPU's caches between two prefills."""
+    data = list(range(objects))
+    sum(data)
+
+
+def neighbours(settings: Settings, fns: dict, model, prompt) -> dict:
+    """The same turns with a neighbour in the rotation (issue 23: ``bench_prefill``, whose
+    turns include HF eager, gave breakgraph/exact 4-10 % above this script's): ``hf_eager``
+    (an eager forward: host-heavy, the GPU mostly idle) or ``host_churn`` (host only). The
+    neighbour is timed too but only the ratios matter; if they move with ``host_churn``, the
+    cause is the host's caches, not the GPU's state."""
+    out = {}
+    extra = {
+        "hf_eager": lambda: hf_eager(model, prompt),
+        "host_churn": host_churn,
+    }
+    for name, call in extra.items():
+        timed = interleaved(
+            {**fns, name: call},
+            rounds=settings.rounds,
+            iters=settings.turns,
+            warmup=3,
+            sync=torch.cuda.synchronize,
+            spread=[("breakgraph", "hf_graph")],
+        )
+        ms = timed["ms"]
+        out[f"beside {name}"] = {
+            "ms": ms,
+            "spread": timed["spread"],
+            "bg/exact": ms["breakgraph"] / ms["hf_graph"],
+            "bg/one_graph": ms["breakgraph"] / ms["bg_one_graph"],
+        }
+    return out
 
 
 def cuda_primitives(iters: int = 200) -> dict:
@@ -616,6 +656,10 @@ def table(results: list[dict]) -> str:
                 line(f"{key} ms (device only)", [x["device_only_ms"][key] for x in rows], 3)
             for key in ("entry_to_launch_ms", "launch_to_return_ms", "call_ms"):
                 line(f"events: {key}", [x["device_ms"][key] for x in rows], 3)
+            for name in row.get("neighbours", {}):
+                for key in ("bg/exact", "bg/one_graph"):
+                    got = [x.get("neighbours", {}).get(name, {}).get(key) for x in rows]
+                    line(f"{key}, {name}", got, 3)
     return "\n".join(lines)
 
 
@@ -650,6 +694,9 @@ def summary(results: list[dict]) -> str:
             lines.append(f"  events: device idle from entry to the launch, us {gap}")
             for key in ("bg/exact", "bg/one_graph", "one_graph/exact"):
                 lines.append(f"  {key:16s}" + cells([x[key] for x in rows], 3))
+            for name in row.get("neighbours", {}):
+                got = [x.get("neighbours", {}).get(name, {}).get("bg/exact") for x in rows]
+                lines.append(f"  bg/exact, {name}: " + cells(got, 3))
             for key in ("breakgraph", "bg_one_graph", "hf_graph"):
                 wall = cells([x["ms"][key] for x in rows], 3)
                 device = cells([x["device_only_ms"][key] for x in rows], 3)
@@ -699,6 +746,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--prompt-device", choices=("same", "cpu"), default="same")
     parser.add_argument("--split", type=int, default=0, help="also time K prompts per workload")
     parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument(
+        "--neighbours", action="store_true",
+        help="also take turns beside HF eager and beside pure host work (CUDA)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="folder for the JSON and the traces")
     parser.add_argument("--compare", default=None, help="an older checkout to time first")
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a --compare child
@@ -713,6 +764,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         split=args.split,
         out=os.path.abspath(args.out) if args.out else None,
         trace=not args.no_trace,
+        neighbours=args.neighbours,
     )
     unknown = set(settings.families) - set(ALL_FAMILIES)
     if unknown:

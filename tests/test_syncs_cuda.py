@@ -160,3 +160,42 @@ def test_a_sync_only_a_later_bucket_takes_is_still_named():
     assert ladder.buckets == (16, 32)  # the buckets before it stay captured
     assert_clean()
     ladder.close()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("detect_syncs", [False, True], ids=["cuda_refuses", "watched"])
+def test_a_shared_pool_takes_new_captures_after_a_failed_one(detect_syncs):
+    # a failed capture into a pool another graph shares must end its recording to that
+    # pool ("beginAllocateToPool: already recording to mempool_id" on the next capture)
+    x = torch.randn(64, device="cuda")
+    first = BreakableCUDAGraph()
+    with capture(first):
+        doubled = x * 2
+    with pytest.raises(HostSyncError):
+        with capture(BreakableCUDAGraph(), pool=first.pool(), detect_syncs=detect_syncs):
+            (x * 3).sum().item()
+    again = BreakableCUDAGraph()
+    with capture(again, pool=first.pool()):
+        shifted = x + 1
+    for _ in range(2):
+        new = fresh_into(x)
+        first.replay()
+        again.replay()
+        torch.testing.assert_close(doubled, new * 2)
+        torch.testing.assert_close(shifted, new + 1)
+    assert_clean()
+
+
+@torch.no_grad()
+def test_a_ladder_captures_more_buckets_after_a_named_sync():
+    from breakgraph.ladder import GraphLadder
+
+    ladder = GraphLadder(backend="cuda")
+    with pytest.raises(HostSyncError):
+        ladder.capture((8, 16, 32), _sync_below(16))
+    buffer = torch.randn(64, device="cuda")
+    ladder.capture((48, 64), lambda size: buffer[:size].cos())  # the same pool, no sync
+    fresh_into(buffer)
+    torch.testing.assert_close(ladder.replay(48, None), buffer[:48].cos())
+    torch.testing.assert_close(ladder.replay(16, None), torch.ones(16, device="cuda"))
+    ladder.close()
