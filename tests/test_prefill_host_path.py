@@ -124,7 +124,7 @@ def _reference(lengths: list, bucket: int, pad: int, max_prompts: int, ids: list
     ends = [end for _, end in bounds]
     return {
         "ids": ids + [pad] * (bucket - total),
-        "positions": positions + [0] * (bucket - total),
+        "positions": positions + list(range(total, bucket)),  # the tail keeps 0, 1, 2, ...
         "last": [end - 1 for end in ends[: len(lengths)]] + [0] * (max_prompts - len(lengths)),
         "cu": [0, *ends] + [bucket] * (max_prompts + 1 - len(ends)),
         "bounds": bounds,

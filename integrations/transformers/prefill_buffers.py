@@ -16,8 +16,8 @@ Example::
     True
     >>> steps.commit(prompts, [3, 2], bucket=8)  # the prompts' bounds, then the tail's
     [(0, 3), (3, 5), (5, 8)]
-    >>> steps.ids[:8].tolist(), steps.positions[:8].tolist()
-    ([5, 6, 7, 8, 9, 0, 0, 0], [0, 1, 2, 0, 1, 0, 0, 0])
+    >>> steps.ids[:8].tolist(), steps.positions[:8].tolist()  # the tail: pad ids, any positions
+    ([5, 6, 7, 8, 9, 0, 0, 0], [0, 1, 2, 0, 1, 5, 6, 7])
     >>> steps.cu_seqlens.tolist(), steps.last_index.tolist()
     ([0, 3, 5, 8, 8, 8], [2, 4, 0, 0])
 """
@@ -60,10 +60,20 @@ class StepBuffers(StaticInputs):
     same time). The host side is two pinned buffers used in turn, each guarded by an event,
     so preparing a step never waits for the previous one to be read.
 
-    Per call this is host work on a model step, so every view it writes through (numpy views
-    of both host buffers, ``cu_seqlens[: k]`` for every count ``k``) is made here, once; up to
-    ``_FEW_PROMPTS`` prompts (one is the common case) are staged with scalar writes, with no
-    numpy call over the lengths.
+    Per call this is host work on a model step (each numpy call is about a microsecond on a
+    GPU server's host), so it writes only what changed:
+
+    * every view it writes through (numpy views of both host buffers, ``cu_seqlens[: k]``
+      for every count ``k``) is made here, once;
+    * the positions region holds ``0, 1, 2, ...`` between calls, so a first prompt's
+      positions are already there; only later prompts' are written (and put back by the next
+      call on that buffer). The padding tail, a dummy sequence of its own, keeps these
+      positions too: any position below the bucket is valid, and the tail of a given
+      (length, bucket) is always the same;
+    * ``cu_seqlens[0]`` is 0 for good; last-token indices a larger batch left behind are
+      cleared only when there are some;
+    * up to ``_FEW_PROMPTS`` prompts (one is the common case) are staged with scalar
+      writes, with no numpy call over the lengths.
     """
 
     def __init__(self, max_tokens: int, max_prompts: int, device: torch.device, pad_id: int):
@@ -73,15 +83,21 @@ class StepBuffers(StaticInputs):
         cu_words = (max_prompts + 3) // 2
         self.words = 2 * max_tokens + max_prompts + cu_words
         pin = device.type == "cuda"
+        t, p = max_tokens, max_prompts
         with torch.inference_mode(False):
-            self.device_buffer = torch.zeros(self.words, dtype=torch.long, device=device)
             self.hosts = [torch.zeros(self.words, dtype=torch.long, pin_memory=pin) for _ in (0, 1)]
+            for host in self.hosts:  # the positions' resting state: see the class docstring
+                host[t : 2 * t] = torch.arange(t)
+            self.device_buffer = self.hosts[0].to(device, copy=True)
         self.views = [_HostView(host, max_tokens, max_prompts) for host in self.hosts]
+        # per host buffer: the positions [start, end) that differ from the resting state, and
+        # how many last-token indices the last step written there set
+        self.moved = [(0, 0), (0, 0)]
+        self.last_set = [0, 0]
         # torch.Event: its record() finds the current stream in C++ (torch.cuda.Event.record
         # builds a Python torch.cuda.Stream for it on every call, a few microseconds)
         self.events = [torch.Event(device, enable_timing=False) if pin else None for _ in (0, 1)]
         self.turn = 0
-        t, p = max_tokens, max_prompts
         self.ids, self.positions = self.device_buffer[:t], self.device_buffer[t : 2 * t]
         self.last_index = self.device_buffer[2 * t : 2 * t + p]
         self.cu_seqlens = self.device_buffer[2 * t + p :].view(torch.int32)[: p + 2]
@@ -116,7 +132,7 @@ class StepBuffers(StaticInputs):
             start += n
         if on_device:  # device prompts are not checked: it would cost a host sync
             _check_vocabulary([p for p in prompts if p.is_cpu], vocab_size)
-        elif total and view.unsigned_ids[:total].max() >= vocab_size:  # < 0 or >= vocab
+        elif total and _largest(view.unsigned_ids[:total]) >= vocab_size:  # < 0 or >= vocab
             raise _vocabulary_error(vocab_size)
         return True
 
@@ -128,13 +144,22 @@ class StepBuffers(StaticInputs):
         self.turn ^= 1
         view = self.views[i]
         positions, last, cu = view.positions, view.last, view.cu
+        low, high = self.moved[i]
+        if high:  # a batch of several prompts left later prompts' positions here
+            positions[low:high] = self.arange[low:high]
+            self.moved[i] = (0, 0)
         n = len(lengths)
-        last[:] = 0
-        if n <= _FEW_PROMPTS:  # scalar writes: cheaper than numpy's per-call cost for a few
+        if n == 1:  # the common case: the positions are in place
+            total = lengths[0]
+            last[0] = total - 1
+            cu[1] = total
+            bounds = [(0, total)]
+        elif n <= _FEW_PROMPTS:  # scalar writes: cheaper than numpy's per-call cost for a few
             arange, bounds, start = self.arange, [], 0
             for j, length in enumerate(lengths):
                 end = start + length
-                positions[start:end] = arange[:length]
+                if j:
+                    positions[start:end] = arange[:length]
                 last[j] = end - 1
                 cu[j + 1] = end
                 bounds.append((start, end))
@@ -148,11 +173,14 @@ class StepBuffers(StaticInputs):
             last[:n] = ends - 1
             cu[1 : n + 1] = ends
             bounds = list(zip(starts.tolist(), ends.tolist()))
-        cu[0] = 0
+        if n > 1:
+            self.moved[i] = (lengths[0], total)
+        if self.last_set[i] > n:  # a larger batch's last-token indices (they could be past
+            last[n : self.last_set[i]] = 0  # this bucket: the graph gathers every entry)
+        self.last_set[i] = n
         cu[n + 1 :] = bucket  # the tail's end, then trailing zero-length sequences
-        view.ids[total:bucket] = self.pad_id
-        positions[total:bucket] = 0
         if bucket > total:
+            view.ids[total:bucket] = self.pad_id
             bounds.append((total, bucket))
         self.device_buffer.copy_(self.hosts[i], non_blocking=True)
         if self.events[i] is not None:
@@ -163,6 +191,9 @@ class StepBuffers(StaticInputs):
                 self.ids[start : start + length].copy_(prompt)
             start += length
         return bounds
+
+
+_largest = np.maximum.reduce  # ndarray.max() without its Python wrapper
 
 
 def _check_vocabulary(prompts: list, vocab_size: int) -> None:
