@@ -438,6 +438,8 @@ def run_model(name: str, args, run) -> dict:
     for v in variants:
         if v != GENERATE and VARIANTS[v].needs_cuda and run.device.type != "cuda":
             out["variants"][v] = {"skipped": f"needs CUDA ({VARIANTS[v].needs_cuda})"}
+        elif v != GENERATE and cpu_run_with_a_gpu(VARIANTS[v], run.device):
+            out["variants"][v] = {"skipped": CPU_RUN_WITH_A_GPU}
         elif v != GENERATE:
             runnable.append(v)
     rounds: dict[str, list] = {}
@@ -639,6 +641,18 @@ def parse_args(argv=None):
     if unknown:
         parser.error(f"unknown model or variant: {sorted(unknown)}")
     return args
+
+
+CPU_RUN_WITH_A_GPU = (
+    "a CPU run on a machine with a GPU: transformers turns CUDA graphs on when "
+    "torch.cuda.is_available(), whatever the model's device"
+)
+
+
+def cpu_run_with_a_gpu(variant, device: torch.device) -> bool:
+    """Whether transformers would capture CUDA graphs of a CPU model (``--smoke`` on a GPU
+    machine): it decides ``use_cuda_graph`` on ``torch.cuda.is_available()`` alone."""
+    return variant.use_cuda_graph and device.type != "cuda" and torch.cuda.is_available()
 
 
 def main(argv=None) -> dict:

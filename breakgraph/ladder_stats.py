@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BucketStats", "LadderStats"]
+__all__ = ["BucketStats", "LadderStats", "combined"]
 
 
 @dataclass
@@ -116,3 +116,35 @@ class LadderStats:
         fallbacks = ", ".join(f"{k}: {v}" for k, v in sorted(self.eager_fallbacks.items()))
         lines.append(f"eager fallbacks: {fallbacks or 'none'}")
         return "\n".join(lines)
+
+
+def combined(first: LadderStats, *others: LadderStats) -> LadderStats:
+    """Several ladders over the same buckets as one: counts, padding, capture time and memory
+    summed per bucket; breaks, tuned times and routes are ``first``'s (the ladder that decides).
+    ``PrefillRunner.stats`` is its packed ladder combined with its single-prompt one.
+
+    Example::
+
+        >>> from breakgraph.ladder_stats import BucketStats, LadderStats, combined
+        >>> a = LadderStats({64: BucketStats(captures=1, replays=2, breaks=4)})
+        >>> b = LadderStats({64: BucketStats(captures=1, replays=5)})
+        >>> both = combined(a, b)
+        >>> (both.captures, dict(both.calls), both.buckets[64].breaks)
+        (2, {64: 7}, 4)
+    """
+    buckets = {size: BucketStats(**vars(b)) for size, b in first.buckets.items()}
+    out = LadderStats(
+        buckets, dict(first.eager_fallbacks), first.warmup_seconds, dict(first.routed)
+    )
+    for other in others:
+        for size, b in other.buckets.items():
+            mine = buckets.setdefault(size, BucketStats())
+            mine.captures += b.captures
+            mine.replays += b.replays
+            mine.padded += b.padded
+            mine.capture_s += b.capture_s
+            mine.graph_memory_bytes += b.graph_memory_bytes
+        for reason, count in other.eager_fallbacks.items():
+            out.eager_fallbacks[reason] = out.eager_fallbacks.get(reason, 0) + count
+        out.warmup_seconds += other.warmup_seconds
+    return out

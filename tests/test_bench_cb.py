@@ -203,7 +203,11 @@ def test_smoke_run_measures_every_variant(smoke_json):
     for model in data["models"]:
         variants = model["variants"]
         assert "needs CUDA" in variants["stock_graphs_async"]["skipped"]  # CPU
-        for name in ("stock_sdpa", "stock_graphs", "breakgraph", "breakgraph_sync"):
+        measured = ["stock_sdpa", "stock_graphs", "breakgraph", "breakgraph_sync"]
+        if torch.cuda.is_available():  # a GPU machine: transformers would graph the CPU model
+            assert variants.pop("stock_graphs")["skipped"] == bench_cb.CPU_RUN_WITH_A_GPU
+            measured.remove("stock_graphs")
+        for name in measured:
             v = variants[name]
             assert v["tokens_agree_with_stock"] == 1.0, name
             assert v["tokens_per_s"] > 0 and v["steps"] > 0 and v["host_prepare_ms_per_step"] > 0
@@ -215,7 +219,8 @@ def test_smoke_run_measures_every_variant(smoke_json):
             assert v["forward_host_ms_per_step"] > 0 and v["decode_forward_steps"] > 0
         assert variants["breakgraph"]["rounds"] == 2 and variants["stock_sdpa"]["rounds"] == 1
         ratios = set(model["ratios"])
-        assert {"breakgraph_over_stock_sdpa", "breakgraph_over_stock_graphs"} <= ratios
+        assert "breakgraph_over_stock_sdpa" in ratios
+        assert "breakgraph_over_stock_graphs" in ratios or not torch.cuda.is_available()
         assert model["floor"]["roofline_s"] >= model["floor"]["bound_s"] > 0
     # the performance page's section renders from it (benchmarks/report.py uses cb_report.py)
     page = "\n".join(cb_report.cb_section(data))

@@ -285,6 +285,49 @@ def test_two_runners_interleaved(backend, closing):
                 )
 
 
+# -- 1b. single-prompt graphs: attention recorded, no break --------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral"])
+def test_single_prompt_graphs_match_the_eager_model(arch, backend, closing):
+    """One prompt replays its bucket's single-prompt graph, whose attention is recorded over
+    the whole row (Mistral's window is shorter than the prompts; Mixtral's eager experts loop
+    stays a break): logits and KV cache as the eager model's; a batch of several prompts
+    still replays the packed graph; stats count both."""
+    device = "cuda" if backend == "cuda" else "cpu"
+    model = build_model(arch, device, torch.float32)  # fp32: the KV cache compared tightly
+    runner = closing(make_runner(model, backend, single_prompt_graphs=True))
+    layers, moe_layers = model.config.num_hidden_layers, ARCHS[arch][2]
+    for bucket in BUCKETS:
+        assert runner.graph(bucket, single_prompt=True).num_breaks == moe_layers
+        assert runner.graph(bucket).num_breaks == layers + moe_layers
+    generator = torch.Generator().manual_seed(3)
+    lengths = (5, 16, 20, 48, 1)  # tails of 11, 0, 28, 0 and 15 tokens
+    for n in lengths:
+        p = prompt(n, device, generator)
+        out = runner.prefill([p])
+        assert_logits_close(out.logits[0], eager_last_logits(model, p), backend, f"{n} tokens")
+        with torch.no_grad():
+            own = model(p[None], use_cache=True).past_key_values
+        for mine, theirs in zip(out.cache(0).layers, own.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(mine.values, theirs.values, atol=1e-4, rtol=1e-4)
+    assert runner._single.stats.replays == len(lengths) and runner._runner.stats.replays == 0
+    batch = prompts_of([3, 9], device, generator)
+    out = runner.prefill(batch)
+    for i, p in enumerate(batch):
+        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"prompt {i}")
+    assert runner._runner.stats.replays == 1
+    assert sum(runner.stats.calls.values()) == len(lengths) + 1  # both ladders counted
+    assert runner.stats.captures == 2 * len(BUCKETS)
+
+
+def test_single_prompt_graphs_are_on_by_default_on_cuda_only(backend, closing):
+    runner = closing(make_runner(model_for("llama", backend), backend))
+    assert (runner._single is not None) == (backend == "cuda")
+    if backend != "cuda":
+        with pytest.raises(InputError, match="single_prompt_graphs was off"):
+            runner.graph(16, single_prompt=True)
+
+
 # -- 2. greedy continuation from the runner's KV cache ---------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_generate_continues_from_prefill_cache(arch, backend, closing):
@@ -750,7 +793,7 @@ def test_output_after_close_keeps_no_graph_memory(backend):
     import gc
     import weakref
 
-    key = weakref.ref(runner._layers[16][0][1])
+    key = weakref.ref(runner._layers[16, False][0][1])
     runner.close()
     gc.collect()
     assert key() is None  # the output holds no graph memory once the runner is closed

@@ -95,6 +95,7 @@ class RunnerState:
     outputs: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
     calls: list = field(default_factory=list)
+    inline: bool = False  # one prompt from row 0: attention recorded in the graph, no break
 
     def output_for(self, layer: int, like: torch.Tensor) -> torch.Tensor:
         """``[N, Hq, D]`` for ``layer``: a view of the shared buffer (grown at capture)."""
@@ -132,7 +133,8 @@ class LayerAttention:
     ``[1, Hkv, N, D]`` (RoPE applied, GQA not expanded); calling it writes
     ``[N, Hq, D]`` into ``out`` and returns ``out``, for the batch described by
     ``breakgraph.replay_context()``. ``window`` is the sliding window (a token sees
-    itself and ``window - 1`` tokens before it) or None.
+    itself and ``window - 1`` tokens before it) or None. :meth:`whole_row` is the same
+    attention for one prompt from row 0, with no host input: it is recorded in the graph.
     """
 
     def __init__(
@@ -171,6 +173,21 @@ class LayerAttention:
             return self.flash(batch.cu_seqlens, batch.max_seqlen, self.out)
         return reference_attention(
             self.q, self.k, self.v, batch.bounds, self.scaling, self.window, out=self.out
+        )
+
+    def whole_row(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal (sliding-window) attention over the whole row as ONE sequence: exact for the
+        rows of a prompt that starts at row 0, since the rows after it (the padding tail) are
+        never attended to by earlier rows. It reads nothing from the host, so a graph records
+        it: the single-prompt graphs of ``PrefillRunner`` have no break at all."""
+        if self.whole_row_causal:
+            return self.causal_sdpa(out)
+        n = self.q.shape[0]
+        if self.kernel == "flash":  # a window shorter than the row: FlashAttention's window
+            cu = torch.arange(0, 2 * n, n, dtype=torch.int32, device=self.q.device)  # [0, n]
+            return self.flash(cu, n, out)
+        return reference_attention(
+            self.q, self.k, self.v, [(0, n)], self.scaling, self.window, out=out
         )
 
     def causal_sdpa(self, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -296,6 +313,8 @@ def breakgraph_attention(
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     call = LayerAttention(layer, query, key, value, scale, sliding_window, state.kernel)
     call.out = state.output_for(layer, call.q)
+    if state.inline:  # a single-prompt graph: recorded, not a break
+        return call.whole_row(call.out).unsqueeze(0), None
     if capturing:
         state.calls.append(call)
     out = breakgraph.eager_on_graph(call)()

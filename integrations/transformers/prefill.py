@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ from breakgraph import distributed
 from breakgraph.buckets import Action, validate_buckets
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
+from breakgraph.ladder_stats import combined
 from breakgraph.memory import borrowed
 from breakgraph.runner import BucketedRunner
 
@@ -81,10 +83,12 @@ class PrefillOutput:
     """
 
     def __init__(self, runner: PrefillRunner, logits: torch.Tensor, bounds: list, step: int,
-                 bucket: int | None):  # fmt: skip
+                 graph: tuple | None):  # fmt: skip
         self.logits = logits
         self.bounds = bounds
-        self._runner, self._step, self._bucket = runner, step, bucket
+        # graph: the key of the graph's KV views in runner._layers, None if it ran eagerly (a
+        # key, not the views: closing the runner must free their graph memory)
+        self._runner, self._step, self._graph = runner, step, graph
 
     def cache(self, i: int):
         """Prompt ``i``'s keys and values as a ``transformers.DynamicCache`` for ``generate()``.
@@ -103,7 +107,7 @@ class PrefillOutput:
             raise InputError(
                 "PrefillOutput.cache: the runner was closed; its graph memory is gone."
             )
-        if self._bucket is None:
+        if self._graph is None:
             raise InputError("PrefillOutput.cache: this prefill ran eagerly and kept no KV cache.")
         if runner._step != self._step:
             raise InputError(
@@ -116,7 +120,7 @@ class PrefillOutput:
             )
         start, end = self.bounds[i]
         cache = DynamicCache(config=runner.model.config)
-        for layer, key, value in sorted(runner._layers[self._bucket], key=lambda e: e[0]):
+        for layer, key, value in sorted(runner._layers[self._graph], key=lambda e: e[0]):
             cache.update(key[:, :, start:end].clone(), value[:, :, start:end].clone(), layer)
         return cache
 
@@ -163,6 +167,16 @@ class PrefillRunner:
             padded sizes are slower than larger ones). Each bucket is timed with one prompt
             filling it, so with the single-prompt attention kernel. CUDA, one process only;
             about a second for the default ladder.
+        single_prompt_graphs: also capture, per bucket, a graph with no break for a batch
+            of ONE prompt: its attention is recorded in the graph (causal attention over the
+            whole row is exact for a prompt that starts at row 0; see
+            :meth:`~.attention.LayerAttention.whole_row`). One graph launch instead of one
+            per layer: the per-layer host work of the breaks is gone, which matters most when
+            the host is busy or its caches are cold (another model, a tokenizer, a scheduler
+            between calls). Same pool, so about the same memory; capture takes longer (one
+            more capture per bucket, without breaks). Default: on with the CUDA backend in one
+            process, off on the emulated backend and under tensor parallelism (not allowed
+            there). MoE experts that run transformers' eager loop stay breaks.
 
     Under tensor parallelism every rank must call ``prefill`` with the same prompts; each
     call agrees the bucket and checks the prompt lengths (and, in debug mode, the ids)
@@ -190,6 +204,7 @@ class PrefillRunner:
         tp_collectives: str = "captured",
         tp_timeout: float = 300.0,
         tune_buckets: bool = True,
+        single_prompt_graphs: bool | None = None,
     ):
         _check_model(model)
         if tp_collectives not in ("captured", "eager"):
@@ -234,9 +249,11 @@ class PrefillRunner:
         self._borrow = backend_name == "cuda"
         self._steps = StepBuffers(longest, max_prompts, self.device, pad_token_id)
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
-        self._layers: dict = {}  # bucket -> [(layer, key, value)] seen at capture
+        # (bucket, single prompt?) -> [(layer, key, value)] seen at capture
+        self._layers: dict = {}
         self._step = 0
         self._closed = False
+        self._single: BucketedRunner | None = None  # single-prompt graphs (built below)
         # tensor parallelism: the ranks agree every capture step and every call
         self.tp_collectives = tp_collectives
         self._check_ids = debug_enabled(debug)
@@ -270,12 +287,41 @@ class PrefillRunner:
             debug=debug,
             progress=progress,
         )
+        if single_prompt_graphs is None:
+            single_prompt_graphs = backend_name == "cuda" and self.ranks is None
+        if single_prompt_graphs and self.ranks is not None:
+            raise InputError(
+                "PrefillRunner: single_prompt_graphs=True is not supported under tensor "
+                "parallelism; leave it at None (off there)."
+            )
+        if single_prompt_graphs:  # same buckets, same inputs, the same pool; after the packed
+            # ladder, whose capture built every bucket's attention plan outside a capture
+            pool = self._runner.graph(token_buckets[-1]).pool() if self._borrow else None
+            try:
+                self._single = BucketedRunner(
+                    functools.partial(self._forward, inline=True),
+                    token_buckets,
+                    static_inputs=self._steps,
+                    on_miss=on_miss,
+                    slice_outputs=False,
+                    warmup=1,
+                    backend=backend,
+                    pool=pool,
+                    capture_context=self._capture_batch,
+                    debug=debug,
+                    progress=progress,
+                )
+            except BaseException:
+                self._runner.close()
+                raise
         if tune_buckets and self.ranks is None:
             self._runner.tune()
 
     # -- the captured forward ------------------------------------------------------------
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        state = _attention.RunnerState(self.attention, self._outputs)
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, inline: bool = False
+    ) -> torch.Tensor:
+        state = _attention.RunnerState(self.attention, self._outputs, inline=inline)
         capturing = breakgraph.is_capturing()
         collectives = (
             distributed.all_reduce_as_breaks()
@@ -297,7 +343,7 @@ class PrefillRunner:
                 call.borrow()
             state.layers[:] = [(i, borrowed(k), borrowed(v)) for i, k, v in state.layers]
             logits = borrowed(logits)
-        self._layers[input_ids.shape[1]] = state.layers
+        self._layers[input_ids.shape[1], inline] = state.layers
         return logits
 
     @contextlib.contextmanager
@@ -329,12 +375,23 @@ class PrefillRunner:
     @property
     def stats(self):
         """The counters (:class:`~breakgraph.ladder.LadderStats`) of the graph ladder under the
-        :class:`~breakgraph.runner.BucketedRunner` this runner composes."""
-        return self._runner.stats
+        :class:`~breakgraph.runner.BucketedRunner` this runner composes, its single-prompt
+        graphs' counted in (:func:`~breakgraph.ladder_stats.combined`)."""
+        if self._single is None:
+            return self._runner.stats
+        return combined(self._runner.stats, self._single.stats)
 
-    def graph(self, bucket: int) -> breakgraph.BreakableCUDAGraph:
+    def graph(self, bucket: int, *, single_prompt: bool = False) -> breakgraph.BreakableCUDAGraph:
         """The breakable graph of ``bucket``: ``print(runner.graph(64).report())`` shows its
-        segments and attention breaks (with host time per break when ``debug=True``)."""
+        segments and attention breaks (with host time per break when ``debug=True``);
+        ``single_prompt=True``: the bucket's graph for one prompt (no attention break)."""
+        if single_prompt:
+            if self._single is None:
+                raise InputError(
+                    "PrefillRunner.graph: this runner has no single-prompt graphs "
+                    "(single_prompt_graphs was off)."
+                )
+            return self._single.graph(bucket)
         return self._runner.graph(bucket)
 
     def prefill(self, prompts: Iterable[torch.Tensor], *, owned: bool = True) -> PrefillOutput:
@@ -379,17 +436,20 @@ class PrefillRunner:
         n = len(lengths)
         if action is Action.EAGER:
             logits, bounds = self._prefill_eagerly(prompts, lengths, staged, decision.reason)
-            bucket = None
+            graph = None
         else:
             bucket = decision.bucket
             bounds = steps.commit(prompts, lengths, bucket)
+            single = n == 1 and self._single is not None
             longest = max(max(lengths), bucket - total)  # a prompt or the tail
             batch = _attention.PackedBatch(
                 bounds, steps.cu_views[len(bounds) + 1], longest, one_prompt=n == 1
             )
-            logits = self._runner.replay(bucket, batch, total)[0, :n]
+            runner = self._single if single else self._runner  # the decision is the ladder's
+            logits = runner.replay(bucket, batch, total)[0, :n]
+            graph = (bucket, single)
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
-                             bucket)  # fmt: skip
+                             graph)  # fmt: skip
 
     def _prefill_eagerly(self, prompts: list, lengths: list, staged: bool, reason: str) -> tuple:
         """A batch no bucket serves: the same forward, without a graph."""
@@ -457,6 +517,8 @@ class PrefillRunner:
         prefills keep their logits; their ``cache(i)`` raises."""
         self._closed = True
         self._runner.close()
+        if self._single is not None:
+            self._single.close()
         self._layers.clear()
         self._outputs.clear()
         if self.ranks is not None:
