@@ -652,7 +652,7 @@ CPU_RUN_WITH_A_GPU = (
 def cpu_run_with_a_gpu(variant, device: torch.device) -> bool:
     """Whether transformers would capture CUDA graphs of a CPU model (``--smoke`` on a GPU
     machine): it decides ``use_cuda_graph`` on ``torch.cuda.is_available()`` alone."""
-    return variant.use_cuda_graph and device.type != "cuda" and torch.cuda.is_available()
+    return bool(variant.use_cuda_graph) and device.type != "cuda" and torch.cuda.is_available()
 
 
 def main(argv=None) -> dict:

@@ -522,7 +522,7 @@ def host_and_device(run: Run, prompts: list, runners: dict, graph, fresh: dict) 
     calls: dict[str, tuple[Callable, list]] = {}
     for name, r in serving(runners, prompts).items():
         if name != "bg_compiled":
-            calls[name] = (lambda r=r: r.prefill(prompts), [r.graph(b) for b in r.buckets])
+            calls[name] = (lambda r=r: r.prefill(prompts), replayable_graphs(r))
     if graph is not None:
         calls["hf_graph"] = (lambda: graph(**fresh), [])
     host = {}
@@ -535,6 +535,15 @@ def host_and_device(run: Run, prompts: list, runners: dict, graph, fresh: dict) 
             entry.update(run.clock.measure(call, iters=s.device_iters))
         host[name] = entry
     return host
+
+
+def replayable_graphs(runner) -> list:
+    """Every graph a runner's call may replay first: the packed graph of each bucket and its
+    single-prompt graph where the runner has those."""
+    graphs = [runner.graph(b) for b in runner.buckets]
+    if getattr(runner, "_single", None) is not None:
+        graphs += [runner.graph(b, single_prompt=True) for b in runner.buckets]
+    return graphs
 
 
 def run_all(settings: Settings, out: str | None = None) -> dict:

@@ -96,6 +96,7 @@ class OneGraphPrefillRunner(PrefillRunner):
 
         AttentionInterface.register(ONE_GRAPH_KEY, one_graph_attention)
         self.cut_after_attention = cut_after_attention
+        kwargs.setdefault("single_prompt_graphs", False)  # its graphs have no break already
         super().__init__(model, *args, **kwargs)  # captures through installed() below
 
     @contextlib.contextmanager

@@ -147,7 +147,7 @@ def instrumented(
 
     from breakgraph.patches import patch_attribute
 
-    graphs = {bucket: runner.graph(bucket) for bucket in runner.buckets}
+    graphs = _graphs(runner)
     saved = {bucket: g._captured for bucket, g in graphs.items()}
     with contextlib.ExitStack() as stack:
         for bucket, graph in graphs.items():
@@ -189,7 +189,7 @@ def instrumented(
 @contextlib.contextmanager
 def stubbed(runner) -> Iterator[None]:
     """Every graph of ``runner`` replays nothing for the block (its replay() still runs)."""
-    graphs = {bucket: runner.graph(bucket) for bucket in runner.buckets}
+    graphs = _graphs(runner)
     saved = {bucket: g._captured for bucket, g in graphs.items()}
     for bucket, graph in graphs.items():
         graph._captured = dataclasses.replace(saved[bucket], steps=())
@@ -197,6 +197,15 @@ def stubbed(runner) -> Iterator[None]:
         yield
     finally:
         _restore(graphs, saved)
+
+
+def _graphs(runner) -> dict:
+    """Every graph a call may replay: each bucket's packed graph and, where the runner has
+    them, its single-prompt graph (older trees, ``--compare``, have none)."""
+    graphs = {(b, False): runner.graph(b) for b in runner.buckets}
+    if getattr(runner, "_single", None) is not None:
+        graphs.update({(b, True): runner.graph(b, single_prompt=True) for b in runner.buckets})
+    return graphs
 
 
 def _restore(graphs: dict, saved: dict) -> None:

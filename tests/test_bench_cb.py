@@ -179,6 +179,11 @@ def smoke_json(tmp_path_factory):
     process (``main`` is the whole script); ``data`` is what it wrote."""
     if not compat.supported("continuous_batching"):
         pytest.skip("continuous batching is not supported on this transformers")
+    if torch.cuda.is_available():
+        pytest.skip(
+            "--smoke is the CPU run: on a GPU machine transformers makes CUDA choices (graphs, "
+            "async batching) for the CPU model, on torch.cuda.is_available() alone"
+        )
     out = tmp_path_factory.mktemp("bench-cb") / "cb.json"
     threads = torch.get_num_threads()
     original = vars(cb_instruments._processor_class())["prepare_next_batch"]
@@ -203,11 +208,7 @@ def test_smoke_run_measures_every_variant(smoke_json):
     for model in data["models"]:
         variants = model["variants"]
         assert "needs CUDA" in variants["stock_graphs_async"]["skipped"]  # CPU
-        measured = ["stock_sdpa", "stock_graphs", "breakgraph", "breakgraph_sync"]
-        if torch.cuda.is_available():  # a GPU machine: transformers would graph the CPU model
-            assert variants.pop("stock_graphs")["skipped"] == bench_cb.CPU_RUN_WITH_A_GPU
-            measured.remove("stock_graphs")
-        for name in measured:
+        for name in ("stock_sdpa", "stock_graphs", "breakgraph", "breakgraph_sync"):
             v = variants[name]
             assert v["tokens_agree_with_stock"] == 1.0, name
             assert v["tokens_per_s"] > 0 and v["steps"] > 0 and v["host_prepare_ms_per_step"] > 0
@@ -219,12 +220,25 @@ def test_smoke_run_measures_every_variant(smoke_json):
             assert v["forward_host_ms_per_step"] > 0 and v["decode_forward_steps"] > 0
         assert variants["breakgraph"]["rounds"] == 2 and variants["stock_sdpa"]["rounds"] == 1
         ratios = set(model["ratios"])
-        assert "breakgraph_over_stock_sdpa" in ratios
-        assert "breakgraph_over_stock_graphs" in ratios or not torch.cuda.is_available()
+        assert {"breakgraph_over_stock_sdpa", "breakgraph_over_stock_graphs"} <= ratios
         assert model["floor"]["roofline_s"] >= model["floor"]["bound_s"] > 0
     # the performance page's section renders from it (benchmarks/report.py uses cb_report.py)
     page = "\n".join(cb_report.cb_section(data))
     assert "| `breakgraph` |" in page and "capture, all graphs" in page
+
+
+def test_a_cpu_run_on_a_gpu_machine_skips_transformers_graphs(monkeypatch):
+    """transformers turns its CUDA graphs on when CUDA is available, whatever the model's
+    device: a CPU run there must not ask it for graphs of a CPU model."""
+    graphs, plain = bench_cb.VARIANTS["stock_graphs"], bench_cb.VARIANTS["stock_sdpa"]
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench_cb.cpu_run_with_a_gpu(graphs, cpu)
+    assert not bench_cb.cpu_run_with_a_gpu(graphs, gpu) and not bench_cb.cpu_run_with_a_gpu(
+        plain, cpu
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not bench_cb.cpu_run_with_a_gpu(graphs, cpu)
 
 
 def test_in_process_run_restores_transformers(smoke_json):

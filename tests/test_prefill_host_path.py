@@ -60,20 +60,27 @@ class _Calls(TorchFunctionMode):
 
 
 def _watch(runner, prompts: list) -> _Calls:
-    """The torch calls ``runner.prefill(prompts)`` makes before its graph replay."""
-    replay = runner._runner.replay
+    """The torch calls ``runner.prefill(prompts)`` makes before its graph replay (of the packed
+    graph, or of the single-prompt graph on CUDA)."""
     watch = _Calls()
+    ladders = [r for r in (runner._runner, runner._single) if r is not None]
 
-    def launch(*args, **kwargs):
-        watch.launched = True
-        return replay(*args, **kwargs)
+    def launcher(replay):
+        def launch(*args, **kwargs):
+            watch.launched = True
+            return replay(*args, **kwargs)
 
-    runner._runner.replay = launch
+        return launch
+
+    for ladder in ladders:
+        ladder.replay = launcher(ladder.replay)
     try:
         with watch:
             runner.prefill(prompts)
     finally:
-        del runner._runner.replay
+        for ladder in ladders:
+            del ladder.replay
+    assert watch.launched, "no graph was replayed"
     return watch
 
 
