@@ -273,12 +273,16 @@ class GraphLadder:
                 lambda _: distributed.fingerprint(repr(graph)),
                 keep=(graph, *keep),
             )
-        except HostSyncError as exc:
-            if options["detect_syncs"] or not isinstance(exc.__cause__, RuntimeError):
-                raise
-            # raises the error that names the line (the emulated backend's mode flags CPU
-            # tensors too; it only gets here in tests, which fake CUDA's refusal)
-            _name_the_sync(record, size, context, all_devices=self.backend != "cuda")
+        except BaseException as exc:
+            if self._pool is not None and not self._backend.pool_usable(self._pool):
+                self._pool = None  # CUDA spoiled it (backends.cuda): later buckets get a new one
+            cuda_refused = isinstance(exc, HostSyncError) and isinstance(
+                exc.__cause__, RuntimeError
+            )
+            if cuda_refused and not options["detect_syncs"]:
+                # raises the error that names the line (the emulated backend's mode flags CPU
+                # tensors too; it only gets here in tests, which fake CUDA's refusal)
+                _name_the_sync(record, size, context, all_devices=self.backend != "cuda")
             raise
         self._pool = graph.pool()
         seconds = time.perf_counter() - start

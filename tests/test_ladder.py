@@ -148,6 +148,27 @@ def test_a_failed_capture_registers_nothing(backend, device):
     assert ladder.buckets == (4, 16)
 
 
+def test_a_pool_a_failed_capture_spoiled_is_left_for_a_new_one(monkeypatch):
+    """When the backend says a failed capture left the ladder's pool unusable (CUDA, after an
+    invalidated capture), the next bucket starts a new pool instead of failing on it."""
+    owner = Owner("cpu", (4, 16, 32))
+    ladder = GraphLadder(backend="emulated")
+    ladder.capture((32,), owner.record, context=lambda size: size)
+    spoiled = ladder.graph(32).pool()
+    backend = type(ladder._backend)
+    monkeypatch.setattr(backend, "pool_usable", lambda self, pool: pool is not spoiled)
+
+    def record(size):
+        if size == 16:
+            raise RuntimeError("boom")
+        return owner.record(size)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        ladder.capture((16,), record, context=lambda size: size)
+    ladder.capture((4,), owner.record, context=lambda size: size)
+    assert ladder.buckets == (4, 32) and ladder.graph(4).pool() is not spoiled
+
+
 def count_collections(monkeypatch) -> list:
     collections, real_collect = [], gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or real_collect(*a))

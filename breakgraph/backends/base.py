@@ -80,3 +80,8 @@ class Backend(Protocol):
     def pool_bytes(self, pool: Any) -> int | None:
         """Memory held in ``pool`` (None where the backend has no pool memory to report)."""
         ...
+
+    def pool_usable(self, pool: Any) -> bool:
+        """Whether a new capture can record into ``pool`` (CUDA: not after a capture into it
+        was invalidated, see :mod:`breakgraph.backends.cuda`)."""
+        ...

@@ -34,6 +34,8 @@ from ..syncs import CompileTransparentSegmentMode, SegmentMode
 from .base import CaptureOptions, Observer
 
 _capture_streams: dict = {}  # device -> breakgraph's capture stream
+# pools a capture CUDA invalidated left recording (torch 2.11): nothing can be captured into them
+_spoiled_pools: set = set()
 _workspace_pools: dict = {}  # device -> (pool handle, graph) holding cuBLAS workspaces
 
 
@@ -56,6 +58,13 @@ class CudaSession:
     """The state of one capture: stream, pool, stream tracker, the segment being captured."""
 
     def __init__(self, options: CaptureOptions, observer: Observer | None = None):
+        if options.pool is not None and _pool_key(options.pool) in _spoiled_pools:
+            raise CaptureError(
+                f"breakgraph.capture: pool {tuple(options.pool)} took part in a capture that "
+                f"CUDA invalidated, and torch keeps such a pool recording for the rest of the "
+                f"process, so nothing can be captured into it again. Capture into a new pool "
+                f"(pool=None, or torch.cuda.graph_pool_handle())."
+            )
         stream = options.stream
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise CaptureError(
@@ -90,7 +99,11 @@ class CudaSession:
 
     def begin_segment(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool, capture_error_mode=self.options.capture_error_mode)
+        try:
+            graph.capture_begin(pool=self.pool, capture_error_mode=self.options.capture_error_mode)
+        except BaseException:  # torch may have put its RNG in capture mode before failing
+            self._invalidated = True  # close() resets it
+            raise
         self._graph = graph
         self.tracker.begin_segment()
         # the dispatch mode sees every aten operation (about 10 us each on the host): only
@@ -138,6 +151,8 @@ class CudaSession:
         # caller's stream wait for it before it reads outputs or refills static inputs
         torch.cuda.current_stream().wait_stream(self.stream)
         if self._invalidated:
+            if not _takes_captures(self.pool, self.stream):
+                _spoiled_pools.add(_pool_key(self.pool))
             _reset_capture_state()
 
 
@@ -203,14 +218,37 @@ def _reset_capture_state() -> None:
         )
 
 
+def _pool_key(pool: Any) -> tuple:
+    return tuple(pool)
+
+
+def _takes_captures(pool: Any, stream: torch.cuda.Stream) -> bool:
+    """Probe: can a capture still record into ``pool``? After CUDA invalidated a capture into
+    it, torch 2.11 refuses ("beginAllocateToPool: already recording to mempool_id", even after
+    ``endAllocateToPool``: ``docs/results/h200-pool-after-failed-capture.log``); a torch that
+    recovers passes, and the pool stays in use. One empty capture, discarded."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), quiet_empty_graph():
+        try:
+            graph.capture_begin(pool=pool)
+        except RuntimeError:
+            return False
+        graph.capture_end()
+    graph.reset()
+    return True
+
+
 def _end_allocate_to_pool(device: int, pool) -> None:
+    """Tell the allocator a capture CUDA invalidated is over: ``CUDAGraph.capture_end`` throws
+    at ``cudaStreamEndCapture`` before it does. (On torch 2.11 the pool still refuses new
+    captures afterwards: see :func:`_takes_captures`.)"""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     try:
         if end is not None:
             end(device, pool)
         else:  # older spelling
             torch._C._cuda_endAllocateCurrentStreamToPool(device, pool)
-    except Exception:
+    except Exception:  # "not currently recording": nothing to end
         pass
 
 
@@ -219,6 +257,9 @@ class CudaBackend:
 
     def open(self, options: CaptureOptions, observer: Observer | None = None) -> CudaSession:
         return CudaSession(options, observer)
+
+    def pool_usable(self, pool: Any) -> bool:
+        return _pool_key(pool) not in _spoiled_pools
 
     def pool_bytes(self, pool: Any) -> int | None:
         """Bytes the caching allocator holds in CUDA graph pool ``pool``."""

@@ -242,6 +242,9 @@ class EmulatedBackend:
     def open(self, options: CaptureOptions, observer: Observer | None = None) -> EmulatedSession:
         return EmulatedSession(options, observer)
 
+    def pool_usable(self, pool: Any) -> bool:
+        return True
+
     def pool_bytes(self, pool: Any) -> int | None:
         return None  # emulated segments allocate nothing of their own
 
