@@ -72,7 +72,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
             suite_data = json.load(f)
         loaded[os.path.basename(suite)] = suite_data
     blocks = [fill("page", sources=sources_table(loaded))]
-    blocks += report_prefill.section(loaded.get(report_prefill.FILE))
+    blocks += report_prefill.section(
+        loaded.get(report_prefill.FILE),
+        load(report_prefill.NEIGHBOURS_FILE),
+        load(report_prefill.PACKED_ONLY_FILE),
+    )
     blocks += report_prefill.capture_split_section(
         [loaded[n] for n in report_prefill.CAPTURE_FILES if n in loaded],
         loaded.get(report_prefill.CAPTURE_AFTER_FILE),

@@ -29,6 +29,8 @@ from .prefill_checks import (
 from .template import bullets, fill, num, pct, span, table
 
 FILE = "h200-prefill-baselines.json"
+NEIGHBOURS_FILE = "h200-prefill-host-path-neighbours.json"  # prefill_host_path --neighbours
+PACKED_ONLY_FILE = "h200-prefill-baselines-packed-only.json"  # before single-prompt graphs
 COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile variants only
 MISSED = " ✗"
 
@@ -480,8 +482,61 @@ def capture_split_section(runs: list[dict], after: dict | None) -> list[str]:
     ]
 
 
-def section(data: dict | None) -> list[str]:
-    """The prefill section as a list of Markdown blocks."""
+def neighbours_lines(trees: list | None) -> list[str]:
+    """``prefill_host_path --neighbours``: each workload's ratios alone and beside a neighbour."""
+    lines = []
+    for fam in (trees or [{}])[0].get("families", []):
+        for row in fam["rows"]:
+            beside = row.get("neighbours")
+            if not beside:
+                continue
+            eager, churn = beside["beside hf_eager"], beside["beside host_churn"]
+            host = row["host_us"].get("entry -> launch, probe only")
+            lines.append(
+                f"{fam['family']}, {row['tokens']} tokens: entry to launch {num(host, 1)} µs; "
+                f"breakgraph / exact graph {num(row['bg/exact'], 3)} alone, "
+                f"{num(eager['bg/exact'], 3)} beside HF eager, {num(churn['bg/exact'], 3)} beside "
+                f"host work; breakgraph / one graph {num(row['bg/one_graph'], 3)}, "
+                f"{num(eager['bg/one_graph'], 3)}, {num(churn['bg/one_graph'], 3)}"
+            )
+    return lines
+
+
+def before_after_lines(before: dict | None, after: dict) -> list[str]:
+    """Per family: breakgraph / exact graph of each single prompt, and the construction time,
+    in ``before`` (packed graphs only) and ``after``."""
+    if before is None:
+        return []
+    old = {f["family"]: f for f in before["families"]}
+    lines = []
+    for fam in ordered(after):
+        prev = old.get(fam["family"])
+        if prev is None or "runner" not in fam or "runner" not in prev:
+            continue
+
+        def singles(f: dict) -> dict:
+            return {
+                r["tokens"]: r["ms"]["breakgraph"] / r["ms"]["hf_graph"]
+                for r in f.get("rows", [])
+                if r["kind"] == "single" and {"breakgraph", "hf_graph"} <= set(r["ms"])
+            }
+
+        a, b = singles(prev), singles(fam)
+        ratios = ", ".join(f"{n}: {num(a[n], 3)} → {num(b[n], 3)}" for n in sorted(a) if n in b)
+        build = (
+            f"built in {num(prev['runner']['construction_s'], 1)} → "
+            f"{num(fam['runner']['construction_s'], 1)} s"
+        )
+        lines.append(f"{fam['family']}: breakgraph / exact graph at {ratios} tokens; {build}")
+    return lines
+
+
+def section(
+    data: dict | None, neighbours: list | None = None, packed_only: dict | None = None
+) -> list[str]:
+    """The prefill section as a list of Markdown blocks (``neighbours``: the
+    ``prefill_host_path --neighbours`` results; ``packed_only``: the run before single-prompt
+    graphs, for the losses' before/after)."""
     if data is None:
         return [fill("prefill.missing", file=FILE, targets=targets_table(None))]
     check_list = checks(data)
@@ -534,7 +589,14 @@ def section(data: dict | None) -> list[str]:
     ]
     losses = loss_lines(data, check_list)
     blocks.append(
-        fill("prefill.losses", losses=bullets(losses)) if losses else fill("prefill.losses.none")
+        fill(
+            "prefill.losses",
+            losses=bullets(losses),
+            neighbours=bullets(neighbours_lines(neighbours)) or "(not measured)",
+            before_after=bullets(before_after_lines(packed_only, data)) or "(not measured)",
+        )
+        if losses
+        else fill("prefill.losses.none")
     )
     return blocks
 
