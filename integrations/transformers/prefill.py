@@ -272,6 +272,14 @@ class PrefillRunner:
                 self.ranks.close()
                 raise
             self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
+        if single_prompt_graphs is None:
+            single_prompt_graphs = backend_name == "cuda" and self.ranks is None
+        if single_prompt_graphs and self.ranks is not None:
+            self.ranks.close()
+            raise InputError(
+                "PrefillRunner: single_prompt_graphs=True is not supported under tensor "
+                "parallelism; leave it at None (off there)."
+            )
         _attention.register()
         self._runner = BucketedRunner(
             self._forward,
@@ -287,13 +295,6 @@ class PrefillRunner:
             debug=debug,
             progress=progress,
         )
-        if single_prompt_graphs is None:
-            single_prompt_graphs = backend_name == "cuda" and self.ranks is None
-        if single_prompt_graphs and self.ranks is not None:
-            raise InputError(
-                "PrefillRunner: single_prompt_graphs=True is not supported under tensor "
-                "parallelism; leave it at None (off there)."
-            )
         if single_prompt_graphs:  # same buckets, same inputs, the same pool; after the packed
             # ladder, whose capture built every bucket's attention plan outside a capture
             pool = self._runner.graph(token_buckets[-1]).pool() if self._borrow else None
