@@ -538,12 +538,8 @@ def host_and_device(run: Run, prompts: list, runners: dict, graph, fresh: dict) 
 
 
 def replayable_graphs(runner) -> list:
-    """Every graph a runner's call may replay first: the packed graph of each bucket and its
-    single-prompt graph where the runner has those."""
-    graphs = [runner.graph(b) for b in runner.buckets]
-    if getattr(runner, "_single", None) is not None:
-        graphs += [runner.graph(b, single_prompt=True) for b in runner.buckets]
-    return graphs
+    """Every graph a runner's call may replay first (``PrefillRunner.graphs``)."""
+    return list(runner.graphs().values())
 
 
 def run_all(settings: Settings, out: str | None = None) -> dict:

@@ -200,12 +200,11 @@ def stubbed(runner) -> Iterator[None]:
 
 
 def _graphs(runner) -> dict:
-    """Every graph a call may replay: each bucket's packed graph and, where the runner has
-    them, its single-prompt graph (older trees, ``--compare``, have none)."""
-    graphs = {(b, False): runner.graph(b) for b in runner.buckets}
-    if getattr(runner, "_single", None) is not None:
-        graphs.update({(b, True): runner.graph(b, single_prompt=True) for b in runner.buckets})
-    return graphs
+    """Every graph a call may replay (``PrefillRunner.graphs``; an older tree, ``--compare``,
+    has only the packed graph of each bucket)."""
+    if hasattr(runner, "graphs"):
+        return runner.graphs()
+    return {bucket: runner.graph(bucket) for bucket in runner.buckets}
 
 
 def _restore(graphs: dict, saved: dict) -> None:

@@ -295,6 +295,7 @@ def test_single_prompt_graphs_match_the_eager_model(arch, backend, closing):
     device = "cuda" if backend == "cuda" else "cpu"
     model = build_model(arch, device, torch.float32)  # fp32: the KV cache compared tightly
     runner = closing(make_runner(model, backend, single_prompt_graphs=True))
+    assert sorted(runner.graphs()) == sorted((b, s) for b in BUCKETS for s in (False, True))
     layers, moe_layers = model.config.num_hidden_layers, ARCHS[arch][2]
     for bucket in BUCKETS:
         assert runner.graph(bucket, single_prompt=True).num_breaks == moe_layers
@@ -321,11 +322,15 @@ def test_single_prompt_graphs_match_the_eager_model(arch, backend, closing):
 
 
 def test_single_prompt_graphs_are_on_by_default_on_cuda_only(backend, closing):
-    runner = closing(make_runner(model_for("llama", backend), backend))
+    model = model_for("llama", backend)
+    runner = closing(make_runner(model, backend))
     assert (runner._single is not None) == (backend == "cuda")
     if backend != "cuda":
         with pytest.raises(InputError, match="single_prompt_graphs was off"):
             runner.graph(16, single_prompt=True)
+        assert sorted(runner.graphs()) == [(b, False) for b in BUCKETS]
+    with pytest.raises(InputError, match="single_prompt_graphs must be None"):
+        make_runner(model, backend, single_prompt_graphs="yes")
 
 
 # -- 2. greedy continuation from the runner's KV cache ---------------------------------------------

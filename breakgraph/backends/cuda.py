@@ -226,15 +226,17 @@ def _takes_captures(pool: Any, stream: torch.cuda.Stream) -> bool:
     """Probe: can a capture still record into ``pool``? After CUDA invalidated a capture into
     it, torch 2.11 refuses ("beginAllocateToPool: already recording to mempool_id", even after
     ``endAllocateToPool``: ``docs/results/h200-pool-after-failed-capture.log``); a torch that
-    recovers passes, and the pool stays in use. One empty capture, discarded."""
+    recovers passes, and the pool stays in use. One empty capture, discarded; any failure of
+    the probe counts as "no" (the caller then uses a new pool, which costs memory, never
+    correctness)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), quiet_empty_graph():
-        try:
+    try:
+        with torch.cuda.stream(stream), quiet_empty_graph():
             graph.capture_begin(pool=pool)
-        except RuntimeError:
-            return False
-        graph.capture_end()
-    graph.reset()
+            graph.capture_end()
+        graph.reset()
+    except Exception:
+        return False
     return True
 
 

@@ -212,6 +212,11 @@ class PrefillRunner:
                 f"PrefillRunner: tp_collectives must be 'captured' or 'eager', got "
                 f"{tp_collectives!r}."
             )
+        if single_prompt_graphs not in (None, True, False):
+            raise InputError(
+                f"PrefillRunner: single_prompt_graphs must be None (the default: on with the "
+                f"CUDA backend in one process), True or False, got {single_prompt_graphs!r}."
+            )
         if not isinstance(max_prompts, int) or max_prompts < 1:
             raise InputError(
                 f"PrefillRunner: max_prompts must be >= 1 (an int), got {max_prompts!r}."
@@ -394,6 +399,21 @@ class PrefillRunner:
                 )
             return self._single.graph(bucket)
         return self._runner.graph(bucket)
+
+    def graphs(self) -> dict[tuple[int, bool], breakgraph.BreakableCUDAGraph]:
+        """Every graph a call may replay, keyed ``(bucket, single_prompt)``: each bucket's packed
+        graph and, with single-prompt graphs, its single-prompt one (for tools that wrap or
+        inspect replays, e.g. ``benchmarks/prefill_host_path.py``).
+
+        Example::
+
+            for (bucket, single), g in runner.graphs().items():
+                print(bucket, single, g.num_breaks)
+        """
+        graphs = {(b, False): self._runner.graph(b) for b in self.buckets}
+        if self._single is not None:
+            graphs.update({(b, True): self._single.graph(b) for b in self.buckets})
+        return graphs
 
     def prefill(self, prompts: Iterable[torch.Tensor], *, owned: bool = True) -> PrefillOutput:
         """Prefill ``prompts`` (1-D LongTensors) together; see :class:`PrefillOutput`.
