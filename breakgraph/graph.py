@@ -238,7 +238,7 @@ def capture(
     context: Any = None,
     detect_syncs: bool = True,
     debug: bool | None = None,
-    collect_garbage: bool = True,
+    collect_garbage: bool | None = None,
 ) -> Iterator[BreakableCUDAGraph]:
     """Capture the work in the ``with`` block into ``graph``, breaking at eager functions.
 
@@ -253,10 +253,14 @@ def capture(
     makes a capture faster; CUDA still refuses a sync, reported as ``HostSyncError`` without
     the line, and ``report()`` counts no operations). ``debug=True`` (default:
     ``$BREAKGRAPH_DEBUG``) adds the checks of :mod:`breakgraph.debug` to every replay.
-    ``collect_garbage=False`` skips, on CUDA, the ``gc.collect()`` and cache flush before
-    the capture (they hand memory that dead Python cycles hold back to the device; the
-    emulated backend has none): a runner capturing many graphs in a row does it once. The
-    collector is disabled during the capture either way.
+    ``collect_garbage`` decides, on CUDA, what runs before the capture to hand device memory
+    back for the graph's pool: ``None`` does what ``torch.cuda.graph`` does (a full
+    ``gc.collect()`` only when ``torch.compiler.config.force_cudagraph_gc`` is set, then
+    ``torch.cuda.empty_cache()``), ``True`` both always, ``False`` neither (a runner
+    capturing many graphs in a row flushes the cache once). A full collection frees the
+    device memory that dead reference cycles hold, and walks every object of the process to
+    do it (0.5 s in a big one). The emulated backend has no device memory and does neither.
+    The collector is disabled during the capture either way.
 
     Unlike ``torch.cuda.graph``, the capture pass computes real values: each
     segment is replayed once as soon as it is captured, so eager functions see real
@@ -360,8 +364,8 @@ class _Capture:
         self._gc_was_enabled = gc.isenabled()
         self._previous_context = state.context
         # no collection inside the capture: finalizers would run their tensor operations (and
-        # CUDA frees or syncs) inside a segment. The one collection before it, which hands
-        # device memory held by dead cycles back (collect_garbage), is the CUDA backend's.
+        # CUDA frees or syncs) inside a segment. A collection before it, which hands device
+        # memory held by dead cycles back (collect_garbage), is the CUDA backend's.
         gc.disable()
         try:
             observer = self.watch.observe if self.watch is not None else None

@@ -197,8 +197,9 @@ class GraphLadder:
         inside ``breakgraph.capture(...)`` with ``context(size)`` as the capture context, and
         what it returns is the bucket's output. Allocate the buffers ``record`` reads before
         the call: whatever it allocates is captured (the emulated backend would replay the
-        allocation, refilling the buffer on every replay). ONE ``gc.collect()`` per call (the
-        first bucket's capture; on CUDA, where it can free device memory), not one per bucket.
+        allocation, refilling the buffer on every replay). The first bucket's capture hands
+        cached device memory back (``collect_garbage=None``: as ``torch.cuda.graph``), the
+        others skip it (``False``): once per call, not once per bucket.
 
         With ``ranks`` every warm-up and capture is a :meth:`RankGroup.capture_step
         <breakgraph.distributed.RankGroup.capture_step>`: checked on every rank, with the
@@ -227,7 +228,7 @@ class GraphLadder:
                 dict(
                     stream=stream,
                     capture_error_mode=capture_error_mode,
-                    collect_garbage=i == 0,  # one collection per call (issue 23 item 5)
+                    collect_garbage=None if i == 0 else False,  # once per call
                     detect_syncs=self._watch_syncs(i),
                 ),
                 keep=(self._rungs, record, warm_up, context),

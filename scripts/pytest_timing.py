@@ -6,13 +6,33 @@ and each failure's report (the traceback pytest would print at the end) to
 limit (the device tool's) would report nothing. Use:
 ``PYTHONPATH=scripts PYTEST_TIMING_FILE=t.txt pytest -p pytest_timing``, then
 ``sort -k1 -gr t.txt | head`` (seconds, phase, test id).
+
+Each line ends with `` gc=S/N``: the seconds the phase spent in N garbage collections
+(``gc.callbacks``). Every CUDA capture collects once (as ``torch.cuda.graph`` does), and a
+collection walks every object the process holds: this says how much of a test that is.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 
 _file = None
+_gc = {"seconds": 0.0, "count": 0, "start": 0.0}
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc["start"] = time.perf_counter()
+    else:
+        _gc["seconds"] += time.perf_counter() - _gc["start"]
+        _gc["count"] += 1
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("PYTEST_TIMING_FILE"):
+        gc.callbacks.append(_on_gc)
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -22,7 +42,9 @@ def pytest_runtest_logreport(report) -> None:
         return
     if _file is None:
         _file = open(path, "a", buffering=1)  # noqa: SIM115 (kept open for the whole run)
-    _file.write(f"{report.duration:.3f} {report.when} {report.outcome} {report.nodeid}\n")
+    gc_part = f"gc={_gc['seconds']:.3f}/{_gc['count']}"
+    _gc["seconds"], _gc["count"] = 0.0, 0
+    _file.write(f"{report.duration:.3f} {report.when} {report.outcome} {report.nodeid} {gc_part}\n")
     if report.failed:
         with open(path + ".failures", "a") as failures:
             failures.write(f"==== {report.when} {report.nodeid}\n{report.longreprtext}\n\n")

@@ -67,11 +67,12 @@ def chunks(total: int) -> list:
 
 @pytest.fixture(scope="module", autouse=True)
 def _fast_captures():
-    """One thread, and a frozen heap for ``capture()``'s one ``gc.collect()`` per capture.
+    """One thread, and a frozen heap for the collector's automatic full collections.
 
-    With transformers imported that collection costs ~0.1 s, 30x a whole fuzz program;
-    freezing the objects alive now (torch, transformers, earlier tests) leaves only the
-    program's own objects to collect. Lazy imports happen in a first run, before the freeze.
+    Thousands of small programs allocate enough objects to trigger full collections, and with
+    transformers imported one costs ~0.1 s (0.5 s on the H200's host), 30x a whole fuzz
+    program; freezing the objects alive now (torch, transformers, earlier tests) leaves only
+    the programs' own objects to walk. Lazy imports happen in a first run, before the freeze.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -122,7 +122,8 @@ def assert_close_cache(mine, theirs, backend: str, what: str) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _fast():
-    """One CPU thread (tiny models), and a frozen heap for capture()'s gc.collect()."""
+    """One CPU thread (tiny models), and a frozen heap for the collector's automatic full
+    collections (see test_fuzz.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     gc.collect()

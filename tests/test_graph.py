@@ -7,6 +7,7 @@ inputs.
 """
 
 import gc
+import textwrap
 import time
 
 import pytest
@@ -22,7 +23,13 @@ from breakgraph import (
     break_graph,
     eager_on_graph,
 )
-from tests.helpers import HAS_CUDA, assert_clean, fresh_into
+from tests.helpers import (
+    HAS_CUDA,
+    assert_clean,
+    fresh_into,
+    fresh_process_check,
+    fresh_process_result,
+)
 
 # Taken before any test runs a capture: what every capture must leave in place.
 
@@ -622,16 +629,9 @@ def test_stale_input_buffer_is_read_on_replay(capture, device):
     assert not torch.allclose(out, (new @ weight).relu() + new)
 
 
-@pytest.mark.requires_cuda
-def test_first_matmul_of_the_process_inside_a_capture():
-    """cuBLAS cannot create its handle inside a capture; breakgraph creates it beforehand, so a
-    fresh process may capture its very first matmul (this failed with
-    CUBLAS_STATUS_NOT_INITIALIZED)."""
-    import subprocess
-    import sys
-    import textwrap
-
-    code = textwrap.dedent("""
+fresh_process_check(
+    "first matmul of the process",
+    textwrap.dedent("""
         import torch, breakgraph
         x = torch.randn(16, 16, device="cuda")
         g = breakgraph.BreakableCUDAGraph()
@@ -641,12 +641,19 @@ def test_first_matmul_of_the_process_inside_a_capture():
             x.copy_(torch.randn(16, 16, device="cuda"))
             g.replay()
             torch.testing.assert_close(y, (x @ x).relu())
-        print("ok")
-    """)
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+    """),
+    first=True,
+)
+
+
+@pytest.mark.requires_cuda
+def test_first_matmul_of_the_process_inside_a_capture():
+    """cuBLAS cannot create its handle inside a capture; breakgraph creates it beforehand, so a
+    fresh process may capture its very first matmul (this failed with
+    CUBLAS_STATUS_NOT_INITIALIZED). The process is shared with other such checks
+    (``helpers.fresh_process_check``); this one runs first in it."""
+    passed, output = fresh_process_result("first matmul of the process")
+    assert passed, output
 
 
 def test_captures_on_two_threads_take_turns(capture, device):

@@ -186,13 +186,18 @@ def test_one_garbage_collection_per_capture_call(backend, device, monkeypatch):
     monkeypatch.setattr(ladder_module, "capture", spy)
     collections = count_collections(monkeypatch)
     ladder, owner = make(backend, device)
-    assert flags == [True, False, False]  # one per capture() call, not one per bucket
+    assert flags == [None, False, False]  # one flush per capture() call, not one per bucket
     owner.buffers[8] = torch.zeros(8, 3, device=device)
     ladder.capture((8,), owner.record, context=lambda size: size)
-    assert flags == [True, False, False, True]
+    assert flags == [None, False, False, None]
+    # None is torch.cuda.graph's rule: a full collection only with force_cudagraph_gc
+    assert collections == []
+    monkeypatch.setattr(torch.compiler.config, "force_cudagraph_gc", True)
+    owner.buffers[12] = torch.zeros(12, 3, device=device)
+    ladder.capture((12,), owner.record, context=lambda size: size)
     # what a collection protects is device memory held by dead cycles (handed back to the
     # device before the graph's pool grows): only the CUDA backend has any
-    assert len(collections) == (2 if backend == "cuda" else 0)
+    assert len(collections) == (1 if backend == "cuda" else 0)
 
 
 def test_a_capture_collects_only_where_it_frees_device_memory(capture, backend, monkeypatch):
@@ -205,12 +210,18 @@ def test_a_capture_collects_only_where_it_frees_device_memory(capture, backend, 
         return h
 
     x = torch.randn(4, device="cuda" if backend == "cuda" else "cpu")
-    with capture(breakgraph.BreakableCUDAGraph()):
+    with capture(breakgraph.BreakableCUDAGraph()):  # as torch.cuda.graph: no full collection
         watch(x * 2)
     with capture(breakgraph.BreakableCUDAGraph(), collect_garbage=False):
         watch(x * 2)
-    assert len(collections) == (1 if backend == "cuda" else 0)
-    assert enabled == [False, False] and gc.isenabled()  # off during every capture, then back
+    assert collections == []
+    with capture(breakgraph.BreakableCUDAGraph(), collect_garbage=True):
+        watch(x * 2)
+    monkeypatch.setattr(torch.compiler.config, "force_cudagraph_gc", True)
+    with capture(breakgraph.BreakableCUDAGraph()):  # torch's switch, honoured
+        watch(x * 2)
+    assert len(collections) == (2 if backend == "cuda" else 0)
+    assert enabled == [False] * 4 and gc.isenabled()  # off during every capture, then back
 
 
 def test_capture_of_nothing_new_does_nothing(backend, device):

@@ -40,7 +40,10 @@ class CaptureOptions:
     detect_syncs: bool = True  # raise HostSyncError at the line of a host sync in a segment
     # (False on CUDA: no dispatch mode at all; CUDA's own refusal is still reported)
     debug: bool = False  # input checks, break timers, NVTX (see breakgraph.debug)
-    collect_garbage: bool = True  # CUDA: gc.collect() and empty the cache before capturing
+    # CUDA, before capturing: True gc.collect() and empty the cache; None (default) as
+    # torch.cuda.graph: collect only with torch.compiler.config.force_cudagraph_gc, empty
+    # the cache; False neither
+    collect_garbage: bool | None = None
 
 
 class Segment(Protocol):
