@@ -43,6 +43,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.transformers)
 
 
+def pytest_collection_finish(session):
+    """Start the one process of the checks that need their own (``helpers.fresh_process_check``)
+    now, so that its start-up (about 11 s on the H200's host) runs beside the other tests."""
+    from tests import helpers
+
+    wanted = any(item.get_closest_marker("fresh_process") for item in session.items)
+    if wanted and helpers.HAS_CUDA and not session.config.option.collectonly:
+        helpers.start_fresh_process()
+
+
 BACKENDS = [
     pytest.param("emulated", id="emulated"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.requires_cuda),

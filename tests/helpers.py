@@ -44,7 +44,7 @@ def assert_clean(graph=None):
 # -- checks that need a process of their own -----------------------------------------------------
 
 _FRESH_CHECKS: dict[str, tuple[str, bool]] = {}  # name -> (script, must run first)
-_fresh_results: dict[str, tuple[bool, str]] = {}
+_fresh: dict = {}  # "process": the Popen running them; "results": name -> (passed, output)
 
 
 def fresh_process_check(name: str, script: str, *, first: bool = False) -> None:
@@ -52,51 +52,63 @@ def fresh_process_check(name: str, script: str, *, first: bool = False) -> None:
 
     Some checks need a process of their own: its very first matmul, or process-wide state
     (cuBLAS workspaces cleared) that must not leak into the test run. Starting one costs about
-    11 s on the H200's host (CUDA and cuBLAS loading), so the checks share it: each runs in a
-    namespace of its own, in registration order, the one registered ``first=True`` before
-    all others (a process's first matmul). A check passes when its script raises nothing.
-    Register at import time; :func:`fresh_process_result` runs them all on its first call.
+    11 s on the H200's host (CUDA and cuBLAS loading), so the checks share it, and it starts
+    as soon as collection ends (``conftest.pytest_collection_finish``, for tests marked
+    ``fresh_process``), running beside the other tests. Each check runs in a namespace of its
+    own, in registration order, the one registered ``first=True`` before all others (a
+    process's first matmul). A check passes when its script raises nothing. Register at import
+    time; :func:`fresh_process_result` waits for the outcome.
     """
     if first and any(f for n, (_, f) in _FRESH_CHECKS.items() if n != name):
         raise ValueError(f"fresh_process_check: only one check can run first ({name!r})")
     _FRESH_CHECKS[name] = (script, first)
 
 
-def fresh_process_result(name: str) -> tuple[bool, str]:
-    """``(passed, output)`` of the registered check ``name`` (see :func:`fresh_process_check`)."""
+def start_fresh_process() -> None:
+    """Start the process of the registered checks (once; see :func:`fresh_process_check`)."""
     import subprocess
     import sys
 
-    if name not in _fresh_results:
-        names = sorted(_FRESH_CHECKS, key=lambda n: not _FRESH_CHECKS[n][1])
-        driver = "\n".join(
-            [
-                "import sys, traceback",
-                f"checks = {[(n, _FRESH_CHECKS[n][0]) for n in names]!r}",
-                "for name, script in checks:",
-                "    print(f'@@ {name}', flush=True)",
-                "    try:",
-                "        exec(compile(script, name, 'exec'), {'__name__': name})",
-                "        print('@@ passed', flush=True)",
-                "    except BaseException:",
-                "        traceback.print_exc(file=sys.stdout)",
-                "        print('@@ failed', flush=True)",
-            ]
-        )
-        result = subprocess.run(
-            [sys.executable, "-c", driver],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            stdin=subprocess.DEVNULL,
-        )
-        sections = result.stdout.split("@@ ")[1:]
+    if "process" in _fresh:
+        return
+    names = sorted(_FRESH_CHECKS, key=lambda n: not _FRESH_CHECKS[n][1])
+    driver = "\n".join(
+        [
+            "import sys, traceback",
+            f"checks = {[(n, _FRESH_CHECKS[n][0]) for n in names]!r}",
+            "for name, script in checks:",
+            "    print(f'@@ {name}', flush=True)",
+            "    try:",
+            "        exec(compile(script, name, 'exec'), {'__name__': name})",
+            "        print('@@ passed', flush=True)",
+            "    except BaseException:",
+            "        traceback.print_exc(file=sys.stdout)",
+            "        print('@@ failed', flush=True)",
+        ]
+    )
+    _fresh["names"] = names
+    _fresh["process"] = subprocess.Popen(
+        [sys.executable, "-c", driver],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def fresh_process_result(name: str) -> tuple[bool, str]:
+    """``(passed, output)`` of the registered check ``name`` (see :func:`fresh_process_check`)."""
+    if "results" not in _fresh:
+        start_fresh_process()
+        process = _fresh["process"]
+        stdout, stderr = process.communicate(timeout=600)
+        results = {}
+        sections = stdout.split("@@ ")[1:]
         for head, verdict in zip(sections[::2], sections[1::2]):
             check, _, output = head.partition("\n")
-            _fresh_results[check] = (verdict.startswith("passed"), output)
-        for check in names:  # the process died inside (or before) these
-            _fresh_results.setdefault(
-                check, (False, f"exit {result.returncode}:\n{result.stdout[-2000:]}"
-                               f"{result.stderr[-3000:]}")  # fmt: skip
-            )
-    return _fresh_results[name]
+            results[check] = (verdict.startswith("passed"), output)
+        for check in _fresh["names"]:  # the process died inside (or before) these
+            died = f"exit {process.returncode}:\n{stdout[-2000:]}{stderr[-3000:]}"
+            results.setdefault(check, (False, died))
+        _fresh["results"] = results
+    return _fresh["results"][name]

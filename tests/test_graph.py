@@ -647,6 +647,7 @@ fresh_process_check(
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.fresh_process
 def test_first_matmul_of_the_process_inside_a_capture():
     """cuBLAS cannot create its handle inside a capture; breakgraph creates it beforehand, so a
     fresh process may capture its very first matmul (this failed with

@@ -518,6 +518,7 @@ fresh_process_check(
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.fresh_process
 def test_08_graphs_survive_cublas_workspace_clearing():
     """cudagraph trees (torch.compile reduce-overhead) free cuBLAS workspaces; ours must survive.
     In a process of its own (the clearing is process-wide), shared with the other such checks
