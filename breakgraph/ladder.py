@@ -426,7 +426,10 @@ class GraphLadder:
         GEMM libraries pick kernels by shape, and some sizes are slow: on an H200 a
         Llama-1B prefill padded to 208 tokens took longer than one padded to 224 or 256.
         Each bucket replays ``repeats`` times (after two warm-ups) with ``context(size)``
-        (default: its capture context) on whatever its buffers hold; then :meth:`route`.
+        (default: its capture context), made once per bucket, on whatever its buffers hold;
+        then :meth:`route`. One host wait per bucket, for its timed replays: a context that
+        stages inputs (a runner's step buffers) would otherwise wait for the device before
+        every replay.
         CUDA only (the emulated backend's times mean nothing: nothing is timed or routed);
         not with ``ranks`` (timings differ between ranks, and every rank must take the same
         bucket). Returns the milliseconds per replay of each bucket.
@@ -442,16 +445,13 @@ class GraphLadder:
         times = {}
         for size in self._sizes:
             graph = self._rungs[size].graph
-
-            def replay(graph: BreakableCUDAGraph = graph, size: int = size) -> None:
-                graph.replay() if context is None else graph.replay(context(size))
-
+            args = () if context is None else (context(size),)
             for _ in range(2):
-                replay()
+                graph.replay(*args)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(repeats):
-                replay()
+                graph.replay(*args)
             end.record()
             end.synchronize()
             times[size] = start.elapsed_time(end) / repeats

@@ -298,9 +298,29 @@ def test_tune_times_nothing_on_the_emulated_backend():
 @pytest.mark.requires_cuda
 def test_tune_times_every_bucket_on_cuda():
     ladder, owner = make("cuda", "cuda")
-    times = ladder.tune(lambda size: 1, repeats=2)
+    made = []
+
+    def context(size):  # a runner's context stages inputs (and may wait for the device)
+        made.append(size)
+        return size + 1000
+
+    times = ladder.tune(context, repeats=2)
     assert set(times) == {4, 16, 64} and all(t > 0 for t in times.values())
     assert dict(ladder.stats.replay_ms) == times
+    assert made == [4, 16, 64]  # once per bucket, not once per replay
+    seen = []
+
+    @breakgraph.eager_on_graph
+    def look(x):
+        seen.append(breakgraph.replay_context())
+        return x
+
+    other = GraphLadder(backend="cuda")
+    buffer = torch.zeros(8, device="cuda")
+    other.capture((8,), lambda size: look(buffer[:size] * 2), context=lambda size: size)
+    other.tune(context, repeats=3)
+    assert seen[-5:] == [1008] * 5  # two warm-ups and three timed replays, each with it
+    other.close()
 
 
 # -- release ---------------------------------------------------------------------------------------
