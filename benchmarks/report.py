@@ -14,7 +14,15 @@ import argparse
 import json
 import os
 
-from . import cb_report, report_breaks, report_earlier, report_prefill, report_suite, tp_report
+from . import (
+    cb_report,
+    report_breaks,
+    report_earlier,
+    report_prefill,
+    report_suite,
+    report_tests,
+    tp_report,
+)
 from . import targets as T
 from .template import fill, table
 
@@ -64,6 +72,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [tp_report.FILE, tp_report.NO_MIXING_FILE]
         + [*report_prefill.CAPTURE_FILES, report_prefill.CAPTURE_AFTER_FILE]
         + [cb_report.TRACE_FILE]
+        + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -81,6 +90,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         [loaded[n] for n in report_prefill.CAPTURE_FILES if n in loaded],
         loaded.get(report_prefill.CAPTURE_AFTER_FILE),
     )
+    blocks += report_tests.capture_profile_section(loaded.get(report_tests.PROFILE_FILE))
     compile_run = load(report_prefill.COMPILE_FILE)
     if compile_run is not None:
         blocks += report_prefill.compile_run_section(compile_run)
@@ -107,6 +117,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))
     if suite_data is not None:
         blocks += report_suite.suite_section(suite_data)
+    blocks += report_tests.suite_time_section(
+        loaded.get(report_tests.SUITE_FILE), loaded.get(report_tests.SUITE_BEFORE_FILE)
+    )
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
 
 

@@ -78,3 +78,9 @@ TARGET_TP_EAGER_OVER_BG = 5.0  # TP=2 eager / TP=2 breakgraph, up to TP_EAGER_MA
 TP_EAGER_MAX_TOKENS = 128
 TARGET_TP2_OVER_TP1 = 1.0  # TP=1 breakgraph / TP=2 breakgraph must exceed it, from ...
 TP_SCALING_FROM_TOKENS = 512  # ... this many tokens (below, one GPU is about as fast)
+
+# test-suite time (issue 23): the CUDA tests (`pytest -m requires_cuda tests`) on one H200, and
+# the whole suite on CI's CPU machine (the emulated backend), wall seconds of pytest's own clock
+TARGET_CUDA_SUITE_S = 180.0
+TARGET_CPU_SUITE_S = 100.0
+CPU_SUITE_CORES = 2  # CI's machine, where TARGET_CPU_SUITE_S applies

@@ -315,3 +315,323 @@ def test_tp_section_computes_its_verdicts_from_the_data():
     text = "\n".join(tp_report.tp_section(slower))
     assert "512 tokens: 1.200x the whole graph (target <= 1.05x: missed)" in text
     assert "512 tokens: TP=2 0.90x faster than TP=1 (target > 1: missed)" in text
+
+
+# -- the test suite's time (benchmarks/suite_times.py, report_tests.suite_time_section) ------------
+def test_suite_times_parses_timing_lines_with_spaces_and_without_gc():
+    from benchmarks.suite_times import parse_timing_line
+
+    line = "1.250 call passed tests/t.py::test_x[tiny kernels-full graph] gc=0.500/3"
+    assert parse_timing_line(line) == {
+        "seconds": 1.25,
+        "phase": "call",
+        "outcome": "passed",
+        "test": "tests/t.py::test_x[tiny kernels-full graph]",
+        "gc_s": 0.5,
+        "collections": 3,
+    }
+    old = parse_timing_line("0.010 setup skipped tests/t.py::test_y[a b]")  # before the gc field
+    assert old["test"] == "tests/t.py::test_y[a b]"
+    assert old["gc_s"] is None and old["collections"] is None
+    assert parse_timing_line("   \n") is None
+    with pytest.raises(ValueError, match="parse_timing_line"):
+        parse_timing_line("0.010 setup")
+
+
+def test_suite_times_reads_the_last_pytest_summary_line():
+    from benchmarks.suite_times import parse_summary
+
+    log = (
+        "== 1 failed, 3 passed in 9.00s ==\n"  # an earlier run in the same log
+        "370 passed, 57 skipped, 540 deselected, 330 warnings in 203.00s (0:03:23)\n"
+        "cuda suite rc=0 215 s\n"
+    )
+    assert parse_summary(log) == {
+        "wall_s": 203.0,
+        "counts": {
+            "passed": 370,
+            "skipped": 57,
+            "failed": 0,
+            "deselected": 540,
+            "warnings": 330,
+        },
+    }
+    counts = parse_summary("=== 2 failed, 5 passed, 1 error in 12.50s ===")["counts"]
+    assert (counts["failed"], counts["passed"], counts["errors"]) == (2, 5, 1)
+    with pytest.raises(ValueError, match="no pytest summary line"):
+        parse_summary("....sss....\n")  # a run cut before its end
+
+
+def test_suite_times_cli_writes_totals_per_file_and_slowest(tmp_path):
+    from benchmarks import suite_times
+
+    (tmp_path / "t.txt").write_text(
+        "0.100 setup passed tests/a.py::x gc=0.050/1\n"
+        "2.000 call passed tests/a.py::x gc=1.000/2\n"
+        "3.000 call passed tests/b.py::y[p q] gc=0.000/0\n"
+        "0.500 call passed tests/a.py::z\n"
+    )
+    (tmp_path / "s.log").write_text("3 passed, 1 skipped in 6.25s (0:00:06)\n")
+    out = tmp_path / "out.json"
+    suite_times.main(
+        [
+            *("--times", str(tmp_path / "t.txt"), "--log", str(tmp_path / "s.log")),
+            *("--label", "after", "--selection", "-m requires_cuda", "--out", str(out)),
+            *("--gpu", "NVIDIA H200", "--date", "2026-12-02"),
+        ]
+    )
+    data = json.loads(out.read_text())
+    assert data["schema"] == "breakgraph-suite-times/1"
+    assert data["meta"] == {
+        "gpu": "NVIDIA H200",
+        "torch": None,
+        "transformers": None,
+        "date": "2026-12-02",
+    }
+    assert (data["label"], data["selection"], data["wall_s"]) == ("after", "-m requires_cuda", 6.25)
+    assert (data["counts"]["passed"], data["counts"]["skipped"]) == (3, 1)
+    assert (data["tests"], data["tests_s"], data["gc_s"], data["collections"]) == (3, 5.6, 1.05, 3)
+    assert data["per_file"] == [
+        {"file": "tests/b.py", "seconds": 3.0, "gc_s": 0.0, "collections": 0, "tests": 1},
+        {"file": "tests/a.py", "seconds": 2.6, "gc_s": 1.05, "collections": 3, "tests": 2},
+    ]
+    assert data["slowest"][:2] == [
+        {"test": "tests/b.py::y[p q]", "seconds": 3.0, "gc_s": 0.0},
+        {"test": "tests/a.py::x", "seconds": 2.1, "gc_s": 1.05},
+    ]
+    assert data["slowest"][2] == {"test": "tests/a.py::z", "seconds": 0.5, "gc_s": None}
+
+
+def suite_text(tmp_path, replace: dict | None = None) -> str:
+    text = report.render(results_copy(tmp_path, replace))
+    assert text.count("## Test-suite time") == 1
+    return text.split("## Test-suite time")[1].split("\n## ")[0]
+
+
+def committed(name: str) -> dict:
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def suite_run(**changes) -> dict:
+    """The H200 CUDA run of 2026-12-02 after captures stopped collecting, shortened to its
+    four slowest files (the committed latest run may be replaced by a newer one)."""
+    files = [
+        ("tests/test_fuzz_prefill.py", 47.748, 0.404, 24, 5),
+        ("tests/test_prefill_compile.py", 43.495, 2.256, 1551, 2),
+        ("tests/test_continuous_batching.py", 39.96, 0.03, 80, 8),
+        ("tests/test_transformers.py", 5.703, 0.6, 120, 35),
+    ]
+    run = {
+        "schema": "breakgraph-suite-times/1",
+        "meta": {
+            "gpu": "NVIDIA H200",
+            "torch": "2.11.0+cu130",
+            "transformers": "5.17.0",
+            "date": "2026-12-02",
+        },
+        "label": "after",
+        "selection": "-m requires_cuda",
+        "wall_s": 203.0,
+        "counts": {"passed": 370, "skipped": 57, "failed": 0, "deselected": 540},
+        "tests": 427,
+        "tests_s": 187.279,
+        "gc_s": 7.131,
+        "collections": 3428,
+        "per_file": [
+            dict(zip(("file", "seconds", "gc_s", "collections", "tests"), f)) for f in files
+        ],
+        "slowest": [],
+    }
+    run.update(changes)
+    return run
+
+
+def two_runs_text(tmp_path, run: dict, before: dict | None = None) -> str:
+    from benchmarks import report_tests
+
+    before = before or dict(committed(report_tests.SUITE_BEFORE_FILE), label="before")
+    return suite_text(
+        tmp_path, {report_tests.SUITE_FILE: run, report_tests.SUITE_BEFORE_FILE: before}
+    )
+
+
+def test_suite_time_section_from_the_committed_runs():
+    from benchmarks import report_tests
+
+    run = committed(report_tests.SUITE_FILE)
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        text = f.read().split("## Test-suite time")[1]
+    assert f"`pytest {run['selection']} tests`" in text
+    assert "(`h200-cuda-suite-times-before.json`, `h200-cuda-suite-times.json`: NVIDIA H200" in text
+    before_row = (
+        "| before: a full gc.collect() per capture | 357.4 | 345.4 | 172.9 | 50% | 5768 | 370 | 57 "
+        "| 0 | missed |"
+    )
+    assert before_row in text
+    verdict = "met" if run["wall_s"] <= T.TARGET_CUDA_SUITE_S else "missed"
+    assert f"| {run['label']} | {run['wall_s']:.1f} |" in text
+    assert text.split(f"| {run['label']} |")[1].split("\n")[0].endswith(f"| {verdict} |")
+    assert f"`{run['per_file'][0]['file']}`" in text
+
+
+def test_suite_time_section_from_two_runs(tmp_path):
+    text = two_runs_text(tmp_path, suite_run())
+    assert "`pytest -m requires_cuda tests`" in text
+    assert "NVIDIA H200, torch 2.11.0+cu130, transformers\n5.17.0, 2026-12-02" in text
+    assert "within\n180 s of pytest's wall time" in text and "100 s on CI's 2 cores" in text
+    assert "| before | 357.4 | 345.4 | 172.9 | 50% | 5768 | 370 | 57 | 0 | missed |" in text
+    assert "| after | 203.0 | 187.3 | 7.1 | 4% | 3428 | 370 | 57 | 0 | missed |" in text
+    # missed: by how much, and the three slowest files, from the data
+    assert "misses the target by 23.0 s (13% over): 203.0 s of" in text
+    assert (
+        "Its slowest files: `tests/test_fuzz_prefill.py` 47.7 s, `tests/test_prefill_compile.py`"
+        " 43.5 s, `tests/test_continuous_batching.py` 40.0 s." in text
+    )
+    # the collections' share is computed, not written
+    assert "collections took 173 s of the\n345 s of test time (50%)" in text
+    assert "took 7.1 s (4%) in\n3428 collections; the wall went from 357 s to 203 s." in text
+    assert "its 4 slowest of 4" in text
+    assert "| `tests/test_transformers.py` | 35 | 5.7 | 0.6 | 48.9 (43.0) |" in text
+
+
+def test_a_changed_suite_time_changes_the_verdict_and_the_text(tmp_path):
+    from benchmarks import report_tests
+
+    before = dict(committed(report_tests.SUITE_BEFORE_FILE), label="before", gc_s=34.5)
+    text = two_runs_text(tmp_path, suite_run(wall_s=170.0), before)  # gc: a tenth of test time
+    assert "| after | 170.0 |" in text and "| met |" in text.split("| after |")[1]
+    assert "The latest run, *after*, meets the target: 170.0 s of wall time against 180 s." in text
+    assert "misses the target" not in text and "slowest files" not in text
+    assert "| before | 357.4 | 345.4 | 34.5 | 10% |" in text
+    assert "(10%)" in text and "(50%)" not in text
+    text = two_runs_text(tmp_path, suite_run(wall_s=240.0), before)
+    assert "misses the target by 60.0 s (33% over): 240.0 s of" in text
+
+
+def test_a_changed_suite_target_changes_the_verdict(tmp_path, monkeypatch):
+    from benchmarks import report_tests
+
+    monkeypatch.setattr(T, "TARGET_CUDA_SUITE_S", 250.0)
+    monkeypatch.setattr(T, "TARGET_CPU_SUITE_S", 60.0)
+    text = "\n".join(report_tests.suite_time_section(suite_run()))
+    assert "| target ≤ 250 s |" in text and "meets the target" in text
+    assert "250 s of pytest's wall time" in text and "60 s on CI's" in text
+
+
+def test_suite_time_section_says_not_measured_without_its_json(tmp_path):
+    from benchmarks import report_tests
+
+    text = suite_text(tmp_path, {report_tests.SUITE_FILE: None})
+    assert "Not measured yet" in text and "`docs/results/h200-cuda-suite-times.json`" in text
+    assert "180 s of wall time on one GPU" in text
+    # the latest run alone: no before row, no paragraph about the collections before
+    text = suite_text(tmp_path, {report_tests.SUITE_BEFORE_FILE: None})
+    assert "Not measured yet" not in text and "| before: a full" not in text
+    assert "Why the earlier run was slower" not in text
+    assert "before: seconds (gc s)" in text and "| - |" in text
+
+
+def test_suite_time_section_renders_files_without_gc_seconds():
+    from benchmarks import report_tests
+
+    run = suite_run(gc_s=None, collections=None)
+    for f in run["per_file"]:
+        f.update(gc_s=None, collections=None)
+    text = "\n".join(
+        report_tests.suite_time_section(run, committed(report_tests.SUITE_BEFORE_FILE))
+    )
+    assert "| 203.0 | 187.3 | - | - | - |" in text
+    assert "Why the earlier run was slower" not in text
+
+
+# -- construction under cProfile (benchmarks/capture_profile.py) -----------------------------------
+def capture_profile_data() -> dict:
+    """Shaped like ``benchmarks.capture_profile``'s JSON, with realistic values."""
+
+    from benchmarks.capture_profile import PARTS
+
+    def run(which: str, seconds: float, total: float, parts: list[float]) -> dict:
+        return dict(
+            which=which,
+            construction_s=seconds,
+            profiled_total_s=total,
+            graphs=128,
+            buckets=64,
+            parts_s=dict(zip(PARTS, parts, strict=True)),
+            top_tottime=["   ncalls  tottime ..."],
+        )
+
+    meta = dict(gpu="NVIDIA H200", torch="2.11.0+cu130", transformers="5.17.0", date="2026-12-02")
+    first = [5.146, 1.091, 1.178, 1.261, 0.231, 1.139, 0.164, 0.974, 0.6, 0.155, 0.234, 0.0]
+    second = [0.601, 0.686, 1.151, 1.101, 0.228, 0.931, 0.16, 0.77, 0.578, 0.177, 0.236, 0.0]
+    return {
+        "schema": "breakgraph-capture-profile/1",
+        "meta": meta,
+        "family": "llama-1b",
+        "runs": [run("first", 14.82, 14.6, first), run("second", 9.48, 9.23, second)],
+    }
+
+
+def profile_text(tmp_path, data: dict | None) -> str:
+    from benchmarks import report_tests
+
+    text = report.render(results_copy(tmp_path, {report_tests.PROFILE_FILE: data}))
+    # right after "Capture time, split", inside the prefill part of the page
+    after_split = text.split("### Capture time, split")[1].split("\n## ")[0]
+    assert after_split.count("### Construction time, profiled") == 1
+    return after_split.split("### Construction time, profiled")[1]
+
+
+def test_capture_profile_section_says_not_measured_without_its_json(tmp_path):
+    text = profile_text(tmp_path, None)
+    assert "Not measured:" in text and "`docs/results/h200-capture-profile.json`" in text
+    assert "≤ 0.03 s per extra bucket and ≤\n2 s for the whole default ladder" in text
+
+
+def test_capture_profile_section_from_json(tmp_path):
+    text = profile_text(tmp_path, capture_profile_data())
+    assert "Not measured" not in text
+    assert "(`h200-capture-profile.json`: NVIDIA H200, torch\n2.11.0+cu130" in text
+    assert "default runner of llama-1b twice" in text
+    assert "| first | 14.82 | 14.60 | 64 | 128 |" in text
+    assert "| second | 9.48 | 9.23 | 64 | 128 |" in text
+    # parts by the first runner's seconds, each with its share of the profiled time
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert rows[0] == "| `sdpa` | 5.15 | 35% | 0.60 | 7% |"
+    assert rows[1] == "| `gpu wait: staging` | 1.26 | 9% | 1.10 | 12% |"
+    assert len(rows) == 12
+    assert (
+        "- The first runner (14.82 s under `cProfile`): the largest parts are `sdpa` 5.15 s (35%), "
+        "`gpu wait: staging` 1.26 s (9%), `gpu wait: tuning` 1.18 s (8%); the GPU waits together "
+        "take 2.67 s (18%)." in text
+    )
+    assert (
+        "- The second runner (9.48 s under `cProfile`): the largest parts are `gpu wait: tun"
+        in text
+    )
+    assert (
+        "- The first runner takes 5.34 s longer than the second; the part that grows most is "
+        "`sdpa`, by 4.54 s (5.15 s against 0.60 s)." in text
+    )
+
+
+def test_a_changed_capture_profile_changes_the_lines(tmp_path):
+    data = capture_profile_data()
+    data["runs"][0]["parts_s"]["ownership census"] = 6.0  # now the largest part of the first
+    text = profile_text(tmp_path, data)
+    assert "the largest parts are `ownership census` 6.00 s (41%), `sdpa` 5.15 s (35%)" in text
+    assert "the part that grows most is `ownership census`, by 5.42 s" in text
+    assert text.splitlines().index("| `ownership census` | 6.00 | 41% | 0.58 | 6% |") < (
+        text.splitlines().index("| `sdpa` | 5.15 | 35% | 0.60 | 7% |")
+    )
+
+
+def test_suite_times_and_report_tests_doctests():
+    import doctest
+
+    from benchmarks import report_tests, suite_times
+
+    for module in (suite_times, report_tests):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -1,0 +1,289 @@
+"""Two sections of the performance page about time spent before any model is served: the
+CUDA test suite's wall time (``benchmarks.suite_times``' JSON) and where a runner's
+construction goes (``benchmarks.capture_profile``'s JSON). Tables and generated lines from
+code, prose from ``performance.md.in``, targets from ``targets.py``."""
+
+from __future__ import annotations
+
+from . import targets as T
+from .template import bullets, fill, num, pct, table
+
+SUITE_FILE = "h200-cuda-suite-times.json"  # the latest CUDA run (replaced by newer runs)
+SUITE_BEFORE_FILE = "h200-cuda-suite-times-before.json"  # before captures stopped collecting
+PROFILE_FILE = "h200-capture-profile.json"
+TOP_FILES = 10  # files in the per-file table
+SLOWEST_FILES = 3  # files named where the target is missed
+LARGEST_PARTS = 3  # parts named per runner
+
+
+def _cell(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else num(value, digits)
+
+
+def gc_share(run: dict) -> float | None:
+    """The share of a run's test seconds spent in garbage collections (``None``: not recorded).
+
+    Example::
+
+        >>> round(gc_share({"tests_s": 345.4, "gc_s": 172.9}), 3)
+        0.501
+        >>> gc_share({"tests_s": 10.0, "gc_s": None}) is None
+        True
+    """
+    if run.get("gc_s") is None or not run.get("tests_s"):
+        return None
+    return run["gc_s"] / run["tests_s"]
+
+
+def suite_verdict(run: dict) -> str:
+    """``"met"`` or ``"missed"``: the run's wall time against ``TARGET_CUDA_SUITE_S``.
+
+    Example::
+
+        >>> suite_verdict({"wall_s": 150.0}), suite_verdict({"wall_s": 203.0})
+        ('met', 'missed')
+    """
+    return "met" if run["wall_s"] <= T.TARGET_CUDA_SUITE_S else "missed"
+
+
+def suite_runs_table(runs: list[dict]) -> str:
+    rows = []
+    for run in runs:
+        share = gc_share(run)
+        counts = run["counts"]
+        rows.append(
+            [
+                run["label"],
+                _cell(run["wall_s"]),
+                _cell(run["tests_s"]),
+                _cell(run["gc_s"]),
+                "-" if share is None else pct(share),
+                "-" if run["collections"] is None else run["collections"],
+                counts.get("passed", 0),
+                counts.get("skipped", 0),
+                counts.get("failed", 0) + counts.get("errors", 0),
+                suite_verdict(run),
+            ]
+        )
+    header = [
+        "run",
+        "wall s",
+        "test s",
+        "of which gc s",
+        "gc share",
+        "collections",
+        "passed",
+        "skipped",
+        "failed",
+        f"target ≤ {T.TARGET_CUDA_SUITE_S:g} s",
+    ]
+    return table(header, rows)
+
+
+def per_file_table(run: dict, before: dict | None) -> str:
+    """The run's slowest files; ``before``'s seconds beside them where it has the file."""
+    old = {f["file"]: f for f in (before or {}).get("per_file", [])}
+    rows = []
+    for f in run["per_file"][:TOP_FILES]:
+        prev = old.get(f["file"])
+        rows.append(
+            [
+                f"`{f['file']}`",
+                f["tests"],
+                _cell(f["seconds"]),
+                _cell(f["gc_s"]),
+                "-" if prev is None else f"{_cell(prev['seconds'])} ({_cell(prev['gc_s'])})",
+            ]
+        )
+    return table(["file", "tests", "seconds", "gc s", "before: seconds (gc s)"], rows)
+
+
+def suite_verdict_line(run: dict) -> str:
+    """The latest run against the target; where missed, by how much and its slowest files."""
+    target = T.TARGET_CUDA_SUITE_S
+    if suite_verdict(run) == "met":
+        return fill(
+            "tests.suite.met", label=run["label"], wall=_cell(run["wall_s"]), target=f"{target:g}"
+        )
+    slowest = ", ".join(
+        f"`{f['file']}` {_cell(f['seconds'])} s" for f in run["per_file"][:SLOWEST_FILES]
+    )
+    over = run["wall_s"] - target
+    return fill(
+        "tests.suite.missed",
+        label=run["label"],
+        wall=_cell(run["wall_s"]),
+        target=f"{target:g}",
+        over=_cell(over),
+        over_pct=pct(over / target),
+        slowest=slowest,
+    )
+
+
+def gc_paragraph(before: dict | None, run: dict) -> str:
+    """What the collections cost before (computed from ``before``), and what is left."""
+    share, share_now = (gc_share(before) if before else None), gc_share(run)
+    if share is None or share_now is None:
+        return ""
+    return fill(
+        "tests.suite.gc",
+        before_gc=_cell(before["gc_s"], 0),
+        before_tests=_cell(before["tests_s"], 0),
+        before_share=pct(share),
+        before_collections=before["collections"],
+        before_wall=_cell(before["wall_s"], 0),
+        wall=_cell(run["wall_s"], 0),
+        gc=_cell(run["gc_s"]),
+        share=pct(share_now),
+        collections=run["collections"],
+    )
+
+
+def suite_time_section(run: dict | None, before: dict | None = None) -> list[str]:
+    """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
+    captures stopped collecting garbage (either may be missing: not measured)."""
+    targets = dict(
+        cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
+        cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
+        cpu_cores=T.CPU_SUITE_CORES,
+    )
+    if run is None:
+        return [fill("tests.suite.missing", file=SUITE_FILE, **targets)]
+    meta = run.get("meta") or {}
+    runs = [before, run] if before else [run]
+    names = [SUITE_BEFORE_FILE, SUITE_FILE] if before else [SUITE_FILE]
+    return [
+        fill(
+            "tests.suite",
+            selection=run["selection"] or "(everything)",
+            files="`, `".join(names),
+            gpu=meta.get("gpu") or "-",
+            torch=meta.get("torch") or "-",
+            transformers=meta.get("transformers") or "-",
+            date=meta.get("date") or "-",
+            **targets,
+            table=suite_runs_table(runs),
+            verdict="\n\n".join(filter(None, [suite_verdict_line(run), gc_paragraph(before, run)])),
+            top=min(TOP_FILES, len(run["per_file"])),
+            files_count=len(run["per_file"]),
+            per_file=per_file_table(run, before),
+        )
+    ]
+
+
+# -- construction under cProfile ----------------------------------------------------------------
+def _share(seconds: float, run: dict) -> str:
+    return pct(seconds / run["profiled_total_s"]) if run["profiled_total_s"] else "-"
+
+
+def gpu_waits(run: dict) -> float:
+    """Seconds of every ``gpu wait: ...`` part of a profiled run (leaf functions: they do not
+    overlap each other).
+
+    Example::
+
+        >>> gpu_waits({"parts_s": {"gpu wait: tuning": 1.0, "gpu wait: staging": 0.5, "sdpa": 3}})
+        1.5
+    """
+    return sum(s for name, s in run["parts_s"].items() if name.startswith("gpu wait"))
+
+
+def largest_parts(run: dict, count: int = LARGEST_PARTS) -> list[tuple[str, float]]:
+    """The ``count`` largest parts of a run, largest first (ties by name).
+
+    Example::
+
+        >>> largest_parts({"parts_s": {"a": 1.0, "b": 3.0, "c": 2.0}}, 2)
+        [('b', 3.0), ('c', 2.0)]
+    """
+    return sorted(run["parts_s"].items(), key=lambda p: (-p[1], p[0]))[:count]
+
+
+def profile_lines(runs: list[dict]) -> list[str]:
+    """Generated lines: each runner's largest parts and GPU waits, and what the first runner
+    pays beyond the second."""
+    lines = []
+    for run in runs:
+        parts = ", ".join(
+            f"`{name}` {num(s)} s ({_share(s, run)})" for name, s in largest_parts(run)
+        )
+        waits = gpu_waits(run)
+        lines.append(
+            fill(
+                "capture_profile.largest",
+                which=run["which"],
+                seconds=num(run["construction_s"]),
+                parts=parts,
+                waits=num(waits),
+                waits_share=_share(waits, run),
+            )
+        )
+    by_which = {run["which"]: run for run in runs}
+    first, second = by_which.get("first"), by_which.get("second")
+    if first and second:
+        differences = {
+            name: s - second["parts_s"].get(name, 0.0) for name, s in first["parts_s"].items()
+        }
+        name, extra = max(differences.items(), key=lambda p: (p[1], p[0]))
+        lines.append(
+            fill(
+                "capture_profile.first",
+                extra=num(first["construction_s"] - second["construction_s"]),
+                part=name,
+                part_extra=num(extra),
+                part_first=num(first["parts_s"][name]),
+                part_second=num(second["parts_s"].get(name, 0.0)),
+            )
+        )
+    return lines
+
+
+def capture_profile_section(data: dict | None) -> list[str]:
+    """The "Construction time, profiled" section from ``capture_profile``'s JSON."""
+    targets = dict(
+        extra_target=f"{T.TARGET_CAPTURE_S_PER_EXTRA_BUCKET:g}",
+        ladder_target=f"{T.TARGET_LADDER_CAPTURE_S:g}",
+    )
+    if data is None:
+        return [fill("capture_profile.missing", file=PROFILE_FILE, **targets)]
+    runs, meta = data["runs"], data.get("meta") or {}
+    runs_table = table(
+        ["runner", "construction s (under cProfile)", "profiled s", "buckets", "graphs"],
+        [
+            [
+                r["which"],
+                num(r["construction_s"]),
+                num(r["profiled_total_s"]),
+                r["buckets"],
+                r["graphs"],
+            ]
+            for r in runs
+        ],
+    )
+    names = sorted(runs[0]["parts_s"], key=lambda n: (-runs[0]["parts_s"][n], n))
+    names += [n for r in runs[1:] for n in r["parts_s"] if n not in names]
+    header = ["part"]
+    for r in runs:
+        header += [f"{r['which']} runner s", "share"]
+    rows = []
+    for name in names:
+        row = [f"`{name}`"]
+        for r in runs:
+            s = r["parts_s"].get(name)
+            row += ["-", "-"] if s is None else [num(s), _share(s, r)]
+        rows.append(row)
+    return [
+        fill(
+            "capture_profile",
+            file=PROFILE_FILE,
+            gpu=meta.get("gpu") or "-",
+            torch=meta.get("torch") or "-",
+            transformers=meta.get("transformers") or "-",
+            date=meta.get("date") or "-",
+            family=data["family"],
+            **targets,
+            runs=runs_table,
+            parts=table(header, rows),
+            largest=bullets(profile_lines(runs)),
+        )
+    ]
