@@ -70,7 +70,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + list(report_breaks.ANATOMY_FILES)
         + [report_earlier.FILE, *report_earlier.RUN_FILES, report_earlier.MOE_FILE]
         + [tp_report.FILE, tp_report.NO_MIXING_FILE]
-        + [*report_prefill.CAPTURE_FILES, report_prefill.CAPTURE_AFTER_FILE]
+        + [*report_prefill.CAPTURE_FILES, *(n for n, _ in report_prefill.CAPTURE_LATER_FILES)]
         + [cb_report.TRACE_FILE]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
     )
@@ -88,7 +88,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     )
     blocks += report_prefill.capture_split_section(
         [loaded[n] for n in report_prefill.CAPTURE_FILES if n in loaded],
-        loaded.get(report_prefill.CAPTURE_AFTER_FILE),
+        [(n, tag, loaded[n]) for n, tag in report_prefill.CAPTURE_LATER_FILES if n in loaded],
     )
     blocks += report_tests.capture_profile_section(loaded.get(report_tests.PROFILE_FILE))
     compile_run = load(report_prefill.COMPILE_FILE)

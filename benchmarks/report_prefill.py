@@ -436,15 +436,19 @@ def compile_breakdown(data: dict) -> str:
     return ""
 
 
-#: benchmarks/capture_time.py runs: before (every variant) and after the sync-watch change
+#: benchmarks/capture_time.py runs: before (every variant), then later code, each with its tag
 CAPTURE_FILES = ("h200-capture-time-llama.json", "h200-capture-time-mistral.json")
-CAPTURE_AFTER_FILE = "h200-capture-time-after.json"
+CAPTURE_LATER_FILES = (
+    ("h200-capture-time-after.json", "after"),
+    ("h200-capture-time-now.json", "now"),
+)
 
 
-def capture_split_section(runs: list[dict], after: dict | None) -> list[str]:
-    """``benchmarks/capture_time.py``: construction time per variant, first and second runner."""
+def capture_split_section(runs: list[dict], later: list[tuple[str, str, dict]]) -> list[str]:
+    """``benchmarks/capture_time.py``: construction time per variant, first and second runner;
+    ``later``: ``(file, tag, data)`` of runs of later code, tagged in the variant column."""
     rows = []
-    for data, tag in [(d, "") for d in runs] + ([(after, "after")] if after else []):
+    for data, tag in [(d, "") for d in runs] + [(data, tag) for _, tag, data in later]:
         for r in data["results"]:
             first, second = r["first"], r["second"]
             rows.append(
@@ -468,7 +472,7 @@ def capture_split_section(runs: list[dict], after: dict | None) -> list[str]:
         "second runner s",
         "ms per extra bucket",
     ]
-    names = [*CAPTURE_FILES, *([CAPTURE_AFTER_FILE] if after else [])]
+    names = [*CAPTURE_FILES, *(name for name, _, _ in later)]
     return [
         fill(
             "prefill.capture_split",
@@ -476,7 +480,7 @@ def capture_split_section(runs: list[dict], after: dict | None) -> list[str]:
             gpu=meta.get("gpu") or "-",
             torch=meta["torch"],
             transformers=meta["transformers"],
-            date=meta["date"],
+            date=", ".join(sorted({d["meta"]["date"] for d in [*runs, *(d for *_, d in later)]})),
             table=table(header, rows),
         )
     ]
