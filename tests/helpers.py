@@ -112,3 +112,24 @@ def fresh_process_result(name: str) -> tuple[bool, str]:
             results.setdefault(check, (False, died))
         _fresh["results"] = results
     return _fresh["results"][name]
+
+
+# -- transformers' continuous-batching cleanup ---------------------------------------------------
+
+
+def no_full_collections_in_cb_cleanup(patches, *modules) -> None:
+    """Make ``gc.collect()`` a no-op in transformers' continuous batching (and ``modules``).
+
+    transformers runs a full ``gc.collect()`` whenever a CB batch processor is dropped or a
+    manager stops (its own cleanup; 0.1-0.3 s each with transformers loaded on CI's CPU), and
+    ``benchmarks.bench_cb`` collects between variants to hand GPU memory back: seconds of the
+    CB test files, and none of it is what the tests check. ``patches`` is a
+    ``pytest.MonkeyPatch`` (the fixture, or ``pytest.MonkeyPatch.context()``).
+    """
+    import types
+
+    from transformers.generation.continuous_batching import continuous_api
+
+    no_op = types.SimpleNamespace(collect=lambda *args: 0)
+    for module in (continuous_api, *modules):
+        patches.setattr(module, "gc", no_op)

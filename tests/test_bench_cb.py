@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from breakgraph.integrations.transformers import compat  # noqa: E402
 
 from benchmarks import bench_cb, cb_instruments, cb_report, roofline  # noqa: E402
+from tests.helpers import no_full_collections_in_cb_cleanup  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 needs_cb = pytest.mark.skipif(
@@ -188,7 +189,9 @@ def smoke_json(tmp_path_factory):
     threads = torch.get_num_threads()
     original = vars(cb_instruments._processor_class())["prepare_next_batch"]
     try:
-        returned = bench_cb.main(["--smoke", "--out", str(out)])
+        with pytest.MonkeyPatch.context() as patches:  # seconds of collections (helpers)
+            no_full_collections_in_cb_cleanup(patches, bench_cb)
+            returned = bench_cb.main(["--smoke", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     data = json.loads(out.read_text())
@@ -309,6 +312,7 @@ def test_step_timer_keeps_the_forward_signature_transformers_reads():
 
 @needs_cb
 def test_a_failing_variant_is_recorded_and_the_others_still_run(monkeypatch, capsys):
+    no_full_collections_in_cb_cleanup(monkeypatch, bench_cb)
     real = bench_cb.run_round
 
     def run_round(model, variant, run):

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from breakgraph.integrations.transformers import compat  # noqa: E402
 
 from benchmarks import cb_trace  # noqa: E402
+from tests.helpers import no_full_collections_in_cb_cleanup  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 needs_cb = pytest.mark.skipif(
@@ -178,10 +179,11 @@ def test_arguments_are_checked():
 
 
 @needs_cb
-def test_smoke_run_writes_traces_and_summary(tmp_path):
+def test_smoke_run_writes_traces_and_summary(tmp_path, monkeypatch):
     """``python -m benchmarks.cb_trace --smoke`` in-process: one gzip'd chrome trace per
     variant holding the marked steps, the summary on disk, the CUDA-only variant skipped,
     no device numbers on the CPU, and transformers' loop methods restored."""
+    no_full_collections_in_cb_cleanup(monkeypatch)
     processor = cb_trace._processor_class()
     before = {m: processor.__dict__[m] for m in cb_trace.RANGES}
     variants = "breakgraph,breakgraph_sync,stock_graphs_async"

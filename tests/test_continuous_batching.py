@@ -43,6 +43,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 from breakgraph.errors import BackendError, InputError, ReplayError  # noqa: E402
+from tests.helpers import no_full_collections_in_cb_cleanup  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 
@@ -183,12 +184,9 @@ def transformers_state(model) -> dict:
 
 @pytest.fixture(autouse=True)
 def _no_full_collections_in_transformers_cleanup(monkeypatch):
-    """transformers runs a full ``gc.collect()`` whenever a CB batch processor is dropped or a
-    manager stops (its own cleanup, 0.1-0.3 s each with transformers loaded): about 20 s of this
-    file on CI's 2 cores. It only returns memory sooner; the tests do not need it."""
-    from transformers.generation.continuous_batching import continuous_api
-
-    monkeypatch.setattr(continuous_api, "gc", types.SimpleNamespace(collect=lambda *a: 0))
+    """transformers' CB cleanup collects garbage (about 20 s of this file on CI's 2 cores); it
+    only returns memory sooner, the tests do not need it (``helpers``)."""
+    no_full_collections_in_cb_cleanup(monkeypatch)
 
 
 @pytest.fixture(autouse=True)
