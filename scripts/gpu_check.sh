@@ -9,7 +9,10 @@
 # RUN_CAPTURE=1 (PrefillRunner construction split by variant: benchmarks/capture_time.py, ~2 min;
 # copy capture-time.json to docs/results/h200-capture-time-after.json), RUN_TRACE=1 (a CB profiler
 # trace, async against sync: benchmarks/cb_trace.py, ~40 s; its folder goes to
-# docs/results/h200-cb-trace-5.17/). The tests also write test-times.txt (seconds per test).
+# docs/results/h200-cb-trace-5.17/). The tests also write test-times.txt (seconds per test, and the
+# seconds of garbage collection inside it); for the page's test-suite section run the CUDA tests
+# alone (TEST_ARGS="-m requires_cuda tests", about 3 min) and, here, python -m benchmarks.suite_times
+# --times test-times.txt --log pytest.log --label ... --out docs/results/h200-cuda-suite-times.json.
 # Tensor parallelism needs 2 GPUs (kind nvidia-h200-x2): bash scripts/tp_check.sh (the TP
 # tests, the example and the TP benchmark, with and without NCCL graph mixing).
 # PREFILL_ARGS adds flags to the prefill benchmark (e.g. "--families llama-1b,mixtral-4l" or
