@@ -425,11 +425,13 @@ class GraphLadder:
 
         GEMM libraries pick kernels by shape, and some sizes are slow: on an H200 a
         Llama-1B prefill padded to 208 tokens took longer than one padded to 224 or 256.
-        Each bucket replays ``repeats`` times (after two warm-ups) with ``context(size)``
-        (default: its capture context), made once per bucket, on whatever its buffers hold;
-        then :meth:`route`. One host wait per bucket, for its timed replays: a context that
-        stages inputs (a runner's step buffers) would otherwise wait for the device before
-        every replay.
+        Each bucket replays ``repeats`` times (after one warm-up: its capture already launched
+        every segment once, so the graph is uploaded) with ``context(size)`` (default: its
+        capture context), made once per bucket, on whatever its buffers hold; then
+        :meth:`route`. One host wait per bucket, for its timed replays: a context that stages
+        inputs (a runner's step buffers) would otherwise wait for the device before every
+        replay. The replays are device work, the largest part of a runner's construction
+        after the captures (``benchmarks/capture_profile.py``).
         CUDA only (the emulated backend's times mean nothing: nothing is timed or routed);
         not with ``ranks`` (timings differ between ranks, and every rank must take the same
         bucket). Returns the milliseconds per replay of each bucket.
@@ -446,8 +448,7 @@ class GraphLadder:
         for size in self._sizes:
             graph = self._rungs[size].graph
             args = () if context is None else (context(size),)
-            for _ in range(2):
-                graph.replay(*args)
+            graph.replay(*args)  # warm-up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(repeats):

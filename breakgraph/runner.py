@@ -455,7 +455,7 @@ class BucketedRunner:
         Llama-1B prefill padded to 208 tokens took longer than one padded to 224 or 256.
         After tuning, a bucket that a larger bucket beats by more than ``margin`` routes
         its calls there (``stats.routed``; the times are in ``stats.replay_ms``). Each
-        bucket replays ``repeats`` times (plus two warm-ups) on its capture-time inputs and
+        bucket replays ``repeats`` times (plus one warm-up) on its capture-time inputs and
         context. CUDA only (the emulated backend's times mean nothing: nothing is routed);
         not with ``ranks`` (timings differ between ranks, and every rank must take the same
         bucket). Returns the milliseconds per replay of each bucket

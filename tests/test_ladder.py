@@ -319,7 +319,7 @@ def test_tune_times_every_bucket_on_cuda():
     buffer = torch.zeros(8, device="cuda")
     other.capture((8,), lambda size: look(buffer[:size] * 2), context=lambda size: size)
     other.tune(context, repeats=3)
-    assert seen[-5:] == [1008] * 5  # two warm-ups and three timed replays, each with it
+    assert seen[-4:] == [1008] * 4 and seen.count(1008) == 4  # a warm-up, three timed replays
     other.close()
 
 
