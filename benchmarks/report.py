@@ -73,6 +73,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*report_prefill.CAPTURE_FILES, *(n for n, _ in report_prefill.CAPTURE_LATER_FILES)]
         + [cb_report.TRACE_FILE]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
+        + [report_tests.SUITE_WHOLE_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -118,7 +119,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if suite_data is not None:
         blocks += report_suite.suite_section(suite_data)
     blocks += report_tests.suite_time_section(
-        loaded.get(report_tests.SUITE_FILE), loaded.get(report_tests.SUITE_BEFORE_FILE)
+        loaded.get(report_tests.SUITE_FILE),
+        loaded.get(report_tests.SUITE_BEFORE_FILE),
+        loaded.get(report_tests.SUITE_WHOLE_FILE),
     )
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
 

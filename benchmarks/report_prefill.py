@@ -441,6 +441,7 @@ CAPTURE_FILES = ("h200-capture-time-llama.json", "h200-capture-time-mistral.json
 CAPTURE_LATER_FILES = (
     ("h200-capture-time-after.json", "after"),
     ("h200-capture-time-now.json", "now"),
+    ("h200-capture-time-tune.json", "now, one tuning warm-up"),
 )
 
 

@@ -10,6 +10,7 @@ from .template import bullets, fill, num, pct, table
 
 SUITE_FILE = "h200-cuda-suite-times.json"  # the latest CUDA run (replaced by newer runs)
 SUITE_BEFORE_FILE = "h200-cuda-suite-times-before.json"  # before captures stopped collecting
+SUITE_WHOLE_FILE = "h200-suite-times-whole.json"  # the whole suite (emulated and CUDA tests)
 PROFILE_FILE = "h200-capture-profile.json"
 TOP_FILES = 10  # files in the per-file table
 SLOWEST_FILES = 3  # files named where the target is missed
@@ -139,9 +140,27 @@ def gc_paragraph(before: dict | None, run: dict) -> str:
     )
 
 
-def suite_time_section(run: dict | None, before: dict | None = None) -> list[str]:
+def whole_suite_line(whole: dict | None) -> str:
+    """One line on the whole suite (emulated and CUDA tests) on the GPU machine, if measured."""
+    if whole is None:
+        return ""
+    counts = whole["counts"]
+    return fill(
+        "tests.suite.whole",
+        file=SUITE_WHOLE_FILE,
+        wall=_cell(whole["wall_s"]),
+        passed=counts.get("passed", 0),
+        skipped=counts.get("skipped", 0),
+        failed=counts.get("failed", 0),
+    ).strip("\n")
+
+
+def suite_time_section(
+    run: dict | None, before: dict | None = None, whole: dict | None = None
+) -> list[str]:
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
-    captures stopped collecting garbage (either may be missing: not measured)."""
+    captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
+    machine (any may be missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -163,7 +182,12 @@ def suite_time_section(run: dict | None, before: dict | None = None) -> list[str
             date=meta.get("date") or "-",
             **targets,
             table=suite_runs_table(runs),
-            verdict="\n\n".join(filter(None, [suite_verdict_line(run), gc_paragraph(before, run)])),
+            verdict="\n\n".join(
+                filter(
+                    None,
+                    [suite_verdict_line(run), whole_suite_line(whole), gc_paragraph(before, run)],
+                )
+            ),
             top=min(TOP_FILES, len(run["per_file"])),
             files_count=len(run["per_file"]),
             per_file=per_file_table(run, before),

@@ -635,3 +635,13 @@ def test_suite_times_and_report_tests_doctests():
     for module in (suite_times, report_tests):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_the_whole_suite_run_is_a_line_of_its_own():
+    from benchmarks import report_tests
+
+    whole = suite_run(wall_s=246.6, counts={"passed": 912, "skipped": 68, "failed": 1})
+    text = "\n".join(report_tests.suite_time_section(suite_run(), None, whole))
+    assert "`pytest tests` (emulated and CUDA tests" in text
+    assert "246.6 s of wall time, 912 passed, 68 skipped, 1\nfailed" in text
+    assert "`pytest tests`" not in "\n".join(report_tests.suite_time_section(suite_run()))
