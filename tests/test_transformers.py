@@ -857,3 +857,30 @@ def test_default_ladder_pads_at_most_7_tokens_below_256_and_an_eighth_above():
     assert default_token_buckets(512, step=16, dense_until=128)[:3] == (16, 32, 48)
     with pytest.raises(InputError, match="default_token_buckets"):
         default_token_buckets(0)
+
+
+@pytest.mark.parametrize("failing", ["single-prompt graphs", "tuning"])
+def test_a_construction_that_fails_late_closes_what_it_captured(failing, monkeypatch):
+    """A PrefillRunner whose single-prompt ladder or tuning raises leaves no ladder open
+    (their graphs hold pool memory until closed): the error propagates, every BucketedRunner
+    it built is closed."""
+    from breakgraph.runner import BucketedRunner
+
+    built, real_init = [], BucketedRunner.__init__
+
+    def init(self, *args, **kwargs):
+        if failing == "single-prompt graphs" and built:
+            raise RuntimeError("boom")
+        real_init(self, *args, **kwargs)
+        built.append(self)
+
+    def tune(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(BucketedRunner, "__init__", init)
+    monkeypatch.setattr(BucketedRunner, "tune", tune)
+    model = model_for("llama", "emulated")
+    with pytest.raises(RuntimeError, match="boom"):
+        make_runner(model, "emulated", single_prompt_graphs=True, tune_buckets=True)
+    assert built and all(r.ladder.closed for r in built), [r.ladder.closed for r in built]
+    assert len(built) == (1 if failing == "single-prompt graphs" else 2)

@@ -166,7 +166,8 @@ class PrefillRunner:
             bucket that holds it (:meth:`~breakgraph.runner.BucketedRunner.tune`: some
             padded sizes are slower than larger ones). Each bucket is timed with one prompt
             filling it, so with the single-prompt attention kernel. CUDA, one process only;
-            about a second for the default ladder.
+            its replays are device time, one to two seconds of a deep model's default ladder
+            (``tune_buckets=False`` skips them).
         single_prompt_graphs: also capture, per bucket, a graph with no break for a batch
             of ONE prompt: its attention is recorded in the graph (causal attention over the
             whole row is exact for a prompt that starts at row 0; see
@@ -321,7 +322,13 @@ class PrefillRunner:
                 self._runner.close()
                 raise
         if tune_buckets and self.ranks is None:
-            self._runner.tune()
+            try:
+                self._runner.tune()
+            except BaseException:  # the graphs hold pool memory: nothing is left half-built
+                self._runner.close()
+                if self._single is not None:
+                    self._single.close()
+                raise
 
     # -- the captured forward ------------------------------------------------------------
     def _forward(
