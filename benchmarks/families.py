@@ -30,6 +30,20 @@ def _tf():
     return transformers
 
 
+def _mistral_7b_4l(sliding_window: int):
+    """Mistral-7B-v0.1's widths cut to 4 layers, with the given sliding window."""
+    return _tf().MistralConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        sliding_window=sliding_window,
+    )
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -92,16 +106,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "mistral-7b-4l",
-            lambda: _tf().MistralConfig(
-                vocab_size=32000,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=4,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                max_position_embeddings=32768,
-                sliding_window=4096,
-            ),
+            lambda: _mistral_7b_4l(sliding_window=4096),
             "Mistral-7B-v0.1 cut to 4 layers: hidden 4096, GQA 32/8, sliding window 4096",
         ),
         Family(
@@ -141,16 +146,7 @@ FAMILIES: dict[str, Family] = {
         # the two small shapes of issue 23 (4 layers each): a fixed per-call cost shows there
         Family(
             "mistral-sw256-4l",
-            lambda: _tf().MistralConfig(
-                vocab_size=32000,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=4,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                max_position_embeddings=32768,
-                sliding_window=256,
-            ),
+            lambda: _mistral_7b_4l(sliding_window=256),
             "Mistral-7B widths cut to 4 layers, sliding window 256",
         ),
         Family(
