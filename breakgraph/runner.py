@@ -448,7 +448,7 @@ class BucketedRunner:
         decision = self.ladder.choose(agree(size) if agree is not None else size)
         return decision.bucket if decision.action is Action.REPLAY else None
 
-    def tune(self, repeats: int = 5, margin: float = 0.02) -> dict[int, float]:
+    def tune(self, repeats: int = 1, margin: float = 0.02) -> dict[int, float]:
         """Time every bucket's graph; send each size to the fastest bucket that holds it.
 
         GEMM libraries pick kernels by shape, and some sizes are slow: on an H200 a

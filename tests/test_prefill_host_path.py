@@ -2,8 +2,9 @@
 
 Every call runs it before the device has anything to do, so it must stay small: the views it
 writes through are made once, at construction (no tensor view, no ``.numpy()`` of the step
-buffers per call), the step reaches the device in one copy, and what it writes is exactly what
-the graphs and the attention breaks read. ``benchmarks/prefill_host_path.py`` measures it.
+buffers per call), the step reaches the device by the graph's own first node, and what it
+writes is exactly what the graphs and the attention breaks read.
+``benchmarks/prefill_host_path.py`` measures it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ def _watch(runner, prompts: list) -> _Calls:
 
 
 @pytest.mark.parametrize("where", ["host", "device"])
-def test_a_call_makes_no_tensor_view_and_one_copy_to_the_device(runner, backend, where):
+def test_a_call_issues_no_copy_and_makes_no_tensor_view_before_its_launch(runner, backend, where):
+    """The step reaches the device by the graph's own first node: before the launch a call
+    only writes the pinned host buffer (numpy), and device prompts are copied into it."""
     if where == "device" and backend != "cuda":
         pytest.skip("prompts on the device: CUDA only")
     prompts = [
@@ -94,15 +97,37 @@ def test_a_call_makes_no_tensor_view_and_one_copy_to_the_device(runner, backend,
     for batch in ([prompts[0]], prompts):
         runner.prefill(batch)  # the bucket decision is cached from the second call on
         watch = _watch(runner, batch)
-        if where == "host":
-            # one copy (the staged step), one .numpy() per host prompt, no view of any buffer
-            assert watch.count(torch.Tensor.copy_) == 1, watch.calls
+        if where == "host":  # one .numpy() per host prompt, no copy, no view of any buffer
+            assert watch.count(torch.Tensor.copy_) == 0, watch.calls
             assert watch.count(torch.Tensor.numpy) == len(batch), watch.calls
             assert watch.count(torch.Tensor.__getitem__) == 0, watch.calls
-        else:  # the staged step, then one device-to-device copy (into a view) per prompt
-            assert watch.count(torch.Tensor.copy_) == 1 + len(batch), watch.calls
+        else:  # one device-to-host copy (into a view of the host buffer) per prompt
+            assert watch.count(torch.Tensor.copy_) == len(batch), watch.calls
             assert watch.count(torch.Tensor.numpy) == 0, watch.calls
             assert watch.count(torch.Tensor.__getitem__) == len(batch), watch.calls
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_calls_issued_back_to_back_give_each_its_own_answer(runner, backend, where):
+    """Calls made without reading the previous logits (owned and graph-memory ones): each
+    call's graph copies the host buffer when it runs, so the next call must not restage it
+    before; the logits equal those of calls made one at a time, on fresh random prompts."""
+    if where == "device" and backend != "cuda":
+        pytest.skip("prompts on the device: CUDA only")
+    device = "cpu" if where == "host" else "cuda"
+    batches = [
+        [torch.randint(VOCAB, (n,), device=device) for n in lengths]
+        for lengths in ([40], [3, 9], [16], [1], [7, 7, 7], [33], [2])
+    ]
+    alone = []
+    for batch in batches:
+        alone.append(runner.prefill(batch).logits.cpu())
+    owned = [runner.prefill(batch).logits for batch in batches]  # no read in between
+    for batch, want, got in zip(batches, alone, owned):
+        torch.testing.assert_close(got.cpu(), want, msg=str([len(p) for p in batch]))
+    for batch, want in zip(batches, alone):  # graph memory: read before the next call only
+        got = runner.prefill(batch, owned=False).logits.cpu()
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("bad", [[-1], [VOCAB], [2**62], [-(2**63)]])
@@ -140,8 +165,8 @@ def _reference(lengths: list, bucket: int, pad: int, max_prompts: int, ids: list
 
 @pytest.mark.parametrize("p", [5, 12])  # 12: batches past the few-prompt path
 def test_committed_steps_match_the_reference(p):
-    """Random batches (one prompt, several, max_prompts, none: the capture's) through both host
-    buffers in turn, after larger ones (stale values must not survive)."""
+    """Random batches (one prompt, several, max_prompts, none: the capture's), each after
+    larger ones (stale values must not survive), staged on the host, then uploaded."""
     t, pad = 64, 7
     steps = StepBuffers(t, p, torch.device("cpu"), pad)
     rng = random.Random(p)
@@ -152,12 +177,13 @@ def test_committed_steps_match_the_reference(p):
         total = sum(lengths)
         bucket = rng.choice([b for b in (total, 16, 48, 64) if b >= max(total, 1)])
         assert steps.write_ids(prompts, lengths, VOCAB)
-        turn = steps.turn
         bounds = steps.commit(prompts, lengths, bucket)
         ids = list(itertools.chain.from_iterable(q.tolist() for q in prompts))
         want = _reference(lengths, bucket, pad, p, ids)
         assert bounds == want["bounds"], lengths
-        for buffer in (steps.hosts[turn], steps.device_buffer):  # staged, then copied
+        steps.upload()  # what the graph's first node does
+        steps.launched()
+        for buffer in (steps.host, steps.device_buffer):  # staged, then copied
             assert buffer[:bucket].tolist() == want["ids"], lengths
             assert buffer[t : t + bucket].tolist() == want["positions"], lengths
             assert buffer[2 * t : 2 * t + p].tolist() == want["last"], lengths

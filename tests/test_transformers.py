@@ -715,7 +715,7 @@ def test_user_instance_forward_on_experts_survives(backend, closing):
     assert calls  # the runner went through it while capturing
 
 
-# -- 8. the host never waits for the GPU -----------------------------------------------------------
+# -- 8. the host never reads the GPU; a call waits only for the previous call's graph ------------
 def test_back_to_back_prefills_keep_their_own_metadata(backend, closing):
     """Step metadata is staged asynchronously: a second prefill, prepared while the GPU has not
     yet run the first one, must not overwrite the first one's lengths before they are read."""

@@ -1,10 +1,13 @@
 """Where one prefill's inputs live: ``StepBuffers``, the static inputs of ``PrefillRunner``.
 
 A prefill step is the prompts' ids, their positions, each prompt's last-token index and
-the packed sequences' boundaries (``cu_seqlens``). All four live in ONE device buffer,
-filled by ONE asynchronous copy per call from a pinned host buffer (two, used in turn);
-every bucket's static inputs are views of its start. This is host work on every model
-step, so every view it writes through is made once, here.
+the packed sequences' boundaries (``cu_seqlens``). All four live in ONE pinned host buffer,
+mirrored by ONE device buffer whose views are every bucket's static inputs. The copy from
+one to the other is not made by the host: it is the first node of every captured graph
+(:meth:`StepBuffers.upload`, called at the start of the captured forward), so a call's
+host work before its graph launch is numpy writes into the host buffer and nothing else.
+That copy was the largest piece of that host work (a ``cudaMemcpyAsync`` on an idle GPU,
+10 to 15 microseconds on an H200 server's host; ``benchmarks/prefill_host_path.py``).
 
 Example::
 
@@ -16,6 +19,7 @@ Example::
     True
     >>> steps.commit(prompts, [3, 2], bucket=8)  # the prompts' bounds, then the tail's
     [(0, 3), (3, 5), (5, 8)]
+    >>> steps.upload()  # what the graph's first node does
     >>> steps.ids[:8].tolist(), steps.positions[:8].tolist()  # the tail: pad ids, any positions
     ([5, 6, 7, 8, 9, 0, 0, 0], [0, 1, 2, 0, 1, 5, 6, 7])
     >>> steps.cu_seqlens.tolist(), steps.last_index.tolist()
@@ -37,7 +41,7 @@ _FEW_PROMPTS = 8  # up to this many prompts, a step is staged with scalar writes
 
 
 class _HostView:
-    """Numpy views of one pinned host buffer, made once (a ``.numpy()`` call or a slice is
+    """Numpy views of the pinned host buffer, made once (a ``.numpy()`` call or a slice is
     host time on every step): ``ids`` (and ``unsigned_ids``, the same memory as uint64),
     ``positions``, ``last`` (last-token indices), ``cu`` (int32 boundaries)."""
 
@@ -52,24 +56,34 @@ class _HostView:
 
 
 class StepBuffers(StaticInputs):
-    """Where one prefill's inputs live: one device buffer, filled by one copy per call.
+    """Where one prefill's inputs live: a pinned host buffer the graphs copy from.
 
     Layout (int64): ``ids [T] | positions [T] | last-token indices [P] | cu_seqlens``
-    (``P + 2`` int32 values in the int64 words after). Every bucket's static inputs are
-    views of its start, so the bucket graphs read the same memory (they never run at the
-    same time). The host side is two pinned buffers used in turn, each guarded by an event,
-    so preparing a step never waits for the previous one to be read.
+    (``P + 2`` int32 values in the int64 words after), the same in the host buffer and in
+    the device buffer. Every bucket's static inputs are views of the device buffer's start,
+    so the bucket graphs read the same memory (they never run at the same time).
+
+    A call writes the host buffer (:meth:`write_ids`, then :meth:`commit`), launches a graph
+    whose first node copies the whole host buffer to the device (:meth:`upload`, captured),
+    then marks the host buffer as read by that launch (:meth:`launched`): the next call's
+    :meth:`write_ids` waits for that mark. The host never waits when the caller reads each
+    call's logits before the next call (every synchronous use); two calls issued back to
+    back without reading make the second wait for the first before it stages (one host
+    buffer: the graphs copy from its fixed address). Prompts already on the device reach
+    their place in the host buffer by device-to-host copies issued before the launch, in
+    stream order, so the graph's copy carries them too (they are not checked against the
+    vocabulary: that would cost a host sync).
 
     Per call this is host work on a model step (each numpy call is about a microsecond on a
     GPU server's host), so it writes only what changed:
 
-    * every view it writes through (numpy views of both host buffers, ``cu_seqlens[: k]``
+    * every view it writes through (numpy views of the host buffer, ``cu_seqlens[: k]``
       for every count ``k``) is made here, once;
     * the positions region holds ``0, 1, 2, ...`` between calls, so a first prompt's
-      positions are already there; only later prompts' are written (and put back by the next
-      call on that buffer). The padding tail, a dummy sequence of its own, keeps these
-      positions too: any position below the bucket is valid, and the tail of a given
-      (length, bucket) is always the same;
+      positions are already there; only later prompts' are written (and put back by the
+      next call). The padding tail, a dummy sequence of its own, keeps these positions too:
+      any position below the bucket is valid, and the tail of a given (length, bucket) is
+      always the same;
     * ``cu_seqlens[0]`` is 0 for good; last-token indices a larger batch left behind are
       cleared only when there are some;
     * up to ``_FEW_PROMPTS`` prompts (one is the common case) are staged with scalar
@@ -85,19 +99,18 @@ class StepBuffers(StaticInputs):
         pin = device.type == "cuda"
         t, p = max_tokens, max_prompts
         with torch.inference_mode(False):
-            self.hosts = [torch.zeros(self.words, dtype=torch.long, pin_memory=pin) for _ in (0, 1)]
-            for host in self.hosts:  # the positions' resting state: see the class docstring
-                host[t : 2 * t] = torch.arange(t)
-            self.device_buffer = self.hosts[0].to(device, copy=True)
-        self.views = [_HostView(host, max_tokens, max_prompts) for host in self.hosts]
-        # per host buffer: the positions [start, end) that differ from the resting state, and
-        # how many last-token indices the last step written there set
-        self.moved = [(0, 0), (0, 0)]
-        self.last_set = [0, 0]
+            self.host = torch.zeros(self.words, dtype=torch.long, pin_memory=pin)
+            self.host[t : 2 * t] = torch.arange(t)  # the positions' resting state (see above)
+            self.device_buffer = self.host.to(device, copy=True)
+        self.view = _HostView(self.host, max_tokens, max_prompts)
+        self.host_ids = self.host[:t]  # where device prompts' ids are copied to
+        # the positions [start, end) that differ from the resting state, and how many
+        # last-token indices the last step set
+        self.moved = (0, 0)
+        self.last_set = 0
         # torch.Event: its record() finds the current stream in C++ (torch.cuda.Event.record
         # builds a Python torch.cuda.Stream for it on every call, a few microseconds)
-        self.events = [torch.Event(device, enable_timing=False) if pin else None for _ in (0, 1)]
-        self.turn = 0
+        self.read = torch.Event(device, enable_timing=False) if pin else None
         self.ids, self.positions = self.device_buffer[:t], self.device_buffer[t : 2 * t]
         self.last_index = self.device_buffer[2 * t : 2 * t + p]
         self.cu_seqlens = self.device_buffer[2 * t + p :].view(torch.int32)[: p + 2]
@@ -106,6 +119,25 @@ class StepBuffers(StaticInputs):
 
     def allocate(self, size: int) -> tuple:
         return self.ids[:size].view(1, size), self.positions[:size].view(1, size)
+
+    def upload(self) -> None:
+        """The host buffer to the device buffer: the first operation of the captured forward,
+        so inside a graph it is the graph's first node (a copy from pinned memory reads the
+        host buffer when the node runs, not when it was captured)."""
+        self.device_buffer.copy_(self.host, non_blocking=True)
+
+    def launched(self) -> None:
+        """Mark the host buffer as read by the work issued so far (the call's launch): the next
+        :meth:`write_ids` waits for it."""
+        if self.read is not None:
+            self.read.record()
+
+    def settle(self) -> None:
+        """Wait until everything issued so far has read the host buffer (off the hot path:
+        before staging a capture's or a tuning's batch)."""
+        if self.read is not None:
+            self.read.record()
+            self.read.synchronize()
 
     def write_ids(self, prompts: list, lengths: list, vocab_size: int) -> bool:
         """First half of a step: the prompts' ids into the host buffer, checked against the
@@ -116,11 +148,9 @@ class StepBuffers(StaticInputs):
         if total > self.max_tokens:
             _check_vocabulary([p for p in prompts if p.is_cpu], vocab_size)
             return False
-        i = self.turn
-        event = self.events[i]
-        if event is not None:
-            event.synchronize()  # the copy of two steps ago has read this buffer
-        view = self.views[i]
+        if self.read is not None:
+            self.read.synchronize()  # the previous call's graph has copied the host buffer
+        view = self.view
         ids = view.ids
         start = 0
         on_device = False
@@ -137,17 +167,16 @@ class StepBuffers(StaticInputs):
         return True
 
     def commit(self, prompts: list, lengths: list, bucket: int) -> list:
-        """Second half: positions, tail, last-token indices, boundaries, then ONE async copy
-        to the device. Returns the ``(start, end)`` bounds of the prompts and of the tail
-        (a dummy sequence, so every row is written)."""
-        i = self.turn
-        self.turn ^= 1
-        view = self.views[i]
+        """Second half: positions, tail, last-token indices, boundaries into the host buffer;
+        device prompts' ids into it by device-to-host copies. Returns the ``(start, end)``
+        bounds of the prompts and of the tail (a dummy sequence, so every row is written).
+        The call's graph (or eager forward) then :meth:`upload` s it."""
+        view = self.view
         positions, last, cu = view.positions, view.last, view.cu
-        low, high = self.moved[i]
+        low, high = self.moved
         if high:  # a batch of several prompts left later prompts' positions here
             positions[low:high] = self.arange[low:high]
-            self.moved[i] = (0, 0)
+            self.moved = (0, 0)
         n = len(lengths)
         if n == 1:  # the common case: the positions are in place
             total = lengths[0]
@@ -174,23 +203,37 @@ class StepBuffers(StaticInputs):
             cu[1 : n + 1] = ends
             bounds = list(zip(starts.tolist(), ends.tolist()))
         if n > 1:
-            self.moved[i] = (lengths[0], total)
-        if self.last_set[i] > n:  # a larger batch's last-token indices (they could be past
-            last[n : self.last_set[i]] = 0  # this bucket: the graph gathers every entry)
-        self.last_set[i] = n
+            self.moved = (lengths[0], total)
+        self._clear_stale_last(n)
         cu[n + 1 :] = bucket  # the tail's end, then trailing zero-length sequences
         if bucket > total:
             view.ids[total:bucket] = self.pad_id
             bounds.append((total, bucket))
-        self.device_buffer.copy_(self.hosts[i], non_blocking=True)
-        if self.events[i] is not None:
-            self.events[i].record()
         start = 0
         for prompt, length in zip(prompts, lengths):
-            if not prompt.is_cpu:  # device prompts: device-to-device copies
-                self.ids[start : start + length].copy_(prompt)
+            if not prompt.is_cpu:  # device prompts: into the host buffer, in stream order
+                self.host_ids[start : start + length].copy_(prompt, non_blocking=True)
             start += length
         return bounds
+
+    def commit_boundaries(self, lengths: list) -> list:
+        """A batch longer than the buffer (an eager run with its own ids and positions): only
+        the last-token indices and boundaries, which the forward still reads from the device
+        buffer. Returns the prompts' bounds."""
+        self.settle()  # write_ids did not wait: it wrote nothing
+        view = self.view
+        ends = np.cumsum(lengths)
+        n = len(lengths)
+        view.last[:n] = ends - 1
+        view.cu[1 : n + 1] = ends
+        view.cu[n + 1 :] = int(ends[-1])
+        self._clear_stale_last(n)
+        return list(zip((ends - lengths).tolist(), ends.tolist()))
+
+    def _clear_stale_last(self, n: int) -> None:
+        if self.last_set > n:  # a larger batch's last-token indices (they could be past
+            self.view.last[n : self.last_set] = 0  # this bucket: the graph gathers every entry)
+        self.last_set = n
 
 
 _largest = np.maximum.reduce  # ndarray.max() without its Python wrapper
