@@ -163,17 +163,8 @@ def instrumented(
                 steps = tuple(steps)
             graph._captured = dataclasses.replace(captured, steps=steps)
         stack.callback(_restore, graphs, saved)
-        clock = time.perf_counter
-        replay = runner._runner.replay
-
-        def replay_marked(*args, **kwargs):
-            marks.replay_in = clock()
-            try:
-                return replay(*args, **kwargs)
-            finally:
-                marks.replay_out = clock()
-
-        patch_attribute(stack, runner._runner, "replay", replay_marked)
+        for ladder in _ladders(runner):  # packed graphs, and single-prompt ones if any
+            patch_attribute(stack, ladder, "replay", _replay_marked(marks, ladder.replay))
         if stages:
             patch_attribute(stack, runner, "_validate", _timed(marks, "validate", runner._validate))
             steps = runner._steps
@@ -184,6 +175,24 @@ def instrumented(
             batch = _timed(marks, "batch", attention.PackedBatch)
             patch_attribute(stack, attention, "PackedBatch", batch)
         yield
+
+
+def _ladders(runner) -> list:
+    """The runner's ``BucketedRunner`` s: the packed graphs' and the single-prompt graphs'."""
+    return [r for r in (runner._runner, getattr(runner, "_single", None)) if r is not None]
+
+
+def _replay_marked(marks: Marks, replay: Callable) -> Callable:
+    clock = time.perf_counter
+
+    def replay_marked(*args, **kwargs):
+        marks.replay_in = clock()
+        try:
+            return replay(*args, **kwargs)
+        finally:
+            marks.replay_out = clock()
+
+    return replay_marked
 
 
 @contextlib.contextmanager
@@ -425,8 +434,12 @@ def measure_family(settings: Settings, family: Family) -> dict:
         start = time.perf_counter()
         if cuda:  # default settings
             runner = PrefillRunner(model)
-        else:  # a short ladder: the emulated backend captures slowly, and the replay is stubbed
-            runner = PrefillRunner(model, token_buckets=(32, 64, 256, 512), backend="emulated")
+        else:  # a short ladder: the emulated backend captures slowly, and the replay is stubbed;
+            # single-prompt graphs as on CUDA (one prompt replays them)
+            runner = PrefillRunner(
+                model, token_buckets=(32, 64, 256, 512), backend="emulated",
+                single_prompt_graphs=True,
+            )  # fmt: skip
         closers.append(runner.close)
         sync()
         result["construction_s"] = time.perf_counter() - start
@@ -445,6 +458,8 @@ def measure_family(settings: Settings, family: Family) -> dict:
         result["rows"] = []
         for n, p in prompts.items():
             row: dict = {"tokens": n, "bucket": runner._runner.bucket_for(n)}
+            graph = runner.prefill([p])._graph  # (bucket, single prompt?)
+            row["graph"] = "single-prompt" if graph and graph[1] else "packed"
             row["host_us"] = breakdown(runner, [p], iters=settings.iters, stub=not cuda, sync=sync)
             if settings.split > 1:  # the same tokens as a batch of prompts
                 row[f"host_us, {settings.split} prompts"] = breakdown(

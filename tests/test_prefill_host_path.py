@@ -97,9 +97,10 @@ def test_a_call_issues_no_copy_and_makes_no_tensor_view_before_its_launch(runner
     for batch in ([prompts[0]], prompts):
         runner.prefill(batch)  # the bucket decision is cached from the second call on
         watch = _watch(runner, batch)
-        if where == "host":  # one .numpy() per host prompt, no copy, no view of any buffer
+        if where == "host":  # a memory copy per host prompt: no tensor copy, numpy or view
             assert watch.count(torch.Tensor.copy_) == 0, watch.calls
-            assert watch.count(torch.Tensor.numpy) == len(batch), watch.calls
+            assert watch.count(torch.Tensor.numpy) == 0, watch.calls
+            assert watch.count(torch.Tensor.data_ptr) == len(batch), watch.calls
             assert watch.count(torch.Tensor.__getitem__) == 0, watch.calls
         else:  # one device-to-host copy (into a view of the host buffer) per prompt
             assert watch.count(torch.Tensor.copy_) == len(batch), watch.calls
@@ -128,6 +129,30 @@ def test_calls_issued_back_to_back_give_each_its_own_answer(runner, backend, whe
     for batch, want in zip(batches, alone):  # graph memory: read before the next call only
         got = runner.prefill(batch, owned=False).logits.cpu()
         torch.testing.assert_close(got, want)
+
+
+def test_strided_offset_and_negated_prompts_are_staged_by_value(runner):
+    """Host prompts are copied as raw memory when contiguous: a view at an offset must copy
+    from its own start, and a strided or negated view (torch's lazy negation bit) must go
+    through numpy, which reads values, not memory."""
+    torch.manual_seed(1)
+    ids = torch.randint(VOCAB, (14,))
+    backing = torch.randint(VOCAB, (40,))
+    backing[7:21] = ids
+    strided = torch.randint(VOCAB, (28,))
+    strided[::2] = ids
+    variants = {
+        "offset": backing[7:21],
+        "strided": strided[::2],
+        "negated": torch._neg_view(-ids),
+    }
+    first = torch.randint(VOCAB, (3,))
+    want, want_second = runner.prefill([ids]).logits, runner.prefill([first, ids]).logits[1]
+    for name, prompt in variants.items():
+        assert torch.equal(prompt, ids), name
+        torch.testing.assert_close(runner.prefill([prompt]).logits, want, msg=name)
+        got = runner.prefill([first, prompt]).logits[1]  # the same, second in a batch
+        torch.testing.assert_close(got, want_second, msg=name)
 
 
 @pytest.mark.parametrize("bad", [[-1], [VOCAB], [2**62], [-(2**63)]])
@@ -205,6 +230,7 @@ def test_the_breakdown_script_runs_on_the_cpu(tmp_path):
     assert set(script.HOST_KEYS) <= set(host), sorted(host)
     assert 0 < host["entry -> launch"] < host["return"]
     assert row["bucket"] == 32 and "host_us, 2 prompts" in row
+    assert row["graph"] == "single-prompt"  # as on CUDA: one prompt replays that graph
     old = {**result, "tag": "old"}
     lines = script.table([old, result]).splitlines()
     assert lines[0].split()[-2:] == ["old", "this"]

@@ -257,6 +257,7 @@ class PrefillRunner:
         # (bucket, single prompt?) -> [(layer, key, value)] seen at capture
         self._layers: dict = {}
         self._step = 0
+        self._one_prompt_batches: dict = {}  # (tokens, bucket) -> its PackedBatch
         self._closed = False
         self._single: BucketedRunner | None = None  # single-prompt graphs (built below)
         # tensor parallelism: the ranks agree every capture step and every call
@@ -376,10 +377,8 @@ class PrefillRunner:
         """During capture of a bucket: one sequence filling it (any batch shape would do)."""
         self._steps.settle()  # the previous bucket's capture (or timed replays) read the buffer
         self._steps.write_ids([], [], self.vocab_size)
-        bounds = self._steps.commit([], [], size)
-        return _attention.PackedBatch(
-            bounds, self._steps.cu_seqlens[: len(bounds) + 1], size, one_prompt=True
-        )  # builds the single-prompt kernel's plan (cuDNN) at capture, not at first use
+        # one prompt: builds the single-prompt kernel's plan (cuDNN) at capture, not at first use
+        return self._batch(self._steps.commit([], [], size), 1)
 
     # -- serving ---------------------------------------------------------------------------
     @property
@@ -470,16 +469,26 @@ class PrefillRunner:
             bucket = decision.bucket
             bounds = steps.commit(prompts, lengths, bucket)
             single = n == 1 and self._single is not None
-            longest = max(max(lengths), bucket - total)  # a prompt or the tail
-            batch = _attention.PackedBatch(
-                bounds, steps.cu_views[len(bounds) + 1], longest, one_prompt=n == 1
-            )
+            if n == 1:  # the common case: one batch description per (length, bucket), made once
+                batch = self._one_prompt_batches.get((total, bucket))
+                if batch is None:
+                    batch = self._one_prompt_batches[total, bucket] = self._batch(bounds, 1)
+            else:
+                batch = self._batch(bounds, n)
             runner = self._single if single else self._runner  # the decision is the ladder's
             logits = runner.replay(bucket, batch, total)[0, :n]
             steps.launched()
             graph = (bucket, single)
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
                              graph)  # fmt: skip
+
+    def _batch(self, bounds: list, prompts: int) -> _attention.PackedBatch:
+        """What the attention breaks read about a staged batch of ``prompts`` prompts: its
+        bounds (the padding tail's last, if any)."""
+        longest = max(b - a for a, b in bounds)  # a prompt or the tail
+        return _attention.PackedBatch(
+            bounds, self._steps.cu_views[len(bounds) + 1], longest, one_prompt=prompts == 1
+        )
 
     def _prefill_eagerly(self, prompts: list, lengths: list, staged: bool, reason: str) -> tuple:
         """A batch no bucket serves: the same forward, without a graph."""
@@ -491,12 +500,7 @@ class PrefillRunner:
             ids = torch.cat([p.to(self.device) for p in prompts]).view(1, total)
             positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
             bounds = self._steps.commit_boundaries(lengths)
-        batch = _attention.PackedBatch(
-            bounds,
-            self._steps.cu_views[len(bounds) + 1],
-            max(b - a for a, b in bounds),
-            one_prompt=len(lengths) == 1,
-        )
+        batch = self._batch(bounds, len(lengths))
         logits = self._runner.run_eagerly((ids, positions), batch, reason)
         self._steps.launched()
         return logits[0, : len(lengths)], bounds

@@ -28,6 +28,8 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -38,6 +40,7 @@ __all__ = ["StepBuffers"]
 
 
 _FEW_PROMPTS = 8  # up to this many prompts, a step is staged with scalar writes
+_memmove = ctypes.memmove
 
 
 class _HostView:
@@ -104,6 +107,7 @@ class StepBuffers(StaticInputs):
             self.device_buffer = self.host.to(device, copy=True)
         self.view = _HostView(self.host, max_tokens, max_prompts)
         self.host_ids = self.host[:t]  # where device prompts' ids are copied to
+        self.host_address = self.host.data_ptr()  # host prompts' ids are copied here (memmove)
         # the positions [start, end) that differ from the resting state, and how many
         # last-token indices the last step set
         self.moved = (0, 0)
@@ -151,14 +155,19 @@ class StepBuffers(StaticInputs):
         if self.read is not None:
             self.read.synchronize()  # the previous call's graph has copied the host buffer
         view = self.view
-        ids = view.ids
+        address = self.host_address
         start = 0
         on_device = False
         for prompt, n in zip(prompts, lengths):
-            if prompt.is_cpu:
-                ids[start : start + n] = prompt.numpy()
-            else:
+            if not prompt.is_cpu:
                 on_device = True
+            elif prompt.is_contiguous() and not prompt.is_neg():
+                # a plain memory copy: `ids[a:b] = prompt.numpy()` is two numpy calls, and the
+                # first numpy call after the GPU wait took 23-26 us on an H200 server's host,
+                # against 9-10 us for this (.tf524-era line trace, h200-host-path-lines.json)
+                _memmove(address + 8 * start, prompt.data_ptr(), 8 * n)
+            else:  # strided (or a negated view): numpy reads it element by element
+                view.ids[start : start + n] = prompt.resolve_neg().numpy()
             start += n
         if on_device:  # device prompts are not checked: it would cost a host sync
             _check_vocabulary([p for p in prompts if p.is_cpu], vocab_size)
