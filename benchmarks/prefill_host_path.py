@@ -727,13 +727,18 @@ def summary(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def compare(settings: Settings, baseline: str, argv: list[str]) -> list[dict]:
+def compare(
+    settings: Settings, baseline: str, argv: list[str], old_first: bool = False
+) -> list[dict]:
     """Time this tree, then the old one (``baseline``), each in a process of its own with the
     tree first on ``PYTHONPATH``, on the same settings (this tree first: if the run is cut
-    short, the new numbers are the ones kept); returns the results, old first. A tree whose run
-    fails is reported and left out."""
+    short, the new numbers are the ones kept; ``old_first`` swaps them: the host's state can
+    drift between the two processes, so a fair comparison runs both orders); returns the
+    results, old first. A tree whose run fails is reported and left out."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = [("new", here), ("old", os.path.abspath(baseline))]
+    if old_first:
+        trees.reverse()
     out_dir = settings.out or os.path.join(here, ".benchmarks")
     os.makedirs(out_dir, exist_ok=True)
     results = []
@@ -750,7 +755,8 @@ def compare(settings: Settings, baseline: str, argv: list[str]) -> list[dict]:
             result = json.load(f)
         if os.path.realpath(result["tree"]) != os.path.realpath(tree):
             raise SystemExit(f"prefill_host_path: the {tag} run imported {result['tree']}")
-        results.insert(0, result)
+        result["order"] = [t for t, _ in trees]
+        results.insert(0 if tag == "old" else len(results), result)
     if not results:
         raise SystemExit("prefill_host_path: no tree could be timed")
     return results
@@ -775,6 +781,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     )  # fmt: skip
     parser.add_argument("--out", default=None, help="folder for the JSON and the traces")
     parser.add_argument("--compare", default=None, help="an older checkout to time first")
+    parser.add_argument(
+        "--old-first", action="store_true", help="with --compare: time the old tree first"
+    )
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a --compare child
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -804,7 +813,7 @@ def _child_argv(argv: list[str], out: str | None) -> list[str]:
             skip = False
         elif arg in ("--compare", "--out"):
             skip = True
-        elif not arg.startswith(("--compare=", "--out=")):
+        elif arg != "--old-first" and not arg.startswith(("--compare=", "--out=")):
             kept.append(arg)
     return kept + (["--out", out] if out else [])
 
@@ -818,7 +827,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         os.makedirs(settings.out, exist_ok=True)
     if args.compare:
         child = _child_argv(argv, settings.out)
-        results = compare(settings, args.compare, child)
+        results = compare(settings, args.compare, child, old_first=args.old_first)
     else:
         results = [run_tree(settings)]
         if args.json:

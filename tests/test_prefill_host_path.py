@@ -236,4 +236,5 @@ def test_the_breakdown_script_runs_on_the_cpu(tmp_path):
     assert lines[0].split()[-2:] == ["old", "this"]
     assert (tmp_path / "host-path.json").exists()
     argv = ["--device", "cuda", "--compare", ".baseline", "--out", "o", "--compare=x"]
+    argv.append("--old-first")
     assert script._child_argv(argv, "/abs/o") == ["--device", "cuda", "--out", "/abs/o"]
