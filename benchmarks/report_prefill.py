@@ -4,6 +4,8 @@ verdicts from :mod:`.prefill_checks`."""
 
 from __future__ import annotations
 
+import statistics
+
 from . import targets as T
 from .prefill_checks import (
     TARGETS,
@@ -32,6 +34,15 @@ FILE = "h200-prefill-baselines.json"
 NEIGHBOURS_FILE = "h200-prefill-host-path-neighbours.json"  # prefill_host_path --neighbours
 PACKED_ONLY_FILE = "h200-prefill-baselines-packed-only.json"  # before single-prompt graphs
 COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile variants only
+#: ``prefill_host_path --compare``: the code before (old) and after (new) the step's copy moved
+#: into the graphs, each tree in a process of its own, in both orders, unpinned and on one core
+UPLOAD_FILES = (
+    ("h200-prefill-host-path-upload-new-first.json", "new tree first"),
+    ("h200-prefill-host-path-upload-old-first.json", "old tree first"),
+    ("h200-prefill-host-path-upload-pinned-new-first.json", "one core (taskset), new first"),
+    ("h200-prefill-host-path-upload-pinned-old-first.json", "one core (taskset), old first"),
+)
+BACK_TO_BACK_FILE = "h200-prefill-back-to-back.json"  # queued against synchronous calls
 MISSED = " ✗"
 
 
@@ -442,6 +453,7 @@ CAPTURE_LATER_FILES = (
     ("h200-capture-time-after.json", "after"),
     ("h200-capture-time-now.json", "now"),
     ("h200-capture-time-tune.json", "now, one tuning warm-up"),
+    ("h200-capture-time-tune1.json", "now, one timed tuning replay"),
 )
 
 
@@ -507,6 +519,85 @@ def neighbours_lines(trees: list | None) -> list[str]:
     return lines
 
 
+def upload_lines(runs: list[tuple[str, list]]) -> list[str]:
+    """``prefill_host_path --compare`` runs (``(tag, [old, new])``): per run and workload, the
+    host time from entry to launch (device prompts; host prompts where measured), old → new,
+    and breakgraph / exact graph; then the verdict on ``TARGET_HOST_PATH_US`` for the new tree
+    (the median over the runs of each workload)."""
+    lines, new_device, new_host, old_device, old_host = [], {}, {}, {}, {}
+    for tag, (old, new) in runs:
+        before = {(f["family"], r["tokens"]): r for f in old["families"] for r in f["rows"]}
+        for fam in new["families"]:
+            for row in fam["rows"]:
+                key = (fam["family"], row["tokens"])
+                prev = before.get(key)
+                if prev is None:
+                    continue
+                launch = "entry -> launch, probe only"
+                text = (
+                    f"{tag}, {key[0]}, {key[1]} tokens: entry to launch "
+                    f"{num(prev['host_us'][launch], 1)} → {num(row['host_us'][launch], 1)} µs"
+                )
+                new_device.setdefault(key, []).append(row["host_us"][launch])
+                old_device.setdefault(key, []).append(prev["host_us"][launch])
+                on_host, was = row.get("host_us, host prompt"), prev.get("host_us, host prompt")
+                if on_host and was:
+                    text += (
+                        f" (host prompt {num(was[launch], 1)} → {num(on_host[launch], 1)} µs)"
+                    )
+                    new_host.setdefault(key, []).append(on_host[launch])
+                    old_host.setdefault(key, []).append(was[launch])
+                text += (
+                    f"; breakgraph / exact graph {num(prev['bg/exact'], 3)} → "
+                    f"{num(row['bg/exact'], 3)}"
+                )
+                lines.append(text)
+    target = T.TARGET_HOST_PATH_US
+    for what, values, olds in (
+        ("device prompts", new_device, old_device),
+        ("host prompts", new_host, old_host),
+    ):
+        medians = {k: statistics.median(v) for k, v in values.items()}
+        if not medians:
+            continue
+        before = [statistics.median(v) for v in olds.values()]
+        met = sum(m <= target for m in medians.values())
+        worst = max(medians, key=medians.get)
+        lines.append(
+            f"new tree, {what}: the median over the runs is within {target:g} µs on {met} of "
+            f"{len(medians)} workloads (from {num(min(medians.values()), 1)} to "
+            f"{num(medians[worst], 1)} µs, the most on {worst[0]} at {worst[1]} tokens; the "
+            f"old tree's medians: {num(min(before), 1)} to {num(max(before), 1)} µs)"
+            + ("" if met == len(medians) else MISSED)
+        )
+    return lines
+
+
+def queued_lines(data: dict | None) -> list[str]:
+    """Back-to-back calls against synchronous ones, old and new tree (ms per call, the median
+    over the processes of each tree)."""
+    if data is None:
+        return []
+    lines = []
+    runs = data["runs"]
+    families = [k for k in next(iter(runs.values())) if k != "tree"]
+    for family in families:
+        cells = []
+        for mode in ("queued", "synchronous"):
+            per = {
+                tree: statistics.median(
+                    r[family][mode] for tag, r in runs.items() if tag.startswith(tree)
+                )
+                for tree in ("old", "new")
+            }
+            cells.append(
+                f"{mode} {num(per['old'], 3)} → {num(per['new'], 3)} ms per call "
+                f"({num(per['new'] / per['old'], 3)}×)"
+            )
+        lines.append(f"{family}: " + "; ".join(cells))
+    return lines
+
+
 def before_after_lines(before: dict | None, after: dict) -> list[str]:
     """Per family: breakgraph / exact graph of each single prompt, and the construction time,
     in ``before`` (packed graphs only) and ``after``."""
@@ -537,11 +628,16 @@ def before_after_lines(before: dict | None, after: dict) -> list[str]:
 
 
 def section(
-    data: dict | None, neighbours: list | None = None, packed_only: dict | None = None
+    data: dict | None,
+    neighbours: list | None = None,
+    packed_only: dict | None = None,
+    upload: list | None = None,
+    queued: dict | None = None,
 ) -> list[str]:
     """The prefill section as a list of Markdown blocks (``neighbours``: the
     ``prefill_host_path --neighbours`` results; ``packed_only``: the run before single-prompt
-    graphs, for the losses' before/after)."""
+    graphs, for the losses' before/after; ``upload``: ``(tag, [old, new])`` host path runs
+    around the step's copy moving into the graphs; ``queued``: the back-to-back run)."""
     if data is None:
         return [fill("prefill.missing", file=FILE, targets=targets_table(None))]
     check_list = checks(data)
@@ -599,6 +695,10 @@ def section(
             losses=bullets(losses),
             neighbours=bullets(neighbours_lines(neighbours)) or "(not measured)",
             before_after=bullets(before_after_lines(packed_only, data)) or "(not measured)",
+            upload=bullets(upload_lines(upload or [])) or "(not measured)",
+            upload_files="`, `".join(name for name, _ in UPLOAD_FILES),
+            queued=bullets(queued_lines(queued)) or "(not measured)",
+            queued_file=BACK_TO_BACK_FILE,
         )
         if losses
         else fill("prefill.losses.none")
