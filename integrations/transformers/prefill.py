@@ -476,8 +476,10 @@ class PrefillRunner:
             else:
                 batch = self._batch(bounds, n)
             runner = self._single if single else self._runner  # the decision is the ladder's
-            logits = runner.replay(bucket, batch, total)[0, :n]
-            steps.launched()
+            try:
+                logits = runner.replay(bucket, batch, total)[0, :n]
+            finally:  # what was launched reads the staging buffer, even if a break raised
+                steps.launched()
             graph = (bucket, single)
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
                              graph)  # fmt: skip
@@ -501,8 +503,10 @@ class PrefillRunner:
             positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
             bounds = self._steps.commit_boundaries(lengths)
         batch = self._batch(bounds, len(lengths))
-        logits = self._runner.run_eagerly((ids, positions), batch, reason)
-        self._steps.launched()
+        try:
+            logits = self._runner.run_eagerly((ids, positions), batch, reason)
+        finally:
+            self._steps.launched()
         return logits[0, : len(lengths)], bounds
 
     def _validate(self, prompts: list) -> list[int]:
