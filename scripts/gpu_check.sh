@@ -9,7 +9,11 @@
 # RUN_CAPTURE=1 (PrefillRunner construction split by variant: benchmarks/capture_time.py, ~2 min;
 # copy capture-time.json to docs/results/h200-capture-time-after.json), RUN_TRACE=1 (a CB profiler
 # trace, async against sync: benchmarks/cb_trace.py, ~40 s; its folder goes to
-# docs/results/h200-cb-trace-5.17/). The tests also write test-times.txt (seconds per test, and the
+# docs/results/h200-cb-trace-5.17/), RUN_HOST_PATH=DIR (prefill's per-call host path, this tree
+# against an older checkout in DIR, e.g. `mkdir .baseline && git archive REV | tar -x -C .baseline`
+# carried with the call; both orders, ~4 min; HOST_PATH_PIN="taskset -c 6" pins both to one core;
+# copy host-path-{new,old}-first.json to docs/results/h200-prefill-host-path-upload-*.json, see
+# report_prefill.UPLOAD_FILES). The tests also write test-times.txt (seconds per test, and the
 # seconds of garbage collection inside it); for the page's test-suite section run the CUDA tests
 # alone (TEST_ARGS="-m requires_cuda tests", about 3 min) and, here, python -m benchmarks.suite_times
 # --times test-times.txt --log pytest.log --label ... --out docs/results/h200-cuda-suite-times.json.
@@ -35,7 +39,7 @@
 #   python3 -m pip download --no-deps -d .whl breakable-cuda-graphs==0.1.0
 # The device tool returns at most 8 files: the default sections write pytest.log,
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
-# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4 (skip other sections to make room).
+# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_HOST_PATH 2 (skip other sections to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
 source "$(dirname "$0")/setup_device.sh"
@@ -113,6 +117,18 @@ if [ -n "${RUN_CAPTURE:-}" ]; then  # construction time split: benchmarks/captur
   timeout 300 python3 -m benchmarks.capture_time --families "${CAPTURE_FAMILIES:-llama-1b,mistral-sw256-4l}" \
     --out "$OUT/capture-time.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[capture time: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_HOST_PATH:-}" ]; then  # prefill's host path, this tree against an older checkout
+  t=$SECONDS
+  for order in new-first old-first; do  # both orders: the host's speed drifts between processes
+    flag=""; [ "$order" = old-first ] && flag=--old-first
+    # shellcheck disable=SC2086  # HOST_PATH_PIN is a command prefix, e.g. "taskset -c 6"
+    timeout 300 ${HOST_PATH_PIN:-} python3 -m benchmarks.prefill_host_path --device cuda --no-trace \
+      --families mistral-sw256-4l,mixtral-1k-4l --compare "$RUN_HOST_PATH" $flag \
+      --out "/tmp/host-path-$order" 2>&1 | tail -40 | tee -a "$LOG" || status=1
+    cp "/tmp/host-path-$order/host-path.json" "$OUT/host-path-$order.json" || status=1
+  done
+  echo "[host path: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_TRACE:-}" ]; then  # does async CB preparation overlap the device (~40 s)
   t=$SECONDS
