@@ -252,9 +252,7 @@ class PrefillRunner:
             {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
         )
         self._borrow = backend_name == "cuda"
-        self._steps = StepBuffers(
-            longest, max_prompts, self.device, pad_token_id, marks_in_graph=backend_name == "cuda"
-        )
+        self._steps = StepBuffers(longest, max_prompts, self.device, pad_token_id)
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
         # (bucket, single prompt?) -> [(layer, key, value)] seen at capture
         self._layers: dict = {}
