@@ -168,6 +168,23 @@ def test_host_prompts_outside_the_vocabulary_are_refused(runner, bad):
     assert runner.prefill([good.to(runner.device)]).logits.shape == (1, VOCAB)
 
 
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])  # both sides of the short check's limit
+@pytest.mark.parametrize("bad", [-1, VOCAB, 2**63 - 1, -(2**63)])
+def test_the_staged_vocabulary_check_refuses_any_bad_id_at_any_length(n, bad):
+    steps = StepBuffers(256, 4, torch.device("cpu"), 0)
+    for where in sorted({0, n // 2, n - 1}):
+        ids = torch.randint(VOCAB, (n,))
+        assert steps.write_ids([ids], [n], VOCAB)  # good ids pass
+        ids[where] = bad
+        with pytest.raises(InputError, match="outside the vocabulary"):
+            steps.write_ids([ids], [n], VOCAB)
+        split = [ids[: n // 2], ids[n // 2 :]] if n > 1 else [ids]
+        with pytest.raises(InputError, match="outside the vocabulary"):
+            steps.write_ids(split, [len(p) for p in split], VOCAB)
+    edge = torch.full((n,), VOCAB - 1)
+    assert steps.write_ids([edge], [n], VOCAB)  # the largest id is in the vocabulary
+
+
 def _reference(lengths: list, bucket: int, pad: int, max_prompts: int, ids: list) -> dict:
     """What one committed step must hold, written the slow, obvious way."""
     positions, bounds, start = [], [], 0
@@ -238,3 +255,32 @@ def test_the_breakdown_script_runs_on_the_cpu(tmp_path):
     argv = ["--device", "cuda", "--compare", ".baseline", "--out", "o", "--compare=x"]
     argv.append("--old-first")
     assert script._child_argv(argv, "/abs/o") == ["--device", "cuda", "--out", "/abs/o"]
+
+
+def test_the_line_by_line_copy_of_the_path_stages_what_prefill_stages(runner, backend):
+    """``benchmarks/prefill_host_lines.py`` repeats ``prefill``'s one-prompt path statement by
+    statement: a traced call must leave the staging buffer as ``prefill`` leaves it and give
+    its logits, with the ids written either way, so the lines it times are the path's."""
+    from benchmarks import prefill_host_lines as lines
+
+    def staged(bucket: int) -> list:  # what the bucket's graph reads of the staging buffer
+        view = runner._steps.view
+        return [view.ids[:bucket].tolist(), view.positions[:bucket].tolist(),
+                view.last.tolist(), view.cu.tolist()]  # fmt: skip
+
+    torch.manual_seed(3)
+    for n in (5, 16, 30):
+        prompt = torch.randint(VOCAB, (n,))
+        bucket = runner._runner.bucket_for(n)
+        runner.prefill([torch.randint(VOCAB, (n + 7,))])  # something else staged before
+        want_logits = runner.prefill([prompt]).logits
+        want = staged(bucket)
+        for way in ("memmove", "numpy"):
+            runner.prefill([torch.randint(VOCAB, (3,)), torch.randint(VOCAB, (n + 3,))])
+            spans, logits = lines.one_prompt_lines(runner, prompt, ids_by=way)
+            assert len(spans) == len(lines.LINES) and min(spans) >= 0
+            assert staged(bucket) == want, (n, way)
+            torch.testing.assert_close(logits, want_logits)
+    result = lines.main(["--calls", "4"])
+    row = result["families"]["tiny-llama"]["ids by memmove"]
+    assert set(lines.LINES) < set(row) and row["entry -> launch"] > 0
