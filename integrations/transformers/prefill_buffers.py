@@ -49,7 +49,10 @@ class _HostView:
     host time on every step): ``ids`` (and ``unsigned_ids``, the same memory as uint64),
     ``positions``, ``last`` (last-token indices), ``cu`` (int32 boundaries)."""
 
-    __slots__ = ("ids", "unsigned_ids", "unsigned_memory", "positions", "last", "cu")
+    __slots__ = (
+        "ids", "unsigned_ids", "unsigned_memory", "positions", "last", "cu", "ids_memory",
+        "last_memory", "cu_memory",
+    )  # fmt: skip
 
     def __init__(self, buffer: torch.Tensor, max_tokens: int, max_prompts: int):
         host, t, p = buffer.numpy(), max_tokens, max_prompts
@@ -58,6 +61,10 @@ class _HostView:
         self.unsigned_memory = memoryview(self.unsigned_ids)  # the same, for Python's max
         self.last = host[2 * t : 2 * t + p]
         self.cu = host[2 * t + p :].view(np.int32)[: p + 2]
+        # the same memory as memoryviews, for the one-prompt staging: a memoryview write is
+        # plain Python, where numpy's first call after other work is slow (see _largest_id)
+        self.ids_memory = memoryview(self.ids)
+        self.last_memory, self.cu_memory = memoryview(self.last), memoryview(self.cu)
 
 
 class StepBuffers(StaticInputs):
@@ -92,7 +99,13 @@ class StepBuffers(StaticInputs):
     * ``cu_seqlens[0]`` is 0 for good; last-token indices a larger batch left behind are
       cleared only when there are some;
     * up to ``_FEW_PROMPTS`` prompts (one is the common case) are staged with scalar
-      writes, with no numpy call over the lengths.
+      writes, with no numpy call over the lengths;
+    * one prompt's staging makes no numpy call at all: its ids by ``memmove``, the vocabulary
+      check by Python's ``max`` (:func:`_largest_id`), its last-token index, the boundaries'
+      tail and the padding tail through memoryviews (from arrays of pad ids and of each
+      bucket's boundary, made once). A served call starts on a host whose caches other work
+      just filled, and there numpy's first call of the call is the slow one
+      (``benchmarks/prefill_host_lines.py``).
     """
 
     def __init__(self, max_tokens: int, max_prompts: int, device: torch.device, pad_id: int):
@@ -122,6 +135,8 @@ class StepBuffers(StaticInputs):
         self.cu_seqlens = self.device_buffer[2 * t + p :].view(torch.int32)[: p + 2]
         self.cu_views = [self.cu_seqlens[:k] for k in range(p + 3)]  # cu_views[k] = cu[:k]
         self.arange = np.arange(max_tokens, dtype=np.int64)
+        self.pad_ids = memoryview(np.full(max_tokens, pad_id, dtype=np.int64))  # a tail's ids
+        self.cu_tails: dict = {}  # bucket -> memoryview of max_prompts + 1 int32 copies of it
 
     def allocate(self, size: int) -> tuple:
         return self.ids[:size].view(1, size), self.positions[:size].view(1, size)
@@ -191,8 +206,8 @@ class StepBuffers(StaticInputs):
         n = len(lengths)
         if n == 1:  # the common case: the positions are in place
             total = lengths[0]
-            last[0] = total - 1
-            cu[1] = total
+            view.last_memory[0] = total - 1
+            view.cu_memory[1] = total
             bounds = [(0, total)]
         elif n <= _FEW_PROMPTS:  # scalar writes: cheaper than numpy's per-call cost for a few
             arange, bounds, start = self.arange, [], 0
@@ -216,9 +231,14 @@ class StepBuffers(StaticInputs):
         if n > 1:
             self.moved = (lengths[0], total)
         self._clear_stale_last(n)
-        cu[n + 1 :] = bucket  # the tail's end, then trailing zero-length sequences
+        tail = self.cu_tails.get(bucket)
+        if tail is None:
+            tail = self.cu_tails[bucket] = memoryview(
+                np.full(self.max_prompts + 1, bucket, np.int32)
+            )
+        view.cu_memory[n + 1 :] = tail[n:]  # the tail's end, then zero-length sequences
         if bucket > total:
-            view.ids[total:bucket] = self.pad_id
+            view.ids_memory[total:bucket] = self.pad_ids[: bucket - total]
             bounds.append((total, bucket))
         start = 0
         for prompt, length in zip(prompts, lengths):
