@@ -47,7 +47,9 @@ _memmove = ctypes.memmove
 class _HostView:
     """Numpy views of the pinned host buffer, made once (a ``.numpy()`` call or a slice is
     host time on every step): ``ids`` (and ``unsigned_ids``, the same memory as uint64),
-    ``positions``, ``last`` (last-token indices), ``cu`` (int32 boundaries)."""
+    ``positions``, ``last`` (last-token indices), ``cu`` (int32 boundaries); and memoryviews
+    of ``unsigned_ids``, ``ids``, ``last`` and ``cu`` (``*_memory``) for the writes and the
+    check of a one-prompt step, which make no numpy call."""
 
     __slots__ = (
         "ids", "unsigned_ids", "unsigned_memory", "positions", "last", "cu", "ids_memory",
@@ -162,7 +164,7 @@ class StepBuffers(StaticInputs):
 
     def write_ids(self, prompts: list, lengths: list, vocab_size: int) -> bool:
         """First half of a step: the prompts' ids into the host buffer, checked against the
-        vocabulary (host prompts, one vectorised pass). Runs before the bucket is decided,
+        vocabulary (host prompts, one pass over the staged ids). Runs before the bucket is decided,
         so a bad batch fails on this rank before any rank agrees to run it. False when the
         batch is longer than the buffer (an eager fallback builds its own tensors)."""
         total = sum(lengths)
@@ -181,7 +183,7 @@ class StepBuffers(StaticInputs):
             elif prompt.is_contiguous() and not prompt.is_neg():
                 # a plain memory copy: `ids[a:b] = prompt.numpy()` is two numpy calls, and the
                 # first numpy call after the GPU wait took 23-26 us on an H200 server's host,
-                # against 9-10 us for this (.tf524-era line trace, h200-host-path-lines.json)
+                # against 9-10 us for this (docs/results/h200-host-path-lines.json)
                 _memmove(address + 8 * start, prompt.data_ptr(), 8 * n)
             else:  # strided (or a negated view): numpy reads it element by element
                 view.ids[start : start + n] = prompt.resolve_neg().numpy()
@@ -196,7 +198,8 @@ class StepBuffers(StaticInputs):
         """Second half: positions, tail, last-token indices, boundaries into the host buffer;
         device prompts' ids into it by device-to-host copies. Returns the ``(start, end)``
         bounds of the prompts and of the tail (a dummy sequence, so every row is written).
-        The call's graph (or eager forward) then :meth:`upload` s it."""
+        The call's graph (or eager forward) then copies the buffer to the device
+        (:meth:`upload`)."""
         view = self.view
         positions, last, cu = view.positions, view.last, view.cu
         low, high = self.moved
