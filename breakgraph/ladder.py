@@ -433,8 +433,9 @@ class GraphLadder:
         replay. The replays are device work, the largest part of a runner's construction
         after the captures (``benchmarks/capture_profile.py``). One timed replay is the
         default: on an H200 (Llama-1B widths, 64 buckets) one replay's time varied by 0.25 %
-        (median; 0.8 % at most) between three tunings, well inside the 2 % margin, and five
-        replays took three times as long (2.5 s against 0.85 s) for the same routes.
+        (median; 0.8 % at most) between three tunings, well inside the 2 % margin; five
+        replays took three times as long (2.5 s against 0.85 s), and their routes differed
+        between tunings on the same one bucket (at the margin) as those of one replay.
         CUDA only (the emulated backend's times mean nothing: nothing is timed or routed);
         not with ``ranks`` (timings differ between ranks, and every rank must take the same
         bucket). Returns the milliseconds per replay of each bucket.
