@@ -420,7 +420,10 @@ def construction_breakdown(runner, record: dict) -> dict:
     the warm-ups (``warmup_s``, all buckets), whose remainder is the forward's runs
     (``warmup_runs_s``: kernel autotuning at first runs included); ``capture_s`` is the
     captures alone (every bucket's ``capture_seconds`` holds its warm-up too); ``other_s``
-    the rest of the construction (model checks, buffers, ``tune_buckets``)."""
+    the rest of the construction (model checks, buffers, ``tune_buckets``). ``compile_s``
+    comes from torch's compile timers, which read the wall clock (``time.time_ns``), the
+    other spans from a monotonic clock: a clock step during the construction shows as a
+    negative ``warmup_runs_s``."""
     stats = runner.stats
     compile_s = record["dynamo"]["compile_s"]["compile_s"]
     ladder_s = sum(s for _, s in record["capture_seconds"])

@@ -169,9 +169,16 @@ def test_the_benchmark_breaks_the_compile_time_down(fresh_dynamo):
         assert phases["aot_autograd_s"] > 0 and phases["inductor_s"] == 0  # no Inductor here
         assert "_compile.compile_inner" in record["dynamo"]["timers"]
         breakdown = construction_breakdown(runner, record)
-        assert 0 < breakdown["compile_s"] < breakdown["warmup_s"] < breakdown["construction_s"]
+        # torch's compile timers read the wall clock (time.time_ns), the runner's spans a
+        # monotonic one: a clock step between them (seen once on CI: 15.8 s of compile in an
+        # 8.8 s warm-up) makes any comparison across the two fail, so none is asserted here
+        assert breakdown["compile_s"] > 0
+        assert 0 < breakdown["warmup_s"] < breakdown["construction_s"]
         parts = ("warmup_s", "capture_s", "other_s")
         assert sum(breakdown[k] for k in parts) == pytest.approx(breakdown["construction_s"])
-        assert all(breakdown[k] >= 0 for k in (*parts, "warmup_runs_s"))
+        assert all(breakdown[k] >= 0 for k in parts)
+        assert breakdown["warmup_runs_s"] == pytest.approx(
+            breakdown["warmup_s"] - breakdown["compile_s"]
+        )
     finally:
         runner.close()
