@@ -30,18 +30,21 @@ def _tf():
     return transformers
 
 
+#: Mistral-7B-v0.1's widths (Mixtral-8x7B's experts have the same), cut to 4 layers
+_7B_4L = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=32768,
+)
+
+
 def _mistral_7b_4l(sliding_window: int):
     """Mistral-7B-v0.1's widths cut to 4 layers, with the given sliding window."""
-    return _tf().MistralConfig(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=4,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=32768,
-        sliding_window=sliding_window,
-    )
+    return _tf().MistralConfig(**_7B_4L, sliding_window=sliding_window)
 
 
 FAMILIES: dict[str, Family] = {
@@ -111,17 +114,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "mixtral-4l",
-            lambda: _tf().MixtralConfig(
-                vocab_size=32000,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=4,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                num_local_experts=8,
-                num_experts_per_tok=2,
-                max_position_embeddings=32768,
-            ),
+            lambda: _tf().MixtralConfig(**_7B_4L, num_local_experts=8, num_experts_per_tok=2),
             "Mixtral-8x7B cut to 4 layers: 8 experts, top-2, hidden 4096",
         ),
         Family(
