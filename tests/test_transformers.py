@@ -699,6 +699,40 @@ def test_auto_attention_choice(backend, closing):
     assert runner.attention == ("flash" if backend == "cuda" else "reference")
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_eager_experts_run_on_the_live_rows_only(arch, backend, closing, monkeypatch):
+    """A bucket's padding tail is not routed to the experts: the eager loop of every replay
+    gets the prompts' rows only (one prompt, or a packed batch), and the logits still match
+    the model on each prompt alone."""
+    from breakgraph.integrations.transformers import experts as experts_module
+
+    model = model_for(arch, backend)
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend))
+    rows = []
+    original = experts_module._eager_forward
+
+    def counting(module):
+        forward = original(module)
+
+        def run(module, hidden, *args, **kwargs):
+            rows.append(hidden.shape[0])
+            return forward(module, hidden, *args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(experts_module, "_eager_forward", counting)
+    layers = model.config.num_hidden_layers
+    for lengths in ([5], [3, 9], [16], [2, 2, 2]):
+        prompts = prompts_of(lengths, device)
+        bucket = runner._runner.bucket_for(sum(lengths))
+        rows.clear()
+        out = runner.prefill(prompts)
+        assert rows == [sum(lengths)] * layers, (lengths, bucket, rows)
+        for i, p in enumerate(prompts):
+            assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
+
+
 def test_user_instance_forward_on_experts_survives(backend, closing):
     model = model_for("qwen3_moe", backend)
     experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))

@@ -68,13 +68,15 @@ class PackedBatch:
     written; ``cu_seqlens`` holds the same boundaries on the device (int32) and
     ``max_seqlen`` the longest sequence. ``one_prompt``: the row holds one prompt
     from row 0 (and maybe a padding tail), so causal attention over the whole row
-    is exact for the prompt's rows.
+    is exact for the prompt's rows. ``live_tokens``: the rows the prompts fill (the padding
+    tail after them); eager MoE experts run on these rows only (see :mod:`.experts`).
     """
 
     bounds: list
     cu_seqlens: torch.Tensor | None
     max_seqlen: int
     one_prompt: bool = False
+    live_tokens: int | None = None
 
 
 def flash_available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -37,8 +37,23 @@ EXPERTS_KEY = "breakgraph_eager_loop"
 
 @breakgraph.eager_on_graph
 def experts_loop(module: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The model's own eager experts loop (what ``"eager"`` runs), as one eager break."""
-    return _eager_forward(module)(module, *args, **kwargs)
+    """The model's own eager experts loop (what ``"eager"`` runs), as one eager break.
+
+    On the live rows only, when the replay context says how many there are
+    (``live_tokens``, a prefill's :class:`~.attention.PackedBatch`): a bucket's padding tail
+    would otherwise be routed to experts like real tokens, and the loop's work grows with the
+    rows it gets. The tail's rows come back as zeros (nothing reads them: the tail is a
+    sequence of its own, after the prompts)."""
+    forward = _eager_forward(module)
+    live = getattr(breakgraph.replay_context(), "live_tokens", None)
+    if live is None or kwargs or len(args) != 3:
+        return forward(module, *args, **kwargs)
+    hidden, index, weights = args  # (tokens, hidden), (tokens, top_k), (tokens, top_k)
+    rows = hidden.shape[0]
+    if not 0 < live < rows or index.shape[0] != rows or weights.shape[0] != rows:
+        return forward(module, *args)
+    out = forward(module, hidden[:live], index[:live], weights[:live])
+    return torch.cat((out, out.new_zeros((rows - live, *out.shape[1:]))))
 
 
 def _eager_forward(module: Any):

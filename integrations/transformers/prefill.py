@@ -489,7 +489,11 @@ class PrefillRunner:
         bounds (the padding tail's last, if any)."""
         longest = max(b - a for a, b in bounds)  # a prompt or the tail
         return _attention.PackedBatch(
-            bounds, self._steps.cu_views[len(bounds) + 1], longest, one_prompt=prompts == 1
+            bounds,
+            self._steps.cu_views[len(bounds) + 1],
+            longest,
+            one_prompt=prompts == 1,
+            live_tokens=bounds[prompts - 1][1],
         )
 
     def _prefill_eagerly(self, prompts: list, lengths: list, staged: bool, reason: str) -> tuple:
