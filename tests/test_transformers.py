@@ -33,6 +33,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     ATTENTION_KEY,
     PrefillRunner,
     UnsupportedModelError,
+    compat,  # noqa: E402
 )
 from breakgraph.integrations.transformers import attention as bg_attention  # noqa: E402
 
@@ -731,6 +732,72 @@ def test_eager_experts_run_on_the_live_rows_only(arch, backend, closing, monkeyp
         assert rows == [sum(lengths)] * layers, (lengths, bucket, rows)
         for i, p in enumerate(prompts):
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_grouped_experts_skip_the_padding_rows(arch, backend, closing, monkeypatch):
+    """grouped_mm experts inside the graphs route a bucket's padding rows to no expert: on every
+    replay (one prompt or a packed batch, fresh lengths in the same graph) the rows given a
+    real expert are the prompts' rows, counted by an operation recorded in the graph itself;
+    the logits still match the model on each prompt alone."""
+    from breakgraph.integrations.transformers import experts as experts_module
+
+    model = model_for(arch, backend, experts_implementation="grouped_mm")
+    device = next(model.parameters()).device
+    real = compat.grouped_experts()
+    with torch.inference_mode(False):
+        routed = torch.zeros((), dtype=torch.long, device=device)  # outside every graph
+
+    def counting(module, hidden, index, weights):
+        routed.add_((index < module.num_experts).all(-1).sum())  # a graph node: every replay
+        return real(module, hidden, index, weights)
+
+    monkeypatch.setattr(experts_module, "_grouped", counting)
+    runner = closing(make_runner(model, backend))
+    layers = model.config.num_hidden_layers
+    generator = torch.Generator().manual_seed(11)
+    for lengths in ([5], [3, 9], [13], [20, 7, 2], [9], [30]):
+        prompts = prompts_of(lengths, device, generator)
+        assert runner._runner.bucket_for(sum(lengths)) > sum(lengths)  # a padding tail
+        before = int(routed)
+        out = runner.prefill(prompts)
+        assert int(routed) - before == layers * sum(lengths), lengths
+        for i, p in enumerate(prompts):
+            assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
+    assert model.config._experts_implementation == "grouped_mm"  # switched back
+
+
+def test_grouped_experts_without_a_mask_are_grouped_mm(backend, monkeypatch):
+    """Outside a prefill (no padding mask) and for experts with biases (an id past the last
+    expert would index a bias out of range), the registered function is grouped_mm itself."""
+    from breakgraph.integrations.transformers import experts as experts_module
+
+    model = model_for("mixtral", backend, experts_implementation="grouped_mm")
+    module = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(3)
+    rows = 6
+    hidden = torch.randn(rows, model.config.hidden_size, generator=generator).to(device)
+    hidden = hidden.to(next(model.parameters()).dtype)
+    index = torch.randint(module.num_experts, (rows, 2), generator=generator).to(device)
+    weights = torch.rand(rows, 2, generator=generator).to(device, hidden.dtype)
+    with torch.no_grad():
+        plain = compat.grouped_experts()(module, hidden, index, weights)
+        torch.testing.assert_close(
+            experts_module.grouped_skipping_padding(module, hidden, index, weights), plain
+        )
+        pad = (torch.arange(rows, device=device) >= 4)[:, None]
+        with experts_module.padding_rows(pad):
+            skipped = experts_module.grouped_skipping_padding(module, hidden, index, weights)
+            torch.testing.assert_close(skipped[:4], plain[:4])
+            assert not skipped[4:].any()
+            seen = []
+            monkeypatch.setattr(
+                experts_module, "_grouped", lambda m, h, i, w: seen.append(i) or torch.zeros_like(h)
+            )
+            monkeypatch.setattr(module, "has_bias", True, raising=False)
+            experts_module.grouped_skipping_padding(module, hidden, index, weights)
+            assert seen[0] is index  # biases are indexed by expert id: no id past the last
 
 
 def test_user_instance_forward_on_experts_survives(backend, closing):

@@ -14,7 +14,12 @@ prefill
   2. I ``config._attn_implementation`` (read) and P ``model.set_attn_implementation``.
   3. P ``ExpertsInterface.register``, ``model.set_experts_implementation``; I
      ``config._experts_implementation`` and ``model._can_set_experts_implementation``; I the
-     experts class's original ``forward`` under ``__wrapped__`` (the eager loop).
+     experts class's original ``forward`` under ``__wrapped__`` (the eager loop); P
+     ``ExpertsInterface()["grouped_mm"]`` and I how it treats an expert id equal to
+     ``num_experts`` (transformers' expert-parallel "sentinel": the row goes to no expert and
+     costs no GEMM work), with I the experts module's ``num_experts`` and ``has_bias``. A release
+     that indexed weights by such an id would fail loudly at capture (an index out of range);
+     one that clamped it would route padding to the last expert (slower, still exact).
   4. I ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (which class is the causal LM of a model type).
 
 continuous batching (transformers keeps its scheduler, paged cache, sampling and request
@@ -100,6 +105,12 @@ def experts_registry() -> Any:
     from transformers.integrations.moe import ExpertsInterface
 
     return ExpertsInterface
+
+
+def grouped_experts() -> Callable:
+    """3. The function ``ExpertsInterface`` holds under ``"grouped_mm"`` (public: an instance
+    of the registry, indexed by key)."""
+    return experts_registry()()["grouped_mm"]
 
 
 def experts_key(model: Any) -> str | None:

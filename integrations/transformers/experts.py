@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,9 +31,19 @@ import breakgraph
 from . import compat
 from .models import UnsupportedModelError
 
-__all__ = ["EXPERTS_KEY", "experts_as_breaks", "needs_experts_break"]
+__all__ = [
+    "EXPERTS_KEY", "GROUPED_KEY", "experts_as_breaks", "experts_for_prefill",
+    "grouped_skipping_padding", "needs_experts_break", "padding_rows",
+]  # fmt: skip
 
 EXPERTS_KEY = "breakgraph_eager_loop"
+GROUPED_KEY = "breakgraph_grouped_mm"
+
+_grouped: Any = None  # transformers' grouped_mm experts function (found by register())
+# [rows, 1] bool, True on a padding row, for the forward being run or captured (None: no mask)
+_padding: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "breakgraph_padding_rows", default=None
+)
 
 
 @breakgraph.eager_on_graph
@@ -75,13 +86,73 @@ def breakgraph_experts(module: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def register() -> None:
-    """Register :data:`EXPERTS_KEY` in transformers' ``ExpertsInterface`` (idempotent)."""
-    compat.experts_registry().register(EXPERTS_KEY, breakgraph_experts)
+    """Register :data:`EXPERTS_KEY` and :data:`GROUPED_KEY` in transformers'
+    ``ExpertsInterface`` (idempotent)."""
+    registry = compat.experts_registry()
+    registry.register(EXPERTS_KEY, breakgraph_experts)
+    if _grouped is None:
+        globals()["_grouped"] = compat.grouped_experts()
+    registry.register(GROUPED_KEY, grouped_skipping_padding)
+
+
+@contextlib.contextmanager
+def padding_rows(mask: torch.Tensor | None) -> Iterator[None]:
+    """For the block, ``mask`` (``[rows, 1]`` bool on the model's device, True on a padding
+    row) tells :func:`grouped_skipping_padding` which rows to route to no expert.
+
+    Example::
+
+        pad = torch.arange(bucket, device=dev)[:, None] > last_index.amax()
+        with padding_rows(pad):
+            logits = model(input_ids=ids, position_ids=positions).logits
+    """
+    token = _padding.set(mask)
+    try:
+        yield
+    finally:
+        _padding.reset(token)
+
+
+def skips_padding(module: Any) -> bool:
+    """Whether :func:`grouped_skipping_padding` can route ``module``'s padding rows to no
+    expert: transformers' ``grouped_mm`` indexes per-expert biases with the ids (an id past
+    the last expert would be out of range there), so only experts without biases."""
+    return getattr(module, "has_bias", True) is False and hasattr(module, "num_experts")
+
+
+def grouped_skipping_padding(module: Any, hidden: torch.Tensor, index: torch.Tensor,
+                             weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The function registered as ``ExpertsInterface[GROUPED_KEY]``: transformers'
+    ``grouped_mm`` experts with the padding rows of :func:`padding_rows` given expert id
+    ``num_experts``, which no expert owns (the grouped GEMMs skip them), and zero output.
+    Without a mask of this forward's rows it is ``grouped_mm`` itself."""
+    grouped = _grouped or compat.grouped_experts()
+    pad = _padding.get()
+    if pad is None or pad.shape[0] != hidden.shape[0] or not skips_padding(module):
+        return grouped(module, hidden, index, weights)
+    index = index.masked_fill(pad, module.num_experts)
+    return grouped(module, hidden, index, weights).masked_fill_(pad, 0.0)
 
 
 def needs_experts_break(model: Any) -> bool:
     """True when the model's experts run transformers' eager loop (``nonzero``: not capturable)."""
     return compat.experts_key(model) in ("eager", EXPERTS_KEY)
+
+
+@contextlib.contextmanager
+def experts_for_prefill(model: Any, skip_padding: bool) -> Iterator[None]:
+    """A prefill's experts for the block: the eager loop as breaks (:func:`experts_as_breaks`),
+    and with ``skip_padding`` transformers' ``grouped_mm`` as :data:`GROUPED_KEY`; then back."""
+    if not (skip_padding and compat.experts_key(model) == "grouped_mm"):
+        with experts_as_breaks(model):
+            yield
+        return
+    register()
+    model.set_experts_implementation(GROUPED_KEY)
+    try:
+        yield
+    finally:
+        model.set_experts_implementation("grouped_mm")
 
 
 @contextlib.contextmanager

@@ -52,8 +52,9 @@ from breakgraph.memory import borrowed
 from breakgraph.runner import BucketedRunner
 
 from . import attention as _attention
+from . import compat
 from .compiled import CompiledForward
-from .experts import experts_as_breaks
+from .experts import experts_for_prefill, padding_rows
 from .models import (
     SUPPORTED_MODEL_TYPES,
     UnsupportedModelError,
@@ -253,6 +254,10 @@ class PrefillRunner:
         )
         self._borrow = backend_name == "cuda"
         self._steps = StepBuffers(longest, max_prompts, self.device, pad_token_id)
+        # grouped_mm experts skip a bucket's padding rows (see .experts); not under
+        # torch.compile, which would trace the mask's context variable
+        self._skip_padding = not compile and compat.experts_key(model) == "grouped_mm"
+        self._row_ids = torch.arange(longest, device=self.device) if self._skip_padding else None
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
         # (bucket, single prompt?) -> [(layer, key, value)] seen at capture
         self._layers: dict = {}
@@ -342,7 +347,17 @@ class PrefillRunner:
             else contextlib.nullcontext()
         )
         self._steps.upload()  # in a graph: its first node (the host only writes the buffer)
-        with self.installed(), _attention.running(state), collectives, torch.no_grad():
+        rows = input_ids.shape[1]
+        pad = None  # [rows, 1]: True past the last prompt's last token (stale indices are 0)
+        if self._skip_padding and rows <= self._row_ids.shape[0]:
+            pad = self._row_ids[:rows, None] > self._steps.last_index.amax()
+        with (
+            self.installed(),
+            padding_rows(pad),
+            _attention.running(state),
+            collectives,
+            torch.no_grad(),
+        ):
             logits = self._forward_model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -362,13 +377,17 @@ class PrefillRunner:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Switch the model to breakgraph attention (and eager MoE experts to eager breaks,
-        through transformers' ``ExpertsInterface``; a vocab-parallel embedding to its
+        """Switch the model to breakgraph attention (and MoE experts, through transformers'
+        ``ExpertsInterface``: the eager loop to eager breaks, ``grouped_mm`` to its version
+        that skips padding rows, see :mod:`.experts`; a vocab-parallel embedding to its
         graph-safe lookup, see :mod:`.tensor_parallel`) for the block, then back."""
         original = self.model.config._attn_implementation
         self.model.set_attn_implementation(_attention.ATTENTION_KEY)
         try:
-            with experts_as_breaks(self.model), graph_safe_tensor_parallel(self.model):
+            with (
+                experts_for_prefill(self.model, self._skip_padding),
+                graph_safe_tensor_parallel(self.model),
+            ):
                 yield
         finally:
             self.model.set_attn_implementation(original)
