@@ -753,6 +753,9 @@ def test_grouped_experts_skip_the_padding_rows(arch, backend, closing, monkeypat
         return real(module, hidden, index, weights)
 
     monkeypatch.setattr(experts_module, "_grouped", counting)
+    # these tiny experts are never worth the mask (see test_padding_mask_is_used_where_it_pays)
+    monkeypatch.setattr(experts_module, "MASK_COST_FLOP", 0)
+    monkeypatch.setattr(experts_module, "COMPUTE_BOUND_ROWS", 0)
     runner = closing(make_runner(model, backend))
     layers = model.config.num_hidden_layers
     generator = torch.Generator().manual_seed(11)
@@ -786,8 +789,11 @@ def test_grouped_experts_without_a_mask_are_grouped_mm(backend, monkeypatch):
         torch.testing.assert_close(
             experts_module.grouped_skipping_padding(module, hidden, index, weights), plain
         )
-        pad = (torch.arange(rows, device=device) >= 4)[:, None]
-        with experts_module.padding_rows(pad):
+        monkeypatch.setattr(experts_module, "MASK_COST_FLOP", 0)
+        monkeypatch.setattr(experts_module, "COMPUTE_BOUND_ROWS", 0)
+        last = torch.tensor([3, 1, 0], device=device)  # the live rows end at row 3
+        padding = experts_module.PaddingRows(torch.arange(rows, device=device), last, 1.0)
+        with experts_module.padding_rows(padding):
             skipped = experts_module.grouped_skipping_padding(module, hidden, index, weights)
             torch.testing.assert_close(skipped[:4], plain[:4])
             assert not skipped[4:].any()
@@ -798,6 +804,34 @@ def test_grouped_experts_without_a_mask_are_grouped_mm(backend, monkeypatch):
             monkeypatch.setattr(module, "has_bias", True, raising=False)
             experts_module.grouped_skipping_padding(module, hidden, index, weights)
             assert seen[0] is index  # biases are indexed by expert id: no id past the last
+
+
+@pytest.mark.parametrize(
+    "shape, bucket, expected, used",
+    [
+        ((8, 2, 4096, 14336), 1024, 32, True),  # Mixtral-8x7B widths, 1000 tokens: measured +4 %
+        ((8, 2, 1024, 3584), 1024, 32, False),  # Mixtral at hidden 1024: measured -1 %
+        ((128, 8, 2048, 768), 1024, 32, False),  # Qwen3-MoE widths: 2.4 GFLOP of padding
+        ((8, 2, 4096, 14336), 32, 4, False),  # 8 rows per expert: the weights' reads dominate
+        ((8, 2, 1024, 3584), 2048, 64, True),
+    ],
+)
+def test_padding_mask_is_used_where_it_pays(shape, bucket, expected, used):
+    """The cost model of the grouped experts' padding mask, on the benchmark's shapes (meta
+    tensors: no memory), and never for experts with biases."""
+    from types import SimpleNamespace
+
+    from breakgraph.integrations.transformers.experts import worth_skipping
+
+    experts, top_k, hidden, inner = shape
+    module = SimpleNamespace(
+        num_experts=experts, has_bias=False, has_gate=True,
+        gate_up_proj=torch.empty(experts, 2 * inner, hidden, device="meta"),
+        down_proj=torch.empty(experts, hidden, inner, device="meta"),
+    )  # fmt: skip
+    assert worth_skipping(module, bucket, top_k, expected) is used
+    module.has_bias = True
+    assert not worth_skipping(module, bucket, top_k, expected)
 
 
 def test_user_instance_forward_on_experts_survives(backend, closing):

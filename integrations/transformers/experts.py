@@ -1,4 +1,4 @@
-"""MoE experts through transformers' own registry: the eager experts loop as an eager break.
+"""MoE experts through transformers' own registry: the eager loop as a break, padding skipped.
 
 transformers dispatches every experts module decorated with ``@use_experts_implementation``
 through ``ExpertsInterface`` by ``config._experts_implementation``. Its ``"eager"``
@@ -10,11 +10,22 @@ transformers' ``set_experts_implementation`` (and back), exactly as attention is
 through ``AttentionInterface``. ``grouped_mm`` and ``batched_mm`` need no break: they are
 captured as they are.
 
+A prefill's bucket ends in a padding tail, and the experts would work on it like on real
+tokens. The eager loop runs on the prompts' rows only (``live_tokens`` in the replay
+context). For ``grouped_mm`` the prefill runner registers :data:`GROUPED_KEY`
+(:func:`grouped_skipping_padding`): inside the graph, the tail's rows get expert id
+``num_experts``, which transformers uses for rows another rank owns (the sort puts them last,
+the histogram drops them, the grouped GEMMs stop at the last expert's offset), and their
+output rows are zeroed. Which rows are padding is a device mask made once per forward from
+the step's last-token indices (:class:`PaddingRows`), so one graph serves every prompt length
+of its bucket. The mask costs two small kernels per layer, so it is used only where the
+padding's expert work is larger (:func:`worth_skipping`).
+
 Example::
 
-    from breakgraph.integrations.transformers.experts import experts_as_breaks
-    with experts_as_breaks(model):      # only if the model uses the eager loop
-        ...                             # capture the forward
+    from breakgraph.integrations.transformers.experts import experts_for_prefill
+    with experts_for_prefill(model, skip_padding=True):  # the eager loop: breaks;
+        ...                                              # grouped_mm: padding skipped
 """
 
 from __future__ import annotations
@@ -33,15 +44,16 @@ from .models import UnsupportedModelError
 
 __all__ = [
     "EXPERTS_KEY", "GROUPED_KEY", "experts_as_breaks", "experts_for_prefill",
-    "grouped_skipping_padding", "needs_experts_break", "padding_rows",
+    "PaddingRows", "grouped_skipping_padding", "needs_experts_break", "padding_rows",
+    "worth_skipping",
 ]  # fmt: skip
 
 EXPERTS_KEY = "breakgraph_eager_loop"
 GROUPED_KEY = "breakgraph_grouped_mm"
 
 _grouped: Any = None  # transformers' grouped_mm experts function (found by register())
-# [rows, 1] bool, True on a padding row, for the forward being run or captured (None: no mask)
-_padding: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+# the padding rows of the forward being run or captured (None: no padding mask)
+_padding: contextvars.ContextVar[PaddingRows | None] = contextvars.ContextVar(
     "breakgraph_padding_rows", default=None
 )
 
@@ -95,29 +107,70 @@ def register() -> None:
     registry.register(GROUPED_KEY, grouped_skipping_padding)
 
 
-@contextlib.contextmanager
-def padding_rows(mask: torch.Tensor | None) -> Iterator[None]:
-    """For the block, ``mask`` (``[rows, 1]`` bool on the model's device, True on a padding
-    row) tells :func:`grouped_skipping_padding` which rows to route to no expert.
+#: What routing a bucket's padding rows to no expert costs per layer: two small kernels (the
+#: ids' ``masked_fill`` and the output's), about 5 us on an H200, where its bf16 GEMMs do about
+#: 2.5 GFLOP. Measured there (``bench_prefill``, 1000 tokens in the 1024 bucket): the mask made
+#: Mixtral-8x7B widths (0.7 GFLOP of experts per padding row and layer) 4 % faster, and a
+#: Mixtral at hidden 1024 (0.04 GFLOP per row) 1 % slower.
+MASK_COST_FLOP = 2.5e9
+#: Rows per expert below which a grouped GEMM is bound by reading the expert weights, so padding
+#: rows cost next to nothing there.
+COMPUTE_BOUND_ROWS = 64
+
+
+class PaddingRows:
+    """Which rows of the forward being run or captured are a bucket's padding, for
+    :func:`grouped_skipping_padding`: rows past the largest of the step's last-token indices
+    (``last_index``, a device tensor the graph reads; its unused entries are 0), and how many
+    padding rows a call of this bucket has on average (``expected``: half the gap to the next
+    smaller bucket), which decides whether masking them pays. The mask is computed on first
+    use, inside the forward (so inside the graph), once for all layers.
 
     Example::
 
-        pad = torch.arange(bucket, device=dev)[:, None] > last_index.amax()
-        with padding_rows(pad):
+        rows = PaddingRows(torch.arange(bucket, device=dev), last_index, expected=16)
+        with padding_rows(rows):
             logits = model(input_ids=ids, position_ids=positions).logits
     """
-    token = _padding.set(mask)
+
+    __slots__ = ("row_ids", "last_index", "expected", "_mask")
+
+    def __init__(self, row_ids: torch.Tensor, last_index: torch.Tensor, expected: float):
+        self.row_ids, self.last_index, self.expected = row_ids, last_index, expected
+        self._mask: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """``[rows, 1]`` bool, True on a padding row."""
+        if self._mask is None:
+            self._mask = self.row_ids[:, None] > self.last_index.amax()
+        return self._mask
+
+
+@contextlib.contextmanager
+def padding_rows(rows: PaddingRows | None) -> Iterator[None]:
+    """For the block, ``rows`` tells :func:`grouped_skipping_padding` which rows are padding."""
+    token = _padding.set(rows)
     try:
         yield
     finally:
         _padding.reset(token)
 
 
-def skips_padding(module: Any) -> bool:
-    """Whether :func:`grouped_skipping_padding` can route ``module``'s padding rows to no
-    expert: transformers' ``grouped_mm`` indexes per-expert biases with the ids (an id past
-    the last expert would be out of range there), so only experts without biases."""
-    return getattr(module, "has_bias", True) is False and hasattr(module, "num_experts")
+def worth_skipping(module: Any, rows: int, top_k: int, expected: float) -> bool:
+    """Whether routing ``expected`` padding rows (of ``rows``) to no expert saves more than the
+    mask costs (:data:`MASK_COST_FLOP`, :data:`COMPUTE_BOUND_ROWS`); never for experts with
+    biases: transformers' ``grouped_mm`` indexes them by expert id, and an id past the last
+    expert would be out of range there."""
+    if getattr(module, "has_bias", True) is not False or not hasattr(module, "num_experts"):
+        return False
+    names = ("gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", "down_proj")
+    weights = [getattr(module, name, None) for name in names]
+    if any(not isinstance(w, torch.Tensor) for w in weights):
+        return False
+    experts = module.num_experts
+    flop_per_row = 2 * top_k * sum(w.numel() for w in weights) / experts
+    compute_bound = rows * top_k >= COMPUTE_BOUND_ROWS * experts
+    return compute_bound and expected * flop_per_row >= MASK_COST_FLOP
 
 
 def grouped_skipping_padding(module: Any, hidden: torch.Tensor, index: torch.Tensor,
@@ -125,11 +178,16 @@ def grouped_skipping_padding(module: Any, hidden: torch.Tensor, index: torch.Ten
     """The function registered as ``ExpertsInterface[GROUPED_KEY]``: transformers'
     ``grouped_mm`` experts with the padding rows of :func:`padding_rows` given expert id
     ``num_experts``, which no expert owns (the grouped GEMMs skip them), and zero output.
-    Without a mask of this forward's rows it is ``grouped_mm`` itself."""
+    Without padding rows for this forward, or where it does not pay (:func:`worth_skipping`),
+    it is ``grouped_mm`` itself."""
     grouped = _grouped or compat.grouped_experts()
-    pad = _padding.get()
-    if pad is None or pad.shape[0] != hidden.shape[0] or not skips_padding(module):
+    rows = _padding.get()
+    n = hidden.shape[0]
+    if rows is None or rows.row_ids.shape[0] != n:
         return grouped(module, hidden, index, weights)
+    if not worth_skipping(module, n, index.shape[-1], rows.expected):
+        return grouped(module, hidden, index, weights)
+    pad = rows.mask()
     index = index.masked_fill(pad, module.num_experts)
     return grouped(module, hidden, index, weights).masked_fill_(pad, 0.0)
 

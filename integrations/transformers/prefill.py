@@ -54,7 +54,7 @@ from breakgraph.runner import BucketedRunner
 from . import attention as _attention
 from . import compat
 from .compiled import CompiledForward
-from .experts import experts_for_prefill, padding_rows
+from .experts import PaddingRows, experts_for_prefill, padding_rows
 from .models import (
     SUPPORTED_MODEL_TYPES,
     UnsupportedModelError,
@@ -226,6 +226,7 @@ class PrefillRunner:
         if token_buckets is None:
             token_buckets = default_token_buckets(min(4096, limit or 4096))
         token_buckets = validate_buckets(token_buckets, "PrefillRunner: token_buckets")
+        self._token_buckets = tuple(sorted(token_buckets))
         longest = token_buckets[-1]
         if limit is not None and longest > limit:
             raise UnsupportedModelError(
@@ -347,13 +348,12 @@ class PrefillRunner:
             else contextlib.nullcontext()
         )
         self._steps.upload()  # in a graph: its first node (the host only writes the buffer)
-        rows = input_ids.shape[1]
-        pad = None  # [rows, 1]: True past the last prompt's last token (stale indices are 0)
-        if self._skip_padding and rows <= self._row_ids.shape[0]:
-            pad = self._row_ids[:rows, None] > self._steps.last_index.amax()
+        padding = None  # grouped_mm experts: which rows are padding (see .experts)
+        if self._skip_padding:
+            padding = self._padding_rows(input_ids.shape[1])
         with (
             self.installed(),
-            padding_rows(pad),
+            padding_rows(padding),
             _attention.running(state),
             collectives,
             torch.no_grad(),
@@ -374,6 +374,16 @@ class PrefillRunner:
             logits = borrowed(logits)
         self._layers[input_ids.shape[1], inline] = state.layers
         return logits
+
+    def _padding_rows(self, rows: int) -> PaddingRows | None:
+        """The padding rows of a forward over ``rows`` (a bucket): a call pads to it from any
+        length above the next smaller bucket, half that gap on average. None for an eager batch
+        longer than every bucket (no padding)."""
+        if rows > self._row_ids.shape[0]:
+            return None
+        smaller = [b for b in self._token_buckets if b < rows]
+        expected = (rows - (smaller[-1] if smaller else 0) - 1) / 2
+        return PaddingRows(self._row_ids[:rows], self._steps.last_index, expected)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
