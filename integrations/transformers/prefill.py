@@ -254,7 +254,9 @@ class PrefillRunner:
             {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
         )
         self._borrow = backend_name == "cuda"
-        self._steps = StepBuffers(longest, max_prompts, self.device, pad_token_id)
+        self._steps = StepBuffers(
+            longest, max_prompts, self.device, pad_token_id, marks_in_graph=backend_name == "cuda"
+        )
         # grouped_mm experts skip a bucket's padding rows (see .experts); not under
         # torch.compile, which would trace the mask's context variable
         self._skip_padding = not compile and compat.experts_key(model) == "grouped_mm"

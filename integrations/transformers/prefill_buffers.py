@@ -77,13 +77,17 @@ class StepBuffers(StaticInputs):
     the device buffer. Every bucket's static inputs are views of the device buffer's start,
     so the bucket graphs read the same memory (they never run at the same time).
 
-    A call writes the host buffer (:meth:`write_ids`, then :meth:`commit`), launches a graph
-    whose first node copies the whole host buffer to the device (:meth:`upload`, captured),
-    then marks the host buffer as read by that launch (:meth:`launched`): the next call's
-    :meth:`write_ids` waits for that mark. The host never waits when the caller reads each
-    call's logits before the next call (every synchronous use); two calls issued back to
-    back without reading make the second wait for the first before it stages (one host
-    buffer: the graphs copy from its fixed address). Prompts already on the device reach
+    A call writes the host buffer (:meth:`write_ids`, then :meth:`commit`) and launches a
+    graph whose first node copies the whole host buffer to the device (:meth:`upload`,
+    captured); the next call's :meth:`write_ids` waits until that copy has run. With
+    ``marks_in_graph`` (the CUDA backend) the mark is an event recorded by the graph itself,
+    right after its copy node (an *external* event: captured, it is a node of the graph that
+    CUDA records when it runs), so a call queued behind a running one waits only until the
+    running graph has started; else the host records it after each launch
+    (:meth:`launched`; the emulated backend replays aten operations, not event records), so
+    such a call waits for the whole previous graph. One host buffer, because the graphs copy
+    from its fixed address: a call waits when the previous call's graph has not started yet
+    (the host is two calls ahead), never in a synchronous loop. Prompts already on the device reach
     their place in the host buffer by device-to-host copies issued before the launch, in
     stream order, so the graph's copy carries them too (they are not checked against the
     vocabulary: that would cost a host sync).
@@ -110,7 +114,15 @@ class StepBuffers(StaticInputs):
       (``benchmarks/prefill_host_lines.py``).
     """
 
-    def __init__(self, max_tokens: int, max_prompts: int, device: torch.device, pad_id: int):
+    def __init__(
+        self,
+        max_tokens: int,
+        max_prompts: int,
+        device: torch.device,
+        pad_id: int,
+        *,
+        marks_in_graph: bool = False,
+    ):
         example = torch.zeros(1, 1, dtype=torch.long, device=device)
         super().__init__((example, example), dims=1, pad_values=(pad_id, 0))
         self.max_tokens, self.max_prompts, self.pad_id = max_tokens, max_prompts, pad_id
@@ -129,9 +141,16 @@ class StepBuffers(StaticInputs):
         # last-token indices the last step set
         self.moved = (0, 0)
         self.last_set = 0
-        # torch.Event: its record() finds the current stream in C++ (torch.cuda.Event.record
-        # builds a Python torch.cuda.Stream for it on every call, a few microseconds)
-        self.read = torch.Event(device, enable_timing=False) if pin else None
+        # "the host buffer was read": recorded by the graphs (external event) or by the host
+        # after each launch (torch.Event: its record() finds the current stream in C++, where
+        # torch.cuda.Event.record builds a Python torch.cuda.Stream, a few microseconds)
+        self.marks_in_graph = marks_in_graph and pin
+        self.read: torch.Event | torch.cuda.Event | None = None
+        if self.marks_in_graph:
+            self.read = torch.cuda.Event(external=True)
+            self.read.record(torch.cuda.current_stream(device))  # created before any capture
+        elif pin:
+            self.read = torch.Event(device, enable_timing=False)
         self.ids, self.positions = self.device_buffer[:t], self.device_buffer[t : 2 * t]
         self.last_index = self.device_buffer[2 * t : 2 * t + p]
         self.cu_seqlens = self.device_buffer[2 * t + p :].view(torch.int32)[: p + 2]
@@ -146,13 +165,16 @@ class StepBuffers(StaticInputs):
     def upload(self) -> None:
         """The host buffer to the device buffer: the first operation of the captured forward,
         so inside a graph it is the graph's first node (a copy from pinned memory reads the
-        host buffer when the node runs, not when it was captured)."""
+        host buffer when the node runs, not when it was captured); with ``marks_in_graph``,
+        the event the next call waits on is recorded right after it (the graph's next node)."""
         self.device_buffer.copy_(self.host, non_blocking=True)
+        if self.marks_in_graph:  # on the stream the copy went to (the capture stream, capturing)
+            self.read.record(torch.cuda.current_stream(self.device_buffer.device))
 
     def launched(self) -> None:
-        """Mark the host buffer as read by the work issued so far (the call's launch): the next
-        :meth:`write_ids` waits for it."""
-        if self.read is not None:
+        """After a launch: unless the graphs mark it themselves, mark the host buffer as read
+        by the work issued so far (the next :meth:`write_ids` waits for it)."""
+        if self.read is not None and not self.marks_in_graph:
             self.read.record()
 
     def settle(self) -> None:
