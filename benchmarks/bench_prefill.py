@@ -244,6 +244,12 @@ def runner_record(runner, construction_s: float) -> dict:
         "graph_memory_bytes": {str(b): int(v) for b, v in stats.graph_memory_bytes.items()},
         "attention": getattr(runner, "attention", None),
         "max_prompts": runner.max_prompts,
+        # where tuning sent a bucket's calls (a larger bucket timed faster), per ladder: a
+        # cell's time depends on it
+        "routed": {str(b): int(to) for b, to in runner._runner.stats.routed.items()},
+        "routed_single": {
+            str(b): int(to) for b, to in getattr(runner._single, "stats", stats).routed.items()
+        },
     }
 
 

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from breakgraph.integrations.transformers import PrefillRunner
+from breakgraph.integrations.transformers import PrefillRunner, default_token_buckets
 from breakgraph.integrations.transformers.attention import LayerAttention
 
 import breakgraph
@@ -98,6 +98,14 @@ class OneGraphPrefillRunner(PrefillRunner):
         self.cut_after_attention = cut_after_attention
         kwargs.setdefault("single_prompt_graphs", False)  # its graphs have no break already
         super().__init__(model, *args, **kwargs)  # captures through installed() below
+
+    def _padding_of(self, bucket: int) -> float:
+        """The padding the default ladder's bucket of this size expects, so that MoE experts
+        skip padding rows (or not) exactly as in the default runner: this variant usually has
+        only the few buckets a benchmark uses, whose gaps are far larger."""
+        ladder = default_token_buckets(max(4096, bucket))
+        smaller = [b for b in ladder if b < bucket]
+        return (bucket - (smaller[-1] if smaller else 0) - 1) / 2
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

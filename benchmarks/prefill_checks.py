@@ -278,9 +278,10 @@ def why_slower(row: dict) -> str:
     one = ratio(row, "bg_one_graph", "hf_graph")
     pad = padding(row)
     if one is not None:
+        single = row.get("kind") == "single"
         parts.append(
             fill(
-                "why.one_graph",
+                "why.one_graph.single" if single else "why.one_graph",
                 one_ratio=num(one, 3),
                 bucket=row["bucket"],
                 tokens=row["tokens"],

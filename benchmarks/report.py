@@ -88,6 +88,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         load(report_prefill.PACKED_ONLY_FILE),
         [(tag, d) for n, tag in report_prefill.UPLOAD_FILES if (d := load(n)) is not None],
         load(report_prefill.BACK_TO_BACK_FILE),
+        load(report_prefill.BACK_TO_BACK_EVENT_FILE),
+        load(report_prefill.MOE_PADDING_FILE),
+        load(report_prefill.HOST_LINES_FILE),
     )
     blocks += report_prefill.capture_split_section(
         [loaded[n] for n in report_prefill.CAPTURE_FILES if n in loaded],

@@ -43,6 +43,9 @@ UPLOAD_FILES = (
     ("h200-prefill-host-path-upload-pinned-old-first.json", "one core (taskset), old first"),
 )
 BACK_TO_BACK_FILE = "h200-prefill-back-to-back.json"  # queued against synchronous calls
+BACK_TO_BACK_EVENT_FILE = "h200-prefill-back-to-back-event.json"  # the read event in the graph
+MOE_PADDING_FILE = "h200-prefill-moe-padding.json"  # grouped experts skipping padding rows
+HOST_LINES_FILE = "h200-prefill-host-lines.json"  # prefill_host_lines --device cuda
 MISSED = " ✗"
 
 
@@ -598,6 +601,55 @@ def queued_lines(data: dict | None) -> list[str]:
     return lines
 
 
+def padding_lines(data: dict | None) -> list[str]:
+    """Grouped experts with and without the padding mask: per family and prompt length,
+    breakgraph / exact graph old → new (the median over each tree's runs)."""
+    if data is None:
+        return []
+    runs = data["runs"]
+    families = sorted({fam for run in runs.values() for fam in run})
+    lines = []
+    for family in families:
+        cells = []
+        tokens = sorted({t for run in runs.values() for t in run.get(family, {})}, key=int)
+        for t in tokens:
+            per = {}
+            for tree in ("old", "new"):
+                ratios = [
+                    run[family][t]["breakgraph"] / run[family][t]["hf_graph"]
+                    for tag, run in runs.items()
+                    if tag.startswith(tree) and t in run.get(family, {})
+                ]
+                per[tree] = statistics.median(ratios) if ratios else None
+            if per["old"] is not None and per["new"] is not None:
+                cells.append(f"{t} tokens {num(per['old'], 3)} → {num(per['new'], 3)}")
+        lines.append(f"{family}: breakgraph / exact graph, " + ", ".join(cells))
+    return lines
+
+
+def host_lines_lines(data: dict | None) -> list[str]:
+    """``prefill_host_lines`` on the GPU machine: per family, the host path from entry to
+    launch, its largest statements and the launch itself (µs, median over its calls)."""
+    if data is None:
+        return []
+    lines = []
+    for family, variants in data["families"].items():
+        parts = []
+        for variant, times in variants.items():
+            steps = {k: v for k, v in times.items() if k not in ("entry -> launch",)}
+            top = sorted(
+                ((k, v) for k, v in steps.items() if not k.startswith("launch")),
+                key=lambda kv: -kv[1],
+            )[:2]
+            parts.append(
+                f"{variant}: entry to launch {num(times['entry -> launch'], 1)} µs (largest: "
+                + ", ".join(f"{k} {num(v, 1)}" for k, v in top)
+                + f"; the launch itself {num(times.get('launch (replay to return)', 0), 1)})"
+            )
+        lines.append(f"{family}: " + "; ".join(parts))
+    return lines
+
+
 def before_after_lines(before: dict | None, after: dict) -> list[str]:
     """Per family: breakgraph / exact graph of each single prompt, and the construction time,
     in ``before`` (packed graphs only) and ``after``."""
@@ -633,6 +685,9 @@ def section(
     packed_only: dict | None = None,
     upload: list | None = None,
     queued: dict | None = None,
+    queued_event: dict | None = None,
+    moe_padding: dict | None = None,
+    host_lines: dict | None = None,
 ) -> list[str]:
     """The prefill section as a list of Markdown blocks (``neighbours``: the
     ``prefill_host_path --neighbours`` results; ``packed_only``: the run before single-prompt
@@ -693,17 +748,28 @@ def section(
         fill(
             "prefill.losses",
             losses=bullets(losses),
-            neighbours=bullets(neighbours_lines(neighbours)) or "(not measured)",
-            before_after=bullets(before_after_lines(packed_only, data)) or "(not measured)",
-            upload=bullets(upload_lines(upload or [])) or "(not measured)",
+            neighbours=items(neighbours_lines(neighbours)) or "(not measured)",
+            before_after=items(before_after_lines(packed_only, data)) or "(not measured)",
+            upload=items(upload_lines(upload or [])) or "(not measured)",
             upload_files="`, `".join(name for name, _ in UPLOAD_FILES),
-            queued=bullets(queued_lines(queued)) or "(not measured)",
+            queued=items(queued_lines(queued)) or "(not measured)",
             queued_file=BACK_TO_BACK_FILE,
+            queued_event=items(queued_lines(queued_event)) or "(not measured)",
+            queued_event_file=BACK_TO_BACK_EVENT_FILE,
+            padding=items(padding_lines(moe_padding)) or "(not measured)",
+            padding_file=MOE_PADDING_FILE,
+            host_lines=items(host_lines_lines(host_lines)) or "(not measured)",
+            host_lines_file=HOST_LINES_FILE,
         )
         if losses
         else fill("prefill.losses.none")
     )
     return blocks
+
+
+def items(lines: list[str]) -> str:
+    """Markdown list items, one per line (plain lines would run into one paragraph)."""
+    return bullets(f"- {line}" for line in lines)
 
 
 # -- console summary and plot ----------------------------------------------------------------

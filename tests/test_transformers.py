@@ -834,6 +834,22 @@ def test_padding_mask_is_used_where_it_pays(shape, bucket, expected, used):
     assert not worth_skipping(module, bucket, top_k, expected)
 
 
+def test_one_graph_variant_expects_the_default_ladders_padding():
+    """The benchmark's one-graph variant has only the buckets a benchmark uses; its MoE
+    experts must still skip padding (or not) as the default runner's same bucket does."""
+    from types import SimpleNamespace
+
+    from benchmarks.one_graph import OneGraphPrefillRunner
+    from breakgraph.buckets import default_token_buckets
+
+    ladder = default_token_buckets(4096)
+    default = SimpleNamespace(_token_buckets=ladder)
+    for bucket in ladder:
+        expected = PrefillRunner._padding_of(default, bucket)
+        assert OneGraphPrefillRunner._padding_of(None, bucket) == expected
+    assert PrefillRunner._padding_of(default, 1024) == 31.5  # 961..1024
+
+
 def test_user_instance_forward_on_experts_survives(backend, closing):
     model = model_for("qwen3_moe", backend)
     experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))

@@ -383,9 +383,13 @@ class PrefillRunner:
         longer than every bucket (no padding)."""
         if rows > self._row_ids.shape[0]:
             return None
-        smaller = [b for b in self._token_buckets if b < rows]
-        expected = (rows - (smaller[-1] if smaller else 0) - 1) / 2
-        return PaddingRows(self._row_ids[:rows], self._steps.last_index, expected)
+        return PaddingRows(self._row_ids[:rows], self._steps.last_index, self._padding_of(rows))
+
+    def _padding_of(self, bucket: int) -> float:
+        """How many padding rows a call of ``bucket`` has on average: half the gap to the
+        next smaller bucket (lengths spread evenly)."""
+        smaller = [b for b in self._token_buckets if b < bucket]
+        return (bucket - (smaller[-1] if smaller else 0) - 1) / 2
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
