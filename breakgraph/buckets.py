@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import enum
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ __all__ = [
     "Decision",
     "choose_bucket",
     "faster_buckets",
+    "tuned_times",
     "validate_buckets",
     "default_token_buckets",
     "geometric_buckets",
@@ -141,6 +142,33 @@ def faster_buckets(times: Mapping[int, float], margin: float = 0.02) -> dict[int
                 faster[size] = b
                 break
     return faster
+
+
+def tuned_times(
+    sizes: Sequence[int], time_one: Callable[[int], float], margin: float = 0.02
+) -> dict[int, float]:
+    """Milliseconds per replay of every bucket for :func:`faster_buckets`: one timing each
+    (``time_one(size)``), then a second one of every bucket a route would rest on (the bucket
+    and the one it would go to), keeping the lower of the two.
+
+    A route moves every call of a bucket to a larger one, so it should not rest on a single
+    sample: noise only ever slows a replay down, and one slow sample of a bucket sends its
+    calls to a bucket that is really slower (more padding). The second timings cost replays of
+    the routed buckets only.
+
+    Example::
+
+        >>> from breakgraph.buckets import tuned_times, faster_buckets
+        >>> samples = {1024: [9.1, 8.5], 1152: [8.7, 8.7]}   # 1024's first replay was slow
+        >>> times = tuned_times([1024, 1152], lambda s: samples[s].pop(0))
+        >>> times, faster_buckets(times)
+        ({1024: 8.5, 1152: 8.7}, {})
+    """
+    times = {size: time_one(size) for size in sizes}
+    involved = {size for route in faster_buckets(times, margin).items() for size in route}
+    for size in sorted(involved):
+        times[size] = min(times[size], time_one(size))
+    return times
 
 
 # -- bucket lists -------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from .buckets import (
     default_token_buckets,
     faster_buckets,
     geometric_buckets,
+    tuned_times,
     validate_buckets,
 )
 from .debug import debug_enabled
@@ -427,8 +428,10 @@ class GraphLadder:
         Llama-1B prefill padded to 208 tokens took longer than one padded to 224 or 256.
         Each bucket replays ``repeats`` times (after one warm-up: its capture already launched
         every segment once, so the graph is uploaded) with ``context(size)`` (default: its
-        capture context), made once per bucket, on whatever its buffers hold; then
-        :meth:`route`. One host wait per bucket, for its timed replays: a context that stages
+        capture context), made before each timing, on whatever its buffers hold; then every
+        bucket a route would rest on (it, and the bucket it would go to) is timed once more and
+        keeps the lower time (:func:`~breakgraph.buckets.tuned_times`: a route should not rest
+        on one sample), then :meth:`route`. One host wait per timing: a context that stages
         inputs (a runner's step buffers) would otherwise wait for the device before every
         replay. The replays are device work, the largest part of a runner's construction
         after the captures (``benchmarks/capture_profile.py``). One timed replay is the
@@ -448,9 +451,9 @@ class GraphLadder:
         self._check_open("tune")
         if self.backend != "cuda" or not self._sizes:
             return {}
-        times = {}
-        for size in self._sizes:
+        def time_one(size: int) -> float:
             graph = self._rungs[size].graph
+            # staged for each timing: the buckets' inputs may share one buffer (a runner's)
             args = () if context is None else (context(size),)
             graph.replay(*args)  # warm-up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -459,7 +462,9 @@ class GraphLadder:
                 graph.replay(*args)
             end.record()
             end.synchronize()
-            times[size] = start.elapsed_time(end) / repeats
+            return start.elapsed_time(end) / repeats
+
+        times = tuned_times(self._sizes, time_one, margin)
         self.route(times, margin)
         return times
 

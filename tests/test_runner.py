@@ -198,6 +198,35 @@ def test_bad_configuration(backend, device, kwargs, phrase):
 # -- tuned routes: a larger bucket that is faster takes the call --------------------------------
 
 
+def test_a_route_rests_on_two_timings_of_each_bucket():
+    """tuned_times: one timing per bucket, then a second of every bucket a route would rest
+    on, keeping the lower: a slow sample of one bucket no longer routes its calls away; a
+    bucket that is really faster still takes them."""
+    from breakgraph.buckets import faster_buckets, tuned_times
+
+    calls = []
+
+    def timer(samples):
+        def time_one(size):
+            calls.append(size)
+            return samples[size].pop(0)
+
+        return time_one
+
+    noisy = {960: [8.0], 1024: [9.2, 8.5], 1152: [8.8, 9.0]}  # 1024's first sample was slow
+    times = tuned_times([960, 1024, 1152], timer(noisy))
+    assert times == {960: 8.0, 1024: 8.5, 1152: 8.8} and faster_buckets(times) == {}
+    assert calls == [960, 1024, 1152, 1024, 1152]  # only the route's two buckets again
+    calls.clear()
+    real = {200: [3.9], 208: [4.4, 4.3], 224: [4.0, 4.05], 256: [4.3]}
+    times = tuned_times([200, 208, 224, 256], timer(real))
+    assert faster_buckets(times) == {208: 224}
+    assert calls == [200, 208, 224, 256, 208, 224]
+    calls.clear()
+    assert tuned_times([8, 16], timer({8: [1.0], 16: [1.5]})) == {8: 1.0, 16: 1.5}
+    assert calls == [8, 16]  # no route: nothing timed twice
+
+
 def test_faster_buckets_and_routed_decisions():
     from breakgraph.runner import choose_bucket, faster_buckets
 
