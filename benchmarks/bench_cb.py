@@ -282,7 +282,10 @@ def run_round(model, variant: Variant, run) -> dict:
         run.timer = None
         if not variant.use_cuda_graph:  # never around transformers' own graphs
             run.timer = StepTimer(device.type == "cuda")
-            run.timer.install(patches, handle.runner if handle is not None else model)
+            if handle is not None:  # its forward, its breaks and their cache updates
+                run.timer.install(patches, handle.runner, breaks=True)
+            else:
+                run.timer.install(patches, model)
         try:
             run.graphs.reset()
             start = time.perf_counter()
@@ -538,6 +541,8 @@ COLUMNS = (
     ("ms/step", 7, "wall_ms_per_step", ".1f"),
     ("prep", 5, "host_prepare_ms_per_step", ".1f"),
     ("fwd", 5, "forward_host_ms_per_step", ".1f"),
+    ("brk", 5, "break_host_ms_per_step", ".1f"),
+    ("upd", 5, "cache_update_host_ms_per_step", ".1f"),
     ("dev", 5, "forward_device_ms_per_step", ".1f"),
     ("busy", 4, "gpu_forward_fraction", ".0%"),
     ("dec ms", 6, "decode_step_ms", ".2f"),

@@ -6,7 +6,10 @@ internals it reads to do so (breakgraph itself reads none of them).
 * :class:`GraphLog`: transformers' own whole-step graph captures, from the INFO messages it
   logs around each (no patch);
 * :class:`StepTimer`: host time, size and CUDA-event device span of each forward call, by
-  wrapping breakgraph's step runner (or the model's own ``forward`` for stock eager steps);
+  wrapping breakgraph's step runner (or the model's own ``forward`` for stock eager steps),
+  and for breakgraph the host time of its attention breaks inside it, and of transformers'
+  paged-cache update inside those (breakgraph's own ``PagedAttention.__call__`` and
+  ``compat.cache_read_write``, wrapped);
 * :func:`decode_window`: the wall time of a pure-decode step, from the requests' token
   timestamps (public: ``add_requests(record_timestamps=True)``).
 
@@ -171,11 +174,17 @@ class StepTimer:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self.records: list[tuple] = []  # (host s, start event, end event, tokens, rows)
+        self.split: list[tuple] = []  # per forward: (breaks' host s, cache updates' host s)
         self._events: list = []
+        self._inside = [0.0, 0.0]  # the current forward's breaks and cache updates, so far
 
-    def install(self, patches: PatchSet, owner) -> None:
+    def install(self, patches: PatchSet, owner, breaks: bool = False) -> None:
+        """Wrap ``owner.forward``; with ``breaks`` (breakgraph's step runner) also time its
+        attention breaks and the cache updates inside them."""
         original = owner.forward
         names = compat.step_kwargs()
+        if breaks:
+            self._wrap_breaks(patches)
 
         @functools.wraps(original)  # transformers reads the signature (logits_to_keep)
         def forward(*args, **kwargs):
@@ -183,11 +192,13 @@ class StepTimer:
             if self.cuda:
                 start, end = self._pair(len(self.records))
                 start.record()
+            self._inside[0] = self._inside[1] = 0.0
             begin = time.perf_counter()
             out = original(*args, **kwargs)
             host = time.perf_counter() - begin
             if self.cuda:
                 end.record()
+            self.split.append(tuple(self._inside))
             ids, keep = kwargs.get(names.input_ids), kwargs.get(names.logits_to_keep)
             tokens = ids.shape[-1] if ids is not None else 0
             rows = keep.numel() if isinstance(keep, torch.Tensor) else tokens
@@ -196,6 +207,28 @@ class StepTimer:
 
         patches.attribute(owner, "forward", forward)
 
+    def _wrap_breaks(self, patches: PatchSet) -> None:
+        from breakgraph.integrations.transformers import cb_step
+
+        inside = self._inside
+
+        def timed(function, slot: int):
+            @functools.wraps(function)
+            def run(*args, **kwargs):
+                begin = time.perf_counter()
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    inside[slot] += time.perf_counter() - begin
+
+            return run
+
+        # the graphs call each break instance, whose __call__ is looked up on the class
+        patches.attribute(
+            cb_step.PagedAttention, "__call__", timed(cb_step.PagedAttention.__call__, 0)
+        )
+        patches.attribute(compat, "cache_read_write", timed(compat.cache_read_write, 1))
+
     def _pair(self, index: int) -> tuple:
         while len(self._events) <= index:
             self._events.append(tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)))
@@ -203,12 +236,16 @@ class StepTimer:
 
     def reset(self) -> None:
         self.records.clear()
+        self.split.clear()
 
     def summary(self, seconds: float, decode_min_rows: int) -> dict:
         if not self.records:
             return {}
         host = [r[0] * 1e3 for r in self.records]
         out = {"forward_calls": len(host), "forward_host_ms_per_step": statistics.mean(host)}
+        if any(b for b, _ in self.split):
+            out["break_host_ms_per_step"] = statistics.mean(b * 1e3 for b, _ in self.split)
+            out["cache_update_host_ms_per_step"] = statistics.mean(u * 1e3 for _, u in self.split)
         spans = None
         if self.cuda:
             torch.cuda.synchronize()
@@ -219,6 +256,10 @@ class StepTimer:
         if decode:
             out["decode_forward_steps"] = len(decode)
             out["decode_forward_host_ms"] = statistics.median(host[i] for i in decode)
+            if "break_host_ms_per_step" in out:
+                out["decode_break_host_ms"] = statistics.median(
+                    self.split[i][0] * 1e3 for i in decode
+                )
             if spans is not None:
                 out["decode_forward_device_ms"] = statistics.median(spans[i] for i in decode)
         return out

@@ -54,6 +54,8 @@ COLUMNS = (  # (header, key, format)
     ("ms/step", "wall_ms_per_step", ".1f"),
     ("prep ms", "host_prepare_ms_per_step", ".1f"),
     ("fwd ms", "forward_host_ms_per_step", ".1f"),
+    ("breaks ms", "break_host_ms_per_step", ".2f"),
+    ("cache upd ms", "cache_update_host_ms_per_step", ".2f"),
     ("device ms", "forward_device_ms_per_step", ".1f"),
     ("in forward", "gpu_forward_fraction", ".0%"),
     ("decode ms", "decode_step_ms", ".2f"),

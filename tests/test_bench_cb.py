@@ -221,6 +221,10 @@ def test_smoke_run_measures_every_variant(smoke_json):
             v = variants[name]
             assert v["graphs"] >= 2 and v["replays"] == v["steps"] == v["forward_calls"]
             assert v["forward_host_ms_per_step"] > 0 and v["decode_forward_steps"] > 0
+            # its attention breaks inside the forward, the cache updates inside the breaks
+            fwd, brk = v["forward_host_ms_per_step"], v["break_host_ms_per_step"]
+            assert fwd > brk > v["cache_update_host_ms_per_step"] > 0
+            assert v["decode_break_host_ms"] > 0
         assert variants["breakgraph"]["rounds"] == 2 and variants["stock_sdpa"]["rounds"] == 1
         ratios = set(model["ratios"])
         assert {"breakgraph_over_stock_sdpa", "breakgraph_over_stock_graphs"} <= ratios
@@ -228,6 +232,12 @@ def test_smoke_run_measures_every_variant(smoke_json):
     # the performance page's section renders from it (benchmarks/report.py uses cb_report.py)
     page = "\n".join(cb_report.cb_section(data))
     assert "| `breakgraph` |" in page and "capture, all graphs" in page
+    assert "breaks ms" in page and "cache upd ms" in page
+    from breakgraph.integrations.transformers import cb_step, compat
+
+    # the timing wrappers are gone after the run (PatchSet restores them)
+    assert not hasattr(cb_step.PagedAttention.__call__, "__wrapped__")
+    assert not hasattr(compat.cache_read_write, "__wrapped__")
 
 
 def test_a_cpu_run_on_a_gpu_machine_skips_transformers_graphs(monkeypatch):
