@@ -1,7 +1,8 @@
 """Prefill fuzzer: random packed batches through ``PrefillRunner`` vs each prompt alone in HF.
 
 For each architecture (llama, qwen2, qwen3, mistral with a sliding window shorter than
-the prompts, gemma) a tiny random-weight causal LM (hidden 64, 2 layers, vocab 128) gets two
+the prompts, gemma; and two MoE: Mixtral with transformers' ``grouped_mm`` experts and the
+padding mask on every bucket, Qwen3-MoE with the eager experts loop) a tiny random-weight causal LM (hidden 64, 2 layers, vocab 128) gets two
 runners with random token buckets, a random ``max_prompts`` and ``on_miss="eager"``. Then
 random batches go through it: random prompt counts and lengths, totals that hit a bucket
 exactly, totals one short of a bucket (a one-token padding tail), one-token prompts, full
@@ -30,24 +31,31 @@ transformers = pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
 
-from benchmarks.tiny_models import DENSE_FAMILIES, tiny_config  # noqa: E402
+from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, tiny_config  # noqa: E402
 from breakgraph.errors import InputError  # noqa: E402
 
 pytestmark = pytest.mark.transformers
 
 VOCAB = 128
 ARCHS = DENSE_FAMILIES
+# MoE: transformers' grouped_mm experts with the padding mask on every bucket (the cost model
+# would never use it on these tiny widths), and the eager loop on the live rows (a break)
+MOE = {
+    "mixtral_grouped": ("MixtralConfig", dict(MIXTRAL, num_experts_per_tok=2), "grouped_mm"),
+    "qwen3_moe_eager": ("Qwen3MoeConfig", dict(QWEN3_MOE, num_experts_per_tok=2), "eager"),
+}
 BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_PREFILL_BATCHES", "100"))
 CUDA_BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_CUDA_PREFILL_BATCHES", "400"))
 KINDS = ("random", "random", "exact_bucket", "bucket_minus_one", "one_token", "full", "overflow")
 
 
 def build_model(arch: str, seed: int, device: str, dtype: torch.dtype):
-    cls_name, extra = ARCHS[arch]
+    cls_name, extra, *experts = ARCHS[arch] if arch in ARCHS else MOE[arch]
     config = tiny_config(cls_name, vocab_size=VOCAB, max_position_embeddings=256, **extra)
     torch.manual_seed(seed)
+    options = {"experts_implementation": experts[0]} if experts else {}
     model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=dtype, attn_implementation="sdpa"
+        config, dtype=dtype, attn_implementation="sdpa", **options
     )
     return model.to(device).eval()
 
@@ -136,7 +144,7 @@ def _fast():
 def fuzz_prefill(arch: str, backend: str, batches: int, runners: int = 2) -> None:
     """``batches`` random batches through each of ``runners`` runners of one model."""
     device, dtype = ("cuda", torch.bfloat16) if backend == "cuda" else ("cpu", torch.float32)
-    base = list(ARCHS).index(arch) + (100 if backend == "cuda" else 0)
+    base = [*ARCHS, *MOE].index(arch) + (100 if backend == "cuda" else 0)
     model = build_model(arch, base, device, dtype)
     for seed in range(base, base + 10 * runners, 10):
         buckets, max_prompts = runner_config(seed)
@@ -190,6 +198,28 @@ def test_random_packed_batches_match_each_prompt_alone(arch):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_random_packed_batches_match_each_prompt_alone_cuda(arch):
     fuzz_prefill(arch, "cuda", CUDA_BATCHES)
+
+
+def _mask_always(monkeypatch) -> None:
+    from breakgraph.integrations.transformers import experts
+
+    monkeypatch.setattr(experts, "MASK_COST_FLOP", 0)
+    monkeypatch.setattr(experts, "COMPUTE_BOUND_ROWS", 0)
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_random_packed_moe_batches_skip_padding_and_match(arch, monkeypatch):
+    """MoE experts doing no work on padding rows (grouped_mm: masked in the graph; the eager
+    loop: live rows only) leave every prompt's logits and cache as the model's own."""
+    _mask_always(monkeypatch)
+    fuzz_prefill(arch, "emulated", BATCHES // 2)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("arch", list(MOE))
+def test_random_packed_moe_batches_skip_padding_and_match_cuda(arch, monkeypatch):
+    _mask_always(monkeypatch)
+    fuzz_prefill(arch, "cuda", CUDA_BATCHES // 4)
 
 
 def test_batches_cover_every_kind():
