@@ -2,8 +2,9 @@
 
 For each architecture (llama, qwen2, qwen3, mistral with a sliding window shorter than
 the prompts, gemma; and two MoE: Mixtral with transformers' ``grouped_mm`` experts and the
-padding mask on every bucket, Qwen3-MoE with the eager experts loop) a tiny random-weight causal LM (hidden 64, 2 layers, vocab 128) gets two
-runners with random token buckets, a random ``max_prompts`` and ``on_miss="eager"``. Then
+padding mask on every bucket, Qwen3-MoE with the eager experts loop) a tiny random-weight
+causal LM (hidden 64, 2 layers, vocab 128) gets two runners with random token buckets, a
+random ``max_prompts`` and ``on_miss="eager"`` (the MoE: half the batches). Then
 random batches go through it: random prompt counts and lengths, totals that hit a bucket
 exactly, totals one short of a bucket (a one-token padding tail), one-token prompts, full
 batches of ``max_prompts`` prompts and batches longer than the largest bucket (the eager
