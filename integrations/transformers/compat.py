@@ -17,9 +17,11 @@ prefill
      experts class's original ``forward`` under ``__wrapped__`` (the eager loop); P
      ``ExpertsInterface()["grouped_mm"]`` and I how it treats an expert id equal to
      ``num_experts`` (transformers' expert-parallel "sentinel": the row goes to no expert and
-     costs no GEMM work), with I the experts module's ``num_experts`` and ``has_bias``. A release
-     that indexed weights by such an id would fail loudly at capture (an index out of range);
-     one that clamped it would route padding to the last expert (slower, still exact).
+     costs no GEMM work), with I the experts module's ``num_experts``, ``has_bias``,
+     ``has_gate`` and weights (:func:`experts_shape`; a module without them keeps plain
+     ``grouped_mm``). A release that indexed weights by such an id would fail loudly at
+     capture (an index out of range); one that clamped it would route padding to the last
+     expert (slower, still exact).
   4. I ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (which class is the causal LM of a model type).
 
 continuous batching (transformers keeps its scheduler, paged cache, sampling and request
@@ -111,6 +113,21 @@ def grouped_experts() -> Callable:
     """3. The function ``ExpertsInterface`` holds under ``"grouped_mm"`` (public: an instance
     of the registry, indexed by key)."""
     return experts_registry()()["grouped_mm"]
+
+
+def experts_shape(module: Any) -> tuple[int, list] | None:
+    """3. What the padding mask's cost model reads of an experts module (the attributes
+    ``@use_experts_implementation`` sets, and its weights): ``(num_experts, [gate_up or up,
+    down])``, or None when the module has biases (``grouped_mm`` indexes them by expert id)
+    or lacks one of them."""
+    if getattr(module, "has_bias", True) is not False:
+        return None
+    experts = getattr(module, "num_experts", None)
+    names = ("gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", "down_proj")
+    weights = [getattr(module, name, None) for name in names]
+    if not isinstance(experts, int) or not all(isinstance(w, torch.Tensor) for w in weights):
+        return None
+    return experts, weights
 
 
 def experts_key(model: Any) -> str | None:

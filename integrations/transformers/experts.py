@@ -161,13 +161,10 @@ def worth_skipping(module: Any, rows: int, top_k: int, expected: float) -> bool:
     mask costs (:data:`MASK_COST_FLOP`, :data:`COMPUTE_BOUND_ROWS`); never for experts with
     biases: transformers' ``grouped_mm`` indexes them by expert id, and an id past the last
     expert would be out of range there."""
-    if getattr(module, "has_bias", True) is not False or not hasattr(module, "num_experts"):
+    shape = compat.experts_shape(module)
+    if shape is None:
         return False
-    names = ("gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", "down_proj")
-    weights = [getattr(module, name, None) for name in names]
-    if any(not isinstance(w, torch.Tensor) for w in weights):
-        return False
-    experts = module.num_experts
+    experts, weights = shape
     flop_per_row = 2 * top_k * sum(w.numel() for w in weights) / experts
     compute_bound = rows * top_k >= COMPUTE_BOUND_ROWS * experts
     return compute_bound and expected * flop_per_row >= MASK_COST_FLOP
