@@ -153,7 +153,9 @@ def tuned_times(
 
     A route moves every call of a bucket to a larger one, so it should not rest on a single
     sample: noise only ever slows a replay down, and one slow sample of a bucket sends its
-    calls to a bucket that is really slower (more padding). The second timings cost replays of
+    calls to a bucket that is really slower (more padding). A lower second time can make a new
+    route (a smaller bucket to the one just retimed): its buckets are timed twice too, until
+    every route rests on two timings of each of its buckets. The second timings cost replays of
     the routed buckets only.
 
     Example::
@@ -165,10 +167,15 @@ def tuned_times(
         ({1024: 8.5, 1152: 8.7}, {})
     """
     times = {size: time_one(size) for size in sizes}
-    involved = {size for route in faster_buckets(times, margin).items() for size in route}
-    for size in sorted(involved):
-        times[size] = min(times[size], time_one(size))
-    return times
+    twice: set[int] = set()
+    while True:
+        routes = faster_buckets(times, margin)
+        involved = {size for route in routes.items() for size in route} - twice
+        if not involved:
+            return times
+        for size in sorted(involved):
+            times[size] = min(times[size], time_one(size))
+            twice.add(size)
 
 
 # -- bucket lists -------------------------------------------------------------------------------

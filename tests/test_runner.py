@@ -225,6 +225,14 @@ def test_a_route_rests_on_two_timings_of_each_bucket():
     calls.clear()
     assert tuned_times([8, 16], timer({8: [1.0], 16: [1.5]})) == {8: 1.0, 16: 1.5}
     assert calls == [8, 16]  # no route: nothing timed twice
+    calls.clear()
+    # 16's slow first sample routed it to 64; its second makes it beat 4: that new route's
+    # bucket 4 is timed twice too, and keeps its route only if it stays slower
+    cascade = {4: [1.0, 0.99], 16: [1.05, 0.95], 64: [1.0, 1.0]}
+    times = tuned_times([4, 16, 64], timer(cascade))
+    assert calls == [4, 16, 64, 16, 64, 4] and faster_buckets(times) == {4: 16}
+    routed = {size for route in faster_buckets(times).items() for size in route}
+    assert all(calls.count(size) == 2 for size in routed)
 
 
 def test_faster_buckets_and_routed_decisions():
