@@ -834,6 +834,22 @@ def test_padding_mask_is_used_where_it_pays(shape, bucket, expected, used):
     assert not worth_skipping(module, bucket, top_k, expected)
 
 
+def test_eager_experts_break_outside_a_runner_runs_every_row():
+    """Called with no replay context (a caller of its own), the eager experts break is the
+    model's own loop on every row, not a ReplayError."""
+    from breakgraph.integrations.transformers.experts import _eager_forward, experts_loop
+
+    model = model_for("mixtral", "emulated")
+    module = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(5, model.config.hidden_size, generator=generator)
+    index = torch.randint(module.num_experts, (5, 2), generator=generator)
+    weights = torch.rand(5, 2, generator=generator)
+    with torch.no_grad():
+        got = experts_loop(module, hidden, index, weights)
+        torch.testing.assert_close(got, _eager_forward(module)(module, hidden, index, weights))
+
+
 def test_one_graph_variant_expects_the_default_ladders_padding():
     """The benchmark's one-graph variant has only the buckets a benchmark uses; its MoE
     experts must still skip padding (or not) as the default runner's same bucket does."""

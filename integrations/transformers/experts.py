@@ -68,7 +68,10 @@ def experts_loop(module: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     rows it gets. The tail's rows come back as zeros (nothing reads them: the tail is a
     sequence of its own, after the prompts)."""
     forward = _eager_forward(module)
-    live = getattr(breakgraph.replay_context(), "live_tokens", None)
+    try:
+        live = getattr(breakgraph.replay_context(), "live_tokens", None)
+    except breakgraph.ReplayError:  # no context (a caller of its own): every row is live
+        live = None
     if live is None or kwargs or len(args) != 3:
         return forward(module, *args, **kwargs)
     hidden, index, weights = args  # (tokens, hidden), (tokens, top_k), (tokens, top_k)
