@@ -247,9 +247,11 @@ def runner_record(runner, construction_s: float) -> dict:
         # where tuning sent a bucket's calls (a larger bucket timed faster), per ladder: a
         # cell's time depends on it
         "routed": {str(b): int(to) for b, to in runner._runner.stats.routed.items()},
-        "routed_single": {
-            str(b): int(to) for b, to in getattr(runner._single, "stats", stats).routed.items()
-        },
+        "routed_single": (
+            {}
+            if runner._single is None
+            else {str(b): int(to) for b, to in runner._single.stats.routed.items()}
+        ),
     }
 
 
