@@ -37,6 +37,7 @@ from breakgraph.integrations.transformers import PrefillRunner, default_token_bu
 from breakgraph.integrations.transformers.attention import LayerAttention
 
 import breakgraph
+from breakgraph.buckets import expected_padding
 from breakgraph.errors import InputError
 
 ONE_GRAPH_KEY = "breakgraph_one_graph"
@@ -103,9 +104,7 @@ class OneGraphPrefillRunner(PrefillRunner):
         """The padding the default ladder's bucket of this size expects, so that MoE experts
         skip padding rows (or not) exactly as in the default runner: this variant usually has
         only the few buckets a benchmark uses, whose gaps are far larger."""
-        ladder = default_token_buckets(max(4096, bucket))
-        smaller = [b for b in ladder if b < bucket]
-        return (bucket - (smaller[-1] if smaller else 0) - 1) / 2
+        return expected_padding(default_token_buckets(max(4096, bucket)), bucket)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

@@ -33,6 +33,7 @@ __all__ = [
     "choose_bucket",
     "faster_buckets",
     "tuned_times",
+    "expected_padding",
     "validate_buckets",
     "default_token_buckets",
     "geometric_buckets",
@@ -176,6 +177,20 @@ def tuned_times(
         for size in sorted(involved):
             times[size] = min(times[size], time_one(size))
             twice.add(size)
+
+
+def expected_padding(buckets: Sequence[int], bucket: int) -> float:
+    """How many padding rows a call replaying ``bucket`` has on average, with calls of every
+    size spread evenly: half the gap to the next smaller bucket of ``buckets``.
+
+    Example::
+
+        >>> from breakgraph.buckets import expected_padding
+        >>> expected_padding((960, 1024), 1024), expected_padding((960, 1024), 960)
+        (31.5, 479.5)
+    """
+    below = max((size for size in buckets if size < bucket), default=0)
+    return (bucket - below - 1) / 2
 
 
 # -- bucket lists -------------------------------------------------------------------------------

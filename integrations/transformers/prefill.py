@@ -44,7 +44,7 @@ import torch
 
 import breakgraph
 from breakgraph import distributed
-from breakgraph.buckets import Action, validate_buckets
+from breakgraph.buckets import Action, expected_padding, validate_buckets
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
 from breakgraph.ladder_stats import combined
@@ -226,7 +226,7 @@ class PrefillRunner:
         if token_buckets is None:
             token_buckets = default_token_buckets(min(4096, limit or 4096))
         token_buckets = validate_buckets(token_buckets, "PrefillRunner: token_buckets")
-        self._token_buckets = tuple(sorted(token_buckets))
+        self._token_buckets = tuple(token_buckets)  # sorted by validate_buckets
         longest = token_buckets[-1]
         if limit is not None and longest > limit:
             raise UnsupportedModelError(
@@ -386,10 +386,8 @@ class PrefillRunner:
         return PaddingRows(self._row_ids[:rows], self._steps.last_index, self._padding_of(rows))
 
     def _padding_of(self, bucket: int) -> float:
-        """How many padding rows a call of ``bucket`` has on average: half the gap to the
-        next smaller bucket (lengths spread evenly)."""
-        smaller = [b for b in self._token_buckets if b < bucket]
-        return (bucket - (smaller[-1] if smaller else 0) - 1) / 2
+        """How many padding rows a call of ``bucket`` has on average (its ladder's gap)."""
+        return expected_padding(self._token_buckets, bucket)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
