@@ -770,6 +770,32 @@ def test_grouped_experts_skip_the_padding_rows(arch, backend, closing, monkeypat
     assert model.config._experts_implementation == "grouped_mm"  # switched back
 
 
+def test_captures_and_tunings_stage_random_ids(monkeypatch, closing):
+    """Every capture (and every timed tuning replay: the same context) runs on one prompt of
+    random ids filling the bucket, not on the pad id: a MoE router sends equal tokens to the
+    same experts, and a bucket timed on that load is routed to a bucket slower on real prompts.
+    The ids are the same for every construction (every rank stages the same)."""
+    model = model_for("qwen3_moe", "emulated", experts_implementation="grouped_mm")
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append(args[0].clone())
+    )
+    try:
+        runner = closing(make_runner(model, "emulated"))
+        staged = [runner._capture_batch(size) for size in runner.buckets]  # tune()'s context
+    finally:
+        hook.remove()
+    assert {ids.shape[-1] for ids in seen} == set(BUCKETS)
+    for ids in seen:
+        assert ids.unique().numel() > ids.numel() // 2, ids  # not one repeated id
+    for size, batch in zip(runner.buckets, staged):
+        assert batch.bounds == [(0, size)] and batch.one_prompt and batch.live_tokens == size
+        ids = runner._steps.view.ids[:size]
+        assert len(set(ids.tolist())) > size // 2
+    again = closing(make_runner(model, "emulated"))
+    assert torch.equal(again._capture_ids, runner._capture_ids)
+
+
 def test_grouped_experts_without_a_mask_are_grouped_mm(backend, monkeypatch):
     """Outside a prefill (no padding mask) and for experts with biases (an id past the last
     expert would index a bias out of range), the registered function is grouped_mm itself."""
