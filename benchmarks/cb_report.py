@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 from . import targets as T
@@ -24,6 +25,8 @@ from .template import fill, num, pct, span, table
 
 FILE = "h200-cb.json"  # transformers 5.17 (the CI pin)
 FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
+#: one model, breakgraph's variants only, 3 rounds, per release: the CB forward's host time split
+HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.json")
 #: benchmarks/cb_trace.py's summaries (the traces lie beside it)
 TRACE_FILE = "h200-cb-trace-5.17/summary.json"
 
@@ -384,6 +387,61 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def host_split_section(runs: list) -> str:
+    """The forward's host time split (breaks, transformers' cache update inside them), per
+    release and variant, and the cache update per layer call: where a release's forward is
+    slower on the host."""
+    rows, per_call = [], {}
+    for data in runs:
+        m = data["models"][0]
+        layers = m["config"]["num_hidden_layers"]
+        for variant, v in m["variants"].items():
+            if "tokens_per_s" not in v:
+                continue
+            spread = v.get("rounds_tokens_per_s") or [v["tokens_per_s"]]
+            rows.append([
+                _release(data), f"`{variant}`",
+                f"{v['tokens_per_s']:.0f} ({min(spread):.0f}–{max(spread):.0f})",
+                *(_cell(v, key, ".2f") for key in (
+                    "wall_ms_per_step", "host_prepare_ms_per_step", "forward_host_ms_per_step",
+                    "break_host_ms_per_step", "cache_update_host_ms_per_step",
+                    "forward_device_ms_per_step", "decode_step_ms",
+                )),
+            ])  # fmt: skip
+            per_call.setdefault(_release(data), []).append(
+                v["cache_update_host_ms_per_step"] / layers * 1e3
+            )
+    first, last = runs[0], runs[-1]
+    gain = [  # the cache update's extra host time, as a share of the newer release's step
+        (w["cache_update_host_ms_per_step"] - v["cache_update_host_ms_per_step"])
+        / w["wall_ms_per_step"]
+        for name, v in first["models"][0]["variants"].items()
+        if (w := last["models"][0]["variants"].get(name)) and "tokens_per_s" in v
+        and "tokens_per_s" in w
+    ]  # fmt: skip
+    return fill(
+        "cb.host_split",
+        old=_release(first),
+        new=_release(last),
+        share=pct(statistics.median(gain)) if gain else "-",
+        model=first["models"][0]["model"],
+        files=", ".join(f"`{name}`" for name in HOST_SPLIT_FILES),
+        device=first["meta"]["device"],
+        torch=first["meta"]["torch"],
+        date=first["meta"]["date"],
+        rounds=first["meta"]["args"]["rounds"],
+        table=table(
+            ["transformers", "variant", "tokens/s (rounds)", "ms/step", "prep ms", "fwd ms",
+             "breaks ms", "cache upd ms", "device ms", "decode ms"],
+            rows,
+        ),  # fmt: skip
+        per_call="; ".join(
+            f"transformers {release}: {', '.join(num(x, 0) for x in values)} µs"
+            for release, values in per_call.items()
+        ),
+    )
 
 
 def trace_section(data: dict) -> str:

@@ -116,6 +116,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     cb = [data for name in cb_report.FILES if (data := load(name)) is not None]
     if cb:  # one JSON per transformers release
         blocks.append("\n".join(cb_report.cb_section(*cb)))
+    split = [data for name in cb_report.HOST_SPLIT_FILES if (data := load(name)) is not None]
+    if split:
+        blocks.append(cb_report.host_split_section(split))
     if cb_report.TRACE_FILE in loaded:
         blocks.append(cb_report.trace_section(loaded[cb_report.TRACE_FILE]))
     tp = loaded.get(tp_report.FILE)
