@@ -457,6 +457,11 @@ CAPTURE_LATER_FILES = (
     ("h200-capture-time-now.json", "now"),
     ("h200-capture-time-tune.json", "now, one tuning warm-up"),
     ("h200-capture-time-tune1.json", "now, one timed tuning replay"),
+    # session 12: main and branch settle-copy-only in turn, main first (four processes)
+    ("h200-capture-time-main-a.json", "main, in turn (1)"),
+    ("h200-capture-time-settle-a.json", "settle on the copy only, in turn (1)"),
+    ("h200-capture-time-main-b.json", "main, in turn (2)"),
+    ("h200-capture-time-settle-b.json", "settle on the copy only, in turn (2)"),
 )
 
 
