@@ -13,7 +13,9 @@ Variants (each changes one thing, for the measurement only):
   that watches every aten operation of a captured segment is not installed);
 * ``no_cudnn_sdpa``: ``torch.backends.cuda.enable_cudnn_sdp(False)``, so the single-prompt
   SDPA call builds no cuDNN plan per bucket length (FlashAttention-2 instead);
-* ``neither``: both.
+* ``neither``: both;
+* ``no_tune_warmup``: tuning times each bucket without an untimed replay first
+  (``BucketedRunner.tune(warmup=0)``; the capture already replayed every segment).
 
 Prints, per family and variant: the whole construction, the first (largest) bucket, the
 mean of the others, and the same for a second runner built right after in the same process.
@@ -32,7 +34,7 @@ import time
 
 import torch
 
-VARIANTS = ("default", "no_sync_check", "no_cudnn_sdpa", "neither")
+VARIANTS = ("default", "no_sync_check", "no_cudnn_sdpa", "neither", "no_tune_warmup")
 
 
 @contextlib.contextmanager
@@ -59,6 +61,13 @@ def _variant(name: str):
                 return False
 
         patches.attribute(cuda_backend, "CompileTransparentSegmentMode", Unwatched)
+    if name == "no_tune_warmup":
+        from breakgraph.runner import BucketedRunner
+
+        tune = BucketedRunner.tune
+        patches.attribute(
+            BucketedRunner, "tune", lambda self, *a, **k: tune(self, *a, **k, warmup=0)
+        )
     try:
         with patches:
             yield
@@ -92,9 +101,14 @@ def child(family_name: str, variant: str) -> dict:
             start = time.perf_counter()
             runner = PrefillRunner(model)
             torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            captures = dict(runner.stats.capture_seconds)
             out[which] = {
-                "construction_s": time.perf_counter() - start,
-                **_ladder(dict(runner.stats.capture_seconds)),
+                "construction_s": seconds,
+                **_ladder(captures),
+                # after the packed ladder's captures: the single-prompt ladder, then tuning
+                "after_captures_s": seconds - sum(captures.values()),
+                "routed": {str(k): v for k, v in runner._runner.ladder.stats.routed.items()},
             }
             probe = torch.randint(model.config.vocab_size, (200,), device="cuda")
             out[which]["prefill_ok"] = bool(torch.isfinite(runner.prefill([probe]).logits).all())

@@ -420,25 +420,29 @@ class GraphLadder:
 
     # -- tuning ------------------------------------------------------------------------------
     def tune(
-        self, context: Callable[[int], Any] | None = None, repeats: int = 1, margin: float = 0.02
+        self,
+        context: Callable[[int], Any] | None = None,
+        repeats: int = 1,
+        margin: float = 0.02,
+        warmup: int = 1,
     ) -> dict[int, float]:
         """Time every bucket's graph; send each size to the fastest bucket that holds it.
 
         GEMM libraries pick kernels by shape, and some sizes are slow: on an H200 a
         Llama-1B prefill padded to 208 tokens took longer than one padded to 224 or 256.
-        Each bucket replays ``repeats`` times (after one warm-up: its capture already launched
-        every segment once, so the graph is uploaded) with ``context(size)`` (default: its
-        capture context), made before each timing, on whatever its buffers hold; then every
-        bucket a route would rest on (it, and the bucket it would go to) is timed once more and
-        keeps the lower time (:func:`~breakgraph.buckets.tuned_times`: a route should not rest
-        on one sample), then :meth:`route`. One host wait per timing: a context that stages
-        inputs (a runner's step buffers) would otherwise wait for the device before every
-        replay. The replays are device work, the largest part of a runner's construction
-        after the captures (``benchmarks/capture_profile.py``). One timed replay is the
-        default: on an H200 (Llama-1B widths, 64 buckets) one replay's time varied by 0.25 %
-        (median; 0.8 % at most) between three tunings, well inside the 2 % margin; five
-        replays took three times as long (2.5 s against 0.85 s), and their routes differed
-        between tunings on the same one bucket (at the margin) as those of one replay.
+        Each bucket replays ``repeats`` times (after ``warmup`` untimed replays; its capture already
+        launched every segment once, so the graph is uploaded) with ``context(size)`` (default: its
+        capture context), made before each timing, on whatever its buffers hold; then every bucket a
+        route would rest on (it, and the bucket it would go to) is timed once more and keeps the
+        lower time (:func:`~breakgraph.buckets.tuned_times`: a route should not rest on one sample),
+        then :meth:`route`. One host wait per timing: a context that stages inputs (a runner's step
+        buffers) would otherwise wait for the device before every replay. The replays are device
+        work, the largest part of a runner's construction after the captures
+        (``benchmarks/capture_profile.py``). One timed replay is the default: on an H200 (Llama-1B
+        widths, 64 buckets) one replay's time varied by 0.25 % (median; 0.8 % at most) between three
+        tunings, well inside the 2 % margin; five replays took three times as long (2.5 s against
+        0.85 s), and their routes differed between tunings on the same one bucket (at the margin) as
+        those of one replay.
         CUDA only (the emulated backend's times mean nothing: nothing is timed or routed);
         not with ``ranks`` (timings differ between ranks, and every rank must take the same
         bucket). Returns the milliseconds per replay of each bucket.
@@ -449,13 +453,20 @@ class GraphLadder:
                 f"every rank must replay the same bucket. Tune in one process, or not at all."
             )
         self._check_open("tune")
+        for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InputError(
+                    f"{self.who}.tune: {name} must be an int >= {least}, got {value!r}."
+                )
         if self.backend != "cuda" or not self._sizes:
             return {}
+
         def time_one(size: int) -> float:
             graph = self._rungs[size].graph
             # staged for each timing: the buckets' inputs may share one buffer (a runner's)
             args = () if context is None else (context(size),)
-            graph.replay(*args)  # warm-up
+            for _ in range(warmup):
+                graph.replay(*args)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(repeats):

@@ -448,20 +448,20 @@ class BucketedRunner:
         decision = self.ladder.choose(agree(size) if agree is not None else size)
         return decision.bucket if decision.action is Action.REPLAY else None
 
-    def tune(self, repeats: int = 1, margin: float = 0.02) -> dict[int, float]:
+    def tune(self, repeats: int = 1, margin: float = 0.02, warmup: int = 1) -> dict[int, float]:
         """Time every bucket's graph; send each size to the fastest bucket that holds it.
 
         GEMM libraries pick kernels by shape, and some sizes are slow: on an H200 a
         Llama-1B prefill padded to 208 tokens took longer than one padded to 224 or 256.
-        After tuning, a bucket that a larger bucket beats by more than ``margin`` routes
-        its calls there (``stats.routed``; the times are in ``stats.replay_ms``). Each
-        bucket replays ``repeats`` times (plus one warm-up) on its capture-time inputs and
-        context. CUDA only (the emulated backend's times mean nothing: nothing is routed);
-        not with ``ranks`` (timings differ between ranks, and every rank must take the same
-        bucket). Returns the milliseconds per replay of each bucket
-        (:meth:`GraphLadder.tune <breakgraph.ladder.GraphLadder.tune>`).
+        After tuning, a bucket that a larger bucket beats by more than ``margin`` routes its calls
+        there (``stats.routed``; the times are in ``stats.replay_ms``). Each bucket replays
+        ``repeats`` times (after ``warmup`` untimed replays) on its capture-time inputs and context.
+        CUDA only (the emulated backend's times mean nothing: nothing is routed); not with ``ranks``
+        (timings differ between ranks, and every rank must take the same bucket). Returns the
+        milliseconds per replay of each bucket (:meth:`GraphLadder.tune
+        <breakgraph.ladder.GraphLadder.tune>`).
         """
-        return self.ladder.tune(self._capture_context, repeats, margin)
+        return self.ladder.tune(self._capture_context, repeats, margin, warmup)
 
     def graph(self, size: int) -> BreakableCUDAGraph:
         """The captured graph of bucket ``size``."""

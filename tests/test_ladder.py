@@ -295,6 +295,16 @@ def test_tune_times_nothing_on_the_emulated_backend():
     assert ladder.tune() == {} and ladder.stats.routed == {}
 
 
+@pytest.mark.parametrize(
+    "bad", [dict(repeats=0), dict(warmup=-1), dict(repeats=1.5), dict(warmup=True)]
+)
+def test_tune_refuses_bad_counts(bad):
+    ladder, _ = make("emulated", "cpu")
+    name = next(iter(bad))
+    with pytest.raises(InputError, match=rf"GraphLadder.tune: {name} must be an int"):
+        ladder.tune(**bad)
+
+
 @pytest.mark.requires_cuda
 def test_tune_times_every_bucket_on_cuda():
     ladder, owner = make("cuda", "cuda")
@@ -323,6 +333,9 @@ def test_tune_times_every_bucket_on_cuda():
     other.capture((8,), lambda size: look(buffer[:size] * 2), context=lambda size: size)
     other.tune(context, repeats=3)
     assert seen[-4:] == [1008] * 4 and seen.count(1008) == 4  # a warm-up, three timed replays
+    seen.clear()
+    other.tune(context, repeats=2, warmup=0)  # one bucket, no route: only the timed replays
+    assert seen == [1008] * 2
     other.close()
 
 
