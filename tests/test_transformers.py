@@ -793,7 +793,7 @@ def test_captures_and_tunings_stage_random_ids(monkeypatch, closing):
         ids = runner._steps.view.ids[:size]
         assert len(set(ids.tolist())) > size // 2
     again = closing(make_runner(model, "emulated"))
-    assert torch.equal(again._capture_ids, runner._capture_ids)
+    assert torch.equal(again._steps.capture_ids, runner._steps.capture_ids)
 
 
 def test_grouped_experts_without_a_mask_are_grouped_mm(backend, monkeypatch):

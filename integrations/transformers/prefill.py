@@ -257,10 +257,6 @@ class PrefillRunner:
         self._steps = StepBuffers(
             longest, max_prompts, self.device, pad_token_id, marks_in_graph=backend_name == "cuda"
         )
-        # what captures and tunings stage (see _capture_batch)
-        self._capture_ids = torch.randint(
-            self.vocab_size, (longest,), generator=torch.Generator().manual_seed(0)
-        )
         # grouped_mm experts skip a bucket's padding rows (see .experts); not under
         # torch.compile, which would trace the mask's context variable
         self._skip_padding = not compile and compat.experts_key(model) == "grouped_mm"
@@ -412,15 +408,9 @@ class PrefillRunner:
 
     def _capture_batch(self, size: int) -> _attention.PackedBatch:
         """During capture of a bucket and before its timed replays (:meth:`tune`): one prompt
-        of random ids filling it. Random, not the pad id: a MoE router sends equal tokens to
-        the same experts, and a bucket timed on a load no prompt has is routed wrongly (on an
-        H200, qwen3-moe-8l's buckets 960 and 1024 went to 1152: 1000-token prompts 4 %
-        slower). Fixed ids (seeded), so every rank and every construction stages the same."""
-        self._steps.settle()  # the previous bucket's capture (or timed replays) read the buffer
-        prompt = self._capture_ids[:size]
-        self._steps.write_ids([prompt], [size], self.vocab_size)
-        # one prompt: builds the single-prompt kernel's plan (cuDNN) at capture, not at first use
-        return self._batch(self._steps.commit([prompt], [size], size), 1)
+        of random ids filling it (:meth:`StepBuffers.stage_capture`). One prompt: the
+        single-prompt kernel's plan (cuDNN) is built at capture, not at first use."""
+        return self._batch(self._steps.stage_capture(size, self.vocab_size), 1)
 
     # -- serving ---------------------------------------------------------------------------
     @property
