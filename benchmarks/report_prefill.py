@@ -462,7 +462,22 @@ CAPTURE_LATER_FILES = (
     ("h200-capture-time-settle-a.json", "settle on the copy only, in turn (1)"),
     ("h200-capture-time-main-b.json", "main, in turn (2)"),
     ("h200-capture-time-settle-b.json", "settle on the copy only, in turn (2)"),
+    # session 12: tuning with and without its warm-up replay, in turn (four processes)
+    ("h200-capture-time-tune-default-1.json", "in turn (1)"),
+    ("h200-capture-time-tune-no_tune_warmup-1.json", "in turn (1)"),
+    ("h200-capture-time-tune-default-2.json", "in turn (2)"),
+    ("h200-capture-time-tune-no_tune_warmup-2.json", "in turn (2)"),
 )
+
+
+def _after_captures(first: dict, second: dict) -> str:
+    """Construction time after the packed ladder's captures (the single-prompt ladder, then
+    tuning) and how many routes tuning made, per runner; "-" for runs that did not record it."""
+    if "after_captures_s" not in first:
+        return "-"
+    return " / ".join(
+        f"{num(r['after_captures_s'], 2)} ({len(r['routed'])})" for r in (first, second)
+    )
 
 
 def capture_split_section(runs: list[dict], later: list[tuple[str, str, dict]]) -> list[str]:
@@ -480,6 +495,7 @@ def capture_split_section(runs: list[dict], later: list[tuple[str, str, dict]]) 
                     num(1000 * first["rest_mean_s"], 0),
                     num(second["construction_s"], 2),
                     num(1000 * second["rest_mean_s"], 0),
+                    _after_captures(first, second),
                 ]
             )
     if not rows:
@@ -492,6 +508,7 @@ def capture_split_section(runs: list[dict], later: list[tuple[str, str, dict]]) 
         "ms per extra bucket",
         "second runner s",
         "ms per extra bucket",
+        "after the captures s (routes), first / second",
     ]
     names = [*CAPTURE_FILES, *(name for name, _, _ in later)]
     return [
