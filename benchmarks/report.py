@@ -95,6 +95,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     blocks += report_prefill.capture_split_section(
         [loaded[n] for n in report_prefill.CAPTURE_FILES if n in loaded],
         [(n, tag, loaded[n]) for n, tag in report_prefill.CAPTURE_LATER_FILES if n in loaded],
+        loaded.get(report_prefill.FILE),
     )
     blocks += report_tests.capture_profile_section(loaded.get(report_tests.PROFILE_FILE))
     compile_run = load(report_prefill.COMPILE_FILE)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import statistics
 
+from breakgraph.buckets import default_token_buckets
+
 from . import targets as T
 from .prefill_checks import (
     TARGETS,
@@ -480,9 +482,40 @@ def _after_captures(first: dict, second: dict) -> str:
     )
 
 
-def capture_split_section(runs: list[dict], later: list[tuple[str, str, dict]]) -> list[str]:
+def capture_floor(runs: list[dict], baselines: dict | None) -> str:
+    """The host floor of a default ladder's construction: two captured forwards per bucket,
+    each costing about HF eager's host-bound forward at the shortest measured length (from
+    ``baselines``, bench_prefill's JSON), for the first family of ``runs``."""
+    if not runs or not runs[0]["results"] or baselines is None:
+        return ""
+    name = runs[0]["results"][0]["family"]
+    family = next((f for f in baselines["families"] if f["family"] == name), None)
+    rows = [r for r in (family or {}).get("rows", []) if r["kind"] == "single"]
+    if not rows or "hf_eager" not in rows[0]["ms"]:
+        return ""
+    row = min(rows, key=lambda r: r["tokens"])
+    buckets = len(default_token_buckets())
+    eager = row["ms"]["hf_eager"]
+    return fill(
+        "prefill.capture_floor",
+        tokens=row["tokens"],
+        eager=num(eager, 1),
+        family=name,
+        layers=family["config"].get("num_hidden_layers", "-"),
+        floor_ms=num(2 * eager, 0),
+        target_ms=num(1000 * T.TARGET_CAPTURE_S_PER_EXTRA_BUCKET, 0),
+        floor_s=num(2 * eager * buckets / 1000, 1),
+        target_s=num(T.TARGET_LADDER_CAPTURE_S, 0),
+        buckets=buckets,
+    )
+
+
+def capture_split_section(
+    runs: list[dict], later: list[tuple[str, str, dict]], baselines: dict | None = None
+) -> list[str]:
     """``benchmarks/capture_time.py``: construction time per variant, first and second runner;
-    ``later``: ``(file, tag, data)`` of runs of later code, tagged in the variant column."""
+    ``later``: ``(file, tag, data)`` of runs of later code, tagged in the variant column;
+    ``baselines`` (bench_prefill's JSON) for the host floor (:func:`capture_floor`)."""
     rows = []
     for data, tag in [(d, "") for d in runs] + [(data, tag) for _, tag, data in later]:
         for r in data["results"]:
@@ -520,6 +553,7 @@ def capture_split_section(runs: list[dict], later: list[tuple[str, str, dict]]) 
             transformers=meta["transformers"],
             date=", ".join(sorted({d["meta"]["date"] for d in [*runs, *(d for *_, d in later)]})),
             table=table(header, rows),
+            floor=capture_floor(runs, baselines),
         )
     ]
 
