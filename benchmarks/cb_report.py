@@ -444,6 +444,19 @@ def host_split_section(runs: list) -> str:
     )
 
 
+def _kinds_table(variants: dict) -> str:
+    """Device milliseconds per step by kind of kernel (rows) and variant (columns), the kinds
+    ordered by the first variant's time; "-" for summaries from before the split."""
+    kinds: list = []
+    for v in variants.values():
+        kinds += [k for k in v.get("device_ms_per_step_by_kind", {}) if k not in kinds]
+    if not kinds:
+        return "(not in this summary: recompute it with `cb_trace.summarize_trace`)"
+    split = [v.get("device_ms_per_step_by_kind", {}) for v in variants.values()]
+    rows = [[kind] + [_cell(by_kind, kind, ".2f") for by_kind in split] for kind in kinds]
+    return table(["kind of kernel"] + [f"`{name}` ms" for name in variants], rows)
+
+
 def trace_section(data: dict) -> str:
     """``benchmarks/cb_trace.py``: per variant, how much of the host's batch preparation runs
     while the device is busy (the overlap asynchronous batching is for)."""
@@ -465,6 +478,7 @@ def trace_section(data: dict) -> str:
               "GPU busy", "host waits ms"]  # fmt: skip
     return fill(
         "cb.trace",
+        kinds=_kinds_table(data["variants"]),
         steps=next(iter(data["variants"].values()))["steps"],
         file=TRACE_FILE,
         gpu=meta["gpu"],

@@ -47,8 +47,9 @@ steps, wall ms per step, the host ms per step of each range, the device-busy fra
 (union of CUDA kernels, memcpys and memsets over the window), and the share of each range
 during which the device was busy, ``prepare_device_busy_fraction`` the headline: near 1,
 preparation hides behind the device; near 0, the device waits for the host. Also the
-host's CUDA synchronisation calls (ms per step) and graph launches, and per step the same
-numbers (``per_step``). Open the ``.json.gz`` traces in https://ui.perfetto.dev or
+host's CUDA synchronisation calls (ms per step) and graph launches, the device time per step
+by kind of kernel (``device_ms_per_step_by_kind``: :data:`KERNEL_KINDS`), and per step the
+same numbers (``per_step``). Open the ``.json.gz`` traces in https://ui.perfetto.dev or
 ``chrome://tracing``.
 """
 
@@ -101,6 +102,33 @@ DEFAULT_VARIANTS = ("breakgraph", "breakgraph_sync", "stock_graphs_async")
 SMOKE_VARIANTS = ("breakgraph", "breakgraph_sync")
 LARGE_TRACE_MB = 20.0
 NO_DEVICE = "none recorded: no CUDA kernel, memcpy or memset in the trace"
+#: what a device event is, by its name (first match wins; the order matters: a grouped GEMM is
+#: a cutlass kernel too, and a top-k "gathers")
+KERNEL_KINDS = (
+    ("MoE experts (grouped GEMM)", ("GroupProblemShape", "grouped_gemm")),
+    ("attention", ("flash_fwd", "fmha", "sdpa", "attention")),
+    ("MoE routing (sort, top-k, histogram)", ("Sort", "TopK", "Histogram", "DeviceScan")),
+    ("dense GEMM", ("nvjet", "gemm", "Gemm", "cutlass")),
+    ("gather / index (paged cache, embedding)", ("gather_kernel", "index_")),
+    ("copies", ("Memcpy", "Memset", "copy_kernel", "CatArray")),
+    ("elementwise / reduce (norms, rotary, activations)", ("elementwise", "reduce_kernel",
+                                                           "softmax")),
+)  # fmt: skip
+OTHER_KIND = "other"
+
+
+def kernel_kind(name: str) -> str:
+    """The :data:`KERNEL_KINDS` label of a device event's name (:data:`OTHER_KIND` if none).
+
+    >>> kernel_kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>")
+    'attention'
+    >>> kernel_kind("Memcpy DtoD (Device -> Device)"), kernel_kind("mystery")
+    ('copies', 'other')
+    """
+    for kind, marks in KERNEL_KINDS:
+        if any(mark in name for mark in marks):
+            return kind
+    return OTHER_KIND
 
 
 # -- marks and the step window ----------------------------------------------------------------
@@ -301,6 +329,8 @@ def summarize_trace(trace: dict, settle: int = 0) -> dict:
     (2, 0.02, 0.01)
     >>> s["prepare_device_busy_fraction"], s["device_busy_fraction"]   # 5+5 of 20; 20 of 40
     (0.5, 0.5)
+    >>> s["device_ms_per_step_by_kind"]   # 20 us of "gemm" over 2 steps
+    {'dense GEMM': 0.01}
     >>> summarize_trace({"traceEvents": trace["traceEvents"][:3]})["device"]
     'none recorded: no CUDA kernel, memcpy or memset in the trace'
     """
@@ -330,6 +360,12 @@ def summarize_trace(trace: dict, settle: int = 0) -> dict:
         "graph_launches": sum("GraphLaunch" in e["name"] for e in host_cuda),
         "host_sync_ms_per_step": sum(e["dur"] for e in syncs) * ms / n,
     }
+    by_kind: dict = {}  # device time per step in the window, by kind (overlaps counted twice)
+    for e in device:
+        if begin <= e["ts"] < end:
+            kind = kernel_kind(e["name"])
+            by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"] * ms / n
+    out["device_ms_per_step_by_kind"] = dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
     busy = covered(union, begin, end)
     out["device_busy_fraction"] = busy / window if device and window else None
     out["device_idle_ms_per_step"] = (window - busy) * ms / n if device else None
