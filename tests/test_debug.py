@@ -201,7 +201,7 @@ def test_environment_variable_turns_debug_on(capture, device, monkeypatch):
 @pytest.mark.requires_cuda
 def test_unjoined_side_stream_is_named():
     x = torch.randn(1 << 16, device="cuda")
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(priority=-1)  # another pool than the capture stream's
     g = BreakableCUDAGraph()
     with pytest.warns(BreakgraphWarning, match="not joined"):
         with breakgraph.capture(g, backend="cuda", debug=True):

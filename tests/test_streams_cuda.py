@@ -19,6 +19,12 @@ capture = functools.partial(breakgraph.capture, backend="cuda")
 
 N = 1 << 16  # big enough that a missing dependency between streams shows up as a race
 
+# The side streams here are high-priority ones: torch hands streams out round-robin from a pool
+# of 32 per priority, and breakgraph's capture stream comes from the default-priority pool, so a
+# default `torch.cuda.Stream()` is the capture stream itself once in 32 (depending on how many
+# streams earlier tests made). A test would then fork nothing, or wait legally where it expects
+# a StreamError (seen on the H200, session 13).
+
 
 @eager_on_graph
 def host_scale(x):
@@ -47,7 +53,7 @@ def capture_and_check(body, replays=5):
 
 @torch.no_grad()
 def test_side_stream_joined_by_user_then_break():
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(priority=-1)  # never breakgraph's capture stream (see the top)
 
     def body(x):
         current = torch.cuda.current_stream()
@@ -64,7 +70,7 @@ def test_side_stream_joined_by_user_then_break():
 
 @torch.no_grad()
 def test_side_stream_not_joined_before_break():
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(priority=-1)  # never breakgraph's capture stream (see the top)
 
     def body(x):
         current = torch.cuda.current_stream()
@@ -83,7 +89,7 @@ def test_side_stream_not_joined_before_break():
 
 @torch.no_grad()
 def test_fork_and_join_through_events():
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(priority=-1)  # never breakgraph's capture stream (see the top)
 
     def body(x):
         current = torch.cuda.current_stream()
@@ -105,7 +111,7 @@ def test_fork_and_join_through_events():
 @pytest.mark.parametrize("how", ["wait_stream", "event recorded before capture"])
 @torch.no_grad()
 def test_waiting_on_work_outside_the_capture_raises(how):
-    other = torch.cuda.Stream()
+    other = torch.cuda.Stream(priority=-1)
     x = torch.randn(N, device="cuda")
     with torch.cuda.stream(other):
         queued = x * 2  # work queued before the capture
