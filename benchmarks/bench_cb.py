@@ -226,7 +226,7 @@ def pass_summary(tokens, seconds, outputs, prompts, run, captures_before: int) -
         "ttft_p90_s": ttft[int(len(ttft) * 0.9)],
         "steps": steps,
         "wall_ms_per_step": 1e3 * seconds / max(1, steps),
-        "host_prepare_ms_per_step": 1e3 * run.counter.prepare_s / max(1, steps),
+        **run.counter.summary(),
         "captures": run.graphs.captures - captures_before,
     }
     out.update(decode_window(outputs, [len(p) for p in prompts]))
@@ -540,6 +540,7 @@ COLUMNS = (
     ("steps", 5, "steps", "d"),
     ("ms/step", 7, "wall_ms_per_step", ".1f"),
     ("prep", 5, "host_prepare_ms_per_step", ".1f"),
+    ("lists", 5, "host_prepare_lists_ms_per_step", ".1f"),
     ("fwd", 5, "forward_host_ms_per_step", ".1f"),
     ("brk", 5, "break_host_ms_per_step", ".1f"),
     ("upd", 5, "cache_update_host_ms_per_step", ".1f"),
@@ -629,6 +630,9 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="skip a model whose estimate would end the run past this many "
                         "seconds (0: no budget)")  # fmt: skip
+    parser.add_argument("--prep-lists", action="store_true",
+                        help="also time transformers' conversions of its long index lists to "
+                        "tensors inside its step preparation (wraps torch.tensor for the run)")
     parser.add_argument("--keep-going", action="store_true",
                         help="record a variant that fails and go on (always without --smoke)")
     args = parser.parse_args(argv)
@@ -678,7 +682,7 @@ def main(argv=None) -> dict:
     gen = generation_config(args.new_tokens)
     run = types.SimpleNamespace(
         args=args, device=device, dtype=dtype, backend="cuda" if cuda else "emulated", gen=gen,
-        peaks=peaks, counter=StepCounter(), graphs=GraphLog(), timer=None,
+        peaks=peaks, counter=StepCounter(lists=args.prep_lists), graphs=GraphLog(), timer=None,
     )  # fmt: skip
     meta = environment(cuda)
     meta.update(

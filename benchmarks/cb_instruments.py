@@ -105,27 +105,77 @@ def require_internals(stock_graphs: bool) -> None:
 
 class StepCounter:
     """CB steps and the host time transformers spends scheduling them (``prepare_next_batch``,
-    the one transformers method this benchmark wraps; it returns whether a step follows)."""
+    the one transformers method this benchmark wraps; it returns whether a step follows).
 
-    def __init__(self) -> None:
+    With ``lists`` it also times, inside that method, every ``torch.tensor`` made from a
+    Python list of more than :data:`LONG_LIST` entries: transformers builds a step's cache
+    read indices (every cached key of every request in the step, each step) and write indices
+    as Python lists and converts them with ``torch.tensor``. ``torch.tensor`` is wrapped for
+    the run (every caller pays the wrapper's fraction of a microsecond, so the option is off
+    by default)."""
+
+    LONG_LIST = 1024  # a step's token ids stay below it at the default max_batch_tokens / 2
+
+    def __init__(self, lists: bool = False) -> None:
+        self.lists = lists
         self.steps, self.prepare_s = 0, 0.0
+        self.lists_s, self.list_entries = 0.0, 0
+        self._inside = False
 
     def install(self, patches: PatchSet) -> None:
         processor = _processor_class()
         original = processor.prepare_next_batch
 
         def prepare_next_batch(this):
+            lists_s, entries = self.lists_s, self.list_entries
+            self._inside = True
             start = time.perf_counter()
-            scheduled = original(this)
+            try:
+                scheduled = original(this)
+            finally:
+                self._inside = False
             if scheduled:  # an idle loop polls it too: only steps count
                 self.prepare_s += time.perf_counter() - start
                 self.steps += 1
+            else:
+                self.lists_s, self.list_entries = lists_s, entries
             return scheduled
 
         patches.attribute(processor, "prepare_next_batch", prepare_next_batch)
+        if self.lists:
+            self._wrap_tensor(patches)
+
+    def _wrap_tensor(self, patches: PatchSet) -> None:
+        make = torch.tensor
+        long_list = self.LONG_LIST
+
+        @functools.wraps(make)
+        def tensor(data, *args, **kwargs):
+            if not (self._inside and type(data) is list and len(data) > long_list):
+                return make(data, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return make(data, *args, **kwargs)
+            finally:
+                self.lists_s += time.perf_counter() - start
+                self.list_entries += len(data)
+
+        patches.attribute(torch, "tensor", tensor)
 
     def reset(self) -> None:
         self.steps, self.prepare_s = 0, 0.0
+        self.lists_s, self.list_entries = 0.0, 0
+
+    def summary(self) -> dict:
+        """Per step: the scheduling time and (``lists``) the long lists' conversions in it."""
+        steps = max(1, self.steps)
+        out = {"host_prepare_ms_per_step": 1e3 * self.prepare_s / steps}
+        if self.lists:
+            out["host_prepare_lists_ms_per_step"] = 1e3 * self.lists_s / steps
+            out["host_prepare_list_entries_per_step"] = self.list_entries / steps
+            if self.list_entries:
+                out["host_prepare_ns_per_list_entry"] = 1e9 * self.lists_s / self.list_entries
+        return out
 
 
 class GraphLog(logging.Handler):

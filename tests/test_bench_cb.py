@@ -146,6 +146,41 @@ def test_graph_log_counts_captures_quietly_and_restores_the_logger(capfd):
     assert "a warning still shows" in err and "Setting graph" not in err
 
 
+def test_step_counter_times_long_list_conversions_inside_preparation_only(monkeypatch):
+    """``--prep-lists``: inside ``prepare_next_batch`` only, and only for lists longer than
+    ``LONG_LIST``; an idle poll (no step) counts nothing; ``torch.tensor`` is restored."""
+    from breakgraph.patches import PatchSet
+
+    long_list = list(range(cb_instruments.StepCounter.LONG_LIST + 1))
+
+    class Processor:
+        step = True
+
+        def prepare_next_batch(self):
+            torch.tensor(long_list)
+            torch.tensor([1, 2, 3])  # short: not counted
+            return self.step
+
+    idle = Processor()
+    idle.step = False
+
+    monkeypatch.setattr(cb_instruments, "_processor_class", lambda: Processor)
+    original = torch.tensor
+    counter = cb_instruments.StepCounter(lists=True)
+    with PatchSet() as patches:
+        counter.install(patches)
+        torch.tensor(long_list)  # outside the preparation: not counted
+        Processor().prepare_next_batch()
+        idle.prepare_next_batch()  # an idle poll
+        Processor().prepare_next_batch()
+    assert torch.tensor is original
+    summary = counter.summary()
+    assert counter.steps == 2 and summary["host_prepare_list_entries_per_step"] == len(long_list)
+    assert 0 < summary["host_prepare_lists_ms_per_step"] <= summary["host_prepare_ms_per_step"]
+    plain = cb_instruments.StepCounter()
+    assert set(plain.summary()) == {"host_prepare_ms_per_step"}
+
+
 # -- ratios ------------------------------------------------------------------------------------
 def test_ratios_pair_rounds_or_divide_by_a_baseline_that_ran_once():
     def rounds(*values):
