@@ -64,6 +64,12 @@ one token of every request; their median interval is the decode step's wall time
 its HBM floor (:mod:`benchmarks.roofline`), as is the whole pass against the workload's floor.
 How each number is taken, and the transformers internals read to take it (breakgraph reads
 none of them), is in :mod:`benchmarks.cb_instruments`; they are probed before anything runs.
+``--prep-lists`` also splits out of the scheduling time transformers' conversions of its
+long index lists to tensors (``lists``; it wraps ``torch.tensor`` for the run, so it is off by
+default)::
+
+    python -m benchmarks.bench_cb --prep-lists --models mixtral-1k-8l \
+        --variants breakgraph,breakgraph_sync --rounds 1
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 internals it reads to do so (breakgraph itself reads none of them).
 
 * :class:`StepCounter`: steps and the host's scheduling time of each, by wrapping
-  ``ContinuousBatchProcessor.prepare_next_batch`` (the one transformers method wrapped);
+  ``ContinuousBatchProcessor.prepare_next_batch`` (the one transformers method wrapped); with
+  ``lists`` also the conversions of long Python lists to tensors inside it (``torch.tensor``
+  wrapped for the run: transformers' cache index lists);
 * :class:`GraphLog`: transformers' own whole-step graph captures, from the INFO messages it
   logs around each (no patch);
 * :class:`StepTimer`: host time, size and CUDA-event device span of each forward call, by

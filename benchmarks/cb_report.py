@@ -27,6 +27,8 @@ FILE = "h200-cb.json"  # transformers 5.17 (the CI pin)
 FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
 #: one model, breakgraph's variants only, 3 rounds, per release: the CB forward's host time split
 HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.json")
+#: ``bench_cb --prep-lists``: transformers' index lists converted to tensors, per release
+PREP_LISTS_FILES = ("h200-cb-prep-lists-5.17.json", "h200-cb-prep-lists-5.24.json")
 #: benchmarks/cb_trace.py's summaries (the traces lie beside it)
 TRACE_FILE = "h200-cb-trace-5.17/summary.json"
 
@@ -441,6 +443,51 @@ def host_split_section(runs: list) -> str:
             f"transformers {release}: {', '.join(num(x, 0) for x in values)} µs"
             for release, values in per_call.items()
         ),
+    )
+
+
+def prep_lists_section(runs: list) -> str:
+    """transformers' step preparation and the conversion of its index lists inside it, per
+    release, model and variant (``bench_cb --prep-lists``)."""
+    rows, lists, of_prep, of_step, ns, entries = [], [], [], [], [], []
+    for data in runs:
+        for m in data["models"]:
+            for variant, v in m["variants"].items():
+                if "host_prepare_lists_ms_per_step" not in v:
+                    continue
+                ms, prep = v["host_prepare_lists_ms_per_step"], v["host_prepare_ms_per_step"]
+                step = v["wall_ms_per_step"]
+                lists.append(ms)
+                of_prep.append(ms / prep)
+                of_step.append(ms / step)
+                ns.append(v.get("host_prepare_ns_per_list_entry", 0.0))
+                entries.append(v.get("host_prepare_list_entries_per_step", 0.0))
+                rows.append([
+                    _release(data), m["model"], f"`{variant}`", num(v["tokens_per_s"], 0),
+                    num(step, 1), num(prep, 1), num(ms, 1), pct(ms / prep), pct(ms / step),
+                ])  # fmt: skip
+    if not rows:
+        return ""
+    first = runs[0]
+    return fill(
+        "cb.prep_lists",
+        files=", ".join(f"`{name}`" for name in PREP_LISTS_FILES),
+        device=first["meta"]["device"],
+        torch=first["meta"]["torch"],
+        date=first["meta"]["date"],
+        table=table(
+            ["transformers", "model", "variant", "tokens/s", "ms/step", "prep ms", "lists ms",
+             "of prep", "of step"],
+            rows,
+        ),  # fmt: skip
+        low=num(min(lists), 1),
+        high=num(max(lists), 1),
+        share_low=pct(min(of_prep)),
+        share_high=pct(max(of_prep)),
+        step_low=pct(min(of_step)),
+        step_high=pct(max(of_step)),
+        ns=f"{num(min(ns), 0)}–{num(max(ns), 0)}",
+        entries=f"{num(min(entries), 0)}–{num(max(entries), 0)}",
     )
 
 

@@ -91,6 +91,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         load(report_prefill.BACK_TO_BACK_EVENT_FILE),
         load(report_prefill.MOE_PADDING_FILE),
         load(report_prefill.HOST_LINES_FILE),
+        [(tag, d) for n, tag in report_prefill.VIEW_FILES if (d := load(n)) is not None],
+        load(report_prefill.COPY_ISSUE_FILE),
     )
     blocks += report_prefill.capture_split_section(
         [loaded[n] for n in report_prefill.CAPTURE_FILES if n in loaded],
@@ -120,6 +122,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     split = [data for name in cb_report.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
         blocks.append(cb_report.host_split_section(split))
+    lists = [data for name in cb_report.PREP_LISTS_FILES if (data := load(name)) is not None]
+    if lists:
+        blocks.append(cb_report.prep_lists_section(lists))
     if cb_report.TRACE_FILE in loaded:
         blocks.append(cb_report.trace_section(loaded[cb_report.TRACE_FILE]))
     tp = loaded.get(tp_report.FILE)

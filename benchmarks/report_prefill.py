@@ -44,6 +44,13 @@ UPLOAD_FILES = (
     ("h200-prefill-host-path-upload-pinned-new-first.json", "one core (taskset), new first"),
     ("h200-prefill-host-path-upload-pinned-old-first.json", "one core (taskset), old first"),
 )
+#: ``prefill_host_path --compare`` around a device prompt's copy into a view of the host buffer
+#: made once per length (old: a slice per call), in both orders, on one core
+VIEW_FILES = (
+    ("h200-prefill-host-path-views-new-first.json", "one core (taskset), new first"),
+    ("h200-prefill-host-path-views-old-first.json", "one core (taskset), old first"),
+)
+COPY_ISSUE_FILE = "h200-copy-issue.json"  # one 32-id device-to-host copy, ways of issuing it
 BACK_TO_BACK_FILE = "h200-prefill-back-to-back.json"  # queued against synchronous calls
 BACK_TO_BACK_EVENT_FILE = "h200-prefill-back-to-back-event.json"  # the read event in the graph
 MOE_PADDING_FILE = "h200-prefill-moe-padding.json"  # grouped experts skipping padding rows
@@ -632,6 +639,17 @@ def upload_lines(runs: list[tuple[str, list]]) -> list[str]:
     return lines
 
 
+def copy_issue_table(data: dict | None) -> str:
+    """Microseconds to issue one small device-to-host copy, per way of issuing it (rows) and
+    process (columns: the median of its rounds)."""
+    if data is None:
+        return "(not measured)"
+    runs = data["processes"]
+    ways = list(runs[0]["us"])
+    rows = [[way] + [num(run["us"][way][0], 1) for run in runs] for way in ways]
+    return table(["way of issuing it"] + [f"process {i + 1} µs" for i in range(len(runs))], rows)
+
+
 def queued_lines(data: dict | None) -> list[str]:
     """Back-to-back calls against synchronous ones, old and new tree (ms per call, the median
     over the processes of each tree)."""
@@ -744,6 +762,8 @@ def section(
     queued_event: dict | None = None,
     moe_padding: dict | None = None,
     host_lines: dict | None = None,
+    views: list | None = None,
+    copy_issue: dict | None = None,
 ) -> list[str]:
     """The prefill section as a list of Markdown blocks (``neighbours``: the
     ``prefill_host_path --neighbours`` results; ``packed_only``: the run before single-prompt
@@ -808,6 +828,10 @@ def section(
             before_after=items(before_after_lines(packed_only, data)) or "(not measured)",
             upload=items(upload_lines(upload or [])) or "(not measured)",
             upload_files="`, `".join(name for name, _ in UPLOAD_FILES),
+            views=items(upload_lines(views or [])) or "(not measured)",
+            view_files="`, `".join(name for name, _ in VIEW_FILES),
+            copy_issue=copy_issue_table(copy_issue),
+            copy_issue_file=COPY_ISSUE_FILE,
             queued=items(queued_lines(queued)) or "(not measured)",
             queued_file=BACK_TO_BACK_FILE,
             queued_event=items(queued_lines(queued_event)) or "(not measured)",

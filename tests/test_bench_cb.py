@@ -181,6 +181,22 @@ def test_step_counter_times_long_list_conversions_inside_preparation_only(monkey
     assert set(plain.summary()) == {"host_prepare_ms_per_step"}
 
 
+def test_the_page_splits_transformers_preparation_where_measured():
+    """``bench_cb --prep-lists`` results give the page a table per release, model and variant
+    with the conversion's share of the preparation and of the step; runs without it none."""
+    variant = {"tokens_per_s": 1000.0, "wall_ms_per_step": 10.0, "host_prepare_ms_per_step": 6.0,
+               "host_prepare_lists_ms_per_step": 3.0, "host_prepare_ns_per_list_entry": 60.0,
+               "host_prepare_list_entries_per_step": 50000.0}  # fmt: skip
+    run = {"meta": {"device": "GPU", "torch": "2.x", "date": "today", "transformers": "5.17.0"},
+           "models": [{"model": "m", "variants": {"breakgraph": variant}}]}  # fmt: skip
+    text = cb_report.prep_lists_section([run])
+    assert "| 5.17.0 | m | `breakgraph` | 1000 | 10.0 | 6.0 | 3.0 | 50% | 30% |" in text
+    assert "3.0–3.0 ms per step" in text
+    plain = copy.deepcopy(run)
+    del plain["models"][0]["variants"]["breakgraph"]["host_prepare_lists_ms_per_step"]
+    assert cb_report.prep_lists_section([plain]) == ""
+
+
 # -- ratios ------------------------------------------------------------------------------------
 def test_ratios_pair_rounds_or_divide_by_a_baseline_that_ran_once():
     def rounds(*values):

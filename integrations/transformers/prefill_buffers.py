@@ -106,6 +106,8 @@ class StepBuffers(StaticInputs):
       cleared only when there are some;
     * up to ``_FEW_PROMPTS`` prompts (one is the common case) are staged with scalar
       writes, with no numpy call over the lengths;
+    * a first prompt on the device is copied into a view of the ids made once per length
+      (``id_views``): a slice per call was most of the device-to-host copy's host time;
     * one prompt's staging makes no numpy call at all: its ids by ``memmove``, the vocabulary
       check by Python's ``max`` (:func:`_largest_id`), its last-token index, the boundaries'
       tail and the padding tail through memoryviews (from arrays of pad ids and of each
@@ -136,6 +138,10 @@ class StepBuffers(StaticInputs):
             self.device_buffer = self.host.to(device, copy=True)
         self.view = _HostView(self.host, max_tokens, max_prompts)
         self.host_ids = self.host[:t]  # where device prompts' ids are copied to
+        # ids[:n] per length n of a first prompt on the device: slicing a tensor is host time
+        # on every call (a copy into a cached view took 3.8 us against 5.8 us with the slice, in
+        # a loop on an H200 server's host: docs/results/h200-copy-issue.json)
+        self.id_views: dict[int, torch.Tensor] = {}
         self.host_address = self.host.data_ptr()  # host prompts' ids are copied here (memmove)
         # the positions [start, end) that differ from the resting state, and how many
         # last-token indices the last step set
@@ -269,7 +275,12 @@ class StepBuffers(StaticInputs):
         start = 0
         for prompt, length in zip(prompts, lengths):
             if not prompt.is_cpu:  # device prompts: into the host buffer, in stream order
-                self.host_ids[start : start + length].copy_(prompt, non_blocking=True)
+                target = self.host_ids[start : start + length] if start else None
+                if target is None:  # a batch's first prompt: a view made once per length
+                    target = self.id_views.get(length)
+                    if target is None:
+                        target = self.id_views[length] = self.host_ids[:length]
+                target.copy_(prompt, non_blocking=True)
             start += length
         return bounds
 
