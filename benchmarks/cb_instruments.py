@@ -148,21 +148,32 @@ class StepCounter:
             self._wrap_tensor(patches)
 
     def _wrap_tensor(self, patches: PatchSet) -> None:
-        make = torch.tensor
-        long_list = self.LONG_LIST
+        """Time ``torch.tensor`` and breakgraph's numpy conversion (``NumpyLists``, which
+        transformers calls instead while CB is enabled), the outermost call only."""
+        from breakgraph.integrations.transformers.index_lists import NumpyLists
 
-        @functools.wraps(make)
-        def tensor(data, *args, **kwargs):
-            if not (self._inside and type(data) is list and len(data) > long_list):
-                return make(data, *args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return make(data, *args, **kwargs)
-            finally:
-                self.lists_s += time.perf_counter() - start
-                self.list_entries += len(data)
+        long_list, depth = self.LONG_LIST, [0]
 
-        patches.attribute(torch, "tensor", tensor)
+        def timed(make, first: int):  # first: where the data is (1 after a method's self)
+            @functools.wraps(make)
+            def convert(*args, **kwargs):
+                data = args[first] if len(args) > first else None
+                if depth[0] or not (self._inside and type(data) is list
+                                    and len(data) > long_list):  # fmt: skip
+                    return make(*args, **kwargs)
+                depth[0] += 1
+                start = time.perf_counter()
+                try:
+                    return make(*args, **kwargs)
+                finally:
+                    depth[0] -= 1
+                    self.lists_s += time.perf_counter() - start
+                    self.list_entries += len(data)
+
+            return convert
+
+        patches.attribute(torch, "tensor", timed(torch.tensor, 0))
+        patches.attribute(NumpyLists, "_tensor", timed(NumpyLists._tensor, 1))
 
     def reset(self) -> None:
         self.steps, self.prepare_s = 0, 0.0

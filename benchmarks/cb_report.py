@@ -29,6 +29,9 @@ FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
 HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.json")
 #: ``bench_cb --prep-lists``: transformers' index lists converted to tensors, per release
 PREP_LISTS_FILES = ("h200-cb-prep-lists-5.17.json", "h200-cb-prep-lists-5.24.json")
+#: The release from which transformers keeps its block-table decode path for its flash kernels
+#: (``ensure_decode_fast_path_is_available``), and the oldest release breakgraph supports
+FAST_PATH_SINCE, OLDEST = "5.19", "5.17"
 #: benchmarks/cb_trace.py's summaries (the traces lie beside it)
 TRACE_FILE = "h200-cb-trace-5.17/summary.json"
 
@@ -487,8 +490,18 @@ def prep_lists_section(runs: list) -> str:
         step_low=pct(min(of_step)),
         step_high=pct(max(of_step)),
         ns=f"{num(min(ns), 0)}–{num(max(ns), 0)}",
+        long_list=_long_list(),
+        fast_path_since=FAST_PATH_SINCE,
+        oldest=OLDEST,
         entries=f"{num(min(entries), 0)}–{num(max(entries), 0)}",
     )
+
+
+def _long_list() -> str:
+    """``StepCounter.LONG_LIST`` (imported here: the instruments import transformers)."""
+    from .cb_instruments import StepCounter
+
+    return str(StepCounter.LONG_LIST)
 
 
 def _kinds_table(variants: dict) -> str:

@@ -650,6 +650,33 @@ def copy_issue_table(data: dict | None) -> str:
     return table(["way of issuing it"] + [f"process {i + 1} µs" for i in range(len(runs))], rows)
 
 
+def view_numbers(views: list, copy_issue: dict | None) -> dict:
+    """The prose's numbers around the cached id views: the loop's costs per way of issuing
+    the copy (median over the processes), the slowest process against the fastest, and the
+    ``commit`` stage of device-prompt calls, old and new tree (median and range)."""
+    out = dict.fromkeys(("loop_slice", "loop_view", "loop_ctypes", "ctypes_saving",
+                         "process_factor", "commit_old", "commit_new"), "-")  # fmt: skip
+    if copy_issue is not None:
+        runs = copy_issue["processes"]
+        way = {k: statistics.median(r["us"][k][0] for r in runs) for k in runs[0]["us"]}
+        out.update(
+            loop_slice=num(way["pinned slice+copy_"], 1),
+            loop_view=num(way["pinned view copy_"], 1),
+            loop_ctypes=num(way["ctypes cudaMemcpyAsync pinned"], 1),
+            ctypes_saving=num(way["pinned view copy_"] - way["ctypes cudaMemcpyAsync pinned"], 1),
+        )
+        factors = [max(r["us"][k][0] for r in runs) / min(r["us"][k][0] for r in runs)
+                   for k in runs[0]["us"]]  # fmt: skip
+        out["process_factor"] = f"{num(min(factors), 1)}–{num(max(factors), 1)}"
+    for tree, key in ((0, "commit_old"), (1, "commit_new")):
+        values = [r["host_us"]["commit"] for _, pair in views for f in pair[tree]["families"]
+                  for r in f["rows"]]  # fmt: skip
+        if values:
+            out[key] = (f"{num(statistics.median(values), 1)} "
+                        f"({num(min(values), 1)}–{num(max(values), 1)})")  # fmt: skip
+    return out
+
+
 def queued_lines(data: dict | None) -> list[str]:
     """Back-to-back calls against synchronous ones, old and new tree (ms per call, the median
     over the processes of each tree)."""
@@ -832,6 +859,7 @@ def section(
             view_files="`, `".join(name for name, _ in VIEW_FILES),
             copy_issue=copy_issue_table(copy_issue),
             copy_issue_file=COPY_ISSUE_FILE,
+            **view_numbers(views or [], copy_issue),
             queued=items(queued_lines(queued)) or "(not measured)",
             queued_file=BACK_TO_BACK_FILE,
             queued_event=items(queued_lines(queued_event)) or "(not measured)",

@@ -149,6 +149,7 @@ def test_graph_log_counts_captures_quietly_and_restores_the_logger(capfd):
 def test_step_counter_times_long_list_conversions_inside_preparation_only(monkeypatch):
     """``--prep-lists``: inside ``prepare_next_batch`` only, and only for lists longer than
     ``LONG_LIST``; an idle poll (no step) counts nothing; ``torch.tensor`` is restored."""
+    from breakgraph.integrations.transformers.index_lists import NumpyLists
     from breakgraph.patches import PatchSet
 
     long_list = list(range(cb_instruments.StepCounter.LONG_LIST + 1))
@@ -159,13 +160,16 @@ def test_step_counter_times_long_list_conversions_inside_preparation_only(monkey
         def prepare_next_batch(self):
             torch.tensor(long_list)
             torch.tensor([1, 2, 3])  # short: not counted
+            # breakgraph's numpy path (what transformers calls while CB is enabled): counted
+            # once, though it may call torch.tensor itself
+            NumpyLists().tensor(long_list, dtype=torch.int64)
             return self.step
 
     idle = Processor()
     idle.step = False
 
     monkeypatch.setattr(cb_instruments, "_processor_class", lambda: Processor)
-    original = torch.tensor
+    original, numpy_path = torch.tensor, NumpyLists._tensor
     counter = cb_instruments.StepCounter(lists=True)
     with PatchSet() as patches:
         counter.install(patches)
@@ -175,7 +179,8 @@ def test_step_counter_times_long_list_conversions_inside_preparation_only(monkey
         Processor().prepare_next_batch()
     assert torch.tensor is original
     summary = counter.summary()
-    assert counter.steps == 2 and summary["host_prepare_list_entries_per_step"] == len(long_list)
+    assert summary["host_prepare_list_entries_per_step"] == 2 * len(long_list)
+    assert counter.steps == 2 and NumpyLists._tensor is numpy_path
     assert 0 < summary["host_prepare_lists_ms_per_step"] <= summary["host_prepare_ms_per_step"]
     plain = cb_instruments.StepCounter()
     assert set(plain.summary()) == {"host_prepare_ms_per_step"}

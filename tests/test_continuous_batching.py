@@ -35,6 +35,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     cb_step,
     compat,
     enable_continuous_batching,
+    index_lists,
 )
 from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
 from breakgraph.integrations.transformers.experts import EXPERTS_KEY  # noqa: E402
@@ -172,6 +173,7 @@ def transformers_state(model) -> dict:
         attention=dict(AttentionInterface._global_mapping),
         experts=dict(ExpertsInterface._global_mapping),
         switch=compat.manager_class().__dict__["switch_to_cb_friendly_attn"],
+        index_lists_torch=compat.index_lists_module().torch,
         config_object=model.config,
         module_configs=[m.__dict__.get("config") for m in model.modules()],
         attn_impl=model.config._attn_implementation,
@@ -494,6 +496,8 @@ def test_disable_restores_model_and_transformers(arch, experts):
     during = transformers_state(model)
     assert during["attention"][CB_ATTENTION_KEY] is cb_step.paged_attention
     assert during["switch"] is not before["switch"]
+    assert isinstance(during["index_lists_torch"], index_lists.NumpyLists)
+    assert before["index_lists_torch"] is torch
     assert "forward" in during["instance_attrs"] and "forward" not in before["instance_attrs"]
     if experts == "eager":
         assert during["experts_impl"] == EXPERTS_KEY

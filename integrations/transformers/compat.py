@@ -39,6 +39,11 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      ``destroy_cached_continuous_batching_manager`` and P ``manager.is_running``.
  10. I ``manager.batch_processor.cache`` (which paged cache a manager steps with; read only
      for managers whose graphs are off).
+ 12. I the module global ``torch`` of ``transformers.generation.continuous_batching.
+     input_outputs``, through which ``prepare_batch_tensors`` converts its index and id lists
+     (``torch.tensor``): shown a view of torch whose ``tensor`` reads lists with numpy
+     (:mod:`.index_lists`; optional: a release that converts otherwise is served as it is,
+     :func:`index_lists_module` returns None).
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: ``_load_model``
@@ -275,6 +280,24 @@ def cached_manager(model: Any) -> Any:
 def manager_cache(manager: Any) -> Any:
     """10. The paged cache a manager's steps use, once its batch processor exists."""
     return getattr(getattr(manager, "batch_processor", None), "cache", None)
+
+
+def index_lists_module() -> Any:
+    """12. transformers' ``input_outputs`` module when ``ContinuousBatchingIOs.
+    prepare_batch_tensors`` converts its lists with ``torch.tensor`` through the module's
+    global ``torch`` (read as source text: ``partial(torch.tensor, ...)``), else None."""
+    try:
+        from transformers.generation.continuous_batching import input_outputs
+    except ImportError:
+        return None
+    module_torch = getattr(input_outputs, "torch", None)
+    if getattr(module_torch, "__name__", None) != "torch":
+        return None
+    try:
+        source = inspect.getsource(input_outputs.ContinuousBatchingIOs.prepare_batch_tensors)
+    except (AttributeError, OSError, TypeError):
+        return None
+    return input_outputs if "partial(torch.tensor" in source else None
 
 
 def _probe_continuous_batching() -> list[str]:
