@@ -21,7 +21,7 @@ import statistics
 import sys
 
 from . import targets as T
-from .template import fill, num, pct, span, table
+from .template import bullets, fill, num, pct, span, table
 
 FILE = "h200-cb.json"  # transformers 5.17 (the CI pin)
 FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
@@ -29,6 +29,16 @@ FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
 HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.json")
 #: ``bench_cb --prep-lists``: transformers' index lists converted to tensors, per release
 PREP_LISTS_FILES = ("h200-cb-prep-lists-5.17.json", "h200-cb-prep-lists-5.24.json")
+#: ``bench_cb --prep-lists``, transformers' lists converted by torch.tensor (old: the tree before
+#: ``index_lists``) and through numpy (new), the trees in turn: (file, tree, turn)
+NUMPY_LISTS_FILES = (
+    ("h200-cb-numpy-lists-new-1-5.17.json", "numpy", 1),
+    ("h200-cb-numpy-lists-old-1-5.17.json", "torch.tensor", 1),
+    ("h200-cb-numpy-lists-new-2-5.17.json", "numpy", 2),
+    ("h200-cb-numpy-lists-old-2-5.17.json", "torch.tensor", 2),
+    ("h200-cb-numpy-lists-new-5.24.json", "numpy", 1),
+    ("h200-cb-numpy-lists-old-5.24.json", "torch.tensor", 1),
+)
 #: The release from which transformers keeps its block-table decode path for its flash kernels
 #: (``ensure_decode_fast_path_is_available``), and the oldest release breakgraph supports
 FAST_PATH_SINCE, OLDEST = "5.19", "5.17"
@@ -494,6 +504,50 @@ def prep_lists_section(runs: list) -> str:
         fast_path_since=FAST_PATH_SINCE,
         oldest=OLDEST,
         entries=f"{num(min(entries), 0)}–{num(max(entries), 0)}",
+    )
+
+
+def numpy_lists_section(runs: list) -> str:
+    """The same workload with transformers' lists converted by ``torch.tensor`` (the tree
+    before) and through numpy (``index_lists``), in turn: ``runs`` holds ``(data, tree,
+    turn)``."""
+    rows, ratios = [], []
+    for data, tree, turn in runs:
+        for m in data["models"]:
+            stock = m["variants"].get("stock_graphs", {}).get("tokens_per_s")
+            for variant, v in m["variants"].items():
+                if "tokens_per_s" not in v or not variant.startswith("breakgraph"):
+                    continue
+                rows.append([
+                    _release(data), m["model"], tree, str(turn), f"`{variant}`",
+                    num(v["tokens_per_s"], 0), num(v["wall_ms_per_step"], 1),
+                    num(v["host_prepare_ms_per_step"], 1),
+                    _cell(v, "host_prepare_lists_ms_per_step", ".1f"),
+                    _cell(v, "decode_step_ms", ".2f"),
+                    _cell(v, "decode_forward_device_ms", ".2f"),
+                    f"{num(v['tokens_per_s'] / stock, 2)}×" if stock else "-",
+                ])  # fmt: skip
+                if stock and variant == "breakgraph":
+                    spread = v.get("rounds_tokens_per_s") or [v["tokens_per_s"]]
+                    ratios.append((tree, v["tokens_per_s"] / stock, min(spread) / stock,
+                                   max(spread) / stock))  # fmt: skip
+    first = runs[0][0]
+    return fill(
+        "cb.numpy_lists",
+        files=", ".join(f"`{name}`" for name, _, _ in NUMPY_LISTS_FILES),
+        device=first["meta"]["device"],
+        torch=first["meta"]["torch"],
+        date=first["meta"]["date"],
+        table=table(
+            ["transformers", "model", "lists by", "turn", "variant", "tokens/s", "ms/step",
+             "prep ms", "lists ms", "decode ms", "decode device ms", "over stock graphs"],
+            rows,
+        ),  # fmt: skip
+        stock=bullets([
+            f"- lists by {tree}: breakgraph / stock graphs {num(r, 2)}× (rounds "
+            f"{num(low, 2)}–{num(high, 2)})"
+            for tree, r, low, high in ratios
+        ]) or "(not measured)",  # fmt: skip
     )
 
 

@@ -125,6 +125,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     lists = [data for name in cb_report.PREP_LISTS_FILES if (data := load(name)) is not None]
     if lists:
         blocks.append(cb_report.prep_lists_section(lists))
+    turns = [(d, tree, turn) for name, tree, turn in cb_report.NUMPY_LISTS_FILES
+             if (d := load(name)) is not None]  # fmt: skip
+    if turns:
+        blocks.append(cb_report.numpy_lists_section(turns))
     if cb_report.TRACE_FILE in loaded:
         blocks.append(cb_report.trace_section(loaded[cb_report.TRACE_FILE]))
     tp = loaded.get(tp_report.FILE)

@@ -150,6 +150,7 @@ def test_step_counter_times_long_list_conversions_inside_preparation_only(monkey
     """``--prep-lists``: inside ``prepare_next_batch`` only, and only for lists longer than
     ``LONG_LIST``; an idle poll (no step) counts nothing; ``torch.tensor`` is restored."""
     from breakgraph.integrations.transformers.index_lists import NumpyLists
+
     from breakgraph.patches import PatchSet
 
     long_list = list(range(cb_instruments.StepCounter.LONG_LIST + 1))
@@ -200,6 +201,18 @@ def test_the_page_splits_transformers_preparation_where_measured():
     plain = copy.deepcopy(run)
     del plain["models"][0]["variants"]["breakgraph"]["host_prepare_lists_ms_per_step"]
     assert cb_report.prep_lists_section([plain]) == ""
+
+
+def test_the_page_sets_numpy_lists_against_torch_tensor_in_turn():
+    """Each tree's rows, and breakgraph over stock graphs where the run had them."""
+    meta = {"device": "GPU", "torch": "2.x", "date": "today", "transformers": "5.24.0"}
+    bg = {"tokens_per_s": 300.0, "wall_ms_per_step": 5.0, "host_prepare_ms_per_step": 3.0,
+          "rounds_tokens_per_s": [300.0, 400.0]}  # fmt: skip
+    run = {"meta": meta, "models": [{"model": "m", "variants": {
+        "stock_graphs": {"tokens_per_s": 100.0}, "breakgraph": bg}}]}  # fmt: skip
+    text = cb_report.numpy_lists_section([(run, "numpy", 1)])
+    assert "| 5.24.0 | m | numpy | 1 | `breakgraph` | 300 | 5.0 | 3.0 | - | - | - | 3.00× |" in text
+    assert "- lists by numpy: breakgraph / stock graphs 3.00× (rounds 3.00–4.00)" in text
 
 
 # -- ratios ------------------------------------------------------------------------------------

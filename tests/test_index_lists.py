@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers import compat, index_lists  # noqa: E402
 from breakgraph.integrations.transformers.index_lists import NumpyLists  # noqa: E402
+
 from breakgraph.patches import PatchSet  # noqa: E402
 
 pytestmark = pytest.mark.transformers
@@ -99,6 +100,8 @@ def test_installed_only_where_the_probe_finds_list_conversions(monkeypatch):
 def test_cb_steps_convert_their_index_lists_through_numpy(monkeypatch):
     """A real CB run (emulated backend): transformers' long lists go through the numpy path, the
     tokens equal ``generate()``'s, and disabling restores transformers' module."""
+    from breakgraph.integrations.transformers import enable_continuous_batching
+
     from tests.test_continuous_batching import (
         BUCKETS,
         build_model,
@@ -106,7 +109,6 @@ def test_cb_steps_convert_their_index_lists_through_numpy(monkeypatch):
         generate_each,
         random_prompts,
     )
-    from breakgraph.integrations.transformers import enable_continuous_batching
 
     fast_calls = []
     convert = NumpyLists._tensor
