@@ -44,6 +44,8 @@ NUMPY_LISTS_FILES = (
 FAST_PATH_SINCE, OLDEST = "5.19", "5.17"
 #: benchmarks/cb_trace.py's summaries (the traces lie beside it)
 TRACE_FILE = "h200-cb-trace-5.17/summary.json"
+#: ``cb_trace`` over a window of pure-decode steps (``--skip`` past the prefills)
+TRACE_DECODE_FILE = "h200-cb-trace-decode-5.17/summary.json"
 
 
 def schema(data: dict) -> int:
@@ -548,6 +550,44 @@ def numpy_lists_section(runs: list) -> str:
             f"{num(low, 2)}–{num(high, 2)})"
             for tree, r, low, high in ratios
         ]) or "(not measured)",  # fmt: skip
+    )
+
+
+def trace_decode_section(data: dict) -> str:
+    """``cb_trace`` over pure-decode steps: the device's time per step by kind of kernel, and
+    the attention kernel's share per layer."""
+    meta, args = data["meta"], data["meta"]["args"]
+    name, v = next(iter(data["variants"].items()))
+    from .families import CB_FAMILIES
+
+    config = CB_FAMILIES[meta["model"]].config()
+    layers = config.num_hidden_layers
+    busy = statistics.median(step["device_busy_ms"] for step in v["per_step"])
+    kinds = v["device_ms_per_step_by_kind"]
+    attention = kinds.get("attention", 0.0)
+    return fill(
+        "cb.trace_decode",
+        file=TRACE_DECODE_FILE,
+        gpu=meta["gpu"],
+        torch=meta["torch"],
+        transformers=meta["transformers"],
+        date=meta["date"],
+        model=meta["model"],
+        variant=name,
+        prompts=args["prompts"],
+        min_len=args["min_len"],
+        max_len=args["max_len"],
+        new_tokens=args["new_tokens"],
+        skip=args["skip"],
+        steps=v["steps"],
+        busy=num(busy, 2),
+        kinds=_kinds_table({name: v}),
+        attention=num(attention, 2),
+        share=pct(attention / sum(kinds.values())),
+        per_layer=num(attention / layers * 1e3, 0),
+        layers=layers,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
     )
 
 

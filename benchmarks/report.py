@@ -71,7 +71,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_earlier.FILE, *report_earlier.RUN_FILES, report_earlier.MOE_FILE]
         + [tp_report.FILE, tp_report.NO_MIXING_FILE]
         + [*report_prefill.CAPTURE_FILES, *(n for n, _ in report_prefill.CAPTURE_LATER_FILES)]
-        + [cb_report.TRACE_FILE]
+        + [cb_report.TRACE_FILE, cb_report.TRACE_DECODE_FILE]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE]
     )
@@ -131,6 +131,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         blocks.append(cb_report.numpy_lists_section(turns))
     if cb_report.TRACE_FILE in loaded:
         blocks.append(cb_report.trace_section(loaded[cb_report.TRACE_FILE]))
+    if (decode := load(cb_report.TRACE_DECODE_FILE)) is not None:
+        blocks.append(cb_report.trace_decode_section(decode))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))
