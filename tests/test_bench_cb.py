@@ -215,6 +215,17 @@ def test_the_page_sets_numpy_lists_against_torch_tensor_in_turn():
     assert "- lists by numpy: breakgraph / stock graphs 3.00× (rounds 3.00–4.00)" in text
 
 
+def test_the_decode_trace_section_splits_attention_per_layer():
+    meta = {"gpu": "GPU", "torch": "2.x", "transformers": "5.17.0", "date": "today",
+            "model": "mixtral-1k-8l", "args": {"prompts": 100, "min_len": 16, "max_len": 1024,
+                                               "new_tokens": 128, "skip": 70}}  # fmt: skip
+    variant = {"steps": 14, "per_step": [{"device_busy_ms": 4.0}, {"device_busy_ms": 5.0}],
+               "device_ms_per_step_by_kind": {"attention": 1.6, "copies": 2.4}}  # fmt: skip
+    text = cb_report.trace_decode_section({"meta": meta, "variants": {"breakgraph": variant}})
+    assert "busy 4.50 ms per step" in text
+    assert "1.60 ms per step, 40% of the device's time, about\n200 µs for each of the 8" in text
+
+
 # -- ratios ------------------------------------------------------------------------------------
 def test_ratios_pair_rounds_or_divide_by_a_baseline_that_ran_once():
     def rounds(*values):
