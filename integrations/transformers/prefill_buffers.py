@@ -141,7 +141,7 @@ class StepBuffers(StaticInputs):
         # ids[:n] per length n of a first prompt on the device: slicing a tensor is host time
         # on every call (a copy into a cached view took 3.8 us against 5.8 us with the slice, in
         # a loop on an H200 server's host: docs/results/h200-copy-issue.json)
-        self.id_views: dict[int, torch.Tensor] = {}
+        self.id_views: dict[int, torch.Tensor] = {}  # at most one per length up to max_tokens
         self.host_address = self.host.data_ptr()  # host prompts' ids are copied here (memmove)
         # the positions [start, end) that differ from the resting state, and how many
         # last-token indices the last step set
