@@ -173,7 +173,7 @@ class StepCounter:
             return convert
 
         patches.attribute(torch, "tensor", timed(torch.tensor, 0))
-        patches.attribute(NumpyLists, "_tensor", timed(NumpyLists._tensor, 1))
+        patches.attribute(NumpyLists, "tensor", timed(NumpyLists.tensor, 1))
 
     def reset(self) -> None:
         self.steps, self.prepare_s = 0, 0.0

@@ -170,7 +170,7 @@ def test_step_counter_times_long_list_conversions_inside_preparation_only(monkey
     idle.step = False
 
     monkeypatch.setattr(cb_instruments, "_processor_class", lambda: Processor)
-    original, numpy_path = torch.tensor, NumpyLists._tensor
+    original, numpy_path = torch.tensor, NumpyLists.tensor
     counter = cb_instruments.StepCounter(lists=True)
     with PatchSet() as patches:
         counter.install(patches)
@@ -181,7 +181,7 @@ def test_step_counter_times_long_list_conversions_inside_preparation_only(monkey
     assert torch.tensor is original
     summary = counter.summary()
     assert summary["host_prepare_list_entries_per_step"] == 2 * len(long_list)
-    assert counter.steps == 2 and NumpyLists._tensor is numpy_path
+    assert counter.steps == 2 and NumpyLists.tensor is numpy_path
     assert 0 < summary["host_prepare_lists_ms_per_step"] <= summary["host_prepare_ms_per_step"]
     plain = cb_instruments.StepCounter()
     assert set(plain.summary()) == {"host_prepare_ms_per_step"}

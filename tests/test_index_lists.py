@@ -73,12 +73,20 @@ def test_an_int32_overflow_raises_as_torch_would():
         NumpyLists().tensor(big, dtype=torch.int32)
 
 
-def test_every_other_attribute_is_torch_s():
+def test_every_other_attribute_is_torch_s_at_each_use(monkeypatch):
     fast = NumpyLists()
     assert fast.int64 is torch.int64 and fast.empty is torch.empty and fast.Tensor is torch.Tensor
-    assert "empty" in vars(fast)  # looked up once, then a plain attribute
+    monkeypatch.setattr(torch, "finfo", "replaced")  # a later replacement is seen
+    assert fast.finfo == "replaced"
     with pytest.raises(AttributeError):
         fast.no_such_name  # noqa: B018
+
+
+def test_without_a_device_the_default_device_holds():
+    values = list(range(100))
+    with torch.device("meta"):
+        got, want = NumpyLists().tensor(values, dtype=torch.int64), torch.tensor(values)
+    assert got.device == want.device == torch.device("meta")
 
 
 @needs_cb
@@ -88,6 +96,8 @@ def test_installed_only_where_the_probe_finds_list_conversions(monkeypatch):
     with PatchSet() as patches:
         assert index_lists.install(patches)
         assert isinstance(module.torch, NumpyLists)
+        with PatchSet() as again:  # installed already: the probe says so, nothing is wrapped
+            assert compat.index_lists_module() is None and not index_lists.install(again)
     assert module.torch is torch
     monkeypatch.setattr(compat.inspect, "getsource", lambda obj: "def f(): pass")
     assert compat.index_lists_module() is None
@@ -111,14 +121,14 @@ def test_cb_steps_convert_their_index_lists_through_numpy(monkeypatch):
     )
 
     fast_calls = []
-    convert = NumpyLists._tensor
+    convert = NumpyLists.tensor
 
     def spy(self, data, *args, **kwargs):
         if type(data) is list and kwargs.get("dtype") in (torch.int32, torch.int64):
             fast_calls.append(len(data))
         return convert(self, data, *args, **kwargs)
 
-    monkeypatch.setattr(NumpyLists, "_tensor", spy)  # before enabling: the view binds it then
+    monkeypatch.setattr(NumpyLists, "tensor", spy)
     model = build_model("llama")
     prompts = random_prompts()
     expected = generate_each(model, prompts)

@@ -285,13 +285,13 @@ def manager_cache(manager: Any) -> Any:
 def index_lists_module() -> Any:
     """12. transformers' ``input_outputs`` module when ``ContinuousBatchingIOs.
     prepare_batch_tensors`` converts its lists with ``torch.tensor`` through the module's
-    global ``torch`` (read as source text: ``partial(torch.tensor, ...)``), else None."""
+    global ``torch`` (read as source text: ``partial(torch.tensor, ...)``) and that global is
+    torch itself (not a view installed already), else None."""
     try:
         from transformers.generation.continuous_batching import input_outputs
     except ImportError:
         return None
-    module_torch = getattr(input_outputs, "torch", None)
-    if getattr(module_torch, "__name__", None) != "torch":
+    if getattr(input_outputs, "torch", None) is not torch:  # another view installed already
         return None
     try:
         source = inspect.getsource(input_outputs.ContinuousBatchingIOs.prepare_batch_tensors)

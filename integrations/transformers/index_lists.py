@@ -54,29 +54,31 @@ _SHORT = 16  # below this many values torch.tensor's own cost is no larger
 class NumpyLists(types.ModuleType):
     """A view of the torch module whose ``tensor`` converts long lists of ints with numpy.
 
-    Every other attribute is torch's own (looked up once, then kept on the view)."""
+    Every other attribute is torch's own, looked up on torch at each use (so a later
+    replacement of a torch attribute is seen through the view too)."""
 
     def __init__(self, module: types.ModuleType = torch) -> None:
         super().__init__(module.__name__, module.__doc__)
         self.__dict__["_module"] = module
-        self.__dict__["tensor"] = self._tensor
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self.__dict__["_module"], name)
-        self.__dict__[name] = value  # the next lookup is a plain attribute read
-        return value
+        return getattr(self.__dict__["_module"], name)
 
-    def _tensor(self, data: Any, *args: Any, dtype=None, device=None, **kwargs: Any):
+    def tensor(self, data: Any, *args: Any, dtype=None, device=None, **kwargs: Any):
+        """``torch.tensor(data, dtype=dtype, device=device)``; a list of ints with an int32 or
+        int64 dtype is read by numpy (the same values; an int that does not fit raises
+        ``OverflowError`` where torch raises ``RuntimeError``). Without a device, only where
+        torch's default device is the CPU (``from_numpy`` makes CPU tensors)."""
         kind = _NUMPY_DTYPES.get(dtype)
         if (kind is None or args or kwargs or type(data) is not list or len(data) < _SHORT
                 or type(data[0]) is not int):  # fmt: skip
             return torch.tensor(data, *args, dtype=dtype, device=device, **kwargs)
+        if device is None:
+            device = torch.get_default_device()
+        elif not isinstance(device, torch.device):
+            device = torch.device(device)
         # fromiter: 15 % faster than np.array on a list of ints, the same values and errors
         result = torch.from_numpy(np.fromiter(data, dtype=kind, count=len(data)))
-        if device is None:
-            return result
-        if not isinstance(device, torch.device):
-            device = torch.device(device)
         return result if device.type == "cpu" else result.to(device)
 
 
