@@ -275,8 +275,9 @@ class StepBuffers(StaticInputs):
         start = 0
         for prompt, length in zip(prompts, lengths):
             if not prompt.is_cpu:  # device prompts: into the host buffer, in stream order
-                target = self.host_ids[start : start + length] if start else None
-                if target is None:  # a batch's first prompt: a view made once per length
+                if start:
+                    target = self.host_ids[start : start + length]
+                else:  # a batch's first prompt: a view made once per length
                     target = self.id_views.get(length)
                     if target is None:
                         target = self.id_views[length] = self.host_ids[:length]
