@@ -1,0 +1,148 @@
+"""Decode attention straight from transformers' paged cache: no gather, fixed shapes.
+
+A pure-decode CB step has one query per sequence. The break path (:class:`.cb_step.
+PagedAttention`) asks transformers' cache for every key the step's sequences see
+(``index_select`` writes them all once more: the *gather*) and calls FlashAttention-2's
+varlen kernel on the copy. This kernel reads the cache rows through the step's read index
+instead, one program per (sequence, key head) holding the query heads of that key head
+together, so it reads each key once and writes nothing but the output. Its shapes depend
+only on the bucket (the index and the key lengths are read on the device), which is what a
+captured graph needs.
+
+``paged_decode_reference`` is the same computation in plain torch (loops on the host): the
+tests' oracle, and what runs where Triton does not.
+
+Example (CUDA with Triton; the reference runs anywhere)::
+
+    >>> import torch
+    >>> from breakgraph.integrations.transformers.paged_decode import paged_decode_reference
+    >>> q = torch.randn(2, 4, 8)                      # 2 sequences, 4 query heads
+    >>> k_cache, v_cache = torch.randn(10, 2, 8), torch.randn(10, 2, 8)  # 2 key heads
+    >>> read_index = torch.tensor([3, 7, 1, 0, 9])    # sequence 0: slots 3, 7; 1: 1, 0, 9
+    >>> cu_k = torch.tensor([0, 2, 5], dtype=torch.int32)
+    >>> paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, 8**-0.5).shape
+    torch.Size([2, 4, 8])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from breakgraph.errors import BackendError, InputError
+
+try:  # optional: the CPU build of torch comes without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = tl = None
+
+__all__ = ["paged_decode", "paged_decode_reference", "triton_available"]
+
+
+def triton_available(device: torch.device) -> bool:
+    """True where :func:`paged_decode` can launch its kernel on ``device``."""
+    return triton is not None and torch.device(device).type == "cuda"
+
+
+def paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None):
+    """One query per sequence over its keys ``k_cache[read_index[cu_k[i]:cu_k[i + 1]]]``.
+
+    ``q`` ``[B, Hq, D]``, caches ``[slots, Hkv, D]``, ``read_index`` ``[R]``, ``cu_k``
+    ``[B + 1]``. A sequence with no keys gets zeros. Host loop: tests and fallback only.
+    """
+    out = torch.zeros_like(q) if out is None else out
+    groups = q.shape[1] // k_cache.shape[1]
+    bounds = cu_k.tolist()
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        if end <= start:
+            out[i].zero_()
+            continue
+        slots = read_index[start:end].long()
+        k = k_cache[slots].float().repeat_interleave(groups, 1)  # [n, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(groups, 1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scaling
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(out.dtype)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q, k_cache, v_cache, read_index, cu_k, out, scaling,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
+        GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        seq, head = tl.program_id(0), tl.program_id(1)
+        start = tl.load(cu_k + seq)
+        end = tl.load(cu_k + seq + 1)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        q_heads = head * GROUPS + g
+        queries = tl.load(
+            q + seq * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
+            mask=(g < GROUPS)[:, None], other=0.0,
+        )  # fmt: skip
+        top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for first in range(start, end, BLOCK_N):
+            rows = first + tl.arange(0, BLOCK_N)
+            live = rows < end
+            slots = tl.load(read_index + rows, mask=live, other=0).to(tl.int64)
+            keys = tl.load(
+                k_cache + slots[:, None] * stride_ks + head * stride_kh + d[None, :],
+                mask=live[:, None], other=0.0,
+            )  # fmt: skip
+            scores = tl.dot(queries, tl.trans(keys)) * scaling
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, 1))
+            weights = tl.exp(scores - new_top[:, None])
+            rescale = tl.exp(top - new_top)
+            values = tl.load(
+                v_cache + slots[:, None] * stride_vs + head * stride_vh + d[None, :],
+                mask=live[:, None], other=0.0,
+            )  # fmt: skip
+            total = total * rescale + tl.sum(weights, 1)
+            acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
+            top = new_top
+        total = tl.where(total > 0, total, 1.0)  # no keys: zeros, not NaN
+        result = acc / total[:, None]
+        tl.store(
+            out + seq * stride_ob + q_heads[:, None] * stride_oh + d[None, :],
+            result.to(out.dtype.element_ty), mask=(g < GROUPS)[:, None],
+        )  # fmt: skip
+
+
+def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
+                 block_n: int = 64) -> torch.Tensor:  # fmt: skip
+    """:func:`paged_decode_reference` as one Triton kernel: ``B x Hkv`` programs.
+
+    Shapes and launch depend on ``q``'s and the caches' shapes only (``read_index`` and
+    ``cu_k`` are read on the device), so a graph can capture the call. The last dimension
+    of every tensor must be contiguous and ``D`` a power of two.
+    """
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if q_heads % kv_heads or head_dim & (head_dim - 1):
+        raise InputError(
+            f"paged_decode: {q_heads} query heads over {kv_heads} key heads and head size "
+            f"{head_dim}; the kernel needs a whole number of query heads per key head and a "
+            f"power-of-two head size (use paged_decode_reference)"
+        )
+    if triton is None:
+        raise BackendError(
+            "paged_decode: Triton is not installed (the CPU build of torch comes without it); "
+            "use paged_decode_reference"
+        )
+    out = torch.empty_like(q) if out is None else out
+    groups = q_heads // kv_heads
+    _paged_decode_kernel[(batch, kv_heads)](
+        q, k_cache, v_cache, read_index, cu_k, out, scaling,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,119 @@
+"""Decode attention read straight from a paged cache (``paged_decode``): the torch reference
+against plain attention on the CPU, the Triton kernel against the reference on a GPU (bf16) and,
+where Triton is installed, in Triton's CPU interpreter (fp32 and fp16; the interpreter has no
+bf16)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from breakgraph.integrations.transformers import paged_decode as pd
+
+from breakgraph.errors import BackendError, InputError
+
+HAS_TRITON = pd.triton is not None or (
+    subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode == 0
+)
+
+
+def paged_case(seed: int, q_heads: int, kv_heads: int, head_dim: int, lengths, dtype, device):
+    """A paged cache in random slot order, one query per sequence and the step's index."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    slots = total + 37
+    q = torch.randn(len(lengths), q_heads, head_dim, generator=g).to(device, dtype)
+    k_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(device, dtype)
+    v_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(device, dtype)
+    read_index = torch.randperm(slots, generator=g)[:total].to(device, torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, read_index, cu_k.to(device)
+
+
+def dense_attention(q, k_cache, v_cache, read_index, cu_k, scaling):
+    """Each sequence's keys gathered, then torch's SDPA with GQA expanded (an independent path)."""
+    out = torch.zeros_like(q)
+    bounds = cu_k.tolist()
+    groups = q.shape[1] // k_cache.shape[1]
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        if end > start:
+            k = k_cache[read_index[start:end].long()].repeat_interleave(groups, 1).transpose(0, 1)
+            v = v_cache[read_index[start:end].long()].repeat_interleave(groups, 1).transpose(0, 1)
+            out[i] = torch.nn.functional.scaled_dot_product_attention(
+                q[i][:, None], k, v, scale=scaling
+            )[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("heads", [(8, 2, 16), (4, 4, 8), (6, 2, 32)], ids=str)
+def test_reference_is_attention_over_the_indexed_keys(heads):
+    q_heads, kv_heads, head_dim = heads
+    case = paged_case(0, q_heads, kv_heads, head_dim, [5, 1, 0, 33], torch.float32, "cpu")
+    got = pd.paged_decode_reference(*case, head_dim**-0.5)
+    assert torch.allclose(got, dense_attention(*case, head_dim**-0.5), atol=1e-5)
+    assert (got[2] == 0).all()  # no keys: zeros
+
+
+def test_reference_writes_into_out():
+    case = paged_case(1, 4, 2, 8, [3, 4], torch.float32, "cpu")
+    out = torch.full_like(case[0], float("nan"))
+    assert pd.paged_decode_reference(*case, 0.3, out=out) is out
+    assert torch.isfinite(out).all()
+
+
+def test_kernel_refuses_shapes_it_cannot_tile():
+    q, k_cache, v_cache, read_index, cu_k = paged_case(2, 6, 4, 8, [2], torch.float32, "cpu")
+    with pytest.raises(InputError, match="whole number of query heads per key head"):
+        pd.paged_decode(q, k_cache, v_cache, read_index, cu_k, 0.1)
+
+
+@pytest.mark.skipif(pd.triton is not None, reason="Triton is installed")
+def test_kernel_without_triton_names_the_fallback():
+    case = paged_case(2, 4, 2, 8, [2], torch.float32, "cpu")
+    with pytest.raises(BackendError, match="Triton is not installed.*paged_decode_reference"):
+        pd.paged_decode(*case, 0.1)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("heads", [(16, 4, 64), (32, 4, 64), (16, 2, 128), (8, 8, 128)], ids=str)
+def test_kernel_matches_reference_cuda_bf16(heads):
+    if pd.triton is None:
+        pytest.skip("Triton is not installed")
+    q_heads, kv_heads, head_dim = heads
+    lengths = [1, 63, 64, 65, 0, 700, 129]
+    case = paged_case(3, q_heads, kv_heads, head_dim, lengths, torch.bfloat16, "cuda")
+    scaling = head_dim**-0.5
+    out = torch.full_like(case[0], float("nan"))
+    got = pd.paged_decode(*case, scaling, out=out)
+    expected = pd.paged_decode_reference(*case, scaling)
+    assert got is out and (got[4] == 0).all()
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_kernel_matches_reference_in_triton_interpreter():
+    """Triton's CPU interpreter runs the kernel itself (it must be chosen before Triton is
+    imported, hence a fresh process)."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from breakgraph.integrations.transformers import paged_decode as pd
+        from tests.test_paged_decode import paged_case
+        for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            for heads in ((16, 4, 64), (6, 2, 32), (4, 4, 16)):
+                case = paged_case(4, *heads, [1, 0, 63, 64, 65, 130], dtype, "cpu")
+                scaling = heads[2] ** -0.5
+                got = pd.paged_decode(*case, scaling, block_n=32)
+                expected = pd.paged_decode_reference(*case, scaling)
+                assert (got[1] == 0).all(), heads
+                torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
