@@ -242,16 +242,26 @@ def test_flash_path_metadata_on_cpu(monkeypatch):
 
     calls = []
 
-    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None):
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None, causal=True):
         assert cu_q.dtype == cu_k.dtype == torch.int32 and out is None
         cq, ck = cu_q.tolist(), cu_k.tolist()
         assert max_q == max(b - a for a, b in zip(cq, cq[1:]))
         assert max_k == max(b - a for a, b in zip(ck, ck[1:]))
         bounds, kv_bounds = list(zip(cq, cq[1:])), list(zip(ck, ck[1:]))
-        exact = bg_attention.reference_attention(q, k, v, bounds, scaling, window, kv_bounds)
+        if causal:
+            exact = bg_attention.reference_attention(q, k, v, bounds, scaling, window, kv_bounds)
+        else:  # every query sees every key of its sequence: exact only with one query each
+            exact = torch.zeros_like(q)
+            groups = q.shape[1] // k.shape[1]
+            for (start, end), (k_start, k_end) in zip(bounds, kv_bounds):
+                keys = k[k_start:k_end].repeat_interleave(groups, 1).transpose(0, 1)
+                values = v[k_start:k_end].repeat_interleave(groups, 1).transpose(0, 1)
+                exact[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                    q[start:end].transpose(0, 1), keys, values, scale=scaling
+                ).transpose(0, 1)
         result = torch.full_like(q, float("nan"))  # like the kernel's uninitialised output
         result[: cq[-1]] = exact[: cq[-1]]
-        calls.append(window)
+        calls.append((window, causal))
         return result
 
     original_call = cb_step.PagedAttention.__call__
@@ -273,7 +283,11 @@ def test_flash_path_metadata_on_cpu(monkeypatch):
         tokens, logprobs = generate_batch(model, prompts, logprobs=True)
     assert tokens == expected
     assert_logprobs_close(logprobs, ref_logprobs)
-    assert None in calls and 4 in calls  # both layer types went through the kernel
+    windows = {window for window, _ in calls}
+    assert None in windows and 4 in windows  # both layer types went through the kernel
+    # pure-decode steps drop the causal mask on full layers only (the sliding ones keep theirs)
+    assert (None, False) in calls and (None, True) in calls
+    assert all(causal for window, causal in calls if window is not None)
 
 
 @needs_cb

@@ -221,7 +221,8 @@ class LayerAttention:
         self._head_major()
 
 
-def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None) -> torch.Tensor:
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None,
+                 causal=True) -> torch.Tensor:  # fmt: skip
     """Causal varlen attention with ATen's FlashAttention-2 kernel: ``[Tq, Hq, D]`` out.
 
     ``q`` is ``[Tq, Hq, D]``, ``k``/``v`` ``[Tk, Hkv, D]`` (GQA not expanded);
@@ -230,17 +231,26 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None) -
     queries are the *last* positions of its keys (bottom-right causal alignment).
     Rows past ``cu_q[-1]`` are not written. With ``out``, the result is written there
     (in place on torch >= 2.12, else copied) and ``out`` is returned.
+
+    ``causal=False`` (no window only): every query sees all of its sequence's keys. With one
+    query per sequence that is the same attention (the query is the last position), and the
+    kernel then folds the query heads of each key head into one tile (FlashAttention's
+    ``seqlenq_ngroups_swapped``, which a causal or windowed call turns off): a decode step
+    runs one tile per key head instead of one per query head.
     """
-    causal, left = window is None, -1 if window is None else window - 1
+    if window is None:
+        is_causal, left, right = causal, -1, (0 if causal else -1)
+    else:  # a sliding window: local attention, bottom-right aligned
+        is_causal, left, right = False, window - 1, 0
     if out is not None and FLASH_WRITES_IN_PLACE:
         _flash_into(
-            out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-            scale=scaling, window_size_left=left, window_size_right=0,
+            out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False,
+            scale=scaling, window_size_left=left, window_size_right=right,
         )  # fmt: skip
         return out
     result = _flash(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-        scale=scaling, window_size_left=left, window_size_right=0,
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False,
+        scale=scaling, window_size_left=left, window_size_right=right,
     )[0]  # fmt: skip
     if out is None:
         return result

@@ -147,9 +147,13 @@ class PagedAttention:
             return reference_attention(
                 self.q, k, v, step.q_bounds(), self.scaling, self.window, _bounds(cu_k), self.out
             )
+        # a pure-decode step (one query per sequence, its last position): the same attention
+        # without the causal mask, which lets the kernel fold the query heads of a key head
+        # into one tile (see flash_varlen); sliding layers keep their window
+        decode = step.max_q == 1 and self.window is None
         out = flash_varlen(
             self.q, k.contiguous(), v.contiguous(), step.cu_q, cu_k, step.max_q, max_k,
-            self.scaling, self.window, self.out,
+            self.scaling, self.window, self.out, causal=not decode,
         )  # fmt: skip
         if self.out is None:
             out[n:].zero_()  # rows the kernel skipped: uninitialised
