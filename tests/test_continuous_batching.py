@@ -251,6 +251,8 @@ def test_flash_path_metadata_on_cpu(monkeypatch):
         if causal:
             exact = bg_attention.reference_attention(q, k, v, bounds, scaling, window, kv_bounds)
         else:  # every query sees every key of its sequence: exact only with one query each
+            # the kernel's folded path reads row i as sequence i's query and no other row
+            assert q.shape[0] == len(cq) - 1 and cq == list(range(len(cq)))
             exact = torch.zeros_like(q)
             groups = q.shape[1] // k.shape[1]
             for (start, end), (k_start, k_end) in zip(bounds, kv_bounds):

@@ -147,16 +147,33 @@ class PagedAttention:
             return reference_attention(
                 self.q, k, v, step.q_bounds(), self.scaling, self.window, _bounds(cu_k), self.out
             )
-        # a pure-decode step (one query per sequence, its last position): the same attention
-        # without the causal mask, which lets the kernel fold the query heads of a key head
-        # into one tile (see flash_varlen); sliding layers keep their window
-        decode = step.max_q == 1 and self.window is None
+        if step.max_q == 1 and n == step.cu_q.shape[0] - 1 and self.window is None:
+            return self._decode(k, v, step.cu_q, cu_k, max_k, n)
         out = flash_varlen(
             self.q, k.contiguous(), v.contiguous(), step.cu_q, cu_k, step.max_q, max_k,
-            self.scaling, self.window, self.out, causal=not decode,
+            self.scaling, self.window, self.out,
         )  # fmt: skip
         if self.out is None:
             out[n:].zero_()  # rows the kernel skipped: uninitialised
+        return out
+
+    def _decode(self, k, v, cu_q, cu_k, max_k, n: int) -> torch.Tensor:
+        """A pure-decode step on a full-attention layer: ``n`` sequences, one query each.
+
+        With one query per sequence (its last position) attention without the causal mask
+        is the same, and the kernel then folds the query heads of each key head into one
+        tile (see :func:`flash_varlen`). That folded path reads query row ``i`` as sequence
+        ``i``'s and takes exactly ``n`` rows, so it gets the real rows only (the caller
+        checked ``n`` sequences of one token each), and its result is copied into place.
+        """
+        result = flash_varlen(
+            self.q[:n], k.contiguous(), v.contiguous(), cu_q, cu_k, 1, max_k,
+            self.scaling, None, causal=False,
+        )  # fmt: skip
+        out = self.out if self.out is not None else torch.empty_like(self.q)
+        out[:n].copy_(result)
+        if self.out is None:
+            out[n:].zero_()
         return out
 
     def _own_keys(self) -> torch.Tensor:
