@@ -234,7 +234,8 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
 
 
 @needs_cb
-def test_flash_path_metadata_on_cpu(monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch<2.12", "in_place"])
+def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
     """The FlashAttention path reads device ``cu_seqlens`` (CB's static buffers) and host
     maxima, not the host bounds of the reference: check them on the CPU with a stand-in
     kernel that computes from exactly what the real one gets and leaves skipped rows NaN."""
@@ -243,7 +244,7 @@ def test_flash_path_metadata_on_cpu(monkeypatch):
     calls = []
 
     def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None, causal=True):
-        assert cu_q.dtype == cu_k.dtype == torch.int32 and out is None
+        assert cu_q.dtype == cu_k.dtype == torch.int32
         cq, ck = cu_q.tolist(), cu_k.tolist()
         assert max_q == max(b - a for a, b in zip(cq, cq[1:]))
         assert max_k == max(b - a for a, b in zip(ck, ck[1:]))
@@ -264,7 +265,10 @@ def test_flash_path_metadata_on_cpu(monkeypatch):
         result = torch.full_like(q, float("nan"))  # like the kernel's uninitialised output
         result[: cq[-1]] = exact[: cq[-1]]
         calls.append((window, causal))
-        return result
+        if out is None:
+            return result
+        out[: cq[-1]] = result[: cq[-1]]  # the in-place kernel writes the real rows only
+        return out
 
     original_call = cb_step.PagedAttention.__call__
 
@@ -276,7 +280,7 @@ def test_flash_path_metadata_on_cpu(monkeypatch):
     monkeypatch.setattr(cb_step.PagedAttention, "__call__", checked_call)
     monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
     monkeypatch.setattr(cb_step, "flash_varlen", fake_flash)
-    monkeypatch.setattr(cb_step, "FLASH_WRITES_IN_PLACE", False)
+    monkeypatch.setattr(cb_step, "FLASH_WRITES_IN_PLACE", in_place)
     model = build_model("qwen2_hybrid")  # full and sliding layers: two key layouts per step
     prompts = random_prompts(seed=11)
     expected, ref_logprobs = generate_batch(model, prompts, logprobs=True)
