@@ -46,6 +46,18 @@ FAST_PATH_SINCE, OLDEST = "5.19", "5.17"
 TRACE_FILE = "h200-cb-trace-5.17/summary.json"
 #: ``cb_trace`` over a window of pure-decode steps (``--skip`` past the prefills)
 TRACE_DECODE_FILE = "h200-cb-trace-decode-5.17/summary.json"
+#: the same window after pure-decode steps dropped the causal mask (the folded kernel)
+TRACE_DECODE_FOLD_FILE = "h200-cb-trace-decode-fold-5.17/summary.json"
+#: ``bench_cb --prep-lists``, the causal decode call (the tree before) and the one without the
+#: mask, in turn: (file, tree, turn)
+DECODE_FOLD_FILES = (
+    ("h200-cb-decode-fold-causal-1-5.17.json", "causal", 1),
+    ("h200-cb-decode-fold-folded-1-5.17.json", "no mask", 1),
+    ("h200-cb-decode-fold-causal-2-5.17.json", "causal", 2),
+    ("h200-cb-decode-fold-folded-2-5.17.json", "no mask", 2),
+)
+#: ``benchmarks/decode_attention.py``: one layer's decode attention, three ways
+DECODE_ATTENTION_FILE = "h200-decode-attention.json"
 
 
 def schema(data: dict) -> int:
@@ -130,10 +142,29 @@ def section(runs: list) -> list:
         "",
     ]
     if len(runs) > 1:
-        lines += [fill("cb.versions", table=_versions_table(runs)), ""]
+        lines += [fill("cb.versions", table=_versions_table(runs), **_losses(runs)), ""]
     for name in _model_names(runs):
         lines += _model_block(name, runs) + [""]
     return lines
+
+
+def _losses(runs: list) -> dict:
+    """The numbers of the page's *where breakgraph loses* paragraph: breakgraph's pure-decode
+    steps over their HBM floor, and where the synchronous variant beat the asynchronous one."""
+    over, sync_wins = [], []
+    for data in runs:
+        for m in data["models"]:
+            variants = m.get("variants", {})
+            bg, sync = variants.get("breakgraph", {}), variants.get("breakgraph_sync", {})
+            if "decode_over_floor" in bg:
+                over.append(bg["decode_over_floor"])
+            if sync.get("tokens_per_s", 0) > bg.get("tokens_per_s", float("inf")):
+                sync_wins.append(f"{m['model']} on {_release(data)}")
+    return {
+        "over_low": num(min(over), 0) if over else "-",
+        "over_high": num(max(over), 0) if over else "-",
+        "sync_wins": ", ".join(sync_wins) or "no shape",
+    }
 
 
 def _model_names(runs: list) -> list:
@@ -509,10 +540,9 @@ def prep_lists_section(runs: list) -> str:
     )
 
 
-def numpy_lists_section(runs: list) -> str:
-    """The same workload with transformers' lists converted by ``torch.tensor`` (the tree
-    before) and through numpy (``index_lists``), in turn: ``runs`` holds ``(data, tree,
-    turn)``."""
+def _in_turn(runs: list, tree_header: str) -> tuple:
+    """Rows of bench_cb runs of two trees in turn (``runs``: ``(data, tree, turn)``), and one
+    bullet per run: breakgraph against stock graphs where the run has them."""
     rows, ratios = [], []
     for data, tree, turn in runs:
         for m in data["models"]:
@@ -533,6 +563,22 @@ def numpy_lists_section(runs: list) -> str:
                     spread = v.get("rounds_tokens_per_s") or [v["tokens_per_s"]]
                     ratios.append((tree, v["tokens_per_s"] / stock, min(spread) / stock,
                                    max(spread) / stock))  # fmt: skip
+    header = ["transformers", "model", tree_header, "turn", "variant", "tokens/s", "ms/step",
+              "prep ms", "lists ms", "decode ms", "decode device ms",
+              "over stock graphs"]  # fmt: skip
+    bullets_ = bullets([
+        f"- {tree_header} {tree}: breakgraph / stock graphs {num(r, 2)}× (rounds "
+        f"{num(low, 2)}–{num(high, 2)})"
+        for tree, r, low, high in ratios
+    ]) or "(not measured)"  # fmt: skip
+    return table(header, rows), bullets_
+
+
+def numpy_lists_section(runs: list) -> str:
+    """The same workload with transformers' lists converted by ``torch.tensor`` (the tree
+    before) and through numpy (``index_lists``), in turn: ``runs`` holds ``(data, tree,
+    turn)``."""
+    rows, stock = _in_turn(runs, "lists by")
     first = runs[0][0]
     return fill(
         "cb.numpy_lists",
@@ -540,22 +586,101 @@ def numpy_lists_section(runs: list) -> str:
         device=first["meta"]["device"],
         torch=first["meta"]["torch"],
         date=first["meta"]["date"],
-        table=table(
-            ["transformers", "model", "lists by", "turn", "variant", "tokens/s", "ms/step",
-             "prep ms", "lists ms", "decode ms", "decode device ms", "over stock graphs"],
-            rows,
-        ),  # fmt: skip
-        stock=bullets([
-            f"- lists by {tree}: breakgraph / stock graphs {num(r, 2)}× (rounds "
-            f"{num(low, 2)}–{num(high, 2)})"
-            for tree, r, low, high in ratios
-        ]) or "(not measured)",  # fmt: skip
+        table=rows,
+        stock=stock,
     )
 
 
-def trace_decode_section(data: dict) -> str:
+def decode_fold_section(runs: list) -> str:
+    """The same workload with pure-decode steps calling the varlen kernel causal (the tree
+    before) and without the mask over their real rows, in turn: ``(data, tree, turn)``."""
+    rows, _ = _in_turn(runs, "decode call")
+    first = runs[0][0]
+    by = {}
+    for data, tree, _turn in runs:
+        for m in data["models"]:
+            v = m["variants"].get("breakgraph", {})
+            if "decode_step_ms" in v:
+                by.setdefault((m["model"], tree), []).append(v["decode_step_ms"])
+    lines = [
+        f"- {model}: pure-decode step {span(by[(model, 'causal')], 2)} ms causal, "
+        f"{span(by[(model, 'no mask')], 2)} ms without the mask"
+        for model in dict.fromkeys(model for model, _ in by)
+        if (model, "causal") in by and (model, "no mask") in by
+    ]
+    return fill(
+        "cb.decode_fold",
+        files=", ".join(f"`{name}`" for name, _, _ in DECODE_FOLD_FILES),
+        device=first["meta"]["device"],
+        torch=first["meta"]["torch"],
+        date=first["meta"]["date"],
+        table=rows,
+        decode=bullets(lines) or "(not measured)",
+    )
+
+
+def decode_attention_section(data: dict) -> str:
+    """``benchmarks/decode_attention.py``: one layer's decode attention, three ways, µs."""
+    meta = data["meta"]
+    rows, folded, paged, slower = [], [], [], []
+    for case, r in data.items():
+        if case == "meta":
+            continue
+        causal_us = r["gather_flash_causal_us"]["median"]
+        cells = []
+        for variant in ("gather_flash_causal", "gather_flash_folded", "triton_paged"):
+            us = r[variant + "_us"]
+            cells.append(f"{us['median']:.0f} ({us['min']:.0f}–{us['max']:.0f})")
+        fold = causal_us / r["gather_flash_folded_us"]["median"]
+        page = r["gather_flash_folded_us"]["median"] / r["triton_paged_us"]["median"]
+        folded.append(fold)
+        paged.append(page)
+        if fold <= 1:
+            slower.append(
+                f"it is slower at {case} ({cells[1]} against {cells[0]} µs; not profiled)"
+            )
+        worst = max(r[v + "_max_abs_diff"] for v in ("gather_flash_folded", "triton_paged"))
+        rows.append([
+            case.split("/")[0], f"{r['hq']}/{r['hkv']} × {r['d']}", str(r["seqs"]),
+            num(r["keys"], 0), num(r["kv_mib"], 0), *cells, f"{num(fold, 2)}×",
+            f"{num(page, 1)}×", num(worst, 4),
+        ])  # fmt: skip
+    from .decode_attention import CALLS, KEYS, ROUNDS, SEQUENCES
+
+    return fill(
+        "cb.decode_attention",
+        file=DECODE_ATTENTION_FILE,
+        sequences=", ".join(map(str, SEQUENCES[:-1])) + f" and {SEQUENCES[-1]}",
+        min_keys=KEYS[0],
+        max_keys=KEYS[1],
+        rounds=ROUNDS,
+        calls=CALLS,
+        gpu=meta["gpu"],
+        torch=meta["torch"],
+        date=meta["date"],
+        table=table(
+            ["shape", "heads × size", "sequences", "keys", "KV MiB", "gather + causal µs",
+             "gather + no mask µs", "paged, no gather µs", "no mask / causal",
+             "paged / no mask", "max abs Δ"],
+            rows,
+        ),  # fmt: skip
+        faster=sum(f > 1 for f in folded),
+        cases=len(folded),
+        slower="; ".join(slower) or "it is slower in none",
+        fold_low=num(min(f for f in folded if f > 1), 2) if any(f > 1 for f in folded) else "-",
+        fold_high=num(max(folded), 2),
+        paged_low=num(min(paged), 1),
+        paged_high=num(max(paged), 1),
+    )
+
+
+_GATHER = "gather / index (paged cache, embedding)"  # cb_trace's kind of the cache's gather
+
+
+def trace_decode_section(data: dict, after: dict | None = None) -> str:
     """``cb_trace`` over pure-decode steps: the device's time per step by kind of kernel, and
-    the attention kernel's share per layer."""
+    the attention kernel's share per layer; ``after``: the same window once decode steps call
+    the kernel without the mask (a second column)."""
     meta, args = data["meta"], data["meta"]["args"]
     name, v = next(iter(data["variants"].items()))
     from .families import CB_FAMILIES
@@ -565,9 +690,15 @@ def trace_decode_section(data: dict) -> str:
     busy = statistics.median(step["device_busy_ms"] for step in v["per_step"])
     kinds = v["device_ms_per_step_by_kind"]
     attention = kinds.get("attention", 0.0)
+    columns = {"causal call": v}
+    after_v = next(iter(after["variants"].values())) if after else None
+    if after_v is not None:
+        columns["without the mask"] = after_v
+    after_kinds = after_v["device_ms_per_step_by_kind"] if after_v else {}
     return fill(
         "cb.trace_decode",
         file=TRACE_DECODE_FILE,
+        after_file=TRACE_DECODE_FOLD_FILE if after else "(not measured)",
         gpu=meta["gpu"],
         torch=meta["torch"],
         transformers=meta["transformers"],
@@ -581,13 +712,24 @@ def trace_decode_section(data: dict) -> str:
         skip=args["skip"],
         steps=v["steps"],
         busy=num(busy, 2),
-        kinds=_kinds_table({name: v}),
+        kinds=_kinds_table(columns).replace("`causal call` ms", "causal call ms").replace(
+            "`without the mask` ms", "without the mask ms"
+        ),
         attention=num(attention, 2),
         share=pct(attention / sum(kinds.values())),
         per_layer=num(attention / layers * 1e3, 0),
         layers=layers,
         heads=config.num_attention_heads,
         kv_heads=config.num_key_value_heads,
+        after_attention=num(after_kinds.get("attention", float("nan")), 2),
+        after_per_layer=num(after_kinds.get("attention", float("nan")) / layers * 1e3, 0),
+        after_total=num(sum(after_kinds.values()), 2) if after_kinds else "-",
+        after_gather=num(after_kinds.get(_GATHER, float("nan")), 2),
+        copies_delta=num(after_kinds.get("copies", 0.0) - kinds.get("copies", 0.0), 2),
+        after_prepare=num(after_v["prepare_ms_per_step"], 2) if after_v else "-",
+        after_step=num(after_v["step_ms_per_step"], 2) if after_v else "-",
+        after_wall=num(after_v["wall_ms_per_step"], 2) if after_v else "-",
+        after_prep_busy=pct(after_v["prepare_device_busy_fraction"]) if after_v else "-",
     )
 
 

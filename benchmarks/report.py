@@ -71,7 +71,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_earlier.FILE, *report_earlier.RUN_FILES, report_earlier.MOE_FILE]
         + [tp_report.FILE, tp_report.NO_MIXING_FILE]
         + [*report_prefill.CAPTURE_FILES, *(n for n, _ in report_prefill.CAPTURE_LATER_FILES)]
-        + [cb_report.TRACE_FILE, cb_report.TRACE_DECODE_FILE]
+        + [cb_report.TRACE_FILE, cb_report.TRACE_DECODE_FILE, cb_report.TRACE_DECODE_FOLD_FILE,
+           cb_report.DECODE_ATTENTION_FILE]
+        + [name for name, _, _ in cb_report.DECODE_FOLD_FILES]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE]
     )
@@ -132,7 +134,14 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if cb_report.TRACE_FILE in loaded:
         blocks.append(cb_report.trace_section(loaded[cb_report.TRACE_FILE]))
     if (decode := load(cb_report.TRACE_DECODE_FILE)) is not None:
-        blocks.append(cb_report.trace_decode_section(decode))
+        after = load(cb_report.TRACE_DECODE_FOLD_FILE)
+        blocks.append(cb_report.trace_decode_section(decode, after))
+    folds = [(d, tree, turn) for name, tree, turn in cb_report.DECODE_FOLD_FILES
+             if (d := load(name)) is not None]  # fmt: skip
+    if folds:
+        blocks.append(cb_report.decode_fold_section(folds))
+    if (attention := load(cb_report.DECODE_ATTENTION_FILE)) is not None:
+        blocks.append(cb_report.decode_attention_section(attention))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

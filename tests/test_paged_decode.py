@@ -95,9 +95,11 @@ def test_kernel_matches_reference_cuda_bf16(heads):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test runs the kernel itself")
 def test_kernel_matches_reference_in_triton_interpreter():
     """Triton's CPU interpreter runs the kernel itself (it must be chosen before Triton is
-    imported, hence a fresh process)."""
+    imported, hence a fresh process). Where a GPU is present the CUDA test covers the kernel
+    (the interpreter of Triton 3.9 runs it; older ones fail on its loop bounds)."""
     script = textwrap.dedent(
         """
         import torch
