@@ -9,7 +9,9 @@
 # RUN_CAPTURE=1 (PrefillRunner construction split by variant: benchmarks/capture_time.py, ~2 min;
 # copy capture-time.json to docs/results/h200-capture-time-after.json), RUN_TRACE=1 (a CB profiler
 # trace, async against sync: benchmarks/cb_trace.py, ~40 s; its folder goes to
-# docs/results/h200-cb-trace-5.17/), RUN_HOST_PATH=DIR (prefill's per-call host path, this tree
+# docs/results/h200-cb-trace-5.17/), RUN_DECODE_ATTENTION=1 (one layer's decode attention three
+# ways: benchmarks/decode_attention.py, ~40 s; copy decode-attention.json to
+# docs/results/h200-decode-attention.json), RUN_HOST_PATH=DIR (prefill's per-call host path, this tree
 # against an older checkout in DIR, e.g. `mkdir .baseline && git archive REV | tar -x -C .baseline`
 # carried with the call; both orders, ~4 min; HOST_PATH_PIN="taskset -c 6" pins both to one core;
 # copy host-path-{new,old}-first.json to docs/results/h200-prefill-host-path-upload-*.json, see
@@ -39,7 +41,7 @@
 #   python3 -m pip download --no-deps -d .whl breakable-cuda-graphs==0.1.0
 # The device tool returns at most 8 files: the default sections write pytest.log,
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
-# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_HOST_PATH 2 (skip other sections to make room).
+# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_HOST_PATH 2 (skip other sections to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
 source "$(dirname "$0")/setup_device.sh"
@@ -135,6 +137,12 @@ if [ -n "${RUN_TRACE:-}" ]; then  # does async CB preparation overlap the device
   timeout 200 python3 -m benchmarks.cb_trace --model "${TRACE_MODEL:-mixtral-1k-8l}" \
     --out "$OUT/cb-trace" 2>&1 | tee -a "$LOG" || status=1
   echo "[cb trace: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_DECODE_ATTENTION:-}" ]; then  # one layer's decode attention, three ways (~40 s)
+  t=$SECONDS
+  timeout 200 python3 -m benchmarks.decode_attention --out "$OUT/decode-attention.json" 2>&1 \
+    | tee -a "$LOG" || status=1
+  echo "[decode attention: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
   python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \
