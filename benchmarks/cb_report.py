@@ -667,10 +667,8 @@ def decode_attention_section(data: dict) -> str:
         faster=sum(f > 1 for f in folded),
         cases=len(folded),
         slower="; ".join(slower) or "it is slower in none",
-        fold_low=num(min(f for f in folded if f > 1), 2) if any(f > 1 for f in folded) else "-",
-        fold_high=num(max(folded), 2),
-        paged_low=num(min(paged), 1),
-        paged_high=num(max(paged), 1),
+        fold=span([f for f in folded if f > 1] or [float("nan")], 2),
+        paged=span(paged, 1),
     )
 
 

@@ -222,8 +222,63 @@ def test_the_decode_trace_section_splits_attention_per_layer():
     variant = {"steps": 14, "per_step": [{"device_busy_ms": 4.0}, {"device_busy_ms": 5.0}],
                "device_ms_per_step_by_kind": {"attention": 1.6, "copies": 2.4}}  # fmt: skip
     text = cb_report.trace_decode_section({"meta": meta, "variants": {"breakgraph": variant}})
-    assert "busy 4.50 ms per step" in text
-    assert "1.60 ms per step, 40% of the device's time, about\n200 µs for each of the 8" in text
+    assert "busy\n4.50 ms per step" in text
+    assert "1.60 ms per step, 40% of the\ndevice's time, about 200 µs for each of the 8" in text
+    # the window after the change: a second column, and the per-layer attention it leaves
+    after = {**variant, "device_ms_per_step_by_kind": {"attention": 0.4, "copies": 2.5},
+             "prepare_ms_per_step": 3.5, "step_ms_per_step": 4.25, "wall_ms_per_step": 8.0,
+             "prepare_device_busy_fraction": 0.06}  # fmt: skip
+    text = cb_report.trace_decode_section(
+        {"meta": meta, "variants": {"breakgraph": variant}},
+        {"meta": meta, "variants": {"breakgraph": after}},
+    )
+    assert "| attention | 1.60 | 0.40 |" in text
+    assert "fell to 0.40 ms per\nstep (about 50 µs per layer)" in text
+    assert "Copies\ngrew by 0.10 ms per step" in text
+
+
+def test_the_decode_fold_section_sets_the_two_calls_side_by_side():
+    meta = {"device": "GPU", "torch": "2.x", "date": "today", "transformers": "5.17.0"}
+
+    def run(decode_ms):
+        bg = {"tokens_per_s": 300.0, "wall_ms_per_step": 5.0, "host_prepare_ms_per_step": 3.0,
+              "decode_step_ms": decode_ms, "decode_forward_device_ms": decode_ms - 1}  # fmt: skip
+        return {"meta": meta, "models": [{"model": "m", "variants": {"breakgraph": bg}}]}
+
+    text = cb_report.decode_fold_section([
+        (run(14.0), "causal", 1), (run(7.0), "no mask", 1),
+        (run(16.0), "causal", 2), (run(11.5), "no mask", 2),
+    ])  # fmt: skip
+    row = "| 5.17.0 | m | no mask | 2 | `breakgraph` | 300 | 5.0 | 3.0 | - | 11.50 | 10.50 | - |"
+    assert row in text
+    assert "- m: pure-decode step 14.00–16.00 ms causal, 7.00–11.50 ms without the mask" in text
+
+
+def test_the_decode_attention_section_names_the_case_the_fold_loses():
+    def case(causal, folded, paged):
+        row = {"hq": 16, "hkv": 4, "d": 64, "seqs": 32, "keys": 1000, "kv_mib": 1.0}
+        for name, us in (("gather_flash_causal", causal), ("gather_flash_folded", folded),
+                         ("triton_paged", paged)):  # fmt: skip
+            row[name + "_us"] = {"median": us, "min": us - 1, "max": us + 1}
+            row[name + "_max_abs_diff"] = 0.002
+        return row
+
+    data = {"meta": {"gpu": "GPU", "torch": "2.x", "date": "today"},
+            "a/32": case(100.0, 150.0, 50.0), "b/100": case(300.0, 100.0, 25.0)}  # fmt: skip
+    text = cb_report.decode_attention_section(data)
+    assert "faster in 1 of 2 cases (3.00× against" in text
+    assert "it is slower at a/32 (150 (149–151) against 100 (99–101) µs; not profiled)" in text
+    assert "another 3.0–4.0× on top" in text
+
+
+def test_the_losses_paragraph_names_where_synchronous_steps_won():
+    def run(release, sync):
+        bg = {"tokens_per_s": 100.0, "decode_over_floor": 10.0 if sync < 100 else 20.0}
+        return {"meta": {"transformers": release}, "models": [{"model": "m", "variants": {
+            "breakgraph": bg, "breakgraph_sync": {"tokens_per_s": sync}}}]}  # fmt: skip
+
+    losses = cb_report._losses([run("5.17.0", 90.0), run("5.24.0", 110.0)])
+    assert losses == {"over_low": "10", "over_high": "20", "sync_wins": "m on 5.24.0"}
 
 
 # -- ratios ------------------------------------------------------------------------------------
