@@ -233,15 +233,11 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
     }
 
 
-@needs_cb
-@pytest.mark.parametrize("in_place", [False, True], ids=["torch<2.12", "in_place"])
-def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
-    """The FlashAttention path reads device ``cu_seqlens`` (CB's static buffers) and host
-    maxima, not the host bounds of the reference: check them on the CPU with a stand-in
-    kernel that computes from exactly what the real one gets and leaves skipped rows NaN."""
+def stand_in_flash(calls: list):
+    """A stand-in for ``flash_varlen`` on the CPU: computes from exactly what the real kernel
+    gets (device ``cu_seqlens``, host maxima), leaves the rows it skips NaN, and records
+    ``(window, causal)`` of each call in ``calls``."""
     from breakgraph.integrations.transformers import attention as bg_attention
-
-    calls = []
 
     def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None, causal=True):
         assert cu_q.dtype == cu_k.dtype == torch.int32
@@ -270,6 +266,21 @@ def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
         out[: cq[-1]] = result[: cq[-1]]  # the in-place kernel writes the real rows only
         return out
 
+
+    return fake_flash
+
+
+@needs_cb
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch<2.12", "in_place"])
+def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
+    """The FlashAttention path reads device ``cu_seqlens`` (CB's static buffers) and host
+    maxima, not the host bounds of the reference: check them on the CPU with a stand-in
+    kernel that computes from exactly what the real one gets and leaves skipped rows NaN."""
+    from breakgraph.integrations.transformers import attention as bg_attention
+
+    calls = []
+    fake_flash = stand_in_flash(calls)
+
     original_call = cb_step.PagedAttention.__call__
 
     def checked_call(self):
@@ -294,6 +305,69 @@ def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
     # pure-decode steps drop the causal mask on full layers only (the sliding ones keep theirs)
     assert (None, False) in calls and (None, True) in calls
     assert all(causal for window, causal in calls if window is not None)
+
+
+@needs_cb
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch<2.12", "in_place"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
+def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch):
+    """Where Triton runs, a pure-decode step's full-attention layers read transformers' cache
+    rows in place (contract item 13) after transformers wrote the new ones (``update`` with
+    empty read indices: no gather). On the CPU the torch reference stands in for the kernel:
+    tokens equal ``generate()``, the path was taken on every release that has the layout."""
+    from breakgraph.integrations.transformers import attention as bg_attention
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    flash_calls, paged_calls, updates = [], [], []
+
+    def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None):
+        assert q.shape[0] == cu_k.shape[0] - 1 and keys.stride(-1) == 1
+        paged_calls.append(q.shape[0])
+        return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out)
+
+    read_write = compat.cache_read_write
+
+    def spy(step, key, value, layer, layer_type, read=True):
+        updates.append(read)
+        return read_write(step, key, value, layer, layer_type, read)
+
+    monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
+    monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls))
+    monkeypatch.setattr(cb_step, "FLASH_WRITES_IN_PLACE", in_place)
+    monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
+    monkeypatch.setattr(cb_step, "paged_decode", fake_paged)
+    monkeypatch.setattr(compat, "cache_read_write", spy)
+    model = build_model(arch)
+    prompts = random_prompts(seed=12)
+    expected, ref_logprobs = generate_batch(model, prompts, logprobs=True)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        tokens, logprobs = generate_batch(model, prompts, logprobs=True)
+    assert tokens == expected
+    assert_logprobs_close(logprobs, ref_logprobs)
+    assert paged_calls and False in updates  # decode steps read in place, writes only
+    # no full-attention layer of a pure-decode step went through the gather and flash
+    assert (None, False) not in flash_calls
+    if arch == "qwen2_hybrid":  # its sliding layers keep the gather and their window
+        assert any(window == 4 for window, _ in flash_calls)
+
+
+def test_layer_kv_rows_refuses_what_it_does_not_know():
+    """Contract item 13 on objects of neither layout, or rows that are not ``[rows, Hkv, D]``."""
+    assert compat.layer_kv_rows(object(), 0) is None
+
+    class Allocator:
+        index, layer_type = 0, "full_attention"
+        _kv_token_views = {0: (torch.zeros(8, 2, 4), torch.zeros(8, 4, 2).transpose(1, 2))}
+
+    class Cache:
+        layer_to_allocator = {0: Allocator()}
+
+    assert compat.layer_kv_rows(Cache(), 0) is None  # a transposed value view
+    Allocator._kv_token_views = {0: (torch.zeros(8, 2, 4), torch.zeros(8, 2, 4))}
+    group, keys, values = compat.layer_kv_rows(Cache(), 0)
+    assert group == 0 and keys.shape == (8, 2, 4)
+    Allocator.layer_type = "sliding_attention"
+    assert compat.layer_kv_rows(Cache(), 0) is None
 
 
 @needs_cb

@@ -52,6 +52,7 @@ from .attention import (
     refuse_mask_and_softcap,
 )
 from .models import UnsupportedModelError, default_query_buckets
+from .paged_decode import paged_decode, triton_available
 from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
@@ -77,14 +78,15 @@ class CBStep:
     """
 
     __slots__ = ("kernel", "update_takes_kwargs", "tokens", "cache", "cu_q", "max_q", "cu_k",
-                 "max_k", "read_index", "write_index", "warmup", "_q_bounds")  # fmt: skip
+                 "max_k", "read_index", "write_index", "warmup", "_q_bounds",
+                 "_no_reads")  # fmt: skip
 
     def __init__(self, kernel: str, update_takes_kwargs: bool) -> None:
         self.kernel, self.update_takes_kwargs = kernel, update_takes_kwargs
         self.tokens, self.warmup = 0, False
         self.cache = self.cu_q = self.max_q = self.cu_k = self.max_k = None
         self.read_index = self.write_index = None
-        self._q_bounds = None
+        self._q_bounds = self._no_reads = None
 
     def refill(self, kwargs: dict, names: compat.StepKwargs, tokens: int) -> None:
         """The live step (views of transformers' static buffers; no device sync)."""
@@ -93,12 +95,18 @@ class CBStep:
         self.cu_q, self.max_q = kwargs[names.cu_q], kwargs[names.max_q]
         self.cu_k, self.max_k = kwargs[names.cu_k], kwargs[names.max_k]
         self.read_index, self.write_index = kwargs[names.read_index], kwargs[names.write_index]
-        self._q_bounds = None
+        self._q_bounds = self._no_reads = None
 
     def fake(self, bucket: int) -> CBStep:
         """The warm-up / capture step of ``bucket``: one sequence filling it, no cache."""
         self.tokens, self.warmup, self.cache, self._q_bounds = bucket, True, None, None
         return self
+
+    def no_reads(self) -> list:
+        """Empty read indices, one per layer group (transformers' ``update`` then only writes)."""
+        if self._no_reads is None:
+            self._no_reads = [index[:0] for index in self.read_index]
+        return self._no_reads
 
     def q_bounds(self) -> list:
         """Host ``(start, end)`` query rows per sequence (reference kernel only: reads ``cu_q``)."""
@@ -134,12 +142,18 @@ class PagedAttention:
         if kernel == "flash" and FLASH_WRITES_IN_PLACE:
             with torch.inference_mode(False):
                 self.out = torch.zeros(self.q.shape, dtype=self.q.dtype, device=self.q.device)
+        # pure-decode steps of a full-attention layer read the cache in place (no gather)
+        self.paged = kernel == "flash" and window is None and triton_available(self.q.device)
+        self._rows: tuple = (None, None)  # (cache, compat.layer_kv_rows of it): per cache
 
     def __call__(self) -> torch.Tensor:
         step: CBStep = breakgraph.replay_context()
         if step.warmup:
             return self._own_keys()
         n = step.tokens
+        decode = step.max_q == 1 and n == step.cu_q.shape[0] - 1 and self.window is None
+        if decode and self.paged and (rows := self._cache_rows(step.cache)) is not None:
+            return self._paged(step, rows, n)
         k, v, cu_k, max_k = compat.cache_read_write(
             step, self.key[:, :, :n], self.value[:, :, :n], self.layer, self.layer_type
         )
@@ -147,7 +161,7 @@ class PagedAttention:
             return reference_attention(
                 self.q, k, v, step.q_bounds(), self.scaling, self.window, _bounds(cu_k), self.out
             )
-        if step.max_q == 1 and n == step.cu_q.shape[0] - 1 and self.window is None:
+        if decode:
             return self._decode(k, v, step.cu_q, cu_k, max_k, n)
         out = flash_varlen(
             self.q, k.contiguous(), v.contiguous(), step.cu_q, cu_k, step.max_q, max_k,
@@ -174,6 +188,28 @@ class PagedAttention:
             return torch.nn.functional.pad(result, (0, 0, 0, 0, 0, self.q.shape[0] - n))
         self.out[:n].copy_(result)
         return self.out
+
+    def _cache_rows(self, cache) -> tuple | None:
+        if self._rows[0] is not cache:  # a new manager's cache: look its layout up once
+            self._rows = (cache, compat.layer_kv_rows(cache, self.layer))
+        return self._rows[1]
+
+    def _paged(self, step: CBStep, rows: tuple, n: int) -> torch.Tensor:
+        """A pure-decode step read in place: transformers writes the new keys and values
+        (``update`` with empty read indices), then :func:`.paged_decode.paged_decode` reads
+        each sequence's rows through the step's read index; no gather, and the query heads
+        of a key head share one program."""
+        group, keys, values = rows
+        _, _, cu_k, _ = compat.cache_read_write(
+            step, self.key[:, :, :n], self.value[:, :, :n], self.layer, self.layer_type,
+            read=False,
+        )  # fmt: skip
+        read_index = step.read_index[group]
+        if self.out is not None:
+            paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling, self.out[:n])
+            return self.out
+        result = paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling)
+        return torch.nn.functional.pad(result, (0, 0, 0, 0, 0, self.q.shape[0] - n))
 
     def _own_keys(self) -> torch.Tensor:
         """Warm-up and capture: causal attention over the bucket's own keys, as one sequence."""

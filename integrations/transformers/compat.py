@@ -44,6 +44,13 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      (``torch.tensor``): shown a view of torch whose ``tensor`` reads lists with numpy
      (:mod:`.index_lists`; optional: a release that converts otherwise is served as it is,
      :func:`index_lists_module` returns None).
+ 13. I one full-attention layer's cache rows, read in place by pure-decode steps
+     (:func:`layer_kv_rows`; optional: where neither layout is found, or the rows are not
+     ``[rows, Hkv, D]`` with contiguous rows, decode steps read through ``update`` as
+     before): up to 5.18 ``cache.layer_index_to_group_indices`` and ``cache.key_cache`` /
+     ``value_cache``; from 5.19 ``cache.layer_to_allocator`` and the allocator's ``index``,
+     ``layer_type`` and ``_kv_token_views``. With it, ``update`` is called with empty read
+     indices (its write-only branch, in every tested release), so transformers still writes.
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: ``_load_model``
@@ -235,31 +242,67 @@ def _update_takes_kwargs() -> bool | None:
 
 
 def cache_read_write(step: Any, key: torch.Tensor, value: torch.Tensor, layer: int,
-                     layer_type: str) -> tuple:  # fmt: skip
+                     layer_type: str, read: bool = True) -> tuple:  # fmt: skip
     """7. Write one layer's new keys and values into transformers' paged cache and read back
     every key row its sequences see.
 
     ``key``/``value`` are ``[1, Hkv, n, D]`` (the step's real tokens); ``step`` holds the CB
     forward's ``cache``, indices and key lengths. Returns ``(k, v, cu_k, max_k)`` with
     ``k``/``v`` as ``[rows, Hkv, D]`` and the layer's cumulative key lengths (device, int32)
-    and longest key length (host int).
+    and longest key length (host int). With ``read=False`` the read indices passed are empty
+    (``update``'s write-only branch: no gather) and ``k``/``v`` are the new rows only.
     """
+    reads = step.read_index if read else step.no_reads()
     if step.update_takes_kwargs:
         kwargs = {
             "cu_seq_lens_k": step.cu_k,
             STEP_KWARGS.max_k: step.max_k,
-            "read_index": step.read_index,
+            "read_index": reads,
             "write_index": step.write_index,
         }
         k, v = step.cache.update(key, value, layer, kwargs=kwargs)
         return k[0].transpose(0, 1), v[0].transpose(0, 1), kwargs["cu_seq_lens_k"], kwargs[
             STEP_KWARGS.max_k
         ]
-    k, v = step.cache.update(key, value, layer, step.read_index, step.write_index)
+    k, v = step.cache.update(key, value, layer, reads, step.write_index)
     cu_k, max_k = step.cu_k, step.max_k
     if isinstance(cu_k, dict):
         cu_k, max_k = cu_k[layer_type], max_k[layer_type]
     return k, v, cu_k, max_k
+
+
+def layer_kv_rows(cache: Any, layer: int) -> tuple | None:
+    """13. ``(group, keys, values)`` of one full-attention layer of transformers' paged cache:
+    ``keys``/``values`` are ``[rows, Hkv, D]`` tensors (each row contiguous) whose rows the
+    step's ``read_index[group]`` and ``write_index[group]`` number; None where the cache has
+    neither known layout or the layer is not a full-attention one."""
+    allocators = getattr(cache, "layer_to_allocator", None)
+    if isinstance(allocators, dict):  # from 5.19: one allocator per attention type
+        allocator = allocators.get(layer)
+        views = getattr(allocator, "_kv_token_views", None)
+        full = getattr(allocator, "layer_type", None) == "full_attention"
+        if not full or not isinstance(views, dict):
+            return None
+        found = (getattr(allocator, "index", None), *views.get(layer, (None, None)))
+    else:  # up to 5.18: one cache tensor per layer of a group
+        groups = getattr(cache, "layer_index_to_group_indices", None)
+        windows = getattr(cache, "sliding_windows", None)
+        if not isinstance(groups, dict) or layer not in groups or windows is None:
+            return None
+        if windows[layer] != 1:  # transformers' mark of a full-attention layer
+            return None
+        group, index = groups[layer]
+        found = (group, cache.key_cache[index], cache.value_cache[index])
+    group, keys, values = found
+    if not isinstance(group, int) or not all(_rows(t) for t in (keys, values)):
+        return None
+    return found
+
+
+def _rows(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 3 and t.stride(-1) == 1 and (
+        t.stride(1) == t.shape[2]
+    )
 
 
 def manager_class() -> Any:
