@@ -56,6 +56,14 @@ DECODE_FOLD_FILES = (
     ("h200-cb-decode-fold-causal-2-5.17.json", "causal", 2),
     ("h200-cb-decode-fold-folded-2-5.17.json", "no mask", 2),
 )
+#: ``bench_cb --prep-lists``, decode steps through the gather and the folded kernel (old) and
+#: reading the cache in place with ``paged_decode`` (new), in turn: (file, tree, turn)
+PAGED_DECODE_FILES = (
+    ("h200-cb-paged-decode-new-1-5.17.json", "in place", 1),
+    ("h200-cb-paged-decode-old-1-5.17.json", "gather", 1),
+    ("h200-cb-paged-decode-new-2-5.17.json", "in place", 2),
+    ("h200-cb-paged-decode-old-2-5.17.json", "gather", 2),
+)
 #: ``benchmarks/decode_attention.py``: one layer's decode attention, three ways
 DECODE_ATTENTION_FILE = "h200-decode-attention.json"
 
@@ -594,23 +602,40 @@ def numpy_lists_section(runs: list) -> str:
 def decode_fold_section(runs: list) -> str:
     """The same workload with pure-decode steps calling the varlen kernel causal (the tree
     before) and without the mask over their real rows, in turn: ``(data, tree, turn)``."""
+    return _decode_turns(runs, "cb.decode_fold", DECODE_FOLD_FILES, "causal", "no mask",
+                         "without the mask")  # fmt: skip
+
+
+def paged_decode_section(runs: list) -> str:
+    """The same workload with pure-decode steps through the gather and the folded kernel (the
+    tree before) and reading the cache in place (``paged_decode``), in turn."""
+    return _decode_turns(runs, "cb.paged_decode", PAGED_DECODE_FILES, "gather", "in place",
+                         "in place")  # fmt: skip
+
+
+def _decode_turns(runs: list, fragment: str, files: tuple, before: str, after: str,
+                  after_words: str) -> str:  # fmt: skip
+    """Two trees in turn: the table, and per model the pure-decode step and its forward's
+    device span before and after."""
     rows, _ = _in_turn(runs, "decode call")
     first = runs[0][0]
-    by = {}
+    step, device = {}, {}
     for data, tree, _turn in runs:
         for m in data["models"]:
             v = m["variants"].get("breakgraph", {})
             if "decode_step_ms" in v:
-                by.setdefault((m["model"], tree), []).append(v["decode_step_ms"])
+                step.setdefault((m["model"], tree), []).append(v["decode_step_ms"])
+                device.setdefault((m["model"], tree), []).append(v["decode_forward_device_ms"])
     lines = [
-        f"- {model}: pure-decode step {span(by[(model, 'causal')], 2)} ms causal, "
-        f"{span(by[(model, 'no mask')], 2)} ms without the mask"
-        for model in dict.fromkeys(model for model, _ in by)
-        if (model, "causal") in by and (model, "no mask") in by
+        f"- {model}: pure-decode step {span(step[(model, before)], 2)} ms {before}, "
+        f"{span(step[(model, after)], 2)} ms {after_words}; the forward's device span "
+        f"{span(device[(model, before)], 2)} → {span(device[(model, after)], 2)} ms"
+        for model in dict.fromkeys(model for model, _ in step)
+        if (model, before) in step and (model, after) in step
     ]
     return fill(
-        "cb.decode_fold",
-        files=", ".join(f"`{name}`" for name, _, _ in DECODE_FOLD_FILES),
+        fragment,
+        files=", ".join(f"`{name}`" for name, _, _ in files),
         device=first["meta"]["device"],
         torch=first["meta"]["torch"],
         date=first["meta"]["date"],

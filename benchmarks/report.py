@@ -73,7 +73,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*report_prefill.CAPTURE_FILES, *(n for n, _ in report_prefill.CAPTURE_LATER_FILES)]
         + [cb_report.TRACE_FILE, cb_report.TRACE_DECODE_FILE, cb_report.TRACE_DECODE_FOLD_FILE,
            cb_report.DECODE_ATTENTION_FILE]
-        + [name for name, _, _ in cb_report.DECODE_FOLD_FILES]
+        + [name for name, _, _ in cb_report.DECODE_FOLD_FILES + cb_report.PAGED_DECODE_FILES]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE]
     )
@@ -142,6 +142,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         blocks.append(cb_report.decode_fold_section(folds))
     if (attention := load(cb_report.DECODE_ATTENTION_FILE)) is not None:
         blocks.append(cb_report.decode_attention_section(attention))
+    paged = [(d, tree, turn) for name, tree, turn in cb_report.PAGED_DECODE_FILES
+             if (d := load(name)) is not None]  # fmt: skip
+    if paged:
+        blocks.append(cb_report.paged_decode_section(paged))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

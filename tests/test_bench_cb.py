@@ -251,7 +251,11 @@ def test_the_decode_fold_section_sets_the_two_calls_side_by_side():
     ])  # fmt: skip
     row = "| 5.17.0 | m | no mask | 2 | `breakgraph` | 300 | 5.0 | 3.0 | - | 11.50 | 10.50 | - |"
     assert row in text
-    assert "- m: pure-decode step 14.00–16.00 ms causal, 7.00–11.50 ms without the mask" in text
+    assert "- m: pure-decode step 14.00–16.00 ms causal, 7.00–11.50 ms without the mask; the " \
+        "forward's device span 13.00–15.00 → 6.00–10.50 ms" in text
+    text = cb_report.paged_decode_section([(run(9.0), "gather", 1), (run(7.0), "in place", 1)])
+    assert "- m: pure-decode step 9.00 ms gather, 7.00 ms in place; the forward's device span " \
+        "8.00 → 6.00 ms" in text
 
 
 def test_the_decode_attention_section_names_the_case_the_fold_loses():

@@ -127,6 +127,9 @@ class PagedAttention:
     ``key``/``value`` ``[1, Hkv, B, D]`` (RoPE applied); calling it returns ``[B, Hq, D]``
     for the step in ``replay_context()``: rows of the step's ``n`` real tokens attend to
     their sequences' cached keys (the cache gets the new ones), rows past them are zero.
+    A pure-decode step (one query per sequence) on a full-attention layer reads the cache
+    rows in place where Triton runs and :func:`.compat.layer_kv_rows` finds them
+    (:meth:`_paged`), else calls FlashAttention without the causal mask (:meth:`_decode`).
     """
 
     def __init__(self, layer: int, query, key, value, scaling: float, window, kernel: str):
