@@ -18,6 +18,7 @@ prompt token, and ``eos_token_id`` is unset so every request runs its full lengt
 from __future__ import annotations
 
 import doctest
+import gc
 import json
 import os
 import subprocess
@@ -307,23 +308,39 @@ def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
     assert all(causal for window, causal in calls if window is not None)
 
 
-@needs_cb
-@pytest.mark.parametrize("in_place", [False, True], ids=["torch<2.12", "in_place"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
-def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch):
-    """Where Triton runs, a pure-decode step's full-attention layers read transformers' cache
-    rows in place (contract item 13) after transformers wrote the new ones (``update`` with
-    empty read indices: no gather). On the CPU the torch reference stands in for the kernel:
-    tokens equal ``generate()``, the path was taken on every release that has the layout."""
-    from breakgraph.integrations.transformers import attention as bg_attention
+def stand_in_paged(calls: list):
+    """A stand-in for ``paged_decode`` on the CPU (the torch reference), checking what the
+    kernel would read: one query row per sequence, contiguous rows, and a read index that
+    holds every key ``cu_k`` counts (the kernel does not bound its reads)."""
     from breakgraph.integrations.transformers import paged_decode as pd
-
-    flash_calls, paged_calls, updates = [], [], []
 
     def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None):
         assert q.shape[0] == cu_k.shape[0] - 1 and keys.stride(-1) == 1
-        paged_calls.append(q.shape[0])
+        assert read_index.shape[0] >= int(cu_k[-1]), "the kernel would read past the index"
+        calls.append(q.shape[0])
         return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out)
+
+    return fake_paged
+
+
+@needs_cb
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch<2.12", "in_place"])
+@pytest.mark.parametrize(
+    "arch, lengths",
+    [("llama", None), ("qwen2_hybrid", None), ("llama", (1, 1, 1))],
+    ids=["llama", "qwen2_hybrid", "one_token_prompts"],
+)
+def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
+    """Where Triton runs, a pure-decode step's full-attention layers read transformers' cache
+    rows in place (contract item 13) after transformers wrote the new ones (``update`` with
+    empty read indices: no gather). On the CPU the torch reference stands in for the kernel:
+    tokens equal ``generate()``, the path was taken on every release that has the layout. A
+    first step of one-token prompts is pure decode with nothing cached (an empty read index):
+    it must not take the path; the later steps do. The layouts looked up are held weakly."""
+    from breakgraph.integrations.transformers import attention as bg_attention
+
+    flash_calls, paged_calls, updates = [], [], []
+    fake_paged = stand_in_paged(paged_calls)
 
     read_write = compat.cache_read_write
 
@@ -338,17 +355,39 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch):
     monkeypatch.setattr(cb_step, "paged_decode", fake_paged)
     monkeypatch.setattr(compat, "cache_read_write", spy)
     model = build_model(arch)
-    prompts = random_prompts(seed=12)
+    prompts = random_prompts(seed=12, **({"lengths": lengths} if lengths else {}))
     expected, ref_logprobs = generate_batch(model, prompts, logprobs=True)
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
         tokens, logprobs = generate_batch(model, prompts, logprobs=True)
+        gc.collect()
+        assert not cb_step._LAYER_ROWS, "a finished manager's cache must be freed"
     assert tokens == expected
     assert_logprobs_close(logprobs, ref_logprobs)
     assert paged_calls and False in updates  # decode steps read in place, writes only
-    # no full-attention layer of a pure-decode step went through the gather and flash
-    assert (None, False) not in flash_calls
+    # no full-attention layer of a pure-decode step went through the gather and flash, but the
+    # first step of one-token prompts, which has nothing cached to read
+    assert ((None, False) in flash_calls) == (lengths is not None)
     if arch == "qwen2_hybrid":  # its sliding layers keep the gather and their window
         assert any(window == 4 for window, _ in flash_calls)
+
+
+@needs_cb
+def test_heads_the_kernel_cannot_tile_keep_the_folded_call(monkeypatch):
+    """A head size that is not a power of two of at least 16 never reaches the kernel."""
+    from breakgraph.integrations.transformers import attention as bg_attention
+
+    flash_calls, paged_calls = [], []
+    monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
+    monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls))
+    monkeypatch.setattr(cb_step, "FLASH_WRITES_IN_PLACE", False)
+    monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
+    monkeypatch.setattr(cb_step, "paged_decode", stand_in_paged(paged_calls))
+    model = build_model("llama", head_dim=24)
+    prompts = random_prompts(seed=13)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        assert generate_batch(model, prompts) == expected
+    assert not paged_calls and (None, False) in flash_calls
 
 
 def test_layer_kv_rows_refuses_what_it_does_not_know():

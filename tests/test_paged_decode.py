@@ -65,15 +65,18 @@ def test_reference_writes_into_out():
     assert torch.isfinite(out).all()
 
 
-def test_kernel_refuses_shapes_it_cannot_tile():
-    q, k_cache, v_cache, read_index, cu_k = paged_case(2, 6, 4, 8, [2], torch.float32, "cpu")
+@pytest.mark.parametrize("heads", [(6, 4, 16), (4, 2, 8), (4, 2, 24)], ids=str)
+def test_kernel_refuses_shapes_it_cannot_tile(heads):
+    q, k_cache, v_cache, read_index, cu_k = paged_case(2, *heads, [2], torch.float32, "cpu")
+    assert not pd.fits(*heads)
     with pytest.raises(InputError, match="whole number of query heads per key head"):
         pd.paged_decode(q, k_cache, v_cache, read_index, cu_k, 0.1)
+    assert pd.fits(16, 4, 64) and pd.fits(8, 8, 16)
 
 
 @pytest.mark.skipif(pd.triton is not None, reason="Triton is installed")
 def test_kernel_without_triton_names_the_fallback():
-    case = paged_case(2, 4, 2, 8, [2], torch.float32, "cpu")
+    case = paged_case(2, 4, 2, 16, [2], torch.float32, "cpu")
     with pytest.raises(BackendError, match="Triton is not installed.*paged_decode_reference"):
         pd.paged_decode(*case, 0.1)
 

@@ -52,7 +52,7 @@ from .attention import (
     refuse_mask_and_softcap,
 )
 from .models import UnsupportedModelError, default_query_buckets
-from .paged_decode import paged_decode, triton_available
+from .paged_decode import fits, paged_decode, triton_available
 from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
@@ -97,6 +97,12 @@ class CBStep:
         self.read_index, self.write_index = kwargs[names.read_index], kwargs[names.write_index]
         self._q_bounds = self._no_reads = None
 
+    def release(self) -> None:
+        """Drop the step's references once it ran: the runner outlives the manager, and the
+        cache and index views must not keep a finished manager's memory alive."""
+        self.cache = self.cu_q = self.cu_k = self.read_index = self.write_index = None
+        self._q_bounds = self._no_reads = None
+
     def fake(self, bucket: int) -> CBStep:
         """The warm-up / capture step of ``bucket``: one sequence filling it, no cache."""
         self.tokens, self.warmup, self.cache, self._q_bounds = bucket, True, None, None
@@ -120,16 +126,33 @@ def _bounds(cu: torch.Tensor) -> list:
     return list(zip(cumulative, cumulative[1:]))
 
 
+#: transformers' paged cache -> {layer: compat.layer_kv_rows}: each layout looked up once per
+#: cache, and held weakly, so a finished manager's cache is freed (the rows are views of it)
+_LAYER_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cache_rows(cache, layer: int) -> tuple | None:
+    rows = _LAYER_ROWS.get(cache)
+    if rows is None:
+        rows = _LAYER_ROWS[cache] = {}
+    if layer not in rows:
+        rows[layer] = compat.layer_kv_rows(cache, layer)
+    return rows[layer]
+
+
 class PagedAttention:
     """One layer's paged-cache write + read + varlen causal attention: the eager break.
 
     Built during the capture from the layer's ``query`` ``[1, Hq, B, D]`` and new
     ``key``/``value`` ``[1, Hkv, B, D]`` (RoPE applied); calling it returns ``[B, Hq, D]``
     for the step in ``replay_context()``: rows of the step's ``n`` real tokens attend to
-    their sequences' cached keys (the cache gets the new ones), rows past them are zero.
-    A pure-decode step (one query per sequence) on a full-attention layer reads the cache
-    rows in place where Triton runs and :func:`.compat.layer_kv_rows` finds them
-    (:meth:`_paged`), else calls FlashAttention without the causal mask (:meth:`_decode`).
+    their sequences' cached keys (the cache gets the new ones), rows past them are zero (where
+    the kernel writes in place, torch >= 2.12: finite values of earlier steps, never read
+    for a real token). A pure-decode step (one query per sequence) on a full-attention layer
+    reads the cache rows in place where Triton runs, :func:`.paged_decode.fits` its heads and
+    :func:`.compat.layer_kv_rows` finds them (:meth:`_paged`; not when nothing is cached yet:
+    a step of one-token prompts has an empty read index), else calls FlashAttention without
+    the causal mask (:meth:`_decode`).
     """
 
     def __init__(self, layer: int, query, key, value, scaling: float, window, kernel: str):
@@ -146,8 +169,10 @@ class PagedAttention:
             with torch.inference_mode(False):
                 self.out = torch.zeros(self.q.shape, dtype=self.q.dtype, device=self.q.device)
         # pure-decode steps of a full-attention layer read the cache in place (no gather)
-        self.paged = kernel == "flash" and window is None and triton_available(self.q.device)
-        self._rows: tuple = (None, None)  # (cache, compat.layer_kv_rows of it): per cache
+        self.paged = (
+            kernel == "flash" and window is None and triton_available(self.q.device)
+            and fits(self.q.shape[1], key.shape[1], self.q.shape[2])
+        )  # fmt: skip
 
     def __call__(self) -> torch.Tensor:
         step: CBStep = breakgraph.replay_context()
@@ -155,8 +180,9 @@ class PagedAttention:
             return self._own_keys()
         n = step.tokens
         decode = step.max_q == 1 and n == step.cu_q.shape[0] - 1 and self.window is None
-        if decode and self.paged and (rows := self._cache_rows(step.cache)) is not None:
-            return self._paged(step, rows, n)
+        if decode and self.paged and (rows := _cache_rows(step.cache, self.layer)) is not None:
+            if step.read_index[rows[0]].shape[0]:  # empty: one-token prompts, nothing cached
+                return self._paged(step, rows, n)
         k, v, cu_k, max_k = compat.cache_read_write(
             step, self.key[:, :, :n], self.value[:, :, :n], self.layer, self.layer_type
         )
@@ -191,11 +217,6 @@ class PagedAttention:
             return torch.nn.functional.pad(result, (0, 0, 0, 0, 0, self.q.shape[0] - n))
         self.out[:n].copy_(result)
         return self.out
-
-    def _cache_rows(self, cache) -> tuple | None:
-        if self._rows[0] is not cache:  # a new manager's cache: look its layout up once
-            self._rows = (cache, compat.layer_kv_rows(cache, self.layer))
-        return self._rows[1]
 
     def _paged(self, step: CBStep, rows: tuple, n: int) -> torch.Tensor:
         """A pure-decode step read in place: transformers writes the new keys and values
@@ -364,16 +385,19 @@ class StepRunner:
                 torch.cuda.current_stream().wait_event(self._event)
             step = self.step
             step.refill(kwargs, names, n)
-            if self._graphs_off(step.cache):
-                self.tokens.record_eager("graphs off (use_cuda_graph=False)")
-                logits = self._eager(ids, positions, keep, n)
-            else:
-                decision = self.tokens.decide(n, self._fingerprint(n, rows, ids), *_STEPS)
-                if decision.action is Action.REPLAY:
-                    logits = self._replay(decision.bucket, ids, positions, keep, n, rows)
-                else:
-                    self.tokens.record_eager(decision.reason)
+            try:
+                if self._graphs_off(step.cache):
+                    self.tokens.record_eager("graphs off (use_cuda_graph=False)")
                     logits = self._eager(ids, positions, keep, n)
+                else:
+                    decision = self.tokens.decide(n, self._fingerprint(n, rows, ids), *_STEPS)
+                    if decision.action is Action.REPLAY:
+                        logits = self._replay(decision.bucket, ids, positions, keep, n, rows)
+                    else:
+                        self.tokens.record_eager(decision.reason)
+                        logits = self._eager(ids, positions, keep, n)
+            finally:
+                step.release()
             # fresh fp32 memory (what transformers' .float() makes): the next step, maybe of
             # another manager on another thread, reuses the graph's output at once
             logits = logits.to(torch.float32, copy=True)

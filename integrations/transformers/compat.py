@@ -47,10 +47,11 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
  13. I one full-attention layer's cache rows, read in place by pure-decode steps
      (:func:`layer_kv_rows`; optional: where neither layout is found, or the rows are not
      ``[rows, Hkv, D]`` with contiguous rows, decode steps read through ``update`` as
-     before): up to 5.18 ``cache.layer_index_to_group_indices`` and ``cache.key_cache`` /
-     ``value_cache``; from 5.19 ``cache.layer_to_allocator`` and the allocator's ``index``,
-     ``layer_type`` and ``_kv_token_views``. With it, ``update`` is called with empty read
-     indices (its write-only branch, in every tested release), so transformers still writes.
+     before): in 5.17 ``cache.layer_index_to_group_indices``, ``sliding_windows`` and
+     ``cache.key_cache`` / ``value_cache``; in later releases ``cache.layer_to_allocator`` and
+     the allocator's ``index``, ``layer_type`` and ``_kv_token_views``. With it, ``update``
+     is called with empty read indices (its write-only branch, in every tested release), so
+     transformers still writes.
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: ``_load_model``
@@ -277,14 +278,14 @@ def layer_kv_rows(cache: Any, layer: int) -> tuple | None:
     step's ``read_index[group]`` and ``write_index[group]`` number; None where the cache has
     neither known layout or the layer is not a full-attention one."""
     allocators = getattr(cache, "layer_to_allocator", None)
-    if isinstance(allocators, dict):  # from 5.19: one allocator per attention type
+    if isinstance(allocators, dict):  # after 5.17: one allocator per attention type
         allocator = allocators.get(layer)
         views = getattr(allocator, "_kv_token_views", None)
         full = getattr(allocator, "layer_type", None) == "full_attention"
         if not full or not isinstance(views, dict):
             return None
         found = (getattr(allocator, "index", None), *views.get(layer, (None, None)))
-    else:  # up to 5.18: one cache tensor per layer of a group
+    else:  # 5.17: one cache tensor per layer of a group
         groups = getattr(cache, "layer_index_to_group_indices", None)
         windows = getattr(cache, "sliding_windows", None)
         if not isinstance(groups, dict) or layer not in groups or windows is None:

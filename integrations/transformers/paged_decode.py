@@ -36,12 +36,18 @@ try:  # optional: the CPU build of torch comes without it
 except ImportError:  # pragma: no cover - depends on the installation
     triton = tl = None
 
-__all__ = ["paged_decode", "paged_decode_reference", "triton_available"]
+__all__ = ["fits", "paged_decode", "paged_decode_reference", "triton_available"]
 
 
 def triton_available(device: torch.device) -> bool:
     """True where :func:`paged_decode` can launch its kernel on ``device``."""
     return triton is not None and torch.device(device).type == "cuda"
+
+
+def fits(q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel can tile these heads: a whole number of query heads per key head and
+    a power-of-two head size of at least 16 (``tl.dot``'s smallest inner size)."""
+    return q_heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None):
@@ -121,15 +127,15 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
 
     Shapes and launch depend on ``q``'s and the caches' shapes only (``read_index`` and
     ``cu_k`` are read on the device), so a graph can capture the call. The last dimension
-    of every tensor must be contiguous and ``D`` a power of two.
+    of every tensor must be contiguous (:func:`fits` says which heads the kernel tiles).
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
-    if q_heads % kv_heads or head_dim & (head_dim - 1):
+    if not fits(q_heads, kv_heads, head_dim):
         raise InputError(
             f"paged_decode: {q_heads} query heads over {kv_heads} key heads and head size "
             f"{head_dim}; the kernel needs a whole number of query heads per key head and a "
-            f"power-of-two head size (use paged_decode_reference)"
+            f"power-of-two head size of at least 16 (use paged_decode_reference)"
         )
     if triton is None:
         raise BackendError(
