@@ -40,13 +40,21 @@ __all__ = ["fits", "paged_decode", "paged_decode_reference", "triton_available"]
 
 
 def triton_available(device: torch.device) -> bool:
-    """True where :func:`paged_decode` can launch its kernel on ``device``."""
+    """True where :func:`paged_decode` can launch its kernel on ``device``.
+
+    >>> triton_available(torch.device("cpu"))  # the kernel runs on CUDA only
+    False
+    """
     return triton is not None and torch.device(device).type == "cuda"
 
 
 def fits(q_heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel can tile these heads: a whole number of query heads per key head and
-    a power-of-two head size of at least 16 (``tl.dot``'s smallest inner size)."""
+    a power-of-two head size of at least 16 (``tl.dot``'s smallest inner size).
+
+    >>> fits(32, 8, 128), fits(16, 4, 80), fits(12, 8, 64)
+    (True, False, False)
+    """
     return q_heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
