@@ -735,9 +735,7 @@ def trace_decode_section(data: dict, after: dict | None = None) -> str:
         skip=args["skip"],
         steps=v["steps"],
         busy=num(busy, 2),
-        kinds=_kinds_table(columns).replace("`causal call` ms", "causal call ms").replace(
-            "`without the mask` ms", "without the mask ms"
-        ),
+        kinds=_kinds_table(columns, code=False),
         attention=num(attention, 2),
         share=pct(attention / sum(kinds.values())),
         per_layer=num(attention / layers * 1e3, 0),
@@ -763,9 +761,10 @@ def _long_list() -> str:
     return str(StepCounter.LONG_LIST)
 
 
-def _kinds_table(variants: dict) -> str:
+def _kinds_table(variants: dict, code: bool = True) -> str:
     """Device milliseconds per step by kind of kernel (rows) and variant (columns), the kinds
-    ordered by the first variant's time; "-" for summaries from before the split."""
+    ordered by the first variant's time; "-" for summaries from before the split. ``code``:
+    the column names are variant names (set as code), else plain words."""
     kinds: list = []
     for v in variants.values():
         kinds += [k for k in v.get("device_ms_per_step_by_kind", {}) if k not in kinds]
@@ -773,7 +772,8 @@ def _kinds_table(variants: dict) -> str:
         return "(not in this summary: recompute it with `cb_trace.summarize_trace`)"
     split = [v.get("device_ms_per_step_by_kind", {}) for v in variants.values()]
     rows = [[kind] + [_cell(by_kind, kind, ".2f") for by_kind in split] for kind in kinds]
-    return table(["kind of kernel"] + [f"`{name}` ms" for name in variants], rows)
+    quote = "`" if code else ""
+    return table(["kind of kernel"] + [f"{quote}{name}{quote} ms" for name in variants], rows)
 
 
 def trace_section(data: dict) -> str:
