@@ -394,6 +394,15 @@ def test_layer_kv_rows_refuses_what_it_does_not_know():
     """Contract item 13 on objects of neither layout, or rows that are not ``[rows, Hkv, D]``."""
     assert compat.layer_kv_rows(object(), 0) is None
 
+    class OldCache:  # 5.17's group mapping without its cache tensors
+        layer_index_to_group_indices, sliding_windows = {0: (0, 0)}, [1]
+
+    assert compat.layer_kv_rows(OldCache(), 0) is None
+    OldCache.key_cache = OldCache.value_cache = [torch.zeros(8, 2, 4)]
+    assert compat.layer_kv_rows(OldCache(), 0)[0] == 0
+    OldCache.sliding_windows = [4]
+    assert compat.layer_kv_rows(OldCache(), 0) is None
+
     class Allocator:
         index, layer_type = 0, "full_attention"
         _kv_token_views = {0: (torch.zeros(8, 2, 4), torch.zeros(8, 4, 2).transpose(1, 2))}

@@ -288,12 +288,13 @@ def layer_kv_rows(cache: Any, layer: int) -> tuple | None:
     else:  # 5.17: one cache tensor per layer of a group
         groups = getattr(cache, "layer_index_to_group_indices", None)
         windows = getattr(cache, "sliding_windows", None)
-        if not isinstance(groups, dict) or layer not in groups or windows is None:
+        keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+        if not isinstance(groups, dict) or layer not in groups or None in (windows, keys, values):
             return None
         if windows[layer] != 1:  # transformers' mark of a full-attention layer
             return None
         group, index = groups[layer]
-        found = (group, cache.key_cache[index], cache.value_cache[index])
+        found = (group, keys[index], values[index])
     group, keys, values = found
     if not isinstance(group, int) or not all(_rows(t) for t in (keys, values)):
         return None
