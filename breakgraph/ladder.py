@@ -189,6 +189,7 @@ class GraphLadder:
         context: Callable[[int], Any] | None = None,
         stream: Any = None,
         capture_error_mode: str | None = None,
+        collect_garbage: bool | None = None,
     ) -> None:
         """Capture every size of ``sizes`` not captured yet, largest first, into one pool.
 
@@ -200,7 +201,8 @@ class GraphLadder:
         the call: whatever it allocates is captured (the emulated backend would replay the
         allocation, refilling the buffer on every replay). The first bucket's capture hands
         cached device memory back (``collect_garbage=None``: as ``torch.cuda.graph``), the
-        others skip it (``False``): once per call, not once per bucket.
+        others skip it (``False``): once per call, not once per bucket. ``collect_garbage=False``
+        skips it for every bucket (a bucket captured while serving, between steps).
 
         With ``ranks`` every warm-up and capture is a :meth:`RankGroup.capture_step
         <breakgraph.distributed.RankGroup.capture_step>`: checked on every rank, with the
@@ -229,7 +231,7 @@ class GraphLadder:
                 dict(
                     stream=stream,
                     capture_error_mode=capture_error_mode,
-                    collect_garbage=None if i == 0 else False,  # once per call
+                    collect_garbage=collect_garbage if i == 0 else False,  # once per call
                     detect_syncs=self._watch_syncs(i),
                 ),
                 keep=(self._rungs, record, warm_up, context),

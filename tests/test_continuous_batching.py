@@ -35,6 +35,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
     cb_step,
     compat,
+    decode_graph,
     enable_continuous_batching,
     index_lists,
 )
@@ -223,15 +224,20 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
         tokens, logprobs = generate_batch(model, prompts, logprobs=True)
     assert tokens == expected
     assert_logprobs_close(logprobs, ref_logprobs)
-    stats = handle.stats
+    stats, decode = handle.runner.tokens.stats, handle.decode_graphs.stats
     assert sorted(stats.buckets) == list(BUCKETS)
     assert stats.captures == len(BUCKETS) and stats.eager_steps == 0  # captured before serving
-    assert stats.replays == len(log.steps)  # every live step replayed a graph
+    # every live step replayed a graph; pure-decode steps one without attention breaks (a
+    # model with sliding-window layers keeps the breaks)
+    assert stats.replays + decode.replays == len(log.steps)
+    assert handle.stats.replays == len(log.steps)  # the handle counts both
+    assert (decode.replays > 0) == (arch not in ("mistral", "qwen2_hybrid"))
     assert log.mixed > 0 and max(sum(q) for q in log.steps) == 24  # mixed steps, full steps
     eager_experts = model.config.num_hidden_layers if experts == "eager" else 0
     assert {b.breaks for b in stats.buckets.values()} == {
         model.config.num_hidden_layers + eager_experts
     }
+    assert {b.breaks for b in decode.buckets.values()} <= {eager_experts}
 
 
 def stand_in_flash(calls: list):
@@ -357,10 +363,11 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
     model = build_model(arch)
     prompts = random_prompts(seed=12, **({"lengths": lengths} if lengths else {}))
     expected, ref_logprobs = generate_batch(model, prompts, logprobs=True)
-    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
+                                    decode_graphs=False):
         tokens, logprobs = generate_batch(model, prompts, logprobs=True)
         gc.collect()
-        assert not cb_step._LAYER_ROWS, "a finished manager's cache must be freed"
+        assert not decode_graph._LAYER_ROWS, "a finished manager's cache must be freed"
     assert tokens == expected
     assert_logprobs_close(logprobs, ref_logprobs)
     assert paged_calls and False in updates  # decode steps read in place, writes only
@@ -385,9 +392,45 @@ def test_heads_the_kernel_cannot_tile_keep_the_folded_call(monkeypatch):
     model = build_model("llama", head_dim=24)
     prompts = random_prompts(seed=13)
     expected = generate_batch(model, prompts)
-    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
+                                    decode_graphs=False):
         assert generate_batch(model, prompts) == expected
     assert not paged_calls and (None, False) in flash_calls
+
+
+@needs_cb
+def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monkeypatch):
+    """Pure-decode steps replay graphs with the cache write and read inside (no attention
+    break). Each manager's cache lies elsewhere here (the emulated backend's graphs hold the
+    old cache), so a second ``generate_batch`` captures a second ladder; a first step of
+    one-token prompts (nothing cached yet) takes the break path; tokens equal ``generate()``
+    throughout, and the dense stand-in of the kernel saw every step's padded sequences
+    without keys."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    seen = []
+
+    def dense(q, keys, values, read_index, cu_k, scaling):
+        seen.append(q.shape[0])
+        return pd.paged_decode_dense(q, keys, values, read_index, cu_k, scaling)
+
+    monkeypatch.setattr(decode_graph, "paged_decode_dense", dense)
+    model = build_model("llama")
+    prompts = random_prompts(seed=14, lengths=(1, 1, 1))
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert generate_batch(model, prompts) == expected
+        assert generate_batch(model, prompts) == expected
+        decode = handle.decode_graphs
+        assert decode.layouts == 2 and decode.off is None
+        assert decode.fallbacks == {"nothing cached yet (empty read index)": 2}
+        assert decode.stats.replays > 0 and set(decode.stats.buckets) == {8}
+        assert {b.breaks for b in decode.stats.buckets.values()} == {0}
+        assert set(seen) == {8}  # captured at bucket 8 (3 sequences, 5 padded)
+    assert handle.decode_graphs.ladder is None  # released by disable()
+    with enable_continuous_batching(model, backend="emulated", decode_graphs=False) as handle:
+        assert handle.decode_graphs is None
+        assert generate_batch(model, prompts) == expected
 
 
 def test_layer_kv_rows_refuses_what_it_does_not_know():
@@ -567,7 +610,7 @@ def test_two_threads_share_one_enabled_model():
             thread.join(timeout=300)
     assert not errors, errors
     assert results == expected
-    assert handle.stats.captures == len(BUCKETS)  # captured once for both managers
+    assert handle.runner.tokens.stats.captures == len(BUCKETS)  # once for both managers
 
 
 @needs_cb
@@ -827,9 +870,11 @@ def test_cuda_bf16_flash_agrees_with_paged_sdpa(arch):
     print(f"\n{arch} bf16: first tokens {first:.3f}, whole sequences {whole:.3f}\n{handle.stats}")
     assert handle.kernel == "flash"
     assert first >= 0.9 and whole >= 0.5, (first, whole)  # a broken break gives ~0
-    stats = handle.stats
+    stats = handle.runner.tokens.stats
     assert stats.eager_steps == 0 and stats.replays > 0  # every live step replayed a graph
     assert stats.captures == len(stats.buckets)  # one capture per bucket, at warm-up
+    decode = handle.decode_graphs
+    assert decode.off is None and decode.stats.replays > 0, (decode.off, decode.fallbacks)
 
 
 @needs_cb
@@ -952,9 +997,10 @@ def test_cuda_async_batching_agrees_with_paged_sdpa():
     first, whole = agreement(got, ref)
     print(f"\nasync bf16: first tokens {first:.3f}, whole sequences {whole:.3f}\n{handle.stats}")
     assert first >= 0.9 and whole >= 0.5, (first, whole)
-    stats = handle.stats
+    stats = handle.runner.tokens.stats
     assert stats.eager_steps == 0 and stats.replays > 0
     assert stats.captures == len(stats.buckets)  # one graph per bucket for both pairs
+    assert handle.decode_graphs.stats.replays > 0
 
 
 @needs_cb
@@ -969,6 +1015,33 @@ def test_cuda_fp32_async_batching_matches_paged_sdpa():
     stats = handle.stats
     assert stats.eager_steps == 0 and stats.replays > 0
     assert stats.captures == len(stats.buckets)
+    assert handle.decode_graphs is None  # the reference kernel on CUDA: no in-place kernel
+
+
+@needs_cb
+@pytest.mark.requires_cuda
+def test_cuda_decode_graphs_serve_a_second_manager_and_agree_with_breaks():
+    """Pure-decode graphs (the cache write and the in-place read captured, no break per
+    layer) against the same steps through the attention breaks, bf16: the tokens agree with
+    stock as the break path's do, and a second manager (a new cache, at the old addresses or
+    elsewhere) gets the same tokens as the first (new graphs, or the old ones reused)."""
+    model = build_model("llama", device="cuda", dtype=torch.bfloat16, **CUDA_SHAPE)
+    prompts = cuda_prompts(count=128, seed=3)
+    gen = generation_config(max_new_tokens=16, pad_token_id=999)
+    cbc = ContinuousBatchingConfig(block_size=256, num_blocks=256, max_batch_tokens=1024)
+    with enable_continuous_batching(model, decode_graphs=False) as handle:
+        breaks = generate_batch(model, prompts, gen=gen, cbc=cbc)
+    with enable_continuous_batching(model) as handle:
+        first = generate_batch(model, prompts, gen=gen, cbc=cbc)
+        second = generate_batch(model, prompts, gen=gen, cbc=cbc)
+    decode = handle.decode_graphs
+    print(f"\ndecode graphs: layouts {decode.layouts}, fallbacks {decode.fallbacks}\n"
+          f"{decode.stats}")  # fmt: skip
+    assert decode.off is None and decode.stats.replays > 0 and decode.layouts in (1, 2)
+    same_first, same_whole = agreement(second, first)  # stale addresses would give ~0
+    assert same_first >= 0.99 and same_whole >= 0.9, (same_first, same_whole)
+    agree_first, agree_whole = agreement(first, breaks)
+    assert agree_first >= 0.9 and agree_whole >= 0.5, (agree_first, agree_whole)
 
 
 def test_async_batching_is_the_default_with_graphs_on_a_single_cuda_model():

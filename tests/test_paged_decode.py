@@ -58,6 +58,23 @@ def test_reference_is_attention_over_the_indexed_keys(heads):
     assert (got[2] == 0).all()  # no keys: zeros
 
 
+@pytest.mark.parametrize("heads", [(8, 2, 16), (4, 4, 8), (6, 2, 24)], ids=str)
+def test_dense_reads_the_whole_index_with_fixed_shapes(heads):
+    """The emulated backend's decode-graph kernel: every row of an index longer than the
+    step's keys (stale rows past ``cu_k[-1]``, as a static buffer holds) is read and masked
+    per sequence; padded sequences (no keys, as a bucket's tail) give zeros, not NaN."""
+    q_heads, kv_heads, head_dim = heads
+    q, k_cache, v_cache, read_index, cu_k = paged_case(
+        1, q_heads, kv_heads, head_dim, [5, 1, 0, 33, 0, 0], torch.float32, "cpu"
+    )
+    stale = torch.randint(0, k_cache.shape[0], (19,), dtype=read_index.dtype)
+    got = pd.paged_decode_dense(q, k_cache, v_cache, torch.cat([read_index, stale]).long(),
+                                cu_k, head_dim**-0.5)  # fmt: skip
+    expected = dense_attention(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert (got[[2, 4, 5]] == 0).all()
+
+
 def test_reference_writes_into_out():
     case = paged_case(1, 4, 2, 8, [3, 4], torch.float32, "cpu")
     out = torch.full_like(case[0], float("nan"))

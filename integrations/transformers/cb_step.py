@@ -43,6 +43,7 @@ from breakgraph import distributed
 from breakgraph.buckets import Action
 from breakgraph.errors import InputError
 from breakgraph.ladder import GraphLadder
+from breakgraph.ladder_stats import combined
 
 from . import compat
 from .attention import (
@@ -51,6 +52,7 @@ from .attention import (
     reference_attention,
     refuse_mask_and_softcap,
 )
+from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, default_query_buckets
 from .paged_decode import fits, paged_decode, triton_available
 from .tensor_parallel import graph_safe_tensor_parallel
@@ -78,7 +80,7 @@ class CBStep:
     """
 
     __slots__ = ("kernel", "update_takes_kwargs", "tokens", "cache", "cu_q", "max_q", "cu_k",
-                 "max_k", "read_index", "write_index", "warmup", "_q_bounds",
+                 "max_k", "read_index", "write_index", "warmup", "decode", "_q_bounds",
                  "_no_reads")  # fmt: skip
 
     def __init__(self, kernel: str, update_takes_kwargs: bool) -> None:
@@ -86,6 +88,7 @@ class CBStep:
         self.tokens, self.warmup = 0, False
         self.cache = self.cu_q = self.max_q = self.cu_k = self.max_k = None
         self.read_index = self.write_index = None
+        self.decode = None  # the DecodeGraphs capturing this step's bucket, if any
         self._q_bounds = self._no_reads = None
 
     def refill(self, kwargs: dict, names: compat.StepKwargs, tokens: int) -> None:
@@ -106,6 +109,7 @@ class CBStep:
     def fake(self, bucket: int) -> CBStep:
         """The warm-up / capture step of ``bucket``: one sequence filling it, no cache."""
         self.tokens, self.warmup, self.cache, self._q_bounds = bucket, True, None, None
+        self.decode = None
         return self
 
     def no_reads(self) -> list:
@@ -124,20 +128,6 @@ class CBStep:
 def _bounds(cu: torch.Tensor) -> list:
     cumulative = cu.tolist()
     return list(zip(cumulative, cumulative[1:]))
-
-
-#: transformers' paged cache -> {layer: compat.layer_kv_rows}: each layout looked up once per
-#: cache, and held weakly, so a finished manager's cache is freed (the rows are views of it)
-_LAYER_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _cache_rows(cache, layer: int) -> tuple | None:
-    rows = _LAYER_ROWS.get(cache)
-    if rows is None:
-        rows = _LAYER_ROWS[cache] = {}
-    if layer not in rows:
-        rows[layer] = compat.layer_kv_rows(cache, layer)
-    return rows[layer]
 
 
 class PagedAttention:
@@ -180,7 +170,7 @@ class PagedAttention:
             return self._own_keys()
         n = step.tokens
         decode = step.max_q == 1 and n == step.cu_q.shape[0] - 1 and self.window is None
-        if decode and self.paged and (rows := _cache_rows(step.cache, self.layer)) is not None:
+        if decode and self.paged and (rows := cache_rows(step.cache, self.layer)) is not None:
             if step.read_index[rows[0]].shape[0]:  # empty: one-token prompts, nothing cached
                 return self._paged(step, rows, n)
         k, v, cu_k, max_k = compat.cache_read_write(
@@ -273,6 +263,9 @@ def paged_attention(
         "continuous batching with this key reads the step's exact lengths",
     )  # fmt: skip
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if step.decode is not None:  # a pure-decode graph is being captured: no break
+        out = step.decode.attention(module.layer_idx, query, key, value, scale, sliding_window)
+        return out.unsqueeze(0), None
     call = PagedAttention(module.layer_idx, query, key, value, scale, sliding_window, step.kernel)
     return breakgraph.eager_on_graph(call)().unsqueeze(0), None
 
@@ -286,7 +279,7 @@ class StepRunner:
     """
 
     def __init__(self, model, *, backend: str, kernel: str, debug: bool, ranks, query_buckets,
-                 who: str) -> None:  # fmt: skip
+                 who: str, decode_graphs: bool = True) -> None:  # fmt: skip
         self.model, self.who, self.query_buckets = model, who, query_buckets
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -309,11 +302,24 @@ class StepRunner:
         self._event = torch.cuda.Event() if self.tokens.backend == "cuda" else None
         self._eager_managers: weakref.WeakSet = weakref.WeakSet()  # graphs off for these
         self._eager_caches: weakref.WeakSet = weakref.WeakSet()
+        # pure-decode steps as graphs without attention breaks (not under tensor parallelism;
+        # on CUDA the in-place kernel needs the flash setting: bf16/fp16)
+        self.decode: DecodeGraphs | None = None
+        layers = getattr(model.config, "num_hidden_layers", None)
+        q_heads = getattr(model.config, "num_attention_heads", None)
+        wanted = decode_graphs and ranks is None and None not in (layers, q_heads)
+        if wanted and (self.tokens.backend != "cuda" or kernel == "flash"):
+            self.decode = DecodeGraphs(self._record_tokens, layers, q_heads,
+                                       backend=self.tokens.backend, debug=debug,
+                                       who=who)  # fmt: skip
 
     @property
     def stats(self):
-        """The query-token ladder's :class:`~breakgraph.ladder.LadderStats`."""
-        return self.tokens.stats
+        """:class:`~breakgraph.ladder.LadderStats` of the query-token ladder and the pure-decode
+        graphs together (``decode.stats`` alone: the decode graphs, captured while serving)."""
+        if self.decode is None:
+            return self.tokens.stats
+        return combined(self.tokens.stats, self.decode.stats)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -411,7 +417,10 @@ class StepRunner:
         inputs[1, :n].copy_(positions[0])
         if n < bucket:
             inputs[:, n:].zero_()  # the tail: defined ids and positions
-        self.tokens.replay(bucket, self.step, size=n)
+        step = self.step
+        decode = self.decode is not None and step.max_q == 1 and n == step.cu_q.shape[0] - 1
+        if not (decode and self.decode.replay(step, bucket, n, self.tokens.buckets[-1])):
+            self.tokens.replay(bucket, step, size=n)
         rows_bucket = self.logits.choose(rows).bucket
         index = self._rows[rows_bucket]
         if isinstance(keep, torch.Tensor):
@@ -455,6 +464,8 @@ class StepRunner:
         with self._lock:
             self.tokens.close()
             self.logits.close()
+            if self.decode is not None:
+                self.decode.close()
             self._inputs.clear()
             self._rows.clear()
             self._hidden = None

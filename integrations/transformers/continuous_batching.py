@@ -123,7 +123,7 @@ class ContinuousBatchingHandle:
     """
 
     def __init__(self, model, backend: str, kernel: str, query_buckets, debug: bool,
-                 ranks=None) -> None:  # fmt: skip
+                 ranks=None, decode_graphs: bool = True) -> None:  # fmt: skip
         self.model = model
         self.backend, self.kernel, self.debug = backend, kernel, debug
         self.query_buckets = query_buckets
@@ -131,7 +131,8 @@ class ContinuousBatchingHandle:
         self.device = next(model.parameters()).device
         self.enabled = False
         self.runner = StepRunner(model, backend=backend, kernel=kernel, debug=debug, ranks=ranks,
-                                 query_buckets=query_buckets, who=_WHO)  # fmt: skip
+                                 query_buckets=query_buckets, who=_WHO,
+                                 decode_graphs=decode_graphs)  # fmt: skip
         self._patches = PatchSet()
         self._managers: weakref.WeakSet = weakref.WeakSet()  # created while enabled
 
@@ -139,6 +140,13 @@ class ContinuousBatchingHandle:
     def stats(self) -> ContinuousBatchingStats:
         """Per query bucket: captures, replays, padding, capture seconds, breaks; totals."""
         return self.runner.stats
+
+    @property
+    def decode_graphs(self):
+        """The pure-decode graphs (:class:`~.decode_graph.DecodeGraphs`: ``stats``,
+        ``fallbacks`` by reason, ``off`` saying why they never run), or None where they are
+        not used (``decode_graphs=False``, tensor parallelism, the reference kernel on CUDA)."""
+        return self.runner.decode
 
     @property
     def runners(self) -> list:
@@ -331,6 +339,7 @@ def enable_continuous_batching(
     query_buckets: tuple[int, ...] | None = None,
     debug: bool | None = None,
     tp_timeout: float = 300.0,
+    decode_graphs: bool = True,
 ) -> ContinuousBatchingHandle:
     """Run the model's continuous-batching steps as breakable graphs, one per query bucket.
 
@@ -351,6 +360,10 @@ def enable_continuous_batching(
             per-step agreement before raising :class:`~breakgraph.RankFailedError`.
             Every rank must call this function, in the same order as its other
             process-group creations (it creates a gloo group).
+        decode_graphs: run pure-decode steps (one query per sequence) as graphs with the
+            paged-cache write and read inside, no break per layer (:mod:`.decode_graph`),
+            where the model and cache allow it; captured while serving, when a step first
+            needs a bucket with a new cache layout. Off under tensor parallelism.
 
     Returns a :class:`ContinuousBatchingHandle` (also a context manager). While it is
     enabled, CB managers of this model created afterwards (``generate_batch``,
@@ -397,7 +410,8 @@ def enable_continuous_batching(
                     f"{_WHO} options",
                     f"call {_WHO} with the same arguments on every rank",
                 )
-            handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug, ranks)
+            handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug, ranks,
+                                              decode_graphs=decode_graphs)  # fmt: skip
             handle._enable()
         except BaseException:
             if ranks is not None:

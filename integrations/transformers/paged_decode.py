@@ -36,7 +36,13 @@ try:  # optional: the CPU build of torch comes without it
 except ImportError:  # pragma: no cover - depends on the installation
     triton = tl = None
 
-__all__ = ["fits", "paged_decode", "paged_decode_reference", "triton_available"]
+__all__ = [
+    "fits",
+    "paged_decode",
+    "paged_decode_dense",
+    "paged_decode_reference",
+    "triton_available",
+]
 
 
 def triton_available(device: torch.device) -> bool:
@@ -77,6 +83,33 @@ def paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling: float
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scaling
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(out.dtype)
     return out
+
+
+def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float) -> torch.Tensor:
+    """:func:`paged_decode_reference` with fixed shapes and no host sync: every row of
+    ``read_index`` is read, and each sequence keeps its own range ``cu_k[i]:cu_k[i + 1]``
+    by a mask (rows past ``cu_k[-1]`` must still be valid cache rows). What a decode graph
+    captures on the emulated backend (:mod:`.decode_graph`); its cost grows with the whole
+    index, so it is not a CUDA kernel.
+
+    >>> q = torch.randn(2, 4, 8)
+    >>> k_cache, v_cache = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    >>> read_index = torch.tensor([3, 7, 1, 0, 9, 0, 0])   # two stale rows at the end
+    >>> cu_k = torch.tensor([0, 2, 5], dtype=torch.int32)
+    >>> dense = paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, 8**-0.5)
+    >>> exact = paged_decode_reference(q, k_cache, v_cache, read_index[:5], cu_k, 8**-0.5)
+    >>> torch.allclose(dense, exact, atol=1e-6)
+    True
+    """
+    groups = q.shape[1] // k_cache.shape[1]
+    keys = k_cache.index_select(0, read_index).float().repeat_interleave(groups, 1)  # [R, Hq, D]
+    values = v_cache.index_select(0, read_index).float().repeat_interleave(groups, 1)
+    scores = torch.einsum("bhd,rhd->bhr", q.float(), keys) * scaling
+    rows = torch.arange(read_index.shape[0], device=q.device)
+    mine = (rows >= cu_k[:-1, None]) & (rows < cu_k[1:, None])  # [B, R]
+    scores = scores.masked_fill(~mine[:, None, :], float("-inf"))
+    weights = scores.softmax(-1).nan_to_num(0.0)  # a sequence with no keys: zeros
+    return torch.einsum("bhr,rhd->bhd", weights, values).to(q.dtype)
 
 
 if triton is not None:

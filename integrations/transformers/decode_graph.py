@@ -1,0 +1,263 @@
+"""Pure-decode CB steps as whole graphs: the paged-cache write and read inside the capture.
+
+A continuous-batching step through the query-token ladder (:mod:`.cb_step`) runs each
+layer's paged-cache access and attention as an eager break. In a pure-decode step (one query
+per sequence) that break is small, but there is one per layer: the host launches segment,
+break, segment, ... in lockstep with the device, and transformers' preparation of the next
+step cannot overlap the forward (the decode trace on ``docs/performance.md``). Here such a
+step replays **one graph without breaks** (MoE experts breaks aside), so the forward costs
+the host one launch.
+
+What makes that possible is that, for a pure-decode step of ``n`` sequences in bucket ``B``,
+every shape depends on ``B`` only:
+
+* the new keys and values are written as transformers' ``update`` writes them
+  (``index_copy_`` at the step's write index, contract item 13 says where the rows are);
+  the ``B - n`` padded rows write sequence 0's row again, to sequence 0's slot (a duplicate
+  write of equal values: the result does not depend on the order);
+* attention reads the cache rows in place through the step's read index:
+  :func:`.paged_decode.paged_decode` on CUDA (Triton), :func:`.paged_decode.paged_decode_dense`
+  on the emulated backend (every row of the index, masked per sequence; fixed shapes);
+  padded sequences have no keys and get zeros.
+
+The step's indices are copied into static buffers (:class:`DecodeBuffers`) before the
+replay, as the ids and positions are. A graph bakes the cache tensors' addresses in, so the
+ladder belongs to one cache *layout* (the tensors' addresses, shapes and strides): a manager
+whose cache lies elsewhere gets a new ladder (the old one is released), one whose cache
+reuses the addresses (the allocator often hands a new manager the old one's memory) reuses
+the graphs. Buckets are captured when a decode step first needs them, with that step's own
+data (its writes are idempotent: the replay right after writes the same rows again); buckets
+smaller than the step are never needed by it.
+
+Not used (the step goes through the query-token ladder): under tensor parallelism, with a
+sliding-window layer or a cache layout contract item 13 does not know, where Triton does not
+run on CUDA or cannot tile the heads, when a step's read index is empty (a first step of
+one-token prompts) or longer than the buffers.
+
+Example (what :class:`.cb_step.StepRunner` does for a pure-decode step)::
+
+    graphs = DecodeGraphs(record=runner._record_tokens, num_layers=2, backend="emulated",
+                          debug=False, who="enable_continuous_batching")
+    if not graphs.replay(step, bucket, n):   # False: not a step it can run
+        runner.tokens.replay(bucket, step, size=n)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from breakgraph.ladder import GraphLadder, LadderStats
+from breakgraph.ladder_stats import combined
+
+from . import compat
+from .paged_decode import fits, paged_decode, paged_decode_dense, triton_available
+
+__all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows"]
+
+_FULL = "full_attention"
+
+#: transformers' paged cache -> {layer: compat.layer_kv_rows}: each layout looked up once per
+#: cache, and held weakly, so a finished manager's cache is freed (the rows are views of it)
+_LAYER_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: transformers' paged cache -> (every layer's rows, their layout key) or None (held weakly)
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cache_rows(cache: Any, layer: int) -> tuple | None:
+    """``compat.layer_kv_rows(cache, layer)``, looked up once per cache and layer."""
+    rows = _LAYER_ROWS.get(cache)
+    if rows is None:
+        rows = _LAYER_ROWS[cache] = {}
+    if layer not in rows:
+        rows[layer] = compat.layer_kv_rows(cache, layer)
+    return rows[layer]
+
+
+class NotDecodable(Exception):
+    """Raised inside a decode warm-up when a layer cannot run in the graph (nothing written)."""
+
+
+class DecodeBuffers:
+    """The decode graphs' static inputs beside the ids and positions: per layer group the
+    write index ``[B]`` and the read index ``[capacity]``, the key offsets ``[B + 1]`` and the
+    source row of each write ``[B]``; sized for the largest bucket and the cache."""
+
+    def __init__(self, groups: dict[int, int], largest: int, device: torch.device) -> None:
+        with torch.inference_mode(False):
+            self.write = {g: torch.zeros(largest, dtype=torch.long, device=device) for g in groups}
+            self.read = {g: torch.zeros(rows, dtype=torch.long, device=device)
+                         for g, rows in groups.items()}  # fmt: skip
+            self.cu_k = torch.zeros(largest + 1, dtype=torch.int32, device=device)
+            self.source = torch.zeros(largest, dtype=torch.long, device=device)
+            self.iota = torch.arange(largest, dtype=torch.long, device=device)
+        self._source_for: tuple[int, int] | None = None  # (n, bucket) the source holds
+
+    def fill(self, step: Any, n: int, bucket: int) -> str | None:
+        """Copy the live step's indices in (device copies, no sync); the reason it cannot run
+        in a decode graph, or None."""
+        for group, read in self.read.items():
+            rows = step.read_index[group].shape[0]
+            if rows == 0:
+                return "nothing cached yet (empty read index)"
+            if rows > read.shape[0]:
+                return "read index longer than the cache rows"
+        for group, write in self.write.items():
+            live = step.write_index[group]
+            write[:n].copy_(live)
+            if n < bucket:  # padded rows: sequence 0's slot again
+                write[n:bucket].copy_(live[:1].expand(bucket - n))
+            index = step.read_index[group]
+            self.read[group][: index.shape[0]].copy_(index)
+        cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
+        self.cu_k[: n + 1].copy_(cu_k)
+        if n < bucket:  # padded sequences: no keys
+            self.cu_k[n + 1 : bucket + 1].copy_(cu_k[n:].expand(bucket - n))
+        if self._source_for != (n, bucket):
+            self.source[:n].copy_(self.iota[:n])
+            self.source[n:bucket].zero_()
+            self._source_for = (n, bucket)
+        return None
+
+
+class DecodeGraphs:
+    """Pure-decode steps of one model as graphs without attention breaks (see the module).
+
+    ``record(bucket)`` runs the decoder over the bucket's static ids and positions (the
+    query-token ladder's own record function); while it is captured here, the model's
+    attention calls :meth:`attention` instead of creating a break.
+    """
+
+    def __init__(self, record: Callable[[int], Any], num_layers: int, q_heads: int,
+                 backend: str, debug: bool, who: str) -> None:  # fmt: skip
+        self.record, self.num_layers, self.q_heads = record, num_layers, q_heads
+        self.backend, self.debug, self.who = backend, debug, who
+        self.off: str | None = None  # why this model's decode steps never run here
+        self.fallbacks: dict[str, int] = {}  # decode steps that took the break path, by reason
+        self.layouts = 0  # cache layouts captured for (one ladder each)
+        self._past = LadderStats()  # the counters of the ladders of earlier layouts
+        self.ladder: GraphLadder | None = None
+        self.buffers: DecodeBuffers | None = None
+        self._layers: dict[int, tuple] = {}  # layer -> (group, keys, values), while capturing
+        self._key: tuple | None = None  # the ladder's cache layout
+        self._largest = 0
+
+    @property
+    def stats(self) -> LadderStats:
+        """Captures and replays per bucket, summed over every cache layout's ladder."""
+        if self.ladder is None:
+            return self._past
+        return combined(self.ladder.stats, self._past)
+
+    def replay(self, step: Any, bucket: int, n: int, largest: int) -> bool:
+        """Run the pure-decode ``step`` (``n`` sequences) in ``bucket``'s decode graph, capturing
+        it first if needed; False (nothing done) where it cannot run here."""
+        if self.off is not None:
+            return False
+        layout = self._layout(step.cache)
+        if layout is None:
+            return self._fallback("cache layout unknown or a sliding-window layer")
+        layers, key = layout
+        if key != self._key:
+            self.off = self._kernel_problem(layers)
+            if self.off is not None:
+                return False
+            self._new_ladder(layers, key, largest)
+        reason = self.buffers.fill(step, n, bucket)
+        if reason is not None:
+            return self._fallback(reason)
+        if bucket not in self.ladder.buckets:
+            step.decode, self._layers = self, layers  # held during the capture only
+            try:
+                self.ladder.capture(
+                    [bucket], self.record, warm_up=self.record, context=lambda size: step,
+                    collect_garbage=False, capture_error_mode="thread_local",
+                )  # fmt: skip
+            except NotDecodable as exc:
+                self.off = str(exc)
+                return False
+            finally:
+                step.decode, self._layers = None, {}
+        self.ladder.replay(bucket, step, size=n)
+        return True
+
+    def attention(self, layer: int, query, key, value, scaling: float, window) -> torch.Tensor:
+        """One layer's decode attention inside the graph (the model's attention function calls
+        it while a decode graph is captured): write the new rows, read every sequence's rows
+        in place. ``query`` ``[1, Hq, B, D]``, ``key``/``value`` ``[1, Hkv, B, D]``; returns
+        ``[B, Hq, D]``."""
+        rows = self._layers.get(layer)
+        if rows is None or window is not None or query.shape[1] != self.q_heads:
+            raise NotDecodable(f"layer {layer} is not a full-attention layer with known rows "
+                               f"and {self.q_heads} query heads")  # fmt: skip
+        group, keys, values = rows
+        bucket = query.shape[2]
+        buffers = self.buffers
+        source, write = buffers.source[:bucket], buffers.write[group][:bucket]
+        keys.index_copy_(0, write, key[0].transpose(0, 1).index_select(0, source))
+        values.index_copy_(0, write, value[0].transpose(0, 1).index_select(0, source))
+        q = query[0].transpose(0, 1)
+        read, cu_k = buffers.read[group], buffers.cu_k[: bucket + 1]
+        if self.backend == "cuda":
+            return paged_decode(q, keys, values, read, cu_k, scaling)
+        return paged_decode_dense(q, keys, values, read, cu_k, scaling)
+
+    def close(self) -> None:
+        """Release the graphs and buffers."""
+        if self.ladder is not None:
+            self.ladder.close()
+            self._past = combined(self.ladder.stats, self._past)
+        self.ladder = self.buffers = self._key = None
+
+    # -- internals ------------------------------------------------------------------------------
+    def _layout(self, cache: Any) -> tuple | None:
+        """``(layers, key)`` of ``cache`` (looked up once per cache), or None."""
+        try:
+            return _LAYOUTS[cache]
+        except KeyError:
+            pass
+        layers = {layer: cache_rows(cache, layer) for layer in range(self.num_layers)}
+        found = None if None in layers.values() else (layers, _layout_key(layers))
+        _LAYOUTS[cache] = found
+        return found
+
+    def _kernel_problem(self, layers: dict[int, tuple]) -> str | None:
+        """Why the attention kernel cannot run these layers (checked before anything runs)."""
+        _, keys, _ = next(iter(layers.values()))
+        kv_heads, head_dim = keys.shape[1], keys.shape[2]
+        if self.backend != "cuda":
+            return None  # paged_decode_dense runs any heads
+        if not triton_available(keys.device):
+            return "Triton is not available"
+        if not fits(self.q_heads, kv_heads, head_dim):
+            return (f"the Triton decode kernel cannot tile {self.q_heads} query heads over "
+                    f"{kv_heads} key heads of size {head_dim}")  # fmt: skip
+        return None
+
+    def _new_ladder(self, layers: dict[int, tuple], key: tuple, largest: int) -> None:
+        self.close()
+        groups: dict[int, int] = {}
+        for group, keys, _ in layers.values():
+            groups[group] = max(groups.get(group, 0), keys.shape[0])
+        device = next(iter(layers.values()))[1].device
+        self.buffers = DecodeBuffers(groups, largest, device)
+        self._key = key
+        self.ladder = GraphLadder(backend=self.backend, debug=self.debug, on_miss="eager",
+                                  who=f"{self.who} (decode graphs)")  # fmt: skip
+        self.layouts += 1
+
+    def _fallback(self, reason: str) -> bool:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        return False
+
+
+def _layout_key(layers: dict[int, tuple]) -> tuple:
+    """What a decode graph baked in of the cache: every layer's tensors' addresses and layout."""
+    return tuple(
+        (group, t.data_ptr(), tuple(t.shape), t.stride())
+        for group, keys, values in layers.values()
+        for t in (keys, values)
+    )
