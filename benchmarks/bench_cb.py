@@ -31,6 +31,8 @@ Variants:
                       asynchronous steps on CUDA
   breakgraph_sync     breakgraph with ``use_async_batching=False``
   breakgraph_pow2     breakgraph with the earlier query buckets (powers of two from 8)
+  breakgraph_breaks   breakgraph with ``decode_graphs=False``: pure-decode steps through the
+                      query-token graphs and their attention breaks (before the decode graphs)
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
@@ -127,6 +129,7 @@ class Variant:
     use_cuda_graph: bool | None = None  # stock variants only (breakgraph decides its own)
     use_async_batching: bool | None = None
     pow2: bool = False  # breakgraph's earlier query buckets
+    decode_graphs: bool = True  # breakgraph's pure-decode graphs (off: every layer a break)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
 
 
@@ -145,6 +148,8 @@ VARIANTS = {
                 use_async_batching=False),  # fmt: skip
         Variant("breakgraph_pow2", "breakgraph with query buckets 8, 16, 32, ... (earlier)", True,
                 pow2=True),  # fmt: skip
+        Variant("breakgraph_breaks", "breakgraph with decode_graphs=False (a break per layer in "
+                "pure-decode steps too, as before)", True, decode_graphs=False),  # fmt: skip
     )
 }
 GENERATE = "generate"
@@ -153,7 +158,7 @@ NEW_SHAPE_VARIANTS = ("stock_sdpa", "stock_graphs", "stock_graphs_async", "break
                       "breakgraph_sync")  # fmt: skip
 CONTINUITY_VARIANTS = ("stock_sdpa", "breakgraph", "breakgraph_sync")
 SMOKE_VARIANTS = ("stock_sdpa", "stock_graphs", "stock_graphs_async", "breakgraph",
-                  "breakgraph_sync", "breakgraph_pow2")  # fmt: skip
+                  "breakgraph_sync", "breakgraph_pow2", "breakgraph_breaks")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +182,8 @@ CONFIGS = {name: m.family.config for name, m in MODELS.items()}  # (benchmarks.c
 #: Rough generated tokens/s on the H200 at the default workload, for the time estimate only
 #: (from docs/results/h200-cb.json and issue 23's runs, rounded down).
 ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async": 1500,
-                  "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000}  # fmt: skip
+                  "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
+                  "breakgraph_breaks": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
@@ -282,7 +288,8 @@ def run_round(model, variant: Variant, run) -> dict:
             buckets = None
             if variant.pow2:
                 buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]
-            handle = enable_continuous_batching(model, backend=run.backend, query_buckets=buckets)
+            handle = enable_continuous_batching(model, backend=run.backend, query_buckets=buckets,
+                                                decode_graphs=variant.decode_graphs)
         else:
             model.set_attn_implementation("sdpa")
         run.timer = None
@@ -319,19 +326,30 @@ def run_round(model, variant: Variant, run) -> dict:
             if handle is not None:
                 runner = handle.runner
                 tokens_stats, logits_stats = runner.tokens.stats, runner.logits.stats
+                decode = runner.decode  # pure-decode graphs (None with decode_graphs=False)
+                decode_stats = decode.stats if decode is not None else None
                 handle.disable()
             model.set_attn_implementation("sdpa")
     if handle is not None:
         result.update(
             graphs=tokens_stats.captures + logits_stats.captures,
             capture_s=tokens_stats.capture_s + logits_stats.capture_s,
-            replays=tokens_stats.replays,
+            replays=tokens_stats.replays + (decode_stats.replays if decode_stats else 0),
             eager_steps=tokens_stats.eager_steps,
             breaks_per_graph=max((b.breaks for b in tokens_stats.buckets.values()), default=0),
             buckets=sorted(tokens_stats.buckets),
             logits_buckets=sorted(logits_stats.buckets),
             stats_table=str(tokens_stats),
         )
+        if decode_stats is not None:  # pure-decode graphs, captured while serving
+            result.update(
+                decode_graph_replays=decode_stats.replays,
+                decode_graph_captures=decode_stats.captures,
+                decode_graph_capture_s=decode_stats.capture_s,
+                decode_graph_layouts=decode.layouts,
+                decode_graph_fallbacks=dict(decode.fallbacks),
+                decode_graph_off=decode.off,
+            )
     else:
         result.update(graphs=run.graphs.captures, capture_s=run.graphs.capture_s)
     if variant.use_cuda_graph and device.type != "cuda":

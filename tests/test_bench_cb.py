@@ -356,14 +356,19 @@ def test_smoke_run_measures_every_variant(smoke_json):
             assert v["tokens_per_s"] > 0 and v["steps"] > 0 and v["host_prepare_ms_per_step"] > 0
             assert v["decode_requests"] == model["prompts"] and v["decode_step_ms"] > 0
             assert v["over_roofline"] > 1 and v["decode_over_floor"] > 1
-        for name in ("breakgraph", "breakgraph_sync"):
+        for name in ("breakgraph", "breakgraph_sync", "breakgraph_breaks"):
             v = variants[name]
+            assert v["tokens_agree_with_stock"] == 1.0, name
             assert v["graphs"] >= 2 and v["replays"] == v["steps"] == v["forward_calls"]
             assert v["forward_host_ms_per_step"] > 0 and v["decode_forward_steps"] > 0
             # its attention breaks inside the forward, the cache updates inside the breaks
             fwd, brk = v["forward_host_ms_per_step"], v["break_host_ms_per_step"]
             assert fwd > brk > v["cache_update_host_ms_per_step"] > 0
-            assert v["decode_break_host_ms"] > 0
+            if name == "breakgraph_breaks":  # pure-decode steps through the breaks too
+                assert v["decode_break_host_ms"] > 0 and "decode_graph_replays" not in v
+            else:  # pure-decode steps replay graphs without breaks
+                assert v["decode_break_host_ms"] == 0 and v["decode_graph_replays"] > 0
+                assert v["decode_graph_layouts"] == 1 and v["decode_graph_off"] is None
         assert variants["breakgraph"]["rounds"] == 2 and variants["stock_sdpa"]["rounds"] == 1
         ratios = set(model["ratios"])
         assert {"breakgraph_over_stock_sdpa", "breakgraph_over_stock_graphs"} <= ratios
