@@ -413,7 +413,8 @@ def trace_variant(model, name: str, args, ctx) -> dict:
     variant = VARIANTS[name]
     handle = None
     if variant.breakgraph:
-        handle = enable_continuous_batching(model, backend=ctx.backend)
+        handle = enable_continuous_batching(model, backend=ctx.backend,
+                                            decode_graphs=variant.decode_graphs)
     else:
         model.set_attn_implementation("sdpa")
     try:
