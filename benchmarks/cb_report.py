@@ -66,6 +66,18 @@ PAGED_DECODE_FILES = (
 )
 #: ``benchmarks/decode_attention.py``: one layer's decode attention, three ways
 DECODE_ATTENTION_FILE = "h200-decode-attention.json"
+#: ``bench_cb --variants breakgraph,breakgraph_breaks``, the two taking turns in one process:
+#: pure-decode steps as one graph (decode graphs) against a break per layer; (file, label)
+DECODE_GRAPHS_FILES = (
+    ("h200-cb-decode-graphs-5.17.json", "A"),
+    ("h200-cb-decode-graphs-b-5.17.json", "B"),
+    ("h200-cb-decode-graphs-5.24.json", "C"),
+)
+#: ``cb_trace --variants breakgraph,breakgraph_breaks`` over pure-decode steps, per model
+DECODE_GRAPHS_TRACE_FILES = (
+    "h200-cb-trace-decode-graphs-5.17/summary.json",
+    "h200-cb-trace-decode-graphs-llama-1b-5.17/summary.json",
+)
 
 
 def schema(data: dict) -> int:
@@ -297,8 +309,21 @@ def target_lines(m: dict) -> list:
             limit=f"{T.TARGET_CB_CAPTURE_S:g}",
             verdict=_verdict(entry["capture_s"] <= T.TARGET_CB_CAPTURE_S),
             breaks=entry.get("breaks_per_graph", "-"), eager=entry.get("eager_steps", 0),
+            decode_graphs=_decode_graphs_note(entry),
         ))  # fmt: skip
     return lines
+
+
+def _decode_graphs_note(entry: dict) -> str:
+    """The pure-decode graphs a run captured while serving (runs from before them: nothing)."""
+    if "decode_graph_captures" not in entry:
+        return ""
+    note = (f"; pure-decode graphs (no breaks) captured while serving: "
+            f"{entry['decode_graph_captures']} in {num(entry['decode_graph_capture_s'])} s, "
+            f"{entry['decode_graph_replays']} replays")  # fmt: skip
+    if entry.get("decode_graph_off"):
+        note += f" (off: {entry['decode_graph_off']})"
+    return note
 
 
 # -- schema 1 (the committed 5.17 run, until it is re-measured) -----------------------------
@@ -694,6 +719,88 @@ def decode_attention_section(data: dict) -> str:
         slower="; ".join(slower) or "it is slower in none",
         fold=span([f for f in folded if f > 1] or [float("nan")], 2),
         paged=span(paged, 1),
+    )
+
+
+def decode_graphs_section(runs: list, traces: list) -> str:
+    """Pure-decode steps as one graph (``breakgraph``) against a break per layer
+    (``breakgraph_breaks``), taking turns in one process: ``runs`` holds ``(data, label)``,
+    ``traces`` ``cb_trace`` summaries of both variants over pure-decode steps."""
+    rows, lines, meta, ratios = [], [], runs[0][0]["meta"], []
+    for data, label in runs:
+        for m in data["models"]:
+            v = m["variants"]
+            graphs, breaks = v.get("breakgraph", {}), v.get("breakgraph_breaks", {})
+            if "tokens_per_s" not in graphs or "tokens_per_s" not in breaks:
+                continue
+            for name, e in (("breakgraph_breaks", breaks), ("breakgraph", graphs)):
+                rows.append([
+                    label, _release(data), m["model"], f"`{name}`",
+                    f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+                    num(e["decode_step_ms"], 2), num(e["decode_forward_host_ms"], 2),
+                    num(e["decode_forward_device_ms"], 2), num(e["host_prepare_ms_per_step"], 1),
+                    pct(e["gpu_forward_fraction"]),
+                    (f"{e['decode_graph_captures']} in {num(e['decode_graph_capture_s'], 2)} s"
+                     if "decode_graph_captures" in e else "-"),
+                ])  # fmt: skip
+            per_round = [a / b for a, b in zip(graphs["rounds_tokens_per_s"],
+                                               breaks["rounds_tokens_per_s"])]  # fmt: skip
+            ratios.append((f"run {label}'s {m['model']}",
+                           graphs["tokens_per_s"] / breaks["tokens_per_s"], per_round))
+            lines.append(
+                f"- {label}, {m['model']} on {_release(data)}: tokens/s "
+                f"{num(graphs['tokens_per_s'] / breaks['tokens_per_s'], 2)}× (round by round "
+                f"{span(per_round, 2)}); pure-decode step {num(breaks['decode_step_ms'], 2)} → "
+                f"{num(graphs['decode_step_ms'], 2)} ms, its forward's host time "
+                f"{num(breaks['decode_forward_host_ms'], 2)} → "
+                f"{num(graphs['decode_forward_host_ms'], 2)} ms"
+            )
+    trace_rows, overlap = [], []
+    for data in traces:
+        variants = data["variants"]
+        graphs, breaks = variants.get("breakgraph"), variants.get("breakgraph_breaks")
+        if graphs and breaks:
+            overlap.append(
+                f"{data['meta']['model']}: {pct(breaks['prepare_device_busy_fraction'])} → "
+                f"{pct(graphs['prepare_device_busy_fraction'])}, and "
+                f"{num(breaks['wall_ms_per_step'], 2)} → {num(graphs['wall_ms_per_step'], 2)} ms "
+                f"per step"
+            )
+        for name, v in data["variants"].items():
+            trace_rows.append([
+                data["meta"]["model"], f"`{name}`", num(v["wall_ms_per_step"], 2),
+                num(v["prepare_ms_per_step"], 2), pct(v["prepare_device_busy_fraction"]),
+                num(v["step_ms_per_step"], 2), pct(v["device_busy_fraction"]),
+            ])  # fmt: skip
+    first = traces[0]["meta"] if traces else {}
+    return fill(
+        "cb.decode_graphs",
+        files=", ".join(f"`{name}` ({label})" for name, label in DECODE_GRAPHS_FILES),
+        device=meta["device"],
+        torch=meta["torch"],
+        date=meta["date"],
+        table=table(
+            ["run", "transformers", "model", "variant", "tokens/s (rounds)", "decode ms",
+             "decode fwd host ms", "decode fwd device ms", "prep ms", "in forward",
+             "decode graphs captured"],
+            rows,
+        ),  # fmt: skip
+        ratios=bullets(lines) or "(not measured)",
+        trace_files=", ".join(f"`{name}`" for name in DECODE_GRAPHS_TRACE_FILES),
+        trace_args=(f"{first['args']['prompts']} prompts of {first['args']['min_len']}–"
+                    f"{first['args']['max_len']} tokens, {first['args']['new_tokens']} new "
+                    f"tokens, {first['args']['steps']} steps from step {first['args']['skip']}"
+                    if first else "-"),  # fmt: skip
+        trace=table(
+            ["model", "variant", "ms per step", "prep ms", "GPU busy during prep",
+             "step ms", "GPU busy"],
+            trace_rows,
+        ) if trace_rows else "(not measured)",  # fmt: skip
+        overlap="; ".join(overlap) or "not measured",
+        faster=sum(r > 1 for _, r, _ in ratios),
+        comparisons=len(ratios),
+        slower=", ".join(f"{what} {num(r, 2)}× (rounds {span(rounds, 2)})"
+                         for what, r, rounds in ratios if r <= 1) or "none",  # fmt: skip
     )
 
 

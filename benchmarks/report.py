@@ -146,6 +146,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
              if (d := load(name)) is not None]  # fmt: skip
     if paged:
         blocks.append(cb_report.paged_decode_section(paged))
+    graphs = [(d, label) for name, label in cb_report.DECODE_GRAPHS_FILES
+              if (d := load(name)) is not None]  # fmt: skip
+    if graphs:
+        traces = [d for name in cb_report.DECODE_GRAPHS_TRACE_FILES if (d := load(name))]
+        blocks.append(cb_report.decode_graphs_section(graphs, traces))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))
