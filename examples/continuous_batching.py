@@ -4,7 +4,9 @@ Runs on a GPU (CUDA graphs, FlashAttention varlen in bf16) or, without one, on t
 CPU through the emulated backend (fp32, exact reference attention). Each step of
 transformers' continuous batching mixes prefill chunks and decode tokens; while the
 integration is enabled, everything but each layer's paged-cache access and
-attention is captured, one graph per query-token bucket.
+attention is captured, one graph per query-token bucket; a pure-decode step (one
+new token per sequence) replays a graph with the cache write and read inside, no
+break at all.
 
     python examples/continuous_batching.py
 """
@@ -51,6 +53,8 @@ with enable_continuous_batching(model, backend=backend) as handle:
     tokens = generate()
 
 print(handle.stats)  # one capture per query bucket; every later step is a replay
+decode = handle.decode_graphs.stats  # pure-decode steps, captured when first needed
+print(f"pure-decode steps replayed as one graph: {decode.replays} ({decode.captures} captured)")
 same = sum(a == b for a, b in zip(tokens, stock))
 print(f"same tokens as transformers' continuous batching: {same}/{len(prompts)} prompts")
 if not cuda:  # fp32 with the exact reference attention: token for token

@@ -49,9 +49,11 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      ``[rows, Hkv, D]`` with contiguous rows, decode steps read through ``update`` as
      before): in 5.17 ``cache.layer_index_to_group_indices``, ``sliding_windows`` and
      ``cache.key_cache`` / ``value_cache``; in later releases ``cache.layer_to_allocator`` and
-     the allocator's ``index``, ``layer_type`` and ``_kv_token_views``. With it, ``update``
-     is called with empty read indices (its write-only branch, in every tested release), so
-     transformers still writes.
+     the allocator's ``index``, ``layer_type`` and ``_kv_token_views``. With it, inside a
+     pure-decode break ``update`` is called with empty read indices (its write-only branch, in
+     every tested release), so transformers still writes; a pure-decode *graph*
+     (:mod:`.decode_graph`) writes the rows itself as ``update`` does in every tested release
+     (``index_copy_`` at ``write_index[group]``) and reads them in place.
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: ``_load_model``
