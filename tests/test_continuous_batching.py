@@ -433,6 +433,41 @@ def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monk
         assert generate_batch(model, prompts) == expected
 
 
+@needs_cb
+def test_a_failed_decode_capture_falls_back_to_the_breaks(monkeypatch, caplog):
+    """A decode graph whose capture raises turns the decode graphs off for the model, says why
+    (``off``, a warning) and the step, and every later one, takes the breaks: same tokens."""
+
+    def broken(*args):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(decode_graph, "paged_decode_dense", broken)
+    model = build_model("llama")
+    prompts = random_prompts(seed=15)
+    expected = generate_batch(model, prompts)
+    with caplog.at_level("WARNING", logger="breakgraph"):
+        with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as h:
+            assert generate_batch(model, prompts) == expected
+            assert generate_batch(model, prompts) == expected
+    assert h.decode_graphs.off == "capture failed: RuntimeError: kernel exploded"
+    assert h.decode_graphs.stats.captures == 0 and h.runner.tokens.stats.replays > 0
+    assert "pure-decode graphs off" in caplog.text
+
+
+def test_decode_graphs_check_the_kernel_before_anything_runs(monkeypatch):
+    """On CUDA the Triton kernel must run and tile the heads; checked on the cache's layout
+    before a warm-up writes anything, with the reason kept."""
+    layers = {0: (0, torch.zeros(8, 2, 24), torch.zeros(8, 2, 24))}
+    graphs = decode_graph.DecodeGraphs(None, 1, 4, backend="cuda", debug=False, who="test")
+    assert graphs._kernel_problem(layers) == "Triton is not available"
+    monkeypatch.setattr(decode_graph, "triton_available", lambda device: True)
+    assert "cannot tile 4 query heads over 2 key heads of size 24" in graphs._kernel_problem(layers)
+    layers = {0: (0, torch.zeros(8, 2, 32), torch.zeros(8, 2, 32))}
+    assert graphs._kernel_problem(layers) is None
+    emulated = decode_graph.DecodeGraphs(None, 1, 3, backend="emulated", debug=False, who="t")
+    assert emulated._kernel_problem(layers) is None  # the dense kernel runs any heads
+
+
 def test_layer_kv_rows_refuses_what_it_does_not_know():
     """Contract item 13 on objects of neither layout, or rows that are not ``[rows, Hkv, D]``."""
     assert compat.layer_kv_rows(object(), 0) is None

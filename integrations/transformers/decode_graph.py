@@ -44,6 +44,7 @@ Example (what :class:`.cb_step.StepRunner` does for a pure-decode step)::
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,7 @@ from .paged_decode import fits, paged_decode, paged_decode_dense, triton_availab
 __all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows"]
 
 _FULL = "full_attention"
+logger = logging.getLogger("breakgraph")
 
 #: transformers' paged cache -> {layer: compat.layer_kv_rows}: each layout looked up once per
 #: cache, and held weakly, so a finished manager's cache is freed (the rows are views of it)
@@ -178,6 +180,10 @@ class DecodeGraphs:
                 )  # fmt: skip
             except NotDecodable as exc:
                 self.off = str(exc)
+                return False
+            except Exception as exc:  # the breaks serve the step; say why, once, and stay off
+                self.off = f"capture failed: {type(exc).__name__}: {exc}"
+                logger.warning("%s: pure-decode graphs off, %s", self.who, self.off)
                 return False
             finally:
                 step.decode, self._layers = None, {}
