@@ -427,7 +427,7 @@ def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monk
         assert decode.stats.replays > 0 and set(decode.stats.buckets) == {8}
         assert {b.breaks for b in decode.stats.buckets.values()} == {0}
         assert set(seen) == {8}  # captured at bucket 8 (3 sequences, 5 padded)
-    assert handle.decode_graphs.ladder is None  # released by disable()
+    assert handle.decode_graphs.held == 0  # released by disable()
     with enable_continuous_batching(model, backend="emulated", decode_graphs=False) as handle:
         assert handle.decode_graphs is None
         assert generate_batch(model, prompts) == expected
@@ -452,6 +452,43 @@ def test_a_failed_decode_capture_falls_back_to_the_breaks(monkeypatch, caplog):
     assert h.decode_graphs.off == "capture failed: RuntimeError: kernel exploded"
     assert h.decode_graphs.stats.captures == 0 and h.runner.tokens.stats.replays > 0
     assert "pure-decode graphs off" in caplog.text
+
+
+@needs_cb
+def test_decode_graph_buffers_grow_with_the_steps_not_the_cache(monkeypatch):
+    """The read-index buffers are sized from the steps (the dense kernel reads all of them),
+    not from the cache: a cache of thousands of rows gets a buffer of about twice the first
+    decode step's keys; a step that outgrows it gets new buffers and new graphs (here forced
+    with a small first size), with the same tokens. An allocation failure turns the graphs
+    off instead of failing the requests."""
+    sizes = []
+    buffers = decode_graph.DecodeBuffers
+
+    def recorded(groups, largest, capacity, device):
+        sizes.append(capacity)
+        return buffers(groups, largest, capacity, device)
+
+    monkeypatch.setattr(decode_graph, "DecodeBuffers", recorded)
+    model = build_model("llama")
+    prompts = random_prompts(seed=16)
+    gen = generation_config(max_new_tokens=12)
+    big = cb_config(num_blocks=256)  # 4096 cache rows
+    expected = generate_batch(model, prompts, gen=gen, cbc=big)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as h:
+        assert generate_batch(model, prompts, gen=gen, cbc=big) == expected
+        assert sizes == [1024] and h.decode_graphs.regrowths == 0
+    monkeypatch.setattr(decode_graph, "_capacity", lambda rows: rows + 1)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as h:
+        assert generate_batch(model, prompts, gen=gen, cbc=big) == expected
+        assert h.decode_graphs.regrowths > 0 and h.decode_graphs.stats.replays > 0
+
+    def no_memory(*args):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(decode_graph, "DecodeBuffers", no_memory)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as h:
+        assert generate_batch(model, prompts, gen=gen, cbc=big) == expected
+        assert h.decode_graphs.off == "static buffers failed: OutOfMemoryError: simulated"
 
 
 def test_decode_graphs_check_the_kernel_before_anything_runs(monkeypatch):
@@ -646,6 +683,8 @@ def test_two_threads_share_one_enabled_model():
     assert not errors, errors
     assert results == expected
     assert handle.runner.tokens.stats.captures == len(BUCKETS)  # once for both managers
+    # two caches in turn: each keeps its decode graphs (no capture per step)
+    assert handle.decode_graphs.layouts <= 2 and handle.decode_graphs.stats.replays > 0
 
 
 @needs_cb

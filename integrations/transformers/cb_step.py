@@ -20,7 +20,9 @@ step with the step's packed query tokens and paged-attention metadata. While
 The step's inputs are copied into the buckets' static buffers (three small copies) and the
 logits come back as a fresh fp32 tensor (what transformers' ``.float()`` would make), so the
 next step can reuse graph memory at once. Every bucket is captured before serving (when a
-manager is created), with a fake one-sequence step that touches no cache.
+manager is created), with a fake one-sequence step that touches no cache. A pure-decode step
+(one query per sequence) goes to :class:`~.decode_graph.DecodeGraphs` first: a third kind of
+graph, with the cache write and read captured and no break, captured while serving.
 
 Example (what the handle does for every CB forward)::
 
@@ -316,7 +318,8 @@ class StepRunner:
     @property
     def stats(self):
         """:class:`~breakgraph.ladder.LadderStats` of the query-token ladder and the pure-decode
-        graphs together (``decode.stats`` alone: the decode graphs, captured while serving)."""
+        graphs together (``decode.stats`` alone: the decode graphs, captured while serving);
+        a bucket's ``breaks`` are its query-token graph's."""
         if self.decode is None:
             return self.tokens.stats
         return combined(self.tokens.stats, self.decode.stats)

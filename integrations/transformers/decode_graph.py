@@ -21,24 +21,31 @@ every shape depends on ``B`` only:
   padded sequences have no keys and get zeros.
 
 The step's indices are copied into static buffers (:class:`DecodeBuffers`) before the
-replay, as the ids and positions are. A graph bakes the cache tensors' addresses in, so the
+replay, as the ids and positions are. A graph bakes the cache tensors' addresses in, so a
 ladder belongs to one cache *layout* (the tensors' addresses, shapes and strides): a manager
-whose cache lies elsewhere gets a new ladder (the old one is released), one whose cache
-reuses the addresses (the allocator often hands a new manager the old one's memory) reuses
-the graphs. Buckets are captured when a decode step first needs them, with that step's own
-data (its writes are idempotent: the replay right after writes the same rows again); buckets
-smaller than the step are never needed by it.
+whose cache lies elsewhere gets a ladder of its own, one whose cache reuses the addresses
+(the allocator often hands a new manager the old one's memory) reuses the graphs. The ladders
+of the :attr:`DecodeGraphs.KEEP` most recently used layouts are kept, so managers serving in
+turn do not capture again. Buckets are captured when a decode step first needs them, with
+that step's own data (its writes are idempotent: the replay right after writes the same rows
+again).
+
+The read-index buffers are sized from the steps (twice the first decode step's keys, a power
+of two), not from the cache, which may hold millions of rows; a step that outgrows them gets
+buffers twice as large and new graphs.
 
 Not used (the step goes through the query-token ladder): under tensor parallelism, with a
 sliding-window layer or a cache layout contract item 13 does not know, where Triton does not
 run on CUDA or cannot tile the heads, when a step's read index is empty (a first step of
-one-token prompts) or longer than the buffers.
+one-token prompts), or after a capture or an allocation failed (``off`` says why; a warning
+is logged once).
 
-Example (what :class:`.cb_step.StepRunner` does for a pure-decode step)::
+Example (what :class:`.cb_step.StepRunner` does for a pure-decode step; ``handle.
+decode_graphs`` is this object)::
 
-    graphs = DecodeGraphs(record=runner._record_tokens, num_layers=2, backend="emulated",
+    graphs = DecodeGraphs(runner._record_tokens, num_layers=2, q_heads=4, backend="emulated",
                           debug=False, who="enable_continuous_batching")
-    if not graphs.replay(step, bucket, n):   # False: not a step it can run
+    if not graphs.replay(step, bucket, n, largest=runner.buckets[-1]):  # False: cannot run
         runner.tokens.replay(bucket, step, size=n)
 """
 
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -86,27 +94,22 @@ class NotDecodable(Exception):
 class DecodeBuffers:
     """The decode graphs' static inputs beside the ids and positions: per layer group the
     write index ``[B]`` and the read index ``[capacity]``, the key offsets ``[B + 1]`` and the
-    source row of each write ``[B]``; sized for the largest bucket and the cache."""
+    source row of each write ``[B]``; sized for the largest bucket and ``capacity`` read rows
+    (the whole read index is what :func:`.paged_decode.paged_decode_dense` reads: it is sized
+    from the steps, not from the cache, which may hold millions of rows)."""
 
-    def __init__(self, groups: dict[int, int], largest: int, device: torch.device) -> None:
+    def __init__(self, groups, largest: int, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
         with torch.inference_mode(False):
             self.write = {g: torch.zeros(largest, dtype=torch.long, device=device) for g in groups}
-            self.read = {g: torch.zeros(rows, dtype=torch.long, device=device)
-                         for g, rows in groups.items()}  # fmt: skip
+            self.read = {g: torch.zeros(capacity, dtype=torch.long, device=device) for g in groups}
             self.cu_k = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.source = torch.zeros(largest, dtype=torch.long, device=device)
             self.iota = torch.arange(largest, dtype=torch.long, device=device)
         self._source_for: tuple[int, int] | None = None  # (n, bucket) the source holds
 
-    def fill(self, step: Any, n: int, bucket: int) -> str | None:
-        """Copy the live step's indices in (device copies, no sync); the reason it cannot run
-        in a decode graph, or None."""
-        for group, read in self.read.items():
-            rows = step.read_index[group].shape[0]
-            if rows == 0:
-                return "nothing cached yet (empty read index)"
-            if rows > read.shape[0]:
-                return "read index longer than the cache rows"
+    def fill(self, step: Any, n: int, bucket: int) -> None:
+        """Copy the live step's indices in (device copies, no sync; every read index fits)."""
         for group, write in self.write.items():
             live = step.write_index[group]
             write[:n].copy_(live)
@@ -122,7 +125,15 @@ class DecodeBuffers:
             self.source[:n].copy_(self.iota[:n])
             self.source[n:bucket].zero_()
             self._source_for = (n, bucket)
-        return None
+
+
+class _LayoutGraphs:
+    """The decode graphs of one cache layout: a ladder and the static buffers it baked in."""
+
+    __slots__ = ("ladder", "buffers")
+
+    def __init__(self, ladder: GraphLadder, buffers: DecodeBuffers) -> None:
+        self.ladder, self.buffers = ladder, buffers
 
 
 class DecodeGraphs:
@@ -130,8 +141,13 @@ class DecodeGraphs:
 
     ``record(bucket)`` runs the decoder over the bucket's static ids and positions (the
     query-token ladder's own record function); while it is captured here, the model's
-    attention calls :meth:`attention` instead of creating a break.
+    attention calls :meth:`attention` instead of creating a break. Graphs are kept for the
+    :data:`KEEP` most recently used cache layouts (managers serving in turn keep theirs); on
+    the emulated backend, whose graphs hold the cache, a layout's graphs go with its cache.
     """
+
+    #: cache layouts whose graphs are kept (least recently used released first)
+    KEEP = 4
 
     def __init__(self, record: Callable[[int], Any], num_layers: int, q_heads: int,
                  backend: str, debug: bool, who: str) -> None:  # fmt: skip
@@ -140,54 +156,71 @@ class DecodeGraphs:
         self.off: str | None = None  # why this model's decode steps never run here
         self.fallbacks: dict[str, int] = {}  # decode steps that took the break path, by reason
         self.layouts = 0  # cache layouts captured for (one ladder each)
-        self._past = LadderStats()  # the counters of the ladders of earlier layouts
-        self.ladder: GraphLadder | None = None
-        self.buffers: DecodeBuffers | None = None
+        self.regrowths = 0  # new ladders for larger read-index buffers (same layout)
+        self._graphs: OrderedDict[tuple, _LayoutGraphs] = OrderedDict()  # layout key -> graphs
+        self._past = LadderStats()  # the counters of released ladders
+        self._dead: list[tuple] = []  # layouts whose cache was freed (emulated backend)
         self._layers: dict[int, tuple] = {}  # layer -> (group, keys, values), while capturing
-        self._key: tuple | None = None  # the ladder's cache layout
-        self._largest = 0
+        self.buffers: DecodeBuffers | None = None  # the capturing layout's, while capturing
 
     @property
     def stats(self) -> LadderStats:
         """Captures and replays per bucket, summed over every cache layout's ladder."""
-        if self.ladder is None:
-            return self._past
-        return combined(self.ladder.stats, self._past)
+        live = [graphs.ladder.stats for graphs in self._graphs.values()]
+        return combined(*live, self._past) if live else self._past
+
+    @property
+    def held(self) -> int:
+        """How many cache layouts have graphs now."""
+        return len(self._graphs)
+
+    def capacity(self, cache: Any) -> int | None:
+        """The read-index rows the graphs of ``cache``'s layout hold, or None."""
+        layout = self._layout(cache)
+        graphs = self._graphs.get(layout[1]) if layout is not None else None
+        return graphs.buffers.capacity if graphs is not None else None
 
     def replay(self, step: Any, bucket: int, n: int, largest: int) -> bool:
         """Run the pure-decode ``step`` (``n`` sequences) in ``bucket``'s decode graph, capturing
         it first if needed; False (nothing done) where it cannot run here."""
         if self.off is not None:
             return False
+        while self._dead:
+            self._release(self._dead.pop())
         layout = self._layout(step.cache)
         if layout is None:
             return self._fallback("cache layout unknown or a sliding-window layer")
-        layers, key = layout
-        if key != self._key:
-            self.off = self._kernel_problem(layers)
-            if self.off is not None:
+        layers, key, groups = layout
+        rows = max(step.read_index[group].shape[0] for group in groups)
+        if rows == 0:  # a first step of one-token prompts: attention over their own keys
+            return self._fallback("nothing cached yet (empty read index)")
+        graphs = self._graphs.get(key)
+        if graphs is None or rows > graphs.buffers.capacity:  # a new layout, or more keys
+            if graphs is None and (problem := self._kernel_problem(layers)) is not None:
+                self.off = problem
                 return False
-            self._new_ladder(layers, key, largest)
-        reason = self.buffers.fill(step, n, bucket)
-        if reason is not None:
-            return self._fallback(reason)
-        if bucket not in self.ladder.buckets:
-            step.decode, self._layers = self, layers  # held during the capture only
             try:
-                self.ladder.capture(
+                graphs = self._new_graphs(key, layers, groups, largest, _capacity(rows))
+            except Exception as exc:  # e.g. out of memory: the breaks serve the step
+                return self._turn_off("static buffers failed", exc)
+        self._graphs.move_to_end(key)
+        graphs.buffers.fill(step, n, bucket)
+        if bucket not in graphs.ladder.buckets:
+            step.decode, self._layers, self.buffers = self, layers, graphs.buffers
+            try:
+                graphs.ladder.capture(
                     [bucket], self.record, warm_up=self.record, context=lambda size: step,
                     collect_garbage=False, capture_error_mode="thread_local",
                 )  # fmt: skip
             except NotDecodable as exc:
+                self.close()
                 self.off = str(exc)
                 return False
             except Exception as exc:  # the breaks serve the step; say why, once, and stay off
-                self.off = f"capture failed: {type(exc).__name__}: {exc}"
-                logger.warning("%s: pure-decode graphs off, %s", self.who, self.off)
-                return False
-            finally:
-                step.decode, self._layers = None, {}
-        self.ladder.replay(bucket, step, size=n)
+                return self._turn_off("capture failed", exc)
+            finally:  # nothing of the cache held past the capture
+                step.decode, self._layers, self.buffers = None, {}, None
+        graphs.ladder.replay(bucket, step, size=n)
         return True
 
     def attention(self, layer: int, query, key, value, scaling: float, window) -> torch.Tensor:
@@ -206,27 +239,32 @@ class DecodeGraphs:
         keys.index_copy_(0, write, key[0].transpose(0, 1).index_select(0, source))
         values.index_copy_(0, write, value[0].transpose(0, 1).index_select(0, source))
         q = query[0].transpose(0, 1)
+        if q.stride(-1) != 1:  # the kernel reads contiguous rows (RoPE keeps them so)
+            q = q.contiguous()
         read, cu_k = buffers.read[group], buffers.cu_k[: bucket + 1]
         if self.backend == "cuda":
             return paged_decode(q, keys, values, read, cu_k, scaling)
         return paged_decode_dense(q, keys, values, read, cu_k, scaling)
 
     def close(self) -> None:
-        """Release the graphs and buffers."""
-        if self.ladder is not None:
-            self.ladder.close()
-            self._past = combined(self.ladder.stats, self._past)
-        self.ladder = self.buffers = self._key = None
+        """Release every layout's graphs and buffers (the counters stay)."""
+        for key in list(self._graphs):
+            self._release(key)
 
     # -- internals ------------------------------------------------------------------------------
     def _layout(self, cache: Any) -> tuple | None:
-        """``(layers, key)`` of ``cache`` (looked up once per cache), or None."""
+        """``(layers, key, groups)`` of ``cache`` (looked up once per cache), or None."""
         try:
             return _LAYOUTS[cache]
         except KeyError:
             pass
         layers = {layer: cache_rows(cache, layer) for layer in range(self.num_layers)}
-        found = None if None in layers.values() else (layers, _layout_key(layers))
+        found = None
+        if None not in layers.values():
+            groups = tuple(dict.fromkeys(group for group, _, _ in layers.values()))
+            found = (layers, _layout_key(layers), groups)
+            if self.backend != "cuda":  # these graphs hold the cache: release them with it
+                weakref.finalize(cache, self._dead.append, found[1])
         _LAYOUTS[cache] = found
         return found
 
@@ -243,21 +281,46 @@ class DecodeGraphs:
                     f"{kv_heads} key heads of size {head_dim}")  # fmt: skip
         return None
 
-    def _new_ladder(self, layers: dict[int, tuple], key: tuple, largest: int) -> None:
-        self.close()
-        groups: dict[int, int] = {}
-        for group, keys, _ in layers.values():
-            groups[group] = max(groups.get(group, 0), keys.shape[0])
+    def _new_graphs(self, key: tuple, layers: dict[int, tuple], groups: tuple, largest: int,
+                    capacity: int) -> _LayoutGraphs:  # fmt: skip
+        """Graphs for a new cache layout, or larger buffers for one (its old graphs baked the
+        old addresses in: released, and buckets are captured again when needed)."""
+        if key in self._graphs:
+            self.regrowths += 1
+            self._release(key)
+        else:
+            self.layouts += 1
+            while len(self._graphs) >= self.KEEP:
+                self._release(next(iter(self._graphs)))
         device = next(iter(layers.values()))[1].device
-        self.buffers = DecodeBuffers(groups, largest, device)
-        self._key = key
-        self.ladder = GraphLadder(backend=self.backend, debug=self.debug, on_miss="eager",
-                                  who=f"{self.who} (decode graphs)")  # fmt: skip
-        self.layouts += 1
+        buffers = DecodeBuffers(groups, largest, capacity, device)
+        ladder = GraphLadder(backend=self.backend, debug=self.debug, on_miss="eager",
+                             who=f"{self.who} (decode graphs)")  # fmt: skip
+        graphs = self._graphs[key] = _LayoutGraphs(ladder, buffers)
+        return graphs
+
+    def _release(self, key: tuple) -> None:
+        graphs = self._graphs.pop(key, None)
+        if graphs is not None:
+            graphs.ladder.close()
+            self._past = combined(graphs.ladder.stats, self._past)
+
+    def _turn_off(self, what: str, exc: Exception) -> bool:
+        """Off for good (the breaks serve every pure-decode step), saying why, once."""
+        self.close()
+        self.off = f"{what}: {type(exc).__name__}: {exc}"
+        logger.warning("%s: pure-decode graphs off, %s", self.who, self.off)
+        return False
 
     def _fallback(self, reason: str) -> bool:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         return False
+
+
+def _capacity(rows: int) -> int:
+    """Read-index rows to allocate for a step reading ``rows``: room to grow (decode steps add
+    one key per sequence), a power of two so that regrowth, which means new graphs, is rare."""
+    return max(1024, 1 << (2 * rows - 1).bit_length())
 
 
 def _layout_key(layers: dict[int, tuple]) -> tuple:
