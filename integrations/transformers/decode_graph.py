@@ -167,7 +167,7 @@ class DecodeGraphs:
     def stats(self) -> LadderStats:
         """Captures and replays per bucket, summed over every cache layout's ladder."""
         live = [graphs.ladder.stats for graphs in self._graphs.values()]
-        return combined(*live, self._past) if live else self._past
+        return combined(*live, self._past)  # a copy: the caller may keep it
 
     @property
     def held(self) -> int:
@@ -324,9 +324,10 @@ def _capacity(rows: int) -> int:
 
 
 def _layout_key(layers: dict[int, tuple]) -> tuple:
-    """What a decode graph baked in of the cache: every layer's tensors' addresses and layout."""
+    """What a decode graph baked in of the cache: every layer's tensors' addresses, layout,
+    dtype and device."""
     return tuple(
-        (group, t.data_ptr(), tuple(t.shape), t.stride())
+        (group, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
         for group, keys, values in layers.values()
         for t in (keys, values)
     )
