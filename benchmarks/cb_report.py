@@ -72,6 +72,7 @@ DECODE_GRAPHS_FILES = (
     ("h200-cb-decode-graphs-5.17.json", "A"),
     ("h200-cb-decode-graphs-b-5.17.json", "B"),
     ("h200-cb-decode-graphs-5.24.json", "C"),
+    ("h200-cb-decode-graphs-d-5.17.json", "D"),  # the code after the review (final)
 )
 #: ``cb_trace --variants breakgraph,breakgraph_breaks`` over pure-decode steps, per model
 DECODE_GRAPHS_TRACE_FILES = (
