@@ -11,7 +11,12 @@
 # trace, async against sync: benchmarks/cb_trace.py, ~40 s; its folder goes to
 # docs/results/h200-cb-trace-5.17/), RUN_DECODE_ATTENTION=1 (one layer's decode attention three
 # ways: benchmarks/decode_attention.py, ~40 s; copy decode-attention.json to
-# docs/results/h200-decode-attention.json), RUN_HOST_PATH=DIR (prefill's per-call host path, this tree
+# docs/results/h200-decode-attention.json), RUN_DECODE_GRAPHS=1 (pure-decode steps as one graph
+# against a break per layer, in turn: bench_cb --variants breakgraph,breakgraph_breaks on
+# DECODE_MODELS, 3 rounds, ~2 min, then cb_trace of both over pure-decode steps on llama-1b,
+# ~25 s; copy decode-graphs.json to docs/results/h200-cb-decode-graphs-*.json, see
+# cb_report.DECODE_GRAPHS_FILES, and the trace folder to docs/results/h200-cb-trace-decode-graphs-*),
+# RUN_HOST_PATH=DIR (prefill's per-call host path, this tree
 # against an older checkout in DIR, e.g. `mkdir .baseline && git archive REV | tar -x -C .baseline`
 # carried with the call; both orders, ~4 min; HOST_PATH_PIN="taskset -c 6" pins both to one core;
 # copy host-path-{new,old}-first.json to docs/results/h200-prefill-host-path-upload-*.json, see
@@ -41,7 +46,8 @@
 #   python3 -m pip download --no-deps -d .whl breakable-cuda-graphs==0.1.0
 # The device tool returns at most 8 files: the default sections write pytest.log,
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
-# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_HOST_PATH 2 (skip other sections to make room).
+# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_HOST_PATH 2,
+# RUN_DECODE_GRAPHS 4 (skip other sections to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
 source "$(dirname "$0")/setup_device.sh"
@@ -143,6 +149,16 @@ if [ -n "${RUN_DECODE_ATTENTION:-}" ]; then  # one layer's decode attention, thr
   timeout 200 python3 -m benchmarks.decode_attention --out "$OUT/decode-attention.json" 2>&1 \
     | tee -a "$LOG" || status=1
   echo "[decode attention: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_DECODE_GRAPHS:-}" ]; then  # decode graphs against breaks, in turn (~2.5 min)
+  t=$SECONDS
+  timeout 300 python3 -m benchmarks.bench_cb --models "${DECODE_MODELS:-llama-1b,qwen2.5-3b-12l,mixtral-1k-8l}" \
+    --variants breakgraph,breakgraph_breaks --repeat breakgraph,breakgraph_breaks --rounds 3 \
+    --budget-s 0 --out "$OUT/decode-graphs.json" 2>&1 | tee -a "$LOG" || status=1
+  timeout 100 python3 -m benchmarks.cb_trace --model llama-1b --variants breakgraph,breakgraph_breaks \
+    --prompts 100 --max-len 1024 --new-tokens 128 --skip 70 --steps 16 --settle 2 \
+    --out "$OUT/trace-decode-graphs" 2>&1 | tee -a "$LOG" || status=1
+  echo "[decode graphs: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
   python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \
