@@ -73,7 +73,8 @@ logger = logging.getLogger("breakgraph")
 #: transformers' paged cache -> {layer: compat.layer_kv_rows}: each layout looked up once per
 #: cache, and held weakly, so a finished manager's cache is freed (the rows are views of it)
 _LAYER_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: transformers' paged cache -> (every layer's rows, their layout key) or None (held weakly)
+#: transformers' paged cache -> (every layer's rows, their layout key, the layer groups) or None
+#: (held weakly)
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -88,7 +89,8 @@ def cache_rows(cache: Any, layer: int) -> tuple | None:
 
 
 class NotDecodable(Exception):
-    """Raised inside a decode warm-up when a layer cannot run in the graph (nothing written)."""
+    """Raised inside a decode warm-up when a layer cannot run in the graph. The layers before it
+    may have written the step's rows already: the same values the breaks then write again."""
 
 
 class DecodeBuffers:
