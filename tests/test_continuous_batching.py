@@ -736,6 +736,9 @@ def test_query_buckets_are_validated():
     for bad in ("16", 16, (8, 2.5), (True, 8), (0, 8), (-5, 8), ()):
         with pytest.raises(InputError, match="query_buckets"):
             enable_continuous_batching(model, backend="emulated", query_buckets=bad)
+    for bad in ("yes", 1, None):  # decode_graphs: a bool, not something truthy
+        with pytest.raises(InputError, match="decode_graphs must be True or False"):
+            enable_continuous_batching(model, backend="emulated", decode_graphs=bad)
     assert not cb._enabled and not cb._shared.installed
 
 

@@ -56,7 +56,7 @@ from .attention import (
 )
 from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, default_query_buckets
-from .paged_decode import fits, paged_decode, triton_available
+from .paged_decode import fits, paged_decode, query_rows, triton_available
 from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
@@ -82,12 +82,12 @@ class CBStep:
     """
 
     __slots__ = ("kernel", "update_takes_kwargs", "tokens", "cache", "cu_q", "max_q", "cu_k",
-                 "max_k", "read_index", "write_index", "warmup", "decode", "_q_bounds",
-                 "_no_reads")  # fmt: skip
+                 "max_k", "read_index", "write_index", "warmup", "pure_decode", "decode",
+                 "_q_bounds", "_no_reads")  # fmt: skip
 
     def __init__(self, kernel: str, update_takes_kwargs: bool) -> None:
         self.kernel, self.update_takes_kwargs = kernel, update_takes_kwargs
-        self.tokens, self.warmup = 0, False
+        self.tokens, self.warmup, self.pure_decode = 0, False, False
         self.cache = self.cu_q = self.max_q = self.cu_k = self.max_k = None
         self.read_index = self.write_index = None
         self.decode = None  # the DecodeGraphs capturing this step's bucket, if any
@@ -100,6 +100,8 @@ class CBStep:
         self.cu_q, self.max_q = kwargs[names.cu_q], kwargs[names.max_q]
         self.cu_k, self.max_k = kwargs[names.cu_k], kwargs[names.max_k]
         self.read_index, self.write_index = kwargs[names.read_index], kwargs[names.write_index]
+        # one query per sequence (decided once per step, read by every layer)
+        self.pure_decode = self.max_q == 1 and tokens == self.cu_q.shape[0] - 1
         self._q_bounds = self._no_reads = None
 
     def release(self) -> None:
@@ -111,7 +113,7 @@ class CBStep:
     def fake(self, bucket: int) -> CBStep:
         """The warm-up / capture step of ``bucket``: one sequence filling it, no cache."""
         self.tokens, self.warmup, self.cache, self._q_bounds = bucket, True, None, None
-        self.decode = None
+        self.decode, self.pure_decode = None, False
         return self
 
     def no_reads(self) -> list:
@@ -150,9 +152,7 @@ class PagedAttention:
     def __init__(self, layer: int, query, key, value, scaling: float, window, kernel: str):
         self.__qualname__ = self.__name__ = f"paged attention[layer {layer}]"
         self.layer = layer
-        self.q = query[0].transpose(0, 1)
-        if self.q.stride(-1) != 1:
-            self.q = self.q.contiguous()  # only if RoPE left an odd layout
+        self.q = query_rows(query)
         self.key, self.value = key, value
         self.scaling, self.window, self.kernel = scaling, window, kernel
         self.layer_type = _SLIDING if window is not None else _FULL
@@ -171,7 +171,7 @@ class PagedAttention:
         if step.warmup:
             return self._own_keys()
         n = step.tokens
-        decode = step.max_q == 1 and n == step.cu_q.shape[0] - 1 and self.window is None
+        decode = step.pure_decode and self.window is None
         if decode and self.paged and (rows := cache_rows(step.cache, self.layer)) is not None:
             if step.read_index[rows[0]].shape[0]:  # empty: one-token prompts, nothing cached
                 return self._paged(step, rows, n)
@@ -421,7 +421,7 @@ class StepRunner:
         if n < bucket:
             inputs[:, n:].zero_()  # the tail: defined ids and positions
         step = self.step
-        decode = self.decode is not None and step.max_q == 1 and n == step.cu_q.shape[0] - 1
+        decode = self.decode is not None and step.pure_decode
         if not (decode and self.decode.replay(step, bucket, n, self.tokens.buckets[-1])):
             self.tokens.replay(bucket, step, size=n)
         rows_bucket = self.logits.choose(rows).bucket

@@ -391,6 +391,8 @@ def enable_continuous_batching(
         from breakgraph.buckets import validate_buckets
 
         query_buckets = tuple(validate_buckets(query_buckets, f"{_WHO}: query_buckets"))
+    if not isinstance(decode_graphs, bool):
+        raise InputError(f"{_WHO}: decode_graphs must be True or False, got {decode_graphs!r}.")
     debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too
     with _lock:
         if _handle_of(model) is not None:

@@ -63,7 +63,7 @@ from breakgraph.ladder import GraphLadder, LadderStats
 from breakgraph.ladder_stats import combined
 
 from . import compat
-from .paged_decode import fits, paged_decode, paged_decode_dense, triton_available
+from .paged_decode import fits, paged_decode, paged_decode_dense, query_rows, triton_available
 
 __all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows"]
 
@@ -176,12 +176,6 @@ class DecodeGraphs:
         """How many cache layouts have graphs now."""
         return len(self._graphs)
 
-    def capacity(self, cache: Any) -> int | None:
-        """The read-index rows the graphs of ``cache``'s layout hold, or None."""
-        layout = self._layout(cache)
-        graphs = self._graphs.get(layout[1]) if layout is not None else None
-        return graphs.buffers.capacity if graphs is not None else None
-
     def replay(self, step: Any, bucket: int, n: int, largest: int) -> bool:
         """Run the pure-decode ``step`` (``n`` sequences) in ``bucket``'s decode graph, capturing
         it first if needed; False (nothing done) where it cannot run here."""
@@ -240,9 +234,7 @@ class DecodeGraphs:
         source, write = buffers.source[:bucket], buffers.write[group][:bucket]
         keys.index_copy_(0, write, key[0].transpose(0, 1).index_select(0, source))
         values.index_copy_(0, write, value[0].transpose(0, 1).index_select(0, source))
-        q = query[0].transpose(0, 1)
-        if q.stride(-1) != 1:  # the kernel reads contiguous rows (RoPE keeps them so)
-            q = q.contiguous()
+        q = query_rows(query)
         read, cu_k = buffers.read[group], buffers.cu_k[: bucket + 1]
         if self.backend == "cuda":
             return paged_decode(q, keys, values, read, cu_k, scaling)

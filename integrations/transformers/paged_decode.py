@@ -41,6 +41,7 @@ __all__ = [
     "paged_decode",
     "paged_decode_dense",
     "paged_decode_reference",
+    "query_rows",
     "triton_available",
 ]
 
@@ -62,6 +63,17 @@ def fits(q_heads: int, kv_heads: int, head_dim: int) -> bool:
     (True, False, False)
     """
     return q_heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def query_rows(query: torch.Tensor) -> torch.Tensor:
+    """A layer's ``query`` ``[1, Hq, B, D]`` as the ``[B, Hq, D]`` rows the kernels read: a view,
+    copied only if its last dimension is not contiguous (RoPE leaves it contiguous).
+
+    >>> query_rows(torch.zeros(1, 4, 3, 8)).shape
+    torch.Size([3, 4, 8])
+    """
+    q = query[0].transpose(0, 1)
+    return q if q.stride(-1) == 1 else q.contiguous()
 
 
 def paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None):
