@@ -33,6 +33,9 @@ Variants:
   breakgraph_pow2     breakgraph with the earlier query buckets (powers of two from 8)
   breakgraph_breaks   breakgraph with ``decode_graphs=False``: pure-decode steps through the
                       query-token graphs and their attention breaks (before the decode graphs)
+  breakgraph_compiled breakgraph with ``compile=True``: the decoder under ``torch.compile``,
+                      so every graph holds Inductor's fused kernels (compiled when the first
+                      round's manager captures; *manager s* holds that compile)
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
@@ -130,6 +133,7 @@ class Variant:
     use_async_batching: bool | None = None
     pow2: bool = False  # breakgraph's earlier query buckets
     decode_graphs: bool = True  # breakgraph's pure-decode graphs (off: every layer a break)
+    compile: bool = False  # breakgraph's decoder under torch.compile (Inductor)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
 
 
@@ -150,6 +154,9 @@ VARIANTS = {
                 pow2=True),  # fmt: skip
         Variant("breakgraph_breaks", "breakgraph with decode_graphs=False (a break per layer in "
                 "pure-decode steps too, as before)", True, decode_graphs=False),  # fmt: skip
+        Variant("breakgraph_compiled", "breakgraph with compile=True (the decoder under "
+                "torch.compile: Inductor's fused kernels in every graph)", True,
+                compile=True),  # fmt: skip
     )
 }
 GENERATE = "generate"
@@ -183,7 +190,7 @@ CONFIGS = {name: m.family.config for name, m in MODELS.items()}  # (benchmarks.c
 #: (from docs/results/h200-cb.json and issue 23's runs, rounded down).
 ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async": 1500,
                   "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
-                  "breakgraph_breaks": 4000}  # fmt: skip
+                  "breakgraph_breaks": 4000, "breakgraph_compiled": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
@@ -283,13 +290,15 @@ def run_round(model, variant: Variant, run) -> dict:
     if lazy_graphs:
         passes.insert(0, ("cold", run.cold, args.cold_new_tokens))
     handle, result = None, {}
+    compiled_before = _compiled_graphs()
     with PatchSet() as patches:
         if variant.breakgraph:
             buckets = None
             if variant.pow2:
                 buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]
             handle = enable_continuous_batching(model, backend=run.backend, query_buckets=buckets,
-                                                decode_graphs=variant.decode_graphs)
+                                                decode_graphs=variant.decode_graphs,
+                                                compile=variant.compile)  # fmt: skip
         else:
             model.set_attn_implementation("sdpa")
         run.timer = None
@@ -352,12 +361,21 @@ def run_round(model, variant: Variant, run) -> dict:
             )
     else:
         result.update(graphs=run.graphs.captures, capture_s=run.graphs.capture_s)
+    if variant.compile:  # Dynamo graphs compiled in this round (0 once Dynamo's cache holds them)
+        result["compiled_graphs"] = _compiled_graphs() - compiled_before
     if variant.use_cuda_graph and device.type != "cuda":
         result["note"] = "no CUDA: transformers turns its graphs off"
     headline = dict(result["warm"])  # the row of the page
     result["warm_captures"] = headline.pop("captures")
     result.update(headline)
     return result
+
+
+def _compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 @torch.no_grad()
@@ -506,6 +524,7 @@ def run_model(name: str, args, run) -> dict:
             what=VARIANTS[v].what,
             rounds=len(results),
             rounds_tokens_per_s=[r["tokens_per_s"] for r in results],
+            rounds_manager_s=[r.get("manager_s") for r in results],  # round 1: compile, if any
         )
         if v in failures:
             out["variants"][v]["failed_round"] = failures[v]

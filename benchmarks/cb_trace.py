@@ -414,7 +414,8 @@ def trace_variant(model, name: str, args, ctx) -> dict:
     handle = None
     if variant.breakgraph:
         handle = enable_continuous_batching(model, backend=ctx.backend,
-                                            decode_graphs=variant.decode_graphs)
+                                            decode_graphs=variant.decode_graphs,
+                                            compile=variant.compile)  # fmt: skip
     else:
         model.set_attn_implementation("sdpa")
     try:

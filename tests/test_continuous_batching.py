@@ -434,6 +434,35 @@ def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monk
 
 
 @needs_cb
+def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
+    """``compile=...``: the decoder's Dynamo frames compile once, at the largest bucket's
+    warm-up, and serve every layer (a frame per layer would hit Dynamo's recompile limit and
+    run the rest eagerly, silently) and every bucket (dynamic token dimension): as many
+    compiled graphs with 2 layers as with 5. The tokens still equal ``generate()``, decode
+    graphs included (emulated captures run the compiled code eagerly: see ``.compiled``)."""
+    from tests.test_prefill_compile import CountingBackend
+
+    prompts = random_prompts()
+    graphs = {}
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        model = build_model("qwen3", num_hidden_layers=layers)
+        expected = generate_each(model, prompts)
+        counting = CountingBackend()
+        try:
+            with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
+                                            compile={"backend": counting}) as handle:  # fmt: skip
+                assert generate_batch(model, prompts) == expected, layers
+        finally:
+            torch._dynamo.reset()
+        assert handle.runner.compiled and handle.stats.eager_steps == 0
+        assert handle.decode_graphs.stats.replays > 0
+        assert all(calls > 0 for calls in counting.calls)  # each compiled graph ran
+        graphs[layers] = len(counting.calls)
+    assert graphs[2] == graphs[5], graphs
+
+
+@needs_cb
 def test_a_failed_decode_capture_falls_back_to_the_breaks(monkeypatch, caplog):
     """A decode graph whose capture raises turns the decode graphs off for the model, says why
     (``off``, a warning) and the step, and every later one, takes the breaks: same tokens."""
@@ -739,6 +768,9 @@ def test_query_buckets_are_validated():
     for bad in ("yes", 1, None):  # decode_graphs: a bool, not something truthy
         with pytest.raises(InputError, match="decode_graphs must be True or False"):
             enable_continuous_batching(model, backend="emulated", decode_graphs=bad)
+    for bad in ("yes", 1, None, ["dynamic"]):  # compile: a bool or torch.compile's kwargs
+        with pytest.raises(InputError, match="compile must be True, False or a dict"):
+            enable_continuous_batching(model, backend="emulated", compile=bad)
     assert not cb._enabled and not cb._shared.installed
 
 
@@ -920,7 +952,7 @@ def agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[float, float]
 _PAGED_SDPA_TOKENS: dict = {}  # (arch, dtype) -> stock paged|sdpa tokens of cuda_prompts()
 
 
-def cuda_run(dtype, attention, arch="llama", async_batching=False):
+def cuda_run(dtype, attention, arch="llama", async_batching=False, compile=False):
     """breakgraph's tokens and stock ``paged|sdpa``'s for :func:`cuda_prompts` on the CUDA
     shape. The stock run (seconds of host-bound steps) is made once per (arch, dtype): the
     model is the same seeded one every time, and so are its tokens."""
@@ -933,7 +965,7 @@ def cuda_run(dtype, attention, arch="llama", async_batching=False):
     ref = _PAGED_SDPA_TOKENS.get((arch, dtype))
     if ref is None:
         ref = _PAGED_SDPA_TOKENS[arch, dtype] = generate_batch(model, prompts, gen=gen, cbc=cbc())
-    with enable_continuous_batching(model, attention=attention) as handle:
+    with enable_continuous_batching(model, attention=attention, compile=compile) as handle:
         got = generate_batch(model, prompts, gen=gen, cbc=cbc(use_async_batching=async_batching))
     return got, ref, handle
 
@@ -982,6 +1014,27 @@ def test_cuda_fp32_reference_matches_paged_sdpa():
     print(f"\nfp32 reference: first tokens {first:.3f}, whole sequences {whole:.3f}")
     assert first >= 0.99 and whole >= 0.97, (first, whole)
     assert handle.stats.eager_steps == 0 and handle.stats.replays > 0
+
+
+@needs_cb
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_cuda_compiled_decoder_agrees_with_paged_sdpa(arch):
+    """``compile=True``: Inductor's kernels inside the query-token graphs and the decode
+    graphs (bf16, async) agree with stock as the uncompiled graphs do, and no step ran
+    eagerly."""
+    torch._dynamo.reset()
+    try:
+        got, ref, handle = cuda_run(torch.bfloat16, "flash", arch, async_batching=None,
+                                    compile=True)  # fmt: skip
+    finally:
+        torch._dynamo.reset()
+    first, whole = agreement(got, ref)
+    print(f"\n{arch} compiled: first tokens {first:.3f}, whole sequences {whole:.3f}")
+    assert first >= 0.9 and whole >= 0.5, (first, whole)
+    assert handle.stats.eager_steps == 0 and handle.runner.tokens.stats.replays > 0
+    decode = handle.decode_graphs
+    assert decode.off is None and decode.stats.replays > 0, (decode.off, decode.fallbacks)
 
 
 # -- 6. the `transformers serve` launcher: a real HTTP request to 127.0.0.1 ------------------------

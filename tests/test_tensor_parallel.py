@@ -514,6 +514,10 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
     out["options_mismatch"] = error_of(
         lambda: enable_continuous_batching(sharded, backend=backend, query_buckets=buckets)
     )
+    # torch.compile under TP: refused on every rank before any process group is made
+    out["compile_refused"] = error_text_of(
+        lambda: enable_continuous_batching(sharded, backend=backend, compile=True)
+    )
     out["restored"] = sharded.config._attn_implementation == "sdpa"
     return out
 
@@ -794,6 +798,8 @@ def test_continuous_batching_under_tp_refuses_different_settings_on_every_rank(c
         assert "different continuous-batching steps" in result["step_mismatch"]
         assert result["manager_api"] == "None"  # no error
         assert result["options_mismatch"] == "RankMismatchError"
+        assert result["compile_refused"].startswith("InputError")
+        assert "compile is not supported under tensor parallelism" in result["compile_refused"]
         assert result["restored"]
 
 

@@ -54,6 +54,7 @@ from .attention import (
     reference_attention,
     refuse_mask_and_softcap,
 )
+from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, default_query_buckets
 from .paged_decode import fits, paged_decode, query_rows, triton_available
@@ -281,9 +282,13 @@ class StepRunner:
     """
 
     def __init__(self, model, *, backend: str, kernel: str, debug: bool, ranks, query_buckets,
-                 who: str, decode_graphs: bool = True) -> None:  # fmt: skip
+                 who: str, decode_graphs: bool = True, compile: Any = False) -> None:  # fmt: skip
         self.model, self.who, self.query_buckets = model, who, query_buckets
         self.decoder = model.get_decoder()
+        # the decoder under torch.compile (fused kernels inside every segment and decode graph;
+        # attention stays a Dynamo graph break): compiled once, at the largest bucket's warm-up
+        self.compiled = bool(compile)
+        self._forward = CompiledForward(self.decoder, compile, backend) if compile else self.decoder
         self.lm_head = model.get_output_embeddings()
         self.names = compat.step_kwargs()
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -355,13 +360,14 @@ class StepRunner:
             mode = {} if self.ranks is not None else {"capture_error_mode": "thread_local"}
             with torch.no_grad(), self.tokens.capture_window(), self.logits.capture_window():
                 self.tokens.capture(sizes, self._record_tokens, warm_up=self._record_tokens,
-                                    context=self.step.fake, **mode)  # fmt: skip
+                                    warm_up_each=self.compiled, context=self.step.fake,
+                                    **mode)  # fmt: skip
                 self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits,
                                     **mode)  # fmt: skip
 
     def _decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with graph_safe_tensor_parallel(self.model):
-            out = self.decoder(input_ids=ids, position_ids=positions, use_cache=False)
+            out = self._forward(input_ids=ids, position_ids=positions, use_cache=False)
         return out.last_hidden_state
 
     def _record_tokens(self, bucket: int) -> None:

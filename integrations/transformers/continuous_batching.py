@@ -123,7 +123,7 @@ class ContinuousBatchingHandle:
     """
 
     def __init__(self, model, backend: str, kernel: str, query_buckets, debug: bool,
-                 ranks=None, decode_graphs: bool = True) -> None:  # fmt: skip
+                 ranks=None, decode_graphs: bool = True, compile: Any = False) -> None:  # fmt: skip
         self.model = model
         self.backend, self.kernel, self.debug = backend, kernel, debug
         self.query_buckets = query_buckets
@@ -132,7 +132,7 @@ class ContinuousBatchingHandle:
         self.enabled = False
         self.runner = StepRunner(model, backend=backend, kernel=kernel, debug=debug, ranks=ranks,
                                  query_buckets=query_buckets, who=_WHO,
-                                 decode_graphs=decode_graphs)  # fmt: skip
+                                 decode_graphs=decode_graphs, compile=compile)  # fmt: skip
         self._patches = PatchSet()
         self._managers: weakref.WeakSet = weakref.WeakSet()  # created while enabled
 
@@ -340,6 +340,7 @@ def enable_continuous_batching(
     debug: bool | None = None,
     tp_timeout: float = 300.0,
     decode_graphs: bool = True,
+    compile: bool | dict = False,
 ) -> ContinuousBatchingHandle:
     """Run the model's continuous-batching steps as breakable graphs, one per query bucket.
 
@@ -364,6 +365,12 @@ def enable_continuous_batching(
             paged-cache write and read inside, no break per layer (:mod:`.decode_graph`),
             where the model and cache allow it; captured while serving, when a step first
             needs a bucket with a new cache layout. Off under tensor parallelism.
+        compile: ``torch.compile`` the decoder (True, or a dict of ``torch.compile`` keyword
+            arguments) so that every captured segment and decode graph holds Inductor's fused
+            kernels instead of a dozen small ones per norm, rotary and activation; attention
+            stays outside the compile (a Dynamo graph break). Compiled once, when the first
+            manager captures its largest bucket (tens of seconds; the token dimension is
+            dynamic unless the dict sets ``dynamic``). Not under tensor parallelism.
 
     Returns a :class:`ContinuousBatchingHandle` (also a context manager). While it is
     enabled, CB managers of this model created afterwards (``generate_batch``,
@@ -393,6 +400,11 @@ def enable_continuous_batching(
         query_buckets = tuple(validate_buckets(query_buckets, f"{_WHO}: query_buckets"))
     if not isinstance(decode_graphs, bool):
         raise InputError(f"{_WHO}: decode_graphs must be True or False, got {decode_graphs!r}.")
+    if not isinstance(compile, (bool, dict)):
+        raise InputError(
+            f"{_WHO}: compile must be True, False or a dict of torch.compile keyword arguments, "
+            f"got {compile!r}."
+        )
     debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too
     with _lock:
         if _handle_of(model) is not None:
@@ -403,6 +415,11 @@ def enable_continuous_batching(
                 f"call model.destroy_cached_continuous_batching_manager() first."
             )
         group = distributed.tensor_parallel_group(model)
+        if group is not None and compile:
+            raise InputError(
+                f"{_WHO}: compile is not supported under tensor parallelism (the ranks would "
+                f"have to agree on every compile); leave it False."
+            )
         ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
         try:
             if ranks is not None:  # every rank enables the same way (or all raise)
@@ -413,7 +430,8 @@ def enable_continuous_batching(
                     f"call {_WHO} with the same arguments on every rank",
                 )
             handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug, ranks,
-                                              decode_graphs=decode_graphs)  # fmt: skip
+                                              decode_graphs=decode_graphs,
+                                              compile=compile)  # fmt: skip
             handle._enable()
         except BaseException:
             if ranks is not None:
