@@ -80,6 +80,17 @@ DECODE_GRAPHS_TRACE_FILES = (
     "h200-cb-trace-decode-graphs-llama-1b-5.17/summary.json",
 )
 
+#: ``bench_cb --variants breakgraph,breakgraph_compiled``, the two taking turns in one process:
+#: ``enable_continuous_batching(compile=True)`` against the default; (file, label)
+COMPILED_FILES = (
+    ("h200-cb-compiled-5.17.json", "A"),
+    ("h200-cb-compiled-5.24.json", "B"),
+    ("h200-cb-compiled-32-5.24.json", "C"),  # 32 requests
+    ("h200-cb-compiled-b-5.17.json", "D"),  # the issue's two dense shapes on 5.17
+)
+#: ``cb_trace --variants breakgraph,breakgraph_compiled`` over pure-decode steps
+COMPILED_TRACE_FILE = "h200-cb-trace-compiled-5.24/summary.json"
+
 
 def schema(data: dict) -> int:
     return data["meta"].get("schema", 1)
@@ -802,6 +813,85 @@ def decode_graphs_section(runs: list, traces: list) -> str:
         comparisons=len(ratios),
         slower=", ".join(f"{what} {num(r, 2)}× (rounds {span(rounds, 2)})"
                          for what, r, rounds in ratios if r <= 1) or "none",  # fmt: skip
+    )
+
+
+def compiled_section(runs: list, trace: dict | None) -> str:
+    """``enable_continuous_batching(compile=True)`` (``breakgraph_compiled``) against the
+    default (``breakgraph``), taking turns in one process: ``runs`` holds ``(data, label)``,
+    ``trace`` a ``cb_trace`` summary of both over pure-decode steps (or None)."""
+    rows, lines, ratios, cuts, meta = [], [], [], [], runs[0][0]["meta"]
+    for data, label in runs:
+        for m in data["models"]:
+            v = m["variants"]
+            plain, compiled = v.get("breakgraph", {}), v.get("breakgraph_compiled", {})
+            if "tokens_per_s" not in plain or "tokens_per_s" not in compiled:
+                continue
+            for name, e in (("breakgraph", plain), ("breakgraph_compiled", compiled)):
+                rows.append([
+                    label, _release(data), m["model"], str(m["prompts"]), f"`{name}`",
+                    f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+                    num(e["decode_step_ms"], 2), num(e["decode_forward_device_ms"], 2),
+                    f"{num(e['decode_forward_device_ms'] / e['decode_floor_ms'], 1)}×",
+                    num(e["forward_device_ms_per_step"], 2), num(e["host_prepare_ms_per_step"], 1),
+                    pct(e["gpu_forward_fraction"]), num(e["rounds_manager_s"][0], 1),
+                ])  # fmt: skip
+            per_round = [a / b for a, b in zip(compiled["rounds_tokens_per_s"],
+                                               plain["rounds_tokens_per_s"])]  # fmt: skip
+            ratio = compiled["tokens_per_s"] / plain["tokens_per_s"]
+            cut = 1 - compiled["decode_forward_device_ms"] / plain["decode_forward_device_ms"]
+            ratios.append((f"run {label}'s {m['model']}", ratio, per_round))
+            cuts.append(cut)
+            lines.append(
+                f"- {label}, {m['model']} on {_release(data)}, {m['prompts']} requests: tokens/s "
+                f"{num(ratio, 2)}× (round by round {span(per_round, 2)}); the pure-decode "
+                f"forward's device time {num(plain['decode_forward_device_ms'], 2)} → "
+                f"{num(compiled['decode_forward_device_ms'], 2)} ms ({pct(cut)} less), the "
+                f"pure-decode step {num(plain['decode_step_ms'], 2)} → "
+                f"{num(compiled['decode_step_ms'], 2)} ms"
+            )
+    kinds, trace_text = [], "(not measured)"
+    if trace is not None:
+        variants = trace["variants"]
+        names = [n for n in ("breakgraph", "breakgraph_compiled") if n in variants]
+        every = dict.fromkeys(k for n in names for k in variants[n]["device_ms_per_step_by_kind"])
+        kinds = [[kind] + [num(variants[n]["device_ms_per_step_by_kind"].get(kind, 0.0), 2)
+                           for n in names] for kind in every]  # fmt: skip
+        kinds.append(["**all kernels**"] + [
+            num(sum(variants[n]["device_ms_per_step_by_kind"].values()), 2) for n in names])
+        kinds.append(["kernels per step"] + [
+            num(variants[n]["device_events"] / variants[n]["steps"], 0) for n in names])
+        kinds.append(["GPU busy"] + [pct(variants[n]["device_busy_fraction"]) for n in names])
+        kinds.append(["prep ms"] + [num(variants[n]["prepare_ms_per_step"], 2) for n in names])
+        kinds.append(["ms per step"] + [num(variants[n]["wall_ms_per_step"], 2) for n in names])
+        trace_text = table(["per pure-decode step", *(f"`{n}` ms" for n in names)], kinds)
+    first = trace["meta"] if trace else {}
+    return fill(
+        "cb.compiled",
+        files=", ".join(f"`{name}` ({label})" for name, label in COMPILED_FILES),
+        device=meta["device"],
+        torch=meta["torch"],
+        date=meta["date"],
+        table=table(
+            ["run", "transformers", "model", "requests", "variant", "tokens/s (rounds)",
+             "decode ms", "decode fwd device ms", "device x floor", "device ms/step", "prep ms",
+             "in forward", "first manager s"],
+            rows,
+        ),  # fmt: skip
+        ratios=bullets(lines) or "(not measured)",
+        cut=f"{span([100 * c for c in cuts], 0)}%" if cuts else "-",
+        faster=sum(r > 1 for _, r, _ in ratios),
+        comparisons=len(ratios),
+        slower=", ".join(f"{what} {num(r, 2)}× (rounds {span(rounds, 2)})"
+                         for what, r, rounds in ratios if r <= 1) or "none",  # fmt: skip
+        trace_file=f"`{COMPILED_TRACE_FILE}`",
+        trace_model=first.get("model", "-"),
+        trace_release=first.get("transformers", "-"),
+        trace_args=(f"{first['args']['prompts']} prompts of {first['args']['min_len']}–"
+                    f"{first['args']['max_len']} tokens, {first['args']['new_tokens']} new "
+                    f"tokens, {first['args']['steps']} steps from step {first['args']['skip']}"
+                    if first else "-"),  # fmt: skip
+        trace=trace_text,
     )
 
 

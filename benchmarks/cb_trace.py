@@ -105,8 +105,9 @@ NO_DEVICE = "none recorded: no CUDA kernel, memcpy or memset in the trace"
 #: what a device event is, by its name (first match wins; the order matters: a grouped GEMM is
 #: a cutlass kernel too, and a top-k "gathers")
 KERNEL_KINDS = (
+    ("fused by Inductor (torch.compile's Triton kernels)", ("triton_",)),
     ("MoE experts (grouped GEMM)", ("GroupProblemShape", "grouped_gemm")),
-    ("attention", ("flash_fwd", "fmha", "sdpa", "attention")),
+    ("attention", ("flash_fwd", "fmha", "sdpa", "attention", "paged_decode")),
     ("MoE routing (sort, top-k, histogram)", ("Sort", "TopK", "Histogram", "DeviceScan")),
     ("dense GEMM", ("nvjet", "gemm", "Gemm", "cutlass")),
     ("gather / index (paged cache, embedding)", ("gather_kernel", "index_")),
@@ -124,6 +125,8 @@ def kernel_kind(name: str) -> str:
     'attention'
     >>> kernel_kind("Memcpy DtoD (Device -> Device)"), kernel_kind("mystery")
     ('copies', 'other')
+    >>> kernel_kind("_paged_decode_kernel"), kernel_kind("triton_poi_fused_index_copy_0")
+    ('attention', "fused by Inductor (torch.compile's Triton kernels)")
     """
     for kind, marks in KERNEL_KINDS:
         if any(mark in name for mark in marks):

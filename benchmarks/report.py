@@ -74,6 +74,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [cb_report.TRACE_FILE, cb_report.TRACE_DECODE_FILE, cb_report.TRACE_DECODE_FOLD_FILE,
            cb_report.DECODE_ATTENTION_FILE]
         + [name for name, _, _ in cb_report.DECODE_FOLD_FILES + cb_report.PAGED_DECODE_FILES]
+        + [name for name, _ in cb_report.DECODE_GRAPHS_FILES + cb_report.COMPILED_FILES]
+        + [*cb_report.DECODE_GRAPHS_TRACE_FILES, cb_report.COMPILED_TRACE_FILE]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE]
     )
@@ -151,6 +153,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if graphs:
         traces = [d for name in cb_report.DECODE_GRAPHS_TRACE_FILES if (d := load(name))]
         blocks.append(cb_report.decode_graphs_section(graphs, traces))
+    compiled = [(d, label) for name, label in cb_report.COMPILED_FILES
+                if (d := load(name)) is not None]  # fmt: skip
+    if compiled:
+        blocks.append(cb_report.compiled_section(compiled, load(cb_report.COMPILED_TRACE_FILE)))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

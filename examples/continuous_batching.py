@@ -9,7 +9,13 @@ new token per sequence) replays a graph with the cache write and read inside, no
 break at all.
 
     python examples/continuous_batching.py
+    python examples/continuous_batching.py --compile   # the decoder under torch.compile
+
+``--compile`` runs the decoder under ``torch.compile``, so the graphs hold Inductor's fused
+kernels (compiled once when the manager is created: seconds on a GPU, longer on a CPU).
 """
+
+import sys
 
 import torch
 import transformers
@@ -48,7 +54,8 @@ def generate(**kwargs) -> list:
 
 stock = generate()  # transformers' own continuous batching (sdpa with a mask, no graphs)
 
-with enable_continuous_batching(model, backend=backend) as handle:
+compile_decoder = "--compile" in sys.argv[1:]
+with enable_continuous_batching(model, backend=backend, compile=compile_decoder) as handle:
     print("attention implementation while enabled:", model.config._attn_implementation)
     tokens = generate()
 

@@ -16,6 +16,11 @@
 # DECODE_MODELS, 3 rounds, ~2 min, then cb_trace of both over pure-decode steps on llama-1b,
 # ~25 s; copy decode-graphs.json to docs/results/h200-cb-decode-graphs-*.json, see
 # cb_report.DECODE_GRAPHS_FILES, and the trace folder to docs/results/h200-cb-trace-decode-graphs-*),
+# RUN_COMPILED=1 (enable_continuous_batching(compile=True) against the default, in turn:
+# bench_cb --variants breakgraph,breakgraph_compiled on COMPILED_MODELS, 3 rounds, ~2.5 min
+# with the compiles, then cb_trace of both over pure-decode steps on qwen3-0.6b, ~45 s; copy
+# compiled.json to docs/results/h200-cb-compiled-*.json, see cb_report.COMPILED_FILES, and the
+# trace folder to docs/results/h200-cb-trace-compiled-*),
 # RUN_HOST_PATH=DIR (prefill's per-call host path, this tree
 # against an older checkout in DIR, e.g. `mkdir .baseline && git archive REV | tar -x -C .baseline`
 # carried with the call; both orders, ~4 min; HOST_PATH_PIN="taskset -c 6" pins both to one core;
@@ -159,6 +164,17 @@ if [ -n "${RUN_DECODE_GRAPHS:-}" ]; then  # decode graphs against breaks, in tur
     --prompts 100 --max-len 1024 --new-tokens 128 --skip 70 --steps 16 --settle 2 \
     --out "$OUT/trace-decode-graphs" 2>&1 | tee -a "$LOG" || status=1
   echo "[decode graphs: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_COMPILED:-}" ]; then  # the decoder under torch.compile against the default (~3 min)
+  t=$SECONDS
+  timeout 300 python3 -m benchmarks.bench_cb \
+    --models "${COMPILED_MODELS:-qwen3-0.6b,qwen2.5-3b-12l,llama3-8b-4l,mixtral-1k-8l}" \
+    --variants breakgraph,breakgraph_compiled --repeat breakgraph,breakgraph_compiled --rounds 3 \
+    --budget-s 0 --keep-going --out "$OUT/compiled.json" 2>&1 | tee -a "$LOG" || status=1
+  timeout 130 python3 -m benchmarks.cb_trace --model qwen3-0.6b --variants breakgraph,breakgraph_compiled \
+    --prompts 100 --max-len 1024 --new-tokens 128 --skip 70 --steps 16 --settle 2 \
+    --out "$OUT/trace-compiled" 2>&1 | tee -a "$LOG" || status=1
+  echo "[compiled decoder: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
   python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \

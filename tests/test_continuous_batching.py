@@ -1018,11 +1018,13 @@ def test_cuda_fp32_reference_matches_paged_sdpa():
 
 @needs_cb
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_cuda_compiled_decoder_agrees_with_paged_sdpa(arch):
+def test_cuda_compiled_decoder_agrees_with_paged_sdpa():
     """``compile=True``: Inductor's kernels inside the query-token graphs and the decode
     graphs (bf16, async) agree with stock as the uncompiled graphs do, and no step ran
-    eagerly."""
+    eagerly. One model (a compile costs 20-30 s of the CUDA suite's budget): Qwen3-MoE, whose
+    layers hold the most the compile must get right (per-head q/k norms, routing, grouped
+    experts); the CPU test checks every layer and bucket share one compile."""
+    arch = "qwen3_moe"
     torch._dynamo.reset()
     try:
         got, ref, handle = cuda_run(torch.bfloat16, "flash", arch, async_batching=None,

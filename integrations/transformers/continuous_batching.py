@@ -273,8 +273,9 @@ class ContinuousBatchingHandle:
         if use_graphs and (compiled is not None or getattr(config, "default_compile_level", 0)):
             raise UnsupportedModelError(
                 f"{_WHO}: torch.compile of the CB step (compile configs) cannot be combined with "
-                f"breakgraph's graphs; pass ContinuousBatchingConfig(use_cuda_graph=False) to "
-                f"compile instead."
+                f"breakgraph's graphs; pass enable_continuous_batching(model, compile=True) "
+                f"for compiled graphs, or ContinuousBatchingConfig(use_cuda_graph=False) to "
+                f"compile eager steps."
             )
         config.use_cuda_graph = False  # transformers' whole-step graphs: never here
         config.max_blocks_per_request = 0  # the block-table decode path is a flash_attn kernel
