@@ -771,6 +771,8 @@ def test_query_buckets_are_validated():
     for bad in ("yes", 1, None, ["dynamic"]):  # compile: a bool or torch.compile's kwargs
         with pytest.raises(InputError, match="compile must be True, False or a dict"):
             enable_continuous_batching(model, backend="emulated", compile=bad)
+    with enable_continuous_batching(model, backend="emulated", compile={}) as handle:
+        assert handle.runner.compiled  # an empty dict: torch.compile's defaults, not "off"
     assert not cb._enabled and not cb._shared.installed
 
 

@@ -287,8 +287,10 @@ class StepRunner:
         self.decoder = model.get_decoder()
         # the decoder under torch.compile (fused kernels inside every segment and decode graph;
         # attention stays a Dynamo graph break): compiled once, at the largest bucket's warm-up
-        self.compiled = bool(compile)
-        self._forward = CompiledForward(self.decoder, compile, backend) if compile else self.decoder
+        self.compiled = compile is not False  # True or a dict (an empty one: the defaults)
+        self._forward = self.decoder
+        if self.compiled:
+            self._forward = CompiledForward(self.decoder, compile, backend)
         self.lm_head = model.get_output_embeddings()
         self.names = compat.step_kwargs()
         from transformers.modeling_outputs import CausalLMOutputWithPast

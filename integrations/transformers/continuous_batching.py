@@ -416,7 +416,7 @@ def enable_continuous_batching(
                 f"call model.destroy_cached_continuous_batching_manager() first."
             )
         group = distributed.tensor_parallel_group(model)
-        if group is not None and compile:
+        if group is not None and compile is not False:
             raise InputError(
                 f"{_WHO}: compile is not supported under tensor parallelism (the ranks would "
                 f"have to agree on every compile); leave it False."
