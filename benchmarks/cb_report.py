@@ -799,10 +799,7 @@ def decode_graphs_section(runs: list, traces: list) -> str:
         ),  # fmt: skip
         ratios=bullets(lines) or "(not measured)",
         trace_files=", ".join(f"`{name}`" for name in DECODE_GRAPHS_TRACE_FILES),
-        trace_args=(f"{first['args']['prompts']} prompts of {first['args']['min_len']}–"
-                    f"{first['args']['max_len']} tokens, {first['args']['new_tokens']} new "
-                    f"tokens, {first['args']['steps']} steps from step {first['args']['skip']}"
-                    if first else "-"),  # fmt: skip
+        trace_args=_trace_args(first),
         trace=table(
             ["model", "variant", "ms per step", "prep ms", "GPU busy during prep",
              "step ms", "GPU busy"],
@@ -814,6 +811,15 @@ def decode_graphs_section(runs: list, traces: list) -> str:
         slower=", ".join(f"{what} {num(r, 2)}× (rounds {span(rounds, 2)})"
                          for what, r, rounds in ratios if r <= 1) or "none",  # fmt: skip
     )
+
+
+def _trace_args(meta: dict) -> str:
+    """The workload of a ``cb_trace`` run, from its summary's ``meta`` ("-" without one)."""
+    if not meta:
+        return "-"
+    a = meta["args"]
+    return (f"{a['prompts']} prompts of {a['min_len']}–{a['max_len']} tokens, {a['new_tokens']} "
+            f"new tokens, {a['steps']} steps from step {a['skip']}")  # fmt: skip
 
 
 def compiled_section(runs: list, trace: dict | None) -> str:
@@ -887,10 +893,7 @@ def compiled_section(runs: list, trace: dict | None) -> str:
         trace_file=f"`{COMPILED_TRACE_FILE}`",
         trace_model=first.get("model", "-"),
         trace_release=first.get("transformers", "-"),
-        trace_args=(f"{first['args']['prompts']} prompts of {first['args']['min_len']}–"
-                    f"{first['args']['max_len']} tokens, {first['args']['new_tokens']} new "
-                    f"tokens, {first['args']['steps']} steps from step {first['args']['skip']}"
-                    if first else "-"),  # fmt: skip
+        trace_args=_trace_args(first),
         trace=trace_text,
     )
 
