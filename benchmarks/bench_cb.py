@@ -36,6 +36,8 @@ Variants:
   breakgraph_compiled breakgraph with ``compile=True``: the decoder under ``torch.compile``,
                       so every graph holds Inductor's fused kernels (compiled when the first
                       round's manager captures; *manager s* holds that compile)
+  breakgraph_unsplit  breakgraph with ``paged_decode`` as before the flash-decoding split:
+                      one program per sequence and key head reads all of its keys, 64 a block
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
@@ -98,6 +100,7 @@ if __package__ in (None, ""):  # python benchmarks/bench_cb.py: make `benchmarks
 
 import transformers  # noqa: E402
 from breakgraph.integrations.transformers import compat, enable_continuous_batching  # noqa: E402
+from breakgraph.integrations.transformers import paged_decode as paged_decode_module  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
@@ -134,6 +137,7 @@ class Variant:
     pow2: bool = False  # breakgraph's earlier query buckets
     decode_graphs: bool = True  # breakgraph's pure-decode graphs (off: every layer a break)
     compile: bool = False  # breakgraph's decoder under torch.compile (Inductor)
+    decode_splits: bool = True  # paged_decode's split and block (off: one program, 64 keys)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
 
 
@@ -157,6 +161,9 @@ VARIANTS = {
         Variant("breakgraph_compiled", "breakgraph with compile=True (the decoder under "
                 "torch.compile: Inductor's fused kernels in every graph)", True,
                 compile=True),  # fmt: skip
+        Variant("breakgraph_unsplit", "breakgraph with paged_decode as before (one program per "
+                "sequence and key head, blocks of 64 keys)", True,
+                decode_splits=False),  # fmt: skip
     )
 }
 GENERATE = "generate"
@@ -190,7 +197,8 @@ CONFIGS = {name: m.family.config for name, m in MODELS.items()}  # (benchmarks.c
 #: (from docs/results/h200-cb.json and issue 23's runs, rounded down).
 ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async": 1500,
                   "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
-                  "breakgraph_breaks": 4000, "breakgraph_compiled": 4000}  # fmt: skip
+                  "breakgraph_breaks": 4000, "breakgraph_compiled": 4000,
+                  "breakgraph_unsplit": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
@@ -293,6 +301,9 @@ def run_round(model, variant: Variant, run) -> dict:
     compiled_before = _compiled_graphs()
     with PatchSet() as patches:
         if variant.breakgraph:
+            if not variant.decode_splits:  # the kernel as before: no split, 64 keys a block
+                patches.attribute(paged_decode_module, "PROGRAMS_PER_SM", 0)
+                patches.attribute(paged_decode_module, "BLOCK_N", 64)
             buckets = None
             if variant.pow2:
                 buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]

@@ -8,11 +8,21 @@ whose slots are in random order (what transformers' allocator hands out after a 
   causal, over the bucket's padded query rows;
 * ``gather_flash_folded``: what it does now: the same gather, then the kernel without the mask
   over the real rows only, which lets it fold the query heads of a key head into one tile;
-* ``triton_paged``: :func:`breakgraph.integrations.transformers.paged_decode.paged_decode`,
-  which reads the cache through the index (no gather), one program per sequence and key head.
+* ``triton_paged``: :func:`breakgraph.integrations.transformers.paged_decode.paged_decode`
+  with ``splits=1``, which reads the cache through the index (no gather), one program per
+  sequence and key head (what it did before the split);
+* ``triton_paged_split``: the same with its default split (:func:`default_splits`): each
+  sequence's keys shared by several programs, then one kernel combines their results.
+
+``sweep_us`` times the kernel at every split count (1–16) and block of keys (64, 128) beside
+the variants (keys ``<splits>-block<n>``), so the defaults can be checked against the best
+setting of each case.
 
 Variants take turns (9 rounds of 20 calls each, CUDA events); medians, lowest and highest in
-µs. ``*_max_abs_diff`` is against the first variant (bf16). The JSON holds ``meta`` and one
+µs. Each is timed twice: ``<variant>_us`` launches the 20 calls from Python (a short kernel
+is then bound by the host's launches, as in an attention break), ``<variant>_graph_us``
+replays them captured in one CUDA graph (the device's time only, as inside a pure-decode
+graph). ``*_max_abs_diff`` is against the first variant (bf16). The JSON holds ``meta`` and one
 row per ``shape/sequences``.
 
     python -m benchmarks.decode_attention --out decode-attention.json
@@ -21,12 +31,13 @@ row per ``shape/sequences``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 
 import torch
 from breakgraph.integrations.transformers.attention import flash_varlen
-from breakgraph.integrations.transformers.paged_decode import paged_decode
+from breakgraph.integrations.transformers.paged_decode import default_splits, paged_decode
 
 from benchmarks.environment import environment
 
@@ -40,14 +51,18 @@ SHAPES = (
 )
 SEQUENCES = (32, 100, 256)
 KEYS = (16, 1152)  # each sequence's cached keys: uniform in this range
+#: and a long-context case: few sequences of many keys each (row ``shape/8-long``)
+LONG = (8, (4096, 16384))
 ROUNDS, CALLS = 9, 20  # the variants take turns ROUNDS times, CALLS calls each
-VARIANTS = ("gather_flash_causal", "gather_flash_folded", "triton_paged")
+VARIANTS = ("gather_flash_causal", "gather_flash_folded", "triton_paged", "triton_paged_split")
+SWEEP = (1, 2, 4, 8, 16)  # split counts and blocks of keys the sweep times
+BLOCKS = (64, 128)
 
 
-def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int) -> dict:
+def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS) -> dict:
     """Time the three variants on one random paged cache; return the JSON row."""
     dev, dt = "cuda", torch.bfloat16
-    lens = torch.randint(KEYS[0], KEYS[1] + 1, (seqs,))
+    lens = torch.randint(keys[0], keys[1] + 1, (seqs,))
     total = int(lens.sum())
     slots = total + 4096
     k_cache = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dt)
@@ -77,35 +92,79 @@ def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int) -> dict:
         r = flash_varlen(q[:seqs], k, v, cu_q, cu_k, 1, max_k, scaling, None, causal=False)
         return torch.nn.functional.pad(r, (0, 0, 0, 0, 0, bucket - seqs))
 
-    def triton_paged():
-        return paged_decode(q, k_cache, v_cache, read_index, cu_k_padded, scaling, out=out)
+    def split_by(splits, block_n=None):
+        block_n = block_n or inspect.signature(paged_decode).parameters["block_n"].default
 
-    functions = dict(zip(VARIANTS, (gather_flash_causal, gather_flash_folded, triton_paged)))
+        def triton_paged():
+            return paged_decode(q, k_cache, v_cache, read_index, cu_k_padded, scaling, out=out,
+                                splits=splits, block_n=block_n)  # fmt: skip
+
+        return triton_paged
+
+    functions = dict(zip(VARIANTS, (gather_flash_causal, gather_flash_folded, split_by(1),
+                                    split_by(None))))  # fmt: skip
+    for block in BLOCKS:  # the kernel at every split count and block of keys
+        functions.update({f"splits_{n}-block{block}": split_by(n, block) for n in SWEEP})
     row = {"hq": q_heads, "hkv": kv_heads, "d": head_dim, "seqs": seqs, "bucket": bucket,
-           "keys": total, "kv_mib": 2 * total * kv_heads * head_dim * 2 / 2**20}  # fmt: skip
+           "keys": total, "kv_mib": 2 * total * kv_heads * head_dim * 2 / 2**20,
+           "default_splits": default_splits(bucket, kv_heads, q.device)}  # fmt: skip
     reference = gather_flash_causal()[:seqs].float()
     for label, function in functions.items():
+        if label.startswith("splits_"):
+            continue
         got = function()
         row[label + "_max_abs_diff"] = (got[:seqs].float() - reference).abs().max().item()
         row[label + "_pad_zero"] = bool((got[seqs:] == 0).all())
     for _ in range(3):
         for function in functions.values():
             function()
-    times = {label: [] for label in VARIANTS}
-    for _ in range(ROUNDS):  # the variants take turns
+    graphs = {label: _graph_of(function) for label, function in functions.items()}
+    times = {label: [] for label in functions}
+    graph_times = {label: [] for label in functions}
+    for _ in range(ROUNDS):  # the variants take turns, launched and then replayed in a graph
         for label, function in functions.items():
-            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-            start.record()
+            times[label].append(_time_us(lambda: [function() for _ in range(CALLS)]))
+            if graphs[label] is not None:
+                graph_times[label].append(_time_us(graphs[label].replay))
+    for suffix, measured in (("_us", times), ("_graph_us", graph_times)):
+        for label, values in measured.items():
+            if not values:
+                continue
+            values.sort()
+            summary = {"median": values[len(values) // 2], "min": values[0], "max": values[-1]}
+            if label.startswith("splits_"):
+                row.setdefault("sweep" + suffix, {})[label.removeprefix("splits_")] = summary
+            else:
+                row[label + suffix] = summary
+    return row
+
+
+def _graph_of(function):
+    """``CALLS`` calls of ``function`` captured in one CUDA graph (what a decode graph replays:
+    no host launch per call), or None where the call cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        function()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
             for _ in range(CALLS):
                 function()
-            end.record()
-            torch.cuda.synchronize()
-            times[label].append(start.elapsed_time(end) / CALLS * 1000)
-    for label, values in times.items():
-        values.sort()
-        row[label + "_us"] = {"median": values[len(values) // 2], "min": values[0],
-                              "max": values[-1]}  # fmt: skip
-    return row
+    except RuntimeError:
+        return None
+    return graph
+
+
+def _time_us(run) -> float:
+    """µs per call of ``run`` (``CALLS`` calls) between CUDA events."""
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / CALLS * 1000
 
 
 def main(argv=None) -> int:
@@ -118,9 +177,13 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     results = {"meta": environment(cuda=True)}
     for name, q_heads, kv_heads, head_dim in SHAPES:
-        for seqs in SEQUENCES:
-            results[f"{name}/{seqs}"] = row = one_case(q_heads, kv_heads, head_dim, seqs)
-            print(f"{name}/{seqs}", {k: row[k + "_us"]["median"] for k in VARIANTS}, flush=True)
+        cases = [(f"{name}/{seqs}", seqs, KEYS) for seqs in SEQUENCES]
+        cases.append((f"{name}/{LONG[0]}-long", *LONG))
+        for label, seqs, keys in cases:
+            results[label] = row = one_case(q_heads, kv_heads, head_dim, seqs, keys)
+            print(label, {k: round(row[k + "_us"]["median"], 1) for k in VARIANTS},
+                  {k: round(v["median"], 1) for k, v in row.get("sweep_graph_us", {}).items()},
+                  flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0

@@ -317,13 +317,14 @@ def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
 def stand_in_paged(calls: list):
     """A stand-in for ``paged_decode`` on the CPU (the torch reference), checking what the
     kernel would read: one query row per sequence, contiguous rows, and a read index that
-    holds every key ``cu_k`` counts (the kernel does not bound its reads)."""
+    holds every key ``cu_k`` counts (the kernel does not bound its reads). ``calls`` gets
+    ``(rows, splits)`` per call."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None):
+    def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None, splits=None):
         assert q.shape[0] == cu_k.shape[0] - 1 and keys.stride(-1) == 1
         assert read_index.shape[0] >= int(cu_k[-1]), "the kernel would read past the index"
-        calls.append(q.shape[0])
+        calls.append((q.shape[0], splits))
         return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out)
 
     return fake_paged
@@ -371,11 +372,35 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
     assert tokens == expected
     assert_logprobs_close(logprobs, ref_logprobs)
     assert paged_calls and False in updates  # decode steps read in place, writes only
+    # short sequences: one program each (a split would cost a second launch per layer)
+    assert {splits for _, splits in paged_calls} == {1}
     # no full-attention layer of a pure-decode step went through the gather and flash, but the
     # first step of one-token prompts, which has nothing cached to read
     assert ((None, False) in flash_calls) == (lengths is not None)
     if arch == "qwen2_hybrid":  # its sliding layers keep the gather and their window
         assert any(window == 4 for window, _ in flash_calls)
+
+
+@needs_cb
+def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch):
+    """A pure-decode break leaves the split to ``default_splits`` (None) once the step's
+    longest sequence holds ``SPLIT_FROM_KEYS`` keys, and asks for one program per sequence
+    below that: the steps whose longest sequence reaches it split, the others do not."""
+    from breakgraph.integrations.transformers import attention as bg_attention
+
+    flash_calls, paged_calls = [], []
+    monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
+    monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls))
+    monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
+    monkeypatch.setattr(cb_step, "paged_decode", stand_in_paged(paged_calls))
+    monkeypatch.setattr(cb_step, "SPLIT_FROM_KEYS", 20)  # the prompt of 17 reaches it
+    model = build_model("llama")
+    prompts = random_prompts(seed=14, lengths=(3, 17, 5))
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
+                                    decode_graphs=False):
+        assert generate_batch(model, prompts) == expected
+    assert {splits for _, splits in paged_calls} == {1, None}, paged_calls
 
 
 @needs_cb
@@ -1031,6 +1056,7 @@ def test_cuda_compiled_decoder_agrees_with_paged_sdpa():
     try:
         got, ref, handle = cuda_run(torch.bfloat16, "flash", arch, async_batching=None,
                                     compile=True)  # fmt: skip
+        print("\n" + torch._dynamo.utils.compile_times(repr="str", aggregate=True))
     finally:
         torch._dynamo.reset()
     first, whole = agreement(got, ref)

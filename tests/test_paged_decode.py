@@ -99,19 +99,50 @@ def test_kernel_without_triton_names_the_fallback():
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("heads", [(16, 4, 64), (32, 4, 64), (16, 2, 128), (8, 8, 128)], ids=str)
+@pytest.mark.parametrize(
+    "heads", [(16, 4, 64), (32, 4, 64), (16, 2, 128), (8, 8, 128), (8, 1, 256)], ids=str
+)
 def test_kernel_matches_reference_cuda_bf16(heads):
+    """Every split count (1: one kernel; more: shares of whole blocks, then the combine),
+    both blocks of keys, sequences shorter than a share, empty ones and a padded tail (no
+    keys: zeros)."""
     if pd.triton is None:
         pytest.skip("Triton is not installed")
     q_heads, kv_heads, head_dim = heads
-    lengths = [1, 63, 64, 65, 0, 700, 129]
+    lengths = [1, 63, 64, 65, 0, 700, 129, 2049, 0, 0]
     case = paged_case(3, q_heads, kv_heads, head_dim, lengths, torch.bfloat16, "cuda")
     scaling = head_dim**-0.5
-    out = torch.full_like(case[0], float("nan"))
-    got = pd.paged_decode(*case, scaling, out=out)
     expected = pd.paged_decode_reference(*case, scaling)
-    assert got is out and (got[4] == 0).all()
-    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    for splits, block_n in ((None, None), (1, 64), (1, 128), (2, 64), (8, None), (16, 128)):
+        out = torch.full_like(case[0], float("nan"))
+        got = pd.paged_decode(*case, scaling, out=out, splits=splits, block_n=block_n)
+        assert got is out and (got[[4, 8, 9]] == 0).all(), (splits, block_n)
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_default_splits_fill_the_gpu_and_stay_a_power_of_two(monkeypatch):
+    """The split count follows the grid's size only: many programs already, no split; few,
+    up to 16 (132 multiprocessors, as an H200)."""
+    monkeypatch.setitem(pd._SM_COUNT, 0, 132)
+    cuda = torch.device("cuda", 0)
+    assert pd.default_splits(256, 8, cuda) == 1
+    assert pd.default_splits(128, 4, cuda) == 1
+    assert pd.default_splits(128, 2, cuda) == 2
+    assert pd.default_splits(32, 8, cuda) == 2
+    assert pd.default_splits(32, 2, cuda) == 8
+    assert pd.default_splits(8, 2, cuda) == 16
+    assert pd.default_splits(1, 1, cuda) == 16
+    assert pd.default_splits(100, 8, torch.device("cpu")) == 1
+
+
+def test_kernel_refuses_splits_and_blocks_that_are_not_powers_of_two():
+    case = paged_case(2, 4, 2, 16, [2], torch.float32, "cpu")
+    if pd.triton is None:
+        pytest.skip("Triton is not installed: the kernel refuses before the split count")
+    with pytest.raises(InputError, match="splits=3; it must be a power of two"):
+        pd.paged_decode(*case, 0.1, splits=3)
+    with pytest.raises(InputError, match="block_n=8; it must be a power of two, at least 16"):
+        pd.paged_decode(*case, 0.1, splits=1, block_n=8)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
@@ -129,10 +160,12 @@ def test_kernel_matches_reference_in_triton_interpreter():
             for heads in ((16, 4, 64), (6, 2, 32), (4, 4, 16)):
                 case = paged_case(4, *heads, [1, 0, 63, 64, 65, 130], dtype, "cpu")
                 scaling = heads[2] ** -0.5
-                got = pd.paged_decode(*case, scaling, block_n=32)
                 expected = pd.paged_decode_reference(*case, scaling)
-                assert (got[1] == 0).all(), heads
-                torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
+                for splits in (1, 2, 4):
+                    got = pd.paged_decode(*case, scaling, block_n=32, splits=splits)
+                    assert (got[1] == 0).all(), (heads, splits)
+                    torch.testing.assert_close(got.float(), expected.float(), atol=atol,
+                                               rtol=atol)
         print("ok")
         """
     )

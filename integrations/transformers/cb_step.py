@@ -65,6 +65,10 @@ __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_
 #: The attention key a model holds while continuous batching is enabled (a plain key: from
 #: transformers 5.19 the ``paged|`` prefix is stripped, and any key but its own is refused).
 CB_ATTENTION_KEY = "breakgraph_paged"
+#: A pure-decode break splits each sequence's keys across programs (flash-decoding; a second
+#: kernel launch) only once the step's longest sequence holds this many keys: below it the
+#: launch costs the host more than the split saves the device (``benchmarks/decode_attention``).
+SPLIT_FROM_KEYS = 2048
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 _STEPS = (  # what the ranks must agree on for each step, and how to fix a mismatch
@@ -215,17 +219,25 @@ class PagedAttention:
         """A pure-decode step read in place: transformers writes the new keys and values
         (``update`` with empty read indices), then :func:`.paged_decode.paged_decode` reads
         each sequence's rows through the step's read index; no gather, and the query heads
-        of a key head share one program."""
+        of a key head share one program.
+
+        Launched from a break, a kernel costs the host about as much as the device spends on
+        a short sequence, so the keys are split across programs (a second launch) only once
+        the longest sequence holds ``SPLIT_FROM_KEYS`` keys; a decode graph, which launches
+        nothing, always takes :func:`.paged_decode.default_splits`."""
         group, keys, values = rows
-        _, _, cu_k, _ = compat.cache_read_write(
+        _, _, cu_k, max_k = compat.cache_read_write(
             step, self.key[:, :, :n], self.value[:, :, :n], self.layer, self.layer_type,
             read=False,
         )  # fmt: skip
         read_index = step.read_index[group]
+        splits = None if max_k >= SPLIT_FROM_KEYS else 1
         if self.out is not None:
-            paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling, self.out[:n])
+            paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling, self.out[:n],
+                         splits=splits)  # fmt: skip
             return self.out
-        result = paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling)
+        result = paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling,
+                              splits=splits)  # fmt: skip
         return torch.nn.functional.pad(result, (0, 0, 0, 0, 0, self.q.shape[0] - n))
 
     def _own_keys(self) -> torch.Tensor:

@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = tl = None
 
 __all__ = [
+    "default_splits",
     "fits",
     "paged_decode",
     "paged_decode_dense",
@@ -174,9 +175,121 @@ if triton is not None:
         )  # fmt: skip
 
 
+    @triton.jit
+    def _paged_decode_split_kernel(
+        q, k_cache, v_cache, read_index, cu_k, part_out, part_lse, scaling,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """One split of one (sequence, key head): its share of the keys, as a partial result
+        normalised over that share plus the share's log-sum-exp (``-inf`` when it is empty)."""
+        seq, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(cu_k + seq)
+        end = tl.load(cu_k + seq + 1)
+        chunk = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks
+        lo = start + split * chunk
+        hi = tl.minimum(lo + chunk, end)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        q_heads = head * GROUPS + g
+        queries = tl.load(
+            q + seq * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
+            mask=(g < GROUPS)[:, None], other=0.0,
+        )  # fmt: skip
+        top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for first in range(lo, hi, BLOCK_N):
+            rows = first + tl.arange(0, BLOCK_N)
+            live = rows < hi
+            slots = tl.load(read_index + rows, mask=live, other=0).to(tl.int64)
+            keys = tl.load(
+                k_cache + slots[:, None] * stride_ks + head * stride_kh + d[None, :],
+                mask=live[:, None], other=0.0,
+            )  # fmt: skip
+            scores = tl.dot(queries, tl.trans(keys)) * scaling
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, 1))
+            weights = tl.exp(scores - new_top[:, None])
+            rescale = tl.exp(top - new_top)
+            values = tl.load(
+                v_cache + slots[:, None] * stride_vs + head * stride_vh + d[None, :],
+                mask=live[:, None], other=0.0,
+            )  # fmt: skip
+            total = total * rescale + tl.sum(weights, 1)
+            acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
+            top = new_top
+        empty = total == 0
+        lse = tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total)))
+        result = acc / tl.where(empty, 1.0, total)[:, None]
+        row = (seq * GROUPS * tl.num_programs(1) + q_heads) * SPLITS + split  # [B, Hq, SPLITS]
+        tl.store(part_lse + row, lse, mask=g < GROUPS)
+        tl.store(
+            part_out + row[:, None] * HEAD_DIM + d[None, :], result, mask=(g < GROUPS)[:, None]
+        )  # fmt: skip
+
+    @triton.jit
+    def _paged_decode_combine_kernel(
+        part_out, part_lse, out, stride_ob, stride_oh,
+        HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """One (sequence, query head): the splits' partial results weighted by their share of
+        the softmax; zeros where every split was empty."""
+        seq, head = tl.program_id(0), tl.program_id(1)
+        row = seq * tl.num_programs(1) + head
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, HEAD_DIM)
+        lse = tl.load(part_lse + row * SPLITS + s)
+        top = tl.max(lse, 0)
+        weights = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
+        parts = tl.load(part_out + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :])
+        total = tl.sum(weights, 0)
+        result = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out + seq * stride_ob + head * stride_oh + d, result.to(out.dtype.element_ty))
+
+
+#: programs per streaming multiprocessor that :func:`default_splits` aims the split grid at,
+#: and keys per block for heads of up to 128 (larger heads take 64: the block's keys live in
+#: registers). Both from ``benchmarks/decode_attention.py``'s sweep on an H200: within 2% of
+#: each case's best setting on average (at most 11%, long sequences), see docs/performance.md
+PROGRAMS_PER_SM = 4
+BLOCK_N = 128
+_SM_COUNT: dict[int, int] = {}
+
+
+def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """How many programs share one (sequence, key head)'s keys: enough for ``batch x kv_heads
+    x splits`` to fill the GPU (``PROGRAMS_PER_SM`` per multiprocessor), a power of two
+    between 1 and 16. It depends on the shapes only, so a captured graph keeps it.
+
+    >>> default_splits(100, 8, torch.device("cpu"))  # no GPU: no split
+    1
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    wanted = PROGRAMS_PER_SM * _SM_COUNT[index] // max(1, batch * kv_heads)
+    splits = 1
+    while splits * 2 <= min(wanted, 16):
+        splits *= 2
+    return splits
+
+
 def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
-                 block_n: int = 64) -> torch.Tensor:  # fmt: skip
-    """:func:`paged_decode_reference` as one Triton kernel: ``B x Hkv`` programs.
+                 block_n: int | None = None, splits: int | None = None):  # fmt: skip
+    """:func:`paged_decode_reference` as Triton kernels: ``B x Hkv x splits`` programs.
+
+    Each sequence's keys are cut into ``splits`` shares of whole ``block_n`` blocks (the
+    flash-decoding split: with few sequences or few key heads, one program per (sequence,
+    key head) leaves most of the GPU idle while the longest sequences stream); a second
+    kernel weighs the shares' partial results by their log-sum-exp. ``splits=None`` takes
+    :func:`default_splits`; with 1 a single kernel runs, with no second pass. ``block_n``
+    (keys per step of a program's loop, a power of two of at least 16) defaults to
+    ``BLOCK_N`` for heads of up to 128 and 64 above.
 
     Shapes and launch depend on ``q``'s and the caches' shapes only (``read_index`` and
     ``cu_k`` are read on the device), so a graph can capture the call. The last dimension
@@ -195,13 +308,36 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
             "paged_decode: Triton is not installed (the CPU build of torch comes without it); "
             "use paged_decode_reference"
         )
+    if splits is None:
+        splits = default_splits(batch, kv_heads, q.device)
+    if block_n is None:
+        block_n = BLOCK_N if head_dim <= 128 else 64
+    for name, value, least in (("splits", splits, 1), ("block_n", block_n, 16)):
+        if value < least or value & (value - 1):
+            raise InputError(
+                f"paged_decode: {name}={value}; it must be a power of two, at least {least}"
+            )
     out = torch.empty_like(q) if out is None else out
     groups = q_heads // kv_heads
-    _paged_decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, read_index, cu_k, out, scaling,
+    block_g = max(16, triton.next_power_of_2(groups))
+    if splits == 1:
+        _paged_decode_kernel[(batch, kv_heads)](
+            q, k_cache, v_cache, read_index, cu_k, out, scaling,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+            GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n,
+        )  # fmt: skip
+        return out
+    part_out = torch.empty(batch, q_heads, splits, head_dim, device=q.device,
+                           dtype=torch.float32)  # fmt: skip
+    part_lse = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)
+    _paged_decode_split_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, read_index, cu_k, part_out, part_lse, scaling,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), HEAD_DIM=head_dim,
-        BLOCK_N=block_n,
+        v_cache.stride(0), v_cache.stride(1),
+        GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits,
+    )  # fmt: skip
+    _paged_decode_combine_kernel[(batch, q_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, SPLITS=splits,
     )  # fmt: skip
     return out
