@@ -91,6 +91,18 @@ COMPILED_FILES = (
 #: ``cb_trace --variants breakgraph,breakgraph_compiled`` over pure-decode steps
 COMPILED_TRACE_FILE = "h200-cb-trace-compiled-5.24/summary.json"
 
+#: ``benchmarks/decode_attention.py`` with the split sweep (graph-replayed timings)
+SPLIT_SWEEP_FILE = "h200-decode-attention-split.json"
+#: ``bench_cb --variants breakgraph,breakgraph_unsplit``, taking turns in one process:
+#: ``paged_decode``'s split and blocks of 128 keys against the kernel before; (file, label)
+SPLIT_FILES = (
+    ("h200-cb-split-5.17.json", "A"),
+    ("h200-cb-split-long-5.17.json", "B"),  # 16 long prompts
+    ("h200-cb-split-long-5.24.json", "C"),
+)
+#: multiprocessors of the GPU the sweep ran on, where its JSON does not say (an H200's)
+H200_MULTIPROCESSORS = 132
+
 
 def schema(data: dict) -> int:
     return data["meta"].get("schema", 1)
@@ -896,6 +908,95 @@ def compiled_section(runs: list, trace: dict | None) -> str:
         trace_args=_trace_args(first),
         trace=trace_text,
     )
+
+
+def split_section(sweep: dict | None, runs: list) -> str:
+    """``paged_decode``'s flash-decoding split: the kernel per case from the sweep (graph
+    replays: the device's time), then ``breakgraph`` against ``breakgraph_unsplit`` in CB;
+    ``runs`` holds ``(data, label)``."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    kernel_rows, speedups, losses, meta = [], [], [], (sweep or {}).get("meta", {})
+    sms = meta.get("multiprocessors", H200_MULTIPROCESSORS)
+    for case, r in (sweep or {}).items():
+        if case == "meta" or "sweep_graph_us" not in r:
+            continue
+        times = {k: v["median"] for k, v in r["sweep_graph_us"].items()}
+        block = pd.BLOCK_N if r["d"] <= 128 else 64
+        default = f"{pd.split_count(r['bucket'] * r['hkv'], sms)}-block{block}"
+        best = min(times, key=times.get)
+        before, now = times["1-block64"], times[default]
+        speedups.append(before / now)
+        losses.append(now / times[best])
+        kernel_rows.append([
+            case.split("/")[0], f"{r['hq']}/{r['hkv']} × {r['d']}",
+            case.split("/")[1].replace(f"{r['seqs']}-long", f"{r['seqs']}, long"),
+            num(r["keys"], 0), num(r["kv_mib"], 0), num(before, 1),
+            f"{num(now, 1)} ({_setting(default)})", f"{num(times[best], 1)} ({_setting(best)})",
+            f"{num(before / now, 2)}×", f"{num(now / times[best], 2)}×",
+            num(r["kv_mib"] * 2**20 / now / 1e6, 2),
+        ])  # fmt: skip
+    rows, lines, first = [], [], runs[0][0]["meta"] if runs else {}
+    for data, label in runs:
+        for m in data["models"]:
+            v = m["variants"]
+            new, old = v.get("breakgraph", {}), v.get("breakgraph_unsplit", {})
+            if "tokens_per_s" not in new or "tokens_per_s" not in old:
+                continue
+            for name, e in (("breakgraph_unsplit", old), ("breakgraph", new)):
+                rows.append([
+                    label, _release(data), m["model"],
+                    f"{m['prompts']} × {num(m['prompt_tokens'] / m['prompts'], 0)}",
+                    f"`{name}`",
+                    f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+                    num(e["decode_step_ms"], 2), num(e["decode_forward_device_ms"], 2),
+                    f"{num(e['decode_forward_device_ms'] / e['decode_floor_ms'], 1)}×",
+                    num(e["host_prepare_ms_per_step"], 1),
+                ])  # fmt: skip
+            per_round = [a / b for a, b in zip(new["rounds_tokens_per_s"],
+                                               old["rounds_tokens_per_s"])]  # fmt: skip
+            lines.append(
+                f"- {label}, {m['model']} on {_release(data)}, {m['prompts']} requests: the "
+                f"pure-decode forward's device time {num(old['decode_forward_device_ms'], 2)} → "
+                f"{num(new['decode_forward_device_ms'], 2)} ms (before / now "
+                f"{num(old['decode_forward_device_ms'] / new['decode_forward_device_ms'], 2)}×); "
+                f"tokens/s now / before {num(new['tokens_per_s'] / old['tokens_per_s'], 2)}× "
+                f"(round by round {span(per_round, 2)})"
+            )
+    return fill(
+        "cb.split",
+        sweep_file=f"`{SPLIT_SWEEP_FILE}`",
+        gpu=meta.get("gpu", "-"),
+        torch=meta.get("torch", "-"),
+        date=meta.get("date", "-"),
+        programs=pd.PROGRAMS_PER_SM,
+        block=pd.BLOCK_N,
+        kernel=table(
+            ["shape", "heads × size", "sequences", "keys", "KV MiB", "before µs",
+             "default µs (splits × block)", "best µs (splits × block)", "before / default",
+             "default / best", "default TB/s"],
+            kernel_rows,
+        ) if kernel_rows else "(not measured)",  # fmt: skip
+        speedup=f"{span(speedups, 2)}×" if speedups else "-",
+        loss=f"{span(losses, 2)}×" if losses else "-",
+        mean_loss=f"{num(statistics.mean(losses), 3)}×" if losses else "-",
+        files=", ".join(f"`{name}` ({label})" for name, label in SPLIT_FILES),
+        device=first.get("device", "-"),
+        cb_date=first.get("date", "-"),
+        table=table(
+            ["run", "transformers", "model", "requests × mean prompt", "variant",
+             "tokens/s (rounds)", "decode ms", "decode fwd device ms", "device x floor",
+             "prep ms"],
+            rows,
+        ),  # fmt: skip
+        ratios=bullets(lines) or "(not measured)",
+    )
+
+
+def _setting(key: str) -> str:
+    """A sweep key ``<splits>-block<n>`` as ``splits × n``."""
+    splits, block = key.split("-block")
+    return f"{splits} × {block}"
 
 
 _GATHER = "gather / index (paged cache, embedding)"  # cb_trace's kind of the cache's gather

@@ -176,6 +176,7 @@ def main(argv=None) -> int:
         return 2
     torch.manual_seed(0)
     results = {"meta": environment(cuda=True)}
+    results["meta"]["multiprocessors"] = torch.cuda.get_device_properties(0).multi_processor_count
     for name, q_heads, kv_heads, head_dim in SHAPES:
         cases = [(f"{name}/{seqs}", seqs, KEYS) for seqs in SEQUENCES]
         cases.append((f"{name}/{LONG[0]}-long", *LONG))

@@ -10,8 +10,12 @@
 # copy capture-time.json to docs/results/h200-capture-time-after.json), RUN_TRACE=1 (a CB profiler
 # trace, async against sync: benchmarks/cb_trace.py, ~40 s; its folder goes to
 # docs/results/h200-cb-trace-5.17/), RUN_DECODE_ATTENTION=1 (one layer's decode attention three
-# ways: benchmarks/decode_attention.py, ~40 s; copy decode-attention.json to
-# docs/results/h200-decode-attention.json), RUN_DECODE_GRAPHS=1 (pure-decode steps as one graph
+# ways, and paged_decode at every split count and block, launched and graph-replayed:
+# benchmarks/decode_attention.py, ~1 min; copy decode-attention.json to
+# docs/results/h200-decode-attention-split.json), RUN_SPLIT=1 (paged_decode's split against the
+# kernel before, in turn: bench_cb --variants breakgraph,breakgraph_unsplit on SPLIT_MODELS and
+# a 16-prompt long-context workload, ~2.5 min; copy split.json and split-long.json to
+# docs/results/h200-cb-split-*.json, see cb_report.SPLIT_FILES), RUN_DECODE_GRAPHS=1 (pure-decode steps as one graph
 # against a break per layer, in turn: bench_cb --variants breakgraph,breakgraph_breaks on
 # DECODE_MODELS, 3 rounds, ~2 min, then cb_trace of both over pure-decode steps on llama-1b,
 # ~25 s; copy decode-graphs.json to docs/results/h200-cb-decode-graphs-*.json, see
@@ -51,7 +55,7 @@
 #   python3 -m pip download --no-deps -d .whl breakable-cuda-graphs==0.1.0
 # The device tool returns at most 8 files: the default sections write pytest.log,
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
-# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_HOST_PATH 2,
+# RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_DECODE_GRAPHS 4 (skip other sections to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
@@ -175,6 +179,17 @@ if [ -n "${RUN_COMPILED:-}" ]; then  # the decoder under torch.compile against t
     --prompts 100 --max-len 1024 --new-tokens 128 --skip 70 --steps 16 --settle 2 \
     --out "$OUT/trace-compiled" 2>&1 | tee -a "$LOG" || status=1
   echo "[compiled decoder: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_SPLIT:-}" ]; then  # paged_decode's split against the kernel before, in turn (~2.5 min)
+  t=$SECONDS
+  timeout 200 python3 -m benchmarks.bench_cb --models "${SPLIT_MODELS:-qwen3-0.6b,mixtral-1k-8l,qwen2.5-3b-12l,llama3-8b-4l}" \
+    --variants breakgraph,breakgraph_unsplit --repeat breakgraph,breakgraph_unsplit --rounds 3 \
+    --budget-s 0 --keep-going --out "$OUT/split.json" 2>&1 | tee -a "$LOG" || status=1
+  timeout 150 python3 -m benchmarks.bench_cb --models qwen2.5-3b-12l,llama3-8b-4l --prompts 16 \
+    --min-len 4096 --max-len 12288 --new-tokens 64 --cold-new-tokens 8 \
+    --variants breakgraph,breakgraph_unsplit --repeat breakgraph,breakgraph_unsplit --rounds 3 \
+    --budget-s 0 --keep-going --out "$OUT/split-long.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[decode split: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
   python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \

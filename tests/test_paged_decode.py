@@ -98,14 +98,22 @@ def test_kernel_without_triton_names_the_fallback():
         pd.paged_decode(*case, 0.1)
 
 
+#: (splits, block_n) per head shape: every setting on one shape, the defaults and one split on
+#: the others (each setting is a Triton compile of its own, about half a second)
+KERNEL_SETTINGS = {
+    (16, 2, 128): ((None, None), (1, 64), (1, 128), (2, 64), (16, 128)),
+    **dict.fromkeys(
+        [(16, 4, 64), (32, 4, 64), (8, 8, 128), (8, 1, 256)], ((None, None), (4, None))
+    ),
+}
+
+
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize(
-    "heads", [(16, 4, 64), (32, 4, 64), (16, 2, 128), (8, 8, 128), (8, 1, 256)], ids=str
-)
+@pytest.mark.parametrize("heads", list(KERNEL_SETTINGS), ids=str)
 def test_kernel_matches_reference_cuda_bf16(heads):
-    """Every split count (1: one kernel; more: shares of whole blocks, then the combine),
-    both blocks of keys, sequences shorter than a share, empty ones and a padded tail (no
-    keys: zeros)."""
+    """Split counts (1: one kernel; more: shares of whole blocks, then the combine), both
+    blocks of keys, sequences shorter than a share, empty ones and a padded tail (no keys:
+    zeros)."""
     if pd.triton is None:
         pytest.skip("Triton is not installed")
     q_heads, kv_heads, head_dim = heads
@@ -113,7 +121,7 @@ def test_kernel_matches_reference_cuda_bf16(heads):
     case = paged_case(3, q_heads, kv_heads, head_dim, lengths, torch.bfloat16, "cuda")
     scaling = head_dim**-0.5
     expected = pd.paged_decode_reference(*case, scaling)
-    for splits, block_n in ((None, None), (1, 64), (1, 128), (2, 64), (8, None), (16, 128)):
+    for splits, block_n in KERNEL_SETTINGS[heads]:
         out = torch.full_like(case[0], float("nan"))
         got = pd.paged_decode(*case, scaling, out=out, splits=splits, block_n=block_n)
         assert got is out and (got[[4, 8, 9]] == 0).all(), (splits, block_n)

@@ -5,9 +5,11 @@ PagedAttention`) asks transformers' cache for every key the step's sequences see
 (``index_select`` writes them all once more: the *gather*) and calls FlashAttention-2's
 varlen kernel on the copy. This kernel reads the cache rows through the step's read index
 instead, one program per (sequence, key head) holding the query heads of that key head
-together, so it reads each key once and writes nothing but the output. Its shapes depend
-only on the bucket (the index and the key lengths are read on the device), which is what a
-captured graph needs.
+together, so it reads each key once and writes nothing but the output. Where sequences x key
+heads are too few programs to fill the GPU (few requests, few key heads, long sequences), each
+sequence's keys are split across several programs and a second kernel combines their partial
+results (flash-decoding). Its shapes depend only on the bucket (the index and the key lengths
+are read on the device), which is what a captured graph needs.
 
 ``paged_decode_reference`` is the same computation in plain torch (loops on the host): the
 tests' oracle, and what runs where Triton does not.
@@ -43,6 +45,7 @@ __all__ = [
     "paged_decode_dense",
     "paged_decode_reference",
     "query_rows",
+    "split_count",
     "triton_available",
 ]
 
@@ -258,10 +261,25 @@ BLOCK_N = 128
 _SM_COUNT: dict[int, int] = {}
 
 
+def split_count(programs: int, multiprocessors: int) -> int:
+    """The split for a grid of ``programs`` (sequences x key heads) on a GPU of
+    ``multiprocessors``: a power of two between 1 and 16 that brings the grid to about
+    ``PROGRAMS_PER_SM`` programs per multiprocessor.
+
+    >>> split_count(1024, 132), split_count(256, 132), split_count(16, 132)  # an H200
+    (1, 2, 16)
+    """
+    wanted = PROGRAMS_PER_SM * multiprocessors // max(1, programs)
+    splits = 1
+    while splits * 2 <= min(wanted, 16):
+        splits *= 2
+    return splits
+
+
 def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
-    """How many programs share one (sequence, key head)'s keys: enough for ``batch x kv_heads
-    x splits`` to fill the GPU (``PROGRAMS_PER_SM`` per multiprocessor), a power of two
-    between 1 and 16. It depends on the shapes only, so a captured graph keeps it.
+    """How many programs share one (sequence, key head)'s keys on ``device``:
+    :func:`split_count` of ``batch x kv_heads`` programs (1 off CUDA). It depends on the
+    shapes only, so a captured graph keeps it.
 
     >>> default_splits(100, 8, torch.device("cpu"))  # no GPU: no split
     1
@@ -272,11 +290,7 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    wanted = PROGRAMS_PER_SM * _SM_COUNT[index] // max(1, batch * kv_heads)
-    splits = 1
-    while splits * 2 <= min(wanted, 16):
-        splits *= 2
-    return splits
+    return split_count(batch * kv_heads, _SM_COUNT[index])
 
 
 def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
