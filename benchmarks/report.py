@@ -78,7 +78,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*cb_report.DECODE_GRAPHS_TRACE_FILES, cb_report.COMPILED_TRACE_FILE]
         + [cb_report.SPLIT_SWEEP_FILE, *(name for name, _ in cb_report.SPLIT_FILES)]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
-        + [report_tests.SUITE_WHOLE_FILE]
+        + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
+        + [report_tests.CPU_SUITE_SERIAL_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -170,6 +171,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded.get(report_tests.SUITE_FILE),
         loaded.get(report_tests.SUITE_BEFORE_FILE),
         loaded.get(report_tests.SUITE_WHOLE_FILE),
+        loaded.get(report_tests.CPU_SUITE_FILE),
+        loaded.get(report_tests.CPU_SUITE_SERIAL_FILE),
     )
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
 

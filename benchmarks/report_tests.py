@@ -12,6 +12,10 @@ SUITE_FILE = "h200-cuda-suite-times.json"  # the latest CUDA run (replaced by ne
 SUITE_BEFORE_FILE = "h200-cuda-suite-times-before.json"  # before captures stopped collecting
 SUITE_WHOLE_FILE = "h200-suite-times-whole.json"  # the whole suite (emulated and CUDA tests)
 PROFILE_FILE = "h200-capture-profile.json"
+#: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
+#: and the same tests in one process
+CPU_SUITE_FILE = "cpu-suite-times.json"
+CPU_SUITE_SERIAL_FILE = "cpu-suite-times-serial.json"
 TOP_FILES = 10  # files in the per-file table
 SLOWEST_FILES = 3  # files named where the target is missed
 LARGEST_PARTS = 3  # parts named per runner
@@ -155,12 +159,44 @@ def whole_suite_line(whole: dict | None) -> str:
     ).strip("\n")
 
 
+def cpu_suite_line(run: dict | None, serial: dict | None) -> str:
+    """The whole suite on a CPU machine like CI's against its target (``run``, the README's
+    command), beside the same tests in one process (``serial``), if measured."""
+    if run is None:
+        return ""
+    meta, counts, target = run.get("meta") or {}, run["counts"], T.TARGET_CPU_SUITE_S
+    slowest = ", ".join(
+        f"`{t['test'].split('::')[-1]}` {_cell(t['seconds'])} s" for t in run["slowest"][:3]
+    )
+    return fill(
+        "tests.suite.cpu",
+        files="`, `".join([CPU_SUITE_FILE] + ([CPU_SUITE_SERIAL_FILE] if serial else [])),
+        torch=meta.get("torch") or "-",
+        transformers=meta.get("transformers") or "-",
+        date=meta.get("date") or "-",
+        cores=T.CPU_SUITE_CORES,
+        label=run["label"],
+        wall=_cell(run["wall_s"]),
+        passed=counts.get("passed", 0),
+        skipped=counts.get("skipped", 0),
+        failed=counts.get("failed", 0),
+        serial=_cell(serial["wall_s"]) if serial else "-",
+        tests_s=_cell(run["tests_s"]),
+        serial_tests_s=_cell(serial["tests_s"]) if serial else "-",
+        target=f"{target:g}",
+        verdict="meets" if run["wall_s"] <= target else "misses",
+        slowest=slowest,
+    ).strip("\n")
+
+
 def suite_time_section(
-    run: dict | None, before: dict | None = None, whole: dict | None = None
-) -> list[str]:
+    run: dict | None, before: dict | None = None, whole: dict | None = None,
+    cpu: dict | None = None, cpu_serial: dict | None = None,
+) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
-    machine (any may be missing: not measured)."""
+    machine, ``cpu`` and ``cpu_serial`` the whole suite on a CPU machine like CI's (any may be
+    missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -185,7 +221,8 @@ def suite_time_section(
             verdict="\n\n".join(
                 filter(
                     None,
-                    [suite_verdict_line(run), whole_suite_line(whole), gc_paragraph(before, run)],
+                    [suite_verdict_line(run), whole_suite_line(whole),
+                     cpu_suite_line(cpu, cpu_serial), gc_paragraph(before, run)],  # fmt: skip
                 )
             ),
             top=min(TOP_FILES, len(run["per_file"])),

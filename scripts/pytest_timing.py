@@ -5,7 +5,8 @@ and each failure's report (the traceback pytest would print at the end) to
 ``--durations`` and the failure tracebacks print only at the end of a run; a run cut by a time
 limit (the device tool's) would report nothing. Use:
 ``PYTHONPATH=scripts PYTEST_TIMING_FILE=t.txt pytest -p pytest_timing``, then
-``sort -k1 -gr t.txt | head`` (seconds, phase, test id).
+``sort -k1 -gr t.txt | head`` (seconds, phase, test id). Under pytest-xdist (``-n 2``) each
+worker appends its own tests' lines (the controller writes none).
 
 Each line ends with `` gc=S/N``: the seconds the phase spent in N garbage collections
 (``gc.callbacks``). Every CUDA capture collects once (as ``torch.cuda.graph`` does), and a
@@ -30,15 +31,22 @@ def _on_gc(phase: str, info: dict) -> None:
         _gc["count"] += 1
 
 
+_skip = {"controller": False}
+
+
 def pytest_configure(config) -> None:
-    if os.environ.get("PYTEST_TIMING_FILE"):
+    # under pytest-xdist the workers run the tests (and their collections) and write the lines;
+    # the controller sees every report again and writes nothing
+    numprocesses = getattr(config.option, "numprocesses", None)
+    _skip["controller"] = bool(numprocesses) and not os.environ.get("PYTEST_XDIST_WORKER")
+    if os.environ.get("PYTEST_TIMING_FILE") and not _skip["controller"]:
         gc.callbacks.append(_on_gc)
 
 
 def pytest_runtest_logreport(report) -> None:
     global _file
     path = os.environ.get("PYTEST_TIMING_FILE")
-    if not path:
+    if not path or _skip["controller"]:
         return
     if _file is None:
         _file = open(path, "a", buffering=1)  # noqa: SIM115 (kept open for the whole run)

@@ -5,6 +5,7 @@ skipped cleanly without a GPU); ``device`` is the matching tensor device.
 """
 
 import functools
+import os
 
 import pytest
 import torch
@@ -45,11 +46,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Start the one process of the checks that need their own (``helpers.fresh_process_check``)
-    now, so that its start-up (about 11 s on the H200's host) runs beside the other tests."""
+    now, so that its start-up (about 11 s on the H200's host) runs beside the other tests. Not
+    in a pytest-xdist worker: every worker collects every test, and only the one given those
+    tests needs the process (it starts it when the first of them asks)."""
     from tests import helpers
 
     wanted = any(item.get_closest_marker("fresh_process") for item in session.items)
-    if wanted and helpers.HAS_CUDA and not session.config.option.collectonly:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if wanted and helpers.HAS_CUDA and not worker and not session.config.option.collectonly:
         helpers.start_fresh_process()
 
 
