@@ -79,7 +79,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [cb_report.SPLIT_SWEEP_FILE, *(name for name, _ in cb_report.SPLIT_FILES)]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
-        + [report_tests.CPU_SUITE_SERIAL_FILE]
+        + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -173,6 +173,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded.get(report_tests.SUITE_WHOLE_FILE),
         loaded.get(report_tests.CPU_SUITE_FILE),
         loaded.get(report_tests.CPU_SUITE_SERIAL_FILE),
+        loaded.get(report_tests.SUITE_SERIAL_FILE),
     )
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
 

@@ -10,7 +10,9 @@ from .template import bullets, fill, num, pct, table
 
 SUITE_FILE = "h200-cuda-suite-times.json"  # the latest CUDA run (replaced by newer runs)
 SUITE_BEFORE_FILE = "h200-cuda-suite-times-before.json"  # before captures stopped collecting
-SUITE_WHOLE_FILE = "h200-suite-times-whole.json"  # the whole suite (emulated and CUDA tests)
+SUITE_WHOLE_FILE = "h200-suite-times-whole.json"
+#: the same tests in one process, where the latest run used pytest-xdist workers
+SUITE_SERIAL_FILE = "h200-cuda-suite-times-serial.json"  # the whole suite (emulated and CUDA tests)
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
 #: and the same tests in one process
@@ -191,12 +193,13 @@ def cpu_suite_line(run: dict | None, serial: dict | None) -> str:
 
 def suite_time_section(
     run: dict | None, before: dict | None = None, whole: dict | None = None,
-    cpu: dict | None = None, cpu_serial: dict | None = None,
+    cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
-    machine, ``cpu`` and ``cpu_serial`` the whole suite on a CPU machine like CI's (any may be
-    missing: not measured)."""
+    machine, ``cpu`` and ``cpu_serial`` the whole suite on a CPU machine like CI's, ``serial``
+    the CUDA tests in one process where ``run`` used workers (any may be missing: not
+    measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -205,8 +208,9 @@ def suite_time_section(
     if run is None:
         return [fill("tests.suite.missing", file=SUITE_FILE, **targets)]
     meta = run.get("meta") or {}
-    runs = [before, run] if before else [run]
-    names = [SUITE_BEFORE_FILE, SUITE_FILE] if before else [SUITE_FILE]
+    runs = [r for r in (before, serial, run) if r]
+    names = [n for n, r in ((SUITE_BEFORE_FILE, before), (SUITE_SERIAL_FILE, serial),
+                            (SUITE_FILE, run)) if r]  # fmt: skip
     return [
         fill(
             "tests.suite",

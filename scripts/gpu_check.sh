@@ -31,7 +31,8 @@
 # copy host-path-{new,old}-first.json to docs/results/h200-prefill-host-path-upload-*.json, see
 # report_prefill.UPLOAD_FILES). The tests also write test-times.txt (seconds per test, and the
 # seconds of garbage collection inside it); for the page's test-suite section run the CUDA tests
-# alone (TEST_ARGS="-m requires_cuda tests", about 3 min) and, here, python -m benchmarks.suite_times
+# alone (TEST_ARGS="-n 4 -m requires_cuda tests", about 100 s, with the pytest-xdist and execnet
+# wheels carried in .whl; without -n, one process, about 3.5 min) and, here, python -m benchmarks.suite_times
 # --times test-times.txt --log pytest.log --label ... --out docs/results/h200-cuda-suite-times.json.
 # Tensor parallelism needs 2 GPUs (kind nvidia-h200-x2): bash scripts/tp_check.sh (the TP
 # tests, the example and the TP benchmark, with and without NCCL graph mixing).

@@ -46,7 +46,7 @@ MOE = {
     "qwen3_moe_eager": ("Qwen3MoeConfig", dict(QWEN3_MOE, num_experts_per_tok=2), "eager"),
 }
 BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_PREFILL_BATCHES", "100"))
-CUDA_BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_CUDA_PREFILL_BATCHES", "240"))
+CUDA_BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_CUDA_PREFILL_BATCHES", "400"))
 KINDS = ("random", "random", "exact_bucket", "bucket_minus_one", "one_token", "full", "overflow")
 
 

@@ -465,7 +465,10 @@ def test_suite_time_section_from_the_committed_runs():
     with open(os.path.join(ROOT, "docs", "performance.md")) as f:
         text = f.read().split("## Test-suite time")[1]
     assert f"`pytest {run['selection']} tests`" in text
-    assert "(`h200-cuda-suite-times-before.json`, `h200-cuda-suite-times.json`: NVIDIA H200" in text
+    assert (
+        "(`h200-cuda-suite-times-before.json`, `h200-cuda-suite-times-serial.json`, "
+        "`h200-cuda-suite-times.json`: NVIDIA H200"
+    ) in text
     before_row = (
         "| before: a full gc.collect() per capture | 357.4 | 345.4 | 172.9 | 50% | 5768 | 370 | 57 "
         "| 0 | missed |"
@@ -475,6 +478,24 @@ def test_suite_time_section_from_the_committed_runs():
     assert f"| {run['label']} | {run['wall_s']:.1f} |" in text
     assert text.split(f"| {run['label']} |")[1].split("\n")[0].endswith(f"| {verdict} |")
     assert f"`{run['per_file'][0]['file']}`" in text
+
+
+def test_cpu_suite_line_says_whether_the_readme_command_meets_the_target():
+    """The CPU paragraph: the README's command against its target, beside one process; none
+    without a run."""
+    from benchmarks import report_tests
+
+    slowest = [{"test": "tests/test_x.py::test_slow", "seconds": 20.0, "gc_s": 0.0}]
+    run = dict(suite_run(), label="workers", wall_s=88.2, tests_s=147.4, slowest=slowest)
+    serial = dict(suite_run(), label="one process", wall_s=139.5, tests_s=133.1)
+    text = report_tests.cpu_suite_line(run, serial)
+    assert "88.2 s of wall time" in text and "against\n139.5 s" in text
+    assert "it meets the 100 s target" in text and "`test_slow` 20.0 s" in text
+    assert "147.4 s\nagainst 133.1 s" in text
+    assert "it misses the 100 s target" in report_tests.cpu_suite_line(
+        dict(run, wall_s=100.5), serial
+    )
+    assert report_tests.cpu_suite_line(None, serial) == ""
 
 
 def test_suite_time_section_from_two_runs(tmp_path):
