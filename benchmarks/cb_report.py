@@ -87,6 +87,7 @@ COMPILED_FILES = (
     ("h200-cb-compiled-5.24.json", "B"),
     ("h200-cb-compiled-32-5.24.json", "C"),  # 32 requests
     ("h200-cb-compiled-b-5.17.json", "D"),  # the two dense shapes on 5.17
+    ("h200-cb-compiled-e-5.24.json", "E"),  # B's one loss again, 5 rounds (session 17)
 )
 #: ``cb_trace --variants breakgraph,breakgraph_compiled`` over pure-decode steps
 COMPILED_TRACE_FILE = "h200-cb-trace-compiled-5.24/summary.json"
