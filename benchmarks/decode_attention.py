@@ -31,7 +31,6 @@ row per ``shape/sequences``.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 
@@ -60,7 +59,7 @@ BLOCKS = (64, 128)
 
 
 def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS) -> dict:
-    """Time the three variants on one random paged cache; return the JSON row."""
+    """Time the variants and the sweep on one random paged cache; return the JSON row."""
     dev, dt = "cuda", torch.bfloat16
     lens = torch.randint(keys[0], keys[1] + 1, (seqs,))
     total = int(lens.sum())
@@ -92,9 +91,7 @@ def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS) -
         r = flash_varlen(q[:seqs], k, v, cu_q, cu_k, 1, max_k, scaling, None, causal=False)
         return torch.nn.functional.pad(r, (0, 0, 0, 0, 0, bucket - seqs))
 
-    def split_by(splits, block_n=None):
-        block_n = block_n or inspect.signature(paged_decode).parameters["block_n"].default
-
+    def split_by(splits, block_n=None):  # None: paged_decode's defaults
         def triton_paged():
             return paged_decode(q, k_cache, v_cache, read_index, cu_k_padded, scaling, out=out,
                                 splits=splits, block_n=block_n)  # fmt: skip
