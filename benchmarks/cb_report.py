@@ -747,39 +747,48 @@ def decode_attention_section(data: dict) -> str:
     )
 
 
+def _pairs(runs: list, before: str, after: str):
+    """``(data, label, model, before's entry, after's entry, per-round tokens/s ratios)`` for
+    every model of every ``(data, label)`` run where both variants served (the two took turns
+    in one process; the ratios are ``after / before`` round by round)."""
+    for data, label in runs:
+        for m in data["models"]:
+            v = m["variants"]
+            old, new = v.get(before, {}), v.get(after, {})
+            if "tokens_per_s" not in old or "tokens_per_s" not in new:
+                continue
+            per_round = [a / b for a, b in zip(new["rounds_tokens_per_s"],
+                                               old["rounds_tokens_per_s"])]  # fmt: skip
+            yield data, label, m, old, new, per_round
+
+
 def decode_graphs_section(runs: list, traces: list) -> str:
     """Pure-decode steps as one graph (``breakgraph``) against a break per layer
     (``breakgraph_breaks``), taking turns in one process: ``runs`` holds ``(data, label)``,
     ``traces`` ``cb_trace`` summaries of both variants over pure-decode steps."""
     rows, lines, meta, ratios = [], [], runs[0][0]["meta"], []
-    for data, label in runs:
-        for m in data["models"]:
-            v = m["variants"]
-            graphs, breaks = v.get("breakgraph", {}), v.get("breakgraph_breaks", {})
-            if "tokens_per_s" not in graphs or "tokens_per_s" not in breaks:
-                continue
-            for name, e in (("breakgraph_breaks", breaks), ("breakgraph", graphs)):
-                rows.append([
-                    label, _release(data), m["model"], f"`{name}`",
-                    f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
-                    num(e["decode_step_ms"], 2), num(e["decode_forward_host_ms"], 2),
-                    num(e["decode_forward_device_ms"], 2), num(e["host_prepare_ms_per_step"], 1),
-                    pct(e["gpu_forward_fraction"]),
-                    (f"{e['decode_graph_captures']} in {num(e['decode_graph_capture_s'], 2)} s"
-                     if "decode_graph_captures" in e else "-"),
-                ])  # fmt: skip
-            per_round = [a / b for a, b in zip(graphs["rounds_tokens_per_s"],
-                                               breaks["rounds_tokens_per_s"])]  # fmt: skip
-            ratios.append((f"run {label}'s {m['model']}",
-                           graphs["tokens_per_s"] / breaks["tokens_per_s"], per_round))
-            lines.append(
-                f"- {label}, {m['model']} on {_release(data)}: tokens/s "
-                f"{num(graphs['tokens_per_s'] / breaks['tokens_per_s'], 2)}× (round by round "
-                f"{span(per_round, 2)}); pure-decode step {num(breaks['decode_step_ms'], 2)} → "
-                f"{num(graphs['decode_step_ms'], 2)} ms, its forward's host time "
-                f"{num(breaks['decode_forward_host_ms'], 2)} → "
-                f"{num(graphs['decode_forward_host_ms'], 2)} ms"
-            )
+    for data, label, m, breaks, graphs, per_round in _pairs(runs, "breakgraph_breaks",
+                                                            "breakgraph"):  # fmt: skip
+        for name, e in (("breakgraph_breaks", breaks), ("breakgraph", graphs)):
+            rows.append([
+                label, _release(data), m["model"], f"`{name}`",
+                f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+                num(e["decode_step_ms"], 2), num(e["decode_forward_host_ms"], 2),
+                num(e["decode_forward_device_ms"], 2), num(e["host_prepare_ms_per_step"], 1),
+                pct(e["gpu_forward_fraction"]),
+                (f"{e['decode_graph_captures']} in {num(e['decode_graph_capture_s'], 2)} s"
+                 if "decode_graph_captures" in e else "-"),
+            ])  # fmt: skip
+        ratios.append((f"run {label}'s {m['model']}",
+                       graphs["tokens_per_s"] / breaks["tokens_per_s"], per_round))
+        lines.append(
+            f"- {label}, {m['model']} on {_release(data)}: tokens/s "
+            f"{num(graphs['tokens_per_s'] / breaks['tokens_per_s'], 2)}× (round by round "
+            f"{span(per_round, 2)}); pure-decode step {num(breaks['decode_step_ms'], 2)} → "
+            f"{num(graphs['decode_step_ms'], 2)} ms, its forward's host time "
+            f"{num(breaks['decode_forward_host_ms'], 2)} → "
+            f"{num(graphs['decode_forward_host_ms'], 2)} ms"
+        )
     trace_rows, overlap = [], []
     for data in traces:
         variants = data["variants"]
@@ -840,35 +849,29 @@ def compiled_section(runs: list, trace: dict | None) -> str:
     default (``breakgraph``), taking turns in one process: ``runs`` holds ``(data, label)``,
     ``trace`` a ``cb_trace`` summary of both over pure-decode steps (or None)."""
     rows, lines, ratios, cuts, meta = [], [], [], [], runs[0][0]["meta"]
-    for data, label in runs:
-        for m in data["models"]:
-            v = m["variants"]
-            plain, compiled = v.get("breakgraph", {}), v.get("breakgraph_compiled", {})
-            if "tokens_per_s" not in plain or "tokens_per_s" not in compiled:
-                continue
-            for name, e in (("breakgraph", plain), ("breakgraph_compiled", compiled)):
-                rows.append([
-                    label, _release(data), m["model"], str(m["prompts"]), f"`{name}`",
-                    f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
-                    num(e["decode_step_ms"], 2), num(e["decode_forward_device_ms"], 2),
-                    f"{num(e['decode_forward_device_ms'] / e['decode_floor_ms'], 1)}×",
-                    num(e["forward_device_ms_per_step"], 2), num(e["host_prepare_ms_per_step"], 1),
-                    pct(e["gpu_forward_fraction"]), num(e["rounds_manager_s"][0], 1),
-                ])  # fmt: skip
-            per_round = [a / b for a, b in zip(compiled["rounds_tokens_per_s"],
-                                               plain["rounds_tokens_per_s"])]  # fmt: skip
-            ratio = compiled["tokens_per_s"] / plain["tokens_per_s"]
-            cut = 1 - compiled["decode_forward_device_ms"] / plain["decode_forward_device_ms"]
-            ratios.append((f"run {label}'s {m['model']}", ratio, per_round))
-            cuts.append(cut)
-            lines.append(
-                f"- {label}, {m['model']} on {_release(data)}, {m['prompts']} requests: tokens/s "
-                f"{num(ratio, 2)}× (round by round {span(per_round, 2)}); the pure-decode "
-                f"forward's device time {num(plain['decode_forward_device_ms'], 2)} → "
-                f"{num(compiled['decode_forward_device_ms'], 2)} ms ({pct(cut)} less), the "
-                f"pure-decode step {num(plain['decode_step_ms'], 2)} → "
-                f"{num(compiled['decode_step_ms'], 2)} ms"
-            )
+    for data, label, m, plain, compiled, per_round in _pairs(runs, "breakgraph",
+                                                             "breakgraph_compiled"):  # fmt: skip
+        for name, e in (("breakgraph", plain), ("breakgraph_compiled", compiled)):
+            rows.append([
+                label, _release(data), m["model"], str(m["prompts"]), f"`{name}`",
+                f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+                num(e["decode_step_ms"], 2), num(e["decode_forward_device_ms"], 2),
+                f"{num(e['decode_forward_device_ms'] / e['decode_floor_ms'], 1)}×",
+                num(e["forward_device_ms_per_step"], 2), num(e["host_prepare_ms_per_step"], 1),
+                pct(e["gpu_forward_fraction"]), num(e["rounds_manager_s"][0], 1),
+            ])  # fmt: skip
+        ratio = compiled["tokens_per_s"] / plain["tokens_per_s"]
+        cut = 1 - compiled["decode_forward_device_ms"] / plain["decode_forward_device_ms"]
+        ratios.append((f"run {label}'s {m['model']}", ratio, per_round))
+        cuts.append(cut)
+        lines.append(
+            f"- {label}, {m['model']} on {_release(data)}, {m['prompts']} requests: tokens/s "
+            f"{num(ratio, 2)}× (round by round {span(per_round, 2)}); the pure-decode "
+            f"forward's device time {num(plain['decode_forward_device_ms'], 2)} → "
+            f"{num(compiled['decode_forward_device_ms'], 2)} ms ({pct(cut)} less), the "
+            f"pure-decode step {num(plain['decode_step_ms'], 2)} → "
+            f"{num(compiled['decode_step_ms'], 2)} ms"
+        )
     kinds, trace_text = [], "(not measured)"
     if trace is not None:
         variants = trace["variants"]
@@ -938,32 +941,25 @@ def split_section(sweep: dict | None, runs: list) -> str:
             num(r["kv_mib"] * 2**20 / now / 1e6, 2),
         ])  # fmt: skip
     rows, lines, first = [], [], runs[0][0]["meta"] if runs else {}
-    for data, label in runs:
-        for m in data["models"]:
-            v = m["variants"]
-            new, old = v.get("breakgraph", {}), v.get("breakgraph_unsplit", {})
-            if "tokens_per_s" not in new or "tokens_per_s" not in old:
-                continue
-            for name, e in (("breakgraph_unsplit", old), ("breakgraph", new)):
-                rows.append([
-                    label, _release(data), m["model"],
-                    f"{m['prompts']} × {num(m['prompt_tokens'] / m['prompts'], 0)}",
-                    f"`{name}`",
-                    f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
-                    num(e["decode_step_ms"], 2), num(e["decode_forward_device_ms"], 2),
-                    f"{num(e['decode_forward_device_ms'] / e['decode_floor_ms'], 1)}×",
-                    num(e["host_prepare_ms_per_step"], 1),
-                ])  # fmt: skip
-            per_round = [a / b for a, b in zip(new["rounds_tokens_per_s"],
-                                               old["rounds_tokens_per_s"])]  # fmt: skip
-            lines.append(
-                f"- {label}, {m['model']} on {_release(data)}, {m['prompts']} requests: the "
-                f"pure-decode forward's device time {num(old['decode_forward_device_ms'], 2)} → "
-                f"{num(new['decode_forward_device_ms'], 2)} ms (before / now "
-                f"{num(old['decode_forward_device_ms'] / new['decode_forward_device_ms'], 2)}×); "
-                f"tokens/s now / before {num(new['tokens_per_s'] / old['tokens_per_s'], 2)}× "
-                f"(round by round {span(per_round, 2)})"
-            )
+    for data, label, m, old, new, per_round in _pairs(runs, "breakgraph_unsplit", "breakgraph"):
+        for name, e in (("breakgraph_unsplit", old), ("breakgraph", new)):
+            rows.append([
+                label, _release(data), m["model"],
+                f"{m['prompts']} × {num(m['prompt_tokens'] / m['prompts'], 0)}",
+                f"`{name}`",
+                f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+                num(e["decode_step_ms"], 2), num(e["decode_forward_device_ms"], 2),
+                f"{num(e['decode_forward_device_ms'] / e['decode_floor_ms'], 1)}×",
+                num(e["host_prepare_ms_per_step"], 1),
+            ])  # fmt: skip
+        lines.append(
+            f"- {label}, {m['model']} on {_release(data)}, {m['prompts']} requests: the "
+            f"pure-decode forward's device time {num(old['decode_forward_device_ms'], 2)} → "
+            f"{num(new['decode_forward_device_ms'], 2)} ms (before / now "
+            f"{num(old['decode_forward_device_ms'] / new['decode_forward_device_ms'], 2)}×); "
+            f"tokens/s now / before {num(new['tokens_per_s'] / old['tokens_per_s'], 2)}× "
+            f"(round by round {span(per_round, 2)})"
+        )
     return fill(
         "cb.split",
         sweep_file=f"`{SPLIT_SWEEP_FILE}`",
