@@ -131,73 +131,19 @@ def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float) ->
 if triton is not None:
 
     @triton.jit
-    def _paged_decode_kernel(
-        q, k_cache, v_cache, read_index, cu_k, out, scaling,
-        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
+    def _attend(
+        q, k_cache, v_cache, read_index, seq, head, lo, hi, scaling,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        seq, head = tl.program_id(0), tl.program_id(1)
-        start = tl.load(cu_k + seq)
-        end = tl.load(cu_k + seq + 1)
+        """The query heads of key head ``head`` of sequence ``seq`` over the keys
+        ``read_index[lo:hi]``, by online softmax: ``(running max, running sum, unnormalised
+        output)`` per query head (``-inf``, 0 and zeros where there are no keys)."""
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
-        q_heads = head * GROUPS + g
         queries = tl.load(
-            q + seq * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
-            mask=(g < GROUPS)[:, None], other=0.0,
-        )  # fmt: skip
-        top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for first in range(start, end, BLOCK_N):
-            rows = first + tl.arange(0, BLOCK_N)
-            live = rows < end
-            slots = tl.load(read_index + rows, mask=live, other=0).to(tl.int64)
-            keys = tl.load(
-                k_cache + slots[:, None] * stride_ks + head * stride_kh + d[None, :],
-                mask=live[:, None], other=0.0,
-            )  # fmt: skip
-            scores = tl.dot(queries, tl.trans(keys)) * scaling
-            scores = tl.where(live[None, :], scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, 1))
-            weights = tl.exp(scores - new_top[:, None])
-            rescale = tl.exp(top - new_top)
-            values = tl.load(
-                v_cache + slots[:, None] * stride_vs + head * stride_vh + d[None, :],
-                mask=live[:, None], other=0.0,
-            )  # fmt: skip
-            total = total * rescale + tl.sum(weights, 1)
-            acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
-            top = new_top
-        total = tl.where(total > 0, total, 1.0)  # no keys: zeros, not NaN
-        result = acc / total[:, None]
-        tl.store(
-            out + seq * stride_ob + q_heads[:, None] * stride_oh + d[None, :],
-            result.to(out.dtype.element_ty), mask=(g < GROUPS)[:, None],
-        )  # fmt: skip
-
-
-    @triton.jit
-    def _paged_decode_split_kernel(
-        q, k_cache, v_cache, read_index, cu_k, part_out, part_lse, scaling,
-        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-        GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    ):  # fmt: skip
-        """One split of one (sequence, key head): its share of the keys, as a partial result
-        normalised over that share plus the share's log-sum-exp (``-inf`` when it is empty)."""
-        seq, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        start = tl.load(cu_k + seq)
-        end = tl.load(cu_k + seq + 1)
-        chunk = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks
-        lo = start + split * chunk
-        hi = tl.minimum(lo + chunk, end)
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, HEAD_DIM)
-        q_heads = head * GROUPS + g
-        queries = tl.load(
-            q + seq * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
+            q + seq * stride_qb + (head * GROUPS + g)[:, None] * stride_qh + d[None, :],
             mask=(g < GROUPS)[:, None], other=0.0,
         )  # fmt: skip
         top = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -223,11 +169,57 @@ if triton is not None:
             total = total * rescale + tl.sum(weights, 1)
             acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
             top = new_top
+        return top, total, acc
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q, k_cache, v_cache, read_index, cu_k, out, scaling,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
+        GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """One (sequence, key head) over all of the sequence's keys, normalised into ``out``."""
+        seq, head = tl.program_id(0), tl.program_id(1)
+        _, total, acc = _attend(
+            q, k_cache, v_cache, read_index, seq, head, tl.load(cu_k + seq),
+            tl.load(cu_k + seq + 1), scaling, stride_qb, stride_qh, stride_ks, stride_kh,
+            stride_vs, stride_vh, GROUPS, BLOCK_G, HEAD_DIM, BLOCK_N,
+        )  # fmt: skip
+        total = tl.where(total > 0, total, 1.0)  # no keys: zeros, not NaN
+        result = acc / total[:, None]
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        tl.store(
+            out + seq * stride_ob + (head * GROUPS + g)[:, None] * stride_oh + d[None, :],
+            result.to(out.dtype.element_ty), mask=(g < GROUPS)[:, None],
+        )  # fmt: skip
+
+    @triton.jit
+    def _paged_decode_split_kernel(
+        q, k_cache, v_cache, read_index, cu_k, part_out, part_lse, scaling,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """One split of one (sequence, key head): its share of the keys, as a partial result
+        normalised over that share plus the share's log-sum-exp (``-inf`` when it is empty)."""
+        seq, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(cu_k + seq)
+        end = tl.load(cu_k + seq + 1)
+        chunk = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks
+        lo = start + split * chunk
+        top, total, acc = _attend(
+            q, k_cache, v_cache, read_index, seq, head, lo, tl.minimum(lo + chunk, end),
+            scaling, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+            GROUPS, BLOCK_G, HEAD_DIM, BLOCK_N,
+        )  # fmt: skip
         empty = total == 0
         lse = tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total)))
         result = acc / tl.where(empty, 1.0, total)[:, None]
-        row = (seq * GROUPS * tl.num_programs(1) + q_heads) * SPLITS + split  # [B, Hq, SPLITS]
-        tl.store(part_lse + row, lse, mask=g < GROUPS)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        row = (seq * GROUPS * tl.num_programs(1) + head * GROUPS + g) * SPLITS + split
+        tl.store(part_lse + row, lse, mask=g < GROUPS)  # [B, Hq, SPLITS]
         tl.store(
             part_out + row[:, None] * HEAD_DIM + d[None, :], result, mask=(g < GROUPS)[:, None]
         )  # fmt: skip
