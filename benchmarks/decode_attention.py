@@ -16,14 +16,20 @@ whose slots are in random order (what transformers' allocator hands out after a 
 
 ``sweep_us`` times the kernel at every split count (1–16) and block of keys (64, 128) beside
 the variants (keys ``<splits>-block<n>``), so the defaults can be checked against the best
-setting of each case.
+setting of each case. ``HELD_OUT`` shapes (rows with ``"held_out": true``) were not among those
+the defaults were picked on: the same cases, to check that the defaults carry over.
+
+``THRESHOLD`` rows (``"threshold": true``, key ``<shape>/<sequences>-upto<L>``: keys uniform in
+L/2..L) time only ``triton_paged`` and ``triton_paged_split``, launched, at the lengths around
+``cb_step.SPLIT_FROM_KEYS``: an attention break launches its kernels one at a time, so it
+splits only where the split's second launch costs less than it saves.
 
 Variants take turns (9 rounds of 20 calls each, CUDA events); medians, lowest and highest in
 µs. Each is timed twice: ``<variant>_us`` launches the 20 calls from Python (a short kernel
 is then bound by the host's launches, as in an attention break), ``<variant>_graph_us``
 replays them captured in one CUDA graph (the device's time only, as inside a pure-decode
-graph). ``*_max_abs_diff`` is against the first variant (bf16). The JSON holds ``meta`` and one
-row per ``shape/sequences``.
+graph). ``*_max_abs_diff`` is against ``gather_flash_causal`` (bf16). The JSON holds ``meta``
+and one row per ``shape/sequences``.
 
     python -m benchmarks.decode_attention --out decode-attention.json
 """
@@ -50,16 +56,26 @@ SHAPES = (
 )
 SEQUENCES = (32, 100, 256)
 KEYS = (16, 1152)  # each sequence's cached keys: uniform in this range
+#: shapes the split defaults were not picked on (rows marked ``held_out``)
+HELD_OUT = (
+    ("qwen2-1.5b", 12, 2, 128),
+    ("qwen3-moe-30b", 32, 4, 128),
+    ("gemma-2b", 8, 1, 256),
+    ("gemma-2-2b", 8, 4, 256),
+)
 #: and a long-context case: few sequences of many keys each (row ``shape/8-long``)
 LONG = (8, (4096, 16384))
+#: the break path's split threshold: (sequences, longest keys) per shape of SHAPES
+THRESHOLD = ((8, 32), (1024, 1536, 2048, 3072, 4096, 6144))
 ROUNDS, CALLS = 9, 20  # the variants take turns ROUNDS times, CALLS calls each
 VARIANTS = ("gather_flash_causal", "gather_flash_folded", "triton_paged", "triton_paged_split")
 SWEEP = (1, 2, 4, 8, 16)  # split counts and blocks of keys the sweep times
 BLOCKS = (64, 128)
 
 
-def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS) -> dict:
-    """Time the variants and the sweep on one random paged cache; return the JSON row."""
+def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS,
+             variants=VARIANTS, sweep: bool = True) -> dict:  # fmt: skip
+    """Time ``variants`` (and the sweep) on one random paged cache; return the JSON row."""
     dev, dt = "cuda", torch.bfloat16
     lens = torch.randint(keys[0], keys[1] + 1, (seqs,))
     total = int(lens.sum())
@@ -100,7 +116,8 @@ def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS) -
 
     functions = dict(zip(VARIANTS, (gather_flash_causal, gather_flash_folded, split_by(1),
                                     split_by(None))))  # fmt: skip
-    for block in BLOCKS:  # the kernel at every split count and block of keys
+    functions = {label: functions[label] for label in variants}
+    for block in BLOCKS if sweep else ():  # the kernel at every split count and block of keys
         functions.update({f"splits_{n}-block{block}": split_by(n, block) for n in SWEEP})
     row = {"hq": q_heads, "hkv": kv_heads, "d": head_dim, "seqs": seqs, "bucket": bucket,
            "keys": total, "kv_mib": 2 * total * kv_heads * head_dim * 2 / 2**20,
@@ -174,17 +191,40 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     results = {"meta": environment(cuda=True)}
     results["meta"]["multiprocessors"] = torch.cuda.get_device_properties(0).multi_processor_count
+    _sweep(SHAPES, results, args.out)
+    pair = ("triton_paged", "triton_paged_split")
     for name, q_heads, kv_heads, head_dim in SHAPES:
+        for seqs in THRESHOLD[0]:
+            for longest in THRESHOLD[1]:
+                label = f"{name}/{seqs}-upto{longest}"
+                results[label] = row = one_case(
+                    q_heads, kv_heads, head_dim, seqs, (longest // 2, longest), pair, sweep=False
+                )
+                row["threshold"], row["longest"] = True, longest
+                print(label, {k: round(row[k + "_us"]["median"], 1) for k in pair}, flush=True)
+        _write(args.out, results)
+    _sweep(HELD_OUT, results, args.out, held_out=True)
+    return 0
+
+
+def _sweep(shapes, results: dict, path: str, held_out: bool = False) -> None:
+    """Every variant and the sweep at each of ``SEQUENCES`` and the ``LONG`` case, per shape."""
+    for name, q_heads, kv_heads, head_dim in shapes:
         cases = [(f"{name}/{seqs}", seqs, KEYS) for seqs in SEQUENCES]
         cases.append((f"{name}/{LONG[0]}-long", *LONG))
         for label, seqs, keys in cases:
             results[label] = row = one_case(q_heads, kv_heads, head_dim, seqs, keys)
+            row["held_out"] = held_out
             print(label, {k: round(row[k + "_us"]["median"], 1) for k in VARIANTS},
                   {k: round(v["median"], 1) for k, v in row.get("sweep_graph_us", {}).items()},
                   flush=True)  # fmt: skip
-    with open(args.out, "w") as f:
+        _write(path, results)
+
+
+def _write(path: str, results: dict) -> None:
+    """Write what is measured so far (a run stopped by a time limit keeps it)."""
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -382,10 +382,12 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
 
 
 @needs_cb
-def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch):
-    """A pure-decode break leaves the split to ``default_splits`` (None) once the step's
-    longest sequence holds ``SPLIT_FROM_KEYS`` keys, and asks for one program per sequence
-    below that: the steps whose longest sequence reaches it split, the others do not."""
+@pytest.mark.parametrize("default, split", [(4, 4), (2, 1)])
+def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch, default, split):
+    """A pure-decode break takes the default split (here ``default``) once the step's longest
+    sequence holds ``SPLIT_FROM_KEYS`` keys and that split is at least ``SPLIT_AT_LEAST``, and
+    asks for one program per sequence otherwise: the steps whose longest sequence reaches it
+    split (a default of 2 never does), the others do not."""
     from breakgraph.integrations.transformers import attention as bg_attention
 
     flash_calls, paged_calls = [], []
@@ -393,6 +395,7 @@ def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch):
     monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls))
     monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
     monkeypatch.setattr(cb_step, "paged_decode", stand_in_paged(paged_calls))
+    monkeypatch.setattr(cb_step, "default_splits", lambda batch, kv_heads, device: default)
     monkeypatch.setattr(cb_step, "SPLIT_FROM_KEYS", 20)  # the prompt of 17 reaches it
     model = build_model("llama")
     prompts = random_prompts(seed=14, lengths=(3, 17, 5))
@@ -400,7 +403,7 @@ def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch):
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
                                     decode_graphs=False):
         assert generate_batch(model, prompts) == expected
-    assert {splits for _, splits in paged_calls} == {1, None}, paged_calls
+    assert {splits for _, splits in paged_calls} == {1, split}, paged_calls
 
 
 @needs_cb

@@ -57,7 +57,7 @@ from .attention import (
 from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, default_query_buckets
-from .paged_decode import fits, paged_decode, query_rows, triton_available
+from .paged_decode import default_splits, fits, paged_decode, query_rows, triton_available
 from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
@@ -66,9 +66,14 @@ __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_
 #: transformers 5.19 the ``paged|`` prefix is stripped, and any key but its own is refused).
 CB_ATTENTION_KEY = "breakgraph_paged"
 #: A pure-decode break splits each sequence's keys across programs (flash-decoding; a second
-#: kernel launch) only once the step's longest sequence holds this many keys: below it the
-#: launch costs the host more than the split saves the device (``benchmarks/decode_attention``).
-SPLIT_FROM_KEYS = 2048
+#: kernel launch, about 24 µs of host time on an H200 server) only once the step's longest
+#: sequence holds this many keys and the default split is at least ``SPLIT_AT_LEAST`` programs:
+#: below either, the launch costs more than the split saves the device. Measured launched on
+#: the CB shapes' heads, 8 and 32 sequences (``benchmarks/decode_attention``, THRESHOLD rows):
+#: the split lost every case up to 2,048 keys (1.08-2.15x), won 6 of 10 at 4,096 keys (0.62-1.28x)
+#: and every case from 6,144 on, except where the default split was 2 (1.04-1.40x at all lengths).
+SPLIT_FROM_KEYS = 4096
+SPLIT_AT_LEAST = 4
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 _STEPS = (  # what the ranks must agree on for each step, and how to fix a mismatch
@@ -223,15 +228,18 @@ class PagedAttention:
 
         Launched from a break, a kernel costs the host about as much as the device spends on
         a short sequence, so the keys are split across programs (a second launch) only once
-        the longest sequence holds ``SPLIT_FROM_KEYS`` keys; a decode graph, which launches
-        nothing, always takes :func:`.paged_decode.default_splits`."""
+        the longest sequence holds ``SPLIT_FROM_KEYS`` keys and the default split is at least
+        ``SPLIT_AT_LEAST``; a decode graph, which launches nothing, always takes
+        :func:`.paged_decode.default_splits`."""
         group, keys, values = rows
         _, _, cu_k, max_k = compat.cache_read_write(
             step, self.key[:, :, :n], self.value[:, :, :n], self.layer, self.layer_type,
             read=False,
         )  # fmt: skip
         read_index = step.read_index[group]
-        splits = None if max_k >= SPLIT_FROM_KEYS else 1
+        splits = default_splits(n, keys.shape[1], keys.device) if max_k >= SPLIT_FROM_KEYS else 1
+        if splits < SPLIT_AT_LEAST:
+            splits = 1
         if self.out is not None:
             paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling, self.out[:n],
                          splits=splits)  # fmt: skip
