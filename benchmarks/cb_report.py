@@ -918,9 +918,11 @@ def split_section(sweep: dict | None, runs: list) -> str:
     """``paged_decode``'s flash-decoding split: the kernel per case from the sweep (graph
     replays: the device's time), then ``breakgraph`` against ``breakgraph_unsplit`` in CB;
     ``runs`` holds ``(data, label)``."""
+    from breakgraph.integrations.transformers import cb_step
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    kernel_rows, speedups, losses, meta = [], [], [], (sweep or {}).get("meta", {})
+    kernel_rows, meta = [], (sweep or {}).get("meta", {})
+    speedups, losses = {False: [], True: []}, {False: [], True: []}  # by held_out
     sms = meta.get("multiprocessors", H200_MULTIPROCESSORS)
     for case, r in (sweep or {}).items():
         if case == "meta" or "sweep_graph_us" not in r:
@@ -930,16 +932,26 @@ def split_section(sweep: dict | None, runs: list) -> str:
         default = f"{pd.split_count(r['bucket'] * r['hkv'], sms)}-block{block}"
         best = min(times, key=times.get)
         before, now = times["1-block64"], times[default]
-        speedups.append(before / now)
-        losses.append(now / times[best])
+        held_out = bool(r.get("held_out"))
+        speedups[held_out].append(before / now)
+        losses[held_out].append(now / times[best])
         kernel_rows.append([
-            case.split("/")[0], f"{r['hq']}/{r['hkv']} × {r['d']}",
+            case.split("/")[0], "held out" if held_out else "yes",
+            f"{r['hq']}/{r['hkv']} × {r['d']}",
             case.split("/")[1].replace(f"{r['seqs']}-long", f"{r['seqs']}, long"),
             num(r["keys"], 0), num(r["kv_mib"], 0), num(before, 1),
             f"{num(now, 1)} ({_setting(default)})", f"{num(times[best], 1)} ({_setting(best)})",
             f"{num(before / now, 2)}×", f"{num(now / times[best], 2)}×",
             num(r["kv_mib"] * 2**20 / now / 1e6, 2),
         ])  # fmt: skip
+
+    def summary(held_out: bool) -> str:
+        if not losses[held_out]:
+            return "(not measured)"
+        return (f"{span(speedups[held_out], 2)}× the speed of the kernel before and "
+                f"{span(losses[held_out], 2)}× the time of each case's best setting "
+                f"({num(statistics.mean(losses[held_out]), 3)}× on average)")  # fmt: skip
+
     rows, lines, first = [], [], runs[0][0]["meta"] if runs else {}
     for data, label, m, old, new, per_round in _pairs(runs, "breakgraph_unsplit", "breakgraph"):
         for name, e in (("breakgraph_unsplit", old), ("breakgraph", new)):
@@ -969,14 +981,16 @@ def split_section(sweep: dict | None, runs: list) -> str:
         programs=pd.PROGRAMS_PER_SM,
         block=pd.BLOCK_N,
         kernel=table(
-            ["shape", "heads × size", "sequences", "keys", "KV MiB", "before µs",
-             "default µs (splits × block)", "best µs (splits × block)", "before / default",
-             "default / best", "default TB/s"],
+            ["shape", "defaults picked on it", "heads × size", "sequences", "keys", "KV MiB",
+             "before µs", "default µs (splits × block)", "best µs (splits × block)",
+             "before / default", "default / best", "default TB/s"],
             kernel_rows,
         ) if kernel_rows else "(not measured)",  # fmt: skip
-        speedup=f"{span(speedups, 2)}×" if speedups else "-",
-        loss=f"{span(losses, 2)}×" if losses else "-",
-        mean_loss=f"{num(statistics.mean(losses), 3)}×" if losses else "-",
+        picked=summary(False),
+        held_out=summary(True),
+        threshold=_threshold_table(sweep or {}, sms),
+        split_from=cb_step.SPLIT_FROM_KEYS,
+        split_at_least=cb_step.SPLIT_AT_LEAST,
         files=", ".join(f"`{name}` ({label})" for name, label in SPLIT_FILES),
         device=first.get("device", "-"),
         cb_date=first.get("date", "-"),
@@ -988,6 +1002,27 @@ def split_section(sweep: dict | None, runs: list) -> str:
         ),  # fmt: skip
         ratios=bullets(lines) or "(not measured)",
     )
+
+
+def _threshold_table(sweep: dict, sms: int) -> str:
+    """The sweep's ``threshold`` rows: per shape and sequence count, the split's launched time
+    over the unsplit kernel's at each longest sequence (below 1: the split pays in a break)."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    cells: dict[tuple, dict] = {}
+    for case, r in sweep.items():
+        if case != "meta" and r.get("threshold"):
+            key = (case.split("/")[0], f"{r['hq']}/{r['hkv']} × {r['d']}", r["seqs"],
+                   pd.split_count(r["bucket"] * r["hkv"], sms))  # fmt: skip
+            ratio = r["triton_paged_split_us"]["median"] / r["triton_paged_us"]["median"]
+            cells.setdefault(key, {})[r["longest"]] = ratio
+    if not cells:
+        return "(not measured)"
+    longest = sorted({n for row in cells.values() for n in row})
+    rows = [[*map(str, key), *(f"{num(row[n], 2)}×" if n in row else "-" for n in longest)]
+            for key, row in cells.items()]  # fmt: skip
+    header = ["shape", "heads × size", "sequences", "default split"]
+    return table(header + [f"≤ {n} keys" for n in longest], rows)
 
 
 def _setting(key: str) -> str:

@@ -80,6 +80,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
         + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
+        + [report_tests.SUITE_NEWEST_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -174,6 +175,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded.get(report_tests.CPU_SUITE_FILE),
         loaded.get(report_tests.CPU_SUITE_SERIAL_FILE),
         loaded.get(report_tests.SUITE_SERIAL_FILE),
+        loaded.get(report_tests.SUITE_NEWEST_FILE),
     )
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
 

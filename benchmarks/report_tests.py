@@ -12,6 +12,7 @@ SUITE_FILE = "h200-cuda-suite-times.json"  # the latest CUDA run (replaced by ne
 SUITE_BEFORE_FILE = "h200-cuda-suite-times-before.json"  # before captures stopped collecting
 SUITE_WHOLE_FILE = "h200-suite-times-whole.json"
 #: the same tests in one process, where the latest run used pytest-xdist workers
+SUITE_NEWEST_FILE = "h200-cuda-suite-times-5.24.json"  # the CUDA tests on the newest transformers
 SUITE_SERIAL_FILE = "h200-cuda-suite-times-serial.json"  # the whole suite (emulated and CUDA tests)
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
@@ -194,12 +195,13 @@ def cpu_suite_line(run: dict | None, serial: dict | None) -> str:
 def suite_time_section(
     run: dict | None, before: dict | None = None, whole: dict | None = None,
     cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
+    newest: dict | None = None,
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
     machine, ``cpu`` and ``cpu_serial`` the whole suite on a CPU machine like CI's, ``serial``
-    the CUDA tests in one process where ``run`` used workers (any may be missing: not
-    measured)."""
+    the CUDA tests in one process where ``run`` used workers, ``newest`` the CUDA tests on the
+    newest transformers supported (any may be missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -208,9 +210,10 @@ def suite_time_section(
     if run is None:
         return [fill("tests.suite.missing", file=SUITE_FILE, **targets)]
     meta = run.get("meta") or {}
-    runs = [r for r in (before, serial, run) if r]
+    runs = [r for r in (before, serial, run, newest) if r]
     names = [n for n, r in ((SUITE_BEFORE_FILE, before), (SUITE_SERIAL_FILE, serial),
-                            (SUITE_FILE, run)) if r]  # fmt: skip
+                            (SUITE_FILE, run), (SUITE_NEWEST_FILE, newest)) if r]  # fmt: skip
+    releases = dict.fromkeys((r.get("meta") or {}).get("transformers") or "-" for r in runs)
     return [
         fill(
             "tests.suite",
@@ -218,14 +221,15 @@ def suite_time_section(
             files="`, `".join(names),
             gpu=meta.get("gpu") or "-",
             torch=meta.get("torch") or "-",
-            transformers=meta.get("transformers") or "-",
+            transformers=", ".join(releases),
             date=meta.get("date") or "-",
             **targets,
             table=suite_runs_table(runs),
             verdict="\n\n".join(
                 filter(
                     None,
-                    [suite_verdict_line(run), whole_suite_line(whole),
+                    [suite_verdict_line(run), newest and suite_verdict_line(newest),
+                     whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), gc_paragraph(before, run)],  # fmt: skip
                 )
             ),

@@ -467,8 +467,11 @@ def test_suite_time_section_from_the_committed_runs():
     assert f"`pytest {run['selection']} tests`" in text
     assert (
         "(`h200-cuda-suite-times-before.json`, `h200-cuda-suite-times-serial.json`, "
-        "`h200-cuda-suite-times.json`: NVIDIA H200"
+        "`h200-cuda-suite-times.json`, `h200-cuda-suite-times-5.24.json`: NVIDIA H200"
     ) in text
+    newest = committed(report_tests.SUITE_NEWEST_FILE)  # the newest transformers: its own row
+    assert newest["meta"]["transformers"] == "5.24.0" and "transformers\n5.17.0, 5.24.0" in text
+    assert f"| {newest['label']} | {newest['wall_s']:.1f} |" in text
     before_row = (
         "| before: a full gc.collect() per capture | 357.4 | 345.4 | 172.9 | 50% | 5768 | 370 | 57 "
         "| 0 | missed |"
@@ -501,7 +504,7 @@ def test_cpu_suite_line_says_whether_the_readme_command_meets_the_target():
 def test_suite_time_section_from_two_runs(tmp_path):
     text = two_runs_text(tmp_path, suite_run())
     assert "`pytest -m requires_cuda tests`" in text
-    assert "NVIDIA H200, torch 2.11.0+cu130, transformers\n5.17.0, 2026-12-02" in text
+    assert "NVIDIA H200, torch 2.11.0+cu130, transformers\n5.17.0, 5.24.0, 2026-12-02" in text
     assert "within\n180 s of pytest's wall time" in text and "100 s on CI's 2 cores" in text
     assert "| before | 357.4 | 345.4 | 172.9 | 50% | 5768 | 370 | 57 | 0 | missed |" in text
     assert "| after | 203.0 | 187.3 | 7.1 | 4% | 3428 | 370 | 57 | 0 | missed |" in text
@@ -524,7 +527,7 @@ def test_a_changed_suite_time_changes_the_verdict_and_the_text(tmp_path):
     before = dict(committed(report_tests.SUITE_BEFORE_FILE), label="before", gc_s=34.5)
     text = two_runs_text(tmp_path, suite_run(wall_s=170.0), before)  # gc: a tenth of test time
     assert "| after | 170.0 |" in text and "| met |" in text.split("| after |")[1]
-    assert "The latest run, *after*, meets the target: 170.0 s of wall time against 180 s." in text
+    assert "The run *after* meets the target: 170.0 s of wall time against 180 s." in text
     assert "misses the target" not in text and "slowest files" not in text
     assert "| before | 357.4 | 345.4 | 34.5 | 10% |" in text
     assert "(10%)" in text and "(50%)" not in text
