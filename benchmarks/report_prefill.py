@@ -36,6 +36,13 @@ FILE = "h200-prefill-baselines.json"
 NEIGHBOURS_FILE = "h200-prefill-host-path-neighbours.json"  # prefill_host_path --neighbours
 PACKED_ONLY_FILE = "h200-prefill-baselines-packed-only.json"  # before single-prompt graphs
 COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile variants only
+NEWEST_FILE = "h200-prefill-baselines-5.24.json"  # the same benchmark on the newest transformers
+#: the attempts to reproduce that run's illegal memory access (one family, compile variants on)
+REPRO_FILES = (
+    "h200-prefill-compile-5.24-blocking.json",
+    "h200-prefill-compile-5.17-alone.json",
+    "h200-prefill-probe-5.24.txt",
+)
 #: ``prefill_host_path --compare``: the code before (old) and after (new) the step's copy moved
 #: into the graphs, each tree in a process of its own, in both orders, unpinned and on one core
 UPLOAD_FILES = (
@@ -426,6 +433,46 @@ def compile_run_section(data: dict) -> list[str]:
         breakdown=compile_breakdown(data),
     )
     return [intro, compile_part(data, checks(data))]
+
+
+def newest_release_section(data: dict | None, older: dict | None) -> list[str]:
+    """The same benchmark on the newest transformers supported: its targets and the headline
+    ratios, against the main run's (``older``) ratio range per prompt size."""
+    if data is None:
+        return []
+    meta, check_list = data["meta"], checks(data)
+    lines = []
+    def bg_over_exact(run: dict | None, n: int) -> list[float]:
+        rows = [r for fam in (run or {}).get("families", []) for r in singles(fam)]
+        values = [ratio(r, "breakgraph", "hf_graph") for r in rows if r["tokens"] == n]
+        return [v for v in values if v is not None]
+
+    for n in data["settings"]["sizes"]:
+        now, before = bg_over_exact(data, n), bg_over_exact(older, n)
+        if now:
+            lines.append(
+                f"- {n} tokens: breakgraph / exact-length graph {span(now, 3)} on transformers "
+                f"{meta['transformers']}"
+                + (f", {span(before, 3)} on {older['meta']['transformers']}" if before else "")
+            )
+    notes = [f"- {item['family']}: {item['reason']}" for item in data.get("skipped", [])
+             if item.get("what") != "compile" or "illegal" in item.get("reason", "")]  # fmt: skip
+    return [
+        fill(
+            "prefill.newest",
+            file=NEWEST_FILE,
+            gpu=meta.get("gpu") or "-",
+            torch=meta["torch"],
+            transformers=meta["transformers"],
+            date=meta["date"],
+            older=(older or {}).get("meta", {}).get("transformers", "-"),
+            targets=targets_table(check_list),
+            headline=headline(data, check_list),
+            ratios=bullets(lines),
+            notes=bullets(notes) or "(none)",
+            repro_files=", ".join(f"`{name}`" for name in REPRO_FILES),
+        )
+    ]
 
 
 def compile_breakdown(data: dict) -> str:

@@ -671,3 +671,24 @@ def test_the_whole_suite_run_is_a_line_of_its_own():
     assert "`pytest tests` (emulated and CUDA tests" in text
     assert "246.6 s of wall time, 912 passed, 68 skipped, 1\nfailed" in text
     assert "`pytest tests`" not in "\n".join(report_tests.suite_time_section(suite_run()))
+
+
+def test_prefill_on_the_newest_release_is_computed_from_its_json():
+    """The newest release's prefill section: its ratios come from its own JSON (a changed
+    value changes the headline and the range), the older run's range stands beside them, and
+    the section is absent without the file."""
+    newest = committed(report_prefill.NEWEST_FILE)
+    older = committed(report_prefill.FILE)
+    assert newest["meta"]["transformers"] == "5.24.0"
+    text = "\n".join(report_prefill.newest_release_section(newest, older))
+    assert "## Prefill on transformers 5.24.0" in text and "which\nis on 5.17.0" in text
+    assert "| llama-1b | 1100 | 0.945 |" in text
+    assert "- 32 tokens: breakgraph / exact-length graph 0.944–0.997 on transformers 5.24.0, " \
+           "0.943–0.997 on 5.17.0" in text  # fmt: skip
+    assert "illegal memory access" in text
+    row = next(r for f in newest["families"] if f["family"] == "llama-1b" for r in f["rows"]
+               if r["workload"] == "single 32")  # fmt: skip
+    row["ms"]["breakgraph"] = row["ms"]["hf_graph"] * 1.2
+    text = "\n".join(report_prefill.newest_release_section(newest, older))
+    assert "| llama-1b | 1100 | 1.200 ✗ |" in text and "0.944–1.200 on transformers" in text
+    assert report_prefill.newest_release_section(None, older) == []
