@@ -226,7 +226,14 @@ def make_prompts(settings: Settings, vocab: int) -> tuple[dict[int, torch.Tensor
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Last-token logits of a variant against HF eager (``[prompts, vocab]`` each)."""
+    """Last-token logits of a variant against HF eager (``[prompts, vocab]`` each).
+
+    The whole device is synchronised first (every stream, not only the current one), so an
+    asynchronous fault of this variant's work, side streams included, is raised here, under
+    its name, rather than at a later variant's read (a 5.24 run's illegal memory access
+    surfaced at the plain HF graph's read with no way to tell whose work it was)."""
+    if got.is_cuda:
+        torch.cuda.synchronize()
     got, ref = got.float().reshape(ref.shape), ref.float()
     return {
         "max_abs_diff": (got - ref).abs().max().item(),
@@ -451,6 +458,8 @@ def correctness(model, singles, batch, padded, runners, graphs, compiled) -> dic
     out: dict = {}
     for n, p in singles.items():
         ref = hf_eager(model, p)[None]
+        if ref.is_cuda:  # its faults are its own, not the first variant's (see compare)
+            torch.cuda.synchronize()
         row = {
             name: compare(r.prefill([p]).logits, ref) for name, r in serving(runners, [p]).items()
         }
