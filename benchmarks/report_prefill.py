@@ -441,12 +441,13 @@ def newest_release_section(data: dict | None, older: dict | None) -> list[str]:
     if data is None:
         return []
     meta, check_list = data["meta"], checks(data)
-    lines = []
+
     def bg_over_exact(run: dict | None, n: int) -> list[float]:
         rows = [r for fam in (run or {}).get("families", []) for r in singles(fam)]
         values = [ratio(r, "breakgraph", "hf_graph") for r in rows if r["tokens"] == n]
         return [v for v in values if v is not None]
 
+    lines = []
     for n in data["settings"]["sizes"]:
         now, before = bg_over_exact(data, n), bg_over_exact(older, n)
         if now:
