@@ -27,6 +27,18 @@ class CapturedForward:
 
     The inputs' shapes are frozen; a call copies fresh values into the static inputs and
     replays. Graphs that never replay concurrently may share ``pool``.
+
+    cuBLAS keeps one workspace per (handle, stream), and every ``torch.cuda.graph`` without a
+    ``stream`` captures on one shared stream, so a graph bakes in whatever workspace an
+    earlier capture on that stream allocated, possibly in another graph's pool. When
+    ``torch.compile``'s CUDA graph trees (or, in recent torch, another graph's reset) free
+    the workspaces and that pool is released, a replay reads unmapped memory: on the H200 a
+    5.24 prefill run hit ``cudaErrorIllegalAddress`` here after its compile variants, with
+    the device synchronised before this graph's replay (pytorch/pytorch#193402 is the same
+    fault). So the workspaces are freed right before the capture, and the capture allocates
+    its own inside its pool, where it lives as long as the graph: what the graph trees do
+    for their own captures. breakgraph's captures keep theirs in a pool of their own
+    (``breakgraph.backends.cuda``).
     """
 
     def __init__(self, model, inputs: dict[str, torch.Tensor], pool=None, warmup: int = 3):
@@ -39,6 +51,8 @@ class CapturedForward:
                 model(**self.inputs, use_cache=False, logits_to_keep=1)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()  # no matmul in flight uses a workspace freed next
+        torch._C._cuda_clearCublasWorkspaces()  # the capture allocates its own, in its pool
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(**self.inputs, use_cache=False, logits_to_keep=1).logits
         torch.cuda.synchronize()

@@ -37,7 +37,10 @@ NEIGHBOURS_FILE = "h200-prefill-host-path-neighbours.json"  # prefill_host_path 
 PACKED_ONLY_FILE = "h200-prefill-baselines-packed-only.json"  # before single-prompt graphs
 COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile variants only
 NEWEST_FILE = "h200-prefill-baselines-5.24.json"  # the same benchmark on the newest transformers
-#: the attempts to reproduce that run's illegal memory access (one family, compile variants on)
+#: that run's illegal memory access again: its last five families, a device-wide sync per read
+REPRODUCED_FILE = "h200-prefill-baselines-5.24-b.json"
+TORCH_ISSUE = "pytorch/pytorch#193402"  # graphs on one stream share its cuBLAS workspace
+#: the attempts that did not reproduce it (one family, compile variants on)
 REPRO_FILES = (
     "h200-prefill-compile-5.24-blocking.json",
     "h200-prefill-compile-5.17-alone.json",
@@ -472,6 +475,8 @@ def newest_release_section(data: dict | None, older: dict | None) -> list[str]:
             ratios=bullets(lines),
             notes=bullets(notes) or "(none)",
             repro_files=", ".join(f"`{name}`" for name in REPRO_FILES),
+            reproduced_file=REPRODUCED_FILE,
+            torch_issue=TORCH_ISSUE,
         )
     ]
 
