@@ -10,8 +10,9 @@
 # copy capture-time.json to docs/results/h200-capture-time-after.json), RUN_TRACE=1 (a CB profiler
 # trace, async against sync: benchmarks/cb_trace.py, ~40 s; its folder goes to
 # docs/results/h200-cb-trace-5.17/), RUN_DECODE_ATTENTION=1 (one layer's decode attention three
-# ways, and paged_decode at every split count and block, launched and graph-replayed:
-# benchmarks/decode_attention.py, ~1 min; copy decode-attention.json to
+# ways, and paged_decode at every split count and block, launched and graph-replayed, on the CB
+# shapes' heads and four held-out ones, plus the break path's split threshold:
+# benchmarks/decode_attention.py, ~1.5 min; copy decode-attention.json to
 # docs/results/h200-decode-attention-split.json), RUN_SPLIT=1 (paged_decode's split against the
 # kernel before, in turn: bench_cb --variants breakgraph,breakgraph_unsplit on SPLIT_MODELS and
 # a 16-prompt long-context workload, ~2.5 min; copy split.json and split-long.json to
@@ -25,7 +26,11 @@
 # with the compiles, then cb_trace of both over pure-decode steps on qwen3-0.6b, ~45 s; copy
 # compiled.json to docs/results/h200-cb-compiled-*.json, see cb_report.COMPILED_FILES, and the
 # trace folder to docs/results/h200-cb-trace-compiled-*),
-# RUN_HOST_PATH=DIR (prefill's per-call host path, this tree
+# RUN_PREFILL_REPRO=1 (the prefill benchmark's last five families in one process, mistral-7b-4l
+# last with its compile variants: where a 5.24 run's plain HF graph hit an illegal memory access
+# before benchmarks/baselines.CapturedForward freed the cuBLAS workspaces before its capture;
+# carry .whl with the 5.24 wheel; ~3 min; expect no "failed" line: see docs/performance.md,
+# "Prefill on transformers 5.24.0"), RUN_HOST_PATH=DIR (prefill's per-call host path, this tree
 # against an older checkout in DIR, e.g. `mkdir .baseline && git archive REV | tar -x -C .baseline`
 # carried with the call; both orders, ~4 min; HOST_PATH_PIN="taskset -c 6" pins both to one core;
 # copy host-path-{new,old}-first.json to docs/results/h200-prefill-host-path-upload-*.json, see
@@ -57,6 +62,7 @@
 # The device tool returns at most 8 files: the default sections write pytest.log,
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
+# RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4 (skip other sections to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
@@ -135,6 +141,14 @@ if [ -n "${RUN_CAPTURE:-}" ]; then  # construction time split: benchmarks/captur
   timeout 300 python3 -m benchmarks.capture_time --families "${CAPTURE_FAMILIES:-llama-1b,mistral-sw256-4l}" \
     --out "$OUT/capture-time.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[capture time: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_PREFILL_REPRO:-}" ]; then  # the plain HF graph's cuBLAS-workspace fault, again
+  t=$SECONDS
+  timeout 300 python3 -m benchmarks.bench_prefill --out "$OUT/prefill-repro.json" \
+    --families mixtral-4l,qwen3-moe-8l,mistral-sw256-4l,mixtral-1k-4l,mistral-7b-4l \
+    >/tmp/prefill-repro.log 2>&1 || status=1
+  grep -A3 "failed" /tmp/prefill-repro.log | tee -a "$LOG" && status=1  # a variant failed
+  echo "[prefill repro: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_HOST_PATH:-}" ]; then  # prefill's host path, this tree against an older checkout
   t=$SECONDS
