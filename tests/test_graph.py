@@ -712,3 +712,31 @@ def test_torch_refusing_a_host_copy_during_capture_is_named_a_host_sync():
     assert _is_cuda_capture_failure(refusal, "cuda")
     assert not _is_cuda_capture_failure(refusal, "emulated")
     assert not _is_cuda_capture_failure(RuntimeError("my own error about capture"), "cuda")
+
+
+def test_the_capture_state_reset_runs_on_breakgraphs_own_stream(monkeypatch):
+    """After an invalidated capture, the empty capture that resets torch's RNG state runs on
+    breakgraph's capture stream: a graph reset may free the cuBLAS workspaces of the stream it
+    was captured on, and the stream every ``torch.cuda.graph`` shares by default may hold a
+    user's plain graphs (pytorch/pytorch#193402). Stands in for CUDA on any machine."""
+    import contextlib
+
+    from breakgraph.backends import cuda
+
+    streams, resets = [], []
+
+    class FakeGraph:
+        def reset(self):
+            resets.append(self)
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None, capture_error_mode="global"):
+        streams.append(stream)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: None)
+    own = object()
+    cuda._reset_capture_state(own)
+    assert streams == [own] and len(resets) == 1

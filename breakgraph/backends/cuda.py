@@ -160,7 +160,7 @@ class CudaSession:
         if self._invalidated:
             if not _takes_captures(self.pool, self.stream):
                 _spoiled_pools.add(_pool_key(self.pool))
-            _reset_capture_state()
+            _reset_capture_state(self.stream)
 
 
 def _prepare_cublas(device: int, stream: torch.cuda.Stream) -> None:
@@ -206,13 +206,19 @@ def quiet_empty_graph(expected: bool = True) -> Iterator[None]:
         yield
 
 
-def _reset_capture_state() -> None:
+def _reset_capture_state(stream: torch.cuda.Stream) -> None:
     """After CUDA invalidated a capture, torch's RNG still believes it is capturing
-    ("Offset increment outside graph capture"); one complete empty capture resets it."""
+    ("Offset increment outside graph capture"); one complete empty capture resets it.
+
+    On breakgraph's capture ``stream``, not on the stream every ``torch.cuda.graph`` shares
+    by default: resetting a graph can free the cuBLAS workspaces of the stream it was captured
+    on (pytorch/pytorch#193402), and a user's plain graphs on that shared stream may still
+    read them; the capture stream's workspaces live in breakgraph's own pool (module
+    docstring), so freeing them there harms no graph."""
     try:
         with quiet_empty_graph():
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=stream):
                 torch.cuda.current_stream()
             graph.reset()
     except Exception as exc:  # report, never hide: random numbers may fail until a capture works
