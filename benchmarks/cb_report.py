@@ -29,6 +29,8 @@ FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
 HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.json")
 #: ``bench_cb --prep-lists``: transformers' index lists converted to tensors, per release
 PREP_LISTS_FILES = ("h200-cb-prep-lists-5.17.json", "h200-cb-prep-lists-5.24.json")
+#: ``benchmarks/cb_prep_profile.py`` on the CPU: a pure-decode step's preparation by part
+PREP_PARTS_FILES = ("cpu-cb-prep-profile-5.17.json", "cpu-cb-prep-profile-5.24.json")
 #: ``bench_cb --prep-lists``, transformers' lists converted by torch.tensor (old: the tree before
 #: ``index_lists``) and through numpy (new), the trees in turn: (file, tree, turn)
 NUMPY_LISTS_FILES = (
@@ -646,6 +648,46 @@ def numpy_lists_section(runs: list) -> str:
         date=first["meta"]["date"],
         table=rows,
         stock=stock,
+    )
+
+
+def prep_parts_section(runs: list) -> str:
+    """transformers' preparation of a pure-decode step by part (``cb_prep_profile``), one
+    column pair per release: ms (median over the steps) and its share of the preparation."""
+    from .cb_prep_profile import MIN_REQUESTS
+
+    names = ("index lists", "list conversion", "other batch tensors", "scheduler",
+             "other preparation")  # fmt: skip
+    rows = []
+    for name in (*names, "prepare", "update"):
+        row = [{"prepare": "**all of the preparation**", "update": "update (after the forward)"}
+               .get(name, name)]  # fmt: skip
+        for data in runs:
+            parts = data["decode_parts_ms"]
+            share = "" if name == "update" else f" ({pct(parts[name] / parts['prepare'])})"
+            row.append(f"{num(parts[name], 2)}{share}")
+        rows.append(row)
+    lists = [d["decode_parts_ms"] for d in runs]
+    first = runs[0]
+    return fill(
+        "cb.prep_parts",
+        files=", ".join(f"`{name}`" for name in PREP_PARTS_FILES),
+        device=first["meta"]["gpu"],
+        torch=first["meta"]["torch"],
+        date=first["meta"]["date"],
+        requests=first["settings"]["requests"],
+        new_tokens=first["settings"]["new_tokens"],
+        rounds=first["settings"]["rounds"],
+        least=MIN_REQUESTS,
+        median_requests=num(first["decode_requests_median"], 0),
+        steps=first["decode_steps"],
+        table=table(["part"] + [f"transformers {d['meta']['transformers']} ms (share)"
+                                for d in runs], rows),  # fmt: skip
+        lists_share=span([(p["index lists"] + p["list conversion"]) / p["prepare"] * 100
+                          for p in lists], 0),  # fmt: skip
+        without=span([p["prepare"] - p["index lists"] - p["list conversion"] for p in lists], 1),
+        scheduler=", ".join(f"{num(d['decode_parts_ms']['scheduler'], 2)} ms on "
+                            f"{d['meta']['transformers']}" for d in runs),  # fmt: skip
     )
 
 

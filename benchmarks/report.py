@@ -81,7 +81,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
         + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
-        + [report_tests.SUITE_NEWEST_FILE]
+        + [report_tests.SUITE_NEWEST_FILE, *cb_report.PREP_PARTS_FILES]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -140,6 +140,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
              if (d := load(name)) is not None]  # fmt: skip
     if turns:
         blocks.append(cb_report.numpy_lists_section(turns))
+    parts = [data for name in cb_report.PREP_PARTS_FILES if (data := load(name)) is not None]
+    if parts:
+        blocks.append(cb_report.prep_parts_section(parts))
     if cb_report.TRACE_FILE in loaded:
         blocks.append(cb_report.trace_section(loaded[cb_report.TRACE_FILE]))
     if (decode := load(cb_report.TRACE_DECODE_FILE)) is not None:

@@ -1,0 +1,52 @@
+"""``benchmarks/cb_prep_profile.py`` on the CPU: a short serve through the step timers (parts
+recorded on the pure-decode steps, the rests computed consistently, transformers' and
+breakgraph's methods restored afterwards) and the report section made from its JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from breakgraph.integrations.transformers import compat  # noqa: E402
+
+from benchmarks import cb_prep_profile, cb_report  # noqa: E402
+
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
+needs_cb = pytest.mark.skipif(
+    not compat.supported("continuous_batching"),
+    reason=f"transformers {transformers.__version__}: {compat.problems('continuous_batching')}",
+)
+
+
+def _methods() -> dict:
+    import importlib
+
+    found = {}
+    for _, module_name, method in cb_prep_profile.PARTS:
+        module = importlib.import_module(module_name)
+        for owner in vars(module).values():
+            if isinstance(owner, type) and method in vars(owner):
+                found[(owner, method)] = vars(owner)[method]
+    return found
+
+
+@needs_cb
+def test_step_timers_split_decode_steps_into_parts_and_leave_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(cb_prep_profile, "MIN_REQUESTS", 2)
+    before = _methods()
+    out = tmp_path / "prep.json"
+    assert cb_prep_profile.main(["--out", str(out), "--requests", "3", "--new-tokens", "4",
+                                 "--rounds", "1"]) == 0  # fmt: skip
+    assert _methods() == before  # every wrapped method is the original again
+    data = json.loads(out.read_text())
+    parts = data["decode_parts_ms"]
+    assert data["decode_steps"] >= 1 and data["decode_requests_median"] >= 2
+    assert parts["index lists"] > 0 and parts["list conversion"] >= 0 and parts["update"] > 0
+    assert parts["prepare"] >= parts["index lists"] + parts["scheduler"]
+    assert data["meta"]["gpu"].startswith("none (")
+    text = cb_report.prep_parts_section([data])
+    assert f"| index lists | {parts['index lists']:.2f} (" in text
+    assert "### A pure-decode step's preparation, part by part" in text
