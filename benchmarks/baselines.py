@@ -51,8 +51,10 @@ class CapturedForward:
                 model(**self.inputs, use_cache=False, logits_to_keep=1)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()  # no matmul in flight uses a workspace freed next
-        torch._C._cuda_clearCublasWorkspaces()  # the capture allocates its own, in its pool
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private: probe it
+        if clear is not None:
+            torch.cuda.synchronize()  # no matmul in flight uses a workspace freed next
+            clear()  # the capture allocates its own, in its pool
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(**self.inputs, use_cache=False, logits_to_keep=1).logits
         torch.cuda.synchronize()

@@ -19,8 +19,8 @@ the pure-decode steps (every request decoding: the steps the HBM-floor target is
 The work is transformers' Python and the same on any machine kind, so it runs on the CPU with
 a tiny model (breakgraph enabled, emulated backend): the parts' shares carry over, absolute
 times depend on the host. A first pass without the timers gives the wall time per call; the
-timed pass adds two clock reads per timed call (about a hundred calls a step: tens of
-microseconds), and its medians per part are reported::
+timed passes add two clock reads and a wrapper per timed call (``pass_s`` in the JSON compares
+the passes' seconds with and without them), and the parts' means are reported::
 
     python -m benchmarks.cb_prep_profile --out cb-prep-profile.json
 """
@@ -52,10 +52,11 @@ PARTS = (
     ("update", "transformers.generation.continuous_batching.continuous_api", "update_batch"),
 )  # fmt: skip
 MIN_REQUESTS = 32  # the pure-decode steps reported hold at least this many requests
+PROMPT_LENGTHS = (16, 1024)  # each prompt's length: uniform in this range
 
 
 def build(requests: int, seed: int = 0):
-    """A tiny Llama (random weights), its prompts (16-1024 tokens) and a CB config like
+    """A tiny Llama (random weights), its prompts (``PROMPT_LENGTHS``) and a CB config like
     ``bench_cb``'s: pages of 256 tokens, 1024 pages, 2048 tokens per step, synchronous."""
     from transformers import ContinuousBatchingConfig, LlamaConfig, LlamaForCausalLM
 
@@ -65,7 +66,8 @@ def build(requests: int, seed: int = 0):
                          max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
                          pad_token_id=0)  # fmt: skip
     model = LlamaForCausalLM(config).eval()
-    lengths = torch.randint(16, 1025, (requests,), generator=torch.Generator().manual_seed(0))
+    low, high = PROMPT_LENGTHS
+    lengths = torch.randint(low, high + 1, (requests,), generator=torch.Generator().manual_seed(0))
     prompts = [torch.randint(1, 999, (int(n),)).tolist() for n in lengths]
     fields = vars(ContinuousBatchingConfig())
     size = "page_size" if "page_size" in fields else "block_size"
@@ -103,9 +105,11 @@ class StepTimers:
 
         for part, module_name, method in PARTS:
             module = importlib.import_module(module_name)
-            for owner in vars(module).values():
-                if isinstance(owner, type) and method in vars(owner):
-                    patches.attribute(owner, method, self._timed(part, vars(owner)[method]))
+            owners = [o for o in vars(module).values() if isinstance(o, type) and method in vars(o)]
+            if not owners:  # a renamed function would silently drop out of the parts
+                raise RuntimeError(f"cb_prep_profile: no class of {module_name} defines {method}")
+            for owner in owners:
+                patches.attribute(owner, method, self._timed(part, vars(owner)[method]))
 
     def _timed(self, part: str, function):
         timers = self
@@ -115,14 +119,18 @@ class StepTimers:
                 timers.steps.append({"decode": False})
             timers._depth[part] += 1
             start = time.perf_counter()
+            result = None
             try:
-                return function(*args, **kwargs)
+                result = function(*args, **kwargs)
+                return result
             finally:
                 timers._depth[part] -= 1
                 if timers._depth[part] == 0 and timers.steps:
                     step = timers.steps[-1]
                     step[part] = step.get(part, 0.0) + (time.perf_counter() - start) * 1e3
-                    if part == "prepare":
+                    if part == "prepare" and result is not True:  # no batch: not a step
+                        timers.steps.pop()
+                    elif part == "prepare":
                         step["decode"] = _pure_decode(args[0])
                         step["requests"] = _requests(args[0])
 
@@ -135,8 +143,9 @@ class StepTimers:
                 if s["decode"] and "prepare" in s and s["requests"] >= MIN_REQUESTS]  # fmt: skip
 
     def decode_parts(self) -> dict:
-        """Medians over :meth:`decode_steps`, ms: the timed parts, and the rest of
-        ``prepare_batch_tensors`` and of ``prepare_next_batch`` computed step by step."""
+        """Means over :meth:`decode_steps`, ms (means, so that the parts add up to the whole):
+        the timed parts, and the rest of ``prepare_batch_tensors`` and of
+        ``prepare_next_batch`` computed step by step."""
         steps = self.decode_steps()
         for s in steps:
             s["other batch tensors"] = (s.get("batch tensors", 0.0) - s.get("index lists", 0.0)
@@ -145,7 +154,7 @@ class StepTimers:
                                       - s.get("scheduler", 0.0))  # fmt: skip
         names = ("index lists", "list conversion", "scheduler", "other batch tensors",
                  "other preparation", "prepare", "update")  # fmt: skip
-        return {n: statistics.median(s.get(n, 0.0) for s in steps) for n in names} if steps else {}
+        return {n: statistics.fmean(s.get(n, 0.0) for s in steps) for n in names} if steps else {}
 
 
 def serve(model, prompts, cb_config, new_tokens: int, timers: StepTimers | None) -> float:
@@ -182,7 +191,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3, help="timed passes (medians of all)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes (steps pooled)")
     args = parser.parse_args(argv)
     from breakgraph.integrations.transformers import enable_continuous_batching
 
@@ -192,6 +201,7 @@ def main(argv=None) -> int:
     results = {"meta": meta,
                "settings": {"requests": args.requests, "new_tokens": args.new_tokens,
                             "prompt_tokens": sum(map(len, prompts)), "rounds": args.rounds,
+                            "prompt_lengths": list(PROMPT_LENGTHS), "min_requests": MIN_REQUESTS,
                             "model": "tiny Llama, 2 layers, hidden 64", "page_size": 256,
                             "max_batch_tokens": 2048, "batching": "synchronous"}}  # fmt: skip
     with enable_continuous_batching(model, backend="emulated"), torch.no_grad():
@@ -203,6 +213,10 @@ def main(argv=None) -> int:
     steps = timers.decode_steps()
     results["steps"] = len(timers.steps)
     results["decode_steps"] = len(steps)
+    if not steps:
+        print(f"cb_prep_profile: no pure-decode step of {MIN_REQUESTS} requests or more",
+              file=sys.stderr)  # fmt: skip
+        return 1
     results["decode_requests_median"] = statistics.median(s["requests"] for s in steps)
     results["decode_parts_ms"] = timers.decode_parts()
     print(json.dumps({k: results[k] for k in ("pass_s", "decode_steps", "decode_requests_median",

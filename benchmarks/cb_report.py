@@ -31,6 +31,9 @@ HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.jso
 PREP_LISTS_FILES = ("h200-cb-prep-lists-5.17.json", "h200-cb-prep-lists-5.24.json")
 #: ``benchmarks/cb_prep_profile.py`` on the CPU: a pure-decode step's preparation by part
 PREP_PARTS_FILES = ("cpu-cb-prep-profile-5.17.json", "cpu-cb-prep-profile-5.24.json")
+#: from this release transformers builds its decode block table for flash attention only
+#: (``ensure_decode_fast_path_is_available``)
+BLOCK_TABLE_FROM = "5.19"
 #: ``bench_cb --prep-lists``, transformers' lists converted by torch.tensor (old: the tree before
 #: ``index_lists``) and through numpy (new), the trees in turn: (file, tree, turn)
 NUMPY_LISTS_FILES = (
@@ -653,9 +656,7 @@ def numpy_lists_section(runs: list) -> str:
 
 def prep_parts_section(runs: list) -> str:
     """transformers' preparation of a pure-decode step by part (``cb_prep_profile``), one
-    column pair per release: ms (median over the steps) and its share of the preparation."""
-    from .cb_prep_profile import MIN_REQUESTS
-
+    column pair per release: ms (mean over the steps) and its share of the preparation."""
     names = ("index lists", "list conversion", "other batch tensors", "scheduler",
              "other preparation")  # fmt: skip
     rows = []
@@ -667,27 +668,33 @@ def prep_parts_section(runs: list) -> str:
             share = "" if name == "update" else f" ({pct(parts[name] / parts['prepare'])})"
             row.append(f"{num(parts[name], 2)}{share}")
         rows.append(row)
-    lists = [d["decode_parts_ms"] for d in runs]
-    first = runs[0]
+    parts = [d["decode_parts_ms"] for d in runs]
+    first, settings = runs[0], runs[0]["settings"]
+    low, high = settings["prompt_lengths"]
+    overhead = [statistics.median(d["pass_s"]["timed"]) / statistics.median(d["pass_s"]["plain"])
+                for d in runs]  # fmt: skip
     return fill(
         "cb.prep_parts",
         files=", ".join(f"`{name}`" for name in PREP_PARTS_FILES),
         device=first["meta"]["gpu"],
         torch=first["meta"]["torch"],
         date=first["meta"]["date"],
-        requests=first["settings"]["requests"],
-        new_tokens=first["settings"]["new_tokens"],
-        rounds=first["settings"]["rounds"],
-        least=MIN_REQUESTS,
-        median_requests=num(first["decode_requests_median"], 0),
-        steps=first["decode_steps"],
+        requests=settings["requests"],
+        prompts=f"{low}–{high}",
+        new_tokens=settings["new_tokens"],
+        rounds=settings["rounds"],
+        least=settings["min_requests"],
+        steps=", ".join(f"{d['decode_steps']} steps of {num(d['decode_requests_median'], 0)} "
+                        f"requests at the median on {d['meta']['transformers']}" for d in runs),
+        overhead=span(overhead, 2),
         table=table(["part"] + [f"transformers {d['meta']['transformers']} ms (share)"
                                 for d in runs], rows),  # fmt: skip
         lists_share=span([(p["index lists"] + p["list conversion"]) / p["prepare"] * 100
-                          for p in lists], 0),  # fmt: skip
-        without=span([p["prepare"] - p["index lists"] - p["list conversion"] for p in lists], 1),
+                          for p in parts], 0),  # fmt: skip
+        without=span([p["prepare"] - p["index lists"] - p["list conversion"] for p in parts], 1),
         scheduler=", ".join(f"{num(d['decode_parts_ms']['scheduler'], 2)} ms on "
                             f"{d['meta']['transformers']}" for d in runs),  # fmt: skip
+        block_table_from=BLOCK_TABLE_FROM,
     )
 
 
@@ -963,7 +970,7 @@ def split_section(sweep: dict | None, runs: list) -> str:
     from breakgraph.integrations.transformers import cb_step
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    kernel_rows, meta = [], (sweep or {}).get("meta", {})
+    kernel_rows, cases_out, meta = [], [], (sweep or {}).get("meta", {})
     speedups, losses = {False: [], True: []}, {False: [], True: []}  # by held_out
     sms = meta.get("multiprocessors", H200_MULTIPROCESSORS)
     for case, r in (sweep or {}).items():
@@ -977,6 +984,8 @@ def split_section(sweep: dict | None, runs: list) -> str:
         held_out = bool(r.get("held_out"))
         speedups[held_out].append(before / now)
         losses[held_out].append(now / times[best])
+        if held_out:
+            cases_out.append((now / times[best], case, default, best, r["d"]))
         kernel_rows.append([
             case.split("/")[0], "held out" if held_out else "yes",
             f"{r['hq']}/{r['hkv']} × {r['d']}",
@@ -994,6 +1003,17 @@ def split_section(sweep: dict | None, runs: list) -> str:
                 f"{span(losses[held_out], 2)}× the time of each case's best setting "
                 f"({num(statistics.mean(losses[held_out]), 3)}× on average)")  # fmt: skip
 
+    worst = "(not measured)"
+    if cases_out:
+        loss, case, default, best, _ = max(cases_out)
+        large = [c for c in cases_out if c[4] > pd.BLOCK_N]
+        same = sum(c[2].split("-")[1] == c[3].split("-")[1] for c in large)
+        worst = (f"The worst held-out case is {case.split('/')[0]} at "
+                 f"{case.split('/')[1].replace('-long', ' long')} sequences: {num(loss, 2)}× "
+                 f"its best setting ({_setting(default)} against {_setting(best)}). On held-out "
+                 f"heads larger than {pd.BLOCK_N}, whose default block is 64 keys, the best "
+                 f"setting used that block in {same} of {len(large)} cases.")  # fmt: skip
+    threshold, facts = _threshold_table(sweep or {}, sms)
     rows, lines, first = [], [], runs[0][0]["meta"] if runs else {}
     for data, label, m, old, new, per_round in _pairs(runs, "breakgraph_unsplit", "breakgraph"):
         for name, e in (("breakgraph_unsplit", old), ("breakgraph", new)):
@@ -1030,7 +1050,9 @@ def split_section(sweep: dict | None, runs: list) -> str:
         ) if kernel_rows else "(not measured)",  # fmt: skip
         picked=summary(False),
         held_out=summary(True),
-        threshold=_threshold_table(sweep or {}, sms),
+        worst=worst,
+        threshold=threshold,
+        **facts,
         split_from=cb_step.SPLIT_FROM_KEYS,
         split_at_least=cb_step.SPLIT_AT_LEAST,
         files=", ".join(f"`{name}` ({label})" for name, label in SPLIT_FILES),
@@ -1046,9 +1068,12 @@ def split_section(sweep: dict | None, runs: list) -> str:
     )
 
 
-def _threshold_table(sweep: dict, sms: int) -> str:
+def _threshold_table(sweep: dict, sms: int) -> tuple[str, dict]:
     """The sweep's ``threshold`` rows: per shape and sequence count, the split's launched time
-    over the unsplit kernel's at each longest sequence (below 1: the split pays in a break)."""
+    over the unsplit kernel's at each longest sequence (below 1: the split pays in a break),
+    and what the prose says of them (``threshold_seqs``, ``never_paid``, ``beyond``,
+    ``below``), computed against ``cb_step``'s rule."""
+    from breakgraph.integrations.transformers import cb_step
     from breakgraph.integrations.transformers import paged_decode as pd
 
     cells: dict[tuple, dict] = {}
@@ -1059,12 +1084,34 @@ def _threshold_table(sweep: dict, sms: int) -> str:
             ratio = r["triton_paged_split_us"]["median"] / r["triton_paged_us"]["median"]
             cells.setdefault(key, {})[r["longest"]] = ratio
     if not cells:
-        return "(not measured)"
+        return "(not measured)", dict.fromkeys(("threshold_seqs", "never_paid", "beyond",
+                                                "below"), "-")  # fmt: skip
     longest = sorted({n for row in cells.values() for n in row})
     rows = [[*map(str, key), *(f"{num(row[n], 2)}×" if n in row else "-" for n in longest)]
             for key, row in cells.items()]  # fmt: skip
     header = ["shape", "heads × size", "sequences", "default split"]
-    return table(header + [f"≤ {n} keys" for n in longest], rows)
+    by_split: dict[int, list] = {}
+    for key, row in cells.items():
+        by_split.setdefault(key[3], []).extend(row.values())
+    never = sorted(n for n, ratios in by_split.items() if min(ratios) >= 1)
+    eligible = [(n, ratio) for key, row in cells.items() if key[3] >= cb_step.SPLIT_AT_LEAST
+                for n, ratio in row.items()]  # fmt: skip
+
+    def tally(values: list) -> str:
+        if not values:
+            return "no case"
+        return (f"{sum(v < 1 for v in values)} of {len(values)} cases "
+                f"({span(values, 2)}×)")  # fmt: skip
+
+    seqs = sorted({key[2] for key in cells})
+    facts = {
+        "threshold_seqs": " and ".join(map(str, seqs)),
+        "never_paid": (f"a default split of {' or '.join(map(str, never))} did not pay at any "
+                       f"length" if never else "every default split paid at some length"),
+        "beyond": tally([v for n, v in eligible if n > cb_step.SPLIT_FROM_KEYS]),
+        "below": tally([v for n, v in eligible if n <= cb_step.SPLIT_FROM_KEYS]),
+    }  # fmt: skip
+    return table(header + [f"≤ {n} keys" for n in longest], rows), facts
 
 
 def _setting(key: str) -> str:

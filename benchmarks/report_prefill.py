@@ -459,8 +459,9 @@ def newest_release_section(data: dict | None, older: dict | None) -> list[str]:
                 f"{meta['transformers']}"
                 + (f", {span(before, 3)} on {older['meta']['transformers']}" if before else "")
             )
-    notes = [f"- {item['family']}: {item['reason']}" for item in data.get("skipped", [])
-             if item.get("what") != "compile" or "illegal" in item.get("reason", "")]  # fmt: skip
+    # every skip but the compile variants of families not asked for (listed in the main run)
+    notes = [f"- {item['family']}, {item['what']}: {item['reason']}"
+             for item in data.get("skipped", []) if item.get("what") != "compile"]  # fmt: skip
     return [
         fill(
             "prefill.newest",
@@ -470,6 +471,7 @@ def newest_release_section(data: dict | None, older: dict | None) -> list[str]:
             transformers=meta["transformers"],
             date=meta["date"],
             older=(older or {}).get("meta", {}).get("transformers", "-"),
+            compiled=", ".join(data["settings"].get("compile_families", [])) or "no family",
             targets=targets_table(check_list),
             headline=headline(data, check_list),
             ratios=bullets(lines),

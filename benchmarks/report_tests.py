@@ -10,10 +10,10 @@ from .template import bullets, fill, num, pct, table
 
 SUITE_FILE = "h200-cuda-suite-times.json"  # the latest CUDA run (replaced by newer runs)
 SUITE_BEFORE_FILE = "h200-cuda-suite-times-before.json"  # before captures stopped collecting
-SUITE_WHOLE_FILE = "h200-suite-times-whole.json"
+SUITE_WHOLE_FILE = "h200-suite-times-whole.json"  # the whole suite (emulated and CUDA tests)
 #: the same tests in one process, where the latest run used pytest-xdist workers
+SUITE_SERIAL_FILE = "h200-cuda-suite-times-serial.json"
 SUITE_NEWEST_FILE = "h200-cuda-suite-times-5.24.json"  # the CUDA tests on the newest transformers
-SUITE_SERIAL_FILE = "h200-cuda-suite-times-serial.json"  # the whole suite (emulated and CUDA tests)
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
 #: and the same tests in one process

@@ -21,6 +21,18 @@ needs_cb = pytest.mark.skipif(
 )
 
 
+@needs_cb
+def test_a_method_the_profile_cannot_find_is_an_error(monkeypatch):
+    """A part whose method transformers renamed raises instead of dropping out as zero."""
+    from breakgraph.patches import PatchSet
+
+    parts = (*cb_prep_profile.PARTS, ("gone", "transformers.generation.continuous_batching.cache",
+                                      "no_such_method"))  # fmt: skip
+    monkeypatch.setattr(cb_prep_profile, "PARTS", parts)
+    with pytest.raises(RuntimeError, match="no_such_method"), PatchSet() as patches:
+        cb_prep_profile.StepTimers().install(patches)
+
+
 def _methods() -> dict:
     import importlib
 
@@ -44,8 +56,11 @@ def test_step_timers_split_decode_steps_into_parts_and_leave_nothing(monkeypatch
     data = json.loads(out.read_text())
     parts = data["decode_parts_ms"]
     assert data["decode_steps"] >= 1 and data["decode_requests_median"] >= 2
-    assert parts["index lists"] > 0 and parts["list conversion"] >= 0 and parts["update"] > 0
-    assert parts["prepare"] >= parts["index lists"] + parts["scheduler"]
+    timed = ("index lists", "list conversion", "scheduler", "other batch tensors", "update")
+    assert all(parts[name] > 0 for name in timed), parts  # every wrapper saw its calls
+    # means over the same steps, each step's parts inside its whole: the parts add up
+    assert parts["prepare"] >= parts["index lists"] + parts["list conversion"] + parts["scheduler"]
+    assert data["settings"]["min_requests"] == 2
     assert data["meta"]["gpu"].startswith("none (")
     text = cb_report.prep_parts_section([data])
     assert f"| index lists | {parts['index lists']:.2f} (" in text

@@ -384,26 +384,42 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
 @needs_cb
 @pytest.mark.parametrize("default, split", [(4, 4), (2, 1)])
 def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch, default, split):
-    """A pure-decode break takes the default split (here ``default``) once the step's longest
-    sequence holds ``SPLIT_FROM_KEYS`` keys and that split is at least ``SPLIT_AT_LEAST``, and
-    asks for one program per sequence otherwise: the steps whose longest sequence reaches it
-    split (a default of 2 never does), the others do not."""
+    """A pure-decode break takes the default split (here ``default``, asked for with the
+    step's sequences and key heads) exactly when the step's longest sequence holds
+    ``SPLIT_FROM_KEYS`` keys and that split is at least ``SPLIT_AT_LEAST``, and one program
+    per sequence otherwise (a default of 2 never splits)."""
     from breakgraph.integrations.transformers import attention as bg_attention
+    from breakgraph.integrations.transformers import paged_decode as pd
 
-    flash_calls, paged_calls = [], []
+    flash_calls, paged_calls, asked = [], [], []
+    model = build_model("llama")
+    kv_heads = model.config.num_key_value_heads
+
+    def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None, splits=None):
+        longest = int((cu_k[1:] - cu_k[:-1]).max())
+        paged_calls.append((longest, splits))
+        return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out)
+
+    def fake_default(batch, heads, device):
+        asked.append((batch, heads))
+        return default
+
     monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
     monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls))
     monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
-    monkeypatch.setattr(cb_step, "paged_decode", stand_in_paged(paged_calls))
-    monkeypatch.setattr(cb_step, "default_splits", lambda batch, kv_heads, device: default)
+    monkeypatch.setattr(cb_step, "paged_decode", fake_paged)
+    monkeypatch.setattr(cb_step, "default_splits", fake_default)
     monkeypatch.setattr(cb_step, "SPLIT_FROM_KEYS", 20)  # the prompt of 17 reaches it
-    model = build_model("llama")
     prompts = random_prompts(seed=14, lengths=(3, 17, 5))
     expected = generate_batch(model, prompts)
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
                                     decode_graphs=False):
         assert generate_batch(model, prompts) == expected
-    assert {splits for _, splits in paged_calls} == {1, split}, paged_calls
+    assert any(longest >= 20 for longest, _ in paged_calls), paged_calls
+    assert any(longest < 20 for longest, _ in paged_calls), paged_calls
+    for longest, splits in paged_calls:
+        assert splits == (split if longest >= 20 else 1), (longest, splits)
+    assert asked and all(heads == kv_heads and 0 < batch <= len(prompts) for batch, heads in asked)
 
 
 @needs_cb

@@ -715,15 +715,17 @@ def test_torch_refusing_a_host_copy_during_capture_is_named_a_host_sync():
 
 
 def test_the_capture_state_reset_runs_on_breakgraphs_own_stream(monkeypatch):
-    """After an invalidated capture, the empty capture that resets torch's RNG state runs on
-    breakgraph's capture stream: a graph reset may free the cuBLAS workspaces of the stream it
-    was captured on, and the stream every ``torch.cuda.graph`` shares by default may hold a
-    user's plain graphs (pytorch/pytorch#193402). Stands in for CUDA on any machine."""
+    """After an invalidated capture, closing the capture session resets torch's RNG state with
+    an empty capture on the session's own capture stream: a graph reset may free the cuBLAS
+    workspaces of the stream it was captured on, and the stream every ``torch.cuda.graph``
+    shares by default may hold a user's plain graphs (pytorch/pytorch#193402). Drives
+    ``CudaSession.close`` with stand-ins for CUDA, on any machine."""
     import contextlib
+    import types
 
     from breakgraph.backends import cuda
 
-    streams, resets = [], []
+    streams, resets, waited = [], [], []
 
     class FakeGraph:
         def reset(self):
@@ -734,9 +736,16 @@ def test_the_capture_state_reset_runs_on_breakgraphs_own_stream(monkeypatch):
         streams.append(stream)
         yield
 
+    caller = types.SimpleNamespace(wait_stream=waited.append)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: caller)
+    monkeypatch.setattr(cuda, "_takes_captures", lambda pool, stream: True)
     own = object()
-    cuda._reset_capture_state(own)
-    assert streams == [own] and len(resets) == 1
+    session = types.SimpleNamespace(_stack=contextlib.ExitStack(), stream=own,
+                                    _invalidated=True, pool=(0, 1))  # fmt: skip
+    cuda.CudaSession.close(session)
+    assert waited == [own] and streams == [own] and len(resets) == 1
+    session._invalidated, streams[:] = False, []
+    cuda.CudaSession.close(session)  # a capture CUDA did not invalidate: no reset
+    assert streams == []

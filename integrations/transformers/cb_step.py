@@ -69,9 +69,10 @@ CB_ATTENTION_KEY = "breakgraph_paged"
 #: kernel launch, about 24 µs of host time on an H200 server) only once the step's longest
 #: sequence holds this many keys and the default split is at least ``SPLIT_AT_LEAST`` programs:
 #: below either, the launch costs more than the split saves the device. Measured launched on
-#: the CB shapes' heads, 8 and 32 sequences (``benchmarks/decode_attention``, THRESHOLD rows):
-#: the split lost every case up to 2,048 keys (1.08-2.15x), won 6 of 10 at 4,096 keys (0.62-1.28x)
-#: and every case from 6,144 on, except where the default split was 2 (1.04-1.40x at all lengths).
+#: the CB shapes' heads, 8 and 32 sequences (``benchmarks/decode_attention``, THRESHOLD rows;
+#: keys uniform in L/2..L): with a default split of at least 4 the split won every case with
+#: L = 6,144 (0.51-0.81x) and 11 of 40 with L up to 4,096 (0.62-2.15x), which this rule leaves
+#: unsplit; with a default split of 2 it lost at every length (1.04-1.40x).
 SPLIT_FROM_KEYS = 4096
 SPLIT_AT_LEAST = 4
 
