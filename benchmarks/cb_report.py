@@ -970,6 +970,8 @@ def split_section(sweep: dict | None, runs: list) -> str:
     from breakgraph.integrations.transformers import cb_step
     from breakgraph.integrations.transformers import paged_decode as pd
 
+    from . import decode_attention as da
+
     kernel_rows, cases_out, meta = [], [], (sweep or {}).get("meta", {})
     speedups, losses = {False: [], True: []}, {False: [], True: []}  # by held_out
     sms = meta.get("multiprocessors", H200_MULTIPROCESSORS)
@@ -1053,6 +1055,10 @@ def split_section(sweep: dict | None, runs: list) -> str:
         worst=worst,
         threshold=threshold,
         **facts,
+        long=f"{da.LONG[0]} sequences of {da.LONG[1][0]}–{da.LONG[1][1]} keys",
+        picked_shapes=", ".join(name for name, *_ in da.SHAPES),
+        held_shapes=", ".join(name for name, *_ in da.HELD_OUT),
+        workloads="; ".join(_workload(data, label) for data, label in runs) or "-",
         split_from=cb_step.SPLIT_FROM_KEYS,
         split_at_least=cb_step.SPLIT_AT_LEAST,
         files=", ".join(f"`{name}` ({label})" for name, label in SPLIT_FILES),
@@ -1066,6 +1072,16 @@ def split_section(sweep: dict | None, runs: list) -> str:
         ),  # fmt: skip
         ratios=bullets(lines) or "(not measured)",
     )
+
+
+def _workload(data: dict, label: str) -> str:
+    """One CB run's workload from its arguments: ``run A: 100 prompts of 16–1024 tokens, 128
+    new tokens each``."""
+    a = data["meta"].get("args", {})
+    if not a:
+        return f"run {label}: -"
+    return (f"run {label}: {a['prompts']} prompts of {a['min_len']}–{a['max_len']} tokens, "
+            f"{a['new_tokens']} new tokens each")  # fmt: skip
 
 
 def _threshold_table(sweep: dict, sms: int) -> tuple[str, dict]:
