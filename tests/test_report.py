@@ -692,3 +692,46 @@ def test_prefill_on_the_newest_release_is_computed_from_its_json():
     text = "\n".join(report_prefill.newest_release_section(newest, older))
     assert "| llama-1b | 1100 | 1.200 ✗ |" in text and "0.944–1.200 on transformers" in text
     assert report_prefill.newest_release_section(None, older) == []
+
+
+def _sweep_row(seqs: int, hkv: int, d: int, times: dict, held_out: bool = False) -> dict:
+    graph = {key: {"median": us, "min": us, "max": us} for key, us in times.items()}
+    return {"hq": 4 * hkv, "hkv": hkv, "d": d, "seqs": seqs, "bucket": seqs, "keys": 1000,
+            "kv_mib": 1.0, "held_out": held_out, "sweep_graph_us": graph}  # fmt: skip
+
+
+def _threshold_row(seqs: int, hkv: int, longest: int, unsplit: float, split: float) -> dict:
+    return {"hq": 4 * hkv, "hkv": hkv, "d": 128, "seqs": seqs, "bucket": seqs, "keys": 1000,
+            "threshold": True, "longest": longest, "triton_paged_us": {"median": unsplit},
+            "triton_paged_split_us": {"median": split}}  # fmt: skip
+
+
+def test_split_section_computes_its_conclusions_from_the_sweep():
+    """The held-out summary, the worst held-out case, and the threshold facts (which default
+    splits never paid, the tallies beyond and up to ``SPLIT_FROM_KEYS``) follow the data."""
+    from breakgraph.integrations.transformers import cb_step
+
+    from benchmarks import cb_report
+
+    sms = 132  # 8 sequences x 2 key heads: split 16; 32 x 8: split 2 (paged_decode.split_count)
+    sweep = {
+        "meta": {"multiprocessors": sms},
+        "a/8": _sweep_row(8, 2, 128, {"1-block64": 30.0, "16-block128": 10.0}),
+        "b/8": _sweep_row(8, 2, 256, {"1-block64": 40.0, "16-block64": 12.0,
+                                      "16-block128": 8.0}, held_out=True),  # fmt: skip
+        "a/8-upto2048": _threshold_row(8, 2, 2048, 20.0, 40.0),
+        "a/8-upto6144": _threshold_row(8, 2, 6144, 80.0, 40.0),
+        "c/32-upto2048": _threshold_row(32, 8, 2048, 30.0, 33.0),
+        "c/32-upto6144": _threshold_row(32, 8, 6144, 150.0, 160.0),
+    }
+    text = cb_report.split_section(sweep, [])
+    assert "the best setting used that block in 0 of 1 cases" in text
+    assert "The worst held-out case is b at 8 sequences: 1.50× its best setting" in text
+    assert "(16 × 64 against 16 × 128)" in text
+    assert "for 8 and 32 sequences" in text
+    assert "a default split of 2 did not pay at any length" in text
+    assert cb_step.SPLIT_FROM_KEYS < 6144 and cb_step.SPLIT_AT_LEAST <= 16
+    assert "paid in 1 of 1 cases (0.50×) in the columns beyond" in text
+    assert "and in 0 of 1 cases (2.00×) in the columns up to it" in text
+    sweep["c/32-upto6144"] = _threshold_row(32, 8, 6144, 150.0, 100.0)  # now split 2 pays once
+    assert "every default split paid at some length" in cb_report.split_section(sweep, [])
