@@ -157,6 +157,11 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "missed"
 
 
+def _run_of(meta: dict, device_key: str = "device") -> dict:
+    """The provenance every section names: the run's device, torch and date placeholders."""
+    return {"device": meta[device_key], "torch": meta["torch"], "date": meta["date"]}
+
+
 def _release(data: dict) -> str:
     return data["meta"]["transformers"]
 
@@ -539,9 +544,7 @@ def host_split_section(runs: list) -> str:
         share=pct(statistics.median(gain)) if gain else "-",
         model=first["models"][0]["model"],
         files=", ".join(f"`{name}`" for name in HOST_SPLIT_FILES),
-        device=first["meta"]["device"],
-        torch=first["meta"]["torch"],
-        date=first["meta"]["date"],
+        **_run_of(first["meta"]),
         rounds=first["meta"]["args"]["rounds"],
         table=table(
             ["transformers", "variant", "tokens/s (rounds)", "ms/step", "prep ms", "fwd ms",
@@ -581,9 +584,7 @@ def prep_lists_section(runs: list) -> str:
     return fill(
         "cb.prep_lists",
         files=", ".join(f"`{name}`" for name in PREP_LISTS_FILES),
-        device=first["meta"]["device"],
-        torch=first["meta"]["torch"],
-        date=first["meta"]["date"],
+        **_run_of(first["meta"]),
         table=table(
             ["transformers", "model", "variant", "tokens/s", "ms/step", "prep ms", "lists ms",
              "of prep", "of step"],
@@ -646,9 +647,7 @@ def numpy_lists_section(runs: list) -> str:
     return fill(
         "cb.numpy_lists",
         files=", ".join(f"`{name}`" for name, _, _ in NUMPY_LISTS_FILES),
-        device=first["meta"]["device"],
-        torch=first["meta"]["torch"],
-        date=first["meta"]["date"],
+        **_run_of(first["meta"]),
         table=rows,
         stock=stock,
     )
@@ -676,9 +675,7 @@ def prep_parts_section(runs: list) -> str:
     return fill(
         "cb.prep_parts",
         files=", ".join(f"`{name}`" for name in PREP_PARTS_FILES),
-        device=first["meta"]["gpu"],
-        torch=first["meta"]["torch"],
-        date=first["meta"]["date"],
+        **_run_of(first["meta"], "gpu"),
         requests=settings["requests"],
         prompts=f"{low}–{high}",
         new_tokens=settings["new_tokens"],
@@ -735,9 +732,7 @@ def _decode_turns(runs: list, fragment: str, files: tuple, before: str, after: s
     return fill(
         fragment,
         files=", ".join(f"`{name}`" for name, _, _ in files),
-        device=first["meta"]["device"],
-        torch=first["meta"]["torch"],
-        date=first["meta"]["date"],
+        **_run_of(first["meta"]),
         table=rows,
         decode=bullets(lines) or "(not measured)",
     )
@@ -859,9 +854,7 @@ def decode_graphs_section(runs: list, traces: list) -> str:
     return fill(
         "cb.decode_graphs",
         files=", ".join(f"`{name}` ({label})" for name, label in DECODE_GRAPHS_FILES),
-        device=meta["device"],
-        torch=meta["torch"],
-        date=meta["date"],
+        **_run_of(meta),
         table=table(
             ["run", "transformers", "model", "variant", "tokens/s (rounds)", "decode ms",
              "decode fwd host ms", "decode fwd device ms", "prep ms", "in forward",
@@ -940,9 +933,7 @@ def compiled_section(runs: list, trace: dict | None) -> str:
     return fill(
         "cb.compiled",
         files=", ".join(f"`{name}` ({label})" for name, label in COMPILED_FILES),
-        device=meta["device"],
-        torch=meta["torch"],
-        date=meta["date"],
+        **_run_of(meta),
         table=table(
             ["run", "transformers", "model", "requests", "variant", "tokens/s (rounds)",
              "decode ms", "decode fwd device ms", "device x floor", "device ms/step", "prep ms",
