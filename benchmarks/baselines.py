@@ -31,14 +31,14 @@ class CapturedForward:
     cuBLAS keeps one workspace per (handle, stream), and every ``torch.cuda.graph`` without a
     ``stream`` captures on one shared stream, so a graph bakes in whatever workspace an
     earlier capture on that stream allocated, possibly in another graph's pool. When
-    ``torch.compile``'s CUDA graph trees (or, in recent torch, another graph's reset) free
-    the workspaces and that pool is released, a replay reads unmapped memory: on the H200 a
-    5.24 prefill run hit ``cudaErrorIllegalAddress`` here after its compile variants, with
-    the device synchronised before this graph's replay (pytorch/pytorch#193402 is the same
-    fault). So the workspaces are freed right before the capture, and the capture allocates
-    its own inside its pool, where it lives as long as the graph: what the graph trees do
-    for their own captures. breakgraph's captures keep theirs in a pool of their own
-    (``breakgraph.backends.cuda``).
+    ``torch.compile``'s CUDA graph trees (or a graph reset, pytorch/pytorch#193402) free the
+    workspaces and that pool is released, a replay reads unmapped memory. A 5.24 prefill run
+    hit ``cudaErrorIllegalAddress`` at this graph's replay after its compile variants (the
+    device synchronised before it); that mechanism is the likely cause, not an established
+    one (docs/performance.md). So the workspaces are freed right before the capture, and the
+    capture allocates its own inside its pool, where it lives as long as the graph: what the
+    graph trees do for their own captures. breakgraph's captures keep theirs in a pool of
+    their own (``breakgraph.backends.cuda``).
     """
 
     def __init__(self, model, inputs: dict[str, torch.Tensor], pool=None, warmup: int = 3):
