@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="timed passes (steps pooled)")
+    parser.add_argument("--plain-passes", type=int, default=2, help="passes without timers")
     args = parser.parse_args(argv)
     from breakgraph.integrations.transformers import enable_continuous_batching
 
@@ -205,7 +206,8 @@ def main(argv=None) -> int:
                             "model": "tiny Llama, 2 layers, hidden 64", "page_size": 256,
                             "max_batch_tokens": 2048, "batching": "synchronous"}}  # fmt: skip
     with enable_continuous_batching(model, backend="emulated"), torch.no_grad():
-        plain = [serve(model, prompts, cb_config, args.new_tokens, None) for _ in range(2)]
+        plain = [serve(model, prompts, cb_config, args.new_tokens, None)
+                 for _ in range(max(1, args.plain_passes))]  # fmt: skip
         timers = StepTimers()
         timed = [serve(model, prompts, cb_config, args.new_tokens, timers)
                  for _ in range(args.rounds)]  # fmt: skip

@@ -51,7 +51,7 @@ def test_step_timers_split_decode_steps_into_parts_and_leave_nothing(monkeypatch
     before = _methods()
     out = tmp_path / "prep.json"
     assert cb_prep_profile.main(["--out", str(out), "--requests", "3", "--new-tokens", "4",
-                                 "--rounds", "1"]) == 0  # fmt: skip
+                                 "--rounds", "1", "--plain-passes", "1"]) == 0  # fmt: skip
     assert _methods() == before  # every wrapped method is the original again
     data = json.loads(out.read_text())
     parts = data["decode_parts_ms"]
