@@ -66,7 +66,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     """The page, from the JSON files in ``results`` (and the suite JSON ``suite``)."""
     load = lambda name: _load(name, results)  # noqa: E731
     names = (
-        [report_prefill.FILE, report_prefill.NEWEST_FILE, report_breaks.OVERHEAD_FILE]
+        [report_prefill.FILE, report_prefill.NEWEST_FILE, report_prefill.FIXED_FILE]
+        + [report_breaks.OVERHEAD_FILE]
         + [report_breaks.BEFORE_DEBUG_FILE]
         + list(report_breaks.ANATOMY_FILES)
         + [report_earlier.FILE, *report_earlier.RUN_FILES, report_earlier.MOE_FILE]
@@ -112,7 +113,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if compile_run is not None:
         blocks += report_prefill.compile_run_section(compile_run)
     blocks += report_prefill.newest_release_section(
-        loaded.get(report_prefill.NEWEST_FILE), loaded.get(report_prefill.FILE)
+        loaded.get(report_prefill.NEWEST_FILE), loaded.get(report_prefill.FILE),
+        loaded.get(report_prefill.FIXED_FILE),
     )
     if report_breaks.OVERHEAD_FILE in loaded:
         blocks += report_breaks.overhead_section(
