@@ -38,6 +38,9 @@ Variants:
                       round's manager captures; *manager s* holds that compile)
   breakgraph_unsplit  breakgraph with ``paged_decode`` as before the flash-decoding split:
                       one program per sequence and key head reads all of its keys, 64 a block
+  breakgraph_lists    breakgraph with ``max_blocks_per_request=0``: pure-decode steps carry
+                      transformers' per-key index lists, as before breakgraph took its block
+                      table (``integrations/transformers/block_table.py``)
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
@@ -138,6 +141,7 @@ class Variant:
     decode_graphs: bool = True  # breakgraph's pure-decode graphs (off: every layer a break)
     compile: bool = False  # breakgraph's decoder under torch.compile (Inductor)
     decode_splits: bool = True  # paged_decode's split and block (off: one program, 64 keys)
+    max_blocks_per_request: int | None = None  # 0: no block table (index lists every step)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
 
 
@@ -164,6 +168,9 @@ VARIANTS = {
         Variant("breakgraph_unsplit", "breakgraph with paged_decode as before (one program per "
                 "sequence and key head, blocks of 64 keys)", True,
                 decode_splits=False),  # fmt: skip
+        Variant("breakgraph_lists", "breakgraph with max_blocks_per_request=0 (pure-decode "
+                "steps with per-key index lists, as before)", True,
+                max_blocks_per_request=0),  # fmt: skip
     )
 }
 GENERATE = "generate"
@@ -198,7 +205,7 @@ CONFIGS = {name: m.family.config for name, m in MODELS.items()}  # (benchmarks.c
 ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async": 1500,
                   "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
                   "breakgraph_breaks": 4000, "breakgraph_compiled": 4000,
-                  "breakgraph_unsplit": 4000}  # fmt: skip
+                  "breakgraph_unsplit": 4000, "breakgraph_lists": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
@@ -277,6 +284,8 @@ def cb_config(args, variant: Variant):
     fields = vars(ContinuousBatchingConfig())
     size = "page_size" if "page_size" in fields else "block_size"
     extra = {"auto_switch_to_flash": False} if "auto_switch_to_flash" in fields else {}
+    if variant.max_blocks_per_request is not None:
+        extra["max_blocks_per_request"] = variant.max_blocks_per_request
     return ContinuousBatchingConfig(
         **{size: args.block_size},
         num_blocks=args.num_blocks,
@@ -369,6 +378,7 @@ def run_round(model, variant: Variant, run) -> dict:
                 decode_graph_layouts=decode.layouts,
                 decode_graph_fallbacks=dict(decode.fallbacks),
                 decode_graph_off=decode.off,
+                block_table_steps=dict(runner.block_table_steps),
             )
     else:
         result.update(graphs=run.graphs.captures, capture_s=run.graphs.capture_s)

@@ -443,13 +443,16 @@ def test_heads_the_kernel_cannot_tile_keep_the_folded_call(monkeypatch):
 
 
 @needs_cb
-def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monkeypatch):
+@pytest.mark.parametrize("max_blocks", [None, 0], ids=["block-table", "index-lists"])
+def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monkeypatch,
+                                                                           max_blocks):
     """Pure-decode steps replay graphs with the cache write and read inside (no attention
     break). Each manager's cache lies elsewhere here (the emulated backend's graphs hold the
-    old cache), so a second ``generate_batch`` captures a second ladder; a first step of
-    one-token prompts (nothing cached yet) takes the break path; tokens equal ``generate()``
-    throughout, and the dense stand-in of the kernel saw every step's padded sequences
-    without keys."""
+    old cache), so a second ``generate_batch`` captures a second ladder. Through index lists
+    (``max_blocks_per_request=0``) a first step of one-token prompts (nothing cached yet)
+    takes the break path; through transformers' block table (the default) it is a decode step
+    whose keys are its own. Tokens equal ``generate()`` throughout, and the dense stand-in of
+    the kernel saw every step's padded sequences without keys."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
     seen = []
@@ -462,12 +465,14 @@ def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monk
     model = build_model("llama")
     prompts = random_prompts(seed=14, lengths=(1, 1, 1))
     expected = generate_batch(model, prompts)
+    cbc = cb_config(max_blocks_per_request=max_blocks)
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
-        assert generate_batch(model, prompts) == expected
-        assert generate_batch(model, prompts) == expected
+        assert generate_batch(model, prompts, cbc=cbc) == expected
+        assert generate_batch(model, prompts, cbc=cbc) == expected
         decode = handle.decode_graphs
         assert decode.layouts == 2 and decode.off is None
-        assert decode.fallbacks == {"nothing cached yet (empty read index)": 2}
+        fallbacks = {} if max_blocks is None else {"nothing cached yet (empty read index)": 2}
+        assert decode.fallbacks == fallbacks
         assert decode.stats.replays > 0 and set(decode.stats.buckets) == {8}
         assert {b.breaks for b in decode.stats.buckets.values()} == {0}
         assert set(seen) == {8}  # captured at bucket 8 (3 sequences, 5 padded)
@@ -533,7 +538,8 @@ def test_decode_graph_buffers_grow_with_the_steps_not_the_cache(monkeypatch):
     not from the cache: a cache of thousands of rows gets a buffer of about twice the first
     decode step's keys; a step that outgrows it gets new buffers and new graphs (here forced
     with a small first size), with the same tokens. An allocation failure turns the graphs
-    off instead of failing the requests."""
+    off instead of failing the requests. (Steps through index lists: a block-table step's
+    buffer is sized from its table, ``test_block_table``.)"""
     sizes = []
     buffers = decode_graph.DecodeBuffers
 
@@ -545,7 +551,7 @@ def test_decode_graph_buffers_grow_with_the_steps_not_the_cache(monkeypatch):
     model = build_model("llama")
     prompts = random_prompts(seed=16)
     gen = generation_config(max_new_tokens=12)
-    big = cb_config(num_blocks=256)  # 4096 cache rows
+    big = cb_config(num_blocks=256, max_blocks_per_request=0)  # 4096 cache rows, index lists
     expected = generate_batch(model, prompts, gen=gen, cbc=big)
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as h:
         assert generate_batch(model, prompts, gen=gen, cbc=big) == expected

@@ -54,6 +54,7 @@ from .attention import (
     reference_attention,
     refuse_mask_and_softcap,
 )
+from .block_table import read_slots, write_slots
 from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, default_query_buckets
@@ -93,14 +94,15 @@ class CBStep:
     """
 
     __slots__ = ("kernel", "update_takes_kwargs", "tokens", "cache", "cu_q", "max_q", "cu_k",
-                 "max_k", "read_index", "write_index", "warmup", "pure_decode", "decode",
-                 "_q_bounds", "_no_reads")  # fmt: skip
+                 "max_k", "read_index", "write_index", "table", "positions", "warmup",
+                 "pure_decode", "decode", "_q_bounds", "_no_reads")  # fmt: skip
 
     def __init__(self, kernel: str, update_takes_kwargs: bool) -> None:
         self.kernel, self.update_takes_kwargs = kernel, update_takes_kwargs
         self.tokens, self.warmup, self.pure_decode = 0, False, False
         self.cache = self.cu_q = self.max_q = self.cu_k = self.max_k = None
         self.read_index = self.write_index = None
+        self.table = self.positions = None  # a block-table step's table and position ids
         self.decode = None  # the DecodeGraphs capturing this step's bucket, if any
         self._q_bounds = self._no_reads = None
 
@@ -111,7 +113,11 @@ class CBStep:
         self.cu_q, self.max_q = kwargs[names.cu_q], kwargs[names.max_q]
         self.cu_k, self.max_k = kwargs[names.cu_k], kwargs[names.max_k]
         self.read_index, self.write_index = kwargs[names.read_index], kwargs[names.write_index]
-        # one query per sequence (decided once per step, read by every layer)
+        # transformers' decode fast path: a block table instead of index lists (.block_table)
+        self.table = kwargs.get(names.block_table)
+        self.positions = kwargs[names.position_ids] if self.table is not None else None
+        # one query per sequence (decided once per step, read by every layer); transformers
+        # passes max_q = 1 with a block table too
         self.pure_decode = self.max_q == 1 and tokens == self.cu_q.shape[0] - 1
         self._q_bounds = self._no_reads = None
 
@@ -119,7 +125,33 @@ class CBStep:
         """Drop the step's references once it ran: the runner outlives the manager, and the
         cache and index views must not keep a finished manager's memory alive."""
         self.cache = self.cu_q = self.cu_k = self.read_index = self.write_index = None
+        self.table = self.positions = None
         self._q_bounds = self._no_reads = None
+
+    def materialise(self) -> None:
+        """A block-table step's exact read and write indices, one tensor per layer group, in
+        place of transformers' empty ones, and its exact longest key length (transformers
+        passes 1): what the break path reads. One device sync (the key offsets); a decode
+        graph derives its indices without it (:meth:`.decode_graph.DecodeBuffers.fill`)."""
+        if self.table is None:
+            return
+        page = compat.block_table_page(self.cache)
+        if page is None:
+            raise UnsupportedModelError(
+                "enable_continuous_batching: this transformers release's block-table layout is "
+                "unknown (contract item 15); pass ContinuousBatchingConfig("
+                "max_blocks_per_request=0) to serve decode steps through index lists."
+            )
+        n = self.tokens
+        cu_k = self.cu_k[_FULL] if isinstance(self.cu_k, dict) else self.cu_k
+        offsets = cu_k[: n + 1].tolist()
+        positions = self.positions[0, :n]
+        self.write_index = [write_slots(t[:n], positions, page) for t in self.table]
+        self.read_index = [read_slots(t[:n], cu_k, page, offsets[-1]) for t in self.table]
+        longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+        self.max_k = {k: longest for k in self.max_k} if isinstance(self.max_k, dict) else longest
+        self.table = self.positions = None  # materialised: the lists path from here on
+        self._no_reads = None
 
     def fake(self, bucket: int) -> CBStep:
         """The warm-up / capture step of ``bucket``: one sequence filling it, no cache."""
@@ -138,6 +170,14 @@ class CBStep:
         if self._q_bounds is None:
             self._q_bounds = _bounds(self.cu_q)
         return self._q_bounds
+
+
+def _full_attention_only(config: Any) -> bool:
+    """Whether every layer of the model attends to all its keys (no sliding window)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return all(t == _FULL for t in types)
+    return getattr(config, "sliding_window", None) is None
 
 
 def _bounds(cu: torch.Tensor) -> list:
@@ -181,6 +221,8 @@ class PagedAttention:
         step: CBStep = breakgraph.replay_context()
         if step.warmup:
             return self._own_keys()
+        if step.table is not None:  # a block-table step outside a decode graph
+            step.materialise()
         n = step.tokens
         decode = step.pure_decode and self.window is None
         if decode and self.paged and (rows := cache_rows(step.cache, self.layer)) is not None:
@@ -342,6 +384,12 @@ class StepRunner:
             self.decode = DecodeGraphs(self._record_tokens, layers, q_heads,
                                        backend=self.tokens.backend, debug=debug,
                                        who=who)  # fmt: skip
+        # transformers' decode fast path (a block table, no index lists: .block_table) where
+        # the decode graphs serve its steps: they need every layer full attention
+        self.block_tables = self.decode is not None and _full_attention_only(model.config)
+        #: steps that came with a block table: {"graph": served by a decode graph, "break":
+        #: materialised (one device sync) for the query-token graph's breaks}
+        self.block_table_steps = {"graph": 0, "break": 0}
 
     @property
     def stats(self):
@@ -409,11 +457,6 @@ class StepRunner:
     def forward(self, **kwargs: Any) -> Any:
         """One CB step: logits ``[1, rows, vocab]`` (fp32) for ``logits_to_keep``."""
         names = self.names
-        if kwargs.get(names.block_table) is not None:
-            raise UnsupportedModelError(
-                f"{self.who}: the block-table decode path is a flash_attn kernel; it cannot run "
-                f"under breakgraph (ContinuousBatchingConfig(max_blocks_per_request=0))."
-            )
         ids, positions = kwargs[names.input_ids], kwargs[names.position_ids]
         n = ids.shape[-1]
         keep = kwargs.get(names.logits_to_keep)
@@ -451,7 +494,12 @@ class StepRunner:
             inputs[:, n:].zero_()  # the tail: defined ids and positions
         step = self.step
         decode = self.decode is not None and step.pure_decode
-        if not (decode and self.decode.replay(step, bucket, n, self.tokens.buckets[-1])):
+        if decode and self.decode.replay(step, bucket, n, self.tokens.buckets[-1]):
+            if step.table is not None:
+                self.block_table_steps["graph"] += 1
+        else:
+            if step.table is not None:
+                self.block_table_steps["break"] += 1
             self.tokens.replay(bucket, step, size=n)
         rows_bucket = self.logits.choose(rows).bucket
         index = self._rows[rows_bucket]

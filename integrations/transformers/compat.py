@@ -55,6 +55,18 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      (:mod:`.decode_graph`) writes the rows itself as ``update`` does in every tested release
      (``index_copy_`` at ``write_index[group]``) and reads them in place.
 
+ 14. I ``initialization.ensure_decode_fast_path_is_available(config, cb_config,
+     user_requested)``, which zeroes ``max_blocks_per_request`` unless the model's attention is
+     flash_attn's: replaced while a model is enabled (:func:`decode_path_gate`), so that a
+     model whose pure-decode steps breakgraph reads through a block table keeps transformers'
+     decode fast path (optional: without it every step carries index lists, as before).
+ 15. I the block table of a pure-decode step (the ``block_table`` keyword of item 6,
+     ``[groups, sequences, blocks]``): entry ``e`` of a sequence's ``b``-th block of
+     ``P`` tokens holds its key ``b * P + o`` at cache row ``e * P + o`` of the rows of item 13
+     (:func:`block_table_page`: ``P`` is 5.17's ``cache.block_size``; later, the
+     full-attention allocator's ``tokens_per_page``, whose ``block_physical_stride`` is a
+     multiple of it). Checked against transformers' own index lists by the tests.
+
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: ``_load_model``
      enables breakgraph on the model it loads) and ``transformers.cli.serving.utils.
@@ -345,6 +357,40 @@ def index_lists_module() -> Any:
     except (AttributeError, OSError, TypeError):
         return None
     return input_outputs if "partial(torch.tensor" in source else None
+
+
+def decode_path_gate() -> tuple[Any, str] | None:
+    """14. ``(module, name)`` of transformers' decode-fast-path gate, where it has the known
+    signature, else None."""
+    try:
+        from transformers.generation.continuous_batching import initialization
+    except ImportError:
+        return None
+    gate = getattr(initialization, "ensure_decode_fast_path_is_available", None)
+    try:
+        parameters = list(inspect.signature(gate).parameters)
+    except (TypeError, ValueError):
+        return None
+    if parameters[:3] != ["config", "cb_config", "user_requested"]:
+        return None
+    return initialization, "ensure_decode_fast_path_is_available"
+
+
+def block_table_page(cache: Any) -> int | None:
+    """15. ``P``, the tokens of one block-table entry of ``cache``'s full-attention layers,
+    or None where neither known layout is found."""
+    allocators = getattr(cache, "layer_to_allocator", None)
+    if isinstance(allocators, dict):  # after 5.17
+        for allocator in allocators.values():
+            if getattr(allocator, "layer_type", None) != "full_attention":
+                continue
+            page = getattr(allocator, "tokens_per_page", None)
+            stride = getattr(allocator, "block_physical_stride", None)
+            known = isinstance(page, int) and isinstance(stride, int) and page > 0
+            return page if known and stride % page == 0 else None
+        return None
+    page = getattr(cache, "block_size", None)  # 5.17
+    return page if isinstance(page, int) and page > 0 else None
 
 
 def _probe_continuous_batching() -> list[str]:

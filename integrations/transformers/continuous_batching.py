@@ -65,7 +65,7 @@ from breakgraph.errors import InputError, ReplayError
 from breakgraph.ladder import BucketStats, LadderStats
 from breakgraph.patches import PatchSet, SharedPatches
 
-from . import compat, index_lists
+from . import block_table, compat, index_lists
 from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
 from .experts import EXPERTS_KEY, breakgraph_experts, needs_experts_break
 from .models import DEFAULT_MAX_BATCH_TOKENS, UnsupportedModelError, check_model
@@ -111,6 +111,16 @@ def _install_shared(patches: PatchSet) -> None:
 
     patches.attribute(manager, "switch_to_cb_friendly_attn", switch_to_cb_friendly_attn)
     index_lists.install(patches)  # the step's index lists through numpy (where probed)
+    block_table.install(patches, _wants_block_table)  # decode steps without the lists
+
+
+def _wants_block_table(config: Any) -> bool:
+    """Whether ``config`` is an enabled model's whose decode steps breakgraph reads through
+    transformers' block table (:mod:`.block_table`)."""
+    for handle in list(_enabled.values()):
+        if handle.model.config is config:
+            return handle.runner.block_tables
+    return False
 
 
 _shared = SharedPatches(_install_shared)
@@ -278,7 +288,8 @@ class ContinuousBatchingHandle:
                 f"compile eager steps."
             )
         config.use_cuda_graph = False  # transformers' whole-step graphs: never here
-        config.max_blocks_per_request = 0  # the block-table decode path is a flash_attn kernel
+        if not (use_graphs and self.runner.block_tables):  # else as given (None: the default)
+            config.max_blocks_per_request = 0  # every step with index lists
         for name in compat.CB_OPTIONAL_FIELDS:  # auto_switch_to_flash: keep breakgraph's key
             if hasattr(config, name):
                 setattr(config, name, False)

@@ -63,6 +63,7 @@ from breakgraph.ladder import GraphLadder, LadderStats
 from breakgraph.ladder_stats import combined
 
 from . import compat
+from .block_table import read_slots, write_slots
 from .paged_decode import fits, paged_decode, paged_decode_dense, query_rows, triton_available
 
 __all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows"]
@@ -110,16 +111,23 @@ class DecodeBuffers:
             self.iota = torch.arange(largest, dtype=torch.long, device=device)
         self._source_for: tuple[int, int] | None = None  # (n, bucket) the source holds
 
-    def fill(self, step: Any, n: int, bucket: int) -> None:
-        """Copy the live step's indices in (device copies, no sync; every read index fits)."""
+    def fill(self, step: Any, n: int, bucket: int, page: int = 0, rows: int = 0) -> None:
+        """Copy the live step's indices in (device copies, no sync; every read index fits).
+        A block-table step's are derived from its table instead (:mod:`.block_table`; blocks
+        of ``page`` tokens, ``rows`` read rows at most)."""
+        cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
         for group, write in self.write.items():
-            live = step.write_index[group]
+            if step.table is not None:
+                table = step.table[group, :n]
+                live = write_slots(table, step.positions[0, :n], page)
+                self.read[group][:rows].copy_(read_slots(table, cu_k, page, rows))
+            else:
+                live = step.write_index[group]
+                index = step.read_index[group]
+                self.read[group][: index.shape[0]].copy_(index)
             write[:n].copy_(live)
             if n < bucket:  # padded rows: sequence 0's slot again
                 write[n:bucket].copy_(live[:1].expand(bucket - n))
-            index = step.read_index[group]
-            self.read[group][: index.shape[0]].copy_(index)
-        cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
         self.cu_k[: n + 1].copy_(cu_k)
         if n < bucket:  # padded sequences: no keys
             self.cu_k[n + 1 : bucket + 1].copy_(cu_k[n:].expand(bucket - n))
@@ -187,7 +195,14 @@ class DecodeGraphs:
         if layout is None:
             return self._fallback("cache layout unknown or a sliding-window layer")
         layers, key, groups = layout
-        rows = max(step.read_index[group].shape[0] for group in groups)
+        page = 0
+        if step.table is not None:  # every key of n sequences of at most `blocks` blocks
+            page = compat.block_table_page(step.cache)
+            if page is None:
+                return self._fallback("block-table layout unknown")
+            rows = n * step.table.shape[-1] * page
+        else:
+            rows = max(step.read_index[group].shape[0] for group in groups)
         if rows == 0:  # a first step of one-token prompts: attention over their own keys
             return self._fallback("nothing cached yet (empty read index)")
         graphs = self._graphs.get(key)
@@ -200,7 +215,7 @@ class DecodeGraphs:
             except Exception as exc:  # e.g. out of memory: the breaks serve the step
                 return self._turn_off("static buffers failed", exc)
         self._graphs.move_to_end(key)
-        graphs.buffers.fill(step, n, bucket)
+        graphs.buffers.fill(step, n, bucket, page, rows)
         if bucket not in graphs.ladder.buckets:
             step.decode, self._layers, self.buffers = self, layers, graphs.buffers
             try:

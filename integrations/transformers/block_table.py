@@ -1,0 +1,88 @@
+"""Pure-decode CB steps through transformers' block table: no per-key index lists.
+
+Every CB step, transformers' preparation builds the step's paged-cache read indices as a
+Python list with one int per cached key of every request (about 50,000 for 100 requests of
+~500 keys) and converts it to a tensor: 62-67 % of a pure-decode step's preparation
+(``benchmarks/cb_prep_profile``). For pure-decode steps transformers has a *decode fast path*
+that skips those lists: it fills a block table instead (``[groups, sequences, blocks]``, one
+int per cache block of every request) and passes ``block_table`` to the model; but it turns
+that path on only for flash_attn's ``flash_attn_with_kvcache``.
+
+breakgraph reads such steps itself. While a model is enabled, transformers' gate
+(``ensure_decode_fast_path_is_available``, contract item 14) keeps the path on for that
+model's managers where breakgraph's pure-decode graphs serve it (every layer full attention,
+no tensor parallelism); any other config goes to transformers' own gate. A block-table step
+then reaches :class:`~.cb_step.StepRunner` with empty index lists, and breakgraph derives the
+indices on the device from the table, the positions and the key offsets (contract item 15:
+key ``j`` of a sequence is at row ``table[j // P] * P + j % P``):
+
+* :func:`write_slots`: each sequence's new key row (``n`` values);
+* :func:`read_slots`: every key row of the step, sequence after sequence (for a decode graph:
+  a fixed number of rows, an upper bound, with no device sync; elsewhere, the exact count,
+  after one sync: :meth:`.cb_step.CBStep.materialise`).
+
+Example::
+
+    >>> import torch
+    >>> table = torch.tensor([[4, 1], [2, 0]])    # sequence 0: blocks 4, 1; sequence 1: 2
+    >>> cu_k = torch.tensor([0, 5, 7])             # 5 and 2 keys; blocks of 4 tokens
+    >>> write_slots(table, torch.tensor([4, 1]), page=4)      # each sequence's last key
+    tensor([4, 9])
+    >>> read_slots(table, cu_k, page=4, rows=8)    # row 7 is past the keys: row 0
+    tensor([16, 17, 18, 19,  4,  8,  9,  0])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from breakgraph.patches import PatchSet
+
+from . import compat
+
+__all__ = ["install", "read_slots", "write_slots"]
+
+
+def write_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """Cache row of each sequence's key at ``positions`` (``[n]``): ``table`` ``[n, blocks]``
+    holds the sequences' block entries. int64, on ``table``'s device."""
+    positions = positions.to(torch.long)
+    blocks = table.gather(1, (positions // page).unsqueeze(1)).squeeze(1).to(torch.long)
+    return blocks * page + positions % page
+
+
+def read_slots(table: torch.Tensor, cu_k: torch.Tensor, page: int, rows: int) -> torch.Tensor:
+    """The cache rows of every key of the ``n`` sequences of ``table`` ``[n, blocks]``, in
+    order (sequence ``i``'s keys at ``cu_k[i]:cu_k[i + 1]``, ``cu_k`` ``[n + 1]``), padded
+    with row 0 to ``rows`` values (``rows`` at least ``cu_k[n]``: an upper bound needs no
+    device sync). int64, on ``table``'s device."""
+    n = table.shape[0]
+    row = torch.arange(rows, device=table.device)
+    starts = cu_k[: n + 1].to(torch.long)
+    seq = torch.searchsorted(starts[1:], row, right=True).clamp_(max=n - 1)
+    key = (row - starts.index_select(0, seq)).clamp_(0, table.shape[1] * page - 1)
+    entry = table[seq, key // page].to(torch.long)
+    return torch.where(row < starts[n], entry * page + key % page, 0)
+
+
+def install(patches: PatchSet, wants_block_table) -> bool:
+    """Replace transformers' decode-fast-path gate (until ``patches`` restores it): a config
+    for which ``wants_block_table(config)`` is true keeps ``max_blocks_per_request`` as
+    given; any other goes to transformers' gate. False, and nothing replaced, where the probe
+    does not find the gate (item 14)."""
+    found = compat.decode_path_gate()
+    if found is None:
+        return False
+    module, name = found
+    original = getattr(module, name)
+
+    def ensure_decode_fast_path_is_available(config: Any, cb_config: Any, user_requested: bool):
+        if wants_block_table(config):
+            return None
+        return original(config, cb_config, user_requested)
+
+    ensure_decode_fast_path_is_available.__wrapped__ = original
+    patches.attribute(module, name, ensure_decode_fast_path_is_available)
+    return True
