@@ -165,3 +165,23 @@ def test_eager_steps_and_unknown_layouts_keep_working(monkeypatch):
                                     progress_bar=False)  # fmt: skip
     errors = [o.error for o in outs.values() if o.error]
     assert errors and all("max_blocks_per_request=0" in e for e in errors), errors
+
+
+@needs_cb
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("async_batching", [False, None], ids=["sync", "async"])
+def test_cuda_bf16_block_table_steps_equal_the_index_list_steps(async_batching):
+    """bf16 on the GPU (the Triton kernel in the decode graphs): the same read rows in the same
+    order, so the tokens through the block table equal those through index lists, exactly,
+    synchronous and asynchronous (transformers copies the table from its host buffers)."""
+    model = build_model("llama", device="cuda", dtype=torch.bfloat16)
+    prompts = random_prompts(seed=24)
+    runs = {}
+    for blocks in (0, None):
+        cbc = cb_config(max_blocks_per_request=blocks, use_async_batching=async_batching)
+        with enable_continuous_batching(model, query_buckets=BUCKETS) as handle:
+            runs[blocks] = generate_batch(model, prompts, cbc=cbc)
+            steps = dict(handle.runner.block_table_steps)
+        assert handle.decode_graphs.off is None, handle.decode_graphs.off
+        assert (steps["graph"] > 0) == (blocks is None) and steps["break"] == 0, steps
+    assert runs[None] == runs[0]
