@@ -106,6 +106,12 @@ SPLIT_FILES = (
     ("h200-cb-split-long-5.17.json", "B"),  # 16 long prompts
     ("h200-cb-split-long-5.24.json", "C"),
 )
+#: ``bench_cb --variants breakgraph,breakgraph_lists``, taking turns in one process: pure-decode
+#: steps through transformers' block table against its per-key index lists; (file, label)
+BLOCK_TABLE_FILES = (
+    ("h200-cb-block-table-5.17.json", "A"),
+    ("h200-cb-block-table-5.24.json", "B"),
+)
 #: multiprocessors of the GPU the sweep ran on, where its JSON does not say (an H200's)
 H200_MULTIPROCESSORS = 132
 
@@ -1240,4 +1246,49 @@ def trace_section(data: dict) -> str:
         max_len=w["max_len"],
         new_tokens=w["new_tokens"],
         table=table(header, rows),
+    )
+
+
+def block_table_section(runs: list) -> str:
+    """Pure-decode steps through transformers' block table (``breakgraph``) against its
+    per-key index lists (``breakgraph_lists``), taking turns in one process: ``runs`` holds
+    ``(data, label)``."""
+    rows, lines, steps, preps, floors = [], [], [], [], []
+    meta = runs[0][0]["meta"]
+    for data, label, m, lists, tables, per_round in _pairs(runs, "breakgraph_lists",
+                                                           "breakgraph"):  # fmt: skip
+        for name, e in (("breakgraph_lists", lists), ("breakgraph", tables)):
+            served = e.get("block_table_steps") or {}
+            rows.append([
+                label, _release(data), m["model"], f"`{name}`",
+                f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+                num(e["decode_step_ms"], 2), num(e["decode_over_floor"], 1),
+                num(e["host_prepare_ms_per_step"], 2), pct(e["gpu_forward_fraction"]),
+                str(served.get("graph", 0)),
+            ])  # fmt: skip
+        steps.append(tables["decode_step_ms"] / lists["decode_step_ms"])
+        preps.append(tables["host_prepare_ms_per_step"] / lists["host_prepare_ms_per_step"])
+        floors.append(tables["decode_over_floor"])
+        lines.append(
+            f"- {label}, {m['model']} on {_release(data)}: tokens/s "
+            f"{num(tables['tokens_per_s'] / lists['tokens_per_s'], 2)}× (round by round "
+            f"{span(per_round, 2)}); pure-decode step {num(lists['decode_step_ms'], 2)} → "
+            f"{num(tables['decode_step_ms'], 2)} ms ({num(lists['decode_over_floor'], 1)} → "
+            f"{num(tables['decode_over_floor'], 1)}x its HBM floor); preparation per step "
+            f"{num(lists['host_prepare_ms_per_step'], 2)} → "
+            f"{num(tables['host_prepare_ms_per_step'], 2)} ms"
+        )
+    return fill(
+        "cb.block_table",
+        files=", ".join(f"`{name}` ({label})" for name, label in BLOCK_TABLE_FILES),
+        **_run_of(meta),
+        table=table(
+            ["run", "transformers", "model", "variant", "tokens/s (rounds)", "decode ms",
+             "decode x floor", "prep ms", "in forward", "steps from a table"],
+            rows,
+        ),  # fmt: skip
+        ratios=bullets(lines) or "(not measured)",
+        step_ratio=span(steps, 2) if steps else "-",
+        prep_ratio=span(preps, 2) if preps else "-",
+        floor=span(floors, 1) if floors else "-",
     )
