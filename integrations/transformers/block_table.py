@@ -17,9 +17,10 @@ indices on the device from the table, the positions and the key offsets (contrac
 key ``j`` of a sequence is at row ``table[j // P] * P + j % P``):
 
 * :func:`write_slots`: each sequence's new key row (``n`` values);
-* :func:`read_slots`: every key row of the step, sequence after sequence (for a decode graph:
-  a fixed number of rows, an upper bound, with no device sync; elsewhere, the exact count,
-  after one sync: :meth:`.cb_step.CBStep.materialise`).
+* :func:`read_slots`: every key row of the step, sequence after sequence (for a CUDA decode
+  graph: an upper bound of rows, ``n * blocks * P``, with no device sync, at the cost of a few
+  small kernels over that many rows before the replay; elsewhere, the exact count, after one
+  sync: :meth:`.cb_step.CBStep.materialise`).
 
 Example::
 

@@ -196,11 +196,15 @@ class DecodeGraphs:
             return self._fallback("cache layout unknown or a sliding-window layer")
         layers, key, groups = layout
         page = 0
-        if step.table is not None:  # every key of n sequences of at most `blocks` blocks
+        if step.table is not None:
             page = compat.block_table_page(step.cache)
             if page is None:
                 return self._fallback("block-table layout unknown")
-            rows = n * step.table.shape[-1] * page
+            if self.backend == "cuda":  # an upper bound (n sequences of at most `blocks`
+                rows = n * step.table.shape[-1] * page  # blocks): no device sync
+            else:  # host memory: the exact count (the dense kernel reads every row)
+                cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
+                rows = int(cu_k[n])
         else:
             rows = max(step.read_index[group].shape[0] for group in groups)
         if rows == 0:  # a first step of one-token prompts: attention over their own keys
