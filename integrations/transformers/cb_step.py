@@ -387,6 +387,12 @@ class StepRunner:
         # transformers' decode fast path (a block table, no index lists: .block_table) where
         # the decode graphs serve its steps: they need every layer full attention
         self.block_tables = self.decode is not None and _full_attention_only(model.config)
+        if self.block_tables and self.tokens.backend == "cuda":  # the kernel must take the heads
+            config = model.config
+            kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+            self.block_tables = triton_available(self.device) and fits(q_heads, kv_heads,
+                                                                       head_dim)  # fmt: skip
         #: steps that came with a block table: {"graph": served by a decode graph, "break":
         #: materialised (one device sync) for the query-token graph's breaks}
         self.block_table_steps = {"graph": 0, "break": 0}

@@ -21,8 +21,10 @@ every shape depends on ``B`` only:
   padded sequences have no keys and get zeros.
 
 The step's indices are copied into static buffers (:class:`DecodeBuffers`) before the
-replay, as the ids and positions are. A graph bakes the cache tensors' addresses in, so a
-ladder belongs to one cache *layout* (the tensors' addresses, shapes and strides): a manager
+replay, as the ids and positions are; a step that comes with transformers' block table
+instead of index lists has them derived there on the device (:mod:`.block_table`). A graph
+bakes the cache tensors' addresses in, so a ladder belongs to one cache *layout* (the
+tensors' addresses, shapes and strides): a manager
 whose cache lies elsewhere gets a ladder of its own, one whose cache reuses the addresses
 (the allocator often hands a new manager the old one's memory) reuses the graphs. The ladders
 of the :attr:`DecodeGraphs.KEEP` most recently used layouts are kept, so managers serving in
