@@ -148,6 +148,33 @@ def test_the_gate_keeps_the_fast_path_for_enabled_models_only():
 
 
 @needs_cb
+def test_heads_the_kernel_cannot_take_keep_the_index_lists(monkeypatch):
+    """Where the decode kernel cannot run the model's heads (no Triton, a head size it cannot
+    tile), the decode graphs would never serve a table step: the lists stay, and no step
+    comes with a table."""
+    from breakgraph.integrations.transformers import decode_graph
+
+    asked = []
+
+    def problem(self, kv_heads, head_dim, device):
+        asked.append((kv_heads, head_dim))
+        return "the test's kernel takes no heads"
+
+    monkeypatch.setattr(decode_graph.DecodeGraphs, "kernel_problem", problem)
+    model = build_model("llama")
+    prompts = random_prompts(seed=25)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert not handle.runner.block_tables
+        assert generate_batch(model, prompts) == expected
+        assert handle.runner.block_table_steps == {"graph": 0, "break": 0}
+    config = model.config  # asked when enabled, and again by the first decode step's graphs
+    assert asked[0] == (config.num_key_value_heads,
+                        config.hidden_size // config.num_attention_heads)  # fmt: skip
+    assert handle.decode_graphs.off == "the test's kernel takes no heads"
+
+
+@needs_cb
 def test_eager_steps_and_unknown_layouts_keep_working(monkeypatch):
     """With ``use_cuda_graph=False`` the steps keep the index lists (no table to materialise
     every step); a release whose table layout the probe does not know fails the step with the

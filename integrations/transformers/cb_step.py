@@ -385,14 +385,14 @@ class StepRunner:
                                        backend=self.tokens.backend, debug=debug,
                                        who=who)  # fmt: skip
         # transformers' decode fast path (a block table, no index lists: .block_table) where
-        # the decode graphs serve its steps: they need every layer full attention
-        self.block_tables = self.decode is not None and _full_attention_only(model.config)
-        if self.block_tables and self.tokens.backend == "cuda":  # the kernel must take the heads
+        # the decode graphs serve its steps: every layer full attention, heads the kernel takes
+        # (else every such step would sync once to materialise its rows for the breaks)
+        self.block_tables = False
+        if self.decode is not None and _full_attention_only(model.config):
             config = model.config
             kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
-            self.block_tables = triton_available(self.device) and fits(q_heads, kv_heads,
-                                                                       head_dim)  # fmt: skip
+            self.block_tables = self.decode.kernel_problem(kv_heads, head_dim, self.device) is None
         #: steps that came with a block table: {"graph": served by a decode graph, "break":
         #: materialised (one device sync) for the query-token graph's breaks}
         self.block_table_steps = {"graph": 0, "break": 0}

@@ -196,10 +196,8 @@ class DecodeGraphs:
         layout = self._layout(step.cache)
         if layout is None:
             return self._fallback("cache layout unknown or a sliding-window layer")
-        layers, key, groups = layout
-        page = 0
+        layers, key, groups, page = layout
         if step.table is not None:
-            page = compat.block_table_page(step.cache)
             if page is None:
                 return self._fallback("block-table layout unknown")
             if self.backend == "cuda":  # an upper bound (n sequences of at most `blocks`
@@ -268,7 +266,8 @@ class DecodeGraphs:
 
     # -- internals ------------------------------------------------------------------------------
     def _layout(self, cache: Any) -> tuple | None:
-        """``(layers, key, groups)`` of ``cache`` (looked up once per cache), or None."""
+        """``(layers, key, groups, block-table page)`` of ``cache`` (looked up once per cache),
+        or None."""
         try:
             return _LAYOUTS[cache]
         except KeyError:
@@ -277,7 +276,7 @@ class DecodeGraphs:
         found = None
         if None not in layers.values():
             groups = tuple(dict.fromkeys(group for group, _, _ in layers.values()))
-            found = (layers, _layout_key(layers), groups)
+            found = (layers, _layout_key(layers), groups, compat.block_table_page(cache))
             if self.backend != "cuda":  # these graphs hold the cache: release them with it
                 weakref.finalize(cache, self._dead.append, found[1])
         _LAYOUTS[cache] = found
@@ -286,10 +285,14 @@ class DecodeGraphs:
     def _kernel_problem(self, layers: dict[int, tuple]) -> str | None:
         """Why the attention kernel cannot run these layers (checked before anything runs)."""
         _, keys, _ = next(iter(layers.values()))
-        kv_heads, head_dim = keys.shape[1], keys.shape[2]
+        return self.kernel_problem(keys.shape[1], keys.shape[2], keys.device)
+
+    def kernel_problem(self, kv_heads: int, head_dim: int, device: torch.device) -> str | None:
+        """Why the attention kernel cannot run ``kv_heads`` key heads of size ``head_dim`` on
+        ``device`` (None: it can)."""
         if self.backend != "cuda":
             return None  # paged_decode_dense runs any heads
-        if not triton_available(keys.device):
+        if not triton_available(device):
             return "Triton is not available"
         if not fits(self.q_heads, kv_heads, head_dim):
             return (f"the Triton decode kernel cannot tile {self.q_heads} query heads over "
