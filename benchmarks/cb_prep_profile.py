@@ -7,6 +7,9 @@ the pure-decode steps (every request decoding: the steps the HBM-floor target is
 
 * ``index lists``: ``PagedAttentionCache.extend_read_and_write_indices``, which builds the
   step's read and write indices as Python lists (one int per cached key of every request);
+* ``block table``: ``PagedAttentionCache.fill_block_table``, which writes each request's
+  block entries into the step's block table, request by request (transformers' decode fast
+  path, which breakgraph keeps on for the models it serves with graphs: ``--block-table``);
 * ``list conversion``: those lists and the ids to tensors (``torch.tensor`` in transformers'
   ``input_outputs``, which breakgraph's :class:`~breakgraph.integrations.transformers.
   index_lists.NumpyLists` serves through numpy while continuous batching is enabled);
@@ -16,6 +19,10 @@ the pure-decode steps (every request decoding: the steps the HBM-floor target is
 * ``other preparation``: the rest of ``prepare_next_batch``;
 * ``update``: ``update_batch`` (the sampled tokens into the requests' states).
 
+By default the steps run eagerly (``use_cuda_graph=False``), which keeps every step on the
+index lists; ``--block-table`` serves them through breakgraph's graphs (emulated), where
+pure-decode steps come with transformers' block table instead.
+
 The work is transformers' Python and the same on any machine kind, so it runs on the CPU with
 a tiny model (breakgraph enabled, emulated backend): the parts' shares carry over, absolute
 times depend on the host. A first pass without the timers gives the wall time per call; the
@@ -23,6 +30,7 @@ timed passes add two clock reads and a wrapper per timed call (``pass_s`` in the
 the passes' seconds with and without them), and the parts' means are reported::
 
     python -m benchmarks.cb_prep_profile --out cb-prep-profile.json
+    python -m benchmarks.cb_prep_profile --block-table --out cb-prep-profile-table.json
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from benchmarks.environment import environment
 PARTS = (
     ("index lists", "transformers.generation.continuous_batching.cache",
      "extend_read_and_write_indices"),
+    ("block table", "transformers.generation.continuous_batching.cache", "fill_block_table"),
     ("list conversion", "breakgraph.integrations.transformers.index_lists", "tensor"),
     ("scheduler", "transformers.generation.continuous_batching.scheduler", "schedule_batch"),
     ("batch tensors", "transformers.generation.continuous_batching.input_outputs",
@@ -55,9 +64,10 @@ MIN_REQUESTS = 32  # the pure-decode steps reported hold at least this many requ
 PROMPT_LENGTHS = (16, 1024)  # each prompt's length: uniform in this range
 
 
-def build(requests: int, seed: int = 0):
+def build(requests: int, seed: int = 0, block_table: bool = False):
     """A tiny Llama (random weights), its prompts (``PROMPT_LENGTHS``) and a CB config like
-    ``bench_cb``'s: pages of 256 tokens, 1024 pages, 2048 tokens per step, synchronous."""
+    ``bench_cb``'s: pages of 256 tokens, 1024 pages, 2048 tokens per step, synchronous;
+    breakgraph's graphs off (index lists every step) unless ``block_table``."""
     from transformers import ContinuousBatchingConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -74,7 +84,7 @@ def build(requests: int, seed: int = 0):
     extra = {"auto_switch_to_flash": False} if "auto_switch_to_flash" in fields else {}
     cb_config = ContinuousBatchingConfig(
         **{size: 256}, num_blocks=1024, max_batch_tokens=2048, allow_block_sharing=False,
-        use_cuda_graph=False, use_async_batching=False, **extra,
+        use_cuda_graph=None if block_table else False, use_async_batching=False, **extra,
     )  # fmt: skip
     return model, prompts, cb_config
 
@@ -149,11 +159,12 @@ class StepTimers:
         steps = self.decode_steps()
         for s in steps:
             s["other batch tensors"] = (s.get("batch tensors", 0.0) - s.get("index lists", 0.0)
+                                        - s.get("block table", 0.0)
                                         - s.get("list conversion", 0.0))  # fmt: skip
             s["other preparation"] = (s["prepare"] - s.get("batch tensors", 0.0)
                                       - s.get("scheduler", 0.0))  # fmt: skip
-        names = ("index lists", "list conversion", "scheduler", "other batch tensors",
-                 "other preparation", "prepare", "update")  # fmt: skip
+        names = ("index lists", "block table", "list conversion", "scheduler",
+                 "other batch tensors", "other preparation", "prepare", "update")  # fmt: skip
         return {n: statistics.fmean(s.get(n, 0.0) for s in steps) for n in names} if steps else {}
 
 
@@ -193,10 +204,13 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="timed passes (steps pooled)")
     parser.add_argument("--plain-passes", type=int, default=2, help="passes without timers")
+    parser.add_argument("--block-table", action="store_true",
+                        help="serve through breakgraph's graphs: pure-decode steps come with "
+                             "transformers' block table instead of index lists")  # fmt: skip
     args = parser.parse_args(argv)
     from breakgraph.integrations.transformers import enable_continuous_batching
 
-    model, prompts, cb_config = build(args.requests)
+    model, prompts, cb_config = build(args.requests, block_table=args.block_table)
     meta = environment(cuda=False)
     meta["gpu"] = f"none ({os.cpu_count()} CPU cores)"
     results = {"meta": meta,
@@ -204,7 +218,8 @@ def main(argv=None) -> int:
                             "prompt_tokens": sum(map(len, prompts)), "rounds": args.rounds,
                             "prompt_lengths": list(PROMPT_LENGTHS), "min_requests": MIN_REQUESTS,
                             "model": "tiny Llama, 2 layers, hidden 64", "page_size": 256,
-                            "max_batch_tokens": 2048, "batching": "synchronous"}}  # fmt: skip
+                            "max_batch_tokens": 2048, "batching": "synchronous",
+                            "block_table": args.block_table}}  # fmt: skip
     with enable_continuous_batching(model, backend="emulated"), torch.no_grad():
         plain = [serve(model, prompts, cb_config, args.new_tokens, None)
                  for _ in range(max(1, args.plain_passes))]  # fmt: skip

@@ -30,10 +30,8 @@ HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.jso
 #: ``bench_cb --prep-lists``: transformers' index lists converted to tensors, per release
 PREP_LISTS_FILES = ("h200-cb-prep-lists-5.17.json", "h200-cb-prep-lists-5.24.json")
 #: ``benchmarks/cb_prep_profile.py`` on the CPU: a pure-decode step's preparation by part
-PREP_PARTS_FILES = ("cpu-cb-prep-profile-5.17.json", "cpu-cb-prep-profile-5.24.json")
-#: from this release transformers builds its decode block table for flash attention only
-#: (``ensure_decode_fast_path_is_available``)
-BLOCK_TABLE_FROM = "5.19"
+PREP_PARTS_FILES = ("cpu-cb-prep-profile-5.17.json", "cpu-cb-prep-profile-5.24.json",
+                    "cpu-cb-prep-profile-table-5.17.json", "cpu-cb-prep-profile-table-5.24.json")
 #: ``bench_cb --prep-lists``, transformers' lists converted by torch.tensor (old: the tree before
 #: ``index_lists``) and through numpy (new), the trees in turn: (file, tree, turn)
 NUMPY_LISTS_FILES = (
@@ -662,18 +660,21 @@ def numpy_lists_section(runs: list) -> str:
 def prep_parts_section(runs: list) -> str:
     """transformers' preparation of a pure-decode step by part (``cb_prep_profile``), one
     column pair per release: ms (mean over the steps) and its share of the preparation."""
-    names = ("index lists", "list conversion", "other batch tensors", "scheduler",
-             "other preparation")  # fmt: skip
+    names = ("index lists", "block table", "list conversion", "other batch tensors",
+             "scheduler", "other preparation")  # fmt: skip
     rows = []
     for name in (*names, "prepare", "update"):
         row = [{"prepare": "**all of the preparation**", "update": "update (after the forward)"}
                .get(name, name)]  # fmt: skip
         for data in runs:
             parts = data["decode_parts_ms"]
-            share = "" if name == "update" else f" ({pct(parts[name] / parts['prepare'])})"
-            row.append(f"{num(parts[name], 2)}{share}")
+            value = parts.get(name, 0.0)  # "block table": not timed before that mode existed
+            share = "" if name == "update" else f" ({pct(value / parts['prepare'])})"
+            row.append(f"{num(value, 2)}{share}")
         rows.append(row)
-    parts = [d["decode_parts_ms"] for d in runs]
+    lists = [d for d in runs if not d["settings"].get("block_table")]
+    tables = [d for d in runs if d["settings"].get("block_table")]
+    parts = [d["decode_parts_ms"] for d in lists]
     first, settings = runs[0], runs[0]["settings"]
     low, high = settings["prompt_lengths"]
     overhead = [statistics.median(d["pass_s"]["timed"]) / statistics.median(d["pass_s"]["plain"])
@@ -690,15 +691,30 @@ def prep_parts_section(runs: list) -> str:
         steps=", ".join(f"{d['decode_steps']} steps of {num(d['decode_requests_median'], 0)} "
                         f"requests at the median on {d['meta']['transformers']}" for d in runs),
         overhead=span(overhead, 2),
-        table=table(["part"] + [f"transformers {d['meta']['transformers']} ms (share)"
-                                for d in runs], rows),  # fmt: skip
+        table=table(["part"] + [f"{d['meta']['transformers']}, "
+                                f"{'block table' if d['settings'].get('block_table') else 'lists'}"
+                                f" ms (share)" for d in runs], rows),  # fmt: skip
         lists_share=span([(p["index lists"] + p["list conversion"]) / p["prepare"] * 100
                           for p in parts], 0),  # fmt: skip
         without=span([p["prepare"] - p["index lists"] - p["list conversion"] for p in parts], 1),
         scheduler=", ".join(f"{num(d['decode_parts_ms']['scheduler'], 2)} ms on "
-                            f"{d['meta']['transformers']}" for d in runs),  # fmt: skip
-        block_table_from=BLOCK_TABLE_FROM,
+                            f"{d['meta']['transformers']}" for d in lists),  # fmt: skip
+        with_table=", ".join(_against_lists(d, lists) for d in tables) or "(not measured)",
+        fill_us=span([d["decode_parts_ms"]["block table"] / d["decode_requests_median"] * 1e3
+                      for d in tables] or [float("nan")], 0),  # fmt: skip
+        fill_share=span([d["decode_parts_ms"]["block table"] / d["decode_parts_ms"]["prepare"]
+                         * 100 for d in tables] or [float("nan")], 0),  # fmt: skip
     )
+
+
+def _against_lists(data: dict, lists: list) -> str:
+    """A block-table profile's preparation, and its ratio to the list profile of its release."""
+    release, prepare = data["meta"]["transformers"], data["decode_parts_ms"]["prepare"]
+    same = [d for d in lists if d["meta"]["transformers"] == release]
+    if not same:
+        return f"{num(prepare, 2)} ms on {release}"
+    ratio = prepare / same[0]["decode_parts_ms"]["prepare"]
+    return f"{num(prepare, 2)} ms on {release} ({num(ratio, 2)}× the lists')"
 
 
 def decode_fold_section(runs: list) -> str:

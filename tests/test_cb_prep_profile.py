@@ -65,3 +65,25 @@ def test_step_timers_split_decode_steps_into_parts_and_leave_nothing(monkeypatch
     text = cb_report.prep_parts_section([data])
     assert f"| index lists | {parts['index lists']:.2f} (" in text
     assert "### A pure-decode step's preparation, part by part" in text
+
+
+@needs_cb
+def test_block_table_mode_times_the_table_instead_of_the_lists(monkeypatch, tmp_path):
+    """``--block-table``: the steps go through breakgraph's (emulated) graphs, pure-decode steps
+    come with transformers' block table, and the profile times its filling where the index
+    lists were; the section puts both modes side by side."""
+    monkeypatch.setattr(cb_prep_profile, "MIN_REQUESTS", 2)
+    runs = []
+    for mode in ([], ["--block-table"]):
+        out = tmp_path / f"prep{len(mode)}.json"
+        assert cb_prep_profile.main(["--out", str(out), "--requests", "3", "--new-tokens", "4",
+                                     "--rounds", "1", "--plain-passes", "1", *mode]) == 0
+        runs.append(json.loads(out.read_text()))
+    lists, tables = (r["decode_parts_ms"] for r in runs)
+    assert lists["block table"] == 0 and lists["index lists"] > 0, lists
+    assert tables["block table"] > 0 and tables["index lists"] == 0, tables
+    assert runs[1]["settings"]["block_table"] is True
+    text = cb_report.prep_parts_section(runs)
+    version = transformers.__version__
+    assert f"{version}, lists ms (share)" in text and f"{version}, block table ms" in text
+    assert f"| block table | 0.00 (0%) | {tables['block table']:.2f} (" in text
