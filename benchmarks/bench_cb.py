@@ -41,6 +41,9 @@ Variants:
   breakgraph_lists    breakgraph with ``max_blocks_per_request=0``: pure-decode steps carry
                       transformers' per-key index lists, as before breakgraph took its block
                       table (``integrations/transformers/block_table.py``)
+  breakgraph_tx_fill  breakgraph with transformers' own ``fill_block_table``: each request's
+                      row of the block table written with small tensors, as before breakgraph
+                      wrote host tables through numpy
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
@@ -103,6 +106,7 @@ if __package__ in (None, ""):  # python benchmarks/bench_cb.py: make `benchmarks
 
 import transformers  # noqa: E402
 from breakgraph.integrations.transformers import compat, enable_continuous_batching  # noqa: E402
+from breakgraph.integrations.transformers import block_table as block_table_module  # noqa: E402
 from breakgraph.integrations.transformers import paged_decode as paged_decode_module  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
@@ -142,6 +146,7 @@ class Variant:
     compile: bool = False  # breakgraph's decoder under torch.compile (Inductor)
     decode_splits: bool = True  # paged_decode's split and block (off: one program, 64 keys)
     max_blocks_per_request: int | None = None  # 0: no block table (index lists every step)
+    numpy_fill: bool = True  # breakgraph writes block tables through numpy (off: transformers)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
 
 
@@ -171,6 +176,9 @@ VARIANTS = {
         Variant("breakgraph_lists", "breakgraph with max_blocks_per_request=0 (pure-decode "
                 "steps with per-key index lists, as before)", True,
                 max_blocks_per_request=0),  # fmt: skip
+        Variant("breakgraph_tx_fill", "breakgraph with transformers' own fill_block_table (the "
+                "block table filled request by request with small tensors, as before)", True,
+                numpy_fill=False),  # fmt: skip
     )
 }
 GENERATE = "generate"
@@ -205,7 +213,8 @@ CONFIGS = {name: m.family.config for name, m in MODELS.items()}  # (benchmarks.c
 ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async": 1500,
                   "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
                   "breakgraph_breaks": 4000, "breakgraph_compiled": 4000,
-                  "breakgraph_unsplit": 4000, "breakgraph_lists": 4000}  # fmt: skip
+                  "breakgraph_unsplit": 4000, "breakgraph_lists": 4000,
+                  "breakgraph_tx_fill": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
@@ -313,6 +322,8 @@ def run_round(model, variant: Variant, run) -> dict:
             if not variant.decode_splits:  # the kernel as before: no split, 64 keys a block
                 patches.attribute(paged_decode_module, "PROGRAMS_PER_SM", 0)
                 patches.attribute(paged_decode_module, "BLOCK_N", 64)
+            if not variant.numpy_fill:  # transformers' own fill (installed at enable: not made)
+                patches.attribute(block_table_module, "install_fill", lambda patches: False)
             buckets = None
             if variant.pow2:
                 buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]

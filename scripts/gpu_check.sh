@@ -26,6 +26,12 @@
 # with the compiles, then cb_trace of both over pure-decode steps on qwen3-0.6b, ~45 s; copy
 # compiled.json to docs/results/h200-cb-compiled-*.json, see cb_report.COMPILED_FILES, and the
 # trace folder to docs/results/h200-cb-trace-compiled-*),
+# RUN_BLOCK_TABLE=1 (pure-decode steps through transformers' block table, in turn: bench_cb
+# --variants breakgraph,breakgraph_tx_fill,breakgraph_lists,breakgraph_compiled on
+# BLOCK_TABLE_MODELS, 3 rounds, ~3 min with the compiles, then cb_trace of breakgraph and
+# breakgraph_compiled over pure-decode steps on qwen2.5-3b-12l, ~45 s; copy block-table.json to
+# docs/results/h200-cb-block-table-*.json, see cb_report.BLOCK_TABLE_FILES, and the trace
+# folder to docs/results/h200-cb-trace-block-table-*),
 # RUN_PREFILL_REPRO=1 (the prefill benchmark's last five families in one process, mistral-7b-4l
 # last with its compile variants: where a 5.24 run's plain HF graph hit an illegal memory access
 # before benchmarks/baselines.CapturedForward freed the cuBLAS workspaces before its capture;
@@ -63,7 +69,7 @@
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
-# RUN_DECODE_GRAPHS 4 (skip other sections to make room).
+# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5 (skip other sections to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
 source "$(dirname "$0")/setup_device.sh"
@@ -197,6 +203,17 @@ if [ -n "${RUN_COMPILED:-}" ]; then  # the decoder under torch.compile against t
     --prompts 100 --max-len 1024 --new-tokens 128 --skip 70 --steps 16 --settle 2 \
     --out "$OUT/trace-compiled" 2>&1 | tee -a "$LOG" || status=1
   echo "[compiled decoder: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_BLOCK_TABLE:-}" ]; then  # block-table decode steps: numpy fill, lists, compiled (~4 min)
+  t=$SECONDS
+  v=breakgraph,breakgraph_tx_fill,breakgraph_lists,breakgraph_compiled
+  timeout 330 python3 -m benchmarks.bench_cb --models "${BLOCK_TABLE_MODELS:-qwen2.5-3b-12l,llama3-8b-4l,mixtral-1k-8l}" \
+    --variants "$v" --repeat "$v" --rounds 3 --budget-s 0 --keep-going \
+    --out "$OUT/block-table.json" 2>&1 | tee -a "$LOG" || status=1
+  timeout 130 python3 -m benchmarks.cb_trace --model qwen2.5-3b-12l --variants breakgraph,breakgraph_compiled \
+    --prompts 100 --max-len 1024 --new-tokens 128 --skip 70 --steps 16 --settle 2 \
+    --out "$OUT/trace-block-table" 2>&1 | tee -a "$LOG" || status=1
+  echo "[block table: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SPLIT:-}" ]; then  # paged_decode's split against the kernel before, in turn (~2.5 min)
   t=$SECONDS

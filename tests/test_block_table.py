@@ -57,6 +57,29 @@ def test_slots_match_the_block_arithmetic(seed):
     ]
 
 
+def test_decode_buffers_hold_the_table_where_the_kernel_reads_it():
+    """A CUDA decode graph's buffers (``width`` > 0) take the step's table as it is, for its
+    kernel to read (no read rows derived); the emulated backend's derive the exact rows. Both
+    derive each sequence's write row; a bucket's padded sequences get no keys."""
+    from types import SimpleNamespace
+
+    from breakgraph.integrations.transformers.decode_graph import DecodeBuffers
+
+    table = torch.tensor([[[4, 1, -1], [2, -1, -1]]], dtype=torch.int32)  # 1 group, 2 sequences
+    cu_k = torch.tensor([0, 6, 8], dtype=torch.int32)  # 6 and 2 keys, pages of 4
+    step = SimpleNamespace(table=table, positions=torch.tensor([[5, 1]]), cu_k=cu_k)
+    paged = DecodeBuffers((0,), 4, 1024, torch.device("cpu"), width=3, page=4)
+    paged.fill(step, 2, 4, page=4, rows=3)
+    assert paged.read == {} and paged.capacity == 0
+    assert paged.table[0][:2].tolist() == table[0].tolist()
+    assert paged.write[0].tolist() == [5, 9, 5, 5]  # padded rows: sequence 0's slot again
+    assert paged.cu_k.tolist() == [0, 6, 8, 8, 8]
+    flat = DecodeBuffers((0,), 4, 1024, torch.device("cpu"))
+    flat.fill(step, 2, 4, page=4, rows=8)
+    assert flat.table == {} and flat.read[0][:8].tolist() == [16, 17, 18, 19, 4, 5, 8, 9]
+    assert flat.write[0].tolist() == paged.write[0].tolist()
+
+
 @needs_cb
 def test_the_step_indices_equal_transformers_own_lists(monkeypatch):
     """Every block-table step's indices, derived from the table, equal what transformers'
@@ -172,6 +195,69 @@ def test_heads_the_kernel_cannot_take_keep_the_index_lists(monkeypatch):
     assert asked[0] == (config.num_key_value_heads,
                         config.hidden_size // config.num_attention_heads)  # fmt: skip
     assert handle.decode_graphs.off == "the test's kernel takes no heads"
+
+
+@needs_cb
+def test_the_numpy_fill_writes_what_transformers_writes(monkeypatch):
+    """While a model is enabled, every request's row of a block-table step (host tables: the
+    emulated backend's, and the pinned ones of asynchronous batching on CUDA) is written
+    through numpy, and equals what transformers' own ``fill_block_table`` writes for the same
+    request; ``disable()`` restores transformers' method."""
+    from transformers.generation.continuous_batching import input_outputs
+
+    cache_class = compat.block_table_filler()
+    assert cache_class is not None, "fill_block_table not found (contract item 16)"
+    original = cache_class.__dict__["fill_block_table"]
+    known = []
+    writers = compat.block_table_writers
+    monkeypatch.setattr(compat, "block_table_writers",
+                        lambda cache: known.append(writers(cache)) or known[-1])  # fmt: skip
+    checked = []
+    prepare_batch = input_outputs.ContinuousBatchingIOs.prepare_batch_tensors
+
+    def prepare(self, *args, **kwargs):
+        requests = kwargs["requests_in_batch"] if "requests_in_batch" in kwargs else args[0]
+        states = [(r.state.request_id, r.state.position_offset, r.query_length) for r in requests]
+        prepare_batch(self, *args, **kwargs)
+        if not self.use_block_table:
+            return
+        assert cache_class.fill_block_table is not original
+        theirs = torch.full_like(self.block_table, -1)
+        for i, (request_id, past, query) in enumerate(states):
+            original(self.cache, request_id, past, query, theirs[:, i])
+        assert torch.equal(self.block_table[:, : len(states)], theirs[:, : len(states)])
+        checked.append(len(states))
+
+    monkeypatch.setattr(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", prepare)
+    model = build_model("llama")
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        generate_batch(model, random_prompts(seed=26), cbc=cb_config(block_size=8))
+    assert cache_class.__dict__["fill_block_table"] is original
+    assert len(checked) > 1 and max(checked) > 1, checked
+    assert len(known) == 1 and known[0] is not None, known  # one lookup, a known layout
+
+
+def test_the_fill_leaves_other_tables_and_layouts_to_transformers():
+    """A device table, a layout the probe does not know, or a request the cache does not hold
+    go to transformers' own method (which raises its own error for the last)."""
+    calls = []
+
+    def original(cache, request_id, past, query, table):
+        calls.append(request_id)
+
+    class Manager:
+        block_size, block_table = 4, {"a": [7, 3, 9]}
+
+    class Cache:
+        group_cache_managers = [Manager()]
+
+    table = torch.full((1, 4), -1, dtype=torch.int32)
+    block_table.fill_block_table(original, Cache(), "a", 4, 1, table)  # 5 keys: 2 blocks
+    assert table.tolist() == [[7, 3, -1, -1]] and calls == []
+    block_table.fill_block_table(original, Cache(), "b", 4, 1, table)
+    block_table.fill_block_table(original, Cache(), "a", 4, 1, table.to("meta"))
+    block_table.fill_block_table(original, object(), "a", 4, 1, table)
+    assert calls == ["b", "a", "a"]
 
 
 @needs_cb

@@ -543,9 +543,9 @@ def test_decode_graph_buffers_grow_with_the_steps_not_the_cache(monkeypatch):
     sizes = []
     buffers = decode_graph.DecodeBuffers
 
-    def recorded(groups, largest, capacity, device):
+    def recorded(groups, largest, capacity, device, *table):
         sizes.append(capacity)
-        return buffers(groups, largest, capacity, device)
+        return buffers(groups, largest, capacity, device, *table)
 
     monkeypatch.setattr(decode_graph, "DecodeBuffers", recorded)
     model = build_model("llama")

@@ -34,6 +34,29 @@ def paged_case(seed: int, q_heads: int, kv_heads: int, head_dim: int, lengths, d
     return q, k_cache, v_cache, read_index, cu_k.to(device)
 
 
+def paged_table_case(seed: int, q_heads: int, kv_heads: int, head_dim: int, lengths, page: int,
+                     dtype, device):  # fmt: skip
+    """A paged cache whose sequences own whole pages in random order: the step's block table
+    ``[B, blocks]`` (unused entries -1, as transformers leaves them) and the same keys as a
+    flat read index (what ``block_table.read_slots`` derives)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = max(1, max(-(-n // page) for n in lengths))
+    pages = torch.randperm(len(lengths) * blocks + 3, generator=g)
+    table = torch.full((len(lengths), blocks), -1, dtype=torch.int32)
+    read = []
+    for i, n in enumerate(lengths):
+        used = -(-n // page)
+        table[i, :used] = pages[i * blocks : i * blocks + used].to(torch.int32)
+        read += [int(table[i, j // page]) * page + j % page for j in range(n)]
+    slots = (len(lengths) * blocks + 3) * page
+    q = torch.randn(len(lengths), q_heads, head_dim, generator=g).to(device, dtype)
+    k_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(device, dtype)
+    v_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(device, dtype)
+    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    read_index = torch.tensor(read, dtype=torch.int64)
+    return q, k_cache, v_cache, table.to(device), read_index.to(device), cu_k.to(device)
+
+
 def dense_attention(q, k_cache, v_cache, read_index, cu_k, scaling):
     """Each sequence's keys gathered, then torch's SDPA with GQA expanded (an independent path)."""
     out = torch.zeros_like(q)
@@ -91,6 +114,14 @@ def test_kernel_refuses_shapes_it_cannot_tile(heads):
     assert pd.fits(16, 4, 64) and pd.fits(8, 8, 16)
 
 
+def test_kernel_refuses_a_flat_index_with_a_page():
+    q, k_cache, v_cache, table, read_index, cu_k = paged_table_case(
+        2, 4, 2, 16, [3, 5], 4, torch.float32, "cpu")  # fmt: skip
+    for index, page in ((read_index, 4), (table[:1], 4), (table, -1)):
+        with pytest.raises(InputError, match=r"page=-?\d+ with a read_index of shape"):
+            pd.paged_decode(q, k_cache, v_cache, index, cu_k, 0.1, page=page)
+
+
 @pytest.mark.skipif(pd.triton is not None, reason="Triton is installed")
 def test_kernel_without_triton_names_the_fallback():
     case = paged_case(2, 4, 2, 16, [2], torch.float32, "cpu")
@@ -126,6 +157,25 @@ def test_kernel_matches_reference_cuda_bf16(heads):
         got = pd.paged_decode(*case, scaling, out=out, splits=splits, block_n=block_n)
         assert got is out and (got[[4, 8, 9]] == 0).all(), (splits, block_n)
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("page", [256, 16, 3])
+def test_kernel_reads_a_block_table_as_its_read_index_cuda_bf16(page):
+    """With ``page``, the kernel reads transformers' block table itself: the same result as
+    over the flat read index of the same keys (pages smaller than, equal to and not a
+    divisor of the kernel's block of keys; split and not)."""
+    if pd.triton is None:
+        pytest.skip("Triton is not installed")
+    lengths = [1, 63, 256, 257, 0, 700, 129, 2049, 0]
+    q, k_cache, v_cache, table, read_index, cu_k = paged_table_case(
+        4, 16, 2, 128, lengths, page, torch.bfloat16, "cuda")  # fmt: skip
+    scaling = 128**-0.5
+    for splits in (None, 1, 4):
+        flat = pd.paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling, splits=splits)
+        got = pd.paged_decode(q, k_cache, v_cache, table, cu_k, scaling, splits=splits,
+                              page=page)  # fmt: skip
+        assert torch.equal(got, flat), (page, splits)
 
 
 def test_default_splits_fill_the_gpu_and_stay_a_power_of_two(monkeypatch):
@@ -174,6 +224,15 @@ def test_kernel_matches_reference_in_triton_interpreter():
                     assert (got[1] == 0).all(), (heads, splits)
                     torch.testing.assert_close(got.float(), expected.float(), atol=atol,
                                                rtol=atol)
+        from tests.test_paged_decode import paged_table_case
+        for page in (16, 3):  # the block table read by the kernel itself
+            q, k, v, table, read, cu_k = paged_table_case(
+                5, 8, 2, 32, [1, 0, 40, 16, 70], page, torch.float32, "cpu")
+            expected = pd.paged_decode_reference(q, k, v, read, cu_k, 0.2)
+            for splits in (1, 2):
+                got = pd.paged_decode(q, k, v, table, cu_k, 0.2, block_n=32, splits=splits,
+                                      page=page)
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         print("ok")
         """
     )

@@ -17,10 +17,11 @@ indices on the device from the table, the positions and the key offsets (contrac
 key ``j`` of a sequence is at row ``table[j // P] * P + j % P``):
 
 * :func:`write_slots`: each sequence's new key row (``n`` values);
-* :func:`read_slots`: every key row of the step, sequence after sequence (for a CUDA decode
-  graph: an upper bound of rows, ``n * blocks * P``, with no device sync, at the cost of a few
-  small kernels over that many rows before the replay; elsewhere, the exact count, after one
-  sync: :meth:`.cb_step.CBStep.materialise`).
+* :func:`read_slots`: every key row of the step, sequence after sequence (the exact count,
+  after one sync: :meth:`.cb_step.CBStep.materialise` for the breaks, and the emulated
+  backend's decode graphs). A CUDA decode graph needs no read rows: its Triton kernel reads
+  the table itself (:func:`.paged_decode.paged_decode` with ``page``), so nothing is derived
+  over the keys and nothing syncs.
 
 Example::
 
@@ -35,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -43,7 +45,7 @@ from breakgraph.patches import PatchSet
 
 from . import compat
 
-__all__ = ["install", "read_slots", "write_slots"]
+__all__ = ["fill_block_table", "install", "install_fill", "read_slots", "write_slots"]
 
 
 def write_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
@@ -86,4 +88,67 @@ def install(patches: PatchSet, wants_block_table) -> bool:
 
     ensure_decode_fast_path_is_available.__wrapped__ = original
     patches.attribute(module, name, ensure_decode_fast_path_is_available)
+    return True
+
+
+#: Per paged cache, what its ``fill_block_table`` writes (contract item 16), or None where
+#: the layout is unknown: looked up once per cache, not once per request.
+_writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fill_block_table(original, cache: Any, request_id: str, past_length: int,
+                     query_length: int, block_table: torch.Tensor) -> None:  # fmt: skip
+    """``original(cache, request_id, past_length, query_length, block_table)`` (transformers'
+    ``PagedAttentionCache.fill_block_table``) as one numpy write per layer group, where
+    ``block_table`` (the request's ``[groups, blocks]`` view of the step's table) is in host
+    memory and the cache's layout is known; anything else goes to ``original``.
+
+    transformers fills the table request by request, each with two or three small tensor
+    operations (``torch.tensor`` of the ids, a multiply, a copy): 23-24 µs per request on
+    CI's host, about half of a pure-decode step's preparation (``benchmarks/cb_prep_profile
+    --block-table``). The same values written through a numpy view of the host table cost a
+    few µs. On CUDA, transformers' asynchronous batching fills a pinned host table (then
+    copies it to the device at once); its synchronous batching fills the device table, which
+    stays transformers' own.
+    """
+    if block_table.device.type != "cpu":
+        return original(cache, request_id, past_length, query_length, block_table)
+    try:
+        writers = _writers[cache]
+    except KeyError:
+        writers = _writers[cache] = compat.block_table_writers(cache)
+    except TypeError:  # not weak-referenceable: looked up every time
+        writers = compat.block_table_writers(cache)
+    if writers is None:
+        return original(cache, request_id, past_length, query_length, block_table)
+    target = block_table.numpy()
+    for row, owner, page, scale in writers:
+        ids = owner.block_table.get(request_id)
+        if ids is None:  # transformers' own error for an unknown request
+            return original(cache, request_id, past_length, query_length, block_table)
+        if page:
+            ids = ids[: -(-(past_length + query_length) // page)]
+        line = target[row, : len(ids)]
+        line[:] = ids
+        if scale != 1:
+            line *= scale
+    return None
+
+
+def install_fill(patches: PatchSet) -> bool:
+    """Replace ``PagedAttentionCache.fill_block_table`` by :func:`fill_block_table` (until
+    ``patches`` restores it). False, and nothing replaced, where the probe does not find it
+    (item 16)."""
+    cache_class = compat.block_table_filler()
+    if cache_class is None:
+        return False
+    original = cache_class.__dict__["fill_block_table"]
+
+    def filled(self, request_id: str, past_length: int, query_length: int,
+               block_table: torch.Tensor) -> None:  # fmt: skip
+        fill_block_table(original, self, request_id, past_length, query_length, block_table)
+
+    filled.__wrapped__ = original
+    filled.__name__ = filled.__qualname__ = "fill_block_table"
+    patches.attribute(cache_class, "fill_block_table", filled)
     return True

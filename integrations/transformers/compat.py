@@ -66,6 +66,17 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      (:func:`block_table_page`: ``P`` is 5.17's ``cache.block_size``; later, the
      full-attention allocator's ``tokens_per_page``, whose ``block_physical_stride`` is a
      multiple of it). Checked against transformers' own index lists by the tests.
+ 16. I ``PagedAttentionCache.fill_block_table(request_id, past_length, query_length,
+     block_table)``, called once per request of a block-table step with that request's
+     ``[groups, blocks]`` view of the table, and what it writes (:func:`block_table_writers`):
+     in 5.17, row ``i`` of ``cache.group_cache_managers[i]`` (full attention: no
+     ``sliding_window``) gets the first ``ceil((past + query) / block_size)`` ids of
+     ``manager.block_table[request_id]``; later, row ``allocator.index`` of every
+     ``cache.cache_allocators`` value (``layer_type`` ``"full_attention"``) gets all of
+     ``allocator.block_table[request_id]`` times ``block_physical_stride // tokens_per_page``.
+     Replaced while a model is enabled, for host tables only, by a numpy write of the same
+     values (:func:`.block_table.install_fill`; optional: elsewhere transformers' own runs).
+     Checked against transformers' own method by the tests.
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: ``_load_model``
@@ -391,6 +402,52 @@ def block_table_page(cache: Any) -> int | None:
         return None
     page = getattr(cache, "block_size", None)  # 5.17
     return page if isinstance(page, int) and page > 0 else None
+
+
+def block_table_filler() -> Any:
+    """16. The paged cache class whose ``fill_block_table`` has the known signature, else
+    None."""
+    try:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    except ImportError:
+        return None
+    method = PagedAttentionCache.__dict__.get("fill_block_table")
+    try:
+        parameters = list(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return None
+    known = ["self", "request_id", "past_length", "query_length", "block_table"]
+    return PagedAttentionCache if parameters == known else None
+
+
+def block_table_writers(cache: Any) -> list[tuple[int, Any, int, int]] | None:
+    """16. What ``cache.fill_block_table`` writes, as ``(row, owner, page, scale)`` per layer
+    group: row ``row`` of a request's table view gets ``owner.block_table[request_id]`` (its
+    first ``ceil(keys / page)`` ids where ``page`` > 0, else all of them) times ``scale``.
+    None where the layout is not one of the two known, or a group is not full attention."""
+    writers = []
+    allocators = getattr(cache, "cache_allocators", None)
+    if isinstance(allocators, dict):  # after 5.17
+        for allocator in allocators.values():
+            row = getattr(allocator, "index", None)
+            page = getattr(allocator, "tokens_per_page", None)
+            stride = getattr(allocator, "block_physical_stride", None)
+            if (getattr(allocator, "layer_type", None) != "full_attention"
+                    or not all(isinstance(v, int) for v in (row, page, stride)) or page <= 0
+                    or stride % page or not isinstance(getattr(allocator, "block_table", None), dict)):  # fmt: skip
+                return None
+            writers.append((row, allocator, 0, stride // page))
+        return writers or None
+    managers = getattr(cache, "group_cache_managers", None)  # 5.17
+    if not isinstance(managers, list):
+        return None
+    for row, manager in enumerate(managers):
+        page = getattr(manager, "block_size", None)
+        if (hasattr(manager, "sliding_window") or not isinstance(page, int) or page <= 0
+                or not isinstance(getattr(manager, "block_table", None), dict)):  # fmt: skip
+            return None
+        writers.append((row, manager, page, 1))
+    return writers or None
 
 
 def _probe_continuous_batching() -> list[str]:

@@ -112,6 +112,7 @@ def _install_shared(patches: PatchSet) -> None:
     patches.attribute(manager, "switch_to_cb_friendly_attn", switch_to_cb_friendly_attn)
     index_lists.install(patches)  # the step's index lists through numpy (where probed)
     block_table.install(patches, _wants_block_table)  # decode steps without the lists
+    block_table.install_fill(patches)  # their tables written through numpy (host tables)
 
 
 def _wants_block_table(config: Any) -> bool:

@@ -22,7 +22,9 @@ every shape depends on ``B`` only:
 
 The step's indices are copied into static buffers (:class:`DecodeBuffers`) before the
 replay, as the ids and positions are; a step that comes with transformers' block table
-instead of index lists has them derived there on the device (:mod:`.block_table`). A graph
+instead of index lists has its write rows derived from the table on the device
+(:mod:`.block_table`) and, on CUDA, its table copied in: the kernel reads the table itself
+(on the emulated backend the read rows are derived, exactly). A graph
 bakes the cache tensors' addresses in, so a ladder belongs to one cache *layout* (the
 tensors' addresses, shapes and strides): a manager
 whose cache lies elsewhere gets a ladder of its own, one whose cache reuses the addresses
@@ -98,16 +100,22 @@ class NotDecodable(Exception):
 
 class DecodeBuffers:
     """The decode graphs' static inputs beside the ids and positions: per layer group the
-    write index ``[B]`` and the read index ``[capacity]``, the key offsets ``[B + 1]`` and the
-    source row of each write ``[B]``; sized for the largest bucket and ``capacity`` read rows
-    (the whole read index is what :func:`.paged_decode.paged_decode_dense` reads: it is sized
-    from the steps, not from the cache, which may hold millions of rows)."""
+    write index ``[B]`` and either the read index ``[capacity]`` or, for block-table steps on
+    CUDA (``width`` > 0), the block table ``[B, width]`` (the kernel reads it directly); the
+    key offsets ``[B + 1]`` and the source row of each write ``[B]``. Sized for the largest
+    bucket and ``capacity`` read rows (the whole read index is what
+    :func:`.paged_decode.paged_decode_dense` reads: it is sized from the steps, not from the
+    cache, which may hold millions of rows)."""
 
-    def __init__(self, groups, largest: int, capacity: int, device: torch.device) -> None:
-        self.capacity = capacity
+    def __init__(self, groups, largest: int, capacity: int, device: torch.device,
+                 width: int = 0, page: int = 0) -> None:  # fmt: skip
+        self.capacity, self.width, self.page = (0, width, page) if width else (capacity, 0, 0)
         with torch.inference_mode(False):
             self.write = {g: torch.zeros(largest, dtype=torch.long, device=device) for g in groups}
-            self.read = {g: torch.zeros(capacity, dtype=torch.long, device=device) for g in groups}
+            self.read = {} if width else {
+                g: torch.zeros(capacity, dtype=torch.long, device=device) for g in groups}
+            self.table = {} if not width else {
+                g: torch.zeros(largest, width, dtype=torch.int32, device=device) for g in groups}
             self.cu_k = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.source = torch.zeros(largest, dtype=torch.long, device=device)
             self.iota = torch.arange(largest, dtype=torch.long, device=device)
@@ -115,14 +123,18 @@ class DecodeBuffers:
 
     def fill(self, step: Any, n: int, bucket: int, page: int = 0, rows: int = 0) -> None:
         """Copy the live step's indices in (device copies, no sync; every read index fits).
-        A block-table step's are derived from its table instead (:mod:`.block_table`; blocks
-        of ``page`` tokens, ``rows`` read rows at most)."""
+        A block-table step's write rows are derived from its table (:mod:`.block_table`;
+        blocks of ``page`` tokens), and its table copied in (``width`` > 0) or its ``rows``
+        read rows derived too."""
         cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
         for group, write in self.write.items():
             if step.table is not None:
                 table = step.table[group, :n]
                 live = write_slots(table, step.positions[0, :n], page)
-                self.read[group][:rows].copy_(read_slots(table, cu_k, page, rows))
+                if self.width:
+                    self.table[group][:n].copy_(table)
+                else:
+                    self.read[group][:rows].copy_(read_slots(table, cu_k, page, rows))
             else:
                 live = step.write_index[group]
                 index = step.read_index[group]
@@ -191,17 +203,20 @@ class DecodeGraphs:
         it first if needed; False (nothing done) where it cannot run here."""
         if self.off is not None:
             return False
-        while self._dead:
-            self._release(self._dead.pop())
+        while self._dead:  # a freed cache's layout: every graph of it
+            dead = self._dead.pop()
+            for key in [key for key in self._graphs if key[0] == dead]:
+                self._release(key)
         layout = self._layout(step.cache)
         if layout is None:
             return self._fallback("cache layout unknown or a sliding-window layer")
         layers, key, groups, page = layout
+        width = 0
         if step.table is not None:
             if page is None:
                 return self._fallback("block-table layout unknown")
-            if self.backend == "cuda":  # an upper bound (n sequences of at most `blocks`
-                rows = n * step.table.shape[-1] * page  # blocks): no device sync
+            if self.backend == "cuda":  # the kernel reads the table: no rows, no sync
+                rows = width = step.table.shape[-1]
             else:  # host memory: the exact count (the dense kernel reads every row)
                 cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
                 rows = int(cu_k[n])
@@ -209,13 +224,15 @@ class DecodeGraphs:
             rows = max(step.read_index[group].shape[0] for group in groups)
         if rows == 0:  # a first step of one-token prompts: attention over their own keys
             return self._fallback("nothing cached yet (empty read index)")
+        key = (key, width, page if width else 0)  # tables and read indices: their own graphs
         graphs = self._graphs.get(key)
-        if graphs is None or rows > graphs.buffers.capacity:  # a new layout, or more keys
+        if graphs is None or (not width and rows > graphs.buffers.capacity):  # new, or more keys
             if graphs is None and (problem := self._kernel_problem(layers)) is not None:
                 self.off = problem
                 return False
             try:
-                graphs = self._new_graphs(key, layers, groups, largest, _capacity(rows))
+                graphs = self._new_graphs(key, layers, groups, largest, _capacity(rows),
+                                          width, page)  # fmt: skip
             except Exception as exc:  # e.g. out of memory: the breaks serve the step
                 return self._turn_off("static buffers failed", exc)
         self._graphs.move_to_end(key)
@@ -254,7 +271,11 @@ class DecodeGraphs:
         keys.index_copy_(0, write, key[0].transpose(0, 1).index_select(0, source))
         values.index_copy_(0, write, value[0].transpose(0, 1).index_select(0, source))
         q = query_rows(query)
-        read, cu_k = buffers.read[group], buffers.cu_k[: bucket + 1]
+        cu_k = buffers.cu_k[: bucket + 1]
+        if buffers.width:  # CUDA, a block-table step: the kernel reads the table
+            return paged_decode(q, keys, values, buffers.table[group], cu_k, scaling,
+                                page=buffers.page)  # fmt: skip
+        read = buffers.read[group]
         if self.backend == "cuda":
             return paged_decode(q, keys, values, read, cu_k, scaling)
         return paged_decode_dense(q, keys, values, read, cu_k, scaling)
@@ -300,7 +321,7 @@ class DecodeGraphs:
         return None
 
     def _new_graphs(self, key: tuple, layers: dict[int, tuple], groups: tuple, largest: int,
-                    capacity: int) -> _LayoutGraphs:  # fmt: skip
+                    capacity: int, width: int = 0, page: int = 0) -> _LayoutGraphs:  # fmt: skip
         """Graphs for a new cache layout, or larger buffers for one (its old graphs baked the
         old addresses in: released, and buckets are captured again when needed)."""
         if key in self._graphs:
@@ -311,7 +332,7 @@ class DecodeGraphs:
             while len(self._graphs) >= self.KEEP:
                 self._release(next(iter(self._graphs)))
         device = next(iter(layers.values()))[1].device
-        buffers = DecodeBuffers(groups, largest, capacity, device)
+        buffers = DecodeBuffers(groups, largest, capacity, device, width, page)
         ladder = GraphLadder(backend=self.backend, debug=self.debug, on_miss="eager",
                              who=f"{self.who} (decode graphs)")  # fmt: skip
         graphs = self._graphs[key] = _LayoutGraphs(ladder, buffers)

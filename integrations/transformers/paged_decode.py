@@ -132,14 +132,17 @@ if triton is not None:
 
     @triton.jit
     def _attend(
-        q, k_cache, v_cache, read_index, seq, head, lo, hi, scaling,
-        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        q, k_cache, v_cache, read_index, seq, head, start, lo, hi, scaling,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_t,
         GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
-        """The query heads of key head ``head`` of sequence ``seq`` over the keys
-        ``read_index[lo:hi]``, by online softmax: ``(running max, running sum, unnormalised
-        output)`` per query head (``-inf``, 0 and zeros where there are no keys)."""
+        """The query heads of key head ``head`` of sequence ``seq`` over its keys ``lo:hi``
+        (the sequence's keys start at ``start``), by online softmax: ``(running max, running
+        sum, unnormalised output)`` per query head (``-inf``, 0 and zeros where there are no
+        keys). Key ``r``'s cache row is ``read_index[r]``; with a ``PAGE``, ``read_index`` is
+        a block table (rows ``stride_t`` apart) and key ``j = r - start`` of the sequence is
+        at row ``table[seq, j // PAGE] * PAGE + j % PAGE``."""
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
         queries = tl.load(
@@ -152,7 +155,12 @@ if triton is not None:
         for first in range(lo, hi, BLOCK_N):
             rows = first + tl.arange(0, BLOCK_N)
             live = rows < hi
-            slots = tl.load(read_index + rows, mask=live, other=0).to(tl.int64)
+            if PAGE == 0:
+                slots = tl.load(read_index + rows, mask=live, other=0).to(tl.int64)
+            else:
+                key = rows - start
+                entry = tl.load(read_index + seq * stride_t + key // PAGE, mask=live, other=0)
+                slots = entry.to(tl.int64) * PAGE + key % PAGE
             keys = tl.load(
                 k_cache + slots[:, None] * stride_ks + head * stride_kh + d[None, :],
                 mask=live[:, None], other=0.0,
@@ -175,15 +183,17 @@ if triton is not None:
     def _paged_decode_kernel(
         q, k_cache, v_cache, read_index, cu_k, out, scaling,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
+        stride_t,
         GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
         """One (sequence, key head) over all of the sequence's keys, normalised into ``out``."""
         seq, head = tl.program_id(0), tl.program_id(1)
+        start = tl.load(cu_k + seq)
         _, total, acc = _attend(
-            q, k_cache, v_cache, read_index, seq, head, tl.load(cu_k + seq),
+            q, k_cache, v_cache, read_index, seq, head, start, start,
             tl.load(cu_k + seq + 1), scaling, stride_qb, stride_qh, stride_ks, stride_kh,
-            stride_vs, stride_vh, GROUPS, BLOCK_G, HEAD_DIM, BLOCK_N,
+            stride_vs, stride_vh, stride_t, GROUPS, BLOCK_G, HEAD_DIM, BLOCK_N, PAGE,
         )  # fmt: skip
         total = tl.where(total > 0, total, 1.0)  # no keys: zeros, not NaN
         result = acc / total[:, None]
@@ -197,9 +207,9 @@ if triton is not None:
     @triton.jit
     def _paged_decode_split_kernel(
         q, k_cache, v_cache, read_index, cu_k, part_out, part_lse, scaling,
-        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_t,
         GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
         """One split of one (sequence, key head): its share of the keys, as a partial result
         normalised over that share plus the share's log-sum-exp (``-inf`` when it is empty)."""
@@ -209,9 +219,9 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks
         lo = start + split * chunk
         top, total, acc = _attend(
-            q, k_cache, v_cache, read_index, seq, head, lo, tl.minimum(lo + chunk, end),
-            scaling, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-            GROUPS, BLOCK_G, HEAD_DIM, BLOCK_N,
+            q, k_cache, v_cache, read_index, seq, head, start, lo, tl.minimum(lo + chunk, end),
+            scaling, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_t,
+            GROUPS, BLOCK_G, HEAD_DIM, BLOCK_N, PAGE,
         )  # fmt: skip
         empty = total == 0
         lse = tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total)))
@@ -286,8 +296,13 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 
 def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
-                 block_n: int | None = None, splits: int | None = None):  # fmt: skip
+                 block_n: int | None = None, splits: int | None = None, page: int = 0):  # fmt: skip
     """:func:`paged_decode_reference` as Triton kernels: ``B x Hkv x splits`` programs.
+
+    With ``page`` > 0, ``read_index`` is a block table instead (``[B, blocks]``, transformers'
+    decode fast path; :mod:`.block_table`): key ``j`` of sequence ``i`` is at cache row
+    ``read_index[i, j // page] * page + j % page``, the same rows as
+    ``block_table.read_slots`` derives, read with no index built first.
 
     Each sequence's keys are cut into ``splits`` shares of whole ``block_n`` blocks (the
     flash-decoding split: with few sequences or few key heads, one program per (sequence,
@@ -309,6 +324,11 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
             f"{head_dim}; the kernel needs a whole number of query heads per key head and a "
             f"power-of-two head size of at least 16 (use paged_decode_reference)"
         )
+    if page < 0 or (page and (read_index.dim() != 2 or read_index.shape[0] < batch)):
+        raise InputError(
+            f"paged_decode: page={page} with a read_index of shape {tuple(read_index.shape)}; "
+            f"a block table is [B, blocks] with B >= {batch} (page 0: a flat read index)"
+        )
     if triton is None:
         raise BackendError(
             "paged_decode: Triton is not installed (the CPU build of torch comes without it); "
@@ -318,6 +338,7 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
         splits = default_splits(batch, kv_heads, q.device)
     if block_n is None:
         block_n = BLOCK_N if head_dim <= 128 else 64
+    stride_t = read_index.stride(0) if page else 0
     for name, value, least in (("splits", splits, 1), ("block_n", block_n, 16)):
         if value < least or value & (value - 1):
             raise InputError(
@@ -330,8 +351,8 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
         _paged_decode_kernel[(batch, kv_heads)](
             q, k_cache, v_cache, read_index, cu_k, out, scaling,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-            GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n,
+            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), stride_t,
+            GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page,
         )  # fmt: skip
         return out
     part_out = torch.empty(batch, q_heads, splits, head_dim, device=q.device,
@@ -340,8 +361,9 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
     _paged_decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, read_index, cu_k, part_out, part_lse, scaling,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), stride_t,
         GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits,
+        PAGE=page,
     )  # fmt: skip
     _paged_decode_combine_kernel[(batch, q_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, SPLITS=splits,
