@@ -105,8 +105,8 @@ if __package__ in (None, ""):  # python benchmarks/bench_cb.py: make `benchmarks
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transformers  # noqa: E402
-from breakgraph.integrations.transformers import compat, enable_continuous_batching  # noqa: E402
 from breakgraph.integrations.transformers import block_table as block_table_module  # noqa: E402
+from breakgraph.integrations.transformers import compat, enable_continuous_batching  # noqa: E402
 from breakgraph.integrations.transformers import paged_decode as paged_decode_module  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 

@@ -432,9 +432,10 @@ def block_table_writers(cache: Any) -> list[tuple[int, Any, int, int]] | None:
             row = getattr(allocator, "index", None)
             page = getattr(allocator, "tokens_per_page", None)
             stride = getattr(allocator, "block_physical_stride", None)
+            ids = getattr(allocator, "block_table", None)
             if (getattr(allocator, "layer_type", None) != "full_attention"
                     or not all(isinstance(v, int) for v in (row, page, stride)) or page <= 0
-                    or stride % page or not isinstance(getattr(allocator, "block_table", None), dict)):  # fmt: skip
+                    or stride % page or not isinstance(ids, dict)):  # fmt: skip
                 return None
             writers.append((row, allocator, 0, stride // page))
         return writers or None
