@@ -60,6 +60,7 @@ import bisect
 import gzip
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -392,6 +393,15 @@ def summarize_trace(trace: dict, settle: int = 0) -> dict:
         row["device_busy_ms"] = covered(union, it["prepare"][0][0], stop) * ms if device else None
         rows.append(row)
     out["per_step"] = rows
+    launches = [e for e in host_cuda if "GraphLaunch" in e["name"]]
+    out["graph_launch_host_ms_per_step"] = sum(e["dur"] for e in launches) * ms / n
+    nodes: dict = {}  # device events per launching call: a graph launch's kernels and copies
+    for e in device:
+        nodes[_correlation(e)] = nodes.get(_correlation(e), 0) + 1
+    sizes = [nodes.get(_correlation(e), 0) for e in launches]
+    out["largest_graph_nodes"] = max(sizes, default=0)
+    big = [e["dur"] for e, size in zip(launches, sizes) if size == out["largest_graph_nodes"]]
+    out["largest_graph_launch_host_ms"] = statistics.median(big) * ms if big else None
     launched = {_correlation(e) for e in device} - {None}
     blind = [e for e in host_cuda if "GraphLaunch" in e["name"]
              and _correlation(e) is not None and _correlation(e) not in launched]  # fmt: skip
@@ -484,7 +494,8 @@ def print_summary(results: dict) -> None:
             f"({_pct(v['prepare_device_busy_fraction'])})  step {v['step_ms_per_step']:.2f} "
             f"({_pct(v['step_device_busy_fraction'])})  update {v['update_ms_per_step']:.2f} "
             f"({_pct(v['update_device_busy_fraction'])})  sync {v['host_sync_ms_per_step']:.2f}"
-            f"  trace {v['trace_mb']:.1f} MB"
+            f"  graph launches {v['graph_launch_host_ms_per_step']:.2f} (largest "
+            f"{v['largest_graph_nodes']} nodes)  trace {v['trace_mb']:.1f} MB"
         )
         if v.get("note"):
             print(f"  {'':<19} note: {v['note']}")
