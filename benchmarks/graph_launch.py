@@ -34,28 +34,87 @@ import time
 
 import torch
 
-NODES = (16, 64, 128, 256, 512, 1024)
+NODES = (16, 64, 256, 1024)
+MODEL_LAYERS = (2, 8)
 
 
-def build(nodes: int, copies: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A graph of ``nodes`` tiny nodes (in-place adds; with ``copies`` every fourth a copy)."""
-    x = torch.zeros(128, device="cuda")
-    y = torch.zeros(128, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture
-        x.add_(1.0)
-        y.copy_(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(nodes):
-            if copies and i % 4 == 3:
+KINDS = ("kernels", "copies", "gemm", "triton", "model")
+
+
+def _op(kind: str):
+    """One node's work of ``kind`` (called ``nodes`` times inside the capture)."""
+    if kind in ("kernels", "copies"):
+        x, y = torch.zeros(128, device="cuda"), torch.zeros(128, device="cuda")
+        count = [0]
+
+        def op():
+            count[0] += 1
+            if kind == "copies" and count[0] % 4 == 0:
                 y.copy_(x)
             else:
                 x.add_(1.0)
+
+        return op
+    if kind == "gemm":  # cuBLAS, decode-shaped: 100 rows of bf16
+        a = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(100, 256, device="cuda", dtype=torch.bfloat16)
+        return lambda: torch.mm(a, w, out=out)
+    if kind == "triton":  # breakgraph's decode kernel, 8 sequences of 64 keys
+        from breakgraph.integrations.transformers.paged_decode import paged_decode
+
+        q = torch.randn(8, 8, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(600, 2, 64, device="cuda", dtype=torch.bfloat16)
+        index = torch.arange(512, device="cuda")
+        cu_k = torch.arange(0, 513, 64, device="cuda", dtype=torch.int32)
+        out = torch.empty_like(q)
+        return lambda: paged_decode(q, k, k, index, cu_k, 0.125, out=out, splits=1)
+    raise ValueError(kind)
+
+
+def build(nodes: int, kind: str) -> torch.cuda.CUDAGraph:
+    """A graph of ``nodes`` nodes of ``kind`` (warmed up outside the capture first)."""
+    op = _op(kind)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            op()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(nodes):
+            op()
     torch.cuda.synchronize()
-    return graph, x
+    return graph
+
+
+def build_model(layers: int) -> torch.cuda.CUDAGraph:
+    """A decode-shaped forward of a random Llama (hidden 2048, ``layers`` layers, 100 rows,
+    sdpa over 512 cached keys each, no cache object), captured whole."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=4,
+                         vocab_size=32000)  # fmt: skip
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 32000, (100, 1), device="cuda")
+
+    def op():
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            op()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op()
+    torch.cuda.synchronize()
+    return graph
 
 
 def fit(points: dict[int, float]) -> tuple[float, float]:
@@ -76,31 +135,47 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.environment import environment
 
-    graphs = {(kind, n): build(n, kind == "copies")[0] for kind in ("kernels", "copies")
-              for n in NODES}  # fmt: skip
+    graphs = {(kind, n): build(n, kind) for kind in KINDS[:-1] for n in NODES}
+    for layers in MODEL_LAYERS:
+        graphs[("model", layers)] = build_model(layers)
+    other = torch.cuda.Stream()
     for graph in graphs.values():  # the first replays upload the graph
         for _ in range(3):
             graph.replay()
     torch.cuda.synchronize()
     times: dict[tuple, list[float]] = {key: [] for key in graphs}
+    times["other stream"] = []  # the largest model graph, replayed on another stream
     for _ in range(args.reps):
         for key, graph in graphs.items():
             torch.cuda.synchronize()
             start = time.perf_counter()
             graph.replay()
             times[key].append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(other):
+            start = time.perf_counter()
+            graphs[("model", MODEL_LAYERS[-1])].replay()
+            times["other stream"].append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
     results = {"meta": environment(cuda=True), "reps": args.reps, "nodes": list(NODES)}
-    for kind in ("kernels", "copies"):
-        rows = {}
-        for n in NODES:
-            q = statistics.quantiles(times[(kind, n)], n=4)
-            rows[n] = {"median_us": statistics.median(times[(kind, n)]), "p25_us": q[0],
-                       "p75_us": q[2]}  # fmt: skip
-        fixed, per_node = fit({n: r["median_us"] for n, r in rows.items()})
-        results[kind] = {"by_nodes": rows, "fixed_us": fixed, "per_node_us": per_node}
-        print(f"{kind:8s} " + "  ".join(f"{n}: {r['median_us']:.0f}" for n, r in rows.items())
-              + f"  -> {fixed:.1f} us + {per_node:.3f} us/node")  # fmt: skip
+
+    def row(samples):
+        q = statistics.quantiles(samples, n=4)
+        return {"median_us": statistics.median(samples), "p25_us": q[0], "p75_us": q[2]}
+
+    for kind in KINDS:
+        sizes = MODEL_LAYERS if kind == "model" else NODES
+        rows = {n: row(times[(kind, n)]) for n in sizes}
+        results[kind] = {"by_size": rows}
+        line = "  ".join(f"{n}: {r['median_us']:.0f}" for n, r in rows.items())
+        if kind != "model":
+            fixed, per_node = fit({n: r["median_us"] for n, r in rows.items()})
+            results[kind].update(fixed_us=fixed, per_node_us=per_node)
+            line += f"  -> {fixed:.1f} us + {per_node:.3f} us/node"
+        print(f"{kind:8s} {line}" + ("  (by layers)" if kind == "model" else ""))
+    results["model_other_stream"] = row(times["other stream"])
+    print(f"model, {MODEL_LAYERS[-1]} layers, on another stream: "
+          f"{results['model_other_stream']['median_us']:.0f}")  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0
