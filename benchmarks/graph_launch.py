@@ -90,19 +90,31 @@ def build(nodes: int, kind: str) -> torch.cuda.CUDAGraph:
 
 
 def build_model(layers: int) -> torch.cuda.CUDAGraph:
-    """A decode-shaped forward of a random Llama (hidden 2048, ``layers`` layers, 100 rows,
-    sdpa over 512 cached keys each, no cache object), captured whole."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A decode-shaped stack of Llama-like layers in plain torch (bf16, 100 rows, hidden 2048:
+    RMS norms, q/k/v/o and gated-MLP GEMMs, a rotary-like product, residual adds; no
+    attention), captured whole: the node mix of a decode graph."""
+    rows, hidden, inner = 100, 2048, 5632
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden, **bf16)
+    weights = [[torch.randn(hidden, n, **bf16) * 0.02 for n in (hidden, 512, 512, hidden)]
+               + [torch.randn(hidden, 2 * inner, **bf16) * 0.02,
+                  torch.randn(inner, hidden, **bf16) * 0.02] for _ in range(layers)]  # fmt: skip
+    cos, sin = torch.randn(rows, hidden, **bf16), torch.randn(rows, hidden, **bf16)
 
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=4,
-                         vocab_size=32000)  # fmt: skip
-    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    ids = torch.randint(0, 32000, (100, 1), device="cuda")
+    def norm(h):
+        h32 = h.float()
+        return (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
 
     def op():
-        with torch.no_grad():
-            return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+        h = x
+        for wq, wk, wv, wo, wgu, wd in weights:
+            a = norm(h)
+            q, k, v = a @ wq, a @ wk, a @ wv
+            q = q * cos + torch.cat([-q[:, hidden // 2:], q[:, : hidden // 2]], -1) * sin
+            h = h + (q + (k.sum() + v.sum()) * 0) @ wo
+            gate, up = (norm(h) @ wgu).chunk(2, -1)
+            h = h + (torch.nn.functional.silu(gate) * up) @ wd
+        return h
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
