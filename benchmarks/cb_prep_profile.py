@@ -221,6 +221,12 @@ def main(argv=None) -> int:
                             "max_batch_tokens": 2048, "batching": "synchronous",
                             "block_table": args.block_table}}  # fmt: skip
     with enable_continuous_batching(model, backend="emulated"), torch.no_grad():
+        if args.block_table:  # breakgraph's numpy fill replaced transformers' (contract item 16)?
+            from breakgraph.integrations.transformers import compat
+
+            filler = compat.block_table_filler()
+            numpy = filler is not None and hasattr(filler.fill_block_table, "__wrapped__")
+            results["settings"]["table_fill"] = "numpy" if numpy else "transformers"
         plain = [serve(model, prompts, cb_config, args.new_tokens, None)
                  for _ in range(max(1, args.plain_passes))]  # fmt: skip
         timers = StepTimers()

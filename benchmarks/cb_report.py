@@ -31,7 +31,8 @@ HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.jso
 PREP_LISTS_FILES = ("h200-cb-prep-lists-5.17.json", "h200-cb-prep-lists-5.24.json")
 #: ``benchmarks/cb_prep_profile.py`` on the CPU: a pure-decode step's preparation by part
 PREP_PARTS_FILES = ("cpu-cb-prep-profile-5.17.json", "cpu-cb-prep-profile-5.24.json",
-                    "cpu-cb-prep-profile-table-5.17.json", "cpu-cb-prep-profile-table-5.24.json")
+                    "cpu-cb-prep-profile-table-5.17.json", "cpu-cb-prep-profile-table-5.24.json",
+                    "cpu-cb-prep-profile-fill-5.17.json", "cpu-cb-prep-profile-fill-5.24.json")
 #: ``bench_cb --prep-lists``, transformers' lists converted by torch.tensor (old: the tree before
 #: ``index_lists``) and through numpy (new), the trees in turn: (file, tree, turn)
 NUMPY_LISTS_FILES = (
@@ -110,6 +111,22 @@ BLOCK_TABLE_FILES = (
     ("h200-cb-block-table-5.17.json", "A"),
     ("h200-cb-block-table-5.24.json", "B"),
 )
+#: ``bench_cb --variants breakgraph,breakgraph_tx_fill,breakgraph_lists,breakgraph_compiled``,
+#: taking turns in one process (``gpu_check.sh`` RUN_BLOCK_TABLE): the block table written
+#: through numpy against transformers' own fill, with index lists and compiled beside; (file,
+#: label). D ran on an H100 (the device tool's card that call)
+TABLE_FILL_FILES = (
+    ("h200-cb-table-fill-5.17.json", "C"),
+    ("h100-cb-table-fill-5.24.json", "D"),
+)
+#: ``cb_trace`` of ``breakgraph`` and ``breakgraph_compiled`` over pure-decode steps, per run
+TABLE_FILL_TRACE_FILES = ("h200-cb-trace-block-table-5.17/summary.json",
+                          "h100-cb-trace-block-table-5.24/summary.json")  # fmt: skip
+#: ``benchmarks/graph_launch.py`` and ``benchmarks/decode_launch_probe.py`` (H200)
+GRAPH_LAUNCH_FILE = "h200-graph-launch.json"
+LAUNCH_PROBE_FILE = "h200-decode-launch-probe.json"
+#: HBM bytes/s of the cards the CB runs used; bench_cb's floors assume an H200's
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 #: multiprocessors of the GPU the sweep ran on, where its JSON does not say (an H200's)
 H200_MULTIPROCESSORS = 132
 
@@ -673,7 +690,8 @@ def prep_parts_section(runs: list) -> str:
             row.append(f"{num(value, 2)}{share}")
         rows.append(row)
     lists = [d for d in runs if not d["settings"].get("block_table")]
-    tables = [d for d in runs if d["settings"].get("block_table")]
+    tables = [d for d in runs if d["settings"].get("block_table") and not _numpy_fill(d)]
+    numpy = [d for d in runs if _numpy_fill(d)]
     parts = [d["decode_parts_ms"] for d in lists]
     first, settings = runs[0], runs[0]["settings"]
     low, high = settings["prompt_lengths"]
@@ -691,9 +709,8 @@ def prep_parts_section(runs: list) -> str:
         steps=", ".join(f"{d['decode_steps']} steps of {num(d['decode_requests_median'], 0)} "
                         f"requests at the median on {d['meta']['transformers']}" for d in runs),
         overhead=span(overhead, 2),
-        table=table(["part"] + [f"{d['meta']['transformers']}, "
-                                f"{'block table' if d['settings'].get('block_table') else 'lists'}"
-                                f" ms (share)" for d in runs], rows),  # fmt: skip
+        table=table(["part"] + [f"{d['meta']['transformers']}, {_prep_mode(d)} ms (share)"
+                                for d in runs], rows),  # fmt: skip
         lists_share=span([(p["index lists"] + p["list conversion"]) / p["prepare"] * 100
                           for p in parts], 0),  # fmt: skip
         without=span([p["prepare"] - p["index lists"] - p["list conversion"] for p in parts], 1),
@@ -704,7 +721,23 @@ def prep_parts_section(runs: list) -> str:
                       for d in tables] or [float("nan")], 0),  # fmt: skip
         fill_share=span([d["decode_parts_ms"]["block table"] / d["decode_parts_ms"]["prepare"]
                          * 100 for d in tables] or [float("nan")], 0),  # fmt: skip
+        with_numpy=", ".join(_against_lists(d, lists) for d in numpy) or "(not measured)",
+        numpy_us=span([d["decode_parts_ms"]["block table"] / d["decode_requests_median"] * 1e3
+                       for d in numpy] or [float("nan")], 0),  # fmt: skip
+        numpy_share=span([d["decode_parts_ms"]["block table"] / d["decode_parts_ms"]["prepare"]
+                          * 100 for d in numpy] or [float("nan")], 0),  # fmt: skip
     )
+
+
+def _numpy_fill(data: dict) -> bool:
+    """Whether a profile's block tables were written through breakgraph's numpy fill."""
+    return data["settings"].get("table_fill") == "numpy"
+
+
+def _prep_mode(data: dict) -> str:
+    if not data["settings"].get("block_table"):
+        return "lists"
+    return "block table, numpy fill" if _numpy_fill(data) else "block table"
 
 
 def _against_lists(data: dict, lists: list) -> str:
@@ -1308,3 +1341,122 @@ def block_table_section(runs: list) -> str:
         prep_ratio=span(preps, 2) if preps else "-",
         floor=span(floors, 1) if floors else "-",
     )
+
+
+def _card(data: dict) -> str:
+    """``H200`` or ``H100`` (the card's HBM decides its floor), from the run's GPU name."""
+    gpu = data["meta"].get("gpu", data["meta"].get("device", ""))
+    return next((card for card in HBM_BYTES_PER_S if card in gpu), gpu)
+
+
+def _over_floor(data: dict, entry: dict) -> float:
+    """A pure-decode step over its HBM floor on the card it ran on (``bench_cb`` divides by an
+    H200's bandwidth whatever the card)."""
+    assumed = data["meta"].get("hbm_bytes_per_s", HBM_BYTES_PER_S["H200"])
+    actual = HBM_BYTES_PER_S.get(_card(data), assumed)
+    return entry["decode_over_floor"] * actual / assumed
+
+
+def table_fill_section(runs: list, traces: list, launch: dict | None,
+                       probe: dict | None) -> str:  # fmt: skip
+    """The block table written through numpy (``breakgraph``) against transformers' own fill
+    (``breakgraph_tx_fill``), with index lists and the compiled decoder beside, taking turns
+    in one process: ``runs`` holds ``(data, label)``; ``traces`` the ``cb_trace`` summaries of
+    the same runs; ``launch`` and ``probe`` the graph-launch measurements."""
+    names = ("breakgraph", "breakgraph_tx_fill", "breakgraph_lists", "breakgraph_compiled")
+    rows, fills, compiled, floors, cards = [], [], [], {}, []
+    prep_ratios, step_ratios, hosts = [], [], {}
+    for data, label in runs:
+        cards.append(f"{label}: {data['meta']['gpu']}, transformers {_release(data)}")
+        for m in data["models"]:
+            v = m["variants"]
+            for name in names:
+                e = v.get(name, {})
+                if "tokens_per_s" not in e:
+                    continue
+                floors.setdefault(name, []).append(_over_floor(data, e))
+                if e.get("decode_forward_host_ms") is not None:
+                    hosts.setdefault(name, []).append(e["decode_forward_host_ms"])
+                rows.append([
+                    label, _release(data), _card(data), m["model"], f"`{name}`",
+                    f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+                    num(e["decode_step_ms"], 2), num(_over_floor(data, e), 1),
+                    num(e["host_prepare_ms_per_step"], 2),
+                    _cell(e, "decode_forward_host_ms", ".2f"),
+                    _cell(e, "decode_forward_device_ms", ".2f"),
+                ])  # fmt: skip
+            own, theirs = v.get("breakgraph", {}), v.get("breakgraph_tx_fill", {})
+            if "tokens_per_s" in own and "tokens_per_s" in theirs:
+                prep_ratios.append(own["host_prepare_ms_per_step"]
+                                   / theirs["host_prepare_ms_per_step"])  # fmt: skip
+                step_ratios.append(own["decode_step_ms"] / theirs["decode_step_ms"])
+                fills.append(
+                    f"- {label}, {m['model']}: preparation "
+                    f"{num(theirs['host_prepare_ms_per_step'], 2)} → "
+                    f"{num(own['host_prepare_ms_per_step'], 2)} ms per step, pure-decode step "
+                    f"{num(theirs['decode_step_ms'], 2)} → {num(own['decode_step_ms'], 2)} ms"
+                )
+            best = v.get("breakgraph_compiled", {})
+            if "tokens_per_s" in own and "tokens_per_s" in best:
+                compiled.append(
+                    f"- {label}, {m['model']}: {num(own['decode_step_ms'], 2)} → "
+                    f"{num(best['decode_step_ms'], 2)} ms ({num(_over_floor(data, own), 1)} → "
+                    f"{num(_over_floor(data, best), 1)}× the floor)"
+                )
+    kinds, launches = [], []
+    for summary in traces:
+        meta = summary.get("meta", {})
+        for name, t in summary.get("variants", {}).items():
+            if not t.get("steps"):
+                continue
+            by_kind = ", ".join(f"{kind} {num(ms, 2)}" for kind, ms in
+                                t["device_ms_per_step_by_kind"].items())  # fmt: skip
+            kinds.append(f"- `{name}` on {meta.get('gpu', '?')} ({meta.get('transformers', '?')}): "
+                         f"device busy {pct(t['device_busy_fraction'])} of "
+                         f"{num(t['wall_ms_per_step'], 2)} ms per step; {by_kind}")  # fmt: skip
+            if t.get("largest_graph_nodes"):
+                launches.append((t["largest_graph_nodes"], t["largest_graph_launch_host_ms"]))
+    graphs = launch or {}
+    decode = next(iter((probe or {}).get("decode", {}).values()), None)
+    return fill(
+        "cb.table_fill",
+        files=", ".join(f"`{name}` ({label})" for name, label in TABLE_FILL_FILES),
+        cards="; ".join(cards),
+        traces=", ".join(f"`{name}`" for name in TABLE_FILL_TRACE_FILES),
+        trace_model=", ".join(sorted({_argv_value(t.get("meta", {}), "--model") for t in traces})
+                              or ["(no trace)"]),  # fmt: skip
+        table=table(["run", "transformers", "GPU", "model", "variant", "tokens/s (rounds)",
+                     "decode ms", "decode x floor", "prep ms", "decode fwd host ms",
+                     "decode fwd device ms"], rows),  # fmt: skip
+        fills=bullets(fills) or "(not measured)",
+        compiled=bullets(compiled) or "(not measured)",
+        fill_prep_ratio=span(prep_ratios or [float("nan")], 2),
+        fill_step_ratio=span(step_ratios or [float("nan")], 2),
+        host_table=span(hosts.get("breakgraph", [float("nan")]), 2),
+        host_lists=span(hosts.get("breakgraph_lists", [float("nan")]), 2),
+        floor_default=span(floors.get("breakgraph", [float("nan")]), 1),
+        floor_compiled=span(floors.get("breakgraph_compiled", [float("nan")]), 1),
+        kinds=bullets(kinds) or "(no trace)",
+        trace_nodes=span([n for n, _ in launches] or [float("nan")], 0),
+        trace_launch=span([ms * 1e3 for _, ms in launches] or [float("nan")], 0),
+        launch_file=GRAPH_LAUNCH_FILE,
+        launch_sizes=span(graphs.get("nodes") or [float("nan")], 0),
+        launch_fixed=span([graphs[k]["fixed_us"] for k in ("kernels", "copies", "gemm", "triton")
+                           if k in graphs] or [float("nan")], 1),  # fmt: skip
+        launch_per_node=span([graphs[k]["per_node_us"] for k in ("kernels", "copies", "gemm",
+                              "triton") if k in graphs] or [float("nan")], 3),  # fmt: skip
+        launch_model=span([r["median_us"] for r in graphs.get("model", {}).get("by_size", {})
+                           .values()] or [float("nan")], 0),  # fmt: skip
+        probe_file=LAUNCH_PROBE_FILE,
+        probe_idle=num(decode["idle"]["median_us"], 1) if decode else "-",
+        probe_b2b=num(decode["back_to_back"]["median_us"], 1) if decode else "-",
+        probe_profiled=num(probe["profiler_cpu_cuda"]["median_us"], 0) if decode else "-",
+        probe_cpu=num(probe["profiler_cpu"]["median_us"], 0) if decode else "-",
+        probe_after=num(probe["after_profiler"]["median_us"], 0) if decode else "-",
+    )
+
+
+def _argv_value(meta: dict, flag: str) -> str:
+    """The value given to ``flag`` on a run's command line (``meta["argv"]``), or ``?``."""
+    argv = meta.get("argv", [])
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else "?"

@@ -494,8 +494,8 @@ def print_summary(results: dict) -> None:
             f"({_pct(v['prepare_device_busy_fraction'])})  step {v['step_ms_per_step']:.2f} "
             f"({_pct(v['step_device_busy_fraction'])})  update {v['update_ms_per_step']:.2f} "
             f"({_pct(v['update_device_busy_fraction'])})  sync {v['host_sync_ms_per_step']:.2f}"
-            f"  graph launches {v['graph_launch_host_ms_per_step']:.2f} (largest "
-            f"{v['largest_graph_nodes']} nodes)  trace {v['trace_mb']:.1f} MB"
+            f"  graph launches {v.get('graph_launch_host_ms_per_step', 0.0):.2f} (largest "
+            f"{v.get('largest_graph_nodes', 0)} nodes)  trace {v['trace_mb']:.1f} MB"
         )
         if v.get("note"):
             print(f"  {'':<19} note: {v['note']}")

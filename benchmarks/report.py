@@ -77,7 +77,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
            cb_report.DECODE_ATTENTION_FILE]
         + [name for name, _, _ in cb_report.DECODE_FOLD_FILES + cb_report.PAGED_DECODE_FILES]
         + [name for name, _ in cb_report.DECODE_GRAPHS_FILES + cb_report.COMPILED_FILES]
-        + [name for name, _ in cb_report.BLOCK_TABLE_FILES]
+        + [name for name, _ in cb_report.BLOCK_TABLE_FILES + cb_report.TABLE_FILL_FILES]
+        + [*cb_report.TABLE_FILL_TRACE_FILES, cb_report.GRAPH_LAUNCH_FILE]
+        + [cb_report.LAUNCH_PROBE_FILE]
         + [*cb_report.DECODE_GRAPHS_TRACE_FILES, cb_report.COMPILED_TRACE_FILE]
         + [cb_report.SPLIT_SWEEP_FILE, *(name for name, _ in cb_report.SPLIT_FILES)]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
@@ -174,6 +176,13 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
               if (d := load(name)) is not None]  # fmt: skip
     if tables:
         blocks.append(cb_report.block_table_section(tables))
+    fills = [(d, label) for name, label in cb_report.TABLE_FILL_FILES
+             if (d := load(name)) is not None]  # fmt: skip
+    if fills:
+        traces = [d for name in cb_report.TABLE_FILL_TRACE_FILES if (d := load(name))]
+        blocks.append(cb_report.table_fill_section(fills, traces,
+                                                   load(cb_report.GRAPH_LAUNCH_FILE),
+                                                   load(cb_report.LAUNCH_PROBE_FILE)))  # fmt: skip
     split = [(d, label) for name, label in cb_report.SPLIT_FILES if (d := load(name)) is not None]
     if split or load(cb_report.SPLIT_SWEEP_FILE) is not None:
         blocks.append(cb_report.split_section(load(cb_report.SPLIT_SWEEP_FILE), split))

@@ -81,12 +81,22 @@ def test_decode_buffers_hold_the_table_where_the_kernel_reads_it():
 
 
 @needs_cb
-def test_the_step_indices_equal_transformers_own_lists(monkeypatch):
+def test_the_step_indices_and_tables_equal_transformers_own(monkeypatch):
     """Every block-table step's indices, derived from the table, equal what transformers'
     ``extend_read_and_write_indices`` builds for the same requests (read before the step's
-    update moves them on)."""
+    update moves them on); and every request's row of the table, written through numpy while
+    the model is enabled (the emulated backend's tables are in host memory, as asynchronous
+    batching's are on CUDA), equals what transformers' own ``fill_block_table`` writes. The
+    cache's layout is looked up once; ``disable()`` restores transformers' method."""
     from transformers.generation.continuous_batching import input_outputs
 
+    cache_class = compat.block_table_filler()
+    assert cache_class is not None, "fill_block_table not found (contract item 16)"
+    fill = cache_class.__dict__["fill_block_table"]
+    layouts = []
+    writers = compat.block_table_writers
+    monkeypatch.setattr(compat, "block_table_writers",
+                        lambda cache: layouts.append(writers(cache)) or layouts[-1])  # fmt: skip
     checked = []
     original = input_outputs.ContinuousBatchingIOs.prepare_batch_tensors
 
@@ -96,6 +106,11 @@ def test_the_step_indices_equal_transformers_own_lists(monkeypatch):
         original(self, *args, **kwargs)
         if not self.use_block_table:
             return
+        assert cache_class.fill_block_table is not fill  # breakgraph's, while enabled
+        theirs = torch.full_like(self.block_table, -1)
+        for i, (request_id, past, query) in enumerate(states):
+            fill(self.cache, request_id, past, query, theirs[:, i])
+        assert torch.equal(self.block_table[:, : len(states)], theirs[:, : len(states)])
         groups = self.block_table.shape[0]
         reads, writes = [[] for _ in range(groups)], [[] for _ in range(groups)]
         for request_id, past, query in states:
@@ -117,6 +132,8 @@ def test_the_step_indices_equal_transformers_own_lists(monkeypatch):
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
         generate_batch(model, prompts, cbc=cb_config(block_size=8))
     assert len(checked) > 1 and max(checked) > 1, checked  # several steps of several requests
+    assert cache_class.__dict__["fill_block_table"] is fill
+    assert len(layouts) == 1 and layouts[0] is not None, layouts  # one lookup, a known layout
 
 
 @needs_cb
@@ -195,46 +212,6 @@ def test_heads_the_kernel_cannot_take_keep_the_index_lists(monkeypatch):
     assert asked[0] == (config.num_key_value_heads,
                         config.hidden_size // config.num_attention_heads)  # fmt: skip
     assert handle.decode_graphs.off == "the test's kernel takes no heads"
-
-
-@needs_cb
-def test_the_numpy_fill_writes_what_transformers_writes(monkeypatch):
-    """While a model is enabled, every request's row of a block-table step (host tables: the
-    emulated backend's, and the pinned ones of asynchronous batching on CUDA) is written
-    through numpy, and equals what transformers' own ``fill_block_table`` writes for the same
-    request; ``disable()`` restores transformers' method."""
-    from transformers.generation.continuous_batching import input_outputs
-
-    cache_class = compat.block_table_filler()
-    assert cache_class is not None, "fill_block_table not found (contract item 16)"
-    original = cache_class.__dict__["fill_block_table"]
-    known = []
-    writers = compat.block_table_writers
-    monkeypatch.setattr(compat, "block_table_writers",
-                        lambda cache: known.append(writers(cache)) or known[-1])  # fmt: skip
-    checked = []
-    prepare_batch = input_outputs.ContinuousBatchingIOs.prepare_batch_tensors
-
-    def prepare(self, *args, **kwargs):
-        requests = kwargs["requests_in_batch"] if "requests_in_batch" in kwargs else args[0]
-        states = [(r.state.request_id, r.state.position_offset, r.query_length) for r in requests]
-        prepare_batch(self, *args, **kwargs)
-        if not self.use_block_table:
-            return
-        assert cache_class.fill_block_table is not original
-        theirs = torch.full_like(self.block_table, -1)
-        for i, (request_id, past, query) in enumerate(states):
-            original(self.cache, request_id, past, query, theirs[:, i])
-        assert torch.equal(self.block_table[:, : len(states)], theirs[:, : len(states)])
-        checked.append(len(states))
-
-    monkeypatch.setattr(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", prepare)
-    model = build_model("llama")
-    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
-        generate_batch(model, random_prompts(seed=26), cbc=cb_config(block_size=8))
-    assert cache_class.__dict__["fill_block_table"] is original
-    assert len(checked) > 1 and max(checked) > 1, checked
-    assert len(known) == 1 and known[0] is not None, known  # one lookup, a known layout
 
 
 def test_the_fill_leaves_other_tables_and_layouts_to_transformers():

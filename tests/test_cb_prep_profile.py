@@ -83,7 +83,9 @@ def test_block_table_mode_times_the_table_instead_of_the_lists(monkeypatch, tmp_
     assert lists["block table"] == 0 and lists["index lists"] > 0, lists
     assert tables["block table"] > 0 and tables["index lists"] == 0, tables
     assert runs[1]["settings"]["block_table"] is True
+    assert runs[1]["settings"]["table_fill"] == "numpy"  # breakgraph's fill (contract item 16)
     text = cb_report.prep_parts_section(runs)
     version = transformers.__version__
-    assert f"{version}, lists ms (share)" in text and f"{version}, block table ms" in text
+    assert f"{version}, lists ms (share)" in text
+    assert f"{version}, block table, numpy fill ms" in text
     assert f"| block table | 0.00 (0%) | {tables['block table']:.2f} (" in text
