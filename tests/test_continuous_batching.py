@@ -182,6 +182,8 @@ def transformers_state(model) -> dict:
         experts=dict(ExpertsInterface._global_mapping),
         switch=compat.manager_class().__dict__["switch_to_cb_friendly_attn"],
         index_lists_torch=_input_outputs().torch,
+        table_fill=getattr(compat.block_table_filler(), "fill_block_table", None),
+        decode_gate=getattr(*compat.decode_path_gate()) if compat.decode_path_gate() else None,
         config_object=model.config,
         module_configs=[m.__dict__.get("config") for m in model.modules()],
         attn_impl=model.config._attn_implementation,
@@ -855,6 +857,8 @@ def test_disable_restores_model_and_transformers(arch, experts):
     else:
         assert during["index_lists_torch"] is before["index_lists_torch"]
     assert "forward" in during["instance_attrs"] and "forward" not in before["instance_attrs"]
+    if compat.block_table_filler() is not None:  # contract item 16: breakgraph's numpy fill
+        assert during["table_fill"] is not before["table_fill"]
     if experts == "eager":
         assert during["experts_impl"] == EXPERTS_KEY
     generate_batch(model, random_prompts(), persistent_manager=True)  # a cached manager too
