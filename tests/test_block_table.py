@@ -258,6 +258,38 @@ def test_eager_steps_and_unknown_layouts_keep_working(monkeypatch):
 
 
 @needs_cb
+@pytest.mark.parametrize(
+    "where", ["emulated", pytest.param("cuda-async", marks=pytest.mark.requires_cuda)]
+)
+def test_a_decode_steps_positions_are_its_key_counts_less_one(monkeypatch, where):
+    """Every block-table decode step's new key sits at position ``keys - 1`` of its sequence
+    (its position id equals its key count, from the step's key offsets, less one): what a
+    write row derived from the table and the key offsets alone would rely on. On CUDA with
+    asynchronous batching, where such a derivation inside the decode graph once gave tokens
+    unlike the index lists' (issue 23's notes), this checks the invariant itself."""
+    from breakgraph.integrations.transformers import decode_graph
+
+    seen, fill = [], decode_graph.DecodeBuffers.fill
+
+    def checked(self, step, n, bucket, page=0, rows=0):
+        if step.table is not None:
+            cu_k = step.cu_k["full_attention"] if isinstance(step.cu_k, dict) else step.cu_k
+            keys = (cu_k[1 : n + 1] - cu_k[:n]).tolist()
+            seen.append((step.positions[0, :n].tolist(), [k - 1 for k in keys]))
+        return fill(self, step, n, bucket, page, rows)
+
+    monkeypatch.setattr(decode_graph.DecodeBuffers, "fill", checked)
+    cuda = where.startswith("cuda")
+    model = build_model("llama", **({"device": "cuda", "dtype": torch.bfloat16} if cuda else {}))
+    backend = {} if cuda else {"backend": "emulated"}
+    with enable_continuous_batching(model, query_buckets=BUCKETS, **backend):
+        generate_batch(model, random_prompts(seed=27), cbc=cb_config())
+    assert seen, "no block-table decode step reached the decode graphs"
+    for positions, last_keys in seen:
+        assert positions == last_keys, (positions, last_keys)
+
+
+@needs_cb
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("async_batching", [False, None], ids=["sync", "async"])
 def test_cuda_bf16_block_table_steps_equal_the_index_list_steps(async_batching):
