@@ -72,10 +72,9 @@ def _op(kind: str):
     raise ValueError(kind)
 
 
-def build(nodes: int, kind: str) -> tuple[torch.cuda.CUDAGraph, object]:
-    """A graph of ``nodes`` nodes of ``kind`` (warmed up outside the capture first), and the
-    function it captured: keep it, it holds the tensors the graph reads."""
-    op = _op(kind)
+def capture(op, repeats: int) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``op`` called ``repeats`` times in one graph (warmed up outside the capture first), and
+    ``op`` itself: keep it, it holds the tensors the graph reads."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -84,16 +83,21 @@ def build(nodes: int, kind: str) -> tuple[torch.cuda.CUDAGraph, object]:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(nodes):
+        for _ in range(repeats):
             op()
     torch.cuda.synchronize()
     return graph, op
 
 
+def build(nodes: int, kind: str) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A graph of ``nodes`` nodes of ``kind`` (:func:`capture`)."""
+    return capture(_op(kind), nodes)
+
+
 def build_model(layers: int) -> tuple[torch.cuda.CUDAGraph, object]:
     """A decode-shaped stack of Llama-like layers in plain torch (bf16, 100 rows, hidden 2048:
     RMS norms, q/k/v/o and gated-MLP GEMMs, a rotary-like product, residual adds; no
-    attention), captured whole: the node mix of a decode graph."""
+    attention), captured whole (:func:`capture`): the node mix of a decode graph."""
     rows, hidden, inner = 100, 2048, 5632
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(rows, hidden, **bf16)
@@ -117,17 +121,7 @@ def build_model(layers: int) -> tuple[torch.cuda.CUDAGraph, object]:
             h = h + (torch.nn.functional.silu(gate) * up) @ wd
         return h
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            op()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        op()
-    torch.cuda.synchronize()
-    return graph, op
+    return capture(op, 1)
 
 
 def fit(points: dict[int, float]) -> tuple[float, float]:

@@ -110,6 +110,16 @@ def fill_block_table(original, cache: Any, request_id: str, past_length: int,
     few µs. On CUDA, transformers' asynchronous batching fills a pinned host table (then
     copies it to the device at once); its synchronous batching fills the device table, which
     stays transformers' own.
+
+    Example (a 5.17-style cache: one full-attention group, pages of 4 tokens)::
+
+        >>> from types import SimpleNamespace
+        >>> group = SimpleNamespace(block_size=4, block_table={"req": [7, 3, 9]})
+        >>> cache = SimpleNamespace(group_cache_managers=[group])
+        >>> table = torch.full((1, 4), -1, dtype=torch.int32)   # [groups, blocks]
+        >>> fill_block_table(None, cache, "req", 4, 1, table)    # 5 keys: 2 blocks
+        >>> table.tolist()
+        [[7, 3, -1, -1]]
     """
     if block_table.device.type != "cpu":
         return original(cache, request_id, past_length, query_length, block_table)
