@@ -26,6 +26,7 @@ from tests.test_continuous_batching import (  # noqa: E402
     build_model,
     cb_config,
     generate_batch,
+    generate_queued,
     needs_cb,
     random_prompts,
 )
@@ -272,10 +273,9 @@ def test_a_decode_steps_positions_are_its_key_counts_less_one(monkeypatch, where
     seen, fill = [], decode_graph.DecodeBuffers.fill
 
     def checked(self, step, n, bucket, page=0, rows=0):
-        if step.table is not None:
+        if step.table is not None:  # copies on the step's stream, no sync: timing unchanged
             cu_k = step.cu_k["full_attention"] if isinstance(step.cu_k, dict) else step.cu_k
-            keys = (cu_k[1 : n + 1] - cu_k[:n]).tolist()
-            seen.append((step.positions[0, :n].tolist(), [k - 1 for k in keys]))
+            seen.append((step.positions[0, :n].clone(), (cu_k[1 : n + 1] - cu_k[:n]) - 1))
         return fill(self, step, n, bucket, page, rows)
 
     monkeypatch.setattr(decode_graph.DecodeBuffers, "fill", checked)
@@ -286,7 +286,7 @@ def test_a_decode_steps_positions_are_its_key_counts_less_one(monkeypatch, where
         generate_batch(model, random_prompts(seed=27), cbc=cb_config())
     assert seen, "no block-table decode step reached the decode graphs"
     for positions, last_keys in seen:
-        assert positions == last_keys, (positions, last_keys)
+        assert positions.tolist() == last_keys.tolist(), (positions, last_keys)
 
 
 @needs_cb
@@ -295,14 +295,16 @@ def test_a_decode_steps_positions_are_its_key_counts_less_one(monkeypatch, where
 def test_cuda_bf16_block_table_steps_equal_the_index_list_steps(async_batching):
     """bf16 on the GPU (the Triton kernel in the decode graphs): the same read rows in the same
     order, so the tokens through the block table equal those through index lists, exactly,
-    synchronous and asynchronous (transformers copies the table from its host buffers)."""
+    synchronous and asynchronous (transformers copies the table from its host buffers). Every
+    request is queued before transformers' loop starts, so both runs batch alike (bf16 tokens
+    of differently composed batches may differ on near ties)."""
     model = build_model("llama", device="cuda", dtype=torch.bfloat16)
     prompts = random_prompts(seed=24)
     runs = {}
     for blocks in (0, None):
         cbc = cb_config(max_blocks_per_request=blocks, use_async_batching=async_batching)
         with enable_continuous_batching(model, query_buckets=BUCKETS) as handle:
-            runs[blocks] = generate_batch(model, prompts, cbc=cbc)
+            runs[blocks] = generate_queued(model, prompts, cbc=cbc)
             steps = dict(handle.runner.block_table_steps)
         assert handle.decode_graphs.off is None, handle.decode_graphs.off
         assert (steps["graph"] > 0) == (blocks is None) and steps["break"] == 0, steps

@@ -127,6 +127,31 @@ def generate_batch(model, prompts, gen=None, cbc=None, logprobs=False, **kwargs)
     return tokens, [torch.tensor(o.logprobs) for o in outs.values()]
 
 
+@torch.no_grad()
+def generate_queued(model, prompts, cbc=None) -> list:
+    """Tokens per prompt, like :func:`generate_batch`, with every request queued *before*
+    transformers' loop starts (``generate_batch`` starts the loop first and adds requests while
+    it runs, so which requests share the first steps depends on timing): the batches are the
+    same in every run, which a bf16 token comparison between two runs needs."""
+    manager = model.init_continuous_batching(
+        generation_config=generation_config(), continuous_batching_config=cbc or cb_config()
+    )
+    try:
+        ids = manager.add_requests(prompts)
+        manager.start()
+        outs = {}
+        while len(outs) < len(ids):  # in the order they finish
+            out = manager.get_result(timeout=120)
+            assert out is not None, f"no result within 120 s ({len(outs)} of {len(ids)})"
+            if out.is_finished():
+                outs[out.request_id] = out
+    finally:
+        manager.stop(block=True, timeout=60)
+        manager.destroy()
+    assert all(o.error is None for o in outs.values()), [o.error for o in outs.values()]
+    return [outs[rid].generated_tokens for rid in ids]
+
+
 def assert_logprobs_close(got: list, ref: list) -> None:
     for i, (g, r) in enumerate(zip(got, ref)):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4, msg=lambda m: f"prompt {i}: {m}")
