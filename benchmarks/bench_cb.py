@@ -279,7 +279,7 @@ def pass_summary(tokens, seconds, outputs, prompts, run, captures_before: int) -
         out["decode_floor_ms"] = floor["floor_ms"]
         out["decode_over_floor"] = out["decode_step_ms"] / floor["floor_ms"]
     if run.timer is not None:
-        out.update(run.timer.summary(seconds, min(32, len(prompts))))
+        out.update(run.timer.summary(seconds, min(32, len(prompts)), run.counter.each))
     if generated == len(prompts) * run.args.new_tokens:  # the workload the floor is for
         out["over_roofline"] = seconds / run.floor["roofline_s"]
     return out

@@ -121,6 +121,7 @@ class StepCounter:
     def __init__(self, lists: bool = False) -> None:
         self.lists = lists
         self.steps, self.prepare_s = 0, 0.0
+        self.each: list[float] = []  # ms of each step's scheduling, in order
         self.lists_s, self.list_entries = 0.0, 0
         self._inside = False
 
@@ -137,7 +138,9 @@ class StepCounter:
             finally:
                 self._inside = False
             if scheduled:  # an idle loop polls it too: only steps count
-                self.prepare_s += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                self.prepare_s += seconds
+                self.each.append(1e3 * seconds)
                 self.steps += 1
             else:
                 self.lists_s, self.list_entries = lists_s, entries
@@ -177,6 +180,7 @@ class StepCounter:
 
     def reset(self) -> None:
         self.steps, self.prepare_s = 0, 0.0
+        self.each = []
         self.lists_s, self.list_entries = 0.0, 0
 
     def summary(self) -> dict:
@@ -301,7 +305,11 @@ class StepTimer:
         self.records.clear()
         self.split.clear()
 
-    def summary(self, seconds: float, decode_min_rows: int) -> dict:
+    def summary(self, seconds: float, decode_min_rows: int, prepare_ms=()) -> dict:
+        """Per forward: host time, device span (CUDA), breaks' and cache updates' host time;
+        the medians over pure-decode forwards (every row a query, ``decode_min_rows`` or more),
+        with their steps' scheduling time from ``prepare_ms`` (:attr:`StepCounter.each`: the
+        k-th scheduled step is the k-th forward)."""
         if not self.records:
             return {}
         host = [r[0] * 1e3 for r in self.records]
@@ -325,6 +333,8 @@ class StepTimer:
                 )
             if spans is not None:
                 out["decode_forward_device_ms"] = statistics.median(spans[i] for i in decode)
+            if len(prepare_ms) == len(self.records):  # one scheduling per forward
+                out["decode_prepare_ms"] = statistics.median(prepare_ms[i] for i in decode)
         return out
 
 

@@ -182,6 +182,7 @@ def test_step_counter_times_long_list_conversions_inside_preparation_only(monkey
     summary = counter.summary()
     assert summary["host_prepare_list_entries_per_step"] == 2 * len(long_list)
     assert counter.steps == 2 and NumpyLists.tensor is numpy_path
+    assert len(counter.each) == 2 and sum(counter.each) == pytest.approx(1e3 * counter.prepare_s)
     assert 0 < summary["host_prepare_lists_ms_per_step"] <= summary["host_prepare_ms_per_step"]
     plain = cb_instruments.StepCounter()
     assert set(plain.summary()) == {"host_prepare_ms_per_step"}
@@ -361,6 +362,7 @@ def test_smoke_run_measures_every_variant(smoke_json):
             assert v["tokens_agree_with_stock"] == 1.0, name
             assert v["graphs"] >= 2 and v["replays"] == v["steps"] == v["forward_calls"]
             assert v["forward_host_ms_per_step"] > 0 and v["decode_forward_steps"] > 0
+            assert v["decode_prepare_ms"] > 0  # each pure-decode forward's scheduling
             # its attention breaks inside the forward, the cache updates inside the breaks
             fwd, brk = v["forward_host_ms_per_step"], v["break_host_ms_per_step"]
             assert fwd > brk > v["cache_update_host_ms_per_step"] > 0
@@ -462,6 +464,20 @@ def test_step_timer_keeps_the_forward_signature_transformers_reads():
         assert logits.shape[:2] == (1, 2)
         assert [r[3:] for r in timer.records] == [(5, 2)] and timer.records[0][0] > 0
     assert "forward" not in vars(model)
+
+
+def test_step_timer_pairs_pure_decode_forwards_with_their_scheduling():
+    """The k-th scheduled step is the k-th forward: a pure-decode forward's scheduling time is
+    taken from the same position of ``StepCounter.each``; counts that do not pair give none."""
+    timer = cb_instruments.StepTimer(cuda=False)
+    # (host s, events, tokens, rows): a prefill step, then two pure-decode steps of 40 rows
+    timer.records = [(0.004, None, None, 300, 10), (0.001, None, None, 40, 40),
+                     (0.003, None, None, 40, 40)]  # fmt: skip
+    timer.split = [(0.0, 0.0)] * 3
+    summary = timer.summary(1.0, 32, [9.0, 2.0, 4.0])
+    assert summary["decode_forward_steps"] == 2 and summary["decode_forward_host_ms"] == 2.0
+    assert summary["decode_prepare_ms"] == 3.0  # the median of 2 and 4, not the prefill's 9
+    assert "decode_prepare_ms" not in timer.summary(1.0, 32, [9.0, 2.0])
 
 
 @needs_cb
