@@ -28,6 +28,7 @@ Without CUDA it says so and exits 0 (nothing to measure).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
             "torch": torch.__version__,
             "hbm_bytes_per_s": args.hbm_tbs * 1e12,
             "reps": args.reps,
+            "date": datetime.date.today().isoformat(),
         },  # fmt: skip
         "shapes": [probe(shape, rows, args.reps, args.hbm_tbs * 1e12) for shape in SHAPES],
     }

@@ -17,6 +17,7 @@ import os
 from . import (
     cb_report,
     report_breaks,
+    report_decode_step,
     report_earlier,
     report_prefill,
     report_suite,
@@ -86,6 +87,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
         + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
         + [report_tests.SUITE_NEWEST_FILE, *cb_report.PREP_PARTS_FILES]
+        + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
+        + [report_decode_step.FLOOR_FILES[0], report_decode_step.DECODE_GEMM_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -183,6 +186,14 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         blocks.append(cb_report.table_fill_section(fills, traces,
                                                    load(cb_report.GRAPH_LAUNCH_FILE),
                                                    load(cb_report.LAUNCH_PROBE_FILE)))  # fmt: skip
+    rows = [(d, tree, turn) for name, tree, turn in report_decode_step.WRITE_ROWS_FILES
+            if (d := load(name)) is not None]  # fmt: skip
+    if rows:
+        blocks.append(report_decode_step.write_rows_section(rows))
+    floors = [d for name in report_decode_step.FLOOR_FILES if (d := load(name)) is not None]
+    if floors:
+        probe = load(report_decode_step.DECODE_GEMM_FILE)
+        blocks.append(report_decode_step.floor_section(floors, probe))
     split = [(d, label) for name, label in cb_report.SPLIT_FILES if (d := load(name)) is not None]
     if split or load(cb_report.SPLIT_SWEEP_FILE) is not None:
         blocks.append(cb_report.split_section(load(cb_report.SPLIT_SWEEP_FILE), split))

@@ -58,10 +58,12 @@ def test_slots_match_the_block_arithmetic(seed):
     ]
 
 
-def test_decode_buffers_hold_the_table_where_the_kernel_reads_it():
-    """A CUDA decode graph's buffers (``width`` > 0) take the step's table as it is, for its
-    kernel to read (no read rows derived); the emulated backend's derive the exact rows. Both
-    derive each sequence's write row; a bucket's padded sequences get no keys."""
+def test_decode_buffers_hold_the_table_and_derive_the_write_rows():
+    """A block-table step's buffers (``width`` > 0) take its table as it is; each sequence's
+    write row comes from the table and the key offsets alone (what the graph runs), the new
+    key being a sequence's last, and a bucket's padded sequences (no keys) write sequence 0's
+    slot again. The CUDA kernel reads the table (no read index); the emulated backend's dense
+    kernel reads the exact rows, derived per step."""
     from types import SimpleNamespace
 
     from breakgraph.integrations.transformers.decode_graph import DecodeBuffers
@@ -69,16 +71,53 @@ def test_decode_buffers_hold_the_table_where_the_kernel_reads_it():
     table = torch.tensor([[[4, 1, -1], [2, -1, -1]]], dtype=torch.int32)  # 1 group, 2 sequences
     cu_k = torch.tensor([0, 6, 8], dtype=torch.int32)  # 6 and 2 keys, pages of 4
     step = SimpleNamespace(table=table, positions=torch.tensor([[5, 1]]), cu_k=cu_k)
-    paged = DecodeBuffers((0,), 4, 1024, torch.device("cpu"), width=3, page=4)
-    paged.fill(step, 2, 4, page=4, rows=3)
-    assert paged.read == {} and paged.capacity == 0
-    assert paged.table[0][:2].tolist() == table[0].tolist()
-    assert paged.write[0].tolist() == [5, 9, 5, 5]  # padded rows: sequence 0's slot again
-    assert paged.cu_k.tolist() == [0, 6, 8, 8, 8]
-    flat = DecodeBuffers((0,), 4, 1024, torch.device("cpu"))
-    flat.fill(step, 2, 4, page=4, rows=8)
-    assert flat.table == {} and flat.read[0][:8].tolist() == [16, 17, 18, 19, 4, 5, 8, 9]
-    assert flat.write[0].tolist() == paged.write[0].tolist()
+    cuda = DecodeBuffers((0,), 4, 1024, torch.device("cpu"), width=3, page=4, reads=False)
+    cuda.fill(step, 2, 4, page=4, rows=2)
+    assert cuda.read == {} and cuda.write == {} and cuda.capacity == 0
+    assert cuda.table[0][:2].tolist() == table[0].tolist()
+    assert cuda.cu_k.tolist() == [0, 6, 8, 8, 8]
+    assert cuda.write_rows(0, 4).tolist() == [5, 9, 5, 5]  # padded: sequence 0's slot again
+    assert cuda.write_rows(0, 2).tolist() == block_table.write_slots(
+        table[0], step.positions[0], 4).tolist()  # fmt: skip
+    emulated = DecodeBuffers((0,), 4, 1024, torch.device("cpu"), width=3, page=4)
+    emulated.fill(step, 2, 4, page=4, rows=8)
+    assert emulated.read[0][:8].tolist() == [16, 17, 18, 19, 4, 5, 8, 9]
+    assert emulated.write_rows(0, 4).tolist() == [5, 9, 5, 5]
+    lists = DecodeBuffers((0,), 4, 1024, torch.device("cpu"))
+    assert lists.table == {} and lists.width == 0 and lists.capacity == 1024
+
+
+def test_a_cuda_table_step_costs_the_host_three_copies():
+    """Before a CUDA decode graph's replay a block-table step only copies its table and key
+    offsets in (the write rows are derived inside the graph, the kernel reads the table):
+    no per-step derivation on the host (its launches were what the table path added to the
+    forward's host time over index lists)."""
+    from types import SimpleNamespace
+
+    from breakgraph.integrations.transformers.decode_graph import DecodeBuffers
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    VIEWS = ("slice", "select", "view", "expand", "alias", "squeeze", "as_strided")
+
+    class Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not any(view in func.__name__ for view in VIEWS):  # views launch nothing
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    n, bucket, blocks = 5, 8, 4
+    table = torch.randint(0, 50, (1, n, blocks), dtype=torch.int32)
+    cu_k = torch.arange(0, (n + 1) * 7, 7, dtype=torch.int32)
+    step = SimpleNamespace(table=table, positions=cu_k[1:][None] - 1, cu_k=cu_k)
+    buffers = DecodeBuffers((0,), bucket, 1024, torch.device("cpu"), blocks, 4, reads=False)
+    buffers.fill(step, n, bucket, page=4, rows=n)  # the first fill also sets the source rows
+    with Launches() as launches:
+        buffers.fill(step, n, bucket, page=4, rows=n)
+    assert launches.ops == ["copy_.default"] * 3, launches.ops  # table, offsets, padding
 
 
 @needs_cb

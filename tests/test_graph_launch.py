@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from benchmarks import cb_report, decode_launch_probe, graph_launch
+from benchmarks import cb_report, decode_gemm_probe, decode_launch_probe, graph_launch
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
 
@@ -35,9 +35,9 @@ def test_the_fit_recovers_fixed_and_per_node_costs():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the scripts measure where CUDA runs")
-@pytest.mark.parametrize("script", [graph_launch, decode_launch_probe])
-def test_the_launch_scripts_say_there_is_nothing_to_measure_without_cuda(script, tmp_path,
-                                                                         capsys):  # fmt: skip
+@pytest.mark.parametrize("script", [graph_launch, decode_launch_probe, decode_gemm_probe])
+def test_the_probe_scripts_say_there_is_nothing_to_measure_without_cuda(script, tmp_path,
+                                                                        capsys):  # fmt: skip
     out = tmp_path / "x.json"
     assert script.main(["--out", str(out)]) == 0
     assert "no CUDA device" in capsys.readouterr().out and not out.exists()

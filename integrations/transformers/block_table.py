@@ -16,7 +16,8 @@ then reaches :class:`~.cb_step.StepRunner` with empty index lists, and breakgrap
 indices on the device from the table, the positions and the key offsets (contract item 15:
 key ``j`` of a sequence is at row ``table[j // P] * P + j % P``):
 
-* :func:`write_slots`: each sequence's new key row (``n`` values);
+* :func:`write_slots`: each sequence's new key row (``n`` values; a decode graph runs it inside
+  the graph, :meth:`.decode_graph.DecodeBuffers.write_rows`);
 * :func:`read_slots`: every key row of the step, sequence after sequence (the exact count,
   after one sync: :meth:`.cb_step.CBStep.materialise` for the breaks, and the emulated
   backend's decode graphs). A CUDA decode graph needs no read rows: its Triton kernel reads

@@ -22,9 +22,10 @@ every shape depends on ``B`` only:
 
 The step's indices are copied into static buffers (:class:`DecodeBuffers`) before the
 replay, as the ids and positions are; a step that comes with transformers' block table
-instead of index lists has its write rows derived from the table on the device
-(:mod:`.block_table`) and, on CUDA, its table copied in: the kernel reads the table itself
-(on the emulated backend the read rows are derived, exactly). A graph
+instead of index lists has its table copied in: the graph derives each sequence's write row
+from it and the key offsets (:meth:`DecodeBuffers.write_rows`, :mod:`.block_table`), and on
+CUDA the kernel reads the table itself (on the emulated backend the read rows are derived,
+exactly, before the replay). A graph
 bakes the cache tensors' addresses in, so a ladder belongs to one cache *layout* (the
 tensors' addresses, shapes and strides): a manager
 whose cache lies elsewhere gets a ladder of its own, one whose cache reuses the addresses
@@ -99,49 +100,49 @@ class NotDecodable(Exception):
 
 
 class DecodeBuffers:
-    """The decode graphs' static inputs beside the ids and positions: per layer group the
-    write index ``[B]`` and either the read index ``[capacity]`` or, for block-table steps on
-    CUDA (``width`` > 0), the block table ``[B, width]`` (the kernel reads it directly); the
-    key offsets ``[B + 1]`` and the source row of each write ``[B]``. Sized for the largest
-    bucket and ``capacity`` read rows (the whole read index is what
-    :func:`.paged_decode.paged_decode_dense` reads: it is sized from the steps, not from the
-    cache, which may hold millions of rows)."""
+    """The decode graphs' static inputs beside the ids and positions, sized for the largest
+    bucket: the key offsets ``[B + 1]`` and the source row of each write ``[B]``, and per layer
+    group either the step's write index ``[B]`` and read index ``[capacity]`` (index-list
+    steps) or, for block-table steps (``width`` > 0), the block table ``[B, width]``: each
+    sequence's write row is derived from it inside the graph (:meth:`write_rows`), and the
+    CUDA kernel reads it directly; the emulated backend's dense kernel still reads a read
+    index (``reads``), derived exactly per step. A read index is sized from the steps
+    (``capacity`` rows; :func:`.paged_decode.paged_decode_dense` reads all of it), not from the
+    cache, which may hold millions of rows."""
 
     def __init__(self, groups, largest: int, capacity: int, device: torch.device,
-                 width: int = 0, page: int = 0) -> None:  # fmt: skip
-        self.capacity, self.width, self.page = (0, width, page) if width else (capacity, 0, 0)
+                 width: int = 0, page: int = 0, reads: bool = True) -> None:  # fmt: skip
+        self.width, self.page = width, page if width else 0
+        self.capacity = capacity if reads or not width else 0
         with torch.inference_mode(False):
-            self.write = {g: torch.zeros(largest, dtype=torch.long, device=device) for g in groups}
-            self.read = {} if width else {
-                g: torch.zeros(capacity, dtype=torch.long, device=device) for g in groups}
-            self.table = {} if not width else {
-                g: torch.zeros(largest, width, dtype=torch.int32, device=device) for g in groups}
+            zeros = lambda *shape, dtype=torch.long: {  # noqa: E731
+                g: torch.zeros(*shape, dtype=dtype, device=device) for g in groups}
+            self.write = {} if width else zeros(largest)
+            self.read = zeros(capacity) if self.capacity else {}
+            self.table = zeros(largest, width, dtype=torch.int32) if width else {}
             self.cu_k = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.source = torch.zeros(largest, dtype=torch.long, device=device)
             self.iota = torch.arange(largest, dtype=torch.long, device=device)
         self._source_for: tuple[int, int] | None = None  # (n, bucket) the source holds
 
     def fill(self, step: Any, n: int, bucket: int, page: int = 0, rows: int = 0) -> None:
-        """Copy the live step's indices in (device copies, no sync; every read index fits).
-        A block-table step's write rows are derived from its table (:mod:`.block_table`;
-        blocks of ``page`` tokens), and its table copied in (``width`` > 0) or its ``rows``
-        read rows derived too."""
+        """Copy the live step's indices in (device copies, no sync; every read index fits):
+        an index-list step's write and read indices, a block-table step's table (and, for
+        the emulated backend, its ``rows`` read rows, derived from the table: blocks of
+        ``page`` tokens, :mod:`.block_table`)."""
         cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
-        for group, write in self.write.items():
-            if step.table is not None:
-                table = step.table[group, :n]
-                live = write_slots(table, step.positions[0, :n], page)
-                if self.width:
-                    self.table[group][:n].copy_(table)
-                else:
-                    self.read[group][:rows].copy_(read_slots(table, cu_k, page, rows))
-            else:
-                live = step.write_index[group]
-                index = step.read_index[group]
-                self.read[group][: index.shape[0]].copy_(index)
+        for group, write in self.write.items():  # index-list steps
+            live = step.write_index[group]
+            index = step.read_index[group]
+            self.read[group][: index.shape[0]].copy_(index)
             write[:n].copy_(live)
             if n < bucket:  # padded rows: sequence 0's slot again
                 write[n:bucket].copy_(live[:1].expand(bucket - n))
+        for group, table in self.table.items():  # block-table steps
+            live = step.table[group, :n]
+            table[:n].copy_(live)
+            if self.read:
+                self.read[group][:rows].copy_(read_slots(live, cu_k, page, rows))
         self.cu_k[: n + 1].copy_(cu_k)
         if n < bucket:  # padded sequences: no keys
             self.cu_k[n + 1 : bucket + 1].copy_(cu_k[n:].expand(bucket - n))
@@ -149,6 +150,27 @@ class DecodeBuffers:
             self.source[:n].copy_(self.iota[:n])
             self.source[n:bucket].zero_()
             self._source_for = (n, bucket)
+
+    def write_rows(self, group: Any, bucket: int) -> torch.Tensor:
+        """Each sequence's write row ``[bucket]`` from the table and the key offsets alone (run
+        inside the graph, so nothing is derived on the host per step): a sequence's new key
+        is its last, at position ``keys - 1``; a padded sequence (no keys) writes sequence 0's
+        slot again, as the index-list path does.
+
+        Example (pages of 4 tokens; 6 keys in blocks 3, 1 and 1 key in block 2; bucket 4)::
+
+            >>> from types import SimpleNamespace
+            >>> buffers = DecodeBuffers((0,), 4, 0, torch.device("cpu"), width=2, page=4,
+            ...                         reads=False)
+            >>> table = torch.tensor([[[3, 1], [2, 0]]], dtype=torch.int32)
+            >>> step = SimpleNamespace(table=table, cu_k=torch.tensor([0, 6, 7]))
+            >>> buffers.fill(step, 2, 4, page=4)
+            >>> buffers.write_rows(0, 4).tolist()  # key 5 in block 1, key 0 in block 2, padding
+            [5, 8, 5, 5]
+        """
+        keys = self.cu_k[1 : bucket + 1] - self.cu_k[:bucket]
+        slots = write_slots(self.table[group][:bucket], (keys - 1).clamp_(min=0), self.page)
+        return torch.where(keys > 0, slots, slots[:1])
 
 
 class _LayoutGraphs:
@@ -186,6 +208,7 @@ class DecodeGraphs:
         self._dead: list[tuple] = []  # layouts whose cache was freed (emulated backend)
         self._layers: dict[int, tuple] = {}  # layer -> (group, keys, values), while capturing
         self.buffers: DecodeBuffers | None = None  # the capturing layout's, while capturing
+        self._write_rows: dict = {}  # group -> a block-table step's write rows, while capturing
 
     @property
     def stats(self) -> LadderStats:
@@ -211,28 +234,29 @@ class DecodeGraphs:
         if layout is None:
             return self._fallback("cache layout unknown or a sliding-window layer")
         layers, key, groups, page = layout
-        width = 0
+        width, reads = 0, self.backend != "cuda"  # the CUDA kernel reads a table itself
         if step.table is not None:
             if page is None:
                 return self._fallback("block-table layout unknown")
-            if self.backend == "cuda":  # the kernel reads the table: no rows, no sync
-                rows = width = step.table.shape[-1]
-            else:  # host memory: the exact count (the dense kernel reads every row)
+            width = step.table.shape[-1]
+            if reads:  # host memory: the exact count (the dense kernel reads every row)
                 cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
                 rows = int(cu_k[n])
+            else:  # no rows to read, no sync: at least the new key of every sequence
+                rows = n
         else:
             rows = max(step.read_index[group].shape[0] for group in groups)
         if rows == 0:  # a first step of one-token prompts: attention over their own keys
             return self._fallback("nothing cached yet (empty read index)")
         key = (key, width, page if width else 0)  # tables and read indices: their own graphs
         graphs = self._graphs.get(key)
-        if graphs is None or (not width and rows > graphs.buffers.capacity):  # new, or more keys
+        if graphs is None or rows > graphs.buffers.capacity > 0:  # new, or more keys to read
             if graphs is None and (problem := self._kernel_problem(layers)) is not None:
                 self.off = problem
                 return False
             try:
                 graphs = self._new_graphs(key, layers, groups, largest, _capacity(rows),
-                                          width, page)  # fmt: skip
+                                          width, page, reads)  # fmt: skip
             except Exception as exc:  # e.g. out of memory: the breaks serve the step
                 return self._turn_off("static buffers failed", exc)
         self._graphs.move_to_end(key)
@@ -241,7 +265,7 @@ class DecodeGraphs:
             step.decode, self._layers, self.buffers = self, layers, graphs.buffers
             try:
                 graphs.ladder.capture(
-                    [bucket], self.record, warm_up=self.record, context=lambda size: step,
+                    [bucket], self._record, warm_up=self._record, context=lambda size: step,
                     collect_garbage=False, capture_error_mode="thread_local",
                 )  # fmt: skip
             except NotDecodable as exc:
@@ -267,12 +291,18 @@ class DecodeGraphs:
         group, keys, values = rows
         bucket = query.shape[2]
         buffers = self.buffers
-        source, write = buffers.source[:bucket], buffers.write[group][:bucket]
+        if buffers.width:  # a block-table step: derived once per group in the graph
+            if group not in self._write_rows:
+                self._write_rows[group] = buffers.write_rows(group, bucket)
+            write = self._write_rows[group]
+        else:
+            write = buffers.write[group][:bucket]
+        source = buffers.source[:bucket]
         keys.index_copy_(0, write, key[0].transpose(0, 1).index_select(0, source))
         values.index_copy_(0, write, value[0].transpose(0, 1).index_select(0, source))
         q = query_rows(query)
         cu_k = buffers.cu_k[: bucket + 1]
-        if buffers.width:  # CUDA, a block-table step: the kernel reads the table
+        if buffers.width and not buffers.read:  # CUDA: the kernel reads the table itself
             return paged_decode(q, keys, values, buffers.table[group], cu_k, scaling,
                                 page=buffers.page)  # fmt: skip
         read = buffers.read[group]
@@ -320,8 +350,17 @@ class DecodeGraphs:
                     f"{kv_heads} key heads of size {head_dim}")  # fmt: skip
         return None
 
+    def _record(self, bucket: int) -> Any:
+        """``record(bucket)``, each pass (warm-up, capture) deriving its own write rows."""
+        self._write_rows = {}
+        try:
+            return self.record(bucket)
+        finally:
+            self._write_rows = {}
+
     def _new_graphs(self, key: tuple, layers: dict[int, tuple], groups: tuple, largest: int,
-                    capacity: int, width: int = 0, page: int = 0) -> _LayoutGraphs:  # fmt: skip
+                    capacity: int, width: int = 0, page: int = 0,
+                    reads: bool = True) -> _LayoutGraphs:  # fmt: skip
         """Graphs for a new cache layout, or larger buffers for one (its old graphs baked the
         old addresses in: released, and buckets are captured again when needed)."""
         if key in self._graphs:
@@ -332,7 +371,7 @@ class DecodeGraphs:
             while len(self._graphs) >= self.KEEP:
                 self._release(next(iter(self._graphs)))
         device = next(iter(layers.values()))[1].device
-        buffers = DecodeBuffers(groups, largest, capacity, device, width, page)
+        buffers = DecodeBuffers(groups, largest, capacity, device, width, page, reads)
         ladder = GraphLadder(backend=self.backend, debug=self.debug, on_miss="eager",
                              who=f"{self.who} (decode graphs)")  # fmt: skip
         graphs = self._graphs[key] = _LayoutGraphs(ladder, buffers)

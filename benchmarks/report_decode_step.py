@@ -1,0 +1,149 @@
+"""The page's sections on one pure-decode step: its write rows derived inside the decode graph
+(the tree before and this one, in turn) and the step's budget against twice its HBM floor.
+
+Why a module of its own: these two sections read ``bench_cb`` runs and the GEMM probe
+(``benchmarks/decode_gemm_probe.py``) together, per shape, to say which part of the step (
+transformers' host work, breakgraph's forward, the device) stands between it and issue
+twenty-three's target; ``cb_report`` holds the continuous-batching sections before them.
+
+Example (the committed runs)::
+
+    python -m benchmarks.report   # the whole page, these sections included
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .cb_report import _release, _run_of
+from .template import bullets, fill, num, span, table
+
+#: ``bench_cb --variants breakgraph`` of the tree before (``host``: write rows derived on the
+#: host's stream before the replay) and this one (``graph``: derived inside the graph), one
+#: process each, in turn: (file, tree, turn)
+WRITE_ROWS_FILES = tuple(
+    (f"h200-cb-write-rows-{tree}-{turn}-{release}.json", tree, turn)
+    for release in ("5.17", "5.24")
+    for turn in (1, 2)
+    for tree in ("host", "graph")
+)
+#: ``bench_cb --variants breakgraph,breakgraph_compiled`` of this tree, one per release: the
+#: step's parts against its floor
+FLOOR_FILES = ("h200-cb-floor-5.17.json", "h200-cb-write-rows-graph-1-5.24.json")
+#: ``benchmarks/decode_gemm_probe.py``: a decode step's GEMMs alone, as the model runs them
+#: and fused
+DECODE_GEMM_FILE = "h200-decode-gemm.json"
+#: the target: a pure-decode step within this many times its HBM floor
+TARGET_OVER_FLOOR = 2.0
+
+
+def _after_over_before(trees: dict) -> float:
+    """This tree's median over the tree before's (``trees``: ``{"host": [], "graph": []}``)."""
+    return statistics.median(trees["graph"]) / statistics.median(trees["host"])
+
+
+def write_rows_section(runs: list) -> str:
+    """The two trees in turn (``runs``: ``(data, tree, turn)``): per release and model, the
+    pure-decode forward's host time (what the change moves), its device span, the step."""
+    rows, host, device = [], {}, {}
+    for data, tree, turn in runs:
+        for m in data["models"]:
+            v = m["variants"].get("breakgraph", {})
+            if "decode_forward_host_ms" not in v:
+                continue
+            key = (_release(data), m["model"])
+            host.setdefault(key, {}).setdefault(tree, []).append(v["decode_forward_host_ms"])
+            device.setdefault(key, {}).setdefault(tree, []).append(v["decode_forward_device_ms"])
+            rows.append([
+                _release(data), m["model"], tree, str(turn),
+                f"{num(v['tokens_per_s'], 0)} ({span(v['rounds_tokens_per_s'], 0)})",
+                num(v["decode_step_ms"], 2), num(v["decode_prepare_ms"], 2),
+                num(v["decode_forward_host_ms"], 2), num(v["decode_forward_device_ms"], 2),
+            ])  # fmt: skip
+    lines, ratios, device_ratios = [], [], []
+    for key, trees in host.items():
+        if "host" in trees and "graph" in trees:
+            release, model = key
+            ratio = _after_over_before(trees)
+            ratios.append(ratio)
+            device_ratios.append(_after_over_before(device[key]))
+            lines.append(f"- {model} on {release}: {span(trees['host'], 2)} → "
+                         f"{span(trees['graph'], 2)} ms ({num(ratio, 2)}×)")  # fmt: skip
+    first = runs[0][0]
+    return fill(
+        "cb.write_rows",
+        files=", ".join(f"`{name}`" for name, _, _ in WRITE_ROWS_FILES),
+        **_run_of(first["meta"], "gpu"),
+        table=table(["transformers", "model", "write rows", "turn", "tokens/s (rounds)",
+                     "decode ms", "decode prep ms", "decode fwd host ms",
+                     "decode fwd device ms"], rows),  # fmt: skip
+        host=bullets(lines) or "(not measured)",
+        ratio=span(ratios or [float("nan")], 2),
+        device_ratio=span(device_ratios or [float("nan")], 2),
+    )
+
+
+def _gemm_ms(probe: dict | None, model: str, requests: int, layers: int) -> tuple:
+    """``(separate, fused, share)``: ms of one step's GEMMs (every layer's, and the head) at
+    the probe's row count nearest ``requests``, and the share of HBM bandwidth the layers'
+    separate GEMMs reach; ``(None, None, None)`` where the probe has no such shape."""
+    shape = next((s for s in (probe or {}).get("shapes", []) if s["shape"] == model), None)
+    if shape is None:
+        return None, None, None
+    rows = shape["rows"][min(shape["rows"], key=lambda r: abs(int(r) - requests))]
+    head = rows["head"]["ms"]
+    separate, fused = (layers * rows[way]["ms_per_layer"] + head for way in ("separate", "fused"))
+    return separate, fused, rows["separate"]["bandwidth_share"]
+
+
+def floor_section(runs: list, probe: dict | None) -> str:
+    """Each shape's pure-decode step split into what bounds it, each part over the step's
+    HBM floor: transformers' scheduling of the step (``decode_prepare_ms``), breakgraph's
+    forward on the host, the device's forward (default and compiled decoder) and, from the
+    probe, the step's GEMMs alone (``runs``: the ``FLOOR_FILES`` loaded)."""
+    rows, prep, device, compiled, gemms, fused, shares = [], [], [], [], [], [], []
+    for data in runs:
+        for m in data["models"]:
+            v = m["variants"].get("breakgraph", {})
+            c = m["variants"].get("breakgraph_compiled", {})
+            if "decode_prepare_ms" not in v:
+                continue
+            floor = v["decode_floor_ms"]
+            over = lambda ms: "-" if ms is None else f"{num(ms, 2)} ({num(ms / floor, 1)}×)"  # noqa: E731
+            separate, joined, share = _gemm_ms(probe, m["model"], v["decode_requests"],
+                                        m["floor"]["shape"]["layers"])  # fmt: skip
+            prep.append(v["decode_prepare_ms"] / floor)
+            device.append(v["decode_forward_device_ms"] / floor)
+            if c.get("decode_forward_device_ms") is not None:
+                compiled.append(c["decode_forward_device_ms"] / floor)
+            if separate is not None:
+                gemms.append(separate / floor)
+                fused.append(joined / floor)
+                shares.append(share)
+            rows.append([
+                _release(data), m["model"], str(v["decode_requests"]), num(floor, 3),
+                over(v["decode_step_ms"]), over(v["decode_prepare_ms"]),
+                over(v["decode_forward_host_ms"]), over(v["decode_forward_device_ms"]),
+                over(c.get("decode_forward_device_ms")), over(separate), over(joined),
+            ])  # fmt: skip
+    nan = [float("nan")]
+    first = runs[0]["meta"]
+    return fill(
+        "cb.floor",
+        files=", ".join(f"`{name}`" for name in FLOOR_FILES),
+        probe=f"`{DECODE_GEMM_FILE}`",
+        **_run_of(first, "gpu"),
+        target=num(TARGET_OVER_FLOOR, 0),
+        table=table(["transformers", "model", "requests", "floor ms", "step", "scheduling",
+                     "bg forward host", "device", "device compiled", "GEMMs alone",
+                     "GEMMs fused"], rows),  # fmt: skip
+        prep=span(prep or nan, 1),
+        prep_over=sum(p > TARGET_OVER_FLOOR for p in prep),
+        shapes=len(prep),
+        device_over=span(device or nan, 1),
+        compiled_over=span(compiled or nan, 1),
+        gemms=span(gemms or nan, 1),
+        fused=span(fused or nan, 1),
+        share=span([100 * s for s in shares] or nan, 0),
+        reps=(probe or {}).get("meta", {}).get("reps", "-"),
+    )

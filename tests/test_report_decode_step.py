@@ -1,0 +1,82 @@
+"""The page's sections on one pure-decode step (``benchmarks/report_decode_step.py``): the write
+rows derived inside the graph, the tree before and this one in turn, and the step's parts
+against twice its HBM floor. Synthetic runs, so a changed number must change the text."""
+
+import json
+import os
+
+from benchmarks import report_decode_step as R
+
+RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "results")
+META = {"device": "GPU", "gpu": "GPU", "torch": "2.x", "date": "today", "transformers": "5.17.0"}
+
+
+def _variant(host_ms=0.5, device_ms=2.0, prep_ms=2.0, step_ms=3.0, floor_ms=0.5):
+    return {"tokens_per_s": 1000.0, "rounds_tokens_per_s": [900.0, 1000.0, 1100.0],
+            "decode_step_ms": step_ms, "decode_prepare_ms": prep_ms,
+            "decode_forward_host_ms": host_ms, "decode_forward_device_ms": device_ms,
+            "decode_floor_ms": floor_ms, "decode_requests": 100}  # fmt: skip
+
+
+def _run(model="m", layers=4, **variants):
+    shape = {"layers": layers}
+    return {"meta": META, "models": [{"model": model, "floor": {"shape": shape},
+                                      "variants": variants}]}  # fmt: skip
+
+
+def test_the_write_rows_section_compares_the_forward_host_time_tree_by_tree():
+    runs = [
+        (_run(breakgraph=_variant(host_ms=0.6, device_ms=2.0)), "host", 1),
+        (_run(breakgraph=_variant(host_ms=0.3, device_ms=1.9)), "graph", 1),
+        (_run(breakgraph=_variant(host_ms=0.8, device_ms=2.2)), "host", 2),
+        (_run(breakgraph=_variant(host_ms=0.4, device_ms=2.1)), "graph", 2),
+    ]
+    text = R.write_rows_section(runs)
+    assert "| 5.17.0 | m | graph | 2 | 1000 (900–1100) | 3.00 | 2.00 | 0.40 | 2.10 |" in text
+    assert "- m on 5.17.0: 0.60–0.80 → 0.30–0.40 ms (0.50×)" in text
+    assert "After / before: 0.50; the forward's device span, after / before: 0.95" in text
+
+
+def test_the_write_rows_section_says_not_measured_without_both_trees():
+    text = R.write_rows_section([(_run(breakgraph=_variant()), "host", 1)])
+    assert "before → after (each process's median round):\n\n(not measured)" in text
+
+
+def _probe(per_layer_separate=0.1, per_layer_fused=0.08, head=0.2):
+    def rows(scale):
+        return {"separate": {"ms_per_layer": per_layer_separate * scale, "bandwidth_share": 0.5},
+                "fused": {"ms_per_layer": per_layer_fused * scale, "bandwidth_share": 0.6},
+                "head": {"ms": head}}  # fmt: skip
+
+    return {"meta": {"reps": 30},
+            "shapes": [{"shape": "m", "rows": {"32": rows(0.5), "128": rows(1.0)}}]}
+
+
+def test_the_floor_section_puts_every_part_of_the_step_over_its_floor():
+    data = _run(layers=4, breakgraph=_variant(prep_ms=1.5, device_ms=2.0, floor_ms=0.5),
+                breakgraph_compiled=_variant(device_ms=1.0, floor_ms=0.5))  # fmt: skip
+    text = R.floor_section([data], _probe())
+    # 100 requests: the probe's 128 rows (nearest); 4 layers x 0.1 + the head's 0.2
+    assert ("| 5.17.0 | m | 100 | 0.500 | 3.00 (6.0×) | 1.50 (3.0×) | 0.50 (1.0×) | 2.00 (4.0×) "
+            "| 1.00 (2.0×) | 0.60 (1.2×) | 0.52 (1.0×) |") in text  # fmt: skip
+    assert "alone is 3.0× its floor (above twice it in\n  1 of 1 runs)" in text
+    assert "read their weights at 50% of" in text and ", 30 replays," in text
+
+
+def test_the_floor_section_counts_the_runs_whose_scheduling_fits_and_marks_missing_parts():
+    fits = _run(model="other", breakgraph=_variant(prep_ms=0.9, floor_ms=0.5))
+    text = R.floor_section([fits], _probe())
+    assert "| 5.17.0 | other | 100 | 0.500 |" in text and "| - | - | - |" in text
+    assert "above twice it in\n  0 of 1 runs" in text
+
+
+def test_the_floor_section_reads_the_committed_runs():
+    def load(name):
+        with open(os.path.join(RESULTS, name)) as f:
+            return json.load(f)
+
+    runs = [load(name) for name in R.FLOOR_FILES]
+    text = R.floor_section(runs, load(R.DECODE_GEMM_FILE))
+    assert {r["meta"]["transformers"] for r in runs} == {"5.17.0", "5.24.0"}
+    assert "| 5.17.0 | qwen2.5-3b-12l | 100 | 0.666 |" in text
+    assert "above twice it in\n  6 of 6 runs" in text
