@@ -33,9 +33,10 @@
 # docs/results/h200-cb-block-table-*.json, see cb_report.BLOCK_TABLE_FILES, and the trace
 # folder to docs/results/h200-cb-trace-block-table-*),
 # RUN_DECODE_FLOOR=1 (a pure-decode step's parts against its HBM floor: benchmarks/decode_gemm_probe.py,
-# then bench_cb --variants breakgraph,breakgraph_compiled on three shapes, ~2.5 min; copy
-# decode-gemm.json to docs/results/h200-decode-gemm.json and floor.json to
-# docs/results/h200-cb-floor-5.17.json, see report_decode_step.FLOOR_FILES),
+# then bench_cb --variants breakgraph,breakgraph_compiled on three shapes with 100 prompts and
+# with 32, ~4.5 min; copy decode-gemm.json to docs/results/h200-decode-gemm.json, floor.json to
+# docs/results/h200-cb-floor-5.17.json and floor-32.json to h200-cb-floor-32-5.17.json, see
+# report_decode_step.FLOOR_FILES),
 # RUN_PREFILL_REPRO=1 (the prefill benchmark's last five families in one process, mistral-7b-4l
 # last with its compile variants: where a 5.24 run's plain HF graph hit an illegal memory access
 # before benchmarks/baselines.CapturedForward freed the cuBLAS workspaces before its capture;
@@ -73,7 +74,7 @@
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
-# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 2 (skip other sections to make room).
+# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3 (skip other sections to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
 source "$(dirname "$0")/setup_device.sh"
@@ -219,13 +220,16 @@ if [ -n "${RUN_BLOCK_TABLE:-}" ]; then  # block-table decode steps: numpy fill, 
     --out "$OUT/trace-block-table" 2>&1 | tee -a "$LOG" || status=1
   echo "[block table: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
-if [ -n "${RUN_DECODE_FLOOR:-}" ]; then  # a pure-decode step's parts against its floor (~2.5 min)
+if [ -n "${RUN_DECODE_FLOOR:-}" ]; then  # a pure-decode step's parts against its floor (~4.5 min)
   t=$SECONDS
   timeout 90 python3 -m benchmarks.decode_gemm_probe --out "$OUT/decode-gemm.json" 2>&1 | tee -a "$LOG" || status=1
   v=breakgraph,breakgraph_compiled
   timeout 200 python3 -m benchmarks.bench_cb --models qwen2.5-3b-12l,llama3-8b-4l,mixtral-1k-8l \
     --variants "$v" --repeat "$v" --rounds 3 --budget-s 0 --keep-going \
     --out "$OUT/floor.json" 2>&1 | tee -a "$LOG" || status=1
+  timeout 170 python3 -m benchmarks.bench_cb --models qwen2.5-3b-12l,llama3-8b-4l,mixtral-1k-8l \
+    --prompts 32 --variants "$v" --repeat "$v" --rounds 3 --budget-s 0 --keep-going \
+    --out "$OUT/floor-32.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[decode floor: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SPLIT:-}" ]; then  # paged_decode's split against the kernel before, in turn (~2.5 min)

@@ -57,17 +57,33 @@ def test_the_floor_section_puts_every_part_of_the_step_over_its_floor():
                 breakgraph_compiled=_variant(device_ms=1.0, floor_ms=0.5))  # fmt: skip
     text = R.floor_section([data], _probe())
     # 100 requests: the probe's 128 rows (nearest); 4 layers x 0.1 + the head's 0.2
-    assert ("| 5.17.0 | m | 100 | 0.500 | 3.00 (6.0×) | 1.50 (3.0×) | 0.50 (1.0×) | 2.00 (4.0×) "
-            "| 1.00 (2.0×) | 0.60 (1.2×) | 0.52 (1.0×) |") in text  # fmt: skip
-    assert "alone is 3.0× its floor (above twice it in\n  1 of 1 runs)" in text
+    assert ("| 5.17.0 | m | 100 | 0.500 | 3.00 (6.0×) | 3.00 (6.0×) | 1.50 (3.0×) | 0.50 (1.0×) "
+            "| 2.00 (4.0×) | 1.00 (2.0×) | 0.60 (1.2×) | 0.52 (1.0×) |") in text  # fmt: skip
+    assert "alone, over the floor: 3.0× with 100 requests; it is\n  above twice the floor in 1 " \
+        "of 1 runs with 100 requests." in text
+    assert "within twice its floor in 0 of 1 runs:\nnone." in text
     assert "read their weights at 50% of" in text and ", 30 replays," in text
 
 
-def test_the_floor_section_counts_the_runs_whose_scheduling_fits_and_marks_missing_parts():
+def test_the_floor_section_names_the_runs_within_twice_the_floor_by_request_count():
+    many = _run(breakgraph=_variant(prep_ms=1.5, floor_ms=0.5))
+    few = _run(breakgraph=_variant(prep_ms=0.4, step_ms=1.2, floor_ms=0.4),
+               breakgraph_compiled=_variant(step_ms=0.72, floor_ms=0.4))  # fmt: skip
+    few["models"][0]["variants"]["breakgraph"]["decode_requests"] = 32
+    few["models"][0]["variants"]["breakgraph_compiled"]["decode_requests"] = 32
+    text = R.floor_section([many, few], _probe())
+    assert "within twice its floor in 1 of 2 runs:\nm on 5.17.0 with 32 requests, 1.8× " \
+        "(compiled)." in text
+    assert "3.0× with 100 requests, 1.0× with 32 requests" in text
+    assert "1 of 1 runs with 100 requests, 0 of 1 runs with 32 requests" in text
+    assert "| 5.17.0 | m | 32 | 0.400 | 1.20 (3.0×) | 0.72 (1.8×) |" in text  # probe: 32 rows
+
+
+def test_the_floor_section_marks_what_was_not_measured():
     fits = _run(model="other", breakgraph=_variant(prep_ms=0.9, floor_ms=0.5))
     text = R.floor_section([fits], _probe())
-    assert "| 5.17.0 | other | 100 | 0.500 |" in text and "| - | - | - |" in text
-    assert "above twice it in\n  0 of 1 runs" in text
+    assert "| 5.17.0 | other | 100 | 0.500 | 3.00 (6.0×) | - |" in text
+    assert text.count("| - | - | - |") == 1 and "0 of 1 runs with 100 requests" in text
 
 
 def test_the_floor_section_reads_the_committed_runs():
@@ -79,4 +95,5 @@ def test_the_floor_section_reads_the_committed_runs():
     text = R.floor_section(runs, load(R.DECODE_GEMM_FILE))
     assert {r["meta"]["transformers"] for r in runs} == {"5.17.0", "5.24.0"}
     assert "| 5.17.0 | qwen2.5-3b-12l | 100 | 0.666 |" in text
-    assert "above twice it in\n  6 of 6 runs" in text
+    assert "| 5.24.0 | llama3-8b-4l | 32 | 0.637 |" in text
+    assert "6 of 6 runs with 100 requests" in text
