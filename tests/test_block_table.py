@@ -58,6 +58,39 @@ def test_slots_match_the_block_arithmetic(seed):
     ]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_in_graph_write_rows_are_each_sequences_last_key_through_several_steps(seed):
+    """What a decode graph derives from its static buffers, step after step (the buffers
+    reused, as a replay reuses them): random tables, lengths, pages and buckets, with fewer
+    sequences than the bucket and stale rows left in the table by a larger step before. Each
+    live sequence's write row is its last key's row by the Python reference; each padded one
+    is the first sequence's."""
+    from types import SimpleNamespace
+
+    from breakgraph.integrations.transformers.decode_graph import DecodeBuffers
+
+    g = torch.Generator().manual_seed(seed)
+    page, blocks, largest = int(torch.randint(1, 9, (1,), generator=g)), 5, 8
+    buffers = DecodeBuffers((0, 1), largest, 0, torch.device("cpu"), blocks, page, reads=False)
+    for n in (largest, *torch.randint(1, largest + 1, (3,), generator=g).tolist()):
+        bucket = int(torch.randint(n, largest + 1, (1,), generator=g))
+        table = torch.randint(-1, 50, (2, n, blocks), generator=g, dtype=torch.int32)
+        lengths = torch.randint(1, blocks * page + 1, (n,), generator=g)
+        table[..., 0] = table[..., 0].abs()  # every sequence has a first block
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+        buffers.fill(SimpleNamespace(table=table, cu_k=cu_k), n, bucket, page=page)
+        for group in (0, 1):
+            rows = table[group].tolist()
+            for i, length in enumerate(lengths.tolist()):  # fill the blocks the keys use
+                for b in range((length - 1) // page + 1):
+                    rows[i][b] = abs(rows[i][b])
+            buffers.table[group][:n].copy_(torch.tensor(rows, dtype=torch.int32))
+            expected = [reference_slots(rows, lengths.tolist(), page)[int(cu_k[i + 1]) - 1]
+                        for i in range(n)]  # fmt: skip
+            got = buffers.write_rows(group, bucket).tolist()
+            assert got == expected + [expected[0]] * (bucket - n), (n, bucket, page)
+
+
 def test_decode_buffers_hold_the_table_and_derive_the_write_rows():
     """A block-table step's buffers (``width`` > 0) take its table as it is; each sequence's
     write row comes from the table and the key offsets alone (what the graph runs), the new
