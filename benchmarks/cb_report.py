@@ -25,6 +25,10 @@ from .template import bullets, fill, num, pct, span, table
 
 FILE = "h200-cb.json"  # transformers 5.17 (the CI pin)
 FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
+#: the whole bench again with a later tree on the newest release, beside that release's run in
+#: ``FILES``; and why shapes of that run are missing from it, where they are
+AGAIN_FILE = "h200-cb-again-5.24.json"
+AGAIN_MISSING_WHY = "the device call's time limit ended the run before them"
 #: one model, breakgraph's variants only, 3 rounds, per release: the CB forward's host time split
 HOST_SPLIT_FILES = ("h200-cb-host-split-5.17.json", "h200-cb-host-split-5.24.json")
 #: ``bench_cb --prep-lists``: transformers' index lists converted to tensors, per release
@@ -222,6 +226,60 @@ def section(runs: list) -> list:
     for name in _model_names(runs):
         lines += _model_block(name, runs) + [""]
     return lines
+
+
+def again_section(now: dict, before: dict | None) -> str:
+    """The whole bench again (``now``, a later tree) beside the same release's earlier run
+    (``before``): per shape breakgraph against stock ``sdpa`` and against the faster of stock's
+    forced-graph variants, with issue 23's targets."""
+    rows, vs_stock, vs_graphs = [], [], []
+    for m in now["models"]:
+        v, ratios, spreads = m.get("variants", {}), m.get("ratios", {}), m.get("ratio_spread", {})
+        if "tokens_per_s" not in v.get("breakgraph", {}):
+            continue
+        graphs = [g for g in ("stock_graphs", "stock_graphs_async")
+                  if f"breakgraph_over_{g}" in ratios]  # fmt: skip
+        rival = max(graphs, key=lambda g: v[g]["tokens_per_s"], default=None)
+        earlier = (_entry(before, m["model"]) or {}).get("ratios", {}) if before else {}
+        cells = []
+        for key, into in (("breakgraph_over_stock_sdpa", vs_stock),
+                          (f"breakgraph_over_{rival}", vs_graphs)):  # fmt: skip
+            if key not in ratios:
+                cells += ["-", "-"]
+                continue
+            into.append(ratios[key])
+            cells.append(f"{num(ratios[key])}× ({span(spreads[key])})")
+            cells.append(f"{num(earlier[key])}×" if key in earlier else "-")
+        rows.append([
+            m["model"], num(v["stock_sdpa"]["tokens_per_s"], 0),
+            f"{num(v[rival]['tokens_per_s'], 0)} (`{rival}`)" if rival else "-",
+            f"{num(v['breakgraph']['tokens_per_s'], 0)} "
+            f"({span(v['breakgraph']['rounds_tokens_per_s'], 0)})",
+            *cells,
+        ])  # fmt: skip
+    measured = {m["model"] for m in now["models"]}
+    missing = [m["model"] for m in (before or {}).get("models", []) if m["model"] not in measured]
+    meta = now["meta"]
+    return fill(
+        "cb.again",
+        release=_release(now),
+        before_date=before["meta"]["date"] if before else "-",
+        file=AGAIN_FILE,
+        **_run_of(meta),
+        rounds=meta["args"]["rounds"],
+        missing=f"{', '.join(missing)} ({AGAIN_MISSING_WHY})" if missing else "none",
+        table=table(["model", "stock sdpa tokens/s", "stock graphs tokens/s",
+                     "breakgraph tokens/s (rounds)", "/ stock sdpa (rounds)", "earlier",
+                     "/ stock graphs (rounds)", "earlier"], rows),  # fmt: skip
+        vs_stock=span(vs_stock or [float("nan")], 1),
+        stock_limit=f"{T.TARGET_CB_VS_STOCK:g}",
+        stock_met=sum(r >= T.TARGET_CB_VS_STOCK for r in vs_stock),
+        stock_shapes=len(vs_stock),
+        vs_graphs=span(vs_graphs or [float("nan")], 1),
+        graphs_limit=f"{T.TARGET_CB_VS_STOCK_GRAPHS:g}",
+        graphs_met=sum(r >= T.TARGET_CB_VS_STOCK_GRAPHS for r in vs_graphs),
+        graphs_shapes=len(vs_graphs),
+    )
 
 
 def _losses(runs: list) -> dict:

@@ -88,7 +88,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
         + [report_tests.SUITE_NEWEST_FILE, *cb_report.PREP_PARTS_FILES]
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
-        + [report_decode_step.FLOOR_FILES[0], report_decode_step.DECODE_GEMM_FILE]
+        + [report_decode_step.FLOOR_FILES[0], *report_decode_step.FLOOR_FILES[2:]]
+        + [report_decode_step.DECODE_GEMM_FILE, cb_report.AGAIN_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -138,6 +139,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     cb = [data for name in cb_report.FILES if (data := load(name)) is not None]
     if cb:  # one JSON per transformers release
         blocks.append("\n".join(cb_report.cb_section(*cb)))
+    if (again := load(cb_report.AGAIN_FILE)) is not None:
+        before = next((d for d in cb if d["meta"]["transformers"] == again["meta"]["transformers"]),
+                      None)  # fmt: skip
+        blocks.append(cb_report.again_section(again, before))
     split = [data for name in cb_report.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
         blocks.append(cb_report.host_split_section(split))
