@@ -65,7 +65,8 @@
 #     mkdir -p .whl && cp ../wheels/transformers-5.24.0-py3-none-any.whl .whl/   (then carry .whl)
 # (everything in a call that carries .whl runs on the wheels in it; the JSON records the
 # transformers and torch versions). Then, here: cp cb-5.17.json docs/results/h200-cb.json,
-# cp cb-5.24.json docs/results/h200-cb-5.24.json, python -m benchmarks.report.
+# cp cb-5.24.json docs/results/h200-cb-5.24.json, python -m benchmarks.report (a later tree's rerun
+# beside a committed release's run goes to docs/results/h200-cb-again-5.24.json: cb_report.AGAIN_FILE).
 # RUN_SUITE=1 also runs the pytest-benchmark suite (tests/benchmarks) into
 # $OUT/pytest-benchmark.json; carry .whl (breakable-cuda-graphs wheel, for the peer comparison)
 # with the device call; fetch it first (git-ignored):
