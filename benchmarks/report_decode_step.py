@@ -97,6 +97,11 @@ def _gemm_ms(probe: dict | None, model: str, requests: int, layers: int) -> tupl
     return separate, fused, rows["separate"]["bandwidth_share"]
 
 
+def _over(ms: float | None, floor: float) -> str:
+    """A table cell: ``"ms (× the floor)"``, or ``-`` where not measured."""
+    return "-" if ms is None else f"{num(ms, 2)} ({num(ms / floor, 1)}×)"
+
+
 def _by_requests(values: dict, digits: int = 1) -> str:
     """``"a–b× with 100 requests, c–d× with 32"``: ``values`` is ``{requests: [ratios]}``."""
     return ", ".join(f"{span(v, digits)}× with {requests} requests"
@@ -125,7 +130,6 @@ def floor_section(runs: list, probe: dict | None) -> str:
             if "decode_prepare_ms" not in v:
                 continue
             floor, requests = v["decode_floor_ms"], v["decode_requests"]
-            over_floor = lambda ms: "-" if ms is None else f"{num(ms, 2)} ({num(ms / floor, 1)}×)"  # noqa: E731
             separate, joined, share = _gemm_ms(probe, m["model"], requests,
                                                m["floor"]["shape"]["layers"])  # fmt: skip
             prep.setdefault(requests, []).append(v["decode_prepare_ms"] / floor)
@@ -146,11 +150,11 @@ def floor_section(runs: list, probe: dict | None) -> str:
                            f"{num(best / floor, 1)}× ({how})")  # fmt: skip
             rows.append([
                 _release(data), m["model"], str(requests), num(floor, 3),
-                over_floor(v["decode_step_ms"]), over_floor(c.get("decode_step_ms")),
-                over_floor(v["decode_prepare_ms"]), over_floor(v["decode_forward_host_ms"]),
-                over_floor(v["decode_forward_device_ms"]),
-                over_floor(c.get("decode_forward_device_ms")), over_floor(separate),
-                over_floor(joined),
+                _over(v["decode_step_ms"], floor), _over(c.get("decode_step_ms"), floor),
+                _over(v["decode_prepare_ms"], floor), _over(v["decode_forward_host_ms"], floor),
+                _over(v["decode_forward_device_ms"], floor),
+                _over(c.get("decode_forward_device_ms"), floor), _over(separate, floor),
+                _over(joined, floor),
             ])  # fmt: skip
     nan = [float("nan")]
     first = runs[0]["meta"]
