@@ -26,7 +26,8 @@ from .template import bullets, fill, num, pct, span, table
 FILE = "h200-cb.json"  # transformers 5.17 (the CI pin)
 FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
 #: the whole bench again with a later tree on the newest release, beside that release's run in
-#: ``FILES``; and why shapes of that run are missing from it, where they are
+#: ``FILES``; and why shapes of that run are absent from it (what happened to this file's run:
+#: say it again for a new file)
 AGAIN_FILE = "h200-cb-again-5.24.json"
 AGAIN_MISSING_WHY = "the device call's time limit ended the run before them"
 #: one model, breakgraph's variants only, 3 rounds, per release: the CB forward's host time split
@@ -228,38 +229,54 @@ def section(runs: list) -> list:
     return lines
 
 
+def _stock_rival(variants: dict) -> str | None:
+    """The faster of stock's forced-graph variants in one model entry, if it ran any."""
+    graphs = [g for g in ("stock_graphs", "stock_graphs_async")
+              if "tokens_per_s" in variants.get(g, {})]  # fmt: skip
+    return max(graphs, key=lambda g: variants[g]["tokens_per_s"], default=None)
+
+
 def again_section(now: dict, before: dict | None) -> str:
     """The whole bench again (``now``, a later tree) beside the same release's earlier run
     (``before``): per shape breakgraph against stock ``sdpa`` and against the faster of stock's
-    forced-graph variants, with issue 23's targets."""
-    rows, vs_stock, vs_graphs = [], [], []
+    forced-graph variants (each run's own faster one), with issue 23's targets, and how far
+    each side's tokens/s moved between the runs (a ratio moves with its baseline too)."""
+    rows, vs_stock, vs_graphs, moved_bg, moved_stock, missing = [], [], [], [], [], []
     for m in now["models"]:
         v, ratios, spreads = m.get("variants", {}), m.get("ratios", {}), m.get("ratio_spread", {})
-        if "tokens_per_s" not in v.get("breakgraph", {}):
+        bg = v.get("breakgraph", {})
+        if "tokens_per_s" not in bg or "tokens_per_s" not in v.get("stock_sdpa", {}):
+            why = bg.get("skipped") or bg.get("failed") or "breakgraph or stock sdpa not measured"
+            missing.append(f"{m['model']} ({why})")
             continue
-        graphs = [g for g in ("stock_graphs", "stock_graphs_async")
-                  if f"breakgraph_over_{g}" in ratios]  # fmt: skip
-        rival = max(graphs, key=lambda g: v[g]["tokens_per_s"], default=None)
-        earlier = (_entry(before, m["model"]) or {}).get("ratios", {}) if before else {}
+        old = _entry(before, m["model"]) if before else None
+        old_v = (old or {}).get("variants", {})
         cells = []
-        for key, into in (("breakgraph_over_stock_sdpa", vs_stock),
-                          (f"breakgraph_over_{rival}", vs_graphs)):  # fmt: skip
+        for rival, into in (("stock_sdpa", vs_stock), (_stock_rival(v), vs_graphs)):
+            key = f"breakgraph_over_{rival}"
             if key not in ratios:
                 cells += ["-", "-"]
                 continue
             into.append(ratios[key])
             cells.append(f"{num(ratios[key])}× ({span(spreads[key])})")
-            cells.append(f"{num(earlier[key])}×" if key in earlier else "-")
+            old_rival = "stock_sdpa" if rival == "stock_sdpa" else _stock_rival(old_v)
+            old_ratio = (old or {}).get("ratios", {}).get(f"breakgraph_over_{old_rival}")
+            cells.append("-" if old_ratio is None else f"{num(old_ratio)}×")
+        rival = _stock_rival(v)
         rows.append([
             m["model"], num(v["stock_sdpa"]["tokens_per_s"], 0),
             f"{num(v[rival]['tokens_per_s'], 0)} (`{rival}`)" if rival else "-",
-            f"{num(v['breakgraph']['tokens_per_s'], 0)} "
-            f"({span(v['breakgraph']['rounds_tokens_per_s'], 0)})",
-            *cells,
+            f"{num(bg['tokens_per_s'], 0)} ({span(bg['rounds_tokens_per_s'], 0)})", *cells,
         ])  # fmt: skip
+        if "tokens_per_s" in old_v.get("breakgraph", {}):
+            moved_bg.append(bg["tokens_per_s"] / old_v["breakgraph"]["tokens_per_s"])
+            moved_stock.append(v["stock_sdpa"]["tokens_per_s"]
+                               / old_v["stock_sdpa"]["tokens_per_s"])  # fmt: skip
     measured = {m["model"] for m in now["models"]}
-    missing = [m["model"] for m in (before or {}).get("models", []) if m["model"] not in measured]
-    meta = now["meta"]
+    absent = [m["model"] for m in (before or {}).get("models", []) if m["model"] not in measured]
+    if absent:
+        missing.append(f"{', '.join(absent)} ({AGAIN_MISSING_WHY})")
+    meta, nan = now["meta"], [float("nan")]
     return fill(
         "cb.again",
         release=_release(now),
@@ -267,18 +284,20 @@ def again_section(now: dict, before: dict | None) -> str:
         file=AGAIN_FILE,
         **_run_of(meta),
         rounds=meta["args"]["rounds"],
-        missing=f"{', '.join(missing)} ({AGAIN_MISSING_WHY})" if missing else "none",
+        missing="; ".join(missing) or "none",
         table=table(["model", "stock sdpa tokens/s", "stock graphs tokens/s",
                      "breakgraph tokens/s (rounds)", "/ stock sdpa (rounds)", "earlier",
                      "/ stock graphs (rounds)", "earlier"], rows),  # fmt: skip
-        vs_stock=span(vs_stock or [float("nan")], 1),
+        vs_stock=span(vs_stock or nan, 1),
         stock_limit=f"{T.TARGET_CB_VS_STOCK:g}",
         stock_met=sum(r >= T.TARGET_CB_VS_STOCK for r in vs_stock),
         stock_shapes=len(vs_stock),
-        vs_graphs=span(vs_graphs or [float("nan")], 1),
+        vs_graphs=span(vs_graphs or nan, 1),
         graphs_limit=f"{T.TARGET_CB_VS_STOCK_GRAPHS:g}",
         graphs_met=sum(r >= T.TARGET_CB_VS_STOCK_GRAPHS for r in vs_graphs),
         graphs_shapes=len(vs_graphs),
+        moved_bg=span(moved_bg or nan, 2),
+        moved_stock=span(moved_stock or nan, 2),
     )
 
 

@@ -46,8 +46,13 @@ def _after_over_before(trees: dict) -> float:
 def write_rows_section(runs: list) -> str:
     """The two trees in turn (``runs``: ``(data, tree, turn)``): per release and model, the
     pure-decode forward's host time (what the change moves), its device span, the step."""
-    rows, host, device = [], {}, {}
+    rows, host, device, tokens, others, other_variants = [], {}, {}, {}, [], set()
     for data, tree, turn in runs:
+        extra = {name for m in data["models"] for name, v in m["variants"].items()
+                 if name != "breakgraph" and "tokens_per_s" in v}  # fmt: skip
+        if extra:
+            others.append(f"{tree} {turn} on {_release(data)}")
+            other_variants |= extra
         for m in data["models"]:
             v = m["variants"].get("breakgraph", {})
             if "decode_forward_host_ms" not in v:
@@ -55,19 +60,21 @@ def write_rows_section(runs: list) -> str:
             key = (_release(data), m["model"])
             host.setdefault(key, {}).setdefault(tree, []).append(v["decode_forward_host_ms"])
             device.setdefault(key, {}).setdefault(tree, []).append(v["decode_forward_device_ms"])
+            tokens.setdefault(key, {}).setdefault(tree, []).append(v["tokens_per_s"])
             rows.append([
                 _release(data), m["model"], tree, str(turn),
                 f"{num(v['tokens_per_s'], 0)} ({span(v['rounds_tokens_per_s'], 0)})",
                 num(v["decode_step_ms"], 2), num(v["decode_prepare_ms"], 2),
                 num(v["decode_forward_host_ms"], 2), num(v["decode_forward_device_ms"], 2),
             ])  # fmt: skip
-    lines, ratios, device_ratios = [], [], []
+    lines, ratios, device_ratios, tokens_ratios = [], [], [], []
     for key, trees in host.items():
         if "host" in trees and "graph" in trees:
             release, model = key
             ratio = _after_over_before(trees)
             ratios.append(ratio)
             device_ratios.append(_after_over_before(device[key]))
+            tokens_ratios.append(_after_over_before(tokens[key]))
             lines.append(f"- {model} on {release}: {span(trees['host'], 2)} → "
                          f"{span(trees['graph'], 2)} ms ({num(ratio, 2)}×)")  # fmt: skip
     first = runs[0][0]
@@ -81,6 +88,12 @@ def write_rows_section(runs: list) -> str:
         host=bullets(lines) or "(not measured)",
         ratio=span(ratios or [float("nan")], 2),
         device_ratio=span(device_ratios or [float("nan")], 2),
+        tokens_ratio=span(tokens_ratios or [float("nan")], 2),
+        same_tree=num(max((max(v) / min(v) for trees in tokens.values() for v in trees.values()),
+                          default=float("nan")), 2),  # fmt: skip
+        variants_note=fill("cb.write_rows.others", others=", ".join(others),
+                           other_variants=", ".join(f"`{n}`" for n in sorted(other_variants)))
+        if others else fill("cb.write_rows.alone"),  # fmt: skip
     )
 
 
@@ -102,9 +115,10 @@ def _over(ms: float | None, floor: float) -> str:
     return "-" if ms is None else f"{num(ms, 2)} ({num(ms / floor, 1)}×)"
 
 
-def _by_requests(values: dict, digits: int = 1) -> str:
-    """``"a–b× with 100 requests, c–d× with 32"``: ``values`` is ``{requests: [ratios]}``."""
-    return ", ".join(f"{span(v, digits)}× with {requests} requests"
+def _by_requests(values: dict, digits: int = 1, unit: str = "×") -> str:
+    """``"a–b× with 100 requests, c–d× with 32 requests"``: ``values`` is ``{requests:
+    [ratios]}``."""
+    return ", ".join(f"{span(v, digits)}{unit} with {requests} requests"
                      for requests, v in sorted(values.items(), reverse=True))  # fmt: skip
 
 
@@ -122,7 +136,7 @@ def floor_section(runs: list, probe: dict | None) -> str:
     forward (both decoders) and, from the probe, the step's GEMMs alone (``runs``: the
     ``FLOOR_FILES`` loaded, one request count each)."""
     rows, met = [], []
-    prep, over, device, compiled, gemms, fused, shares = {}, {}, {}, {}, [], [], []
+    prep, over, device, compiled, gemms, fused, shares = {}, {}, {}, {}, {}, {}, {}
     for data in runs:
         for m in data["models"]:
             v = m["variants"].get("breakgraph", {})
@@ -139,9 +153,9 @@ def floor_section(runs: list, probe: dict | None) -> str:
             if c.get("decode_forward_device_ms") is not None:
                 compiled.setdefault(requests, []).append(c["decode_forward_device_ms"] / floor)
             if separate is not None:
-                gemms.append(separate / floor)
-                fused.append(joined / floor)
-                shares.append(share)
+                gemms.setdefault(requests, []).append(separate / floor)
+                fused.setdefault(requests, []).append(joined / floor)
+                shares.setdefault(requests, []).append(100 * share)
             best, how = min((v["decode_step_ms"], "default"),
                             (c.get("decode_step_ms", float("inf")), "compiled"))  # fmt: skip
             if best <= T.TARGET_CB_DECODE_OVER_FLOOR * floor and (
@@ -156,7 +170,6 @@ def floor_section(runs: list, probe: dict | None) -> str:
                 _over(c.get("decode_forward_device_ms"), floor), _over(separate, floor),
                 _over(joined, floor),
             ])  # fmt: skip
-    nan = [float("nan")]
     first = runs[0]["meta"]
     return fill(
         "cb.floor",
@@ -175,8 +188,8 @@ def floor_section(runs: list, probe: dict | None) -> str:
         prep_over=_counts(over) or "-",
         device_over=_by_requests(device) or "-",
         compiled_over=_by_requests(compiled) or "-",
-        gemms=span(gemms or nan, 1),
-        fused=span(fused or nan, 1),
-        share=span([100 * s for s in shares] or nan, 0),
+        gemms=_by_requests(gemms) or "-",
+        fused=_by_requests(fused) or "-",
+        share=_by_requests(shares, 0, "%") or "-",
         reps=(probe or {}).get("meta", {}).get("reps", "-"),
     )

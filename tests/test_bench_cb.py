@@ -508,30 +508,32 @@ def test_the_again_section_sets_the_later_run_beside_the_earlier_with_the_target
     meta = {"device": "GPU", "torch": "2.x", "date": "today", "transformers": "5.24.0",
             "args": {"rounds": 3}}  # fmt: skip
 
-    def model(name, bg, stock, graphs=None, earlier=1.0):
+    def model(name, bg, stock, graphs=None, async_graphs=None):
         v = {"stock_sdpa": {"tokens_per_s": stock},
              "breakgraph": {"tokens_per_s": bg, "rounds_tokens_per_s": [bg / 4, bg, bg * 1.1]}}
-        ratios = {"breakgraph_over_stock_sdpa": bg / stock * earlier}
+        ratios = {"breakgraph_over_stock_sdpa": bg / stock}
         spread = {"breakgraph_over_stock_sdpa": [bg / 4 / stock, bg * 1.1 / stock]}
-        if graphs:
-            v["stock_graphs"] = {"tokens_per_s": graphs}
-            v["stock_graphs_async"] = {"tokens_per_s": graphs / 2}
-            for rival, tokens in (("stock_graphs", graphs), ("stock_graphs_async", graphs / 2)):
-                ratios[f"breakgraph_over_{rival}"] = bg / tokens * earlier
+        for rival, tokens in (("stock_graphs", graphs), ("stock_graphs_async", async_graphs)):
+            if tokens:
+                v[rival] = {"tokens_per_s": tokens}
+                ratios[f"breakgraph_over_{rival}"] = bg / tokens
                 spread[f"breakgraph_over_{rival}"] = [bg / 4 / tokens, bg * 1.1 / tokens]
         return {"model": name, "variants": v, "ratios": ratios, "ratio_spread": spread}
 
-    now = {"meta": meta, "models": [model("a", 1000.0, 100.0, graphs=400.0),
-                                    model("b", 400.0, 100.0)]}  # fmt: skip
+    now = {"meta": meta, "models": [model("a", 1000.0, 100.0, graphs=400.0, async_graphs=200.0),
+                                    model("b", 400.0, 100.0),
+                                    {"model": "d", "variants": {"breakgraph": {"failed": "x"}}}]}
     before = {"meta": {**meta, "date": "yesterday"},
-              "models": [model("a", 1000.0, 100.0, graphs=400.0, earlier=0.5),
+              "models": [model("a", 800.0, 200.0, graphs=100.0, async_graphs=500.0),
                          model("b", 400.0, 100.0), model("c", 1.0, 1.0)]}  # fmt: skip
     text = cb_report.again_section(now, before)
     assert "for this release are from yesterday" in text
-    assert "missing here: c (the device call's time limit" in text
-    assert ("| a | 100 | 400 (`stock_graphs`) | 1000 (250–1100) | 10.00× (2.50–11.00) | 5.00× "
-            "| 2.50× (0.62–2.75) | 1.25× |") in text  # fmt: skip
+    assert "missing here: d (x); c (the device call's time limit" in text
+    # the earlier ratio against the earlier run's own faster graphs variant (async: 800 / 500)
+    assert ("| a | 100 | 400 (`stock_graphs`) | 1000 (250–1100) | 10.00× (2.50–11.00) | 4.00× "
+            "| 2.50× (0.62–2.75) | 1.60× |") in text  # fmt: skip
     assert "| b | 100 | - | 400 (100–440) | 4.00× (1.00–4.40) | 4.00× | - | - |" in text
     assert "4.0–10.0× (target ≥ 5×: met on 1 of\n2 shapes)" in text
     assert "2.5× (target ≥ 2×: met on 1 of 1 shapes)" in text.replace("\n", " ")
-    assert "missing here: none" in cb_report.again_section(now, now)
+    assert "tokens/s were 1.00–1.25× the earlier run's, stock\n`sdpa`'s 0.50–1.00×" in text
+    assert "missing here: d (x)." in cb_report.again_section(now, now)

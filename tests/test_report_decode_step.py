@@ -35,6 +35,10 @@ def test_the_write_rows_section_compares_the_forward_host_time_tree_by_tree():
     assert "| 5.17.0 | m | graph | 2 | 1000 (900–1100) | 3.00 | 2.00 | 0.40 | 2.10 |" in text
     assert "- m on 5.17.0: 0.60–0.80 → 0.30–0.40 ms (0.50×)" in text
     assert "After / before: 0.50; the forward's device span, after / before: 0.95" in text
+    assert "Every run ran `breakgraph` alone:" in text
+    runs[0][0]["models"][0]["variants"]["breakgraph_compiled"] = {"tokens_per_s": 1.0}
+    text = R.write_rows_section(runs)
+    assert "Runs host 1 on 5.17.0 also ran `breakgraph_compiled` in turn with" in text
 
 
 def test_the_write_rows_section_says_not_measured_without_both_trees():
@@ -62,7 +66,8 @@ def test_the_floor_section_puts_every_part_of_the_step_over_its_floor():
     assert "alone, over the floor: 3.0× with 100 requests; it is\n  above twice the floor in 1 " \
         "of 1 runs with 100 requests." in text
     assert "within twice its floor in 0 of 1 runs:\nnone." in text
-    assert "read their weights at 50% of" in text and ", 30 replays," in text
+    assert "their weights: 50% with 100 requests." in text and ", 30 replays," in text
+    assert "over the floor: 1.2× with 100 requests (fused: 1.0× with 100 requests)" in text
 
 
 def test_the_floor_section_names_the_runs_within_twice_the_floor_by_request_count():
