@@ -17,6 +17,8 @@ import os
 from . import (
     cb_report,
     report_breaks,
+    report_cb_decode,
+    report_cb_host,
     report_decode_step,
     report_earlier,
     report_prefill,
@@ -74,19 +76,22 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_earlier.FILE, *report_earlier.RUN_FILES, report_earlier.MOE_FILE]
         + [tp_report.FILE, tp_report.NO_MIXING_FILE]
         + [*report_prefill.CAPTURE_FILES, *(n for n, _ in report_prefill.CAPTURE_LATER_FILES)]
-        + [cb_report.TRACE_FILE, cb_report.TRACE_DECODE_FILE, cb_report.TRACE_DECODE_FOLD_FILE,
-           cb_report.DECODE_ATTENTION_FILE]
-        + [name for name, _, _ in cb_report.DECODE_FOLD_FILES + cb_report.PAGED_DECODE_FILES]
-        + [name for name, _ in cb_report.DECODE_GRAPHS_FILES + cb_report.COMPILED_FILES]
-        + [name for name, _ in cb_report.BLOCK_TABLE_FILES + cb_report.TABLE_FILL_FILES]
-        + [*cb_report.TABLE_FILL_TRACE_FILES, cb_report.GRAPH_LAUNCH_FILE]
-        + [cb_report.LAUNCH_PROBE_FILE]
-        + [*cb_report.DECODE_GRAPHS_TRACE_FILES, cb_report.COMPILED_TRACE_FILE]
-        + [cb_report.SPLIT_SWEEP_FILE, *(name for name, _ in cb_report.SPLIT_FILES)]
+        + [report_cb_host.TRACE_FILE, report_cb_host.TRACE_DECODE_FILE]
+        + [report_cb_host.TRACE_DECODE_FOLD_FILE, report_cb_decode.DECODE_ATTENTION_FILE]
+        + [name for name, _, _ in report_cb_decode.DECODE_FOLD_FILES]
+        + [name for name, _, _ in report_cb_decode.PAGED_DECODE_FILES]
+        + [name for name, _ in report_cb_decode.DECODE_GRAPHS_FILES]
+        + [name for name, _ in report_cb_decode.COMPILED_FILES]
+        + [name for name, _ in report_cb_decode.BLOCK_TABLE_FILES]
+        + [name for name, _ in report_cb_decode.TABLE_FILL_FILES]
+        + [*report_cb_decode.TABLE_FILL_TRACE_FILES, report_cb_decode.GRAPH_LAUNCH_FILE]
+        + [report_cb_decode.LAUNCH_PROBE_FILE]
+        + [*report_cb_decode.DECODE_GRAPHS_TRACE_FILES, report_cb_decode.COMPILED_TRACE_FILE]
+        + [report_cb_decode.SPLIT_SWEEP_FILE, *(name for name, _ in report_cb_decode.SPLIT_FILES)]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
         + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
-        + [report_tests.SUITE_NEWEST_FILE, *cb_report.PREP_PARTS_FILES]
+        + [report_tests.SUITE_NEWEST_FILE, *report_cb_host.PREP_PARTS_FILES]
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
         + [report_decode_step.FLOOR_FILES[0], *report_decode_step.FLOOR_FILES[2:]]
         + [report_decode_step.DECODE_GEMM_FILE, cb_report.AGAIN_FILE]
@@ -143,54 +148,55 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         before = next((d for d in cb if d["meta"]["transformers"] == again["meta"]["transformers"]),
                       None)  # fmt: skip
         blocks.append(cb_report.again_section(again, before))
-    split = [data for name in cb_report.HOST_SPLIT_FILES if (data := load(name)) is not None]
+    split = [data for name in report_cb_host.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
-        blocks.append(cb_report.host_split_section(split))
-    lists = [data for name in cb_report.PREP_LISTS_FILES if (data := load(name)) is not None]
+        blocks.append(report_cb_host.host_split_section(split))
+    lists = [data for name in report_cb_host.PREP_LISTS_FILES if (data := load(name)) is not None]
     if lists:
-        blocks.append(cb_report.prep_lists_section(lists))
-    turns = [(d, tree, turn) for name, tree, turn in cb_report.NUMPY_LISTS_FILES
+        blocks.append(report_cb_host.prep_lists_section(lists))
+    turns = [(d, tree, turn) for name, tree, turn in report_cb_host.NUMPY_LISTS_FILES
              if (d := load(name)) is not None]  # fmt: skip
     if turns:
-        blocks.append(cb_report.numpy_lists_section(turns))
-    parts = [data for name in cb_report.PREP_PARTS_FILES if (data := load(name)) is not None]
+        blocks.append(report_cb_host.numpy_lists_section(turns))
+    parts = [data for name in report_cb_host.PREP_PARTS_FILES if (data := load(name)) is not None]
     if parts:
-        blocks.append(cb_report.prep_parts_section(parts))
-    if cb_report.TRACE_FILE in loaded:
-        blocks.append(cb_report.trace_section(loaded[cb_report.TRACE_FILE]))
-    if (decode := load(cb_report.TRACE_DECODE_FILE)) is not None:
-        after = load(cb_report.TRACE_DECODE_FOLD_FILE)
-        blocks.append(cb_report.trace_decode_section(decode, after))
-    folds = [(d, tree, turn) for name, tree, turn in cb_report.DECODE_FOLD_FILES
+        blocks.append(report_cb_host.prep_parts_section(parts))
+    if report_cb_host.TRACE_FILE in loaded:
+        blocks.append(report_cb_host.trace_section(loaded[report_cb_host.TRACE_FILE]))
+    if (decode := load(report_cb_host.TRACE_DECODE_FILE)) is not None:
+        after = load(report_cb_host.TRACE_DECODE_FOLD_FILE)
+        blocks.append(report_cb_host.trace_decode_section(decode, after))
+    folds = [(d, tree, turn) for name, tree, turn in report_cb_decode.DECODE_FOLD_FILES
              if (d := load(name)) is not None]  # fmt: skip
     if folds:
-        blocks.append(cb_report.decode_fold_section(folds))
-    if (attention := load(cb_report.DECODE_ATTENTION_FILE)) is not None:
-        blocks.append(cb_report.decode_attention_section(attention))
-    paged = [(d, tree, turn) for name, tree, turn in cb_report.PAGED_DECODE_FILES
+        blocks.append(report_cb_decode.decode_fold_section(folds))
+    if (attention := load(report_cb_decode.DECODE_ATTENTION_FILE)) is not None:
+        blocks.append(report_cb_decode.decode_attention_section(attention))
+    paged = [(d, tree, turn) for name, tree, turn in report_cb_decode.PAGED_DECODE_FILES
              if (d := load(name)) is not None]  # fmt: skip
     if paged:
-        blocks.append(cb_report.paged_decode_section(paged))
-    graphs = [(d, label) for name, label in cb_report.DECODE_GRAPHS_FILES
+        blocks.append(report_cb_decode.paged_decode_section(paged))
+    graphs = [(d, label) for name, label in report_cb_decode.DECODE_GRAPHS_FILES
               if (d := load(name)) is not None]  # fmt: skip
     if graphs:
-        traces = [d for name in cb_report.DECODE_GRAPHS_TRACE_FILES if (d := load(name))]
-        blocks.append(cb_report.decode_graphs_section(graphs, traces))
-    compiled = [(d, label) for name, label in cb_report.COMPILED_FILES
+        traces = [d for name in report_cb_decode.DECODE_GRAPHS_TRACE_FILES if (d := load(name))]
+        blocks.append(report_cb_decode.decode_graphs_section(graphs, traces))
+    compiled = [(d, label) for name, label in report_cb_decode.COMPILED_FILES
                 if (d := load(name)) is not None]  # fmt: skip
     if compiled:
-        blocks.append(cb_report.compiled_section(compiled, load(cb_report.COMPILED_TRACE_FILE)))
-    tables = [(d, label) for name, label in cb_report.BLOCK_TABLE_FILES
+        trace = load(report_cb_decode.COMPILED_TRACE_FILE)
+        blocks.append(report_cb_decode.compiled_section(compiled, trace))
+    tables = [(d, label) for name, label in report_cb_decode.BLOCK_TABLE_FILES
               if (d := load(name)) is not None]  # fmt: skip
     if tables:
-        blocks.append(cb_report.block_table_section(tables))
-    fills = [(d, label) for name, label in cb_report.TABLE_FILL_FILES
+        blocks.append(report_cb_decode.block_table_section(tables))
+    fills = [(d, label) for name, label in report_cb_decode.TABLE_FILL_FILES
              if (d := load(name)) is not None]  # fmt: skip
     if fills:
-        traces = [d for name in cb_report.TABLE_FILL_TRACE_FILES if (d := load(name))]
-        blocks.append(cb_report.table_fill_section(fills, traces,
-                                                   load(cb_report.GRAPH_LAUNCH_FILE),
-                                                   load(cb_report.LAUNCH_PROBE_FILE)))  # fmt: skip
+        traces = [d for name in report_cb_decode.TABLE_FILL_TRACE_FILES if (d := load(name))]
+        launch = load(report_cb_decode.GRAPH_LAUNCH_FILE)
+        probe = load(report_cb_decode.LAUNCH_PROBE_FILE)
+        blocks.append(report_cb_decode.table_fill_section(fills, traces, launch, probe))
     rows = [(d, tree, turn) for name, tree, turn in report_decode_step.WRITE_ROWS_FILES
             if (d := load(name)) is not None]  # fmt: skip
     if rows:
@@ -199,9 +205,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if floors:
         probe = load(report_decode_step.DECODE_GEMM_FILE)
         blocks.append(report_decode_step.floor_section(floors, probe))
-    split = [(d, label) for name, label in cb_report.SPLIT_FILES if (d := load(name)) is not None]
-    if split or load(cb_report.SPLIT_SWEEP_FILE) is not None:
-        blocks.append(cb_report.split_section(load(cb_report.SPLIT_SWEEP_FILE), split))
+    split = [(d, label) for name, label in report_cb_decode.SPLIT_FILES
+             if (d := load(name)) is not None]  # fmt: skip
+    sweep = load(report_cb_decode.SPLIT_SWEEP_FILE)
+    if split or sweep is not None:
+        blocks.append(report_cb_decode.split_section(sweep, split))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

@@ -4,7 +4,8 @@
 Why a module of its own: these two sections read ``bench_cb`` runs and the GEMM probe
 (``benchmarks/decode_gemm_probe.py``) together, per shape, to say which part of the step (
 transformers' host work, breakgraph's forward, the device) stands between it and issue
-twenty-three's target; ``cb_report`` holds the continuous-batching sections before them.
+twenty-three's target; :mod:`benchmarks.report_cb_decode` holds the decode path's sections
+before them.
 
 Example (the committed runs)::
 

@@ -16,21 +16,21 @@
 # docs/results/h200-decode-attention-split.json), RUN_SPLIT=1 (paged_decode's split against the
 # kernel before, in turn: bench_cb --variants breakgraph,breakgraph_unsplit on SPLIT_MODELS and
 # a 16-prompt long-context workload, ~2.5 min; copy split.json and split-long.json to
-# docs/results/h200-cb-split-*.json, see cb_report.SPLIT_FILES), RUN_DECODE_GRAPHS=1 (pure-decode steps as one graph
+# docs/results/h200-cb-split-*.json, see report_cb_decode.SPLIT_FILES), RUN_DECODE_GRAPHS=1 (pure-decode steps as one graph
 # against a break per layer, in turn: bench_cb --variants breakgraph,breakgraph_breaks on
 # DECODE_MODELS, 3 rounds, ~2 min, then cb_trace of both over pure-decode steps on llama-1b,
 # ~25 s; copy decode-graphs.json to docs/results/h200-cb-decode-graphs-*.json, see
-# cb_report.DECODE_GRAPHS_FILES, and the trace folder to docs/results/h200-cb-trace-decode-graphs-*),
+# report_cb_decode.DECODE_GRAPHS_FILES, and the trace folder to docs/results/h200-cb-trace-decode-graphs-*),
 # RUN_COMPILED=1 (enable_continuous_batching(compile=True) against the default, in turn:
 # bench_cb --variants breakgraph,breakgraph_compiled on COMPILED_MODELS, 3 rounds, ~2.5 min
 # with the compiles, then cb_trace of both over pure-decode steps on qwen3-0.6b, ~45 s; copy
-# compiled.json to docs/results/h200-cb-compiled-*.json, see cb_report.COMPILED_FILES, and the
+# compiled.json to docs/results/h200-cb-compiled-*.json, see report_cb_decode.COMPILED_FILES, and the
 # trace folder to docs/results/h200-cb-trace-compiled-*),
 # RUN_BLOCK_TABLE=1 (pure-decode steps through transformers' block table, in turn: bench_cb
 # --variants breakgraph,breakgraph_tx_fill,breakgraph_lists,breakgraph_compiled on
 # BLOCK_TABLE_MODELS, 3 rounds, ~3 min with the compiles, then cb_trace of breakgraph and
 # breakgraph_compiled over pure-decode steps on qwen2.5-3b-12l, ~45 s; copy block-table.json to
-# docs/results/h200-cb-block-table-*.json, see cb_report.BLOCK_TABLE_FILES, and the trace
+# docs/results/h200-cb-block-table-*.json, see report_cb_decode.BLOCK_TABLE_FILES, and the trace
 # folder to docs/results/h200-cb-trace-block-table-*),
 # RUN_DECODE_FLOOR=1 (a pure-decode step's parts against its HBM floor: benchmarks/decode_gemm_probe.py,
 # then bench_cb --variants breakgraph,breakgraph_compiled on three shapes with 100 prompts and

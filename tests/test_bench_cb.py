@@ -19,7 +19,14 @@ transformers = pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers import compat  # noqa: E402
 
-from benchmarks import bench_cb, cb_instruments, cb_report, roofline  # noqa: E402
+from benchmarks import (  # noqa: E402
+    bench_cb,
+    cb_instruments,
+    cb_report,
+    report_cb_decode,
+    report_cb_host,
+    roofline,
+)
 from tests.helpers import no_full_collections_in_cb_cleanup  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
@@ -196,12 +203,12 @@ def test_the_page_splits_transformers_preparation_where_measured():
                "host_prepare_list_entries_per_step": 50000.0}  # fmt: skip
     run = {"meta": {"device": "GPU", "torch": "2.x", "date": "today", "transformers": "5.17.0"},
            "models": [{"model": "m", "variants": {"breakgraph": variant}}]}  # fmt: skip
-    text = cb_report.prep_lists_section([run])
+    text = report_cb_host.prep_lists_section([run])
     assert "| 5.17.0 | m | `breakgraph` | 1000 | 10.0 | 6.0 | 3.0 | 50% | 30% |" in text
     assert "3.0–3.0 ms per step" in text
     plain = copy.deepcopy(run)
     del plain["models"][0]["variants"]["breakgraph"]["host_prepare_lists_ms_per_step"]
-    assert cb_report.prep_lists_section([plain]) == ""
+    assert report_cb_host.prep_lists_section([plain]) == ""
 
 
 def test_the_page_sets_numpy_lists_against_torch_tensor_in_turn():
@@ -211,7 +218,7 @@ def test_the_page_sets_numpy_lists_against_torch_tensor_in_turn():
           "rounds_tokens_per_s": [300.0, 400.0]}  # fmt: skip
     run = {"meta": meta, "models": [{"model": "m", "variants": {
         "stock_graphs": {"tokens_per_s": 100.0}, "breakgraph": bg}}]}  # fmt: skip
-    text = cb_report.numpy_lists_section([(run, "numpy", 1)])
+    text = report_cb_host.numpy_lists_section([(run, "numpy", 1)])
     assert "| 5.24.0 | m | numpy | 1 | `breakgraph` | 300 | 5.0 | 3.0 | - | - | - | 3.00× |" in text
     assert "- lists by numpy: breakgraph / stock graphs 3.00× (rounds 3.00–4.00)" in text
 
@@ -222,14 +229,14 @@ def test_the_decode_trace_section_splits_attention_per_layer():
                                                "new_tokens": 128, "skip": 70}}  # fmt: skip
     variant = {"steps": 14, "per_step": [{"device_busy_ms": 4.0}, {"device_busy_ms": 5.0}],
                "device_ms_per_step_by_kind": {"attention": 1.6, "copies": 2.4}}  # fmt: skip
-    text = cb_report.trace_decode_section({"meta": meta, "variants": {"breakgraph": variant}})
+    text = report_cb_host.trace_decode_section({"meta": meta, "variants": {"breakgraph": variant}})
     assert "busy\n4.50 ms per step" in text
     assert "1.60 ms per step, 40% of the\ndevice's time, about 200 µs for each of the 8" in text
     # the window after the change: a second column, and the per-layer attention it leaves
     after = {**variant, "device_ms_per_step_by_kind": {"attention": 0.4, "copies": 2.5},
              "prepare_ms_per_step": 3.5, "step_ms_per_step": 4.25, "wall_ms_per_step": 8.0,
              "prepare_device_busy_fraction": 0.06}  # fmt: skip
-    text = cb_report.trace_decode_section(
+    text = report_cb_host.trace_decode_section(
         {"meta": meta, "variants": {"breakgraph": variant}},
         {"meta": meta, "variants": {"breakgraph": after}},
     )
@@ -246,7 +253,7 @@ def test_the_decode_fold_section_sets_the_two_calls_side_by_side():
               "decode_step_ms": decode_ms, "decode_forward_device_ms": decode_ms - 1}  # fmt: skip
         return {"meta": meta, "models": [{"model": "m", "variants": {"breakgraph": bg}}]}
 
-    text = cb_report.decode_fold_section([
+    text = report_cb_decode.decode_fold_section([
         (run(14.0), "causal", 1), (run(7.0), "no mask", 1),
         (run(16.0), "causal", 2), (run(11.5), "no mask", 2),
     ])  # fmt: skip
@@ -254,7 +261,8 @@ def test_the_decode_fold_section_sets_the_two_calls_side_by_side():
     assert row in text
     assert "- m: pure-decode step 14.00–16.00 ms causal, 7.00–11.50 ms without the mask; the " \
         "forward's device span 13.00–15.00 → 6.00–10.50 ms" in text
-    text = cb_report.paged_decode_section([(run(9.0), "gather", 1), (run(7.0), "in place", 1)])
+    text = report_cb_decode.paged_decode_section([(run(9.0), "gather", 1),
+                                                  (run(7.0), "in place", 1)])  # fmt: skip
     assert "- m: pure-decode step 9.00 ms gather, 7.00 ms in place; the forward's device span " \
         "8.00 → 6.00 ms" in text
 
@@ -270,7 +278,7 @@ def test_the_decode_attention_section_names_the_case_the_fold_loses():
 
     data = {"meta": {"gpu": "GPU", "torch": "2.x", "date": "today"},
             "a/32": case(100.0, 150.0, 50.0), "b/100": case(300.0, 100.0, 25.0)}  # fmt: skip
-    text = cb_report.decode_attention_section(data)
+    text = report_cb_decode.decode_attention_section(data)
     assert "faster in 1 of 2 cases (3.00× against" in text
     assert "it is slower at a/32 (150 (149–151) against 100 (99–101) µs; not profiled)" in text
     assert "another 3.0–4.0× on top" in text

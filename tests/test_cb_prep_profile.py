@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers import compat  # noqa: E402
 
-from benchmarks import cb_prep_profile, cb_report  # noqa: E402
+from benchmarks import cb_prep_profile, report_cb_host  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 needs_cb = pytest.mark.skipif(
@@ -62,7 +62,7 @@ def test_step_timers_split_decode_steps_into_parts_and_leave_nothing(monkeypatch
     assert parts["prepare"] >= parts["index lists"] + parts["list conversion"] + parts["scheduler"]
     assert data["settings"]["min_requests"] == 2
     assert data["meta"]["gpu"].startswith("none (")
-    text = cb_report.prep_parts_section([data])
+    text = report_cb_host.prep_parts_section([data])
     assert f"| index lists | {parts['index lists']:.2f} (" in text
     assert "### A pure-decode step's preparation, part by part" in text
 
@@ -84,7 +84,7 @@ def test_block_table_mode_times_the_table_instead_of_the_lists(monkeypatch, tmp_
     assert tables["block table"] > 0 and tables["index lists"] == 0, tables
     assert runs[1]["settings"]["block_table"] is True
     assert runs[1]["settings"]["table_fill"] == "numpy"  # breakgraph's fill (contract item 16)
-    text = cb_report.prep_parts_section(runs)
+    text = report_cb_host.prep_parts_section(runs)
     version = transformers.__version__
     assert f"{version}, lists ms (share)" in text
     assert f"{version}, block table, numpy fill ms" in text

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from benchmarks import cb_report, decode_gemm_probe, decode_launch_probe, graph_launch
+from benchmarks import decode_gemm_probe, decode_launch_probe, graph_launch, report_cb_decode
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
 
@@ -22,10 +22,11 @@ def load(name: str) -> dict:
 
 
 def section(runs=None, probe=None) -> str:
-    runs = runs or [(load(n), label) for n, label in cb_report.TABLE_FILL_FILES]
-    traces = [load(n) for n in cb_report.TABLE_FILL_TRACE_FILES]
-    probe = probe or load(cb_report.LAUNCH_PROBE_FILE)
-    return cb_report.table_fill_section(runs, traces, load(cb_report.GRAPH_LAUNCH_FILE), probe)
+    runs = runs or [(load(n), label) for n, label in report_cb_decode.TABLE_FILL_FILES]
+    traces = [load(n) for n in report_cb_decode.TABLE_FILL_TRACE_FILES]
+    probe = probe or load(report_cb_decode.LAUNCH_PROBE_FILE)
+    launch = load(report_cb_decode.GRAPH_LAUNCH_FILE)
+    return report_cb_decode.table_fill_section(runs, traces, launch, probe)
 
 
 def test_the_fit_recovers_fixed_and_per_node_costs():
@@ -51,16 +52,16 @@ def test_the_section_reads_the_committed_runs():
 
 
 def test_changed_json_changes_the_section():
-    probe = copy.deepcopy(load(cb_report.LAUNCH_PROBE_FILE))
+    probe = copy.deepcopy(load(report_cb_decode.LAUNCH_PROBE_FILE))
     next(iter(probe["decode"].values()))["idle"]["median_us"] = 999.0
     assert "999.0 µs with the device idle before it" in section(probe=probe)
 
 
 def test_an_h100_floor_uses_the_h100_bandwidth():
-    data = load(cb_report.TABLE_FILL_FILES[1][0])
+    data = load(report_cb_decode.TABLE_FILL_FILES[1][0])
     entry = {"decode_over_floor": 4.8}
     assert data["meta"]["gpu"].startswith("NVIDIA H100")
-    assert cb_report._over_floor(data, entry) == pytest.approx(3.35)
+    assert report_cb_decode._over_floor(data, entry) == pytest.approx(3.35)
     h200 = copy.deepcopy(data)
     h200["meta"]["gpu"] = "NVIDIA H200"
-    assert cb_report._over_floor(h200, entry) == pytest.approx(4.8)
+    assert report_cb_decode._over_floor(h200, entry) == pytest.approx(4.8)

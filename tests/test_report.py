@@ -711,7 +711,7 @@ def test_split_section_computes_its_conclusions_from_the_sweep():
     splits never paid, the tallies beyond and up to ``SPLIT_FROM_KEYS``) follow the data."""
     from breakgraph.integrations.transformers import cb_step
 
-    from benchmarks import cb_report
+    from benchmarks import report_cb_decode
 
     sms = 132  # 8 sequences x 2 key heads: split 16; 32 x 8: split 2 (paged_decode.split_count)
     sweep = {
@@ -724,7 +724,7 @@ def test_split_section_computes_its_conclusions_from_the_sweep():
         "c/32-upto2048": _threshold_row(32, 8, 2048, 30.0, 33.0),
         "c/32-upto6144": _threshold_row(32, 8, 6144, 150.0, 160.0),
     }
-    text = cb_report.split_section(sweep, [])
+    text = report_cb_decode.split_section(sweep, [])
     assert "the best setting used that block in 0 of 1 cases" in text
     assert "The worst held-out case is b at 8 sequences: 1.50× its best setting" in text
     assert "(16 × 64 against 16 × 128)" in text
@@ -734,4 +734,4 @@ def test_split_section_computes_its_conclusions_from_the_sweep():
     assert "paid in 1 of 1 cases (0.50×) in the columns beyond" in text
     assert "and in 0 of 1 cases (2.00×) in the columns up to it" in text
     sweep["c/32-upto6144"] = _threshold_row(32, 8, 6144, 150.0, 100.0)  # now split 2 pays once
-    assert "every default split paid at some length" in cb_report.split_section(sweep, [])
+    assert "every default split paid at some length" in report_cb_decode.split_section(sweep, [])
