@@ -307,8 +307,7 @@ def _model_block(name: str, runs: list) -> list:
 def target_lines(m: dict) -> list:
     """Issue 23's targets for each breakgraph variant of one model entry, met or missed."""
     ratios, spreads, v = m["ratios"], m["ratio_spread"], m["variants"]
-    graphs = [s for s in ("stock_graphs", "stock_graphs_async") if "tokens_per_s" in v.get(s, {})]
-    rival = max(graphs, key=lambda s: v[s]["tokens_per_s"], default=None)
+    rival = _stock_rival(v)
     lines = []
     for bg in (name for name in v if name.startswith("breakgraph") and "tokens_per_s" in v[name]):
         entry = v[bg]

@@ -18,6 +18,7 @@ import statistics
 
 from . import targets as T
 from .cb_report import _release, _run_of
+from .report_cb_decode import HBM_BYTES_PER_S, _card
 from .template import bullets, fill, num, span, table
 
 #: ``bench_cb --variants breakgraph`` of the tree before (``host``: write rows derived on the
@@ -39,15 +40,17 @@ FLOOR_FILES = ("h200-cb-floor-5.17.json", "h200-cb-write-rows-graph-1-5.24.json"
 DECODE_GEMM_FILE = "h200-decode-gemm.json"
 
 
-def _after_over_before(trees: dict) -> float:
-    """This tree's median over the tree before's (``trees``: ``{"host": [], "graph": []}``)."""
-    return statistics.median(trees["graph"]) / statistics.median(trees["host"])
+def _after_over_before(trees: dict, metric: str) -> float:
+    """``metric``'s median in this tree over the tree before's (``trees``: ``{"host": [variant
+    entries], "graph": [...]}``)."""
+    median = lambda tree: statistics.median(v[metric] for v in trees[tree])  # noqa: E731
+    return median("graph") / median("host")
 
 
 def write_rows_section(runs: list) -> str:
     """The two trees in turn (``runs``: ``(data, tree, turn)``): per release and model, the
     pure-decode forward's host time (what the change moves), its device span, the step."""
-    rows, host, device, tokens, others, other_variants = [], {}, {}, {}, [], set()
+    rows, seen, others, other_variants = [], {}, [], set()
     for data, tree, turn in runs:
         extra = {name for m in data["models"] for name, v in m["variants"].items()
                  if name != "breakgraph" and "tokens_per_s" in v}  # fmt: skip
@@ -58,27 +61,27 @@ def write_rows_section(runs: list) -> str:
             v = m["variants"].get("breakgraph", {})
             if "decode_forward_host_ms" not in v:
                 continue
-            key = (_release(data), m["model"])
-            host.setdefault(key, {}).setdefault(tree, []).append(v["decode_forward_host_ms"])
-            device.setdefault(key, {}).setdefault(tree, []).append(v["decode_forward_device_ms"])
-            tokens.setdefault(key, {}).setdefault(tree, []).append(v["tokens_per_s"])
+            seen.setdefault((_release(data), m["model"]), {}).setdefault(tree, []).append(v)
             rows.append([
                 _release(data), m["model"], tree, str(turn),
                 f"{num(v['tokens_per_s'], 0)} ({span(v['rounds_tokens_per_s'], 0)})",
                 num(v["decode_step_ms"], 2), num(v["decode_prepare_ms"], 2),
                 num(v["decode_forward_host_ms"], 2), num(v["decode_forward_device_ms"], 2),
             ])  # fmt: skip
-    lines, ratios, device_ratios, tokens_ratios = [], [], [], []
-    for key, trees in host.items():
-        if "host" in trees and "graph" in trees:
-            release, model = key
-            ratio = _after_over_before(trees)
-            ratios.append(ratio)
-            device_ratios.append(_after_over_before(device[key]))
-            tokens_ratios.append(_after_over_before(tokens[key]))
-            lines.append(f"- {model} on {release}: {span(trees['host'], 2)} → "
-                         f"{span(trees['graph'], 2)} ms ({num(ratio, 2)}×)")  # fmt: skip
-    first = runs[0][0]
+    lines, ratios, device_ratios, tokens_ratios, drift = [], [], [], [], []
+    for (release, model), trees in seen.items():
+        drift += [max(v["tokens_per_s"] for v in runs_) / min(v["tokens_per_s"] for v in runs_)
+                  for runs_ in trees.values()]  # fmt: skip
+        if "host" not in trees or "graph" not in trees:
+            continue
+        ratio = _after_over_before(trees, "decode_forward_host_ms")
+        ratios.append(ratio)
+        device_ratios.append(_after_over_before(trees, "decode_forward_device_ms"))
+        tokens_ratios.append(_after_over_before(trees, "tokens_per_s"))
+        host = {tree: [v["decode_forward_host_ms"] for v in trees[tree]] for tree in trees}
+        lines.append(f"- {model} on {release}: {span(host['host'], 2)} → "
+                     f"{span(host['graph'], 2)} ms ({num(ratio, 2)}×)")  # fmt: skip
+    first, nan = runs[0][0], [float("nan")]
     return fill(
         "cb.write_rows",
         files=", ".join(f"`{name}`" for name, _, _ in WRITE_ROWS_FILES),
@@ -87,15 +90,21 @@ def write_rows_section(runs: list) -> str:
                      "decode ms", "decode prep ms", "decode fwd host ms",
                      "decode fwd device ms"], rows),  # fmt: skip
         host=bullets(lines) or "(not measured)",
-        ratio=span(ratios or [float("nan")], 2),
-        device_ratio=span(device_ratios or [float("nan")], 2),
-        tokens_ratio=span(tokens_ratios or [float("nan")], 2),
-        same_tree=num(max((max(v) / min(v) for trees in tokens.values() for v in trees.values()),
-                          default=float("nan")), 2),  # fmt: skip
+        ratio=span(ratios or nan, 2),
+        device_ratio=span(device_ratios or nan, 2),
+        tokens_ratio=span(tokens_ratios or nan, 2),
+        same_tree=num(max(drift, default=float("nan")), 2),
         variants_note=fill("cb.write_rows.others", others=", ".join(others),
                            other_variants=", ".join(f"`{n}`" for n in sorted(other_variants)))
         if others else fill("cb.write_rows.alone"),  # fmt: skip
     )
+
+
+def _floor_ms(data: dict, entry: dict) -> float:
+    """A pure-decode step's HBM floor on the card the run had (``bench_cb`` divides by its
+    ``--hbm-tbs``, an H200's by default, whatever the card)."""
+    assumed = data["meta"].get("hbm_bytes_per_s", HBM_BYTES_PER_S["H200"])
+    return entry["decode_floor_ms"] * assumed / HBM_BYTES_PER_S.get(_card(data), assumed)
 
 
 def _gemm_ms(probe: dict | None, model: str, requests: int, layers: int) -> tuple:
@@ -144,7 +153,8 @@ def floor_section(runs: list, probe: dict | None) -> str:
             c = m["variants"].get("breakgraph_compiled", {})
             if "decode_prepare_ms" not in v:
                 continue
-            floor, requests = v["decode_floor_ms"], v["decode_requests"]
+            floor = _floor_ms(data, v)
+            requests = v["decode_requests"]
             separate, joined, share = _gemm_ms(probe, m["model"], requests,
                                                m["floor"]["shape"]["layers"])  # fmt: skip
             prep.setdefault(requests, []).append(v["decode_prepare_ms"] / floor)

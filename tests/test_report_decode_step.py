@@ -102,3 +102,13 @@ def test_the_floor_section_reads_the_committed_runs():
     assert "| 5.17.0 | qwen2.5-3b-12l | 100 | 0.666 |" in text
     assert "| 5.24.0 | llama3-8b-4l | 32 | 0.637 |" in text
     assert "6 of 6 runs with 100 requests" in text
+
+
+def test_the_floor_is_the_cards_own():
+    """bench_cb divides by an H200's bandwidth whatever the card: an H100 run's floor is
+    longer by the bandwidths' ratio, and so is every part's share of it."""
+    data = _run(breakgraph=_variant(prep_ms=3.35, floor_ms=0.48))
+    data["meta"] = {**META, "gpu": "NVIDIA H100 80GB HBM3", "hbm_bytes_per_s": 4.8e12}
+    text = R.floor_section([data], None)
+    assert "| 5.17.0 | m | 100 | 0.688 |" in text and "| 3.35 (4.9×) |" in text
+
