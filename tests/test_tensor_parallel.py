@@ -9,7 +9,10 @@ One launch per backend runs the scenarios one after the other in the same two pr
 the process group broken; on CUDA continuous batching gets a launch of its own, for its NCCL
 setting; on the CPU the TP benchmark's smoke run goes before it, since CB sets that setting in
 the environment) and the tests below check their results. The launch has a hard timeout, so a hang
-fails the tests instead of stalling CI.
+fails the tests instead of stalling CI. A rank that dies without a result (a signal, a native
+abort: once on CI, in gloo's TCP transport, with no Python stack) gets one more launch, with a
+warning that carries the first launch's report (exit codes, and the stacks faulthandler wrote on the
+fatal signal); a second death, a hang or a scenario's error fails the tests.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -53,6 +57,22 @@ BACKENDS = [
 
 
 # -- the launcher ----------------------------------------------------------------------------------
+class RankDied(AssertionError):
+    """A rank's process ended without reporting a result (killed by a signal, a native abort)."""
+
+
+def launch_again_if_a_rank_dies(
+    scenarios: tuple, backend: str, path: str, env: dict | None = None
+) -> dict:
+    """:func:`launch`, once more in a fresh folder if a rank died without a result (the first
+    death is reported as a warning); a second death raises."""
+    try:
+        return launch(scenarios, backend, path, env)
+    except RankDied as died:
+        warnings.warn(f"launched {scenarios} again: {died}", stacklevel=2)
+        return launch(scenarios, backend, os.path.join(path, "again"), env)
+
+
 def launch(scenarios: tuple, backend: str, path: str, env: dict | None = None) -> dict:
     """Run ``scenarios``, in order, on 2 fresh processes; return ``{scenario: [each rank's
     result dict (rank order)]}``.
@@ -90,10 +110,11 @@ def launch(scenarios: tuple, backend: str, path: str, env: dict | None = None) -
             try:
                 rank, result = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:  # every rank reports before it exits (code 0): a crash
-                crashed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+                crashed = {r: p.exitcode for r, p in enumerate(processes) if p.exitcode}
                 if crashed:
-                    raise AssertionError(
-                        f"rank(s) {crashed} died without a result\n"
+                    raise RankDied(
+                        f"scenarios {scenarios} ({backend}): rank(s) died without a result, "
+                        f"exit codes {crashed} (negative: the signal's number)\n"
                         + _hang_report(stacks, collected)
                     ) from None
                 continue
@@ -155,6 +176,7 @@ def _worker(rank, port, scenarios, backend, path, results, deadline, stack_dir) 
 
     # the parent gives up at `deadline` (its start-up counts): dump the stacks shortly before
     stacks = open(os.path.join(stack_dir, f"stack-rank{rank}.txt"), "w")  # noqa: SIM115 (until exit)
+    faulthandler.enable(file=stacks, all_threads=True)  # a fatal signal writes the stacks there
     faulthandler.dump_traceback_later(max(1.0, deadline - time.time() - 5), file=stacks)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -613,7 +635,17 @@ def scenario_bench(rank: int, backend: str, path: str) -> dict:
     return {"data": data, "printed": printed.getvalue()}
 
 
+def scenario_die(rank: int, backend: str, path: str) -> dict:
+    """Rank 1 dies of a segmentation fault (the launcher's own test); rank 0 answers."""
+    if rank == 1:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return {}
+
+
 SCENARIOS = {
+    "die": scenario_die,
     "bench": scenario_bench,
     "main": scenario_main,
     "cb": scenario_cb,
@@ -632,11 +664,13 @@ def tp_runs(request, tmp_path_factory):
         # transformers' CB recommends NCCL_GRAPH_MIXING_SUPPORT=0 under TP (set before NCCL
         # starts), which the eager all-reduce breaks of `main` must not run under; breakgraph's
         # CB steps never issue an eager collective while a graph launch is in flight
-        results = launch(("settings", "gemma", "main"), backend, path)
+        results = launch_again_if_a_rank_dies(("settings", "gemma", "main"), backend, path)
         env = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
-        results.update(launch(("cb",), backend, os.path.join(path, "cb-launch"), env=env))
+        cb_path = os.path.join(path, "cb-launch")
+        results.update(launch_again_if_a_rank_dies(("cb",), backend, cb_path, env=env))
     else:
-        results = launch(("settings", "bench", "cb", "gemma", "main"), backend, path)
+        scenarios = ("settings", "bench", "cb", "gemma", "main")
+        results = launch_again_if_a_rank_dies(scenarios, backend, path)
     return {name: (backend, by_rank) for name, by_rank in results.items()}
 
 
@@ -847,6 +881,18 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
     finally:
         del distributed._KEPT_UNTIL_EXIT[kept:]
         dist.destroy_process_group()
+
+
+def test_a_rank_that_dies_is_launched_once_more_then_fails_with_its_signal_and_stack(tmp_path):
+    with pytest.warns(UserWarning) as caught, pytest.raises(RankDied) as second:
+        launch_again_if_a_rank_dies(("die",), "emulated", str(tmp_path))
+    first = [str(w.message) for w in caught if "again" in str(w.message)]
+    assert len(first) == 1 and first[0].startswith("launched ('die',) again")
+    for report in (first[0], str(second.value)):
+        assert "exit codes {1: -11}" in report  # SIGSEGV
+        assert "rank 0 answered (die)" in report
+        assert "Fatal Python error: Segmentation fault" in report  # faulthandler's dump
+        assert "scenario_die" in report  # the dying rank's Python stack
 
 
 def test_bench_tp_smoke_writes_every_variant(tp_runs):
