@@ -310,6 +310,42 @@ def test_the_fill_leaves_other_tables_and_layouts_to_transformers():
     assert calls == ["b", "a", "a"]
 
 
+def test_the_fill_keeps_one_numpy_view_per_slot_and_writes_through_its_own_strides():
+    """transformers passes a fresh view of the same slot of the same table every step: the
+    fill keeps its numpy view (by address and strides) instead of converting each call; a
+    view at the same address with other strides or another shape is written as itself, and
+    the kept views go with the cache."""
+    import gc
+    import weakref
+
+    class Manager:
+        block_size, block_table = 4, {"a": [7, 3, 9], "b": [5]}
+
+    class Cache:
+        group_cache_managers = [Manager()]
+
+    cache = Cache()
+    kept_before = len(block_table._fills)
+    table = torch.full((1, 4, 4), -1, dtype=torch.int32)  # [groups, slots, blocks]
+    for past in (4, 5, 6):  # 5-7 keys: 2 blocks
+        block_table.fill_block_table(None, cache, "a", past, 1, table[:, 0])
+        block_table.fill_block_table(None, cache, "b", 0, 1, table[:, 2])
+    assert table[0].tolist() == [[7, 3, -1, -1], [-1] * 4, [5, -1, -1, -1], [-1] * 4]
+    assert len(block_table._fills[cache][1]) == 2  # one view per slot, kept across steps
+    across = table.permute(0, 2, 1)[:, 0]  # block 0 of every slot: slot 0's address and shape
+    block_table.fill_block_table(None, cache, "a", 8, 1, across)  # 3 blocks
+    assert table[0, :, 0].tolist() == [7, 3, 9, -1] and table[0, 0].tolist() == [7, 3, -1, -1]
+    block_table.fill_block_table(None, cache, "b", 0, 1, table[:, 3])
+    shorter = table[:, 3, :2]  # slot 3's address and strides, two blocks: three do not fit
+    with pytest.raises(ValueError):
+        block_table.fill_block_table(None, cache, "a", 8, 1, shorter)
+    assert table[0, 3].tolist() == [5, -1, -1, -1]
+    alive = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert alive() is None and len(block_table._fills) <= kept_before
+
+
 @needs_cb
 def test_eager_steps_and_unknown_layouts_keep_working(monkeypatch):
     """With ``use_cuda_graph=False`` the steps keep the index lists (no table to materialise
