@@ -24,15 +24,9 @@ PREP_LISTS_FILES = ("h200-cb-prep-lists-5.17.json", "h200-cb-prep-lists-5.24.jso
 PREP_PARTS_FILES = ("cpu-cb-prep-profile-5.17.json", "cpu-cb-prep-profile-5.24.json",
                     "cpu-cb-prep-profile-table-5.17.json", "cpu-cb-prep-profile-table-5.24.json",
                     "cpu-cb-prep-profile-fill-5.17.json", "cpu-cb-prep-profile-fill-5.24.json")
-#: ``cb_prep_profile --block-table`` on the CPU, the numpy fill converting each request's table
-#: view every call (before) and keeping one numpy view per slot (after), the trees in turn:
-#: (file, tree, turn)
-FILL_VIEWS_FILES = (
-    ("cpu-cb-prep-fill-views-before-1-5.17.json", "before", 1),
-    ("cpu-cb-prep-fill-views-after-1-5.17.json", "after", 1),
-    ("cpu-cb-prep-fill-views-before-2-5.17.json", "before", 2),
-    ("cpu-cb-prep-fill-views-after-2-5.17.json", "after", 2),
-)
+#: ``benchmarks/fill_views_probe.py`` on the CPU: the fill's own cost per request, the tree
+#: that converted each view (before) and the one that keeps them (after) in turn, two processes
+FILL_VIEWS_FILES = ("cpu-fill-views-probe-5.17.json", "cpu-fill-views-probe-5.24.json")
 #: ``bench_cb --prep-lists``, transformers' lists converted by torch.tensor (old: the tree before
 #: ``index_lists``) and through numpy (new), the trees in turn: (file, tree, turn)
 NUMPY_LISTS_FILES = (
@@ -205,8 +199,8 @@ def numpy_lists_section(runs: list) -> str:
 def prep_parts_section(runs: list, views: list = ()) -> str:
     """transformers' preparation of a pure-decode step by part (``cb_prep_profile``), one
     column pair per release: ms (mean over the steps) and its share of the preparation; and
-    ``views`` (``(data, tree, turn)``, :data:`FILL_VIEWS_FILES`): the numpy fill before and
-    after it kept each slot's view."""
+    ``views`` (:data:`FILL_VIEWS_FILES`' runs): the numpy fill before and after it kept each
+    slot's view."""
     names = ("index lists", "block table", "list conversion", "other batch tensors",
              "scheduler", "other preparation")  # fmt: skip
     rows = []
@@ -260,38 +254,28 @@ def prep_parts_section(runs: list, views: list = ()) -> str:
     )
 
 
-def _fill_views(views: list) -> str:
-    """The numpy fill's A/B (kept views against a conversion per call), or a line saying it
-    was not measured."""
-    if not views:
-        return "(The fill's numpy views, kept against converted per call: not measured.)"
-    by_tree = {tree: [d for d, t, _ in views if t == tree] for tree in ("before", "after")}
-
-    def per_request(runs: list) -> list:
-        return [d["decode_parts_ms"]["block table"] / d["decode_requests_median"] * 1e3
-                for d in runs]  # fmt: skip
-
-    def part(runs: list, name: str) -> list:
-        return [d["decode_parts_ms"][name] for d in runs]
-
-    by_turn = {(tree, turn): data for data, tree, turn in views}
-    pairs = [(by_turn["after", turn], by_turn["before", turn]) for tree, turn in by_turn
-             if tree == "before" and ("after", turn) in by_turn]  # fmt: skip
-    first = views[0][0]
+def _fill_views(probes: list) -> str:
+    """``fill_views_probe``'s runs: the fill's µs per request before and after it kept its
+    views, or a line saying it was not measured."""
+    if not probes:
+        return "(The fill's kept numpy views against a conversion per call: not measured.)"
+    layouts = [row for data in probes for row in data["layouts"].values()]
+    first = probes[0]
     return fill(
         "cb.fill_views",
-        files=", ".join(f"`{name}`" for name, _, _ in FILL_VIEWS_FILES),
+        files=", ".join(f"`{name}`" for name in FILL_VIEWS_FILES[: len(probes)]),
         **_run_of(first["meta"], "gpu"),
-        turns=len(pairs),
+        processes=len(probes),
+        before=first["settings"]["before"],
+        requests=first["settings"]["requests"],
         rounds=first["settings"]["rounds"],
-        before_us=span(per_request(by_tree["before"]), 1),
-        after_us=span(per_request(by_tree["after"]), 1),
-        table_ratio=span([a["decode_parts_ms"]["block table"] / b["decode_parts_ms"]["block table"]
-                          for a, b in pairs], 2),  # fmt: skip
-        before_prepare=span(part(by_tree["before"], "prepare"), 2),
-        after_prepare=span(part(by_tree["after"], "prepare"), 2),
-        prepare_ratio=span([a["decode_parts_ms"]["prepare"] / b["decode_parts_ms"]["prepare"]
-                            for a, b in pairs], 2),  # fmt: skip
+        repeats=first["settings"]["repeats"],
+        layouts=", ".join(first["layouts"]),
+        before_us=span([row["before_us"] for row in layouts], 1),
+        after_us=span([row["after_us"] for row in layouts], 1),
+        ratio=span([row["after_over_before"] for row in layouts], 2),
+        ratio_rounds=span([x for row in layouts for x in row["after_over_before_rounds"]], 2),
+        saved_us=span([row["before_us"] - row["after_us"] for row in layouts], 1),
     )
 
 

@@ -312,9 +312,9 @@ def test_the_fill_leaves_other_tables_and_layouts_to_transformers():
 
 def test_the_fill_keeps_one_numpy_view_per_slot_and_writes_through_its_own_strides():
     """transformers passes a fresh view of the same slot of the same table every step: the
-    fill keeps its numpy view (by address and strides) instead of converting each call; a
-    view at the same address with other strides or another shape is written as itself, and
-    the kept views go with the cache."""
+    fill keeps its numpy view (by address, strides and dtype) instead of converting each
+    call; a view at the same address with other strides, shape or dtype is written as
+    itself, new tables do not pile up, and the kept views go with the cache."""
     import gc
     import weakref
 
@@ -331,15 +331,26 @@ def test_the_fill_keeps_one_numpy_view_per_slot_and_writes_through_its_own_strid
         block_table.fill_block_table(None, cache, "a", past, 1, table[:, 0])
         block_table.fill_block_table(None, cache, "b", 0, 1, table[:, 2])
     assert table[0].tolist() == [[7, 3, -1, -1], [-1] * 4, [5, -1, -1, -1], [-1] * 4]
-    assert len(block_table._fills[cache][1]) == 2  # one view per slot, kept across steps
+    assert len(block_table._fills[cache].views) == 2  # one view per slot, kept across steps
     across = table.permute(0, 2, 1)[:, 0]  # block 0 of every slot: slot 0's address and shape
     block_table.fill_block_table(None, cache, "a", 8, 1, across)  # 3 blocks
     assert table[0, :, 0].tolist() == [7, 3, 9, -1] and table[0, 0].tolist() == [7, 3, -1, -1]
+    block_table.fill_block_table(None, cache, "b", 0, 1, table[:, 1])
+    as_float = table.view(torch.float32)[:, 1]  # slot 1's address, strides and shape
+    block_table.fill_block_table(None, cache, "b", 0, 1, as_float)
+    assert as_float[0, 0].item() == 5.0  # written as floats, not through the int32 view
     block_table.fill_block_table(None, cache, "b", 0, 1, table[:, 3])
     shorter = table[:, 3, :2]  # slot 3's address and strides, two blocks: three do not fit
     with pytest.raises(ValueError):
         block_table.fill_block_table(None, cache, "a", 8, 1, shorter)
     assert table[0, 3].tolist() == [5, -1, -1, -1]
+    # a caller handing in a new table every step: the cache holds at most MAX_TABLES of them
+    fill = block_table._fills[cache]
+    for _ in range(3 * block_table.MAX_TABLES):
+        fresh = torch.full((1, 4, 4), -1, dtype=torch.int32)
+        block_table.fill_block_table(None, cache, "a", 4, 1, fresh[:, 1])
+        assert fresh[0, 1].tolist() == [7, 3, -1, -1]
+        assert len(fill.tables) <= block_table.MAX_TABLES
     alive = weakref.ref(cache)
     del cache
     gc.collect()

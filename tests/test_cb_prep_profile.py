@@ -89,3 +89,22 @@ def test_block_table_mode_times_the_table_instead_of_the_lists(monkeypatch, tmp_
     assert f"{version}, lists ms (share)" in text
     assert f"{version}, block table, numpy fill ms" in text
     assert f"| block table | 0.00 (0%) | {tables['block table']:.2f} (" in text
+
+
+def test_the_fill_views_probe_times_both_trees_on_both_layouts(tmp_path):
+    """``benchmarks/fill_views_probe.py`` loads the earlier tree's fill from git (here this
+    commit's), checks that both trees write the same ids and times them in turn; the report
+    sentence is made from its JSON."""
+    from benchmarks import fill_views_probe
+
+    out = tmp_path / "probe.json"
+    fill_views_probe.main(["--before", "HEAD", "--out", str(out), "--requests", "6",
+                           "--rounds", "2", "--repeats", "1"])  # fmt: skip
+    data = json.loads(out.read_text())
+    assert set(data["layouts"]) == {"5.17 (managers)", "5.18+ (allocators)"}
+    for row in data["layouts"].values():
+        assert len(row["rounds_us"]["before"]) == len(row["rounds_us"]["after"]) == 2
+        assert row["before_us"] > 0 and row["after_us"] > 0
+    text = report_cb_host._fill_views([data])
+    assert "fill_views_probe.py" in text and "µs saved per request" in text
+    assert "not measured" in report_cb_host._fill_views([])

@@ -10,9 +10,10 @@ the process group broken; on CUDA continuous batching gets a launch of its own, 
 setting; on the CPU the TP benchmark's smoke run goes before it, since CB sets that setting in
 the environment) and the tests below check their results. The launch has a hard timeout, so a hang
 fails the tests instead of stalling CI. A rank that dies without a result (a signal, a native
-abort: once on CI, in gloo's TCP transport, with no Python stack) gets one more launch, with a
-warning that carries the first launch's report (exit codes, and the stacks faulthandler wrote on the
-fatal signal); a second death, a hang or a scenario's error fails the tests.
+abort: once on CI, during a gloo collective, with no Python stack) gets one more launch, with a
+``RankDiedWarning`` that carries the first launch's report (exit codes, and the stacks faulthandler
+wrote on the fatal signal; ``-W error::RankDiedWarning`` makes the first death fail); a second
+death, a hang or a scenario's error fails the tests.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -61,15 +63,23 @@ class RankDied(AssertionError):
     """A rank's process ended without reporting a result (killed by a signal, a native abort)."""
 
 
+class RankDiedWarning(UserWarning):
+    """A launch lost a rank and ran again (``-W error::RankDiedWarning`` makes it fail)."""
+
+
 def launch_again_if_a_rank_dies(
     scenarios: tuple, backend: str, path: str, env: dict | None = None
 ) -> dict:
     """:func:`launch`, once more in a fresh folder if a rank died without a result (the first
-    death is reported as a warning); a second death raises."""
+    death's report, cut to its last lines, is a :class:`RankDiedWarning`); a second death
+    raises."""
     try:
         return launch(scenarios, backend, path, env)
     except RankDied as died:
-        warnings.warn(f"launched {scenarios} again: {died}", stacklevel=2)
+        report = str(died)
+        if len(report) > 6000:  # rank 0's results can be long: the exit codes and the stacks
+            report = report[:2000] + "\n[...]\n" + report[-4000:]
+        warnings.warn(f"launched {scenarios} again: {report}", RankDiedWarning, stacklevel=2)
         return launch(scenarios, backend, os.path.join(path, "again"), env)
 
 
@@ -883,16 +893,41 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
         dist.destroy_process_group()
 
 
-def test_a_rank_that_dies_is_launched_once_more_then_fails_with_its_signal_and_stack(tmp_path):
-    with pytest.warns(UserWarning) as caught, pytest.raises(RankDied) as second:
-        launch_again_if_a_rank_dies(("die",), "emulated", str(tmp_path))
-    first = [str(w.message) for w in caught if "again" in str(w.message)]
-    assert len(first) == 1 and first[0].startswith("launched ('die',) again")
-    for report in (first[0], str(second.value)):
-        assert "exit codes {1: -11}" in report  # SIGSEGV
-        assert "rank 0 answered (die)" in report
-        assert "Fatal Python error: Segmentation fault" in report  # faulthandler's dump
-        assert "scenario_die" in report  # the dying rank's Python stack
+def test_a_rank_that_dies_fails_the_launch_with_its_signal_and_stack(tmp_path):
+    with pytest.raises(RankDied) as died:
+        launch(("die",), "emulated", str(tmp_path))
+    report = str(died.value)
+    assert "exit codes {1: -11}" in report  # SIGSEGV
+    assert "rank 0 answered (die)" in report
+    assert "Fatal Python error: Segmentation fault" in report  # faulthandler's dump
+    assert "scenario_die" in report  # the dying rank's Python stack
+
+
+def test_a_launch_that_loses_a_rank_runs_once_more_in_a_fresh_folder(monkeypatch, tmp_path):
+    """The relaunch itself (the processes' side is the test above): one death, a warning
+    and the second launch's results; two deaths raise."""
+    launches = []
+
+    def launch_losing(deaths):
+        def fake(scenarios, backend, path, env=None):
+            launches.append(path)
+            if len(launches) <= deaths:
+                raise RankDied(f"rank(s) died, exit codes {{1: -11}} {'x' * 9000}")
+            return {"main": ("emulated", [{}, {}])}
+
+        return fake
+
+    monkeypatch.setattr(sys.modules[__name__], "launch", launch_losing(1))
+    with pytest.warns(RankDiedWarning, match=r"launched \('main',\) again: .*exit codes") as caught:
+        results = launch_again_if_a_rank_dies(("main",), "emulated", str(tmp_path))
+    assert results == {"main": ("emulated", [{}, {}])}
+    assert launches == [str(tmp_path), os.path.join(tmp_path, "again")]
+    assert len(caught) == 1 and len(str(caught[0].message)) < 7000  # the report, cut
+    launches.clear()
+    monkeypatch.setattr(sys.modules[__name__], "launch", launch_losing(2))
+    with pytest.warns(RankDiedWarning), pytest.raises(RankDied):
+        launch_again_if_a_rank_dies(("main",), "emulated", str(tmp_path))
+    assert len(launches) == 2  # not a third time
 
 
 def test_bench_tp_smoke_writes_every_variant(tp_runs):

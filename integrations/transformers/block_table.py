@@ -92,11 +92,63 @@ def install(patches: PatchSet, wants_block_table) -> bool:
     return True
 
 
-#: Per paged cache: what its ``fill_block_table`` writes (contract item 16), or None where the
-#: layout is unknown, and the numpy views of the host tables it was given (by the view's data
-#: pointer and strides, the shape checked): looked up once per cache, not once per request.
+#: Per paged cache, its :class:`_CacheFill`: looked up once per cache, not once per request.
 _fills: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MAX_VIEWS = 65536  # views kept per cache (one per request slot of each table), then forgotten
+#: Host tables whose views a cache keeps: transformers fills one table per batch of inputs and
+#: outputs, two with asynchronous batching; a cache given more forgets the views it kept
+MAX_TABLES = 4
+
+
+class _CacheFill:
+    """What one paged cache's ``fill_block_table`` writes (contract item 16; ``writers`` is
+    None where the layout is unknown) and the numpy views of the host tables it was given.
+
+    transformers passes a fresh view of the same slot of the same table every step: its numpy
+    view is kept (a ``.numpy()`` costs 1.0-1.7 µs, a sixth of the call) by the view's address,
+    strides and dtype, its shape checked. A kept array holds its tensor, so no other tensor can
+    take that address while it is kept; at most ``MAX_TABLES`` tables are held.
+    """
+
+    __slots__ = ("writers", "views", "tables")
+
+    def __init__(self, cache: Any) -> None:
+        self.writers = compat.block_table_writers(cache)
+        self.views: dict = {}  # (address, strides, dtype) -> the numpy view
+        self.tables: set = set()  # the storages those views are over
+
+    def write(self, block_table: torch.Tensor, request_id: str, keys: int) -> bool:
+        """Write ``request_id``'s block ids for ``keys`` keys into ``block_table``; False
+        (for transformers' own error) where the cache does not hold the request."""
+        key = (block_table.data_ptr(), block_table.stride(), block_table.dtype)
+        target = self.views.get(key)
+        if target is None or target.shape != block_table.shape:
+            table = block_table.untyped_storage().data_ptr()
+            if table not in self.tables and len(self.tables) >= MAX_TABLES:
+                self.views.clear()  # new tables keep coming: hold none of the old ones
+                self.tables.clear()
+            self.tables.add(table)
+            target = self.views[key] = block_table.numpy()
+        for row, owner, page, scale in self.writers:
+            ids = owner.block_table.get(request_id)
+            if ids is None:
+                return False
+            if page:
+                ids = ids[: -(-keys // page)]
+            line = target[row, : len(ids)]
+            line[:] = ids
+            if scale != 1:
+                line *= scale
+        return True
+
+
+def _fill_of(cache: Any) -> _CacheFill:
+    try:
+        return _fills[cache]
+    except KeyError:
+        fill = _fills[cache] = _CacheFill(cache)
+        return fill
+    except TypeError:  # not weak-referenceable: looked up every time
+        return _CacheFill(cache)
 
 
 def fill_block_table(original, cache: Any, request_id: str, past_length: int,
@@ -110,9 +162,9 @@ def fill_block_table(original, cache: Any, request_id: str, past_length: int,
     operations (``torch.tensor`` of the ids, a multiply, a copy): 23-24 µs per request on
     CI's host, about half of a pure-decode step's preparation (``benchmarks/cb_prep_profile
     --block-table``). The same values written through a numpy view of the host table cost a
-    few µs. On CUDA, transformers' asynchronous batching fills a pinned host table (then
-    copies it to the device at once); its synchronous batching fills the device table, which
-    stays transformers' own.
+    few µs (:class:`_CacheFill`). On CUDA, transformers' asynchronous batching fills a pinned
+    host table (then copies it to the device at once); its synchronous batching fills the
+    device table, which stays transformers' own.
 
     Example (a 5.17-style cache: one full-attention group, pages of 4 tokens)::
 
@@ -124,36 +176,12 @@ def fill_block_table(original, cache: Any, request_id: str, past_length: int,
         >>> table.tolist()
         [[7, 3, -1, -1]]
     """
-    if not block_table.is_cpu:
-        return original(cache, request_id, past_length, query_length, block_table)
-    try:
-        writers, views = _fills[cache]
-    except KeyError:
-        writers, views = _fills[cache] = compat.block_table_writers(cache), {}
-    except TypeError:  # not weak-referenceable: looked up every time
-        writers, views = compat.block_table_writers(cache), {}
-    if writers is None:
-        return original(cache, request_id, past_length, query_length, block_table)
-    # transformers passes a fresh view of the same slot of the same table every step: its
-    # numpy view is kept (1.0-1.7 µs a `.numpy()`, about a sixth of this call); the array
-    # keeps the tensor alive, so no other tensor can take its address while it is kept
-    key = (block_table.data_ptr(), block_table.stride())
-    target = views.get(key)
-    if target is None or target.shape != block_table.shape:
-        if len(views) >= _MAX_VIEWS:
-            views.clear()
-        target = views[key] = block_table.numpy()
-    for row, owner, page, scale in writers:
-        ids = owner.block_table.get(request_id)
-        if ids is None:  # transformers' own error for an unknown request
-            return original(cache, request_id, past_length, query_length, block_table)
-        if page:
-            ids = ids[: -(-(past_length + query_length) // page)]
-        line = target[row, : len(ids)]
-        line[:] = ids
-        if scale != 1:
-            line *= scale
-    return None
+    if block_table.is_cpu:
+        fill = _fill_of(cache)
+        keys = past_length + query_length
+        if fill.writers is not None and fill.write(block_table, request_id, keys):
+            return None
+    return original(cache, request_id, past_length, query_length, block_table)
 
 
 def install_fill(patches: PatchSet) -> bool:
