@@ -224,7 +224,8 @@ def prep_parts_section(runs: list, views: list = ()) -> str:
     return fill(
         "cb.prep_parts",
         files=", ".join(f"`{name}`" for name in PREP_PARTS_FILES),
-        **_run_of(first["meta"], "gpu"),
+        **{**_run_of(first["meta"], "gpu"),
+           "date": " and ".join(sorted({d["meta"]["date"] for d in runs}))},  # fmt: skip
         requests=settings["requests"],
         prompts=f"{low}–{high}",
         new_tokens=settings["new_tokens"],
