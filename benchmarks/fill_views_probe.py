@@ -10,6 +10,10 @@ with the view made as transformers makes it; the two layouts are transformers 5.
 manager per layer group) and later releases' (allocators), built as plain objects::
 
     python -m benchmarks.fill_views_probe --before d092991 --out fill-views-probe.json
+    # without git (the device machine): that revision's file, carried
+    git show d092991:integrations/transformers/block_table.py > .device/block_table_before.py
+    python -m benchmarks.fill_views_probe --before d092991 \
+        --before-file .device/block_table_before.py --out fill-views-probe.json
 
 Host only (the table is in host memory, as asynchronous batching's pinned table is): the
 ratio carries over between machines, the µs do not.
@@ -35,16 +39,17 @@ from benchmarks.environment import environment
 MODULE = "integrations/transformers/block_table.py"
 
 
-def load_before(revision: str):
-    """``fill_block_table`` of ``revision``'s block_table.py, imported beside this tree's (its
-    relative imports resolve in this tree's package)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "show", f"{revision}:{MODULE}"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout  # fmt: skip
-    folder = tempfile.mkdtemp(prefix="fill-before-")
-    path = os.path.join(folder, "block_table.py")
-    with open(path, "w") as f:
-        f.write(source)
+def load_before(revision: str, path: str | None = None):
+    """``fill_block_table`` of ``revision``'s block_table.py (or of the file at ``path``: a
+    copy without git, e.g. on the device machine), imported beside this tree's (its relative
+    imports resolve in this tree's package)."""
+    if path is None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        source = subprocess.run(["git", "show", f"{revision}:{MODULE}"], cwd=root, check=True,
+                                capture_output=True, text=True).stdout  # fmt: skip
+        path = os.path.join(tempfile.mkdtemp(prefix="fill-before-"), "block_table.py")
+        with open(path, "w") as f:
+            f.write(source)
     name = "integrations.transformers._block_table_before"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -86,10 +91,11 @@ def time_step(fill, cache, steps, table: torch.Tensor, repeats: int) -> float:
     return (time.perf_counter() - start) / (repeats * len(steps)) * 1e6
 
 
-def run(before: str, requests: int, rounds: int, repeats: int) -> dict:
+def run(before: str, requests: int, rounds: int, repeats: int,
+        before_file: str | None = None) -> dict:  # fmt: skip
     from breakgraph.integrations.transformers.block_table import fill_block_table
 
-    fills = {"before": load_before(before), "after": fill_block_table}
+    fills = {"before": load_before(before, before_file), "after": fill_block_table}
     result = {}
     for layout, (cache, steps) in layouts(requests, page=256).items():
         tables = {name: torch.full((1, requests, 64), -1, dtype=torch.int32) for name in fills}
@@ -116,6 +122,8 @@ def run(before: str, requests: int, rounds: int, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="the earlier tree's git revision")
+    parser.add_argument("--before-file", help="that revision's block_table.py, where there is "
+                        "no git (default: read with git show)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=20)
@@ -124,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"before": args.before, "requests": args.requests, "rounds": args.rounds,
                 "repeats": args.repeats, "page": 256, "table": [1, args.requests, 64]}  # fmt: skip
     data = {"meta": environment(cuda=False), "settings": settings,
-            "layouts": run(args.before, args.requests, args.rounds, args.repeats)}  # fmt: skip
+            "layouts": run(args.before, args.requests, args.rounds, args.repeats,
+                           args.before_file)}  # fmt: skip
     data["meta"]["gpu"] = f"none ({os.cpu_count()} CPU cores)"
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)

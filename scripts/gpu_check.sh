@@ -32,6 +32,10 @@
 # breakgraph_compiled over pure-decode steps on qwen2.5-3b-12l, ~45 s; copy block-table.json to
 # docs/results/h200-cb-block-table-*.json, see report_cb_decode.BLOCK_TABLE_FILES, and the trace
 # folder to docs/results/h200-cb-trace-block-table-*),
+# RUN_FILL_VIEWS=1 (the block-table fill before and after it kept its numpy views, on the
+# server's host: benchmarks/fill_views_probe.py, ~10 s; carry .device/block_table_before.py,
+# written here by git show d092991:integrations/transformers/block_table.py; copy fill-views.json
+# to docs/results/h200-host-fill-views-probe.json),
 # RUN_DECODE_FLOOR=1 (a pure-decode step's parts against its HBM floor: benchmarks/decode_gemm_probe.py,
 # then bench_cb --variants breakgraph,breakgraph_compiled on three shapes with 100 prompts and
 # with 32, ~4.5 min; copy decode-gemm.json to docs/results/h200-decode-gemm.json, floor.json to
@@ -75,7 +79,8 @@
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
-# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3 (skip other sections to make room).
+# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1 (skip other sections
+# to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
 source "$(dirname "$0")/setup_device.sh"
@@ -232,6 +237,11 @@ if [ -n "${RUN_DECODE_FLOOR:-}" ]; then  # a pure-decode step's parts against it
     --prompts 32 --variants "$v" --repeat "$v" --rounds 3 --budget-s 0 --keep-going \
     --out "$OUT/floor-32.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[decode floor: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_FILL_VIEWS:-}" ]; then  # the block-table fill's own cost, this host (~10 s)
+  # carry .device/block_table_before.py (git show d092991:integrations/transformers/block_table.py)
+  timeout 60 python3 -m benchmarks.fill_views_probe --before d092991 \
+    --before-file .device/block_table_before.py --out "$OUT/fill-views.json" 2>&1 | tee -a "$LOG" || status=1
 fi
 if [ -n "${RUN_SPLIT:-}" ]; then  # paged_decode's split against the kernel before, in turn (~2.5 min)
   t=$SECONDS
