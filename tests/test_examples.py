@@ -11,8 +11,11 @@ import os
 import runpy
 import subprocess
 import sys
+import warnings
 
 import pytest
+
+from tests.helpers import RankDiedWarning, run_torchrun_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -34,16 +37,30 @@ def test_example_runs(name, one_cpu_thread, capsys):
             pytest.skip(f"transformers lacks: {compat.problems('continuous_batching')}")
     if name == "tensor_parallel.py":
         pytest.importorskip("accelerate")
-        result = subprocess.run(
-            [sys.executable, os.path.join(EXAMPLES, name)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=ENV,
-        )
+        result = run_torchrun_script([sys.executable, os.path.join(EXAMPLES, name)],
+                                     timeout=600, env=ENV)  # fmt: skip
         assert result.returncode == 0, result.stderr[-2000:]
         stdout = result.stdout
     else:
         runpy.run_path(os.path.join(EXAMPLES, name), run_name="__main__")  # raises if it fails
         stdout = capsys.readouterr().out
     assert "False" not in stdout, stdout  # every printed check holds
+
+
+def test_a_torchrun_script_whose_worker_dies_of_a_signal_runs_once_more(monkeypatch):
+    """torchrun's report of a signal death reruns the script once, with a warning; any other
+    failure, or a second death, is the result."""
+    died = subprocess.CompletedProcess([], 1, "", "[0]:\n  exitcode  : -11 (pid: 7) SIGSEGV")
+    failed = subprocess.CompletedProcess([], 1, "", "ValueError: a bug")
+    passed = subprocess.CompletedProcess([], 0, "ok", "")
+    for answers, warned, result in (
+        ([died, passed], True, passed),
+        ([died, died, passed], True, died),
+        ([failed, passed], False, failed),
+    ):
+        calls = iter(answers)
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: next(calls))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert run_torchrun_script(["python", "example.py"]) is result
+        assert any(issubclass(w.category, RankDiedWarning) for w in caught) == warned

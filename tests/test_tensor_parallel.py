@@ -11,9 +11,9 @@ setting; on the CPU the TP benchmark's smoke run goes before it, since CB sets t
 the environment) and the tests below check their results. The launch has a hard timeout, so a hang
 fails the tests instead of stalling CI. A rank that dies without a result (a signal, a native
 abort: once on CI, during a gloo collective, with no Python stack) gets one more launch, with a
-``RankDiedWarning`` that carries the first launch's report (exit codes, and the stacks faulthandler
-wrote on the fatal signal; ``-W error::RankDiedWarning`` makes the first death fail); a second
-death, a hang or a scenario's error fails the tests.
+``tests.helpers.RankDiedWarning`` that carries the first launch's report (exit codes, and the
+stacks faulthandler wrote on the fatal signal; ``-W error::tests.helpers.RankDiedWarning`` makes
+the first death fail); a second death, a hang or a scenario's error fails the tests.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from benchmarks.tiny_models import DENSE_FAMILIES, tiny_config
+from tests.helpers import RankDiedWarning
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -61,10 +62,6 @@ BACKENDS = [
 # -- the launcher ----------------------------------------------------------------------------------
 class RankDied(AssertionError):
     """A rank's process ended without reporting a result (killed by a signal, a native abort)."""
-
-
-class RankDiedWarning(UserWarning):
-    """A launch lost a rank and ran again (``-W error::RankDiedWarning`` makes it fail)."""
 
 
 def launch_again_if_a_rank_dies(
