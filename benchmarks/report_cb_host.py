@@ -304,6 +304,13 @@ def _against_lists(data: dict, lists: list) -> str:
 _GATHER = "gather / index (paged cache, embedding)"  # cb_trace's kind of the cache's gather
 
 
+def _trace_run(meta: dict, workload: dict) -> dict:
+    """A ``cb_trace`` run's provenance and workload placeholders."""
+    names = ("prompts", "min_len", "max_len", "new_tokens")
+    return {"gpu": meta["gpu"], "torch": meta["torch"], "transformers": meta["transformers"],
+            "date": meta["date"], **{name: workload[name] for name in names}}  # fmt: skip
+
+
 def trace_decode_section(data: dict, after: dict | None = None) -> str:
     """``cb_trace`` over pure-decode steps: the device's time per step by kind of kernel, and
     the attention kernel's share per layer; ``after``: the same window once decode steps call
@@ -326,16 +333,9 @@ def trace_decode_section(data: dict, after: dict | None = None) -> str:
         "cb.trace_decode",
         file=TRACE_DECODE_FILE,
         after_file=TRACE_DECODE_FOLD_FILE if after else "(not measured)",
-        gpu=meta["gpu"],
-        torch=meta["torch"],
-        transformers=meta["transformers"],
-        date=meta["date"],
+        **_trace_run(meta, args),
         model=meta["model"],
         variant=name,
-        prompts=args["prompts"],
-        min_len=args["min_len"],
-        max_len=args["max_len"],
-        new_tokens=args["new_tokens"],
         skip=args["skip"],
         steps=v["steps"],
         busy=num(busy, 2),
@@ -404,14 +404,7 @@ def trace_section(data: dict) -> str:
         kinds=_kinds_table(data["variants"]),
         steps=next(iter(data["variants"].values()))["steps"],
         file=TRACE_FILE,
-        gpu=meta["gpu"],
-        torch=meta["torch"],
-        transformers=meta["transformers"],
-        date=meta["date"],
+        **_trace_run(meta, w),
         model=w["model"],
-        prompts=w["prompts"],
-        min_len=w["min_len"],
-        max_len=w["max_len"],
-        new_tokens=w["new_tokens"],
         table=table(header, rows),
     )
