@@ -92,7 +92,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
         + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
         + [report_tests.SUITE_NEWEST_FILE, *report_cb_host.PREP_PARTS_FILES]
-        + [*report_cb_host.FILL_VIEWS_FILES]
+        + [*report_cb_host.FILL_VIEWS_FILES, report_cb_host.FILL_VIEWS_HOST_FILE]
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
         + [report_decode_step.FLOOR_FILES[0], *report_decode_step.FLOOR_FILES[2:]]
         + [report_decode_step.DECODE_GEMM_FILE, cb_report.AGAIN_FILE]
@@ -162,7 +162,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     parts = [data for name in report_cb_host.PREP_PARTS_FILES if (data := load(name)) is not None]
     views = [d for name in report_cb_host.FILL_VIEWS_FILES if (d := load(name)) is not None]
     if parts:
-        blocks.append(report_cb_host.prep_parts_section(parts, views))
+        host = load(report_cb_host.FILL_VIEWS_HOST_FILE)
+        blocks.append(report_cb_host.prep_parts_section(parts, views, host))
     if report_cb_host.TRACE_FILE in loaded:
         blocks.append(report_cb_host.trace_section(loaded[report_cb_host.TRACE_FILE]))
     if (decode := load(report_cb_host.TRACE_DECODE_FILE)) is not None:

@@ -27,6 +27,8 @@ PREP_PARTS_FILES = ("cpu-cb-prep-profile-5.17.json", "cpu-cb-prep-profile-5.24.j
 #: ``benchmarks/fill_views_probe.py`` on the CPU: the fill's own cost per request, the tree
 #: that converted each view (before) and the one that keeps them (after) in turn, two processes
 FILL_VIEWS_FILES = ("cpu-fill-views-probe-5.17.json", "cpu-fill-views-probe-5.24.json")
+#: the same probe on the H200 server's host (``gpu_check.sh RUN_FILL_VIEWS=1``), one process
+FILL_VIEWS_HOST_FILE = "h200-host-fill-views-probe.json"
 #: ``bench_cb --prep-lists``, transformers' lists converted by torch.tensor (old: the tree before
 #: ``index_lists``) and through numpy (new), the trees in turn: (file, tree, turn)
 NUMPY_LISTS_FILES = (
@@ -196,11 +198,11 @@ def numpy_lists_section(runs: list) -> str:
     )
 
 
-def prep_parts_section(runs: list, views: list = ()) -> str:
+def prep_parts_section(runs: list, views: list = (), host: dict | None = None) -> str:
     """transformers' preparation of a pure-decode step by part (``cb_prep_profile``), one
     column pair per release: ms (mean over the steps) and its share of the preparation; and
     ``views`` (:data:`FILL_VIEWS_FILES`' runs): the numpy fill before and after it kept each
-    slot's view."""
+    slot's view, and ``host`` (:data:`FILL_VIEWS_HOST_FILE`) the same on the GPU server's host."""
     names = ("index lists", "block table", "list conversion", "other batch tensors",
              "scheduler", "other preparation")  # fmt: skip
     rows = []
@@ -251,15 +253,29 @@ def prep_parts_section(runs: list, views: list = ()) -> str:
                        for d in numpy] or [float("nan")], 0),  # fmt: skip
         numpy_share=span([d["decode_parts_ms"]["block table"] / d["decode_parts_ms"]["prepare"]
                           * 100 for d in numpy] or [float("nan")], 0),  # fmt: skip
-        views=_fill_views(views),
+        views=_fill_views(views, host),
     )
 
 
-def _fill_views(probes: list) -> str:
+def _fill_views(probes: list, host: dict | None = None) -> str:
     """``fill_views_probe``'s runs: the fill's µs per request before and after it kept its
-    views, or a line saying it was not measured."""
+    views, or a line saying it was not measured; ``host``: the run on the GPU server's host."""
     if not probes:
         return "(The fill's kept numpy views against a conversion per call: not measured.)"
+    host_line = "On the H200 server's host it was not measured."
+    if host is not None:
+        rows = list(host["layouts"].values())
+        host_line = fill(
+            "cb.fill_views_host",
+            file=FILL_VIEWS_HOST_FILE,
+            torch=host["meta"]["torch"],
+            date=host["meta"]["date"],
+            cores=host["meta"]["gpu"].removeprefix("none (").removesuffix(")"),
+            transformers=host["meta"]["transformers"],
+            before_us=span([row["before_us"] for row in rows], 1),
+            after_us=span([row["after_us"] for row in rows], 1),
+            ratio=span([row["after_over_before"] for row in rows], 2),
+        )
     layouts = [row for data in probes for row in data["layouts"].values()]
     first = probes[0]
     return fill(
@@ -277,6 +293,7 @@ def _fill_views(probes: list) -> str:
         ratio=span([row["after_over_before"] for row in layouts], 2),
         ratio_rounds=span([x for row in layouts for x in row["after_over_before_rounds"]], 2),
         saved_us=span([row["before_us"] - row["after_us"] for row in layouts], 1),
+        host=host_line.strip(),
     )
 
 
