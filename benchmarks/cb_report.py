@@ -30,11 +30,16 @@ from .template import fill, num, span, table
 
 FILE = "h200-cb.json"  # transformers 5.17 (the CI pin)
 FILES = (FILE, "h200-cb-5.24.json")  # the releases the page shows, oldest first
-#: the whole bench again with a later tree on the newest release, beside that release's run in
-#: ``FILES``; and why shapes of that run are absent from it (what happened to this file's run:
-#: say it again for a new file)
-AGAIN_FILE = "h200-cb-again-5.24.json"
-AGAIN_MISSING_WHY = "the device call's time limit ended the run before them"
+#: the whole bench again with a later tree, per release, beside that release's run in ``FILES``:
+#: (file, the tree that ran it); a shape of the earlier run missing from a file is named with
+#: :data:`AGAIN_MISSING_WHY` (say it again for a new file)
+AGAIN_FILES = (
+    ("h200-cb-again-5.17.json", "session 24's, whose decode graphs derive their write rows "
+     "inside the graph and whose block-table fill keeps its numpy views"),
+    ("h200-cb-again-5.24.json", "session 24's, whose decode graphs derive their write rows "
+     "inside the graph and whose block-table fill keeps its numpy views"),
+)  # fmt: skip
+AGAIN_MISSING_WHY = "not run again"
 
 
 def schema(data: dict) -> int:
@@ -137,9 +142,9 @@ def _stock_rival(variants: dict) -> str | None:
     return max(graphs, key=lambda g: variants[g]["tokens_per_s"], default=None)
 
 
-def again_section(now: dict, before: dict | None) -> str:
-    """The whole bench again (``now``, a later tree) beside the same release's earlier run
-    (``before``): per shape breakgraph against stock ``sdpa`` and against the faster of stock's
+def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
+    """The whole bench again (``now``, read from ``file``: a later ``tree``) beside the same
+    release's earlier run (``before``): per shape breakgraph against stock ``sdpa`` and against the faster of stock's
     forced-graph variants (each run's own faster one), with issue 23's targets, and how far
     each side's tokens/s moved between the runs (a ratio moves with its baseline too)."""
     rows, vs_stock, vs_graphs, moved_bg, moved_stock, missing = [], [], [], [], [], []
@@ -182,7 +187,8 @@ def again_section(now: dict, before: dict | None) -> str:
         "cb.again",
         release=_release(now),
         before_date=before["meta"]["date"] if before else "-",
-        file=AGAIN_FILE,
+        file=file,
+        tree=tree,
         **_run_of(meta),
         rounds=meta["args"]["rounds"],
         missing="; ".join(missing) or "none",

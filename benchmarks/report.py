@@ -95,7 +95,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*report_cb_host.FILL_VIEWS_FILES, report_cb_host.FILL_VIEWS_HOST_FILE]
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
         + [report_decode_step.FLOOR_FILES[0], *report_decode_step.FLOOR_FILES[2:]]
-        + [report_decode_step.DECODE_GEMM_FILE, cb_report.AGAIN_FILE]
+        + [report_decode_step.DECODE_GEMM_FILE]
+        + [name for name, _ in cb_report.AGAIN_FILES]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -145,10 +146,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     cb = [data for name in cb_report.FILES if (data := load(name)) is not None]
     if cb:  # one JSON per transformers release
         blocks.append("\n".join(cb_report.cb_section(*cb)))
-    if (again := load(cb_report.AGAIN_FILE)) is not None:
-        before = next((d for d in cb if d["meta"]["transformers"] == again["meta"]["transformers"]),
-                      None)  # fmt: skip
-        blocks.append(cb_report.again_section(again, before))
+    for name, tree in cb_report.AGAIN_FILES:
+        if (again := load(name)) is not None:
+            release = again["meta"]["transformers"]
+            before = next((d for d in cb if d["meta"]["transformers"] == release), None)
+            blocks.append(cb_report.again_section(again, before, name, tree))
     split = [data for name in report_cb_host.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
         blocks.append(report_cb_host.host_split_section(split))

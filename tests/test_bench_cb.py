@@ -534,9 +534,10 @@ def test_the_again_section_sets_the_later_run_beside_the_earlier_with_the_target
     before = {"meta": {**meta, "date": "yesterday"},
               "models": [model("a", 800.0, 200.0, graphs=100.0, async_graphs=500.0),
                          model("b", 400.0, 100.0), model("c", 1.0, 1.0)]}  # fmt: skip
-    text = cb_report.again_section(now, before)
+    text = cb_report.again_section(now, before, "again.json", "the tree of today")
     assert "for this release are from yesterday" in text
-    assert "missing here: d (x); c (the device call's time limit" in text
+    assert "with\na later tree, the tree of today: `again.json`" in text
+    assert "missing here: d (x); c (not run again)" in text
     # the earlier ratio against the earlier run's own faster graphs variant (async: 800 / 500)
     assert ("| a | 100 | 400 (`stock_graphs`) | 1000 (250–1100) | 10.00× (2.50–11.00) | 4.00× "
             "| 2.50× (0.62–2.75) | 1.60× |") in text  # fmt: skip
@@ -544,4 +545,4 @@ def test_the_again_section_sets_the_later_run_beside_the_earlier_with_the_target
     assert "4.0–10.0× (target ≥ 5×: met on 1 of\n2 shapes)" in text
     assert "2.5× (target ≥ 2×: met on 1 of 1 shapes)" in text.replace("\n", " ")
     assert "tokens/s were 1.00–1.25× the earlier run's, stock\n`sdpa`'s 0.50–1.00×" in text
-    assert "missing here: d (x)." in cb_report.again_section(now, now)
+    assert "missing here: d (x)." in cb_report.again_section(now, now, "again.json", "t")
