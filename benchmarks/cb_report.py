@@ -144,9 +144,10 @@ def _stock_rival(variants: dict) -> str | None:
 
 def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
     """The whole bench again (``now``, read from ``file``: a later ``tree``) beside the same
-    release's earlier run (``before``): per shape breakgraph against stock ``sdpa`` and against the faster of stock's
-    forced-graph variants (each run's own faster one), with issue 23's targets, and how far
-    each side's tokens/s moved between the runs (a ratio moves with its baseline too)."""
+    release's earlier run (``before``): per shape breakgraph against stock ``sdpa`` and against
+    the faster of stock's forced-graph variants (each run's own faster one), with issue 23's
+    targets, and how far each side's tokens/s moved between the runs (a ratio moves with its
+    baseline too)."""
     rows, vs_stock, vs_graphs, moved_bg, moved_stock, missing = [], [], [], [], [], []
     for m in now["models"]:
         v, ratios, spreads = m.get("variants", {}), m.get("ratios", {}), m.get("ratio_spread", {})
