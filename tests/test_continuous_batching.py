@@ -1202,6 +1202,23 @@ def test_serve_launcher_answers_a_completion(tmp_path):
     assert server.returncode == 0, output[-3000:]
 
 
+def test_serve_launcher_refuses_a_release_whose_serve_it_cannot_extend(monkeypatch, capsys):
+    """transformers 5.25 loads each served model in a process of its own and moved
+    ``ModelManager._load_model`` away: the launcher's probe finds that, and the launcher says
+    which transformers is installed, what is missing and how to get a release it serves,
+    instead of starting a server that would not use breakgraph."""
+    from breakgraph.integrations.transformers import compat, serve
+
+    missing = ("ModelManager._load_model is missing",)
+    monkeypatch.setattr(compat, "problems", lambda feature: missing)
+    assert serve.main(["some/model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m breakgraph.integrations.transformers.serve: transformers ")
+    assert f"transformers {transformers.__version__} is not supported for serve" in err
+    assert "ModelManager._load_model is missing. Tested releases: 5.17.0" in err
+    assert 'pip install "breakgraph[serve]" installs one with the serving extras.' in err
+
+
 @needs_cb
 @pytest.mark.requires_cuda
 def test_cuda_async_batching_agrees_with_paged_sdpa():

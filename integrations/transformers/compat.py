@@ -111,6 +111,7 @@ __all__ = [
     "problems",
     "supported",
     "require",
+    "unsupported_message",
     "STEP_KWARGS",
     "StepKwargs",
     "cache_read_write",
@@ -539,11 +540,17 @@ def require(feature: str, who: str) -> None:
     the installed version, what is missing and the tested releases."""
     found = problems(feature)
     if found:
-        raise UnsupportedModelError(
-            f"{who}: transformers {_version()} is not supported for {feature.replace('_', ' ')}: "
-            f"{'; '.join(found)}. Tested releases: {', '.join(TESTED_VERSIONS)} (declared "
-            f"range >=5.17,<5.25); install one of them."
-        )
+        raise UnsupportedModelError(unsupported_message(feature, who, found))
+
+
+def unsupported_message(feature: str, who: str, found: tuple[str, ...]) -> str:
+    """The message of :func:`require` (also what the serve launcher prints): the installed
+    version, what is missing (``found``), the tested releases and the fix."""
+    return (
+        f"{who}: transformers {_version()} is not supported for {feature.replace('_', ' ')}: "
+        f"{'; '.join(found)}. Tested releases: {', '.join(TESTED_VERSIONS)} (declared "
+        f"range >=5.17,<5.25); install one of them."
+    )
 
 
 def clear_probes() -> None:

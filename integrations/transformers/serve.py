@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     from . import compat
 
     missing = compat.problems("serve")
-    if missing:
+    if missing:  # extras absent, or a release whose serve lacks what the launcher subclasses
+        who = "python -m breakgraph.integrations.transformers.serve"
         print(
-            f"python -m breakgraph.integrations.transformers.serve: {'; '.join(missing)}. "
-            f'Install the serving extras: pip install "breakgraph[serve]"',
+            f"{compat.unsupported_message('serve', who, missing)} "
+            f'pip install "breakgraph[serve]" installs one with the serving extras.',
             file=sys.stderr,
         )
         return 2
