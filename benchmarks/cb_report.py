@@ -40,6 +40,9 @@ AGAIN_FILES = (
      "inside the graph and whose block-table fill keeps its numpy views"),
 )  # fmt: skip
 AGAIN_MISSING_WHY = "not run again"
+#: a transformers release outside the declared range, tried on the H200 with hub kernels off:
+#: the bench on some shapes, and the CUDA tests (``benchmarks.suite_times``' JSON)
+TRIED_FILES = ("h200-cb-5.25.json", "h200-cuda-suite-times-5.25.json")
 
 
 def schema(data: dict) -> int:
@@ -142,12 +145,11 @@ def _stock_rival(variants: dict) -> str | None:
     return max(graphs, key=lambda g: variants[g]["tokens_per_s"], default=None)
 
 
-def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
-    """The whole bench again (``now``, read from ``file``: a later ``tree``) beside the same
-    release's earlier run (``before``): per shape breakgraph against stock ``sdpa`` and against
-    the faster of stock's forced-graph variants (each run's own faster one), with issue 23's
-    targets, and how far each side's tokens/s moved between the runs (a ratio moves with its
-    baseline too)."""
+def _versus(now: dict, before: dict | None) -> dict:
+    """Per shape of ``now``: breakgraph against stock ``sdpa`` and against the faster of
+    stock's forced-graph variants (each run's own faster one), beside the same ratio in
+    ``before`` (``"-"`` without one); the shapes either run lacks, and how far each side's
+    tokens/s moved between the runs."""
     rows, vs_stock, vs_graphs, moved_bg, moved_stock, missing = [], [], [], [], [], []
     for m in now["models"]:
         v, ratios, spreads = m.get("variants", {}), m.get("ratios", {}), m.get("ratio_spread", {})
@@ -183,19 +185,10 @@ def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
     absent = [m["model"] for m in (before or {}).get("models", []) if m["model"] not in measured]
     if absent:
         missing.append(f"{', '.join(absent)} ({AGAIN_MISSING_WHY})")
-    meta, nan = now["meta"], [float("nan")]
-    return fill(
-        "cb.again",
-        release=_release(now),
-        before_date=before["meta"]["date"] if before else "-",
-        file=file,
-        tree=tree,
-        **_run_of(meta),
-        rounds=meta["args"]["rounds"],
+    nan = [float("nan")]
+    return dict(
+        rows=rows,
         missing="; ".join(missing) or "none",
-        table=table(["model", "stock sdpa tokens/s", "stock graphs tokens/s",
-                     "breakgraph tokens/s (rounds)", "/ stock sdpa (rounds)", "earlier",
-                     "/ stock graphs (rounds)", "earlier"], rows),  # fmt: skip
         vs_stock=span(vs_stock or nan, 1),
         stock_limit=f"{T.TARGET_CB_VS_STOCK:g}",
         stock_met=sum(r >= T.TARGET_CB_VS_STOCK for r in vs_stock),
@@ -206,6 +199,58 @@ def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
         graphs_shapes=len(vs_graphs),
         moved_bg=span(moved_bg or nan, 2),
         moved_stock=span(moved_stock or nan, 2),
+    )
+
+
+_VERSUS_HEADER = ["model", "stock sdpa tokens/s", "stock graphs tokens/s",
+                  "breakgraph tokens/s (rounds)", "/ stock sdpa (rounds)", "earlier",
+                  "/ stock graphs (rounds)", "earlier"]  # fmt: skip
+
+
+def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
+    """The whole bench again (``now``, read from ``file``: a later ``tree``) beside the same
+    release's earlier run (``before``): :func:`_versus`, with issue 23's targets."""
+    versus = _versus(now, before)
+    meta = now["meta"]
+    return fill(
+        "cb.again",
+        release=_release(now),
+        before_date=before["meta"]["date"] if before else "-",
+        file=file,
+        tree=tree,
+        **_run_of(meta),
+        rounds=meta["args"]["rounds"],
+        table=table(_VERSUS_HEADER, versus.pop("rows")),
+        **versus,
+    )
+
+
+def tried_section(run: dict, suite: dict | None) -> str:
+    """A transformers release outside the declared range, tried on the GPU: the CUDA tests'
+    run on it (``suite``, :data:`TRIED_FILES`' second) and the bench on some shapes (``run``)
+    with issue 23's targets; no earlier run to set it beside."""
+    versus = _versus(run, None)
+    keep = [0, 1, 2, 3, 4, 6]  # the columns without "earlier"
+    rows = [[row[i] for i in keep] for row in versus.pop("rows")]
+    for key in ("missing", "moved_bg", "moved_stock"):
+        versus.pop(key)
+    meta = run["meta"]
+    tests = "not run"
+    if suite:
+        counts = suite.get("counts", {})
+        kinds = [k for k in ("passed", "failed", "skipped") if k in counts]
+        tests = ", ".join(f"{counts[k]} {k}" for k in kinds)
+        tests += f" (`{TRIED_FILES[1]}`, {num(suite['wall_s'], 1)} s with four workers)"
+    return fill(
+        "cb.tried",
+        release=_release(run),
+        file=TRIED_FILES[0],
+        tests=tests,
+        shapes=", ".join(m["model"] for m in run["models"]),
+        **_run_of(meta),
+        rounds=meta["args"]["rounds"],
+        table=table([_VERSUS_HEADER[i] for i in keep], rows),
+        **versus,
     )
 
 

@@ -546,3 +546,24 @@ def test_the_again_section_sets_the_later_run_beside_the_earlier_with_the_target
     assert "2.5× (target ≥ 2×: met on 1 of 1 shapes)" in text.replace("\n", " ")
     assert "tokens/s were 1.00–1.25× the earlier run's, stock\n`sdpa`'s 0.50–1.00×" in text
     assert "missing here: d (x)." in cb_report.again_section(now, now, "again.json", "t")
+
+
+def test_the_tried_section_sets_a_release_outside_the_range_with_its_tests_and_targets():
+    meta = {"device": "GPU", "torch": "2.x", "date": "today", "transformers": "5.25.0",
+            "args": {"rounds": 3}}  # fmt: skip
+    v = {"stock_sdpa": {"tokens_per_s": 100.0}, "stock_graphs": {"tokens_per_s": 400.0},
+         "breakgraph": {"tokens_per_s": 1000.0, "rounds_tokens_per_s": [250.0, 1000.0, 1100.0]}}
+    ratios = {"breakgraph_over_stock_sdpa": 10.0, "breakgraph_over_stock_graphs": 2.5}
+    spread = {"breakgraph_over_stock_sdpa": [2.5, 11.0],
+              "breakgraph_over_stock_graphs": [0.6, 2.75]}
+    run = {"meta": meta, "models": [{"model": "a", "variants": v, "ratios": ratios,
+                                     "ratio_spread": spread}]}  # fmt: skip
+    suite = {"counts": {"passed": 9, "skipped": 2, "failed": 0}, "wall_s": 90.87}
+    text = cb_report.tried_section(run, suite)
+    assert text.startswith("### transformers 5.25.0, tried (outside the declared range)")
+    assert "the CUDA tests: 9 passed, 0 failed, 2 skipped" in text
+    assert "90.9 s with four workers); the bench on a\n(`h200-cb-5.25.json`" in text
+    assert ("| a | 100 | 400 (`stock_graphs`) | 1000 (250–1100) | 10.00× (2.50–11.00) "
+            "| 2.50× (0.60–2.75) |") in text  # fmt: skip
+    assert "met on 1 of\n1 shapes" in text and "2.5×\n(target ≥ 2×: met on 1 of 1" in text
+    assert "the CUDA tests: not run; the bench" in cb_report.tried_section(run, None)
