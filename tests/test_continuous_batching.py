@@ -21,6 +21,7 @@ import doctest
 import gc
 import json
 import os
+import pickle
 import subprocess
 import sys
 import types
@@ -1200,23 +1201,91 @@ def test_serve_launcher_answers_a_completion(tmp_path):
     assert text.strip() == expected, (text, expected, output[-3000:])
     assert "breakgraph: continuous batching enabled" in output, output[-3000:]
     assert server.returncode == 0, output[-3000:]
+    manager_module = compat.serving()[0]
+    if compat.serve_layout(manager_module) == "in process":
+        assert "breakgraph: served steps per query bucket" in output, output[-3000:]
+    else:  # 5.25: the model's process ends without cleanup
+        assert "so its stats are not printed" in output, output[-3000:]
 
 
 def test_serve_launcher_refuses_a_release_whose_serve_it_cannot_extend(monkeypatch, capsys):
-    """transformers 5.25 loads each served model in a process of its own and moved
-    ``ModelManager._load_model`` away: the launcher's probe finds that, and the launcher says
-    which transformers is installed, what is missing and how to get a release it serves,
-    instead of starting a server that would not use breakgraph."""
+    """A release whose server loads models where the launcher cannot reach them: the probe
+    finds that, and the launcher says which transformers is installed, what is missing and
+    how to get a release it serves, instead of starting a server without breakgraph."""
     from breakgraph.integrations.transformers import compat, serve
 
-    missing = ("ModelManager._load_model is missing",)
+    missing = ("neither ModelManager._load_model nor ModelLoader._load_model exists",)
     monkeypatch.setattr(compat, "problems", lambda feature: missing)
     assert serve.main(["some/model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m breakgraph.integrations.transformers.serve: transformers ")
     assert f"transformers {transformers.__version__} is not supported for serve" in err
-    assert "ModelManager._load_model is missing. Tested releases: 5.17.0" in err
+    assert "ModelLoader._load_model exists. Tested releases: 5.17.0" in err
     assert 'pip install "breakgraph[serve]" installs one with the serving extras.' in err
+
+
+def test_serve_layout_tells_the_in_process_and_model_process_servers_apart():
+    """Up to 5.24 the server loads models in its own process (``ModelManager._load_model``);
+    5.25 loads each in a spawned process through a copy of its ``ModelLoader``."""
+    from breakgraph.integrations.transformers import compat
+
+    def load(self):
+        return None
+
+    in_process = types.SimpleNamespace(ModelManager=type("M", (), {"_load_model": load}))
+    model_process = types.SimpleNamespace(
+        ModelManager=type("M", (), {}), ModelLoader=type("L", (), {"_load_model": load})
+    )
+    neither = types.SimpleNamespace(ModelManager=type("M", (), {}), ModelLoader=type("L", (), {}))
+    assert compat.serve_layout(in_process) == "in process"
+    assert compat.serve_layout(model_process) == "model process"
+    assert compat.serve_layout(neither) is None
+
+
+class FakeModelLoader:
+    """Stands in for 5.25's ``ModelLoader`` (module level: what pickle needs of a base)."""
+
+    def __init__(self, device="auto"):
+        self.device = device
+
+    def _load_model(self, model_id):
+        return FakeLoadedModel(model_id)
+
+
+class FakeLoadedModel:
+    def __init__(self, model_id):
+        self.model_id = model_id
+
+    def eval(self):
+        return self
+
+
+def test_the_model_process_loader_reaches_the_spawned_process_by_name(monkeypatch):
+    """5.25 pickles the server's loader into each model's process: the launcher's subclass must
+    pickle by its module name (made on first use, as a module attribute) and carry the options
+    the launcher was given, and its ``_load_model`` enables breakgraph on what it loads."""
+    from breakgraph.integrations.transformers import compat, serve
+
+    fake = types.SimpleNamespace(ModelManager=type("M", (), {}), ModelLoader=FakeModelLoader)
+    monkeypatch.setattr(compat, "serving", lambda: (fake, None, None))
+    enabled = []
+    monkeypatch.setattr(serve, "_enable", lambda model, options: enabled.append(options) or model)
+    monkeypatch.setattr(serve, "_OPTIONS", {"backend": "emulated", "query_buckets": (8, 16)})
+    saved = serve.__dict__.pop("BreakgraphModelLoader", None)
+    try:
+        loader = serve.BreakgraphModelLoader(device="cpu")
+        assert serve.BreakgraphModelLoader is type(loader)  # made once, then a plain attribute
+        copy = pickle.loads(pickle.dumps(loader))
+        assert type(copy) is serve.BreakgraphModelLoader and copy.device == "cpu"
+        assert copy.breakgraph_options == {"backend": "emulated", "query_buckets": (8, 16)}
+        assert copy._load_model("m").model_id == "m"
+        assert enabled == [copy.breakgraph_options]
+    finally:
+        serve.__dict__.pop("BreakgraphModelLoader", None)
+        if saved is not None:
+            serve.BreakgraphModelLoader = saved
+    with pytest.raises(AttributeError, match="no attribute 'Other'"):
+        serve.Other  # noqa: B018
 
 
 @needs_cb

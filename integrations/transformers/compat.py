@@ -79,13 +79,17 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      Checked against transformers' own method by the tests.
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
- 11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: ``_load_model``
-     enables breakgraph on the model it loads) and ``transformers.cli.serving.utils.
-     GenerationState`` (subclassed: remembered, to stop its CB worker at exit), both replaced
-     in their modules for the server's life; P the CLI ``app`` (``transformers.cli.transformers``)
-     and its dependency ``requests``.
+ 11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: the model must be
+     given; up to 5.24 its ``_load_model`` enables breakgraph on the model it loads) and
+     ``transformers.cli.serving.utils.GenerationState`` (subclassed up to 5.24: remembered, to
+     stop its CB worker at exit), replaced in their modules for the server's life; from 5.25
+     ``transformers.cli.serving.model_manager.ModelLoader`` instead (subclassed at module
+     level in :mod:`.serve`, so that the copy pickled into each model's process finds it:
+     ``_load_model`` enables breakgraph there); :func:`serve_layout` tells the two apart; P the
+     CLI ``app`` (``transformers.cli.transformers``) and its dependency ``requests``.
 
-Tested: transformers 5.17.0, 5.19.0, 5.21.1 and 5.24.0 (CI runs 5.17.0 and 5.24.0).
+Tested: transformers 5.17.0, 5.19.0, 5.21.1 and 5.24.0 (CI runs 5.17.0 and 5.24.0, and 5.25.0,
+tried but not declared).
 
 Example::
 
@@ -486,6 +490,18 @@ def serving() -> tuple:
     return model_manager, utils, app
 
 
+def serve_layout(manager_module: Any) -> str | None:
+    """11. Where ``transformers serve`` loads its models: ``"in process"`` (up to 5.24:
+    ``ModelManager._load_model`` in the server's process), ``"model process"`` (5.25: each model
+    in a ``spawn``ed process of its own, through a pickled copy of the server's ``ModelLoader``,
+    whose ``_load_model`` loads it), or ``None`` (neither: not supported)."""
+    if callable(getattr(manager_module.ModelManager, "_load_model", None)):
+        return "in process"
+    if callable(getattr(getattr(manager_module, "ModelLoader", None), "_load_model", None)):
+        return "model process"
+    return None
+
+
 def _probe_serve() -> list[str]:
     found = list(_probe_continuous_batching())
     try:
@@ -494,8 +510,8 @@ def _probe_serve() -> list[str]:
         if not is_serve_available():
             return [*found, "transformers' serving extras (fastapi, uvicorn, openai) are missing"]
         manager_module, state_module, _ = serving()
-        if not callable(getattr(manager_module.ModelManager, "_load_model", None)):
-            found.append("ModelManager._load_model is missing")
+        if serve_layout(manager_module) is None:
+            found.append("neither ModelManager._load_model nor ModelLoader._load_model exists")
         if not isinstance(getattr(state_module, "GenerationState", None), type):
             found.append("transformers.cli.serving.utils.GenerationState is missing")
     except ImportError as exc:  # requests: imported by the CLI, not installed by [serving]

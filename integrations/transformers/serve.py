@@ -15,13 +15,19 @@ replays breakable graphs; the stats are printed when the server stops.
 Why a launcher and not ``transformers serve --attn-implementation breakgraph_paged``:
 the CLI accepts only its built-in attention names, and the server loads its models
 itself. The launcher therefore swaps, for the duration of the server and no longer,
-two classes the server builds by name: ``ModelManager`` (loads the models) for a
-subclass that enables the integration right after loading, and ``GenerationState``
-for a subclass that is remembered, so that its CB worker thread is stopped when the
-server stops (transformers' own ``serve --continuous-batching`` leaves it running and
-never exits on Ctrl+C). Both replacements go through :class:`breakgraph.patches.PatchSet`
-and are listed, with the probe that guards them, in :mod:`.compat` ("serve"). The model
-must be given (``MODEL``): a pinned model is never unloaded, so the integration lives
+classes the server builds by name. Up to transformers 5.24 the server loads models in its
+own process: ``ModelManager`` (loads the models) becomes a subclass that enables the
+integration right after loading, and ``GenerationState`` a subclass that is remembered, so
+that its CB worker thread is stopped when the server stops (transformers' own ``serve
+--continuous-batching`` leaves it running and never exits on Ctrl+C). From 5.25 each model
+loads in a ``spawn``ed process of its own, through a pickled copy of the server's
+``ModelLoader``: that becomes :class:`BreakgraphModelLoader`, defined in this module (made on
+first use, since only 5.25 has its base) so that the copy finds it by name there, carrying
+the launcher's options; its ``_load_model`` enables the integration in the model's process.
+transformers ends that process with ``os._exit``, so its stats are not printed at the end.
+The replacements go through :class:`breakgraph.patches.PatchSet` and are listed, with the
+probe that guards them (:func:`.compat.serve_layout`), in :mod:`.compat` ("serve"). The
+model must be given (``MODEL``): a pinned model is never unloaded, so the integration lives
 exactly as long as the server.
 
 Install: ``pip install "breakgraph[serve]"`` (transformers' serving extras, and
@@ -80,14 +86,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from breakgraph.patches import PatchSet
 
-    from .continuous_batching import enable_continuous_batching
+    from . import serve as here  # this module by its name, also when run as __main__
 
-    handles, states = [], []
+    options = dict(backend=ours.backend, attention=ours.attention, query_buckets=buckets)
+    here._OPTIONS = options
+    states = []
     manager_module, state_module, app = compat.serving()
-    original_manager, original_state = manager_module.ModelManager, state_module.GenerationState
+    layout = compat.serve_layout(manager_module)
 
-    class BreakgraphModelManager(original_manager):
-        """transformers' ModelManager, enabling breakgraph CB on every model it loads."""
+    class PinnedModelManager(manager_module.ModelManager):
+        """transformers' ModelManager, refusing to start without the model to serve."""
 
         def __init__(self, *args, force_model=None, **kwargs):
             if force_model is None:
@@ -97,27 +105,28 @@ def main(argv: list[str] | None = None) -> int:
                 )
             super().__init__(*args, force_model=force_model, **kwargs)
 
-        def _load_model(self, *args, **kwargs):
-            model = super()._load_model(*args, **kwargs).eval()
-            handles.append(
-                enable_continuous_batching(
-                    model, ours.backend, attention=ours.attention, query_buckets=buckets
-                )
-            )
-            print(f"breakgraph: continuous batching enabled: {handles[-1]!r}", flush=True)
-            return model
-
-    class StoppableGenerationState(original_state):
-        """transformers' GenerationState, remembered so its CB worker can be stopped at exit
-        (transformers' server leaves it running: the process never exits on Ctrl+C)."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            states.append(self)
-
     patches = PatchSet()
-    patches.attribute(manager_module, "ModelManager", BreakgraphModelManager)
-    patches.attribute(state_module, "GenerationState", StoppableGenerationState)
+    if layout == "in process":
+
+        class BreakgraphModelManager(PinnedModelManager):
+            """... enabling breakgraph CB on every model it loads, in the server's process."""
+
+            def _load_model(self, *args, **kwargs):
+                return here._enable(super()._load_model(*args, **kwargs), options)
+
+        class StoppableGenerationState(state_module.GenerationState):
+            """transformers' GenerationState, remembered so its CB worker can be stopped at
+            exit (transformers' server leaves it running: the process never exits on Ctrl+C)."""
+
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                states.append(self)
+
+        patches.attribute(manager_module, "ModelManager", BreakgraphModelManager)
+        patches.attribute(state_module, "GenerationState", StoppableGenerationState)
+    else:  # "model process": the loader's copy in the model's process enables it there
+        patches.attribute(manager_module, "ModelManager", PinnedModelManager)
+        patches.attribute(manager_module, "ModelLoader", here.BreakgraphModelLoader)
     try:
         app.main(args=["serve", *rest], prog_name="transformers", standalone_mode=False)
     except click.exceptions.Abort:
@@ -126,10 +135,65 @@ def main(argv: list[str] | None = None) -> int:
         patches.restore()
         for state in states:
             state.shutdown()  # stop the CB worker thread
-        for handle in handles:
+        if layout == "model process":  # transformers ends that process with os._exit
+            print(
+                "breakgraph: the model's process served with breakgraph's continuous batching; "
+                "transformers ends it without cleanup, so its stats are not printed",
+                flush=True,
+            )
+        for handle in here._HANDLES:
             print(f"breakgraph: served steps per query bucket:\n{handle.stats}", flush=True)
             handle.disable()
+        here._HANDLES.clear()
+        here._OPTIONS = {}
     return 0
+
+
+#: what :func:`main` enables the served model with; :class:`BreakgraphModelLoader` copies it into
+#: each instance, so that the copy pickled into a model's process carries it
+_OPTIONS: dict = {}
+#: the handles of this process's enabled models (alive as long as the model is served)
+_HANDLES: list = []
+
+
+def _enable(model, options: dict):
+    """Enable breakgraph's continuous batching on a model the server has just loaded."""
+    from .continuous_batching import enable_continuous_batching
+
+    handle = enable_continuous_batching(model.eval(), options["backend"],
+                                        attention=options["attention"],
+                                        query_buckets=options["query_buckets"])  # fmt: skip
+    _HANDLES.append(handle)
+    print(f"breakgraph: continuous batching enabled: {handle!r}", flush=True)
+    return model
+
+
+def __getattr__(name: str):
+    """``BreakgraphModelLoader``, made on first use: a subclass of transformers' ``ModelLoader``
+    (5.25 on), which exists only where that release is installed. A module attribute, so that
+    pickle finds it by name in the model's process the server spawns (importing this module
+    there and asking for it)."""
+    if name != "BreakgraphModelLoader":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import compat
+
+    manager_module, _, _ = compat.serving()
+
+    class BreakgraphModelLoader(manager_module.ModelLoader):
+        """transformers' ModelLoader (5.25 on), enabling breakgraph CB on the model it loads in
+        the model's own process."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.breakgraph_options = dict(_OPTIONS)
+
+        def _load_model(self, *args, **kwargs):
+            return _enable(super()._load_model(*args, **kwargs), self.breakgraph_options)
+
+    BreakgraphModelLoader.__module__ = "breakgraph.integrations.transformers.serve"
+    BreakgraphModelLoader.__qualname__ = name
+    globals()[name] = BreakgraphModelLoader
+    return BreakgraphModelLoader
 
 
 if __name__ == "__main__":
