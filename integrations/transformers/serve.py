@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if layout == "in process":
 
         class BreakgraphModelManager(PinnedModelManager):
-            """... enabling breakgraph CB on every model it loads, in the server's process."""
+            """The pinned ModelManager, enabling breakgraph CB on every model it loads, in the
+            server's own process (transformers up to 5.24)."""
 
             def _load_model(self, *args, **kwargs):
                 return here._enable(super()._load_model(*args, **kwargs), options)
