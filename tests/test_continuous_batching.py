@@ -1288,6 +1288,85 @@ def test_the_model_process_loader_reaches_the_spawned_process_by_name(monkeypatc
         serve.Other  # noqa: B018
 
 
+class FakeModelManager:
+    def __init__(self, *args, force_model=None, **kwargs):
+        self.force_model = force_model
+
+    def _load_model(self, model_id):
+        return FakeLoadedModel(model_id)
+
+
+class FakeGenerationState:
+    def shutdown(self):
+        self.stopped = True
+
+
+@pytest.mark.parametrize("layout", ["in process", "model process"])
+def test_serve_launcher_patches_only_while_the_server_runs(monkeypatch, capsys, layout):
+    """The launcher's replacements of the server's classes hold while ``transformers serve``
+    runs and are gone after, with the enabled handles disabled and the options dropped; the
+    server sees the model loaded with breakgraph enabled in either layout."""
+    from breakgraph.integrations.transformers import compat, serve
+
+    manager_class = FakeModelManager
+    if layout == "model process":  # 5.25: no ModelManager._load_model, a ModelLoader instead
+        manager_class = type("FakeManager525", (), {"__init__": FakeModelManager.__init__})
+    manager_module = types.SimpleNamespace(ModelManager=manager_class, ModelLoader=FakeModelLoader)
+    state_module = types.SimpleNamespace(GenerationState=FakeGenerationState)
+    seen = {}
+
+    class App:
+        @staticmethod
+        def main(args, prog_name, standalone_mode):
+            seen["args"] = args
+            manager = manager_module.ModelManager(force_model="m")
+            state = state_module.GenerationState()
+            if layout == "in process":
+                seen["model"] = manager._load_model("m")
+            else:  # what the spawned model process does with the pickled loader
+                loader = pickle.loads(pickle.dumps(manager_module.ModelLoader(device="cpu")))
+                seen["model"] = loader._load_model("m")
+            seen["state"] = state
+            with pytest.raises(SystemExit, match="give the model to serve"):
+                manager_module.ModelManager()
+
+    class Handle:
+        stats = "stats of the handle"
+
+        def disable(self):
+            seen["disabled"] = True
+
+    monkeypatch.setattr(compat, "problems", lambda feature: ())
+    monkeypatch.setattr(compat, "serving", lambda: (manager_module, state_module, App))
+
+    def fake_enable(model, backend, **kwargs):
+        seen["enabled"] = (model.model_id, backend, kwargs)
+        return Handle()
+
+    monkeypatch.setattr(cb, "enable_continuous_batching", fake_enable)
+    saved = serve.__dict__.pop("BreakgraphModelLoader", None)
+    try:
+        assert serve.main(["m", "--backend", "emulated", "--query-buckets", "8,16"]) == 0
+    finally:
+        serve.__dict__.pop("BreakgraphModelLoader", None)
+        if saved is not None:
+            serve.BreakgraphModelLoader = saved
+    assert seen["args"] == ["serve", "m", "--continuous-batching"]
+    assert seen["enabled"] == ("m", "emulated", {"attention": "auto", "query_buckets": (8, 16)})
+    assert seen["model"].model_id == "m" and seen["disabled"]
+    assert manager_module.ModelManager is manager_class
+    assert manager_module.ModelLoader is FakeModelLoader
+    assert state_module.GenerationState is FakeGenerationState
+    assert serve._OPTIONS == {} and serve._HANDLES == []
+    out = capsys.readouterr().out
+    assert "breakgraph: continuous batching enabled" in out
+    if layout == "in process":
+        assert getattr(seen["state"], "stopped", False)  # the CB worker stopped at exit
+        assert "served steps per query bucket:\nstats of the handle" in out
+    else:
+        assert "so its stats are not printed" in out
+
+
 @needs_cb
 @pytest.mark.requires_cuda
 def test_cuda_async_batching_agrees_with_paged_sdpa():
