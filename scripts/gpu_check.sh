@@ -68,7 +68,10 @@
 #   bash scripts/gpu_check.sh cb_bench "$OUT/cb-5.24.json"   # carry .whl holding the 5.24 wheel:
 #     mkdir -p .whl && cp ../wheels/transformers-5.24.0-py3-none-any.whl .whl/   (then carry .whl)
 # (everything in a call that carries .whl runs on the wheels in it; the JSON records the
-# transformers and torch versions). Then, here: cp cb-5.17.json docs/results/h200-cb.json,
+# transformers and torch versions). A release tried but not declared (5.25.0) needs its
+# huggingface-hub beside it and hub kernels off (its from_pretrained kernelizes by default):
+#   pip download -d .whl --no-deps transformers==5.25.0 huggingface-hub==2.4.0 httpx2 \
+#     httpcore2 truststore hf-xet click anyio h11   (then: USE_HUB_KERNELS=0 bash scripts/gpu_check.sh ...) Then, here: cp cb-5.17.json docs/results/h200-cb.json,
 # cp cb-5.24.json docs/results/h200-cb-5.24.json, python -m benchmarks.report (a later tree's rerun
 # beside a committed release's run goes to docs/results/h200-cb-again-5.24.json: cb_report.AGAIN_FILE).
 # RUN_SUITE=1 also runs the pytest-benchmark suite (tests/benchmarks) into
