@@ -43,6 +43,9 @@ AGAIN_MISSING_WHY = "not run again"
 #: a transformers release outside the declared range, tried on the H200 with hub kernels off:
 #: the bench on some shapes, and the CUDA tests (``benchmarks.suite_times``' JSON)
 TRIED_FILES = ("h200-cb-5.25.json", "h200-cuda-suite-times-5.25.json")
+#: ``benchmarks/cb_prep_profile.py --block-table`` on the CPU, the newest declared release and the
+#: tried one one after the other (the same hour: this host's speed drifts between hours)
+TRIED_PREP_FILES = ("cpu-cb-prep-profile-tried-5.24.json", "cpu-cb-prep-profile-tried-5.25.json")
 
 
 def schema(data: dict) -> int:
@@ -225,10 +228,11 @@ def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
     )
 
 
-def tried_section(run: dict, suite: dict | None) -> str:
+def tried_section(run: dict, suite: dict | None, prep: list = ()) -> str:
     """A transformers release outside the declared range, tried on the GPU: the CUDA tests'
     run on it (``suite``, :data:`TRIED_FILES`' second) and the bench on some shapes (``run``)
-    with issue 23's targets; no earlier run to set it beside."""
+    with issue 23's targets; no earlier run to set it beside. ``prep``: transformers'
+    preparation of a pure-decode step on the CPU, per release (:data:`TRIED_PREP_FILES`)."""
     versus = _versus(run, None)
     keep = [0, 1, 2, 3, 4, 6]  # the columns without "earlier"
     rows = [[row[i] for i in keep] for row in versus.pop("rows")]
@@ -251,7 +255,38 @@ def tried_section(run: dict, suite: dict | None) -> str:
         rounds=meta["args"]["rounds"],
         table=table([_VERSUS_HEADER[i] for i in keep], rows),
         **versus,
+        prep=_tried_prep(prep),
     )
+
+
+def _tried_prep(runs: list) -> str:
+    """The preparation of a pure-decode step per release (``cb_prep_profile``'s JSON, the
+    same settings), one after the other on one host: all of it and its largest parts."""
+    if len(runs) < 2:
+        return "transformers' preparation of a step on this release: not measured."
+    first, base, last = runs[0], runs[0]["decode_parts_ms"], runs[-1]["decode_parts_ms"]
+    parts = ("block table", "scheduler", "other batch tensors", "update")
+    moved = max(parts, key=lambda p: abs(last[p] - base[p]))
+    rows = [[p, *(num(d["decode_parts_ms"][p], 2) for d in runs)] for p in parts]
+    rows.insert(0, ["**all of the preparation**",
+                    *(num(d["decode_parts_ms"]["prepare"], 2) for d in runs)])  # fmt: skip
+    return fill(
+        "cb.tried_prep",
+        files=", ".join(f"`{name}`" for name in TRIED_PREP_FILES[: len(runs)]),
+        device=first["meta"]["gpu"].removeprefix("none (").removesuffix(")"),
+        torch=first["meta"]["torch"],
+        date=first["meta"]["date"],
+        rounds=first["settings"]["rounds"],
+        requests=first["settings"]["requests"],
+        steps=first["decode_steps"],
+        median=num(first["decode_requests_median"], 0),
+        table=table(["ms per pure-decode step", *(d["meta"]["transformers"] for d in runs)], rows),
+        ratio=num(last["prepare"] / base["prepare"], 2),
+        newest=runs[-1]["meta"]["transformers"],
+        older=runs[0]["meta"]["transformers"],
+        moved=f"{moved} {num(base[moved], 2)} → {num(last[moved], 2)} ms",
+        passes=span([t for d in runs for t in d["pass_s"]["timed"]], 0),
+    ).strip()
 
 
 def _losses(runs: list) -> dict:

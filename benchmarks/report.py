@@ -97,6 +97,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_decode_step.FLOOR_FILES[0], *report_decode_step.FLOOR_FILES[2:]]
         + [report_decode_step.DECODE_GEMM_FILE]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
+        + [*cb_report.TRIED_PREP_FILES]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -152,7 +153,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
             before = next((d for d in cb if d["meta"]["transformers"] == release), None)
             blocks.append(cb_report.again_section(again, before, name, tree))
     if (tried := load(cb_report.TRIED_FILES[0])) is not None:
-        blocks.append(cb_report.tried_section(tried, load(cb_report.TRIED_FILES[1])))
+        prep = [d for name in cb_report.TRIED_PREP_FILES if (d := load(name)) is not None]
+        blocks.append(cb_report.tried_section(tried, load(cb_report.TRIED_FILES[1]), prep))
     split = [data for name in report_cb_host.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
         blocks.append(report_cb_host.host_split_section(split))

@@ -567,3 +567,20 @@ def test_the_tried_section_sets_a_release_outside_the_range_with_its_tests_and_t
             "| 2.50× (0.60–2.75) |") in text  # fmt: skip
     assert "met on 1 of\n1 shapes" in text and "2.5×\n(target ≥ 2×: met on 1 of 1" in text
     assert "the CUDA tests: not run; the bench" in cb_report.tried_section(run, None)
+    assert "preparation of a step on this release: not measured." in text
+
+    def prep(release, table, timed):
+        parts = {"prepare": 2.0 + table, "block table": table, "scheduler": 0.5,
+                 "other batch tensors": 0.9, "update": 0.6}  # fmt: skip
+        return {"meta": {"gpu": "none (2 CPU cores)", "torch": "2.x", "date": "today",
+                         "transformers": release},
+                "settings": {"rounds": 5, "requests": 100}, "decode_steps": 110,
+                "decode_requests_median": 69.5, "decode_parts_ms": parts,
+                "pass_s": {"timed": timed}}  # fmt: skip
+
+    text = cb_report.tried_section(run, suite, [prep("5.24.0", 0.5, [50.0, 60.0]),
+                                                prep("5.25.0", 1.0, [55.0, 66.0])])  # fmt: skip
+    assert "| **all of the preparation** | 2.50 | 3.00 |" in text
+    assert "| block table | 0.50 | 1.00 |" in text
+    assert "5.25.0 / 5.24.0: 1.20; the part that moved most: block table 0.50 → 1.00 ms." in text
+    assert "took 50–66 s each" in text
