@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import types
@@ -1141,7 +1142,6 @@ def save_tiny_model(path) -> None:
 def test_serve_launcher_answers_a_completion(tmp_path):
     if not compat.supported("serve"):  # the launcher's own probe (requests included)
         pytest.skip(f"pip install 'breakgraph[serve]': {compat.problems('serve')}")
-    import signal
     import socket
     import time
     import urllib.request
@@ -1201,11 +1201,8 @@ def test_serve_launcher_answers_a_completion(tmp_path):
     assert text.strip() == expected, (text, expected, output[-3000:])
     assert "breakgraph: continuous batching enabled" in output, output[-3000:]
     assert server.returncode == 0, output[-3000:]
-    manager_module = compat.serving()[0]
-    if compat.serve_layout(manager_module) == "in process":
-        assert "breakgraph: served steps per query bucket" in output, output[-3000:]
-    else:  # 5.25: the model's process ends without cleanup
-        assert "so its stats are not printed" in output, output[-3000:]
+    # printed by the server's process (to 5.24) or by the model's when stopped (5.25 on)
+    assert "breakgraph: served steps per query bucket" in output, output[-3000:]
 
 
 def test_serve_launcher_refuses_a_release_whose_serve_it_cannot_extend(monkeypatch, capsys):
@@ -1267,9 +1264,10 @@ def test_the_model_process_loader_reaches_the_spawned_process_by_name(monkeypatc
     from breakgraph.integrations.transformers import compat, serve
 
     fake = types.SimpleNamespace(ModelManager=type("M", (), {}), ModelLoader=FakeModelLoader)
-    monkeypatch.setattr(compat, "serving", lambda: (fake, None, None))
-    enabled = []
-    monkeypatch.setattr(serve, "_enable", lambda model, options: enabled.append(options) or model)
+    monkeypatch.setattr(compat, "serving_model_manager", lambda: fake)
+    enabled, reported = [], []
+    monkeypatch.setattr(serve, "_enable", lambda model, options: enabled.append(options) or "h")
+    monkeypatch.setattr(serve, "_report_when_terminated", reported.append)
     monkeypatch.setattr(serve, "_OPTIONS", {"backend": "emulated", "query_buckets": (8, 16)})
     saved = serve.__dict__.pop("BreakgraphModelLoader", None)
     try:
@@ -1279,13 +1277,30 @@ def test_the_model_process_loader_reaches_the_spawned_process_by_name(monkeypatc
         assert type(copy) is serve.BreakgraphModelLoader and copy.device == "cpu"
         assert copy.breakgraph_options == {"backend": "emulated", "query_buckets": (8, 16)}
         assert copy._load_model("m").model_id == "m"
-        assert enabled == [copy.breakgraph_options]
+        assert enabled == [copy.breakgraph_options] and reported == ["h"]
     finally:
         serve.__dict__.pop("BreakgraphModelLoader", None)
         if saved is not None:
             serve.BreakgraphModelLoader = saved
     with pytest.raises(AttributeError, match="no attribute 'Other'"):
         serve.Other  # noqa: B018
+
+
+def test_a_model_process_reports_its_stats_when_terminated_then_ends_as_sigterm_would():
+    """transformers 5.25 stops a model's process with SIGTERM: the handler prints the stats,
+    then the process still dies of SIGTERM (its exit status as before)."""
+    script = (
+        "import os, signal, time, types\n"
+        "from breakgraph.integrations.transformers import serve\n"
+        "serve._report_when_terminated(types.SimpleNamespace(stats='the stats'))\n"
+        "print('ready', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.stdout == "ready\nbreakgraph: served steps per query bucket:\nthe stats\n", done
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-2000:])
 
 
 class FakeModelManager:
@@ -1338,12 +1353,15 @@ def test_serve_launcher_patches_only_while_the_server_runs(monkeypatch, capsys, 
 
     monkeypatch.setattr(compat, "problems", lambda feature: ())
     monkeypatch.setattr(compat, "serving", lambda: (manager_module, state_module, App))
+    monkeypatch.setattr(compat, "serving_model_manager", lambda: manager_module)
 
     def fake_enable(model, backend, **kwargs):
         seen["enabled"] = (model.model_id, backend, kwargs)
         return Handle()
 
     monkeypatch.setattr(cb, "enable_continuous_batching", fake_enable)
+    reported = []  # the model process's SIGTERM report (not installed in this test's process)
+    monkeypatch.setattr(serve, "_report_when_terminated", reported.append)
     saved = serve.__dict__.pop("BreakgraphModelLoader", None)
     try:
         assert serve.main(["m", "--backend", "emulated", "--query-buckets", "8,16"]) == 0
@@ -1360,11 +1378,12 @@ def test_serve_launcher_patches_only_while_the_server_runs(monkeypatch, capsys, 
     assert serve._OPTIONS == {} and serve._HANDLES == []
     out = capsys.readouterr().out
     assert "breakgraph: continuous batching enabled" in out
+    assert "served steps per query bucket:\nstats of the handle" in out
     if layout == "in process":
         assert getattr(seen["state"], "stopped", False)  # the CB worker stopped at exit
-        assert "served steps per query bucket:\nstats of the handle" in out
+        assert reported == []
     else:
-        assert "so its stats are not printed" in out
+        assert len(reported) == 1 and reported[0].stats == "stats of the handle"
 
 
 @needs_cb

@@ -484,10 +484,18 @@ def _probe_continuous_batching() -> list[str]:
 
 def serving() -> tuple:
     """11. ``(model_manager module, utils module, CLI app)`` of ``transformers serve``."""
-    from transformers.cli.serving import model_manager, utils
+    from transformers.cli.serving import utils
     from transformers.cli.transformers import app
 
-    return model_manager, utils, app
+    return serving_model_manager(), utils, app
+
+
+def serving_model_manager() -> Any:
+    """11. ``transformers.cli.serving.model_manager`` alone: what a model's process needs
+    (5.25 on), without importing the CLI app there."""
+    from transformers.cli.serving import model_manager
+
+    return model_manager
 
 
 def serve_layout(manager_module: Any) -> str | None:

@@ -23,8 +23,8 @@ that its CB worker thread is stopped when the server stops (transformers' own ``
 loads in a ``spawn``ed process of its own, through a pickled copy of the server's
 ``ModelLoader``: that becomes :class:`BreakgraphModelLoader`, defined in this module (made on
 first use, since only 5.25 has its base) so that the copy finds it by name there, carrying
-the launcher's options; its ``_load_model`` enables the integration in the model's process.
-transformers ends that process with ``os._exit``, so its stats are not printed at the end.
+the launcher's options; its ``_load_model`` enables the integration in the model's process,
+which prints its stats when transformers stops it (``SIGTERM``, at the server's shutdown).
 The replacements go through :class:`breakgraph.patches.PatchSet` and are listed, with the
 probe that guards them (:func:`.compat.serve_layout`), in :mod:`.compat` ("serve"). The
 model must be given (``MODEL``): a pinned model is never unloaded, so the integration lives
@@ -37,7 +37,10 @@ Install: ``pip install "breakgraph[serve]"`` (transformers' serving extras, and
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 
 __all__ = ["main"]
 
@@ -89,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import serve as here  # this module by its name, also when run as __main__
 
     options = dict(backend=ours.backend, attention=ours.attention, query_buckets=buckets)
-    here._OPTIONS = options
     states = []
     manager_module, state_module, app = compat.serving()
-    layout = compat.serve_layout(manager_module)
+    layout = compat.serve_layout(manager_module)  # not None: the probe above passed
+    loader_class = here.BreakgraphModelLoader if layout == "model process" else None
 
     class PinnedModelManager(manager_module.ModelManager):
         """transformers' ModelManager, refusing to start without the model to serve."""
@@ -113,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             server's own process (transformers up to 5.24)."""
 
             def _load_model(self, *args, **kwargs):
-                return here._enable(super()._load_model(*args, **kwargs), options)
+                model = super()._load_model(*args, **kwargs)
+                here._enable(model, options)
+                return model
 
         class StoppableGenerationState(state_module.GenerationState):
             """transformers' GenerationState, remembered so its CB worker can be stopped at
@@ -125,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 
         patches.attribute(manager_module, "ModelManager", BreakgraphModelManager)
         patches.attribute(state_module, "GenerationState", StoppableGenerationState)
-    else:  # "model process": the loader's copy in the model's process enables it there
+    elif layout == "model process":  # the loader's copy in the model's process enables it
         patches.attribute(manager_module, "ModelManager", PinnedModelManager)
-        patches.attribute(manager_module, "ModelLoader", here.BreakgraphModelLoader)
+        patches.attribute(manager_module, "ModelLoader", loader_class)
     try:
+        here._OPTIONS = options
         app.main(args=["serve", *rest], prog_name="transformers", standalone_mode=False)
     except click.exceptions.Abort:
         pass  # Ctrl+C: uvicorn has shut the server down
@@ -136,12 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         patches.restore()
         for state in states:
             state.shutdown()  # stop the CB worker thread
-        if layout == "model process":  # transformers ends that process with os._exit
-            print(
-                "breakgraph: the model's process served with breakgraph's continuous batching; "
-                "transformers ends it without cleanup, so its stats are not printed",
-                flush=True,
-            )
         for handle in here._HANDLES:
             print(f"breakgraph: served steps per query bucket:\n{handle.stats}", flush=True)
             handle.disable()
@@ -158,7 +158,8 @@ _HANDLES: list = []
 
 
 def _enable(model, options: dict):
-    """Enable breakgraph's continuous batching on a model the server has just loaded."""
+    """Enable breakgraph's continuous batching on a model the server has just loaded; the
+    handle is kept in :data:`_HANDLES` and returned."""
     from .continuous_batching import enable_continuous_batching
 
     handle = enable_continuous_batching(model.eval(), options["backend"],
@@ -166,7 +167,23 @@ def _enable(model, options: dict):
                                         query_buckets=options["query_buckets"])  # fmt: skip
     _HANDLES.append(handle)
     print(f"breakgraph: continuous batching enabled: {handle!r}", flush=True)
-    return model
+    return handle
+
+
+def _report_when_terminated(handle) -> None:
+    """In a model's process (transformers 5.25 on): print the handle's stats when transformers
+    stops the process (``SIGTERM``, at the server's shutdown), then end as ``SIGTERM`` would have.
+    Only from the process's main thread, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def report(signum, frame):
+        print(f"breakgraph: served steps per query bucket:\n{handle.stats}", flush=True)
+        signal.signal(signal.SIGTERM, previous)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, report)
 
 
 def __getattr__(name: str):
@@ -178,9 +195,12 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from . import compat
 
-    manager_module, _, _ = compat.serving()
+    try:  # only that module: this runs in every model process
+        model_manager = compat.serving_model_manager()
+    except ImportError as exc:  # no serving extras: the attribute does not exist (hasattr: False)
+        raise AttributeError(f"{name}: transformers serve cannot be imported ({exc})") from exc
 
-    class BreakgraphModelLoader(manager_module.ModelLoader):
+    class BreakgraphModelLoader(model_manager.ModelLoader):
         """transformers' ModelLoader (5.25 on), enabling breakgraph CB on the model it loads in
         the model's own process."""
 
@@ -189,10 +209,11 @@ def __getattr__(name: str):
             self.breakgraph_options = dict(_OPTIONS)
 
         def _load_model(self, *args, **kwargs):
-            return _enable(super()._load_model(*args, **kwargs), self.breakgraph_options)
+            model = super()._load_model(*args, **kwargs)
+            _report_when_terminated(_enable(model, self.breakgraph_options))
+            return model
 
-    BreakgraphModelLoader.__module__ = "breakgraph.integrations.transformers.serve"
-    BreakgraphModelLoader.__qualname__ = name
+    BreakgraphModelLoader.__qualname__ = name  # pickle looks it up by this name
     globals()[name] = BreakgraphModelLoader
     return BreakgraphModelLoader
 
