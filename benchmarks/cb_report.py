@@ -100,6 +100,12 @@ def _run_of(meta: dict, device_key: str = "device") -> dict:
     return {"device": meta[device_key], "torch": meta["torch"], "date": meta["date"]}
 
 
+def _cpu_host(meta: dict) -> str:
+    """A CPU-only run's host as its ``gpu`` field names it, without the "none (...)" wrapper:
+    ``"none (2 CPU cores)"`` -> ``"2 CPU cores"``."""
+    return meta["gpu"].removeprefix("none (").removesuffix(")")
+
+
 def _release(data: dict) -> str:
     return data["meta"]["transformers"]
 
@@ -149,10 +155,10 @@ def _stock_rival(variants: dict) -> str | None:
 
 
 def _versus(now: dict, before: dict | None) -> dict:
-    """Per shape of ``now``: breakgraph against stock ``sdpa`` and against the faster of
-    stock's forced-graph variants (each run's own faster one), beside the same ratio in
-    ``before`` (``"-"`` without one); the shapes either run lacks, and how far each side's
-    tokens/s moved between the runs."""
+    """The placeholders of a table, per shape of ``now``: breakgraph against stock ``sdpa``
+    and against the faster of stock's forced-graph variants (each run's own faster one), with
+    issue 23's targets; with ``before``, also the same ratios in that run (``"-"`` where it
+    lacks one), the shapes either run lacks, and how far each side's tokens/s moved."""
     rows, vs_stock, vs_graphs, moved_bg, moved_stock, missing = [], [], [], [], [], []
     for m in now["models"]:
         v, ratios, spreads = m.get("variants", {}), m.get("ratios", {}), m.get("ratio_spread", {})
@@ -167,13 +173,14 @@ def _versus(now: dict, before: dict | None) -> dict:
         for rival, into in (("stock_sdpa", vs_stock), (_stock_rival(v), vs_graphs)):
             key = f"breakgraph_over_{rival}"
             if key not in ratios:
-                cells += ["-", "-"]
+                cells += ["-", "-"] if before else ["-"]
                 continue
             into.append(ratios[key])
             cells.append(f"{num(ratios[key])}× ({span(spreads[key])})")
-            old_rival = "stock_sdpa" if rival == "stock_sdpa" else _stock_rival(old_v)
-            old_ratio = (old or {}).get("ratios", {}).get(f"breakgraph_over_{old_rival}")
-            cells.append("-" if old_ratio is None else f"{num(old_ratio)}×")
+            if before:  # the same ratio in the earlier run
+                old_rival = "stock_sdpa" if rival == "stock_sdpa" else _stock_rival(old_v)
+                old_ratio = (old or {}).get("ratios", {}).get(f"breakgraph_over_{old_rival}")
+                cells.append("-" if old_ratio is None else f"{num(old_ratio)}×")
         rival = _stock_rival(v)
         rows.append([
             m["model"], num(v["stock_sdpa"]["tokens_per_s"], 0),
@@ -190,7 +197,7 @@ def _versus(now: dict, before: dict | None) -> dict:
         missing.append(f"{', '.join(absent)} ({AGAIN_MISSING_WHY})")
     nan = [float("nan")]
     return dict(
-        rows=rows,
+        table=table(_versus_header(before is not None), rows),
         missing="; ".join(missing) or "none",
         vs_stock=span(vs_stock or nan, 1),
         stock_limit=f"{T.TARGET_CB_VS_STOCK:g}",
@@ -205,9 +212,12 @@ def _versus(now: dict, before: dict | None) -> dict:
     )
 
 
-_VERSUS_HEADER = ["model", "stock sdpa tokens/s", "stock graphs tokens/s",
-                  "breakgraph tokens/s (rounds)", "/ stock sdpa (rounds)", "earlier",
-                  "/ stock graphs (rounds)", "earlier"]  # fmt: skip
+def _versus_header(earlier: bool) -> list[str]:
+    """The columns of :func:`_versus`' table; ``earlier``: with the earlier run's ratios."""
+    after = ["earlier"] if earlier else []
+    return ["model", "stock sdpa tokens/s", "stock graphs tokens/s",
+            "breakgraph tokens/s (rounds)", "/ stock sdpa (rounds)", *after,
+            "/ stock graphs (rounds)", *after]  # fmt: skip
 
 
 def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
@@ -223,7 +233,6 @@ def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
         tree=tree,
         **_run_of(meta),
         rounds=meta["args"]["rounds"],
-        table=table(_VERSUS_HEADER, versus.pop("rows")),
         **versus,
     )
 
@@ -234,9 +243,7 @@ def tried_section(run: dict, suite: dict | None, prep: list = ()) -> str:
     with issue 23's targets; no earlier run to set it beside. ``prep``: transformers'
     preparation of a pure-decode step on the CPU, per release (:data:`TRIED_PREP_FILES`)."""
     versus = _versus(run, None)
-    keep = [0, 1, 2, 3, 4, 6]  # the columns without "earlier"
-    rows = [[row[i] for i in keep] for row in versus.pop("rows")]
-    for key in ("missing", "moved_bg", "moved_stock"):
+    for key in ("missing", "moved_bg", "moved_stock"):  # no earlier run: nothing moved
         versus.pop(key)
     meta = run["meta"]
     tests = "not run"
@@ -253,7 +260,6 @@ def tried_section(run: dict, suite: dict | None, prep: list = ()) -> str:
         shapes=", ".join(m["model"] for m in run["models"]),
         **_run_of(meta),
         rounds=meta["args"]["rounds"],
-        table=table([_VERSUS_HEADER[i] for i in keep], rows),
         **versus,
         prep=_tried_prep(prep),
     )
@@ -273,7 +279,7 @@ def _tried_prep(runs: list) -> str:
     return fill(
         "cb.tried_prep",
         files=", ".join(f"`{name}`" for name in TRIED_PREP_FILES[: len(runs)]),
-        device=first["meta"]["gpu"].removeprefix("none (").removesuffix(")"),
+        device=_cpu_host(first["meta"]),
         torch=first["meta"]["torch"],
         date=first["meta"]["date"],
         rounds=first["settings"]["rounds"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from .cb_report import _cell, _release, _run_of
+from .cb_report import _cell, _cpu_host, _release, _run_of
 from .template import bullets, fill, num, pct, span, table
 
 #: one model, breakgraph's variants only, 3 rounds, per release: the CB forward's host time split
@@ -270,7 +270,7 @@ def _fill_views(probes: list, host: dict | None = None) -> str:
             file=FILL_VIEWS_HOST_FILE,
             torch=host["meta"]["torch"],
             date=host["meta"]["date"],
-            cores=host["meta"]["gpu"].removeprefix("none (").removesuffix(")"),
+            cores=_cpu_host(host["meta"]),
             transformers=host["meta"]["transformers"],
             before_us=span([row["before_us"] for row in rows], 1),
             after_us=span([row["after_us"] for row in rows], 1),
