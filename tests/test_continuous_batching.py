@@ -1138,8 +1138,18 @@ def save_tiny_model(path) -> None:
     build_model("llama").save_pretrained(path)
 
 
+SERVE_DEVICES = [
+    pytest.param("emulated", "cpu", id="emulated-cpu"),
+    pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.requires_cuda),
+]
+
+
 @needs_cb
-def test_serve_launcher_answers_a_completion(tmp_path):
+@pytest.mark.parametrize("backend, device", SERVE_DEVICES)
+def test_serve_launcher_answers_a_completion(tmp_path, backend, device):
+    """A real completion through the launcher, greedy tokens equal to ``generate`` on the same
+    device: on the CPU through the emulated backend, on CUDA through real graphs (the server's
+    model process, on 5.25, initialises CUDA itself)."""
     if not compat.supported("serve"):  # the launcher's own probe (requests included)
         pytest.skip(f"pip install 'breakgraph[serve]': {compat.problems('serve')}")
     import socket
@@ -1151,10 +1161,11 @@ def test_serve_launcher_answers_a_completion(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    python_path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
     command = [
         sys.executable, "-m", "breakgraph.integrations.transformers.serve", str(tmp_path),
-        "--backend", "emulated", "--query-buckets", "8,16",
-        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+        "--backend", backend, "--query-buckets", "8,16",
+        "--host", "127.0.0.1", "--port", str(port), "--device", device,
         "--cb-block-size", "16", "--cb-num-blocks", "32", "--cb-max-batch-tokens", "32",
     ]  # fmt: skip
     server = subprocess.Popen(
@@ -1162,7 +1173,7 @@ def test_serve_launcher_answers_a_completion(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -1192,8 +1203,8 @@ def test_serve_launcher_answers_a_completion(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             output = server.communicate()[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.tensor([[5, 17, 3, 99, 42]])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval().to(device)
+    ids = torch.tensor([[5, 17, 3, 99, 42]], device=device)
     tokens = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False
     )[0, 5:]
