@@ -45,6 +45,10 @@ AGAIN_MISSING_WHY = "not run again"
 TRIED_FILES = ("h200-cb-5.25.json", "h200-cuda-suite-times-5.25.json")
 #: ``benchmarks/cb_prep_profile.py --block-table`` on the CPU, the newest declared release and the
 #: tried one one after the other (the same hour: this host's speed drifts between hours)
+#: the serve launcher's tests on CUDA (``-k serve``, a completion through real graphs among
+#: them), per release: the declared ones, then the one tried
+SERVE_FILES = ("h200-serve-tests-5.17.json", "h200-serve-tests-5.24.json",
+               "h200-serve-tests-5.25.json")
 TRIED_PREP_FILES = ("cpu-cb-prep-profile-tried-5.24.json", "cpu-cb-prep-profile-tried-5.25.json")
 
 
@@ -237,11 +241,32 @@ def again_section(now: dict, before: dict | None, file: str, tree: str) -> str:
     )
 
 
-def tried_section(run: dict, suite: dict | None, prep: list = ()) -> str:
+def _serve_runs(runs: list) -> str:
+    """The serve tests' counts on CUDA per release (``suite_times`` JSON), and how long the
+    completion through real graphs took."""
+    if not runs:
+        return "The serve launcher on the GPU: not run."
+    parts = []
+    for data, name in runs:
+        counts = data["counts"]
+        parts.append(f"{counts['passed']} passed, {counts['failed']} failed on "
+                     f"{data['meta']['transformers']} (`{name}`)")  # fmt: skip
+    cuda = [t["seconds"] for data, _ in runs for t in data["slowest"]
+            if t["test"].endswith("answers_a_completion[cuda]")]  # fmt: skip
+    return fill(
+        "cb.tried_serve",
+        runs="; ".join(parts),
+        gpu=runs[0][0]["meta"]["gpu"],
+        seconds=span(cuda, 1) if cuda else "-",
+    ).strip()
+
+
+def tried_section(run: dict, suite: dict | None, prep: list = (), serve: list = ()) -> str:
     """A transformers release outside the declared range, tried on the GPU: the CUDA tests'
     run on it (``suite``, :data:`TRIED_FILES`' second) and the bench on some shapes (``run``)
     with issue 23's targets; no earlier run to set it beside. ``prep``: transformers'
-    preparation of a pure-decode step on the CPU, per release (:data:`TRIED_PREP_FILES`)."""
+    preparation of a pure-decode step on the CPU, per release (:data:`TRIED_PREP_FILES`);
+    ``serve``: ``(data, file)`` of the serve tests on CUDA per release (:data:`SERVE_FILES`)."""
     versus = _versus(run, None)
     for key in ("missing", "moved_bg", "moved_stock"):  # no earlier run: nothing moved
         versus.pop(key)
@@ -262,6 +287,7 @@ def tried_section(run: dict, suite: dict | None, prep: list = ()) -> str:
         rounds=meta["args"]["rounds"],
         **versus,
         prep=_tried_prep(prep),
+        serve=_serve_runs(list(serve)),
     )
 
 

@@ -70,6 +70,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     load = lambda name: _load(name, results)  # noqa: E731
     names = (
         [report_prefill.FILE, report_prefill.NEWEST_FILE, report_prefill.FIXED_FILE]
+        + [report_prefill.TRIED_FILE]
         + [report_breaks.OVERHEAD_FILE]
         + [report_breaks.BEFORE_DEBUG_FILE]
         + list(report_breaks.ANATOMY_FILES)
@@ -94,10 +95,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.SUITE_NEWEST_FILE, *report_cb_host.PREP_PARTS_FILES]
         + [*report_cb_host.FILL_VIEWS_FILES, report_cb_host.FILL_VIEWS_HOST_FILE]
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
-        + [report_decode_step.FLOOR_FILES[0], *report_decode_step.FLOOR_FILES[2:]]
+        + [*report_decode_step.FLOOR_FILES, report_decode_step.FLOOR_BEFORE_FILES[0]]
+        + [*report_decode_step.FLOOR_BEFORE_FILES[2:]]
         + [report_decode_step.DECODE_GEMM_FILE]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
-        + [*cb_report.TRIED_PREP_FILES]
+        + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -131,6 +133,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded.get(report_prefill.NEWEST_FILE), loaded.get(report_prefill.FILE),
         loaded.get(report_prefill.FIXED_FILE),
     )
+    blocks += report_prefill.tried_release_section(
+        loaded.get(report_prefill.TRIED_FILE), loaded.get(report_prefill.FILE),
+        loaded.get(report_prefill.NEWEST_FILE),
+    )
     if report_breaks.OVERHEAD_FILE in loaded:
         blocks += report_breaks.overhead_section(
             loaded[report_breaks.OVERHEAD_FILE], loaded.get(report_breaks.BEFORE_DEBUG_FILE)
@@ -154,7 +160,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
             blocks.append(cb_report.again_section(again, before, name, tree))
     if (tried := load(cb_report.TRIED_FILES[0])) is not None:
         prep = [d for name in cb_report.TRIED_PREP_FILES if (d := load(name)) is not None]
-        blocks.append(cb_report.tried_section(tried, load(cb_report.TRIED_FILES[1]), prep))
+        serve = [(d, name) for name in cb_report.SERVE_FILES if (d := load(name)) is not None]
+        blocks.append(cb_report.tried_section(tried, load(cb_report.TRIED_FILES[1]), prep, serve))
     split = [data for name in report_cb_host.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
         blocks.append(report_cb_host.host_split_section(split))
@@ -213,7 +220,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     floors = [d for name in report_decode_step.FLOOR_FILES if (d := load(name)) is not None]
     if floors:
         probe = load(report_decode_step.DECODE_GEMM_FILE)
-        blocks.append(report_decode_step.floor_section(floors, probe))
+        before = [d for name in report_decode_step.FLOOR_BEFORE_FILES if (d := load(name))]
+        blocks.append(report_decode_step.floor_section(floors, probe, before))
     split = [(d, label) for name, label in report_cb_decode.SPLIT_FILES
              if (d := load(name)) is not None]  # fmt: skip
     sweep = load(report_cb_decode.SPLIT_SWEEP_FILE)

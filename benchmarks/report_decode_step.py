@@ -33,8 +33,12 @@ WRITE_ROWS_FILES = tuple(
 #: ``bench_cb --variants breakgraph,breakgraph_compiled`` of this tree, per release, with 100
 #: prompts (the CB tables' workload) and with 32 (``--prompts 32``, the target's fewest
 #: requests): the step's parts against its floor
-FLOOR_FILES = ("h200-cb-floor-5.17.json", "h200-cb-write-rows-graph-1-5.24.json",
-               "h200-cb-floor-32-5.17.json", "h200-cb-floor-32-5.24.json")
+FLOOR_FILES = ("h200-cb-floor-again-5.17.json", "h200-cb-floor-again-5.24.json",
+               "h200-cb-floor-32-again-5.17.json", "h200-cb-floor-32-again-5.24.json")
+#: the same runs of an earlier tree (before the block-table fill kept its numpy views), in the
+#: order of :data:`FLOOR_FILES`
+FLOOR_BEFORE_FILES = ("h200-cb-floor-5.17.json", "h200-cb-write-rows-graph-1-5.24.json",
+                      "h200-cb-floor-32-5.17.json", "h200-cb-floor-32-5.24.json")
 #: ``benchmarks/decode_gemm_probe.py``: a decode step's GEMMs alone, as the model runs them
 #: and fused
 DECODE_GEMM_FILE = "h200-decode-gemm.json"
@@ -139,7 +143,43 @@ def _counts(values: dict) -> str:
                      for requests, v in sorted(values.items(), reverse=True))  # fmt: skip
 
 
-def floor_section(runs: list, probe: dict | None) -> str:
+def _decode_parts(runs: list) -> dict:
+    """``{(release, model, requests): (step, scheduling, device)}`` ms of the default decoder's
+    pure-decode steps in ``runs``."""
+    parts = {}
+    for data in runs:
+        for m in data["models"]:
+            v = m["variants"].get("breakgraph", {})
+            if "decode_prepare_ms" in v:
+                key = (_release(data), m["model"], v["decode_requests"])
+                parts[key] = tuple(v[k] for k in ("decode_step_ms", "decode_prepare_ms",
+                                                  "decode_forward_device_ms"))  # fmt: skip
+    return parts
+
+
+def floor_before(before: list, runs: list) -> str:
+    """The earlier tree's runs (:data:`FLOOR_BEFORE_FILES`) beside this one's: each shape's
+    step, scheduling and device forward, before → now (default decoder), and the range of
+    the scheduling's ratio; empty without earlier runs."""
+    old, new = _decode_parts(before), _decode_parts(runs)
+    keys = [k for k in new if k in old]
+    if not keys:
+        return ""
+    arrow = lambda a, b: f"{num(a, 2)} → {num(b, 2)}"  # noqa: E731
+    rows = [[*map(str, k), *(arrow(a, b) for a, b in zip(old[k], new[k]))] for k in keys]
+    ratios = [new[k][1] / old[k][1] for k in keys]
+    return fill(
+        "cb.floor_before",
+        files=", ".join(f"`{name}`" for name in FLOOR_BEFORE_FILES),
+        date=before[0]["meta"]["date"],
+        table=table(["transformers", "model", "requests", "step ms", "scheduling ms",
+                     "device ms"], rows),  # fmt: skip
+        scheduling=span(ratios, 2),
+        device=span([new[k][2] / old[k][2] for k in keys], 2),
+    ).strip()
+
+
+def floor_section(runs: list, probe: dict | None, before: list = ()) -> str:
     """Each shape's pure-decode step split into what bounds it, each part over the step's
     HBM floor: the step with the default and the compiled decoder, transformers' scheduling
     of the step (``decode_prepare_ms``), breakgraph's forward on the host, the device's
@@ -203,4 +243,5 @@ def floor_section(runs: list, probe: dict | None) -> str:
         fused=_by_requests(fused) or "-",
         share=_by_requests(shares, 0, "%") or "-",
         reps=(probe or {}).get("meta", {}).get("reps", "-"),
+        before=floor_before(list(before), runs),
     )

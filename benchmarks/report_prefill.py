@@ -36,6 +36,7 @@ FILE = "h200-prefill-baselines.json"
 NEIGHBOURS_FILE = "h200-prefill-host-path-neighbours.json"  # prefill_host_path --neighbours
 PACKED_ONLY_FILE = "h200-prefill-baselines-packed-only.json"  # before single-prompt graphs
 COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile variants only
+TRIED_FILE = "h200-prefill-baselines-5.25.json"  # a release outside the declared range, tried
 NEWEST_FILE = "h200-prefill-baselines-5.24.json"  # the same benchmark on the newest transformers
 #: that run's illegal memory access again: its last five families, a device-wide sync per read
 REPRODUCED_FILE = "h200-prefill-baselines-5.24-b.json"
@@ -486,6 +487,50 @@ def newest_release_section(
             reproduced_file=REPRODUCED_FILE,
             torch_issue=TORCH_ISSUE,
             after_fixes=after_fixes(fixed),
+        )
+    ]
+
+
+def _bg_over_exact(run: dict | None, family: str, n: int) -> float | None:
+    """breakgraph / exact-length graph of ``family``'s single prompt of ``n`` tokens."""
+    fam = next((f for f in (run or {}).get("families", []) if f["family"] == family), None)
+    row = next((r for r in singles(fam) if r["tokens"] == n), None) if fam else None
+    return None if row is None else ratio(row, "breakgraph", "hf_graph")
+
+
+def tried_release_section(data: dict | None, *older: dict | None) -> list[str]:
+    """The benchmark on a release outside the declared range (:data:`TRIED_FILE`), on the
+    families it ran, beside the same families on the releases of ``older`` (the main run and
+    the newest supported): breakgraph / exact-length graph per prompt size, and its targets."""
+    if data is None:
+        return []
+    meta, check_list = data["meta"], checks(data)
+    runs = [data, *(run for run in older if run is not None)]
+    rows = []
+    for fam in data["families"]:
+        for n in data["settings"]["sizes"]:
+            cells = [_bg_over_exact(run, fam["family"], n) for run in runs]
+            rows.append([fam["family"], str(n), *("-" if c is None else num(c, 3) for c in cells)])
+    worst = max(c for fam in data["families"] for n in data["settings"]["sizes"]
+                if (c := _bg_over_exact(data, fam["family"], n)) is not None)  # fmt: skip
+    missed = [c for c in check_list if c.met is False]
+    return [
+        fill(
+            "prefill.tried",
+            file=TRIED_FILE,
+            gpu=meta.get("gpu") or "-",
+            torch=meta["torch"],
+            transformers=meta["transformers"],
+            date=meta["date"],
+            families=", ".join(f["family"] for f in data["families"]),
+            table=table(["family", "tokens", *(f"transformers {r['meta']['transformers']}"
+                                               for r in runs)], rows),  # fmt: skip
+            worst=num(worst, 3),
+            target=f"{T.TARGET_BG_VS_EXACT_GRAPH:g}",
+            met=sum(c.met is True for c in check_list),
+            missed=len(missed),
+            misses="; ".join(f"{c.family}, {target_label(c.target)}: {num(c.value, 3)} "
+                             f"({limit_text(c.target)})" for c in missed) or "none",
         )
     ]
 

@@ -39,8 +39,9 @@
 # RUN_DECODE_FLOOR=1 (a pure-decode step's parts against its HBM floor: benchmarks/decode_gemm_probe.py,
 # then bench_cb --variants breakgraph,breakgraph_compiled on three shapes with 100 prompts and
 # with 32, ~4.5 min; copy decode-gemm.json to docs/results/h200-decode-gemm.json, floor.json to
-# docs/results/h200-cb-floor-5.17.json and floor-32.json to h200-cb-floor-32-5.17.json, see
-# report_decode_step.FLOOR_FILES),
+# docs/results/h200-cb-floor-again-5.17.json and floor-32.json to h200-cb-floor-32-again-5.17.json
+# (the run with 5.24 carried: -5.24), see report_decode_step.FLOOR_FILES; the earlier tree's
+# are FLOOR_BEFORE_FILES),
 # RUN_PREFILL_REPRO=1 (the prefill benchmark's last five families in one process, mistral-7b-4l
 # last with its compile variants: where a 5.24 run's plain HF graph hit an illegal memory access
 # before benchmarks/baselines.CapturedForward freed the cuBLAS workspaces before its capture;

@@ -584,3 +584,16 @@ def test_the_tried_section_sets_a_release_outside_the_range_with_its_tests_and_t
     assert "| block table | 0.50 | 1.00 |" in text
     assert "5.25.0 / 5.24.0: 1.20; the part that moved most: block table 0.50 → 1.00 ms." in text
     assert "took 50–66 s each" in text
+    assert "The serve launcher on the GPU: not run." in text
+
+    def serve(release, passed, failed, seconds):
+        slowest = [{"test": "t.py::test_serve_launcher_answers_a_completion[cuda]",
+                    "seconds": seconds}, {"test": "t.py::other", "seconds": 99.0}]
+        return ({"meta": {"gpu": "GPU", "transformers": release}, "slowest": slowest,
+                 "counts": {"passed": passed, "failed": failed}}, f"serve-{release}.json")
+
+    text = cb_report.tried_section(run, suite, (), [serve("5.24.0", 8, 0, 15.04),
+                                                    serve("5.25.0", 7, 1, 21.16)])  # fmt: skip
+    assert ("8 passed, 0 failed on 5.24.0 (`serve-5.24.0.json`); 7 passed, 1 failed on 5.25.0 "
+            "(`serve-5.25.0.json`)") in text.replace("\n", " ")  # fmt: skip
+    assert "15.0–21.2 s each" in text

@@ -694,6 +694,29 @@ def test_prefill_on_the_newest_release_is_computed_from_its_json():
     assert report_prefill.newest_release_section(None, older) == []
 
 
+def test_prefill_on_a_tried_release_stands_beside_the_declared_ones():
+    """A release outside the range: its families' ratios from its own JSON beside the same
+    families in the runs on the declared releases, its worst ratio, and each missed target
+    by family and value; absent without the file."""
+    tried = committed(report_prefill.TRIED_FILE)
+    older = committed(report_prefill.FILE), committed(report_prefill.NEWEST_FILE)
+    text = "\n".join(report_prefill.tried_release_section(tried, *older))
+    assert "## Prefill on transformers 5.25.0, tried (outside the declared range)" in text
+    assert "| family | tokens | transformers 5.25.0 | transformers 5.17.0 | transformers 5.24.0 |" \
+        in text  # fmt: skip
+    assert "| mistral-sw256-4l | 32 | 0.945 | 0.981 | 0.954 |" in text
+    assert "at most 0.972 (target ≤ 1.03)" in text.replace("\n", " ")
+    assert "mixtral-1k-4l, capture s per bucket after the first: 0.085 (≤ 0.03 s)" in \
+        text.replace("\n", " ")  # fmt: skip
+    row = next(r for f in tried["families"] if f["family"] == "mixtral-1k-4l" for r in f["rows"]
+               if r["workload"] == "single 200")  # fmt: skip
+    row["ms"]["breakgraph"] = row["ms"]["hf_graph"] * 1.1
+    text = "\n".join(report_prefill.tried_release_section(tried, *older))
+    assert "| mixtral-1k-4l | 200 | 1.100 | 0.961 | 0.954 |" in text
+    assert "at most 1.100" in text and "mixtral-1k-4l, breakgraph" in text.replace("\n", " ")
+    assert report_prefill.tried_release_section(None, *older) == []
+
+
 def _sweep_row(seqs: int, hkv: int, d: int, times: dict, held_out: bool = False) -> dict:
     graph = {key: {"median": us, "min": us, "max": us} for key, us in times.items()}
     return {"hq": 4 * hkv, "hkv": hkv, "d": d, "seqs": seqs, "bucket": seqs, "keys": 1000,

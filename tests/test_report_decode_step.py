@@ -101,7 +101,24 @@ def test_the_floor_section_reads_the_committed_runs():
     assert {r["meta"]["transformers"] for r in runs} == {"5.17.0", "5.24.0"}
     assert "| 5.17.0 | qwen2.5-3b-12l | 100 | 0.666 |" in text
     assert "| 5.24.0 | llama3-8b-4l | 32 | 0.637 |" in text
-    assert "6 of 6 runs with 100 requests" in text
+    assert "3 of 6 runs with 100 requests" in text  # scheduling above twice the floor
+    before = [load(name) for name in R.FLOOR_BEFORE_FILES]
+    text = R.floor_section(runs, load(R.DECODE_GEMM_FILE), before)
+    assert "| 5.17.0 | llama3-8b-4l | 100 | 3.65 → 1.93 | 2.11 → 1.07 | 1.98 → 1.84 |" in text
+
+
+def test_the_floor_section_sets_an_earlier_tree_beside_this_one():
+    """Each shape's step, scheduling and device forward before → now, matched by release,
+    model and request count; a shape only one tree ran is left out, and no earlier run
+    leaves the paragraph out."""
+    before = _run(breakgraph=_variant(step_ms=4.0, prep_ms=2.0, device_ms=2.0))
+    now = _run(breakgraph=_variant(step_ms=3.0, prep_ms=1.0, device_ms=2.2))
+    other = _run(model="other", breakgraph=_variant())
+    text = R.floor_section([now, other], _probe(), [before])
+    assert "| 5.17.0 | m | 100 | 4.00 → 3.00 | 2.00 → 1.00 | 2.00 → 2.20 |" in text
+    assert "| 5.17.0 | other | 100 | 3.00 →" not in text
+    assert "now / before: 0.50; the device's forward now / before: 1.10" in text
+    assert "before → now" not in R.floor_section([now], _probe())
 
 
 def test_the_floor_is_the_cards_own():
