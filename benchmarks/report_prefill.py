@@ -473,10 +473,7 @@ def newest_release_section(
         fill(
             "prefill.newest",
             file=NEWEST_FILE,
-            gpu=meta.get("gpu") or "-",
-            torch=meta["torch"],
-            transformers=meta["transformers"],
-            date=meta["date"],
+            **_run_fields(meta),
             older=(older or {}).get("meta", {}).get("transformers", "-"),
             compiled=", ".join(data["settings"].get("compile_families", [])) or "no family",
             targets=targets_table(check_list),
@@ -489,6 +486,12 @@ def newest_release_section(
             after_fixes=after_fixes(fixed),
         )
     ]
+
+
+def _run_fields(meta: dict) -> dict:
+    """A run's GPU, torch, transformers and date, as the sections' templates name them."""
+    return {"gpu": meta.get("gpu") or "-", "torch": meta["torch"],
+            "transformers": meta["transformers"], "date": meta["date"]}  # fmt: skip
 
 
 def _bg_over_exact(run: dict | None, family: str, n: int) -> float | None:
@@ -518,10 +521,7 @@ def tried_release_section(data: dict | None, *older: dict | None) -> list[str]:
         fill(
             "prefill.tried",
             file=TRIED_FILE,
-            gpu=meta.get("gpu") or "-",
-            torch=meta["torch"],
-            transformers=meta["transformers"],
-            date=meta["date"],
+            **_run_fields(meta),
             families=", ".join(f["family"] for f in data["families"]),
             table=table(["family", "tokens", *(f"transformers {r['meta']['transformers']}"
                                                for r in runs)], rows),  # fmt: skip
