@@ -44,6 +44,10 @@ Variants:
   breakgraph_tx_fill  breakgraph with transformers' own ``fill_block_table``: each request's
                       row of the block table written with small tensors, as before breakgraph
                       wrote host tables through numpy
+  breakgraph_cold_kernels  breakgraph without ``paged_decode.warm_up`` at the manager's
+                      creation: a decode kernel compiles inside the first step that needs it
+                      (as before; compare the first rounds, each variant in a process of its
+                      own with an empty ``TRITON_CACHE_DIR``)
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
@@ -106,6 +110,7 @@ if __package__ in (None, ""):  # python benchmarks/bench_cb.py: make `benchmarks
 
 import transformers  # noqa: E402
 from breakgraph.integrations.transformers import block_table as block_table_module  # noqa: E402
+from breakgraph.integrations.transformers import cb_step as cb_step_module  # noqa: E402
 from breakgraph.integrations.transformers import compat, enable_continuous_batching  # noqa: E402
 from breakgraph.integrations.transformers import paged_decode as paged_decode_module  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
@@ -147,6 +152,7 @@ class Variant:
     decode_splits: bool = True  # paged_decode's split and block (off: one program, 64 keys)
     max_blocks_per_request: int | None = None  # 0: no block table (index lists every step)
     numpy_fill: bool = True  # breakgraph writes block tables through numpy (off: transformers)
+    warm_kernels: bool = True  # decode kernels compiled when the manager is created (off: later)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
 
 
@@ -179,6 +185,9 @@ VARIANTS = {
         Variant("breakgraph_tx_fill", "breakgraph with transformers' own fill_block_table (the "
                 "block table filled request by request with small tensors, as before)", True,
                 numpy_fill=False),  # fmt: skip
+        Variant("breakgraph_cold_kernels", "breakgraph without compiling the decode kernels "
+                "when the manager is created (each compiles in the first step that needs it, as "
+                "before)", True, warm_kernels=False),  # fmt: skip
     )
 }
 GENERATE = "generate"
@@ -214,7 +223,7 @@ ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async":
                   "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
                   "breakgraph_breaks": 4000, "breakgraph_compiled": 4000,
                   "breakgraph_unsplit": 4000, "breakgraph_lists": 4000,
-                  "breakgraph_tx_fill": 4000}  # fmt: skip
+                  "breakgraph_tx_fill": 4000, "breakgraph_cold_kernels": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
@@ -324,6 +333,8 @@ def run_round(model, variant: Variant, run) -> dict:
                 patches.attribute(paged_decode_module, "BLOCK_N", 64)
             if not variant.numpy_fill:  # transformers' own fill (installed at enable: not made)
                 patches.attribute(block_table_module, "install_fill", lambda patches: False)
+            if not variant.warm_kernels:  # nothing compiled at plan: the steps compile
+                patches.attribute(cb_step_module, "warm_up", lambda *args, **kwargs: [])
             buckets = None
             if variant.pow2:
                 buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]
@@ -390,6 +401,8 @@ def run_round(model, variant: Variant, run) -> dict:
                 decode_graph_fallbacks=dict(decode.fallbacks),
                 decode_graph_off=decode.off,
                 block_table_steps=dict(runner.block_table_steps),
+                kernels_warmed=list(runner.kernels_warmed),
+                kernel_warm_up_s=runner.kernel_warm_up_s,
             )
     else:
         result.update(graphs=run.graphs.captures, capture_s=run.graphs.capture_s)
@@ -557,6 +570,8 @@ def run_model(name: str, args, run) -> dict:
             rounds=len(results),
             rounds_tokens_per_s=[r["tokens_per_s"] for r in results],
             rounds_manager_s=[r.get("manager_s") for r in results],  # round 1: compile, if any
+            # captured while serving: a decode kernel's compile lands here, if not warmed up
+            rounds_decode_capture_s=[r.get("decode_graph_capture_s") for r in results],
         )
         if v in failures:
             out["variants"][v]["failed_round"] = failures[v]

@@ -84,7 +84,7 @@ def test_in_graph_write_rows_are_each_sequences_last_key_through_several_steps(s
             for i, length in enumerate(lengths.tolist()):  # fill the blocks the keys use
                 for b in range((length - 1) // page + 1):
                     rows[i][b] = abs(rows[i][b])
-            buffers.table[group][:n].copy_(torch.tensor(rows, dtype=torch.int32))
+            buffers.table[group][:n, :blocks].copy_(torch.tensor(rows, dtype=torch.int32))
             expected = [reference_slots(rows, lengths.tolist(), page)[int(cu_k[i + 1]) - 1]
                         for i in range(n)]  # fmt: skip
             got = buffers.write_rows(group, bucket).tolist()
@@ -107,7 +107,9 @@ def test_decode_buffers_hold_the_table_and_derive_the_write_rows():
     cuda = DecodeBuffers((0,), 4, 1024, torch.device("cpu"), width=3, page=4, reads=False)
     cuda.fill(step, 2, 4, page=4, rows=2)
     assert cuda.read == {} and cuda.write == {} and cuda.capacity == 0
-    assert cuda.table[0][:2].tolist() == table[0].tolist()
+    assert cuda.table[0][:2, :3].tolist() == table[0].tolist()
+    # as wide as paged_decode.warm_up's table (a multiple of 16): the kernel it compiled
+    assert cuda.table[0].shape == (4, 16) and cuda.table[0][:, 3:].eq(0).all()
     assert cuda.cu_k.tolist() == [0, 6, 8, 8, 8]
     assert cuda.write_rows(0, 4).tolist() == [5, 9, 5, 5]  # padded: sequence 0's slot again
     assert cuda.write_rows(0, 2).tolist() == block_table.write_slots(
@@ -116,6 +118,8 @@ def test_decode_buffers_hold_the_table_and_derive_the_write_rows():
     emulated.fill(step, 2, 4, page=4, rows=8)
     assert emulated.read[0][:8].tolist() == [16, 17, 18, 19, 4, 5, 8, 9]
     assert emulated.write_rows(0, 4).tolist() == [5, 9, 5, 5]
+    assert DecodeBuffers((0,), 4, 0, torch.device("cpu"), width=17, page=4).table[0].shape == (
+        4, 32)  # fmt: skip
     lists = DecodeBuffers((0,), 4, 1024, torch.device("cpu"))
     assert lists.table == {} and lists.width == 0 and lists.capacity == 1024
 

@@ -1089,6 +1089,86 @@ def test_cuda_fp32_tokens_equal_generate(async_batching):
         assert handle.stats.replays > 0, arch
 
 
+@pytest.mark.parametrize("max_blocks", [None, 0], ids=["block-table", "index-lists"])
+def test_the_manager_warms_the_decode_kernels_of_its_buckets(monkeypatch, max_blocks):
+    """When a manager is created the runner hands ``paged_decode.warm_up`` the model's heads,
+    every captured bucket, the model's dtype and the block table's page (the config's, where
+    pure-decode steps come with a table; 0 with index lists), once per model; off CUDA it
+    compiles nothing."""
+    from breakgraph.integrations.transformers import cb_step
+
+    calls = []
+    real = cb_step.warm_up
+    monkeypatch.setattr(cb_step, "warm_up", lambda *a: calls.append(a) or real(*a))
+    model = build_model("llama")
+    config = model.config
+    prompts = random_prompts(seed=5)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        for _ in range(2):  # a second manager plans nothing new
+            generate_batch(model, prompts, cbc=cb_config(max_blocks_per_request=max_blocks))
+        buckets, warmed = handle.runner.buckets, handle.runner.kernels_warmed
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = (config.num_attention_heads, config.num_key_value_heads, head_dim)
+    page = 16 if max_blocks is None else 0
+    assert calls == [(*heads, buckets, torch.float32, torch.device("cpu"), page)]
+    assert warmed == [] and handle.stats.eager_steps == 0
+
+
+def _compiled_decode_kernels() -> int | None:
+    """How many binaries Triton holds in this process for ``paged_decode``'s kernels (None
+    where this Triton keeps them elsewhere)."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    total = 0
+    for kernel in (pd._paged_decode_kernel, pd._paged_decode_split_kernel,
+                   pd._paged_decode_combine_kernel):  # fmt: skip
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None:  # Triton 3.2 on: device -> (kernels, ...)
+            total += sum(len(entry[0]) for entry in caches.values())
+        elif isinstance(getattr(kernel, "cache", None), dict):
+            total += sum(len(entry) for entry in kernel.cache.values())
+        else:
+            return None
+    return total
+
+
+@needs_cb
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("block_table", [True, False], ids=["block-table", "index-lists"])
+def test_cuda_decode_kernels_compile_before_serving(monkeypatch, block_table):
+    """The manager's creation compiles the decode kernels its pure-decode graphs will launch
+    (``paged_decode.warm_up``), so no step compiles one while serving: Triton holds as many
+    binaries after the run as right after the warm-up. Heads no other test uses (6 over 3),
+    so that the warm-up is what compiled them, whatever ran before in this process."""
+    from breakgraph.integrations.transformers import cb_step
+
+    if _compiled_decode_kernels() is None:
+        pytest.skip("this Triton keeps its compiled kernels where the test cannot count them")
+    after_warm_up = []
+
+    def counting(*args, **kwargs):
+        warmed = real(*args, **kwargs)
+        after_warm_up.append(_compiled_decode_kernels())
+        return warmed
+
+    real = cb_step.warm_up
+    monkeypatch.setattr(cb_step, "warm_up", counting)
+    shape = dict(CUDA_SHAPE, num_attention_heads=6, num_key_value_heads=3)
+    model = build_model("llama", device="cuda", dtype=torch.bfloat16, **shape)
+    extra = {} if block_table else {"max_blocks_per_request": 0}
+    cbc = ContinuousBatchingConfig(block_size=256, num_blocks=256, max_batch_tokens=512, **extra)
+    gen = generation_config(max_new_tokens=8, pad_token_id=999)
+    with enable_continuous_batching(model, attention="flash") as handle:
+        generate_batch(model, cuda_prompts(48), gen=gen, cbc=cbc)
+    runner = handle.runner
+    assert len(after_warm_up) == 1 and runner.kernels_warmed, runner.kernels_warmed
+    assert runner.kernel_warm_up_s > 0
+    decode = handle.decode_graphs
+    assert decode.off is None and decode.stats.replays > 0, (decode.off, decode.fallbacks)
+    assert (runner.block_table_steps["graph"] > 0) == block_table, runner.block_table_steps
+    assert _compiled_decode_kernels() == after_warm_up[0]
+
+
 @needs_cb
 @pytest.mark.requires_cuda
 def test_cuda_fp32_reference_matches_paged_sdpa():

@@ -35,6 +35,7 @@ Example (what the handle does for every CB forward)::
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -58,7 +59,14 @@ from .block_table import read_slots, write_slots
 from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, default_query_buckets
-from .paged_decode import default_splits, fits, paged_decode, query_rows, triton_available
+from .paged_decode import (
+    default_splits,
+    fits,
+    paged_decode,
+    query_rows,
+    triton_available,
+    warm_up,
+)
 from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
@@ -388,11 +396,17 @@ class StepRunner:
         # the decode graphs serve its steps: every layer full attention, heads the kernel takes
         # (else every such step would sync once to materialise its rows for the breaks)
         self.block_tables = False
-        if self.decode is not None and _full_attention_only(model.config):
+        self.heads: tuple[int, int, int] | None = None  # query heads, key heads, head size
+        if self.decode is not None:
             config = model.config
             kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+            self.heads = (q_heads, kv_heads, head_dim)
+        if self.decode is not None and _full_attention_only(model.config):
             self.block_tables = self.decode.kernel_problem(kv_heads, head_dim, self.device) is None
+        #: the split counts whose decode kernels :meth:`plan` compiled, and the seconds it took
+        self.kernels_warmed: list[int] = []
+        self.kernel_warm_up_s = 0.0
         #: steps that came with a block table: {"graph": served by a decode graph, "break":
         #: materialised (one device sync) for the query-token graph's breaks}
         self.block_table_steps = {"graph": 0, "break": 0}
@@ -411,8 +425,11 @@ class StepRunner:
         return self.tokens.buckets
 
     # -- planning: capture before serving ------------------------------------------------------
-    def plan(self, max_batch_tokens: int) -> None:
-        """Capture every bucket up to ``max_batch_tokens`` (once; later managers must fit)."""
+    def plan(self, max_batch_tokens: int, page: int = 0) -> None:
+        """Capture every bucket up to ``max_batch_tokens`` (once; later managers must fit), and
+        compile the decode kernels the pure-decode graphs of those buckets will launch
+        (``page``: the block table's tokens per entry, 0 for steps with index lists; see
+        :func:`.paged_decode.warm_up`), so that no step compiles while serving."""
         with self._lock:
             sizes = default_query_buckets(self.query_buckets, max_batch_tokens, self.who)
             if self.tokens.buckets:
@@ -441,6 +458,11 @@ class StepRunner:
                                     **mode)  # fmt: skip
                 self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits,
                                     **mode)  # fmt: skip
+            if self.heads is not None:
+                start = time.perf_counter()
+                self.kernels_warmed = warm_up(*self.heads, sizes, self.lm_head.weight.dtype,
+                                              self.device, page)  # fmt: skip
+                self.kernel_warm_up_s = time.perf_counter() - start
 
     def _decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with graph_safe_tensor_parallel(self.model):

@@ -308,8 +308,9 @@ class ContinuousBatchingHandle:
                 "continuous-batching settings",
                 "pass the same ContinuousBatchingConfig and GenerationConfig on every rank",
             )
-        if use_graphs:
-            self.runner.plan(config.max_batch_tokens)  # capture before serving
+        if use_graphs:  # capture before serving, and compile the decode kernels
+            tables = self.runner.block_tables and config.max_blocks_per_request != 0
+            self.runner.plan(config.max_batch_tokens, compat.cb_page_size(config) if tables else 0)
         return config
 
     def _async_by_default(self, use_graphs: bool) -> bool:

@@ -69,7 +69,14 @@ from breakgraph.ladder_stats import combined
 
 from . import compat
 from .block_table import read_slots, write_slots
-from .paged_decode import fits, paged_decode, paged_decode_dense, query_rows, triton_available
+from .paged_decode import (
+    TABLE_WIDTH_MULTIPLE,
+    fits,
+    paged_decode,
+    paged_decode_dense,
+    query_rows,
+    triton_available,
+)
 
 __all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows"]
 
@@ -119,7 +126,10 @@ class DecodeBuffers:
                 g: torch.zeros(*shape, dtype=dtype, device=device) for g in groups}
             self.write = {} if width else zeros(largest)
             self.read = zeros(capacity) if self.capacity else {}
-            self.table = zeros(largest, width, dtype=torch.int32) if width else {}
+            # padded to a multiple of TABLE_WIDTH_MULTIPLE: the kernel paged_decode.warm_up
+            # compiled before serving (extra columns are never read: keys end first)
+            padded = -(-width // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+            self.table = zeros(largest, padded, dtype=torch.int32) if width else {}
             self.cu_k = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.source = torch.zeros(largest, dtype=torch.long, device=device)
             self.iota = torch.arange(largest, dtype=torch.long, device=device)
@@ -140,7 +150,7 @@ class DecodeBuffers:
                 write[n:bucket].copy_(live[:1].expand(bucket - n))
         for group, table in self.table.items():  # block-table steps
             live = step.table[group, :n]
-            table[:n].copy_(live)
+            table[:n, : self.width].copy_(live)
             if self.read:
                 self.read[group][:rows].copy_(read_slots(live, cu_k, page, rows))
         self.cu_k[: n + 1].copy_(cu_k)

@@ -47,7 +47,15 @@ __all__ = [
     "query_rows",
     "split_count",
     "triton_available",
+    "warm_up",
+    "TABLE_WIDTH_MULTIPLE",
 ]
+
+#: block tables handed to the kernel are this many entries wide, or a multiple of it: Triton
+#: compiles one binary per divisibility class of each integer argument (a row stride divisible
+#: by 16 or not), so a table whose width follows transformers' setting would make the kernel
+#: :func:`warm_up` compiled a different one from the kernel a step launches
+TABLE_WIDTH_MULTIPLE = 16
 
 
 def triton_available(device: torch.device) -> bool:
@@ -369,3 +377,41 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
         part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, SPLITS=splits,
     )  # fmt: skip
     return out
+
+
+def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dtype,
+            device: torch.device, page: int = 0) -> list[int]:  # fmt: skip
+    """Compile, before serving, the kernels that pure-decode steps of ``batches`` sequences
+    will launch; returns the split counts warmed (empty off CUDA or without Triton).
+
+    Triton compiles a kernel at its first launch with new compile-time constants (the
+    heads, the page, the split count) and integer classes, and keeps the binary in its disk
+    cache; without that cache (a fresh machine or container) a compile took about a second
+    on an H200 (``benchmarks/triton_first_call.py``), inside whichever decode step first
+    needed it. One launch per split count that :func:`default_splits` gives these batch
+    sizes, on inputs with no keys (nothing is read), laid out as the decode graphs lay out
+    theirs: queries as :func:`query_rows` views, cache rows ``[rows, kv_heads, head_dim]``,
+    a block table ``TABLE_WIDTH_MULTIPLE`` entries wide (``page`` > 0) or a flat ``int64``
+    read index (``page`` 0), ``int32`` key offsets.
+
+    Example (no GPU here: nothing to compile)::
+
+        >>> warm_up(32, 8, 128, [32, 128], torch.bfloat16, torch.device("cpu"), page=256)
+        []
+    """
+    device = torch.device(device)
+    if not triton_available(device) or not fits(q_heads, kv_heads, head_dim):
+        return []
+    splits = sorted({default_splits(b, kv_heads, device) for b in batches})
+    batch = 2
+    with torch.inference_mode(False):
+        q = query_rows(torch.zeros(1, q_heads, batch, head_dim, dtype=dtype, device=device))
+        rows = torch.zeros(max(page, 16), kv_heads, head_dim, dtype=dtype, device=device)
+        if page:
+            index = torch.zeros(batch, TABLE_WIDTH_MULTIPLE, dtype=torch.int32, device=device)
+        else:
+            index = torch.zeros(16, dtype=torch.long, device=device)
+        cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)  # no keys
+        for count in splits:
+            paged_decode(q, rows, rows, index, cu_k, head_dim**-0.5, splits=count, page=page)
+    return splits
