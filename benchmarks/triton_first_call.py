@@ -84,7 +84,7 @@ def main() -> None:
         print(f"  {r['shape']:>15} page {r['page']:>3} splits {r['splits']:>2}: "
               f"{r['first_ms']:8.1f} ms, then {r['second_ms']:.3f} ms")  # fmt: skip
     with open(args.out, "w") as f:
-        json.dump({"meta": environment(), "label": args.label, "rows": rows}, f, indent=1)
+        json.dump({"meta": environment(cuda=True), "label": args.label, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

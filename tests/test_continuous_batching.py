@@ -1153,7 +1153,7 @@ def test_cuda_decode_kernels_compile_before_serving(monkeypatch, block_table):
 
     real = cb_step.warm_up
     monkeypatch.setattr(cb_step, "warm_up", counting)
-    shape = dict(CUDA_SHAPE, num_attention_heads=6, num_key_value_heads=3)
+    shape = dict(CUDA_SHAPE, hidden_size=192, num_attention_heads=6, num_key_value_heads=3)
     model = build_model("llama", device="cuda", dtype=torch.bfloat16, **shape)
     extra = {} if block_table else {"max_blocks_per_request": 0}
     cbc = ContinuousBatchingConfig(block_size=256, num_blocks=256, max_batch_tokens=512, **extra)
