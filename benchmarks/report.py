@@ -97,7 +97,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
         + [*report_decode_step.FLOOR_FILES, report_decode_step.FLOOR_BEFORE_FILES[0]]
         + [*report_decode_step.FLOOR_BEFORE_FILES[2:]]
-        + [report_decode_step.DECODE_GEMM_FILE]
+        + [report_decode_step.DECODE_GEMM_FILE, *report_decode_step.FIRST_CALL_FILES]
+        + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
     )
@@ -222,6 +223,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         probe = load(report_decode_step.DECODE_GEMM_FILE)
         before = [d for name in report_decode_step.FLOOR_BEFORE_FILES if (d := load(name))]
         blocks.append(report_decode_step.floor_section(floors, probe, before))
+    first_calls = [d for name in report_decode_step.FIRST_CALL_FILES if (d := load(name))]
+    warm_runs = [d for name in report_decode_step.WARM_KERNELS_FILES if (d := load(name))]
+    if len(first_calls) == 2 and len(warm_runs) == 2:
+        blocks.append(report_decode_step.warm_kernels_section(first_calls, warm_runs))
     split = [(d, label) for name, label in report_cb_decode.SPLIT_FILES
              if (d := load(name)) is not None]  # fmt: skip
     sweep = load(report_cb_decode.SPLIT_SWEEP_FILE)

@@ -39,6 +39,13 @@ FLOOR_FILES = ("h200-cb-floor-again-5.17.json", "h200-cb-floor-again-5.24.json",
 #: order of :data:`FLOOR_FILES`
 FLOOR_BEFORE_FILES = ("h200-cb-floor-5.17.json", "h200-cb-write-rows-graph-1-5.24.json",
                       "h200-cb-floor-32-5.17.json", "h200-cb-floor-32-5.24.json")
+#: ``benchmarks/triton_first_call.py``: every ``paged_decode`` variant's first call in a process
+#: with an empty Triton cache, then in one that finds them on disk
+FIRST_CALL_FILES = ("h200-triton-first-call-cold.json", "h200-triton-first-call-disk.json")
+#: ``bench_cb --variants breakgraph`` and ``--variants breakgraph_cold_kernels``, each in a
+#: process of its own with an empty Triton cache: the decode kernels compiled when the manager
+#: is created, and as before (in the first step that needs one)
+WARM_KERNELS_FILES = ("h200-cb-warm-kernels.json", "h200-cb-cold-kernels.json")
 #: ``benchmarks/decode_gemm_probe.py``: a decode step's GEMMs alone, as the model runs them
 #: and fused
 DECODE_GEMM_FILE = "h200-decode-gemm.json"
@@ -244,4 +251,75 @@ def floor_section(runs: list, probe: dict | None, before: list = ()) -> str:
         share=_by_requests(shares, 0, "%") or "-",
         reps=(probe or {}).get("meta", {}).get("reps", "-"),
         before=floor_before(list(before), runs),
+    )
+
+
+def _longer(deltas: list) -> str:
+    """``"a–b s longer"`` / ``"a–b s shorter"`` (``"a–b s longer (a negative one: shorter)"``
+    where the signs differ)."""
+    if all(d > 0 for d in deltas) or all(d < 0 for d in deltas):
+        word = "longer" if deltas[0] > 0 else "shorter"
+        return f"{span([abs(d) for d in deltas], 2)} s {word}"
+    return f"{span(deltas, 2)} s longer (a negative one: shorter)"
+
+
+def _median_of(values, digits: int = 2) -> str:
+    """``"m (low–high)"``: the median of ``values`` and their range."""
+    values = list(values)
+    return f"{num(statistics.median(values), digits)} ({span(values, digits)})"
+
+
+def warm_kernels_section(first_calls: list, runs: list) -> str:
+    """The decode kernels' compile, and what compiling them before serving changed: the probe
+    (``first_calls``: :data:`FIRST_CALL_FILES` loaded, empty cache then disk), then the CB runs
+    with and without the warm-up (``runs``: :data:`WARM_KERNELS_FILES` loaded, in that order):
+    each model's first round against the median of its later ones, the first round's manager
+    creation and its decode-graph captures while serving."""
+    cold, disk = first_calls
+    rows, first_over_rest, manager, capture, total = [], {}, {}, {}, {}
+    for data in runs:
+        for m in data["models"]:
+            for name, v in m["variants"].items():
+                rounds = v["rounds_tokens_per_s"]
+                later = statistics.median(rounds[1:])
+                first_over_rest.setdefault(name, []).append(rounds[0] / later)
+                manager.setdefault(name, []).append(v["rounds_manager_s"][0])
+                capture.setdefault(name, []).append(v["rounds_decode_capture_s"][0])
+                # every round serves the same tokens: the first one's serving time from its rate
+                first_s = v["rounds_manager_s"][0] + v["tokens"] / rounds[0]
+                total.setdefault(m["model"], {})[name] = first_s
+                rows.append([m["model"], f"`{name}`", num(rounds[0], 0),
+                             " / ".join(num(r, 0) for r in rounds[1:]),
+                             num(v["rounds_manager_s"][0], 2),
+                             num(v["rounds_decode_capture_s"][0], 2), num(first_s, 2)])  # fmt: skip
+    warm, plain = "breakgraph", "breakgraph_cold_kernels"
+    meta, args = runs[0]["meta"], runs[0]["meta"]["args"]
+    return fill(
+        "cb.warm_kernels",
+        probe_files=", ".join(f"`{name}`" for name in FIRST_CALL_FILES),
+        files=", ".join(f"`{name}`" for name in WARM_KERNELS_FILES),
+        **_run_of(meta, "gpu"),
+        variants=len(cold["rows"]),
+        shapes=len({r["shape"] for r in cold["rows"]}),
+        cold=_median_of(r["first_ms"] / 1e3 for r in cold["rows"]),
+        cold_total=num(sum(r["first_ms"] for r in cold["rows"]) / 1e3, 1),
+        disk=_median_of((r["first_ms"] for r in disk["rows"]), 1),
+        second=span([r["second_ms"] for r in cold["rows"] + disk["rows"]], 2),
+        rebuilt=" (rebuilt from the runs' printed lines: their JSON write failed)"
+        if cold.get("rebuilt_from_log") else "",
+        workload=f"{args['prompts']} prompts of {args['min_len']}–{args['max_len']} tokens, "
+        f"{args['new_tokens']} new tokens, {args['rounds']} rounds",
+        table=table(["model", "variant", "round 1 tokens/s", "later rounds tokens/s",
+                     "round 1 manager s", "round 1 decode captures s",
+                     "round 1 with its manager s"], rows),  # fmt: skip
+        warm_first=span(first_over_rest[warm], 2),
+        cold_first=span(first_over_rest[plain], 2),
+        manager_warm=span(manager[warm], 2),
+        manager_cold=span(manager[plain], 2),
+        capture_warm=span(capture[warm], 2),
+        capture_cold=span(capture[plain], 2),
+        total=_longer([t[warm] - t[plain] for t in total.values()]),
+        warmed="; ".join(f"{m['model']} {', '.join(map(str, v['kernels_warmed']))}"
+                         for data in runs for m in data["models"]
+                         for v in [m["variants"].get(warm)] if v),  # fmt: skip
     )

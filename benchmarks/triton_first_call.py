@@ -14,12 +14,16 @@ directory to see the compile, then the load from disk::
     export TRITON_CACHE_DIR=$(mktemp -d)
     python -m benchmarks.triton_first_call --label cold --out first-call-cold.json
     python -m benchmarks.triton_first_call --label disk --out first-call-disk.json
+
+``--from-log`` rebuilds a run's JSON from what it printed (with ``--meta-from``, a JSON of the
+same call for the machine's metadata), for a run whose JSON was not written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import torch
@@ -69,11 +73,43 @@ def first_calls(shapes=SHAPES, pages=PAGES, splits=SPLITS) -> list[dict]:
     return rows
 
 
+_LINE = re.compile(r"^\s*(\S+) page\s+(\d+) splits\s+(\d+):\s+([\d.]+) ms, then ([\d.]+) ms$")
+
+
+def rows_from_log(text: str) -> list[dict]:
+    """The rows of a run from what it printed (``main``'s lines), for a run whose JSON was
+    not written; the heads come from :data:`SHAPES`.
+
+    >>> rows_from_log("  llama3-8b-4l page 256 splits  2:    612.5 ms, then 0.216 ms")
+    [{'shape': 'llama3-8b-4l', 'heads': [32, 8, 128], 'page': 256, 'splits': 2, 'first_ms': 612.5, 'second_ms': 0.216}]
+    """  # noqa: E501
+    heads = {name: [q, kv, d] for name, q, kv, d in SHAPES}
+    rows = []
+    for line in text.splitlines():
+        if (m := _LINE.match(line)) is not None:
+            rows.append({"shape": m[1], "heads": heads[m[1]], "page": int(m[2]),
+                         "splits": int(m[3]), "first_ms": float(m[4]),
+                         "second_ms": float(m[5])})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", required=True, help="cold (empty cache) or disk")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--from-log", help="rebuild the JSON from a run's printed output")
+    parser.add_argument("--meta-from", help="with --from-log: a JSON of the same machine and call "
+                        "whose meta to take")  # fmt: skip
     args = parser.parse_args()
+    if args.from_log:
+        with open(args.from_log) as f:
+            rows = rows_from_log(f.read())
+        with open(args.meta_from) as f:
+            meta = json.load(f)["meta"]
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "label": args.label, "rows": rows,
+                       "rebuilt_from_log": True}, f, indent=1)  # fmt: skip
+        return
     start = time.perf_counter()
     rows = first_calls()
     total = time.perf_counter() - start

@@ -42,6 +42,12 @@
 # docs/results/h200-cb-floor-again-5.17.json and floor-32.json to h200-cb-floor-32-again-5.17.json
 # (the run with 5.24 carried: -5.24), see report_decode_step.FLOOR_FILES; the earlier tree's
 # are FLOOR_BEFORE_FILES),
+# RUN_WARM_KERNELS=1 (the decode kernels compiled when a manager is created, against the code
+# before: bench_cb --variants breakgraph and breakgraph_cold_kernels, each in a process with an
+# empty Triton cache, then benchmarks/triton_first_call.py twice on one empty cache; copy
+# cb-breakgraph.json to docs/results/h200-cb-warm-kernels.json, cb-breakgraph_cold_kernels.json
+# to h200-cb-cold-kernels.json, first-call-{cold,disk}.json to h200-triton-first-call-*.json,
+# see report_decode_step.WARM_KERNELS_FILES and FIRST_CALL_FILES),
 # RUN_PREFILL_REPRO=1 (the prefill benchmark's last five families in one process, mistral-7b-4l
 # last with its compile variants: where a 5.24 run's plain HF graph hit an illegal memory access
 # before benchmarks/baselines.CapturedForward freed the cuBLAS workspaces before its capture;
@@ -83,7 +89,7 @@
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
-# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1 (skip other sections
+# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4 (skip other sections
 # to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
@@ -241,6 +247,20 @@ if [ -n "${RUN_DECODE_FLOOR:-}" ]; then  # a pure-decode step's parts against it
     --prompts 32 --variants "$v" --repeat "$v" --rounds 3 --budget-s 0 --keep-going \
     --out "$OUT/floor-32.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[decode floor: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_WARM_KERNELS:-}" ]; then  # decode kernels compiled at the manager's creation (~3.5 min)
+  t=$SECONDS
+  for v in breakgraph breakgraph_cold_kernels; do  # a process each, an empty Triton cache each
+    TRITON_CACHE_DIR=$(mktemp -d) timeout 110 python3 -m benchmarks.bench_cb \
+      --models llama3-8b-4l,qwen2.5-3b-12l --variants $v --repeat $v --rounds 3 --budget-s 0 \
+      --keep-going --out "$OUT/cb-$v.json" 2>&1 | tee -a "$LOG" || status=1
+  done
+  cache=$(mktemp -d)
+  for label in cold disk; do  # the same empty cache: compiled, then found on disk
+    TRITON_CACHE_DIR=$cache timeout 100 python3 -m benchmarks.triton_first_call --label $label \
+      --out "$OUT/first-call-$label.json" 2>&1 | head -1 | tee -a "$LOG" || status=1
+  done
+  echo "[warm kernels: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_FILL_VIEWS:-}" ]; then  # the block-table fill's own cost, this host (~10 s)
   # carry .device/block_table_before.py (git show d092991:integrations/transformers/block_table.py)

@@ -129,3 +129,33 @@ def test_the_floor_is_the_cards_own():
     text = R.floor_section([data], None)
     assert "| 5.17.0 | m | 100 | 0.688 |" in text and "| 3.35 (4.9×) |" in text
 
+
+
+def test_the_warm_kernels_section_sets_the_first_round_beside_the_later_ones():
+    """The probe's compile and disk times (median and range), then per model and variant the
+    first round against the later ones, the first manager, the decode captures while serving
+    and the first round with its manager; a changed number changes the text."""
+    def probe(firsts, rebuilt=False):
+        rows = [{"shape": "s", "first_ms": ms, "second_ms": 0.1} for ms in firsts]
+        return {"meta": META, "rows": rows, **({"rebuilt_from_log": True} if rebuilt else {})}
+
+    def run(variant, rounds, manager, capture, warmed=()):
+        v = {"rounds_tokens_per_s": rounds, "rounds_manager_s": [manager, 0.1, 0.1],
+             "rounds_decode_capture_s": [capture, 0.05, 0.05], "tokens": 1000,
+             "kernels_warmed": list(warmed)}  # fmt: skip
+        args = {"prompts": 100, "min_len": 16, "max_len": 1024, "new_tokens": 128, "rounds": 3}
+        return {"meta": {**META, "args": args},
+                "models": [{"model": "m", "variants": {variant: v}}]}  # fmt: skip
+
+    text = R.warm_kernels_section(
+        [probe([500.0, 700.0, 1500.0], rebuilt=True), probe([500.0, 2.0, 1.5])],
+        [run("breakgraph", [900.0, 1000.0, 1000.0], 3.0, 0.1, (1, 2)),
+         run("breakgraph_cold_kernels", [250.0, 1000.0, 1000.0], 0.5, 2.5)],
+    )  # fmt: skip
+    flat = text.replace("\n", " ")
+    assert "a first call took 0.70 (0.50–1.50) s" in flat and "2.7 s for all of them" in flat
+    assert "2.0 (1.5–500.0) ms from disk" in flat and "rebuilt from the runs' printed" in flat
+    assert "| m | `breakgraph` | 900 | 1000 / 1000 | 3.00 | 0.10 | 4.11 |" in text
+    assert "| m | `breakgraph_cold_kernels` | 250 | 1000 / 1000 | 0.50 | 2.50 | 4.50 |" in text
+    assert "0.90 with the warm-up, 0.25 without it" in flat
+    assert "took 0.39 s shorter with the warm-up" in flat and "(m 1, 2)" in flat

@@ -223,26 +223,9 @@ CB_CONFIG_FIELDS = (
 )
 #: 5. Fields only some releases have; set when present.
 CB_OPTIONAL_FIELDS = ("auto_switch_to_flash",)
-#: 5. The field that holds a block's tokens: ``page_size`` from 5.18 on (``block_size``, then
-#: a deprecated alias defaulting to None), ``block_size`` before.
+#: 5. A block's tokens: ``page_size`` from 5.18 on (``block_size`` then a deprecated alias,
+#: None by default), ``block_size`` before (``continuous_batching._page_size`` reads them).
 CB_PAGE_FIELDS = ("page_size", "block_size")
-
-
-def cb_page_size(config: Any) -> int:
-    """5. The tokens of one paged-cache block that ``config`` (a ``ContinuousBatchingConfig``)
-    asks for, 0 where neither field holds a positive int.
-
-    >>> from types import SimpleNamespace
-    >>> cb_page_size(SimpleNamespace(page_size=128, block_size=None))
-    128
-    >>> cb_page_size(SimpleNamespace(block_size=256)), cb_page_size(SimpleNamespace())
-    (256, 0)
-    """
-    for name in CB_PAGE_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
 
 
 class StepKwargs:

@@ -310,7 +310,7 @@ class ContinuousBatchingHandle:
             )
         if use_graphs:  # capture before serving, and compile the decode kernels
             tables = self.runner.block_tables and config.max_blocks_per_request != 0
-            self.runner.plan(config.max_batch_tokens, compat.cb_page_size(config) if tables else 0)
+            self.runner.plan(config.max_batch_tokens, _page_size(config) if tables else 0)
         return config
 
     def _async_by_default(self, use_graphs: bool) -> bool:
@@ -452,3 +452,20 @@ def enable_continuous_batching(
                 ranks.close()
             raise
     return handle
+
+
+def _page_size(config: Any) -> int:
+    """The tokens of one paged-cache block that ``config`` (a ``ContinuousBatchingConfig``)
+    asks for (:data:`.compat.CB_PAGE_FIELDS`), 0 where neither field holds a positive int.
+
+    >>> from types import SimpleNamespace
+    >>> _page_size(SimpleNamespace(page_size=128, block_size=None))
+    128
+    >>> _page_size(SimpleNamespace(block_size=256)), _page_size(SimpleNamespace())
+    (256, 0)
+    """
+    for name in compat.CB_PAGE_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
