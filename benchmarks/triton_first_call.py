@@ -15,6 +15,10 @@ directory to see the compile, then the load from disk::
     python -m benchmarks.triton_first_call --label cold --out first-call-cold.json
     python -m benchmarks.triton_first_call --label disk --out first-call-disk.json
 
+The inputs are not laid out exactly as a decode graph's (a flat read index of ``int32``
+here, ``int64`` there; a block table two entries wide here, a multiple of sixteen there), so
+these are not the very binaries a server compiles; the compile and load times compare.
+
 ``--from-log`` rebuilds a run's JSON from what it printed (with ``--meta-from``, a JSON of the
 same call for the machine's metadata), for a run whose JSON was not written.
 """

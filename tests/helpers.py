@@ -158,3 +158,21 @@ def run_torchrun_script(command: list, **kwargs) -> subprocess.CompletedProcess:
                       f"{result.stderr[-3000:]}", RankDiedWarning, stacklevel=2)  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, **kwargs)
     return result
+
+
+def compiled_decode_kernels() -> int | None:
+    """How many binaries Triton holds in this process for ``paged_decode``'s kernels (None
+    where this Triton keeps them elsewhere)."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    total = 0
+    for kernel in (pd._paged_decode_kernel, pd._paged_decode_split_kernel,
+                   pd._paged_decode_combine_kernel):  # fmt: skip
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None:  # Triton 3.2 on: device -> (kernels, ...)
+            total += sum(len(entry[0]) for entry in caches.values())
+        elif isinstance(getattr(kernel, "cache", None), dict):
+            total += sum(len(entry) for entry in kernel.cache.values())
+        else:
+            return None
+    return total

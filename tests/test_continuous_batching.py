@@ -48,7 +48,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
 from breakgraph.errors import BackendError, InputError, ReplayError  # noqa: E402
-from tests.helpers import no_full_collections_in_cb_cleanup  # noqa: E402
+from tests.helpers import compiled_decode_kernels, no_full_collections_in_cb_cleanup  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 
@@ -1114,22 +1114,39 @@ def test_the_manager_warms_the_decode_kernels_of_its_buckets(monkeypatch, max_bl
     assert warmed == [] and handle.stats.eager_steps == 0
 
 
-def _compiled_decode_kernels() -> int | None:
-    """How many binaries Triton holds in this process for ``paged_decode``'s kernels (None
-    where this Triton keeps them elsewhere)."""
-    from breakgraph.integrations.transformers import paged_decode as pd
+def test_decode_kernels_are_warmed_per_page_for_full_attention_and_never_stop_a_manager(
+    monkeypatch, caplog
+):
+    """A later manager whose steps come with the other layout (a block table after index
+    lists) has its page warmed too, once; a warm-up that raises is logged and the manager
+    serves as without it; a model with sliding-window layers (its decode graphs never launch
+    the kernel) warms nothing."""
+    from breakgraph.integrations.transformers import cb_step
 
-    total = 0
-    for kernel in (pd._paged_decode_kernel, pd._paged_decode_split_kernel,
-                   pd._paged_decode_combine_kernel):  # fmt: skip
-        caches = getattr(kernel, "device_caches", None)
-        if caches is not None:  # Triton 3.2 on: device -> (kernels, ...)
-            total += sum(len(entry[0]) for entry in caches.values())
-        elif isinstance(getattr(kernel, "cache", None), dict):
-            total += sum(len(entry) for entry in kernel.cache.values())
-        else:
-            return None
-    return total
+    calls = []
+
+    def failing(*args):
+        calls.append(args[-1])
+        raise RuntimeError("no shared memory for this tile")
+
+    monkeypatch.setattr(cb_step, "warm_up", failing)
+    model = build_model("llama")
+    prompts = random_prompts(seed=6)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        for blocks in (0, None, 0, None):
+            with caplog.at_level("WARNING", logger="breakgraph"):
+                got = generate_batch(model, prompts, cbc=cb_config(max_blocks_per_request=blocks))
+            assert got == expected
+    assert calls == [0, 16]  # each page once, though both failed
+    assert handle.runner.kernels_warmed == [] and handle.runner.kernel_warm_up_s == 0
+    assert "compiling the decode kernels before serving failed (RuntimeError: no shared" \
+        in caplog.text  # fmt: skip
+    calls.clear()
+    hybrid = build_model("qwen2_hybrid")  # full and sliding-window layers
+    with enable_continuous_batching(hybrid, backend="emulated", query_buckets=BUCKETS):
+        generate_batch(hybrid, prompts)
+    assert calls == []
 
 
 @needs_cb
@@ -1142,13 +1159,13 @@ def test_cuda_decode_kernels_compile_before_serving(monkeypatch, block_table):
     so that the warm-up is what compiled them, whatever ran before in this process."""
     from breakgraph.integrations.transformers import cb_step
 
-    if _compiled_decode_kernels() is None:
+    if compiled_decode_kernels() is None:
         pytest.skip("this Triton keeps its compiled kernels where the test cannot count them")
     after_warm_up = []
 
     def counting(*args, **kwargs):
         warmed = real(*args, **kwargs)
-        after_warm_up.append(_compiled_decode_kernels())
+        after_warm_up.append(compiled_decode_kernels())
         return warmed
 
     real = cb_step.warm_up
@@ -1166,7 +1183,7 @@ def test_cuda_decode_kernels_compile_before_serving(monkeypatch, block_table):
     decode = handle.decode_graphs
     assert decode.off is None and decode.stats.replays > 0, (decode.off, decode.fallbacks)
     assert (runner.block_table_steps["graph"] > 0) == block_table, runner.block_table_steps
-    assert _compiled_decode_kernels() == after_warm_up[0]
+    assert compiled_decode_kernels() == after_warm_up[0]
 
 
 @needs_cb

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -157,6 +158,42 @@ def test_kernel_matches_reference_cuda_bf16(heads):
         got = pd.paged_decode(*case, scaling, out=out, splits=splits, block_n=block_n)
         assert got is out and (got[[4, 8, 9]] == 0).all(), (splits, block_n)
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("width", [6, 17], ids=["width-6", "width-17"])
+def test_cuda_warm_up_compiles_the_kernel_a_decode_graph_launches(width):
+    """``warm_up``, then the kernel as a decode graph launches it (queries as ``query_rows``
+    views of ``[1, Hq, B, D]``, the block table in ``DecodeBuffers``, padded from a width
+    transformers chose, key offsets from them): Triton compiles nothing more, and the result
+    is the reference's. Heads (10 over 5) and page (16) no other test launches with."""
+    from breakgraph.integrations.transformers.decode_graph import DecodeBuffers
+
+    from tests.helpers import compiled_decode_kernels
+
+    if pd.triton is None or compiled_decode_kernels() is None:
+        pytest.skip("Triton is not installed, or keeps its kernels where this cannot count")
+    q_heads, kv_heads, head_dim, page, bucket = 10, 5, 32, 16, 32
+    device = torch.device("cuda")
+    assert pd.warm_up(q_heads, kv_heads, head_dim, [bucket], torch.bfloat16, device, page)
+    compiled = compiled_decode_kernels()
+    lengths = [1 + (7 * i) % (width * page) for i in range(bucket - 3)]  # 3 padded sequences
+    q, k_cache, v_cache, table, read_index, cu_k = paged_table_case(
+        4, q_heads, kv_heads, head_dim, lengths, page, torch.bfloat16, device)  # fmt: skip
+    live = torch.zeros(1, bucket, width, dtype=torch.int32, device=device)
+    live[0, : len(lengths), : table.shape[1]] = table
+    buffers = DecodeBuffers((0,), bucket, 0, device, width=width, page=page, reads=False)
+    step = types.SimpleNamespace(table=live, cu_k=cu_k)
+    buffers.fill(step, len(lengths), bucket, page=page)
+    query = torch.zeros(1, q_heads, bucket, head_dim, dtype=torch.bfloat16, device=device)
+    query[0, :, : len(lengths)] = q.transpose(0, 1)
+    got = pd.paged_decode(pd.query_rows(query), k_cache, v_cache, buffers.table[0],
+                          buffers.cu_k[: bucket + 1], head_dim**-0.5, page=page)  # fmt: skip
+    assert compiled_decode_kernels() == compiled, "the step compiled a kernel of its own"
+    expected = pd.paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5)
+    torch.testing.assert_close(got[: len(lengths)].float(), expected.float(), atol=2e-2,
+                               rtol=2e-2)  # fmt: skip
+    assert (got[len(lengths):] == 0).all()
 
 
 @pytest.mark.requires_cuda

@@ -34,6 +34,7 @@ Example (what the handle does for every CB forward)::
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -59,15 +60,10 @@ from .block_table import read_slots, write_slots
 from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, default_query_buckets
-from .paged_decode import (
-    default_splits,
-    fits,
-    paged_decode,
-    query_rows,
-    triton_available,
-    warm_up,
-)
+from .paged_decode import default_splits, fits, paged_decode, query_rows, triton_available, warm_up
 from .tensor_parallel import graph_safe_tensor_parallel
+
+logger = logging.getLogger("breakgraph")
 
 __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
 
@@ -396,17 +392,20 @@ class StepRunner:
         # the decode graphs serve its steps: every layer full attention, heads the kernel takes
         # (else every such step would sync once to materialise its rows for the breaks)
         self.block_tables = False
+        # the heads whose decode kernels plan() compiles (the decode graphs launch them only
+        # where every layer attends fully)
         self.heads: tuple[int, int, int] | None = None  # query heads, key heads, head size
-        if self.decode is not None:
+        if self.decode is not None and _full_attention_only(model.config):
             config = model.config
             kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
             self.heads = (q_heads, kv_heads, head_dim)
-        if self.decode is not None and _full_attention_only(model.config):
             self.block_tables = self.decode.kernel_problem(kv_heads, head_dim, self.device) is None
-        #: the split counts whose decode kernels :meth:`plan` compiled, and the seconds it took
+        #: the split counts whose decode kernels :meth:`plan` compiled (every page so far), and
+        #: the seconds it took
         self.kernels_warmed: list[int] = []
         self.kernel_warm_up_s = 0.0
+        self._warmed_pages: set[int] = set()
         #: steps that came with a block table: {"graph": served by a decode graph, "break":
         #: materialised (one device sync) for the query-token graph's breaks}
         self.block_table_steps = {"graph": 0, "break": 0}
@@ -429,7 +428,8 @@ class StepRunner:
         """Capture every bucket up to ``max_batch_tokens`` (once; later managers must fit), and
         compile the decode kernels the pure-decode graphs of those buckets will launch
         (``page``: the block table's tokens per entry, 0 for steps with index lists; see
-        :func:`.paged_decode.warm_up`), so that no step compiles while serving."""
+        :func:`.paged_decode.warm_up`; a later manager with another page compiles its own), so
+        that no pure-decode graph compiles one while serving."""
         with self._lock:
             sizes = default_query_buckets(self.query_buckets, max_batch_tokens, self.who)
             if self.tokens.buckets:
@@ -441,6 +441,7 @@ class StepRunner:
                         f"ContinuousBatchingConfig(max_batch_tokens<={self.tokens.buckets[-1]}), "
                         f"or disable and enable again before the first manager."
                     )
+                self._warm_kernels(self.tokens.buckets, page)
                 return
             hidden_size = self.lm_head.weight.shape[-1]
             with torch.inference_mode(False):
@@ -458,11 +459,26 @@ class StepRunner:
                                     **mode)  # fmt: skip
                 self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits,
                                     **mode)  # fmt: skip
-            if self.heads is not None:
-                start = time.perf_counter()
-                self.kernels_warmed = warm_up(*self.heads, sizes, self.lm_head.weight.dtype,
-                                              self.device, page)  # fmt: skip
-                self.kernel_warm_up_s = time.perf_counter() - start
+            self._warm_kernels(sizes, page)
+
+    def _warm_kernels(self, sizes, page: int) -> None:
+        """:func:`.paged_decode.warm_up` for ``page``, once per page. A failure is logged and
+        left to the steps: the first one that needs the kernel compiles it (or its decode graph
+        falls back to the breaks), as without the warm-up."""
+        if self.heads is None or page in self._warmed_pages:
+            return
+        self._warmed_pages.add(page)
+        start = time.perf_counter()
+        try:
+            dtype = next(self.decoder.parameters()).dtype  # the activations' and the cache's
+            warmed = warm_up(*self.heads, sizes, dtype, self.device, page)
+        except Exception as exc:  # noqa: BLE001 - a compile problem must not stop serving
+            logger.warning("%s: compiling the decode kernels before serving failed (%s: %s); "
+                           "the first steps that need them compile them", self.who,
+                           type(exc).__name__, exc)  # fmt: skip
+            return
+        self.kernels_warmed = sorted(set(self.kernels_warmed) | set(warmed))
+        self.kernel_warm_up_s += time.perf_counter() - start
 
     def _decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with graph_safe_tensor_parallel(self.model):
