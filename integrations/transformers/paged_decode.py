@@ -53,8 +53,8 @@ __all__ = [
 
 #: block tables handed to the kernel are this many entries wide, or a multiple of it: Triton
 #: compiles one binary per divisibility class of each integer argument (a row stride divisible
-#: by 16 or not), so a table whose width follows transformers' setting would make the kernel
-#: :func:`warm_up` compiled a different one from the kernel a step launches
+#: by 16 or not), and the padding makes the kernel a step launches the one :func:`warm_up`
+#: compiled, whatever width transformers chose
 TABLE_WIDTH_MULTIPLE = 16
 
 
@@ -386,13 +386,13 @@ def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dt
 
     Triton compiles a kernel at its first launch with new compile-time constants (the
     heads, the page, the split count) and integer classes, and keeps the binary in its disk
-    cache; without that cache (a fresh machine or container) a compile took about a second
-    on an H200 (``benchmarks/triton_first_call.py``), inside whichever decode step first
-    needed it. One launch per split count that :func:`default_splits` gives these batch
-    sizes, on inputs with no keys (nothing is read), laid out as the decode graphs lay out
-    theirs: queries as :func:`query_rows` views, cache rows ``[rows, kv_heads, head_dim]``,
-    a block table ``TABLE_WIDTH_MULTIPLE`` entries wide (``page`` > 0) or a flat ``int64``
-    read index (``page`` 0), ``int32`` key offsets.
+    cache; without that cache (a fresh machine or container) a compile took 0.4-1.5 s on an
+    H200 (``benchmarks/triton_first_call.py``), inside whichever decode step first needed it.
+    One launch per split count that :func:`default_splits` gives these batch sizes, on
+    inputs with no keys (nothing is read), laid out as the decode graphs lay out theirs:
+    queries as :func:`query_rows` views, cache rows ``[rows, kv_heads, head_dim]``, a block
+    table ``TABLE_WIDTH_MULTIPLE`` entries wide (``page`` > 0) or a flat ``int64`` read
+    index (``page`` 0), ``int32`` key offsets.
 
     Example (no GPU here: nothing to compile)::
 
@@ -404,7 +404,7 @@ def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dt
         return []
     splits = sorted({default_splits(b, kv_heads, device) for b in batches})
     batch = 2
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), torch.cuda.device(device):  # Triton: the current device
         q = query_rows(torch.zeros(1, q_heads, batch, head_dim, dtype=dtype, device=device))
         rows = torch.zeros(max(page, 16), kv_heads, head_dim, dtype=dtype, device=device)
         if page:
