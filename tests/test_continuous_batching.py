@@ -1149,15 +1149,59 @@ def test_decode_kernels_are_warmed_per_page_for_full_attention_and_never_stop_a_
     assert calls == []
 
 
+@pytest.mark.parametrize(
+    "arch, decode_graphs, page",
+    [("llama", True, 256), ("llama", False, 0), ("qwen2_hybrid", True, 0), ("mistral", True, None)],
+    ids=["decode-graphs", "breaks", "full-beside-sliding", "all-sliding"],
+)
+def test_decode_kernels_are_warmed_where_they_launch(monkeypatch, arch, decode_graphs, page):
+    """With the flash kernel, the runner warms the decode kernels where they launch: the
+    decode graphs' (every layer full attention) with the manager's page; the attention
+    breaks' (``decode_graphs=False``, or full-attention layers beside sliding-window ones,
+    which no decode graph serves) with their flat read index, page 0, whatever the manager's
+    page; a model whose every layer slides launches none and warms nothing."""
+    from breakgraph.integrations.transformers import cb_step
+
+    calls = []
+    monkeypatch.setattr(cb_step, "warm_up", lambda *a: calls.append(a) or [1])
+    model = build_model(arch)
+    runner = cb_step.StepRunner(model, backend="emulated", kernel="flash", debug=False,
+                                ranks=None, query_buckets=BUCKETS, who="test",
+                                decode_graphs=decode_graphs)  # fmt: skip
+    for manager_page in (256, 256, 16):
+        runner._warm_kernels(BUCKETS, manager_page)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = (config.num_attention_heads, config.num_key_value_heads, head_dim)
+    dtype, device = torch.float32, torch.device("cpu")
+    if page is None:
+        assert calls == [] and runner.kernels_warmed == []
+    elif page:  # the decode graphs: each manager's page, once
+        assert calls == [(*heads, BUCKETS, dtype, device, p) for p in (256, 16)]
+    else:  # the breaks: page 0, once
+        assert calls == [(*heads, BUCKETS, dtype, device, 0)] and runner.kernels_warmed == [1]
+
+
 @needs_cb
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("block_table", [True, False], ids=["block-table", "index-lists"])
-def test_cuda_decode_kernels_compile_before_serving(monkeypatch, block_table):
-    """The manager's creation compiles the decode kernels its pure-decode graphs will launch
+@pytest.mark.parametrize("mode", ["block-table", "index-lists", "breaks"])
+def test_cuda_decode_kernels_compile_before_serving(monkeypatch, mode):
+    """The manager's creation compiles the decode kernels its pure-decode steps will launch
     (``paged_decode.warm_up``), so no step compiles one while serving: Triton holds as many
-    binaries after the run as right after the warm-up. Heads no other test uses (6 over 3),
-    so that the warm-up is what compiled them, whatever ran before in this process."""
+    binaries after the run as right after the warm-up. The decode graphs with either layout,
+    and the attention breaks (``decode_graphs=False``; made to split every step's keys, as
+    they do from ``SPLIT_FROM_KEYS`` keys on, whatever the split count). Heads no other test
+    uses (6 over 3), so that the warm-up is what compiled them, whatever ran before."""
     from breakgraph.integrations.transformers import cb_step
+
+    block_table, breaks = mode == "block-table", mode == "breaks"
+    if breaks:
+        monkeypatch.setattr(cb_step, "SPLIT_FROM_KEYS", 1)
+        monkeypatch.setattr(cb_step, "SPLIT_AT_LEAST", 2)
+        splits = []
+        real_split = cb_step.default_splits
+        monkeypatch.setattr(cb_step, "default_splits",
+                            lambda *a: splits.append(real_split(*a)) or splits[-1])  # fmt: skip
 
     if compiled_decode_kernels() is None:
         pytest.skip("this Triton keeps its compiled kernels where the test cannot count them")
@@ -1175,14 +1219,17 @@ def test_cuda_decode_kernels_compile_before_serving(monkeypatch, block_table):
     extra = {} if block_table else {"max_blocks_per_request": 0}
     cbc = ContinuousBatchingConfig(block_size=256, num_blocks=256, max_batch_tokens=512, **extra)
     gen = generation_config(max_new_tokens=8, pad_token_id=999)
-    with enable_continuous_batching(model, attention="flash") as handle:
+    with enable_continuous_batching(model, attention="flash", decode_graphs=not breaks) as handle:
         generate_batch(model, cuda_prompts(48), gen=gen, cbc=cbc)
     runner = handle.runner
     assert len(after_warm_up) == 1 and runner.kernels_warmed, runner.kernels_warmed
     assert runner.kernel_warm_up_s > 0
-    decode = handle.decode_graphs
-    assert decode.off is None and decode.stats.replays > 0, (decode.off, decode.fallbacks)
-    assert (runner.block_table_steps["graph"] > 0) == block_table, runner.block_table_steps
+    if breaks:  # the breaks launched the kernel with more than one split count
+        assert handle.decode_graphs is None and len(set(splits) - {1}) > 1, sorted(set(splits))
+    else:
+        decode = handle.decode_graphs
+        assert decode.off is None and decode.stats.replays > 0, (decode.off, decode.fallbacks)
+        assert (runner.block_table_steps["graph"] > 0) == block_table, runner.block_table_steps
     assert compiled_decode_kernels() == after_warm_up[0]
 
 

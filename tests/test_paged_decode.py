@@ -197,6 +197,40 @@ def test_cuda_warm_up_compiles_the_kernel_a_decode_graph_launches(width):
 
 
 @pytest.mark.requires_cuda
+def test_cuda_one_split_binary_pair_serves_every_split_count():
+    """The split count is the split kernel's grid and the combine kernel's plain argument:
+    after ``warm_up`` of batches that split (and one that does not), calls with every count
+    from 2 to ``MAX_SPLITS`` compile nothing more and match the reference, read through a flat
+    ``int64`` index as the attention breaks read it. Heads (12 over 4, size 64) no other test
+    launches with."""
+    from tests.helpers import compiled_decode_kernels
+
+    if pd.triton is None or compiled_decode_kernels() is None:
+        pytest.skip("Triton is not installed, or keeps its kernels where this cannot count")
+    q_heads, kv_heads, head_dim = 12, 4, 64
+    device = torch.device("cuda")
+    before = compiled_decode_kernels()
+    warmed = pd.warm_up(q_heads, kv_heads, head_dim, [1, 4096], torch.bfloat16, device)
+    assert warmed[0] == 1 and warmed[-1] > 1, warmed  # one batch unsplit, one split
+    compiled = compiled_decode_kernels()
+    assert compiled == before + 3, (before, compiled)  # unsplit, split, combine
+    lengths = [1, 300, 0, 1500, 129, 4100, 0]
+    q, k_cache, v_cache, read_index, cu_k = paged_case(
+        5, q_heads, kv_heads, head_dim, lengths, torch.bfloat16, device)  # fmt: skip
+    read_index = read_index.long()
+    expected = pd.paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5)
+    splits = 1
+    while splits <= pd.MAX_SPLITS:
+        out = torch.full_like(q, float("nan"))
+        pd.paged_decode(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5, out=out,
+                        splits=splits)  # fmt: skip
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        assert (out[[2, 6]] == 0).all(), splits
+        splits *= 2
+    assert compiled_decode_kernels() == compiled, "a split count compiled a kernel of its own"
+
+
+@pytest.mark.requires_cuda
 @pytest.mark.parametrize("page", [256, 16, 3])
 def test_kernel_reads_a_block_table_as_its_read_index_cuda_bf16(page):
     """With ``page``, the kernel reads transformers' block table itself: the same result as
@@ -230,12 +264,14 @@ def test_default_splits_fill_the_gpu_and_stay_a_power_of_two(monkeypatch):
     assert pd.default_splits(100, 8, torch.device("cpu")) == 1
 
 
-def test_kernel_refuses_splits_and_blocks_that_are_not_powers_of_two():
+def test_kernel_refuses_splits_and_blocks_that_are_not_powers_of_two_or_too_many_splits():
     case = paged_case(2, 4, 2, 16, [2], torch.float32, "cpu")
     if pd.triton is None:
         pytest.skip("Triton is not installed: the kernel refuses before the split count")
-    with pytest.raises(InputError, match="splits=3; it must be a power of two"):
+    with pytest.raises(InputError, match="splits=3; it must be a power of two from 1 to 16"):
         pd.paged_decode(*case, 0.1, splits=3)
+    with pytest.raises(InputError, match="splits=32; it must be a power of two from 1 to 16"):
+        pd.paged_decode(*case, 0.1, splits=32)  # past the combine kernel's tile
     with pytest.raises(InputError, match="block_n=8; it must be a power of two, at least 16"):
         pd.paged_decode(*case, 0.1, splits=1, block_n=8)
 

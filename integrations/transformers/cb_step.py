@@ -59,7 +59,7 @@ from .attention import (
 from .block_table import read_slots, write_slots
 from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
-from .models import UnsupportedModelError, default_query_buckets
+from .models import UnsupportedModelError, attention_heads, default_query_buckets, layer_attention
 from .paged_decode import default_splits, fits, paged_decode, query_rows, triton_available, warm_up
 from .tensor_parallel import graph_safe_tensor_parallel
 
@@ -174,14 +174,6 @@ class CBStep:
         if self._q_bounds is None:
             self._q_bounds = _bounds(self.cu_q)
         return self._q_bounds
-
-
-def _full_attention_only(config: Any) -> bool:
-    """Whether every layer of the model attends to all its keys (no sliding window)."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return all(t == _FULL for t in types)
-    return getattr(config, "sliding_window", None) is None
 
 
 def _bounds(cu: torch.Tensor) -> list:
@@ -392,15 +384,19 @@ class StepRunner:
         # the decode graphs serve its steps: every layer full attention, heads the kernel takes
         # (else every such step would sync once to materialise its rows for the breaks)
         self.block_tables = False
-        # the heads whose decode kernels plan() compiles (the decode graphs launch them only
-        # where every layer attends fully)
+        # the heads whose decode kernels plan() compiles: the decode graphs launch them where
+        # every layer attends fully, with the manager's page; else the attention breaks of
+        # full-attention layers do in pure-decode steps (sliding-window layers beside them, or
+        # decode_graphs=False), always with a flat read index: page 0 (not warmed under
+        # tensor parallelism, whose ranks hold a share of the heads)
         self.heads: tuple[int, int, int] | None = None  # query heads, key heads, head size
-        if self.decode is not None and _full_attention_only(model.config):
-            config = model.config
-            kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
-            self.heads = (q_heads, kv_heads, head_dim)
-            self.block_tables = self.decode.kernel_problem(kv_heads, head_dim, self.device) is None
+        self._break_kernels = False  # the heads' kernels launch from the breaks (page 0)
+        heads, kinds = attention_heads(model.config), layer_attention(model.config)
+        if heads is not None and self.decode is not None and kinds == "full":
+            self.heads = heads
+            self.block_tables = self.decode.kernel_problem(*heads[1:], self.device) is None
+        elif heads is not None and kernel == "flash" and ranks is None and kinds != "sliding":
+            self.heads, self._break_kernels = heads, True
         #: the split counts whose decode kernels :meth:`plan` compiled (every page so far), and
         #: the seconds it took
         self.kernels_warmed: list[int] = []
@@ -465,6 +461,7 @@ class StepRunner:
         """:func:`.paged_decode.warm_up` for ``page``, once per page. A failure is logged and
         left to the steps: the first one that needs the kernel compiles it (or its decode graph
         falls back to the breaks), as without the warm-up."""
+        page = 0 if self._break_kernels else page  # the breaks read a flat index
         if self.heads is None or page in self._warmed_pages:
             return
         self._warmed_pages.add(page)

@@ -36,6 +36,8 @@ __all__ = [
     "default_token_buckets",
     "default_query_buckets",
     "DEFAULT_MAX_BATCH_TOKENS",
+    "attention_heads",
+    "layer_attention",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
@@ -67,6 +69,44 @@ def default_query_buckets(query_buckets: Any, max_batch_tokens: int, who: str) -
     else:
         sizes = validate_buckets(query_buckets, f"{who}: query_buckets")
     return tuple(s for s in sizes if s < max_batch_tokens) + (max_batch_tokens,)
+
+
+def attention_heads(config: Any) -> tuple[int, int, int] | None:
+    """``(query heads, key heads, head size)`` of a model's attention layers, from its config
+    (None where it names no query heads).
+
+    Example::
+
+        >>> from transformers import LlamaConfig
+        >>> config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2)
+        >>> attention_heads(config)
+        (8, 2, 32)
+    """
+    q_heads = getattr(config, "num_attention_heads", None)
+    if q_heads is None:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+    return q_heads, kv_heads, head_dim
+
+
+def layer_attention(config: Any) -> str:
+    """Whether a model's layers attend to all their keys: ``"full"`` (every layer),
+    ``"sliding"`` (every layer through a sliding window) or ``"mixed"``, from the config's
+    ``layer_types`` where it has them, else from ``sliding_window``.
+
+    Example::
+
+        >>> from transformers import MistralConfig
+        >>> windows = MistralConfig(sliding_window=256), MistralConfig(sliding_window=None)
+        >>> [layer_attention(config) for config in windows]
+        ['sliding', 'full']
+    """
+    types = getattr(config, "layer_types", None)
+    if types:
+        kinds = {"full" if t == "full_attention" else "sliding" for t in types}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+    return "full" if getattr(config, "sliding_window", None) is None else "sliding"
 
 
 def resolve_attention(attention: str, dtype: torch.dtype, device: torch.device, who: str,

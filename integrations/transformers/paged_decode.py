@@ -217,14 +217,17 @@ if triton is not None:
         q, k_cache, v_cache, read_index, cu_k, part_out, part_lse, scaling,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_t,
         GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
         """One split of one (sequence, key head): its share of the keys, as a partial result
-        normalised over that share plus the share's log-sum-exp (``-inf`` when it is empty)."""
+        normalised over that share plus the share's log-sum-exp (``-inf`` when it is empty).
+        The split count is the grid's third dimension, not a compile-time constant: one
+        binary serves every count."""
         seq, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        splits = tl.num_programs(2)
         start = tl.load(cu_k + seq)
         end = tl.load(cu_k + seq + 1)
-        chunk = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks
+        chunk = tl.cdiv(tl.cdiv(end - start, splits), BLOCK_N) * BLOCK_N  # whole blocks
         lo = start + split * chunk
         top, total, acc = _attend(
             q, k_cache, v_cache, read_index, seq, head, start, lo, tl.minimum(lo + chunk, end),
@@ -236,27 +239,30 @@ if triton is not None:
         result = acc / tl.where(empty, 1.0, total)[:, None]
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
-        row = (seq * GROUPS * tl.num_programs(1) + head * GROUPS + g) * SPLITS + split
-        tl.store(part_lse + row, lse, mask=g < GROUPS)  # [B, Hq, SPLITS]
+        row = (seq * GROUPS * tl.num_programs(1) + head * GROUPS + g) * splits + split
+        tl.store(part_lse + row, lse, mask=g < GROUPS)  # [B, Hq, splits]
         tl.store(
             part_out + row[:, None] * HEAD_DIM + d[None, :], result, mask=(g < GROUPS)[:, None]
         )  # fmt: skip
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])
     def _paged_decode_combine_kernel(
-        part_out, part_lse, out, stride_ob, stride_oh,
-        HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+        part_out, part_lse, out, stride_ob, stride_oh, splits,
+        HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
     ):  # fmt: skip
-        """One (sequence, query head): the splits' partial results weighted by their share of
-        the softmax; zeros where every split was empty."""
+        """One (sequence, query head): the ``splits`` partial results weighted by their share
+        of the softmax; zeros where every split was empty. ``splits`` (at most ``MAX_SPLITS``)
+        is a plain argument that Triton does not specialise on: one binary for every count."""
         seq, head = tl.program_id(0), tl.program_id(1)
         row = seq * tl.num_programs(1) + head
-        s = tl.arange(0, SPLITS)
+        s = tl.arange(0, MAX_SPLITS)
+        live = s < splits
         d = tl.arange(0, HEAD_DIM)
-        lse = tl.load(part_lse + row * SPLITS + s)
+        lse = tl.load(part_lse + row * splits + s, mask=live, other=float("-inf"))
         top = tl.max(lse, 0)
         weights = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
-        parts = tl.load(part_out + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :])
+        parts = tl.load(part_out + (row * splits + s)[:, None] * HEAD_DIM + d[None, :],
+                        mask=live[:, None], other=0.0)  # fmt: skip
         total = tl.sum(weights, 0)
         result = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
         tl.store(out + seq * stride_ob + head * stride_oh + d, result.to(out.dtype.element_ty))
@@ -268,12 +274,14 @@ if triton is not None:
 #: each case's best setting on average (at most 11%, long sequences), see docs/performance.md
 PROGRAMS_PER_SM = 4
 BLOCK_N = 128
+#: the most programs one sequence's keys are split across (the combine kernel's tile)
+MAX_SPLITS = 16
 _SM_COUNT: dict[int, int] = {}
 
 
 def split_count(programs: int, multiprocessors: int) -> int:
     """The split for a grid of ``programs`` (sequences x key heads) on a GPU of
-    ``multiprocessors``: a power of two between 1 and 16 that brings the grid to about
+    ``multiprocessors``: a power of two between 1 and ``MAX_SPLITS`` that brings the grid to about
     ``PROGRAMS_PER_SM`` programs per multiprocessor.
 
     >>> split_count(1024, 132), split_count(256, 132), split_count(16, 132)  # an H200
@@ -281,7 +289,7 @@ def split_count(programs: int, multiprocessors: int) -> int:
     """
     wanted = PROGRAMS_PER_SM * multiprocessors // max(1, programs)
     splits = 1
-    while splits * 2 <= min(wanted, 16):
+    while splits * 2 <= min(wanted, MAX_SPLITS):
         splits *= 2
     return splits
 
@@ -316,7 +324,9 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
     flash-decoding split: with few sequences or few key heads, one program per (sequence,
     key head) leaves most of the GPU idle while the longest sequences stream); a second
     kernel weighs the shares' partial results by their log-sum-exp. ``splits=None`` takes
-    :func:`default_splits`; with 1 a single kernel runs, with no second pass. ``block_n``
+    :func:`default_splits`; with 1 a single kernel runs, with no second pass; up to
+    ``MAX_SPLITS``, the count is the split kernel's grid and the combine kernel's plain
+    argument, so the two binaries Triton compiles for a split serve every count. ``block_n``
     (keys per step of a program's loop, a power of two of at least 16) defaults to
     ``BLOCK_N`` for heads of up to 128 and 64 above.
 
@@ -347,11 +357,11 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
     if block_n is None:
         block_n = BLOCK_N if head_dim <= 128 else 64
     stride_t = read_index.stride(0) if page else 0
-    for name, value, least in (("splits", splits, 1), ("block_n", block_n, 16)):
-        if value < least or value & (value - 1):
-            raise InputError(
-                f"paged_decode: {name}={value}; it must be a power of two, at least {least}"
-            )
+    for name, value, least, most in (("splits", splits, 1, MAX_SPLITS),
+                                     ("block_n", block_n, 16, None)):  # fmt: skip
+        if value < least or value & (value - 1) or (most is not None and value > most):
+            bound = f" from {least} to {most}" if most is not None else f", at least {least}"
+            raise InputError(f"paged_decode: {name}={value}; it must be a power of two{bound}")
     out = torch.empty_like(q) if out is None else out
     groups = q_heads // kv_heads
     block_g = max(16, triton.next_power_of_2(groups))
@@ -370,11 +380,11 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
         q, k_cache, v_cache, read_index, cu_k, part_out, part_lse, scaling,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), stride_t,
-        GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits,
-        PAGE=page,
+        GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page,
     )  # fmt: skip
     _paged_decode_combine_kernel[(batch, q_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, SPLITS=splits,
+        part_out, part_lse, out, out.stride(0), out.stride(1), splits,
+        HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS,
     )  # fmt: skip
     return out
 
@@ -382,17 +392,19 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
 def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dtype,
             device: torch.device, page: int = 0) -> list[int]:  # fmt: skip
     """Compile, before serving, the kernels that pure-decode steps of ``batches`` sequences
-    will launch; returns the split counts warmed (empty off CUDA or without Triton).
+    will launch; returns the split counts those kernels serve (:func:`default_splits` of
+    ``batches``; empty off CUDA or without Triton).
 
     Triton compiles a kernel at its first launch with new compile-time constants (the
-    heads, the page, the split count) and integer classes, and keeps the binary in its disk
-    cache; without that cache (a fresh machine or container) a compile took 0.4-1.5 s on an
-    H200 (``benchmarks/triton_first_call.py``), inside whichever decode step first needed it.
-    One launch per split count that :func:`default_splits` gives these batch sizes, on
-    inputs with no keys (nothing is read), laid out as the decode graphs lay out theirs:
-    queries as :func:`query_rows` views, cache rows ``[rows, kv_heads, head_dim]``, a block
-    table ``TABLE_WIDTH_MULTIPLE`` entries wide (``page`` > 0) or a flat ``int64`` read
-    index (``page`` 0), ``int32`` key offsets.
+    heads, the page) and integer classes, and keeps the binary in its disk cache; without
+    that cache (a fresh machine or container) a compile took 0.4-1.5 s on an H200
+    (``benchmarks/triton_first_call.py``), inside whichever decode step first needed it.
+    At most two launches: the single kernel where some batch runs unsplit, and the split
+    pair where some batch splits (one binary pair serves every split count), on inputs with
+    no keys (nothing is read), laid out as the decode graphs and the attention breaks lay
+    out theirs: queries as :func:`query_rows` views, cache rows ``[rows, kv_heads,
+    head_dim]``, a block table ``TABLE_WIDTH_MULTIPLE`` entries wide (``page`` > 0) or a flat
+    ``int64`` read index (``page`` 0), ``int32`` key offsets.
 
     Example (no GPU here: nothing to compile)::
 
@@ -403,6 +415,7 @@ def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dt
     if not triton_available(device) or not fits(q_heads, kv_heads, head_dim):
         return []
     splits = sorted({default_splits(b, kv_heads, device) for b in batches})
+    launches = sorted({1, splits[-1]} & set(splits))  # unsplit, and one split for them all
     batch = 2
     with torch.inference_mode(False), torch.cuda.device(device):  # Triton: the current device
         q = query_rows(torch.zeros(1, q_heads, batch, head_dim, dtype=dtype, device=device))
@@ -412,6 +425,6 @@ def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dt
         else:
             index = torch.zeros(16, dtype=torch.long, device=device)
         cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)  # no keys
-        for count in splits:
+        for count in launches:
             paged_decode(q, rows, rows, index, cu_k, head_dim**-0.5, splits=count, page=page)
     return splits
