@@ -226,6 +226,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     warm_runs = [d for name in report_decode_step.WARM_KERNELS_FILES if (d := load(name))]
     if len(first_calls) == 2 and len(warm_runs) == 2:
         blocks.append(report_decode_step.warm_kernels_section(first_calls, warm_runs))
+    ab = load(report_decode_step.SPLIT_AB_FILE)
+    pair_calls = [d for name in report_decode_step.FIRST_CALL_PAIR_FILES if (d := load(name))]
+    pair_runs = [d for name in report_decode_step.WARM_KERNELS_PAIR_FILES if (d := load(name))]
+    if ab is not None and len(pair_calls) == 2 and len(pair_runs) == 2 and len(first_calls) == 2:
+        blocks.append(report_decode_step.split_pair_section(ab, pair_calls, first_calls, pair_runs))
     split = [(d, label) for name, label in report_cb_decode.SPLIT_FILES
              if (d := load(name)) is not None]  # fmt: skip
     sweep = load(report_cb_decode.SPLIT_SWEEP_FILE)

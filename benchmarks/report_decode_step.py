@@ -19,6 +19,7 @@ import statistics
 from . import targets as T
 from .cb_report import _release, _run_of
 from .report_cb_decode import HBM_BYTES_PER_S, _card
+from .split_kernel_ab import WARM_UP_BATCHES
 from .template import bullets, fill, num, span, table
 
 #: ``bench_cb --variants breakgraph`` of the tree before (``host``: write rows derived on the
@@ -46,6 +47,13 @@ FIRST_CALL_FILES = ("h200-triton-first-call-cold.json", "h200-triton-first-call-
 #: process of its own with an empty Triton cache: the decode kernels compiled when the manager
 #: is created, and as before (in the first step that needs one)
 WARM_KERNELS_FILES = ("h200-cb-warm-kernels.json", "h200-cb-cold-kernels.json")
+#: ``benchmarks/split_kernel_ab.py``: the kernels with a compile-time split count (before) and
+#: with one pair for every count (now), in turn; then the probe and the CB runs with and without
+#: the warm-up again, with this tree
+SPLIT_AB_FILE = "h200-split-kernel-ab.json"
+FIRST_CALL_PAIR_FILES = ("h200-triton-first-call-cold-pair.json",
+                         "h200-triton-first-call-disk-pair.json")
+WARM_KERNELS_PAIR_FILES = ("h200-cb-warm-kernels-pair.json", "h200-cb-cold-kernels-pair.json")
 #: ``benchmarks/decode_gemm_probe.py``: a decode step's GEMMs alone, as the model runs them
 #: and fused
 DECODE_GEMM_FILE = "h200-decode-gemm.json"
@@ -254,13 +262,15 @@ def floor_section(runs: list, probe: dict | None, before: list = ()) -> str:
     )
 
 
-def _longer(deltas: list) -> str:
-    """``"a–b s longer"`` / ``"a–b s shorter"`` (``"a–b s longer (a negative one: shorter)"``
-    where the signs differ)."""
-    if all(d > 0 for d in deltas) or all(d < 0 for d in deltas):
-        word = "longer" if deltas[0] > 0 else "shorter"
-        return f"{span([abs(d) for d in deltas], 2)} s {word}"
-    return f"{span(deltas, 2)} s longer (a negative one: shorter)"
+def _longer(deltas: dict) -> str:
+    """``"a–b s longer"`` / ``"a–b s shorter"`` of ``{name: seconds}``; where the signs
+    differ, each by name: ``"0.30 s longer (x) and 0.34 s shorter (y)"``."""
+    values = list(deltas.values())
+    if all(d > 0 for d in values) or all(d < 0 for d in values):
+        word = "longer" if values[0] > 0 else "shorter"
+        return f"{span([abs(d) for d in values], 2)} s {word}"
+    return " and ".join(f"{num(abs(d), 2)} s {'longer' if d > 0 else 'shorter'} ({name})"
+                        for name, d in deltas.items())  # fmt: skip
 
 
 def _median_of(values, digits: int = 2) -> str:
@@ -269,13 +279,12 @@ def _median_of(values, digits: int = 2) -> str:
     return f"{num(statistics.median(values), digits)} ({span(values, digits)})"
 
 
-def warm_kernels_section(first_calls: list, runs: list) -> str:
-    """The decode kernels' compile, and what compiling them before serving changed: the probe
-    (``first_calls``: :data:`FIRST_CALL_FILES` loaded, empty cache then disk), then the CB runs
-    with and without the warm-up (``runs``: :data:`WARM_KERNELS_FILES` loaded, in that order):
-    each model's first round against the median of its later ones, the first round's manager
-    creation and its decode-graph captures while serving."""
-    cold, disk = first_calls
+def _warm_cold(runs: list) -> dict:
+    """``bench_cb`` runs with the decode-kernel warm-up (``breakgraph``) and without it
+    (``breakgraph_cold_kernels``), each model's first round against its later ones: the table
+    rows and, per variant, the first round over the median of the later ones, the first
+    manager's creation and the decode captures while serving it, and per model the first
+    round with its manager in seconds."""
     rows, first_over_rest, manager, capture, total = [], {}, {}, {}, {}
     for data in runs:
         for m in data["models"]:
@@ -293,7 +302,35 @@ def warm_kernels_section(first_calls: list, runs: list) -> str:
                              num(v["rounds_manager_s"][0], 2),
                              num(v["rounds_decode_capture_s"][0], 2), num(first_s, 2)])  # fmt: skip
     warm, plain = "breakgraph", "breakgraph_cold_kernels"
-    meta, args = runs[0]["meta"], runs[0]["meta"]["args"]
+    return {
+        "table": table(["model", "variant", "round 1 tokens/s", "later rounds tokens/s",
+                        "round 1 manager s", "round 1 decode captures s",
+                        "round 1 with its manager s"], rows),  # fmt: skip
+        "warm_first": span(first_over_rest[warm], 2),
+        "cold_first": span(first_over_rest[plain], 2),
+        "manager_warm": span(manager[warm], 2),
+        "manager_cold": span(manager[plain], 2),
+        "capture_warm": span(capture[warm], 2),
+        "capture_cold": span(capture[plain], 2),
+        "total": _longer({model: t[warm] - t[plain] for model, t in total.items()}),
+    }
+
+
+def _workload(meta: dict) -> str:
+    args = meta["args"]
+    return (f"{args['prompts']} prompts of {args['min_len']}–{args['max_len']} tokens, "
+            f"{args['new_tokens']} new tokens, {args['rounds']} rounds")  # fmt: skip
+
+
+def warm_kernels_section(first_calls: list, runs: list) -> str:
+    """The decode kernels' compile, and what compiling them before serving changed: the probe
+    (``first_calls``: :data:`FIRST_CALL_FILES` loaded, empty cache then disk), then the CB runs
+    with and without the warm-up (``runs``: :data:`WARM_KERNELS_FILES` loaded, in that order):
+    each model's first round against the median of its later ones, the first round's manager
+    creation and its decode-graph captures while serving."""
+    cold, disk = first_calls
+    warm = "breakgraph"
+    meta = runs[0]["meta"]
     return fill(
         "cb.warm_kernels",
         probe_files=", ".join(f"`{name}`" for name in FIRST_CALL_FILES),
@@ -307,19 +344,80 @@ def warm_kernels_section(first_calls: list, runs: list) -> str:
         second=span([r["second_ms"] for r in cold["rows"] + disk["rows"]], 2),
         rebuilt=" (rebuilt from the runs' printed lines: their JSON write failed)"
         if cold.get("rebuilt_from_log") else "",
-        workload=f"{args['prompts']} prompts of {args['min_len']}–{args['max_len']} tokens, "
-        f"{args['new_tokens']} new tokens, {args['rounds']} rounds",
-        table=table(["model", "variant", "round 1 tokens/s", "later rounds tokens/s",
-                     "round 1 manager s", "round 1 decode captures s",
-                     "round 1 with its manager s"], rows),  # fmt: skip
-        warm_first=span(first_over_rest[warm], 2),
-        cold_first=span(first_over_rest[plain], 2),
-        manager_warm=span(manager[warm], 2),
-        manager_cold=span(manager[plain], 2),
-        capture_warm=span(capture[warm], 2),
-        capture_cold=span(capture[plain], 2),
-        total=_longer([t[warm] - t[plain] for t in total.values()]),
+        workload=_workload(meta),
         warmed="; ".join(f"{m['model']} {', '.join(map(str, v['kernels_warmed']))}"
                          for data in runs for m in data["models"]
                          for v in [m["variants"].get(warm)] if v),  # fmt: skip
+        **_warm_cold(runs),
+    )
+
+
+def split_pair_section(ab: dict, first_calls: list, first_calls_before: list, runs: list) -> str:
+    """One split-kernel pair for every split count: the A/B of the kernels before and now
+    (``ab``: :data:`SPLIT_AB_FILE`; their times per split count and the warm-up's compile),
+    the first-call probe again (``first_calls``: :data:`FIRST_CALL_PAIR_FILES`, against
+    ``first_calls_before``: :data:`FIRST_CALL_FILES`) and the CB runs with and without the
+    warm-up again (``runs``: :data:`WARM_KERNELS_PAIR_FILES`)."""
+    rows, cases = [], ab["rows"]
+    for count in sorted({r["splits"] for r in cases}):
+        mine = [r for r in cases if r["splits"] == count]
+        cells = []
+        for kind in ("graph", "launched"):
+            ratios = [r[f"now_over_before_{kind}"] for r in mine]
+            cells.append(f"{num(statistics.median(ratios), 3)} ({span(ratios, 3)})")
+        before = [r["before_graph_us"]["median"] for r in mine]
+        rows.append([count, len(mine), span(before, 1), *cells])
+    split_graph = [r["now_over_before_graph"] for r in cases if r["splits"] > 1]
+    warm = {tree: [w for w in ab["warm_up"] if w["tree"] == tree] for tree in ("before", "now")}
+    pairs = {}
+    for w in ab["warm_up"]:
+        pairs.setdefault((w["shape"], w["page"]), []).append(w)
+    first_extra = [pair[0]["s"] - pair[1]["s"] for pair in pairs.values()
+                   if pair[0]["binaries"] == pair[1]["binaries"]]  # fmt: skip
+    more = [w for w in warm["before"] if len([c for c in w["splits"] if c > 1]) > 1]
+    more_shapes = {w["shape"] for w in more}  # several split counts: a pair each before
+    cold, disk = first_calls
+    counts = sorted({r["splits"] for r in cold["rows"] if r["splits"] > 1})
+    later = [r for r in cold["rows"] if r["splits"] > counts[0]]  # after the first that split
+    meta = ab["meta"]
+    return fill(
+        "cb.split_pair",
+        ab_file=f"`{SPLIT_AB_FILE}`",
+        **_run_of(meta, "gpu"),
+        cases=len({(r["shape"], r["seqs"]) for r in cases}),
+        shapes=len({r["shape"] for r in cases}),
+        held_out=len({r["shape"] for r in cases if r["held_out"]}),
+        seqs=", ".join(str(s) for s in sorted({r["seqs"] for r in cases})),
+        keys=f"{ab['keys'][0]}–{ab['keys'][1]}",
+        rounds=ab["rounds"],
+        calls=ab["calls"],
+        table=table(["splits", "cases", "before µs (graph)", "now / before, in a graph",
+                     "now / before, launched"], rows),  # fmt: skip
+        split_graph=f"{num(statistics.median(split_graph), 3)} ({span(split_graph, 3)})",
+        diff=f"{max(r['max_abs_diff'] for r in cases):.1e}",
+        batches=", ".join(map(str, WARM_UP_BATCHES)),
+        warm_shapes=len({w["shape"] for w in ab["warm_up"]}),
+        warm_before=num(sum(w["s"] for w in warm["before"]), 1),
+        warm_now=num(sum(w["s"] for w in warm["now"]), 1),
+        binaries_before=sum(w["binaries"] for w in warm["before"]),
+        binaries_now=sum(w["binaries"] for w in warm["now"]),
+        more=", ".join(sorted({f"{w['shape']} ({', '.join(map(str, w['splits']))})"
+                               for w in more})),  # fmt: skip
+        more_before=sum(w["binaries"] for w in warm["before"] if w["shape"] in more_shapes),
+        more_now=sum(w["binaries"] for w in warm["now"] if w["shape"] in more_shapes),
+        first_extra=span(first_extra, 2),
+        probe_files=", ".join(f"`{name}`" for name in FIRST_CALL_PAIR_FILES),
+        probe_date=first_calls[0]["meta"]["date"],
+        variants=len(cold["rows"]),
+        cold_total=num(sum(r["first_ms"] for r in cold["rows"]) / 1e3, 1),
+        cold_total_before=num(sum(r["first_ms"] for r in first_calls_before[0]["rows"]) / 1e3, 1),
+        later_first=span([r["first_ms"] for r in later], 1),
+        later_counts=", ".join(map(str, counts[1:-1])) + f" or {counts[-1]}",
+        first_count=counts[0],
+        page=max(w["page"] for w in ab["warm_up"]),
+        disk_total=num(sum(r["first_ms"] for r in disk["rows"]) / 1e3, 2),
+        files=", ".join(f"`{name}`" for name in WARM_KERNELS_PAIR_FILES),
+        workload=_workload(runs[0]["meta"]),
+        **{f"cb_{k}": v for k, v in _warm_cold(runs).items()},
+        cb_first_model=runs[0]["models"][0]["model"],
     )

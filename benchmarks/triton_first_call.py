@@ -1,7 +1,8 @@
 """What the first call of each ``paged_decode`` kernel variant costs a process (CUDA only).
 
 Triton compiles a kernel the first time it is called with a new set of compile-time
-constants (here the heads, the head size, the page size and the split count), then keeps the
+constants (here the heads, the head size and the page size; until the split pair served every
+split count, the split count too), then keeps the
 binary in its on-disk cache (``TRITON_CACHE_DIR``, ``~/.triton/cache`` by default); a later
 process loads it from there. A continuous-batching server pays that compile inside the step
 that first needs the variant (a pure-decode graph's capture, or an attention break), unless

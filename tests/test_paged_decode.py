@@ -213,7 +213,9 @@ def test_cuda_one_split_binary_pair_serves_every_split_count():
     warmed = pd.warm_up(q_heads, kv_heads, head_dim, [1, 4096], torch.bfloat16, device)
     assert warmed[0] == 1 and warmed[-1] > 1, warmed  # one batch unsplit, one split
     compiled = compiled_decode_kernels()
-    assert compiled == before + 3, (before, compiled)  # unsplit, split, combine
+    # the unsplit and split kernels for these heads; the combine kernel depends on the head
+    # size alone, and an earlier test may have compiled it for 64
+    assert compiled - before in (2, 3), (before, compiled)
     lengths = [1, 300, 0, 1500, 129, 4100, 0]
     q, k_cache, v_cache, read_index, cu_k = paged_case(
         5, q_heads, kv_heads, head_dim, lengths, torch.bfloat16, device)  # fmt: skip
