@@ -47,7 +47,13 @@
 # empty Triton cache, then benchmarks/triton_first_call.py twice on one empty cache; copy
 # cb-breakgraph.json to docs/results/h200-cb-warm-kernels.json, cb-breakgraph_cold_kernels.json
 # to h200-cb-cold-kernels.json, first-call-{cold,disk}.json to h200-triton-first-call-*.json,
-# see report_decode_step.WARM_KERNELS_FILES and FIRST_CALL_FILES),
+# see report_decode_step.WARM_KERNELS_FILES and FIRST_CALL_FILES; the runs after the split pair
+# are WARM_KERNELS_PAIR_FILES and FIRST_CALL_PAIR_FILES),
+# RUN_SPLIT_AB=1 (paged_decode's kernels with a compile-time split count against one pair for
+# every count, in turn, warm_up's compile first on an empty Triton cache:
+# benchmarks/split_kernel_ab.py, ~70 s; carry .device/paged_decode_before.py, written here by
+# git show 7a08655:integrations/transformers/paged_decode.py; copy split-ab.json to
+# docs/results/h200-split-kernel-ab.json, see report_decode_step.SPLIT_AB_FILE),
 # RUN_PREFILL_REPRO=1 (the prefill benchmark's last five families in one process, mistral-7b-4l
 # last with its compile variants: where a 5.24 run's plain HF graph hit an illegal memory access
 # before benchmarks/baselines.CapturedForward freed the cuBLAS workspaces before its capture;
@@ -89,7 +95,7 @@
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
-# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4 (skip other sections
+# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1 (skip other sections
 # to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
@@ -261,6 +267,11 @@ if [ -n "${RUN_WARM_KERNELS:-}" ]; then  # decode kernels compiled at the manage
       --out "$OUT/first-call-$label.json" 2>&1 | head -1 | tee -a "$LOG" || status=1
   done
   echo "[warm kernels: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_SPLIT_AB:-}" ]; then  # one split pair against a pair per split count (~70 s)
+  # carry .device/paged_decode_before.py (git show 7a08655:integrations/transformers/paged_decode.py)
+  TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python3 -m benchmarks.split_kernel_ab \
+    --before .device/paged_decode_before.py --out "$OUT/split-ab.json" 2>&1 | tail -4 | tee -a "$LOG" || status=1
 fi
 if [ -n "${RUN_FILL_VIEWS:-}" ]; then  # the block-table fill's own cost, this host (~10 s)
   # carry .device/block_table_before.py (git show d092991:integrations/transformers/block_table.py)
