@@ -73,18 +73,28 @@ SWEEP = (1, 2, 4, 8, 16)  # split counts and blocks of keys the sweep times
 BLOCKS = (64, 128)
 
 
-def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS,
-             variants=VARIANTS, sweep: bool = True) -> dict:  # fmt: skip
-    """Time ``variants`` (and the sweep) on one random paged cache; return the JSON row."""
+def random_paged_cache(kv_heads: int, head_dim: int, seqs: int, keys,
+                       index_dtype=torch.int32) -> tuple:  # fmt: skip
+    """A bf16 paged cache on the GPU holding ``seqs`` sequences of ``keys[0]..keys[1]`` keys in
+    random slots (4096 spare): ``(lens, total, k_cache, v_cache, read_index, cu_k)``."""
     dev, dt = "cuda", torch.bfloat16
     lens = torch.randint(keys[0], keys[1] + 1, (seqs,))
     total = int(lens.sum())
     slots = total + 4096
     k_cache = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dt)
     v_cache = torch.randn_like(k_cache)
-    read_index = torch.randperm(slots, device=dev)[:total].to(torch.int32)
+    read_index = torch.randperm(slots, device=dev)[:total].to(index_dtype)
     cu_k = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
     cu_k[1:] = lens.cumsum(0).to(dev)
+    return lens, total, k_cache, v_cache, read_index, cu_k
+
+
+def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS,
+             variants=VARIANTS, sweep: bool = True) -> dict:  # fmt: skip
+    """Time ``variants`` (and the sweep) on one random paged cache; return the JSON row."""
+    dev, dt = "cuda", torch.bfloat16
+    lens, total, k_cache, v_cache, read_index, cu_k = random_paged_cache(
+        kv_heads, head_dim, seqs, keys)  # fmt: skip
     cu_q = torch.arange(seqs + 1, dtype=torch.int32, device=dev)
     bucket = 1 << (seqs - 1).bit_length()
     q = torch.randn(bucket, q_heads, head_dim, device=dev, dtype=dt)

@@ -36,7 +36,14 @@ import time
 import torch
 from breakgraph.integrations.transformers import paged_decode as now_module
 
-from benchmarks.decode_attention import CALLS, HELD_OUT, SHAPES, _graph_of, _time_us
+from benchmarks.decode_attention import (
+    CALLS,
+    HELD_OUT,
+    SHAPES,
+    _graph_of,
+    _time_us,
+    random_paged_cache,
+)
 from benchmarks.environment import environment
 
 SEQUENCES = (8, 32, 100)
@@ -95,16 +102,9 @@ def warm_up_times(before) -> list[dict]:
 
 def one_case(before, q_heads: int, kv_heads: int, head_dim: int, seqs: int) -> dict:
     """Both trees at every split count on one random paged cache: the rows for this case."""
-    dev, dt = "cuda", torch.bfloat16
-    lens = torch.randint(KEYS[0], KEYS[1] + 1, (seqs,))
-    total = int(lens.sum())
-    slots = total + 4096
-    k_cache = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dt)
-    v_cache = torch.randn_like(k_cache)
-    read_index = torch.randperm(slots, device=dev)[:total]  # int64, as the breaks read it
-    cu_k = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
-    cu_k[1:] = lens.cumsum(0).to(dev)
-    q = torch.randn(seqs, q_heads, head_dim, device=dev, dtype=dt)
+    _, total, k_cache, v_cache, read_index, cu_k = random_paged_cache(
+        kv_heads, head_dim, seqs, KEYS, torch.int64)  # int64, as the breaks read it  # fmt: skip
+    q = torch.randn(seqs, q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros_like(q)
     scaling = head_dim**-0.5
     rows = []
