@@ -1159,7 +1159,9 @@ def test_cuda_tokens_equal_generate_while_the_gpu_is_busy(async_batching, breakg
     """The fp32 check above with other work on the GPU (:func:`busy_gpu`): the device runs far
     behind the host, which exposes any step that reads or reuses a buffer before the device is
     done with it. In a process of its own: a device-side assert (an index gone wrong) ends
-    the CUDA context, and must not end this one's."""
+    the CUDA context, and must not end this one's. Its load slows every other test on the
+    GPU meanwhile: under pytest-xdist an asynchronous test running beside it may meet the
+    known problem too."""
     script = (
         "import json\n"
         "from tests.test_continuous_batching import busy_gpu_mismatches\n"
