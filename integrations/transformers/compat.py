@@ -77,6 +77,9 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      Replaced while a model is enabled, for host tables only, by a numpy write of the same
      values (:func:`.block_table.install_fill`; optional: elsewhere transformers' own runs).
      Checked against transformers' own method by the tests.
+ 17. I ``ContinuousBatchingManager._create_batch_processor()``, which (re)sets the static
+     device buffers on the generation thread's stream: wrapped (optional) so that the device
+     ends those writes before the first upload on transformers' copy stream.
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: the model must be
@@ -88,8 +91,7 @@ serve (the ``transformers serve`` launcher, :mod:`.serve`)
      ``_load_model`` enables breakgraph there); :func:`serve_layout` tells the two apart; P the
      CLI ``app`` (``transformers.cli.transformers``) and its dependency ``requests``.
 
-Tested: transformers 5.17.0, 5.19.0, 5.21.1 and 5.24.0 (CI runs 5.17.0 and 5.24.0, and 5.25.0,
-tried but not declared).
+Tested: transformers 5.17.0, 5.19.0, 5.21.1, 5.24.0 (CI: 5.17.0, 5.24.0; 5.25.0 tried).
 
 Example::
 
@@ -341,13 +343,18 @@ def _rows(t: Any) -> bool:
 
 
 def manager_class() -> Any:
-    """8. ``ContinuousBatchingManager`` (whose ``switch_to_cb_friendly_attn`` is replaced for
-    enabled models)."""
+    """8. ``ContinuousBatchingManager`` (see also 17)."""
     from transformers.generation.continuous_batching.continuous_api import (
         ContinuousBatchingManager,
     )
 
     return ContinuousBatchingManager
+
+
+def batch_processor_factory() -> Callable | None:
+    """17. ``ContinuousBatchingManager._create_batch_processor`` (None where it is missing)."""
+    found = manager_class().__dict__.get("_create_batch_processor")
+    return found if callable(found) else None
 
 
 def cached_manager(model: Any) -> Any:
@@ -362,9 +369,8 @@ def manager_cache(manager: Any) -> Any:
 
 def index_lists_module() -> Any:
     """12. transformers' ``input_outputs`` module when ``ContinuousBatchingIOs.
-    prepare_batch_tensors`` converts its lists with ``torch.tensor`` through the module's
-    global ``torch`` (read as source text: ``partial(torch.tensor, ...)``) and that global is
-    torch itself (not a view installed already), else None."""
+    prepare_batch_tensors`` converts its lists with ``torch.tensor`` through the module's global
+    ``torch`` (source text ``partial(torch.tensor``), still torch itself; else None."""
     try:
         from transformers.generation.continuous_batching import input_outputs
     except ImportError:
@@ -379,8 +385,7 @@ def index_lists_module() -> Any:
 
 
 def decode_path_gate() -> tuple[Any, str] | None:
-    """14. ``(module, name)`` of transformers' decode-fast-path gate, where it has the known
-    signature, else None."""
+    """14. ``(module, name)`` of the decode-fast-path gate of the known signature, or None."""
     try:
         from transformers.generation.continuous_batching import initialization
     except ImportError:
@@ -396,8 +401,7 @@ def decode_path_gate() -> tuple[Any, str] | None:
 
 
 def block_table_page(cache: Any) -> int | None:
-    """15. ``P``, the tokens of one block-table entry of ``cache``'s full-attention layers,
-    or None where neither known layout is found."""
+    """15. ``P``: tokens per block-table entry of the full-attention layers (None: unknown)."""
     allocators = getattr(cache, "layer_to_allocator", None)
     if isinstance(allocators, dict):  # after 5.17
         for allocator in allocators.values():
@@ -413,8 +417,7 @@ def block_table_page(cache: Any) -> int | None:
 
 
 def block_table_filler() -> Any:
-    """16. The paged cache class whose ``fill_block_table`` has the known signature, else
-    None."""
+    """16. The paged cache class whose ``fill_block_table`` has the known signature, or None."""
     try:
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
     except ImportError:
@@ -587,8 +590,7 @@ def clear_probes() -> None:
 
 
 def update_takes_kwargs() -> bool:
-    """7. Which ``PagedAttentionCache.update`` signature this release has (after
-    :func:`require`)."""
+    """7. This release's ``PagedAttentionCache.update`` signature (after :func:`require`)."""
     return bool(_update_takes_kwargs())
 
 

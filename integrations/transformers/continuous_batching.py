@@ -24,7 +24,8 @@ name it reads, next to its probe):
   keeps an enabled model's attention key (from 5.19 it refuses any other), and the step's
   index lists convert through numpy (:mod:`.index_lists`: transformers' ``input_outputs``
   module sees a view of torch whose ``tensor`` reads lists with numpy; equal tensors, for
-  every CB manager of the process, in less than half the time).
+  every CB manager of the process, in less than half the time), and an enabled model's
+  manager waits for the device after it (re)creates its batch processor (:func:`_settle`).
 
 Every replacement goes through :mod:`breakgraph.patches` and is undone by ``disable()``.
 
@@ -57,6 +58,8 @@ import copy
 import threading
 import weakref
 from typing import Any
+
+import torch
 
 from breakgraph import distributed
 from breakgraph.backends import select_backend
@@ -110,9 +113,45 @@ def _install_shared(patches: PatchSet) -> None:
         return original(self, model, *args, **kwargs)
 
     patches.attribute(manager, "switch_to_cb_friendly_attn", switch_to_cb_friendly_attn)
+    create = compat.batch_processor_factory()
+    if create is not None:
+
+        def _create_batch_processor(self, *args, **kwargs):
+            processor = create(self, *args, **kwargs)
+            _settle(self)
+            return processor
+
+        _create_batch_processor.__wrapped__ = create
+        patches.attribute(manager, "_create_batch_processor", _create_batch_processor)
     index_lists.install(patches)  # the step's index lists through numpy (where probed)
     block_table.install(patches, _wants_block_table)  # decode steps without the lists
     block_table.install_fill(patches)  # their tables written through numpy (host tables)
+
+
+def _settle(manager: Any) -> None:
+    """Wait for the device once an enabled model's manager has (re)created its batch processor
+    (contract item 17), on its generation thread before the first step.
+
+    That resets the static device buffers (input ids, sequence offsets, logits rows, cache
+    indices) on the thread's current stream, while transformers uploads each step on a copy
+    stream of its own, which waits for nothing issued before it. With the device far behind
+    the host (a GPU busy with other work), the reset can land after the first upload, and
+    that step then reads zeroed offsets and logits rows. This is the reading of the code
+    behind the wrong first tokens of docs/continuous-batching.md's *Known problems* (the
+    prompts that went wrong were exactly those of the first step); that this wait cures them
+    is not yet checked on a GPU. Once per processor, never per step.
+
+    Example (a CPU model: nothing to wait for)::
+
+        >>> import types, torch
+        >>> _settle(types.SimpleNamespace(model=torch.nn.Linear(2, 2)))
+    """
+    model = getattr(manager, "model", None)
+    if model is None or _handle_of(model) is None:
+        return
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _wants_block_table(config: Any) -> bool:
