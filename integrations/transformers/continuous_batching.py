@@ -129,8 +129,8 @@ def _install_shared(patches: PatchSet) -> None:
 
 
 def _settle(manager: Any) -> None:
-    """Wait for the device once an enabled model's manager has (re)created its batch processor
-    (contract item 17), on its generation thread before the first step.
+    """Wait for the current stream once an enabled model's manager has (re)created its batch
+    processor (contract item 17), on its generation thread before the first step.
 
     That resets the static device buffers (input ids, sequence offsets, logits rows, cache
     indices) on the thread's current stream, while transformers uploads each step on a copy
@@ -150,8 +150,8 @@ def _settle(manager: Any) -> None:
     if model is None or _handle_of(model) is None:
         return
     device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":  # the reset's stream only: never a wait on another thread's capture
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _wants_block_table(config: Any) -> bool:
