@@ -25,7 +25,8 @@ name it reads, next to its probe):
   index lists convert through numpy (:mod:`.index_lists`: transformers' ``input_outputs``
   module sees a view of torch whose ``tensor`` reads lists with numpy; equal tensors, for
   every CB manager of the process, in less than half the time), and an enabled model's
-  manager waits for the device after it (re)creates its batch processor (:func:`_settle`).
+  manager waits until the reset that (re)creating its batch processor issues has run
+  (:func:`_settle`).
 
 Every replacement goes through :mod:`breakgraph.patches` and is undone by ``disable()``.
 
