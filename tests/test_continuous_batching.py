@@ -1092,29 +1092,29 @@ def test_cuda_fp32_tokens_equal_generate(async_batching):
         assert handle.stats.replays > 0, arch
 
 
-def test_an_enabled_models_manager_settles_the_device_after_creating_its_batch_processor(
-    monkeypatch,
-):
-    """While a model is enabled, transformers' ``_create_batch_processor`` is wrapped
-    (contract item 17): after it returns, ``_settle`` waits for the device, for managers of
-    enabled models only (a stock model's manager is untouched), and ``disable()`` puts the
-    original back."""
+def test_an_enabled_models_manager_settles_after_creating_its_batch_processor(monkeypatch):
+    """Each manager an enabled model creates gets its own ``_create_batch_processor``
+    (contract item 17): the original, then ``_settle`` on the model's device, at every
+    (re)creation, until ``disable()``; transformers' class and a stock model's manager are
+    untouched."""
     settled = []
-    real = cb._settle
-    monkeypatch.setattr(cb, "_settle", lambda manager: settled.append(manager) or real(manager))
+    monkeypatch.setattr(cb, "_settle", settled.append)
     original = compat.batch_processor_factory()
     assert original is not None, "transformers no longer has _create_batch_processor"
     model, stock = build_model("llama"), build_model("llama")
-    prompts = random_prompts(seed=7)
+    stock_manager = stock.init_continuous_batching(continuous_batching_config=cb_config())
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
-        assert compat.manager_class().__dict__["_create_batch_processor"] is not original
-        generate_batch(model, prompts)
-        enabled_calls = [m for m in settled if m.model is model]
-        assert enabled_calls, "no batch processor creation of the enabled model was settled"
+        manager = model.init_continuous_batching(continuous_batching_config=cb_config())
+        wrapped = manager.__dict__["_create_batch_processor"]
+        assert wrapped.__wrapped__ is original
+        generate_batch(model, prompts := random_prompts(seed=7))  # a manager of its own
+        assert settled and set(settled) == {torch.device("cpu")}, settled
         settled.clear()
-        generate_batch(stock, prompts)  # a stock model beside it: called, waits for nothing
-        assert all(m.model is stock for m in settled)
-    assert compat.manager_class().__dict__["_create_batch_processor"] is original
+        generate_batch(stock, prompts)
+        assert settled == [], "a stock model's manager waited"
+        assert "_create_batch_processor" not in vars(stock_manager)
+        assert compat.manager_class().__dict__["_create_batch_processor"] is original
+    assert "_create_batch_processor" not in vars(manager)  # restored by disable()
 
 
 @contextlib.contextmanager

@@ -78,8 +78,8 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      values (:func:`.block_table.install_fill`; optional: elsewhere transformers' own runs).
      Checked against transformers' own method by the tests.
  17. I ``ContinuousBatchingManager._create_batch_processor()``, which (re)sets the static
-     device buffers on the generation thread's stream: wrapped (optional) so that the device
-     ends those writes before the first upload on transformers' copy stream.
+     device buffers on the generation thread's stream: wrapped on enabled models' managers
+     (optional) so that those writes end before the first upload on transformers' copy stream.
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: the model must be

@@ -24,9 +24,9 @@ name it reads, next to its probe):
   keeps an enabled model's attention key (from 5.19 it refuses any other), and the step's
   index lists convert through numpy (:mod:`.index_lists`: transformers' ``input_outputs``
   module sees a view of torch whose ``tensor`` reads lists with numpy; equal tensors, for
-  every CB manager of the process, in less than half the time), and an enabled model's
-  manager waits until the reset that (re)creating its batch processor issues has run
-  (:func:`_settle`).
+  every CB manager of the process, in less than half the time);
+* on each manager an enabled model creates: ``_create_batch_processor``, after which the
+  manager waits until the buffer reset it issued has run (:func:`_settle`).
 
 Every replacement goes through :mod:`breakgraph.patches` and is undone by ``disable()``.
 
@@ -114,24 +114,14 @@ def _install_shared(patches: PatchSet) -> None:
         return original(self, model, *args, **kwargs)
 
     patches.attribute(manager, "switch_to_cb_friendly_attn", switch_to_cb_friendly_attn)
-    create = compat.batch_processor_factory()
-    if create is not None:
-
-        def _create_batch_processor(self, *args, **kwargs):
-            processor = create(self, *args, **kwargs)
-            _settle(self)
-            return processor
-
-        _create_batch_processor.__wrapped__ = create
-        patches.attribute(manager, "_create_batch_processor", _create_batch_processor)
     index_lists.install(patches)  # the step's index lists through numpy (where probed)
     block_table.install(patches, _wants_block_table)  # decode steps without the lists
     block_table.install_fill(patches)  # their tables written through numpy (host tables)
 
 
-def _settle(manager: Any) -> None:
-    """Wait for the current stream once an enabled model's manager has (re)created its batch
-    processor (contract item 17), on its generation thread before the first step.
+def _settle(device: torch.device) -> None:
+    """Wait for the current stream once a manager of an enabled model has (re)created its
+    batch processor (contract item 17), on its generation thread before the first step.
 
     That resets the static device buffers (input ids, sequence offsets, logits rows, cache
     indices) on the thread's current stream, while transformers uploads each step on a copy
@@ -140,18 +130,14 @@ def _settle(manager: Any) -> None:
     that step then reads zeroed offsets and logits rows. This is the reading of the code
     behind the wrong first tokens of docs/continuous-batching.md's *Known problems* (the
     prompts that went wrong were exactly those of the first step); that this wait cures them
-    is not yet checked on a GPU. Once per processor, never per step.
+    is not yet checked on a GPU. Once per processor, never per step; the reset's stream only,
+    never a device-wide wait (which would break another thread's graph capture).
 
     Example (a CPU model: nothing to wait for)::
 
-        >>> import types, torch
-        >>> _settle(types.SimpleNamespace(model=torch.nn.Linear(2, 2)))
+        >>> _settle(torch.device("cpu"))
     """
-    model = getattr(manager, "model", None)
-    if model is None or _handle_of(model) is None:
-        return
-    device = next(model.parameters()).device
-    if device.type == "cuda":  # the reset's stream only: never a wait on another thread's capture
+    if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
@@ -295,12 +281,29 @@ class ContinuousBatchingHandle:
             config = self._prepare(continuous_batching_config, generation_config)
             manager = original(generation_config, config, *args, **kwargs)
             self._managers.add(manager)
+            self._settle_after_reset(manager)
             if not self._graphs_wanted(continuous_batching_config):
                 self.runner.graphs_off(manager)
             return manager
 
         init_continuous_batching.__wrapped__ = original
         return init_continuous_batching
+
+    def _settle_after_reset(self, manager) -> None:
+        """``manager._create_batch_processor`` (contract item 17), for this manager only and
+        until ``disable()``: the original, then :func:`_settle` on the model's device."""
+        create = compat.batch_processor_factory()
+        if create is None:
+            return
+        device = self.device
+
+        def _create_batch_processor(*args, **kwargs):
+            processor = create(manager, *args, **kwargs)
+            _settle(device)
+            return processor
+
+        _create_batch_processor.__wrapped__ = create
+        self._patches.attribute(manager, "_create_batch_processor", _create_batch_processor)
 
     def _prepare(self, given, generation_config):
         """A copy of the caller's CB config for transformers: its own graphs (and padding) off,
