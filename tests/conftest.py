@@ -131,3 +131,19 @@ def frozen_heap():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _busy_gpu(request):
+    """``BREAKGRAPH_TEST_BUSY_GPU=N`` (a stress run on a GPU machine): every CUDA test runs
+    while ``N`` threads keep the GPU busy (:func:`tests.helpers.busy_gpu`), so the device runs
+    far behind the host. A race between the host and the device (a buffer read before its
+    write lands, reused while the device still reads it) then shows up as a wrong result."""
+    threads = int(os.environ.get("BREAKGRAPH_TEST_BUSY_GPU") or 0)
+    if threads and request.node.get_closest_marker("requires_cuda"):
+        from tests import helpers
+
+        with helpers.busy_gpu(threads):
+            yield
+    else:
+        yield

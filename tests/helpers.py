@@ -1,8 +1,10 @@
 """Test helpers shared by the behavioural test modules."""
 
+import contextlib
 import gc
 import re
 import subprocess
+import threading
 import warnings
 
 import pytest
@@ -176,3 +178,37 @@ def compiled_decode_kernels() -> int | None:
         else:
             return None
     return total
+
+
+@contextlib.contextmanager
+def busy_gpu(threads: int = 2):
+    """Other work on the GPU meanwhile: ``threads`` threads of this process multiplying large
+    matrices on streams of their own, so the device runs far behind the host and exposes any
+    read or reuse of a buffer that the host does not order after the write it needs. An error
+    in a thread (an API call CUDA refuses during another thread's capture) is raised on exit.
+    ``BREAKGRAPH_TEST_BUSY_GPU=N`` runs every CUDA test inside it (``tests/conftest.py``)."""
+    stop, errors = threading.Event(), []
+
+    def work():
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                a = torch.randn(4096, 4096, device="cuda")
+                while not stop.is_set():
+                    for _ in range(20):
+                        a = (a @ a).clamp_(-1, 1)
+                    stream.synchronize()
+        except Exception as error:  # noqa: BLE001 - reported on exit
+            errors.append(error)
+
+    workers = [threading.Thread(target=work, daemon=True) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+    if errors:
+        raise RuntimeError(f"busy_gpu: a thread of the load failed: {errors[0]!r}")
