@@ -48,14 +48,16 @@ START_FIRST = (
     "test_tensor_parallel",
     "test_examples.py::test_example_runs[tensor_parallel.py]",
     "test_prefill_compile",
+    # on a GPU: 15-25 s each in a process of its own, loading the GPU meanwhile
+    "test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy",
 )
 
 
 def _start_rank(item) -> int:
-    """``item``'s place in :data:`START_FIRST` (by module, or by file and test name); after
-    all of them when it is not listed."""
+    """``item``'s place in :data:`START_FIRST` (by module, by file and test name, or by file,
+    test name and parameters); after all of them when it is not listed."""
     test = item.nodeid.rpartition("/")[2]  # "test_x.py::test_y[id]"
-    keys = (test.partition(".py")[0], test)
+    keys = (test.partition(".py")[0], test.partition("[")[0], test)
     return next((i for i, name in enumerate(START_FIRST) if name in keys), len(START_FIRST))
 
 

@@ -5,6 +5,7 @@ import gc
 import re
 import subprocess
 import threading
+import time
 import warnings
 
 import pytest
@@ -182,28 +183,44 @@ def compiled_decode_kernels() -> int | None:
 
 @contextlib.contextmanager
 def busy_gpu(threads: int = 2):
-    """Other work on the GPU meanwhile: ``threads`` threads of this process multiplying large
-    matrices on streams of their own, so the device runs far behind the host and exposes any
-    read or reuse of a buffer that the host does not order after the write it needs. An error
-    in a thread (an API call CUDA refuses during another thread's capture) is raised on exit.
+    """Other work on the GPU meanwhile: ``threads`` threads of this process multiplying
+    4096² matrices on streams of their own, so the device runs behind the host and exposes any
+    read or reuse of a buffer that the host does not order after the write it needs.
+
+    Safe beside a capture in another thread (CUDA's global capture mode refuses syncs, event
+    queries, allocations and the RNG anywhere in the process while a capture runs): each
+    thread allocates, draws and runs its first matmul (cuBLAS's handle) before this yields,
+    then only launches matmuls into preallocated outputs, paced by host sleeps at the rate
+    the device ran them alone. An error in a thread is raised on exit.
     ``BREAKGRAPH_TEST_BUSY_GPU=N`` runs every CUDA test inside it (``tests/conftest.py``)."""
-    stop, errors = threading.Event(), []
+    stop, errors, ready = threading.Event(), [], threading.Barrier(threads + 1)
 
     def work():
         try:
             stream = torch.cuda.Stream()
             with torch.cuda.stream(stream):
-                a = torch.randn(4096, 4096, device="cuda")
-                while not stop.is_set():
-                    for _ in range(20):
-                        a = (a @ a).clamp_(-1, 1)
-                    stream.synchronize()
+                a, b = torch.randn(2, 4096, 4096, device="cuda").unbind()
+                out = torch.mm(a, b)
+                start = time.perf_counter()
+                for _ in range(4):
+                    torch.mm(a, b, out=out)
+                stream.synchronize()
+                pace = time.perf_counter() - start
         except Exception as error:  # noqa: BLE001 - reported on exit
             errors.append(error)
+            ready.wait()
+            return
+        ready.wait()
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                for _ in range(4):
+                    torch.mm(a, b, out=out)
+                time.sleep(pace)
 
     workers = [threading.Thread(target=work, daemon=True) for _ in range(threads)]
     for worker in workers:
         worker.start()
+    ready.wait()
     try:
         yield
     finally:

@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -1147,7 +1148,8 @@ def busy_gpu_mismatches(async_batching, breakgraph: bool = True, load: str = "bu
     breakgraph, captured and served under the load, then served quietly and under the load
     with graphs captured quietly; without it (``breakgraph=False``: transformers' own steps, no
     graphs, as breakgraph configures them), loaded, quiet, loaded. ``load``: ``"busy"``
-    (:func:`tests.helpers.busy_gpu`) or ``"slow-reset"`` (:func:`slow_reset`).
+    (:func:`tests.helpers.busy_gpu`) or ``"slow-reset"`` (:func:`slow_reset`: the first run
+    only, the one where the fault showed).
     ``wait=False`` leaves out breakgraph's wait after the reset (``continuous_batching._settle``):
     the mutation."""
     loaded = busy_gpu if load == "busy" else slow_reset
@@ -1166,6 +1168,8 @@ def busy_gpu_mismatches(async_batching, breakgraph: bool = True, load: str = "bu
         cbc.use_cuda_graph = False
     with loaded(), handle(model, query_buckets=BUCKETS):
         counts = [wrong()]
+    if load == "slow-reset":
+        return counts  # only the first run of a process showed the fault (stock, mutation)
     with handle(model, query_buckets=BUCKETS):
         counts.append(wrong())
         with loaded():
@@ -1210,7 +1214,7 @@ def test_cuda_tokens_equal_generate_while_the_gpu_is_busy(async_batching, breakg
                           timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
     print(done.stdout[-300:])  # the counts, for the record (pytest -s), passed or not
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "wrong prompts per run [0, 0, 0]" in done.stdout, done.stdout[-2000:]
+    assert re.search(r"wrong prompts per run \[0(, 0)*\]", done.stdout), done.stdout[-2000:]
 
 
 @pytest.mark.parametrize("max_blocks", [None, 0], ids=["block-table", "index-lists"])
