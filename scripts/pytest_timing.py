@@ -1,6 +1,6 @@
 """A pytest plugin that appends each test's duration to ``$PYTEST_TIMING_FILE`` as it ends,
-and each failure's report (the traceback pytest would print at the end) to
-``$PYTEST_TIMING_FILE.failures``.
+and each failure's report (the traceback pytest would print at the end, and what the test
+printed) to ``$PYTEST_TIMING_FILE.failures``.
 
 ``--durations`` and the failure tracebacks print only at the end of a run; a run cut by a time
 limit (the device tool's) would report nothing. Use:
@@ -56,3 +56,6 @@ def pytest_runtest_logreport(report) -> None:
     if report.failed:
         with open(path + ".failures", "a") as failures:
             failures.write(f"==== {report.when} {report.nodeid}\n{report.longreprtext}\n\n")
+            # what the test printed (another thread's traceback goes to stderr)
+            for title, text in report.sections:
+                failures.write(f"---- {title}\n{text[-4000:]}\n")

@@ -340,6 +340,32 @@ def test_suite_times_parses_timing_lines_with_spaces_and_without_gc():
         parse_timing_line("0.010 setup")
 
 
+def test_the_timing_plugin_keeps_each_failure_with_what_it_printed(tmp_path):
+    """scripts/pytest_timing.py writes a line per phase as it ends, and each failure's
+    traceback with the test's captured output (another thread's traceback goes to stderr): a
+    run cut by a time limit still says what failed and why."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_probe.py").write_text(
+        "import sys\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    print('from the thread', file=sys.stderr)\n    assert 1 == 2\n"
+    )
+    times = tmp_path / "times.txt"
+    scripts = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
+    env = dict(os.environ, PYTHONPATH=scripts, PYTEST_TIMING_FILE=str(times))
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_timing",
+                    "-p", "no:cacheprovider", str(tmp_path / "test_probe.py")],
+                   env=env, cwd=tmp_path, capture_output=True, timeout=120)  # fmt: skip
+    lines = times.read_text().splitlines()
+    assert any(" call passed " in line and "test_ok" in line for line in lines)
+    assert any(" call failed " in line and "test_bad" in line for line in lines)
+    failures = (tmp_path / "times.txt.failures").read_text()
+    assert "==== call " in failures and "assert 1 == 2" in failures
+    assert "---- Captured stderr call" in failures and "from the thread" in failures
+
+
 def test_suite_times_reads_the_last_pytest_summary_line():
     from benchmarks.suite_times import parse_summary
 
