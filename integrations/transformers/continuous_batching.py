@@ -127,11 +127,12 @@ def _settle(device: torch.device) -> None:
     indices) on the thread's current stream, while transformers uploads each step on a copy
     stream of its own, which waits for nothing issued before it. With the device far behind
     the host (a GPU busy with other work), the reset can land after the first upload, and
-    that step then reads zeroed offsets and logits rows. This is the reading of the code
-    behind the wrong first tokens of docs/continuous-batching.md's *Known problems* (the
-    prompts that went wrong were exactly those of the first step); that this wait cures them
-    is not yet checked on a GPU. Once per processor, never per step; the reset's stream only,
-    never a device-wide wait (which would break another thread's graph capture).
+    that step then reads zeroed offsets and logits rows: the wrong first tokens of
+    docs/continuous-batching.md's *Known problems*. Checked on an H200 with only the reset held
+    back (``test_cuda_tokens_equal_generate_while_the_gpu_is_busy``): transformers alone and
+    breakgraph without this wait returned wrong tokens, breakgraph with it none. Once per
+    processor, never per step; the reset's stream only, never a device-wide wait (which would
+    break another thread's graph capture).
 
     Example (a CPU model: nothing to wait for)::
 
