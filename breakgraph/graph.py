@@ -328,7 +328,10 @@ def capture(
                 f"the CUDA capture failed inside a segment ({exc}). This is usually a host "
                 f"synchronisation (.item(), nonzero, .cpu(), torch.cuda.synchronize()) in code "
                 f"breakgraph could not see; move it into a function decorated with "
-                f"@breakgraph.eager_on_graph. The graph was reset; a new capture will work."
+                f"@breakgraph.eager_on_graph. Or another thread used CUDA meanwhile (a sync, "
+                f"an allocation), which the global capture mode forbids everywhere in the "
+                f"process: capture_error_mode='thread_local' allows it. The graph was reset; a "
+                f"new capture will work."
             ) from exc
         raise
     finally:

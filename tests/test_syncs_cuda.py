@@ -215,3 +215,36 @@ def test_a_ladder_captures_more_buckets_after_a_named_sync():
     torch.testing.assert_close(ladder.replay(48, None), buffer[:48].cos())
     torch.testing.assert_close(ladder.replay(16, None), torch.ones(16, device="cuda"))
     ladder.close()
+
+
+@torch.no_grad()
+def test_a_failed_cublas_preparation_leaves_nothing_behind(monkeypatch):
+    # before the first segment, an empty capture on the capture stream puts the cuBLAS
+    # workspace in a pool of its own (backends/cuda._prepare_cublas). When CUDA invalidates
+    # it (here a sync inside it; in the busy-GPU stress run, another thread's CUDA calls),
+    # torch keeps that pool recording and its RNG capturing: every later capture failed on
+    # "beginAllocateToPool: already recording" until the process ended. It must raise by name
+    # and leave the RNG, the pool and the next capture working.
+    from breakgraph.backends import cuda
+
+    x = torch.randn(64, device="cuda")
+    real = cuda._small_matmuls
+    calls = []
+
+    def invalidating(device):
+        calls.append(device)
+        real(device)
+        if len(calls) == 2:  # inside the empty capture
+            torch.zeros(1, device="cuda").item()
+
+    monkeypatch.setattr(cuda, "_small_matmuls", invalidating)
+    g = BreakableCUDAGraph()
+    with pytest.raises(CaptureError, match="preparing cuBLAS"):
+        with capture(g):
+            x * 2
+    monkeypatch.setattr(cuda, "_small_matmuls", real)
+    assert_clean(g)
+    r = torch.randn(16, device="cuda")  # the RNG is out of capture mode
+    assert torch.isfinite(r).all()
+    for _ in range(2):  # the next captures prepare cuBLAS in a new pool, and work
+        assert_new_capture_works(BreakableCUDAGraph(), x)

@@ -178,12 +178,28 @@ def _prepare_cublas(device: int, stream: torch.cuda.Stream) -> None:
         entry = _workspace_pools[device] = [torch.cuda.graph_pool_handle(), []]
     pool, keep = entry
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), quiet_empty_graph():
-        graph.capture_begin(pool=pool)
-        try:
-            _small_matmuls(device)  # allocates the (handle, capture stream) workspaces, here
-        finally:
-            graph.capture_end()
+    try:
+        with torch.cuda.stream(stream), quiet_empty_graph():
+            graph.capture_begin(pool=pool)
+            try:
+                _small_matmuls(device)  # allocates the (handle, capture stream) workspaces, here
+            finally:
+                graph.capture_end()
+    except Exception as exc:
+        # CUDA invalidated this small capture (another thread's sync or allocation meanwhile,
+        # in the global capture mode): torch keeps the pool recording and its RNG capturing.
+        # Leave neither behind, or every later capture and random draw fails as well.
+        _end_allocate_to_pool(device, pool)
+        _workspace_pools.pop(device, None)  # the next capture makes a new pool
+        _reset_capture_state(stream)
+        raise CaptureError(
+            f"breakgraph.capture: preparing cuBLAS for the capture (an empty capture on the "
+            f"capture stream, before the first segment) failed: {exc}. Nothing was captured, "
+            f"and torch's capture state was reset: a new capture will work. Another thread "
+            f"using CUDA meanwhile (a sync, an allocation, a random draw) makes CUDA invalidate "
+            f"a capture in the global mode: capture_error_mode='thread_local' allows the "
+            f"first two."
+        ) from exc
     keep[:] = [graph]  # the pool lives as long as one of its graphs does
 
 
