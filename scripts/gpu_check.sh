@@ -49,6 +49,10 @@
 # to h200-cb-cold-kernels.json, first-call-{cold,disk}.json to h200-triton-first-call-*.json,
 # see report_decode_step.WARM_KERNELS_FILES and FIRST_CALL_FILES; the runs after the split pair
 # are WARM_KERNELS_PAIR_FILES and FIRST_CALL_PAIR_FILES),
+# RUN_STRESS=N (the CUDA tests while N threads keep the GPU busy: BREAKGRAPH_TEST_BUSY_GPU=N,
+# docs/testing.md, ~4-5 min with -n 4 (STRESS_ARGS replaces "-n 4 -m requires_cuda tests",
+# STRESS_TIMEOUT 420 s); writes stress.log, stress-times.txt and its .failures; run it with
+# SKIP_TESTS=1 SKIP_PREFILL=1 SKIP_CB=1 SKIP_OVERHEAD=1 SKIP_ANATOMY=1),
 # RUN_SPLIT_AB=1 (paged_decode's kernels with a compile-time split count against one pair for
 # every count, in turn, warm_up's compile first on an empty Triton cache:
 # benchmarks/split_kernel_ab.py, ~70 s; carry .device/paged_decode_before.py, written here by
@@ -95,7 +99,8 @@
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
-# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1 (skip other sections
+# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1,
+# RUN_STRESS 3 (skip other sections
 # to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
@@ -288,6 +293,16 @@ if [ -n "${RUN_SPLIT:-}" ]; then  # paged_decode's split against the kernel befo
     --variants breakgraph,breakgraph_unsplit --repeat breakgraph,breakgraph_unsplit --rounds 3 \
     --budget-s 0 --keep-going --out "$OUT/split-long.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[decode split: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_STRESS:-}" ]; then  # the CUDA tests under a busy GPU (docs/testing.md; ~4-5 min with -n 4)
+  # carry the pytest-xdist and execnet wheels for -n 4 (.device/wheels), or set STRESS_ARGS
+  t=$SECONDS
+  # shellcheck disable=SC2086  # STRESS_ARGS is a list of arguments
+  BREAKGRAPH_TEST_BUSY_GPU=${RUN_STRESS} PYTHONPATH="scripts${PYTHONPATH:+:$PYTHONPATH}" \
+    PYTEST_TIMING_FILE="$OUT/stress-times.txt" timeout "${STRESS_TIMEOUT:-420}" \
+    python3 -m pytest -q -rfEsxX -p pytest_timing -p no:cacheprovider ${STRESS_ARGS:--n 4 -m requires_cuda tests} \
+    > "$OUT/stress.log" 2>&1 || status=1
+  echo "[stress: $((SECONDS - t)) s] $(tail -1 "$OUT/stress.log")" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
   python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \
