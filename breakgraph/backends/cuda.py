@@ -37,6 +37,10 @@ _capture_streams: dict = {}  # device -> breakgraph's capture stream
 # pools a capture CUDA invalidated left recording (torch 2.11): nothing can be captured into them
 _spoiled_pools: set = set()
 _workspace_pools: dict = {}  # device -> (pool handle, graph) holding cuBLAS workspaces
+# breakgraph's own small captures (cuBLAS preparation, the pool probe, the RNG reset) hold
+# nothing of the user's: other threads' syncs and allocations meanwhile must not invalidate
+# them, as CUDA's global mode would
+_OWN_CAPTURE_MODE = "thread_local"
 
 
 class CudaSegment:
@@ -180,25 +184,22 @@ def _prepare_cublas(device: int, stream: torch.cuda.Stream) -> None:
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.stream(stream), quiet_empty_graph():
-            graph.capture_begin(pool=pool)
+            graph.capture_begin(pool=pool, capture_error_mode=_OWN_CAPTURE_MODE)
             try:
                 _small_matmuls(device)  # allocates the (handle, capture stream) workspaces, here
             finally:
                 graph.capture_end()
     except Exception as exc:
-        # CUDA invalidated this small capture (another thread's sync or allocation meanwhile,
-        # in the global capture mode): torch keeps the pool recording and its RNG capturing.
-        # Leave neither behind, or every later capture and random draw fails as well.
+        # CUDA invalidated this small capture (in the global mode, other threads' syncs did in a
+        # busy-GPU stress run; it is thread-local now): torch keeps the pool recording and its
+        # RNG capturing. Leave neither behind, or every later capture and random draw fails.
         _end_allocate_to_pool(device, pool)
         _workspace_pools.pop(device, None)  # the next capture makes a new pool
         _reset_capture_state(stream)
         raise CaptureError(
             f"breakgraph.capture: preparing cuBLAS for the capture (an empty capture on the "
             f"capture stream, before the first segment) failed: {exc}. Nothing was captured, "
-            f"and torch's capture state was reset: a new capture will work. Another thread "
-            f"using CUDA meanwhile (a sync, an allocation, a random draw) makes CUDA invalidate "
-            f"a capture in the global mode: capture_error_mode='thread_local' allows the "
-            f"first two."
+            f"and torch's capture state was reset: a new capture will work."
         ) from exc
     keep[:] = [graph]  # the pool lives as long as one of its graphs does
 
@@ -234,7 +235,7 @@ def _reset_capture_state(stream: torch.cuda.Stream) -> None:
     try:
         with quiet_empty_graph():
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode=_OWN_CAPTURE_MODE):
                 torch.cuda.current_stream()
             graph.reset()
     except Exception as exc:  # report, never hide: random numbers may fail until a capture works
@@ -261,7 +262,7 @@ def _takes_captures(pool: Any, stream: torch.cuda.Stream) -> bool:
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.stream(stream), quiet_empty_graph():
-            graph.capture_begin(pool=pool)
+            graph.capture_begin(pool=pool, capture_error_mode=_OWN_CAPTURE_MODE)
             graph.capture_end()
         graph.reset()
     except Exception:
