@@ -295,11 +295,12 @@ if [ -n "${RUN_SPLIT:-}" ]; then  # paged_decode's split against the kernel befo
   echo "[decode split: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_STRESS:-}" ]; then  # the CUDA tests under a busy GPU (docs/testing.md; ~4-5 min with -n 4)
-  # carry the pytest-xdist and execnet wheels for -n 4 (.device/wheels), or set STRESS_ARGS
+  # -n 4 needs pytest-xdist and execnet (not in the device image): carry their wheels in .whl,
+  # which this script installs (pip download --no-deps -d .whl pytest-xdist execnet), or set STRESS_ARGS
   t=$SECONDS
   # shellcheck disable=SC2086  # STRESS_ARGS is a list of arguments
   BREAKGRAPH_TEST_BUSY_GPU=${RUN_STRESS} PYTHONPATH="scripts${PYTHONPATH:+:$PYTHONPATH}" \
-    PYTEST_TIMING_FILE="$OUT/stress-times.txt" timeout "${STRESS_TIMEOUT:-420}" \
+    PYTEST_TIMING_FILE="$OUT/stress-times.txt" timeout -k 10 "${STRESS_TIMEOUT:-420}" \
     python3 -m pytest -q -rfEsxX -p pytest_timing -p no:cacheprovider ${STRESS_ARGS:--n 4 -m requires_cuda tests} \
     > "$OUT/stress.log" 2>&1 || status=1
   echo "[stress: $((SECONDS - t)) s] $(tail -1 "$OUT/stress.log")" | tee -a "$LOG"

@@ -188,44 +188,59 @@ def busy_gpu(threads: int = 2):
     read or reuse of a buffer that the host does not order after the write it needs.
 
     Safe beside a capture in another thread (CUDA's global capture mode refuses syncs, event
-    queries, allocations and the RNG anywhere in the process while a capture runs): each
-    thread allocates, draws and runs its first matmul (cuBLAS's handle) before this yields,
-    then only launches matmuls into preallocated outputs, paced by host sleeps at the rate
-    the device ran them alone. An error in a thread is raised on exit.
+    queries and allocations anywhere in the process while a capture runs, and torch refuses
+    random draws): each thread allocates its matrices (filled, not drawn: the tests' seeded
+    generator is left alone) and runs its first matmul (cuBLAS's handle and workspace) before
+    this yields, then only launches matmuls into its own output, paced by host sleeps at the
+    rate the device ran them alone. On exit each thread's stream is drained (no capture runs
+    then), and an error in a thread is raised.
     ``BREAKGRAPH_TEST_BUSY_GPU=N`` runs every CUDA test inside it (``tests/conftest.py``)."""
-    stop, errors, ready = threading.Event(), [], threading.Barrier(threads + 1)
+    stop, errors = threading.Event(), []
+    ready = threading.Barrier(threads + 1, timeout=120)
+    streams = []
 
     def work():
         try:
             stream = torch.cuda.Stream()
+            streams.append(stream)
             with torch.cuda.stream(stream):
-                a, b = torch.randn(2, 4096, 4096, device="cuda").unbind()
-                out = torch.mm(a, b)
+                a = torch.full((4096, 4096), 1.0 / 4096, device="cuda")
+                out = torch.mm(a, a)
                 start = time.perf_counter()
                 for _ in range(4):
-                    torch.mm(a, b, out=out)
+                    torch.mm(a, a, out=out)
                 stream.synchronize()
                 pace = time.perf_counter() - start
         except Exception as error:  # noqa: BLE001 - reported on exit
             errors.append(error)
+            stop.set()
+        try:
             ready.wait()
+        except threading.BrokenBarrierError:
             return
-        ready.wait()
-        with torch.cuda.stream(stream):
-            while not stop.is_set():
-                for _ in range(4):
-                    torch.mm(a, b, out=out)
-                time.sleep(pace)
+        if stop.is_set():  # this thread's or another's set-up failed
+            return
+        try:
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    for _ in range(4):
+                        torch.mm(a, a, out=out)
+                    time.sleep(pace)
+        except Exception as error:  # noqa: BLE001 - reported on exit
+            errors.append(error)
 
     workers = [threading.Thread(target=work, daemon=True) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    ready.wait()
     try:
+        for worker in workers:
+            worker.start()
+        ready.wait()
         yield
     finally:
         stop.set()
         for worker in workers:
-            worker.join()
+            if worker.ident is not None:  # started
+                worker.join(timeout=60)
+        for stream in streams:
+            stream.synchronize()  # the backlog is this test's, not the next one's
     if errors:
         raise RuntimeError(f"busy_gpu: a thread of the load failed: {errors[0]!r}")

@@ -239,11 +239,16 @@ def test_a_failed_cublas_preparation_leaves_nothing_behind(monkeypatch):
 
     monkeypatch.setattr(cuda, "_small_matmuls", invalidating)
     g = BreakableCUDAGraph()
-    with pytest.raises(CaptureError, match="preparing cuBLAS"):
+    with pytest.raises(CaptureError, match="preparing cuBLAS.*captur"):
         with capture(g):
             x * 2
     monkeypatch.setattr(cuda, "_small_matmuls", real)
     assert_clean(g)
+    device = torch.cuda.current_device()
+    failed_pool = cuda._retired_workspace_pools[-1][0]
+    assert device not in cuda._workspace_pools  # the next capture makes a new one
+    with pytest.raises(RuntimeError, match="not currently recording"):  # it was ended
+        torch._C._cuda_endAllocateToPool(device, failed_pool)
     r = torch.randn(16, device="cuda")  # the RNG is out of capture mode
     assert torch.isfinite(r).all()
     for _ in range(2):  # the next captures prepare cuBLAS in a new pool, and work

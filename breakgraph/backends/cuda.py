@@ -41,6 +41,9 @@ _workspace_pools: dict = {}  # device -> (pool handle, graph) holding cuBLAS wor
 # nothing of the user's: other threads' syncs and allocations meanwhile must not invalidate
 # them, as CUDA's global mode would
 _OWN_CAPTURE_MODE = "thread_local"
+# workspace pools a failed cuBLAS preparation left recording: never used again, kept alive
+# (the workspace cuBLAS was handed there may still live in them)
+_retired_workspace_pools: list = []
 
 
 class CudaSegment:
@@ -189,19 +192,29 @@ def _prepare_cublas(device: int, stream: torch.cuda.Stream) -> None:
                 _small_matmuls(device)  # allocates the (handle, capture stream) workspaces, here
             finally:
                 graph.capture_end()
-    except Exception as exc:
+    except BaseException as exc:
         # CUDA invalidated this small capture (in the global mode, other threads' syncs did in a
         # busy-GPU stress run; it is thread-local now): torch keeps the pool recording and its
         # RNG capturing. Leave neither behind, or every later capture and random draw fails.
         _end_allocate_to_pool(device, pool)
-        _workspace_pools.pop(device, None)  # the next capture makes a new pool
+        _retired_workspace_pools.append(_workspace_pools.pop(device))  # kept alive; a new one next
         _reset_capture_state(stream)
+        if not _is_capture_failure(exc):  # out of memory, an interrupt: as they are
+            raise
+        first = exc.__context__ or exc  # the call CUDA refused, before capture_end's error
         raise CaptureError(
             f"breakgraph.capture: preparing cuBLAS for the capture (an empty capture on the "
-            f"capture stream, before the first segment) failed: {exc}. Nothing was captured, "
-            f"and torch's capture state was reset: a new capture will work."
+            f"capture stream, before the first segment) failed: {first}. Nothing was "
+            f"captured, and torch's capture state was reset: a new capture will work."
         ) from exc
     keep[:] = [graph]  # the pool lives as long as one of its graphs does
+
+
+def _is_capture_failure(exc: BaseException) -> bool:
+    """A CUDA stream-capture failure (not an out-of-memory error or an interrupt)."""
+    text = str(exc)
+    errors = (RuntimeError, getattr(torch, "AcceleratorError", RuntimeError))
+    return isinstance(exc, errors) and ("captur" in text or "StreamCapture" in text)
 
 
 def _small_matmuls(device: int) -> None:

@@ -129,10 +129,10 @@ def _settle(device: torch.device) -> None:
     the host (a GPU busy with other work), the reset can land after the first upload, and
     that step then reads zeroed offsets and logits rows: the wrong first tokens of
     docs/continuous-batching.md's *Known problems*. Checked on an H200 with only the reset held
-    back (``test_cuda_tokens_equal_generate_while_the_gpu_is_busy``): transformers alone and
-    breakgraph without this wait returned wrong tokens, breakgraph with it none. Once per
-    processor, never per step; the reset's stream only, never a device-wide wait (which would
-    break another thread's graph capture).
+    back (``test_cuda_tokens_equal_generate_while_the_gpu_is_busy``): transformers alone
+    returned wrong tokens and breakgraph without this wait failed, breakgraph with it passed.
+    Once per processor, never per step; the reset's stream only, never a device-wide wait
+    (which would break another thread's graph capture).
 
     Example (a CPU model: nothing to wait for)::
 
