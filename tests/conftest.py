@@ -50,6 +50,8 @@ START_FIRST = (
     "test_prefill_compile",
     # on a GPU: 15-25 s each in a process of its own, loading the GPU meanwhile
     "test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy",
+    # the decoder under torch.compile on a GPU: 43 s on the H200 (its longest test)
+    "test_continuous_batching.py::test_cuda_compiled_decoder_agrees_with_paged_sdpa",
 )
 
 
