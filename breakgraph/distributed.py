@@ -65,8 +65,11 @@ __all__ = [
     "CAPTURE_ERROR_MODE",
 ]
 
-#: ``capture_error_mode`` for multi-rank captures: NCCL's watchdog threads query events while
-#: a capture runs; "global" mode would make those calls fail the capture.
+#: ``capture_error_mode`` of every ladder capture (runners, CB managers), single- or
+#: multi-rank: other threads of the process keep using CUDA while a ladder captures (NCCL's
+#: watchdog threads query events; a server's other threads serve, sync and allocate), and in
+#: "global" mode their calls would fail, and fail the capture with them. What the capturing
+#: thread may not do is the same in both modes. torch's CUDA graph trees capture the same way.
 CAPTURE_ERROR_MODE = "thread_local"
 
 _MASK = (1 << 62) - 1  # fingerprints stay positive and can be negated in int64

@@ -203,6 +203,9 @@ class GraphLadder:
         cached device memory back (``collect_garbage=None``: as ``torch.cuda.graph``), the
         others skip it (``False``): once per call, not once per bucket. ``collect_garbage=False``
         skips it for every bucket (a bucket captured while serving, between steps).
+        ``capture_error_mode`` defaults to ``"thread_local"``
+        (:data:`breakgraph.distributed.CAPTURE_ERROR_MODE`: other threads may use CUDA
+        meanwhile).
 
         With ``ranks`` every warm-up and capture is a :meth:`RankGroup.capture_step
         <breakgraph.distributed.RankGroup.capture_step>`: checked on every rank, with the
@@ -220,7 +223,7 @@ class GraphLadder:
             if s not in self._rungs
         ]
         if capture_error_mode is None:
-            capture_error_mode = "global" if self.ranks is None else distributed.CAPTURE_ERROR_MODE
+            capture_error_mode = distributed.CAPTURE_ERROR_MODE  # "thread_local": see there
         for i, size in enumerate(ordered):
             self._capture_one(
                 size,

@@ -388,6 +388,26 @@ class FakeRanks:
         self.eager += 1
 
 
+def test_captures_are_thread_local_unless_told(backend, device, monkeypatch):
+    """A ladder captures in CUDA's ``"thread_local"`` mode, with ranks or without: a server's
+    other threads (serving, syncing, allocating) must not fail its captures, nor be failed by
+    them, as the ``"global"`` mode would do. An explicit mode is passed as given."""
+    modes = []
+    real_capture = ladder_module.capture
+    monkeypatch.setattr(
+        ladder_module,
+        "capture",
+        lambda *a, **k: modes.append(k["capture_error_mode"]) or real_capture(*a, **k),
+    )
+    owner = Owner(device, (4, 16, 32))
+    ladder = GraphLadder(backend=backend)
+    ladder.capture((4, 16), owner.record, context=lambda size: size)
+    assert modes == ["thread_local"] * 2
+    ladder.capture((32,), owner.record, context=lambda size: size, capture_error_mode="global")
+    assert modes == ["thread_local"] * 2 + ["global"]
+    assert ladder.buckets == (4, 16, 32)
+
+
 def test_rank_agreement(backend, device, monkeypatch):
     modes = []
     real_capture = ladder_module.capture

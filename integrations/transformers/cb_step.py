@@ -447,14 +447,12 @@ class StepRunner:
                 for size in sizes:
                     self._inputs[size] = torch.zeros(2, size, dtype=torch.long, device=self.device)
                     self._rows[size] = torch.zeros(size, dtype=torch.long, device=self.device)
-            # thread_local: other managers may be stepping other models on other threads
-            mode = {} if self.ranks is not None else {"capture_error_mode": "thread_local"}
+            # the ladders capture thread-local: other managers may be stepping other models on
+            # other threads meanwhile
             with torch.no_grad(), self.tokens.capture_window(), self.logits.capture_window():
                 self.tokens.capture(sizes, self._record_tokens, warm_up=self._record_tokens,
-                                    warm_up_each=self.compiled, context=self.step.fake,
-                                    **mode)  # fmt: skip
-                self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits,
-                                    **mode)  # fmt: skip
+                                    warm_up_each=self.compiled, context=self.step.fake)  # fmt: skip
+                self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits)
             self._warm_kernels(sizes, page)
 
     def _warm_kernels(self, sizes, page: int) -> None:

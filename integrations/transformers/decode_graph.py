@@ -276,7 +276,7 @@ class DecodeGraphs:
             try:
                 graphs.ladder.capture(
                     [bucket], self._record, warm_up=self._record, context=lambda size: step,
-                    collect_garbage=False, capture_error_mode="thread_local",
+                    collect_garbage=False,
                 )  # fmt: skip
             except NotDecodable as exc:
                 self.close()
