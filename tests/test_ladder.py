@@ -388,10 +388,8 @@ class FakeRanks:
         self.eager += 1
 
 
-def test_captures_are_thread_local_unless_told(backend, device, monkeypatch):
-    """A ladder captures in CUDA's ``"thread_local"`` mode, with ranks or without: a server's
-    other threads (serving, syncing, allocating) must not fail its captures, nor be failed by
-    them, as the ``"global"`` mode would do. An explicit mode is passed as given."""
+def capture_modes(monkeypatch) -> list:
+    """The ``capture_error_mode`` of every capture the ladder starts, in order."""
     modes = []
     real_capture = ladder_module.capture
     monkeypatch.setattr(
@@ -399,6 +397,14 @@ def test_captures_are_thread_local_unless_told(backend, device, monkeypatch):
         "capture",
         lambda *a, **k: modes.append(k["capture_error_mode"]) or real_capture(*a, **k),
     )
+    return modes
+
+
+def test_captures_are_thread_local_unless_told(backend, device, monkeypatch):
+    """A ladder captures in CUDA's ``"thread_local"`` mode, with ranks or without: a server's
+    other threads (serving, syncing, allocating) must not fail its captures, nor be failed by
+    them, as the ``"global"`` mode would do. An explicit mode is passed as given."""
+    modes = capture_modes(monkeypatch)
     owner = Owner(device, (4, 16, 32))
     ladder = GraphLadder(backend=backend)
     ladder.capture((4, 16), owner.record, context=lambda size: size)
@@ -409,13 +415,7 @@ def test_captures_are_thread_local_unless_told(backend, device, monkeypatch):
 
 
 def test_rank_agreement(backend, device, monkeypatch):
-    modes = []
-    real_capture = ladder_module.capture
-    monkeypatch.setattr(
-        ladder_module,
-        "capture",
-        lambda *a, **k: modes.append(k["capture_error_mode"]) or real_capture(*a, **k),
-    )
+    modes = capture_modes(monkeypatch)
     ranks = FakeRanks(agreed=50)
     ladder, owner = make(backend, device, sizes=(4, 64), ranks=ranks)
     assert [what for what, _, _ in ranks.steps] == [
