@@ -36,8 +36,9 @@ import torch
 from . import debug as _debug
 from .backends import select_backend
 from .backends.base import Backend, CaptureOptions, Segment, Session
+from .backends.cuda import is_capture_failure
 from .copyback import build_copy_back
-from .errors import BreakgraphError, CaptureError, HostSyncError, ReplayError
+from .errors import CaptureError, HostSyncError, ReplayError
 from .ownership import call_and_classify, storages_of
 from .state import context_scope, is_capturing, replay_context, state
 
@@ -340,14 +341,7 @@ def capture(
 
 def _is_cuda_capture_failure(exc: BaseException, backend: str) -> bool:
     """A real CUDA stream-capture failure (not the user's own error that mentions capture)."""
-    if backend != "cuda" or isinstance(exc, BreakgraphError) or not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc)
-    cuda_error = getattr(torch, "AcceleratorError", ())
-    if "during CUDA graph capture" in text:  # torch refusing a host copy (unpinned memory)
-        return True
-    from_cuda = isinstance(exc, cuda_error) or "CUDA error" in text or "cudaError" in text
-    return from_cuda and ("captur" in text or "StreamCapture" in text)
+    return backend == "cuda" and is_capture_failure(exc)
 
 
 class _Capture:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CaptureError
+from ..errors import BreakgraphError, CaptureError
 from ..streams import StreamTracker
 from ..syncs import CompileTransparentSegmentMode, SegmentMode
 from .base import CaptureOptions, Observer
@@ -199,7 +199,7 @@ def _prepare_cublas(device: int, stream: torch.cuda.Stream) -> None:
         _end_allocate_to_pool(device, pool)
         _retired_workspace_pools.append(_workspace_pools.pop(device))  # kept alive; a new one next
         _reset_capture_state(stream)
-        if not _is_capture_failure(exc):  # out of memory, an interrupt: as they are
+        if not is_capture_failure(exc):  # out of memory, an interrupt: as they are
             raise
         first = exc.__context__ or exc  # the call CUDA refused, before capture_end's error
         raise CaptureError(
@@ -210,11 +210,17 @@ def _prepare_cublas(device: int, stream: torch.cuda.Stream) -> None:
     keep[:] = [graph]  # the pool lives as long as one of its graphs does
 
 
-def _is_capture_failure(exc: BaseException) -> bool:
-    """A CUDA stream-capture failure (not an out-of-memory error or an interrupt)."""
+def is_capture_failure(exc: BaseException) -> bool:
+    """A real CUDA stream-capture failure (not the user's own error that mentions capture,
+    nor an out-of-memory error or an interrupt)."""
+    if isinstance(exc, BreakgraphError) or not isinstance(exc, RuntimeError):
+        return False
     text = str(exc)
-    errors = (RuntimeError, getattr(torch, "AcceleratorError", RuntimeError))
-    return isinstance(exc, errors) and ("captur" in text or "StreamCapture" in text)
+    if "during CUDA graph capture" in text:  # torch refusing a host copy (unpinned memory)
+        return True
+    cuda_error = getattr(torch, "AcceleratorError", ())
+    from_cuda = isinstance(exc, cuda_error) or "CUDA error" in text or "cudaError" in text
+    return from_cuda and ("captur" in text or "StreamCapture" in text)
 
 
 def _small_matmuls(device: int) -> None:
