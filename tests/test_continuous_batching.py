@@ -519,6 +519,52 @@ def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monk
 
 
 @needs_cb
+def test_every_step_stages_its_inputs_in_one_copy_and_keeps_the_tails_zero(monkeypatch):
+    """Each replayed step's static buffers hold its ids and positions, staged in one copy
+    (transformers keeps them as two rows of one tensor: ``cb_step.rows_of_one``; without it two
+    copies would serve, only slower), and zeros past them (as are the logits' row index's), as
+    when each step zeroed its whole tail; a step pays for a zeroing only where it shrank."""
+    steps, zeroings = [], []
+    replay, zero_tail = cb_step.StepRunner._replay, cb_step.StepRunner._zero_tail
+
+    def checked(runner, bucket, ids, positions, keep, n, rows):
+        steps.append((n, cb_step.rows_of_one(ids, positions) is not None))
+        out = replay(runner, bucket, ids, positions, keep, n, rows)
+        inputs = runner._inputs[bucket]
+        assert inputs[0, :n].equal(ids[0].long()) and inputs[1, :n].equal(positions[0].long())
+        index = runner._rows[runner.logits.choose(rows).bucket]
+        assert not inputs[:, n:].any() and not index[rows:].any(), (bucket, n, rows)
+        return out
+
+    inside = []
+
+    def counted(runner, buffer, bucket, n):
+        zeroings.append(0)
+        inside.append(True)
+        try:
+            return zero_tail(runner, buffer, bucket, n)
+        finally:
+            inside.pop()
+
+    def zero(tensor):  # counted inside _zero_tail only
+        if inside:
+            zeroings[-1] += 1
+        return tensor.fill_(0)
+
+    monkeypatch.setattr(cb_step.StepRunner, "_replay", checked)
+    monkeypatch.setattr(cb_step.StepRunner, "_zero_tail", counted)
+    monkeypatch.setattr(torch.Tensor, "zero_", zero)
+    model = build_model("llama")
+    prompts = random_prompts(seed=21, lengths=(30, 2, 11, 7, 19))
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        assert generate_batch(model, prompts) == expected
+    sizes = [n for n, _ in steps]
+    assert len(set(sizes)) > 2 and all(one for _, one in steps), steps
+    assert max(zeroings) == 1 and 0 < sum(zeroings) < len(zeroings)  # steps that shrank only
+
+
+@needs_cb
 def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
     """``compile=...``: the decoder's Dynamo frames compile once, at the largest bucket's
     warm-up, and serve every layer (a frame per layer would hit Dynamo's recompile limit and
