@@ -127,25 +127,23 @@ class ForwardTimers:
         patches.attribute(GraphLadder, "replay", replay)
 
     def parts(self, f: dict) -> dict:
-        """One forward's parts (µs), the wrapped functions' times less what nests inside."""
+        """One forward's parts (µs): the wrapped functions' times less what nests inside. The
+        logits ladder's replay is the only ladder replay besides the decode graph's; staging
+        is what ``_replay`` does besides the two (ids, positions, the tails, the row index)."""
         get = lambda key: f.get(key, 0.0) * 1e6  # noqa: E731
-        graphs = get("decode graphs")
+        graphs, logits = get("decode graphs"), get("ladder replay")
         return {
             "refill": get("refill"),
             "decide": get("decide"),
-            "staging": None,  # filled below when the decode graph served the step
+            "staging": get("_replay") - graphs - logits,
             "decode fill": get("decode fill"),
             "decode replay": get("decode replay"),
             "decode other": graphs - get("decode fill") - get("decode replay"),
-            "logits": None,
+            "logits": logits,
             "fp32 copy": get("fp32 copy"),
-            "output": (
-                get("forward") - get("_replay") - get("refill") - get("decide") - get("fp32 copy")
-            ),  # fmt: skip
+            "output": (get("forward") - get("_replay") - get("refill") - get("decide")
+                       - get("fp32 copy")),  # fmt: skip
             "forward": get("forward"),
-            "_replay": get("_replay"),
-            "decode graphs": graphs,
-            "ladder replay": get("ladder replay"),
         }
 
     def summary(self) -> dict:
@@ -153,11 +151,6 @@ class ForwardTimers:
         if not served:
             return {"forwards": len(self.forwards), "decode_graph_forwards": 0}
         rows = [self.parts(f) for f in served]
-        # the logits ladder's replay is the only ladder replay besides the decode graph's; the
-        # staging is what _replay does before the decode graphs (ids, positions, the tail)
-        for row in rows:
-            row["logits"] = row["ladder replay"]
-            row["staging"] = row["_replay"] - row["decode graphs"] - row["ladder replay"]
         out = {"forwards": len(self.forwards), "decode_graph_forwards": len(served),
                "requests_median": statistics.median(f["n"] for f in served),
                "median_us": {}, "p10_us": {}, "p90_us": {}}  # fmt: skip

@@ -19,6 +19,7 @@ from . import (
     report_breaks,
     report_cb_decode,
     report_cb_host,
+    report_decode_forward,
     report_decode_step,
     report_earlier,
     report_prefill,
@@ -97,6 +98,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
         + [*report_decode_step.FLOOR_FILES, *report_decode_step.FLOOR_BEFORE_FILES]
         + [report_decode_step.DECODE_GEMM_FILE, *report_decode_step.FIRST_CALL_FILES]
+        + [name for name, *_ in report_decode_forward.FILES]
+        + [name for name, *_ in report_decode_forward.GATHER_FILES]
         + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
@@ -222,6 +225,12 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         probe = load(report_decode_step.DECODE_GEMM_FILE)
         before = [d for name in report_decode_step.FLOOR_BEFORE_FILES if (d := load(name))]
         blocks.append(report_decode_step.floor_section(floors, probe, before))
+    forward_runs = [(d, *rest) for name, *rest in report_decode_forward.FILES
+                    if (d := load(name)) is not None]  # fmt: skip
+    if forward_runs:
+        gather_runs = [(d, *rest) for name, *rest in report_decode_forward.GATHER_FILES
+                       if (d := load(name)) is not None]  # fmt: skip
+        blocks.append(report_decode_forward.section(forward_runs, gather_runs))
     first_calls = [d for name in report_decode_step.FIRST_CALL_FILES if (d := load(name))]
     warm_runs = [d for name in report_decode_step.WARM_KERNELS_FILES if (d := load(name))]
     if len(first_calls) == 2 and len(warm_runs) == 2:

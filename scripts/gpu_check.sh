@@ -53,6 +53,10 @@
 # docs/testing.md, ~4-5 min with -n 4 (STRESS_ARGS replaces "-n 4 -m requires_cuda tests",
 # STRESS_TIMEOUT 420 s); writes stress.log, stress-times.txt and its .failures; run it with
 # SKIP_TESTS=1 SKIP_PREFILL=1 SKIP_CB=1 SKIP_OVERHEAD=1 SKIP_ANATOMY=1),
+# RUN_FORWARD_PARTS=REV (breakgraph's forward of a pure-decode CB step, part by part on the host:
+# benchmarks/decode_forward_probe.py, git revision REV (in /tmp/breakgraph-before-forward) and
+# this tree, one process each in turn, ~25 s a process; writes forward-{before,now}-N.json, see
+# report_decode_forward.FILES),
 # RUN_SPLIT_AB=1 (paged_decode's kernels with a compile-time split count against one pair for
 # every count, in turn, warm_up's compile first on an empty Triton cache:
 # benchmarks/split_kernel_ab.py, ~70 s; carry .device/paged_decode_before.py, written here by
@@ -99,7 +103,7 @@
 # test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
-# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1,
+# RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
 # RUN_STRESS 3 (skip other sections
 # to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
@@ -304,6 +308,19 @@ if [ -n "${RUN_STRESS:-}" ]; then  # the CUDA tests under a busy GPU (docs/testi
     python3 -m pytest -q -rfEsxX -p pytest_timing -p no:cacheprovider ${STRESS_ARGS:--n 4 -m requires_cuda tests} \
     > "$OUT/stress.log" 2>&1 || status=1
   echo "[stress: $((SECONDS - t)) s] $(tail -1 "$OUT/stress.log")" | tee -a "$LOG"
+fi
+if [ -n "${RUN_FORWARD_PARTS:-}" ]; then  # the decode forward's host parts, REV against this tree
+  before=/tmp/breakgraph-before-forward
+  rm -rf "$before" && mkdir -p "$before"
+  git archive "$RUN_FORWARD_PARTS" breakgraph integrations pyproject.toml | tar -x -C "$before"
+  for turn in 1 2; do
+    for tree in now before; do
+      first=""; [ "$tree" = before ] && first="sys.path.insert(0, '$before'); "
+      timeout 150 python3 -c "import sys; ${first}from benchmarks.decode_forward_probe import main; sys.exit(main())" \
+        --passes 2 --out "$OUT/forward-$tree-$turn.json" 2>&1 | grep -E "^(llama|qwen)" | sed "s/^/[$tree $turn] /" \
+        | tee -a "$LOG" || status=1
+    done
+  done
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
   python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/benchmarks --benchmark-only \
