@@ -244,3 +244,17 @@ def busy_gpu(threads: int = 2):
             stream.synchronize()  # the backlog is this test's, not the next one's
     if errors:
         raise RuntimeError(f"busy_gpu: a thread of the load failed: {errors[0]!r}")
+
+
+def needs_continuous_batching():
+    """A ``skipif`` marker for tests of breakgraph's continuous batching: skipped where the
+    installed transformers lacks what the integration reads (the integration's own probe, no
+    version string), saying what is missing. Call it after ``pytest.importorskip("transformers")``.
+    """
+    import transformers
+    from breakgraph.integrations.transformers import compat
+
+    return pytest.mark.skipif(
+        not compat.supported("continuous_batching"),
+        reason=f"transformers {transformers.__version__}: {compat.problems('continuous_batching')}",
+    )

@@ -27,13 +27,13 @@ from benchmarks import (  # noqa: E402
     report_cb_host,
     roofline,
 )
-from tests.helpers import no_full_collections_in_cb_cleanup  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    needs_continuous_batching,
+    no_full_collections_in_cb_cleanup,
+)
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
-needs_cb = pytest.mark.skipif(
-    not compat.supported("continuous_batching"),
-    reason=f"transformers {transformers.__version__}: {compat.problems('continuous_batching')}",
-)
+needs_cb = needs_continuous_batching()
 
 SHAPE = roofline.Shape(layers=2, heads=4, kv_heads=2, head_dim=16, dense_params=1000,
                        expert_params=800, experts=8, top_k=2, head_params=500,

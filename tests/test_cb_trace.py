@@ -13,16 +13,15 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from breakgraph.integrations.transformers import compat  # noqa: E402
 
 from benchmarks import cb_trace  # noqa: E402
-from tests.helpers import no_full_collections_in_cb_cleanup  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    needs_continuous_batching,
+    no_full_collections_in_cb_cleanup,
+)
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
-needs_cb = pytest.mark.skipif(
-    not compat.supported("continuous_batching"),
-    reason=f"transformers {transformers.__version__}: {compat.problems('continuous_batching')}",
-)
+needs_cb = needs_continuous_batching()
 
 
 def _x(name, cat, ts, dur):

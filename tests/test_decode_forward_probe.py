@@ -9,15 +9,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from breakgraph.integrations.transformers import compat  # noqa: E402
 
 from benchmarks import cb_prep_profile, decode_forward_probe  # noqa: E402
+from tests.helpers import needs_continuous_batching  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
-needs_cb = pytest.mark.skipif(
-    not compat.supported("continuous_batching"),
-    reason=f"transformers {transformers.__version__}: {compat.problems('continuous_batching')}",
-)
+needs_cb = needs_continuous_batching()
 
 
 @needs_cb

@@ -17,12 +17,10 @@ from breakgraph.integrations.transformers import compat, index_lists  # noqa: E4
 from breakgraph.integrations.transformers.index_lists import NumpyLists  # noqa: E402
 
 from breakgraph.patches import PatchSet  # noqa: E402
+from tests.helpers import needs_continuous_batching  # noqa: E402
 
 pytestmark = pytest.mark.transformers
-needs_cb = pytest.mark.skipif(
-    not compat.supported("continuous_batching"),
-    reason=f"transformers {transformers.__version__}: {compat.problems('continuous_batching')}",
-)
+needs_cb = needs_continuous_batching()
 
 
 def test_docstring_examples():
