@@ -42,6 +42,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     decode_graph,
     enable_continuous_batching,
     index_lists,
+    step_inputs,
 )
 from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
 from breakgraph.integrations.transformers.experts import EXPERTS_KEY  # noqa: E402
@@ -521,28 +522,28 @@ def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monk
 @needs_cb
 def test_every_step_stages_its_inputs_in_one_copy_and_keeps_the_tails_zero(monkeypatch):
     """Each replayed step's static buffers hold its ids and positions, staged in one copy
-    (transformers keeps them as two rows of one tensor: ``cb_step.rows_of_one``; without it two
+    (transformers keeps them as two rows of one tensor: ``step_inputs.rows_of_one``; without it two
     copies would serve, only slower), and zeros past them (as are the logits' row index's), as
     when each step zeroed its whole tail; a step pays for a zeroing only where it shrank."""
     steps, zeroings = [], []
-    replay, zero_tail = cb_step.StepRunner._replay, cb_step.StepRunner._zero_tail
+    replay, zero_tail = cb_step.StepRunner._replay, step_inputs.StepInputs._zero_tail
 
     def checked(runner, bucket, ids, positions, keep, n, rows):
-        steps.append((n, cb_step.rows_of_one(ids, positions) is not None))
+        steps.append((n, step_inputs.rows_of_one(ids, positions) is not None))
         out = replay(runner, bucket, ids, positions, keep, n, rows)
-        inputs = runner._inputs[bucket]
+        inputs = runner.inputs.tokens[bucket]
         assert inputs[0, :n].equal(ids[0].long()) and inputs[1, :n].equal(positions[0].long())
-        index = runner._rows[runner.logits.choose(rows).bucket]
+        index = runner.inputs.rows[runner.logits.choose(rows).bucket]
         assert not inputs[:, n:].any() and not index[rows:].any(), (bucket, n, rows)
         return out
 
     inside = []
 
-    def counted(runner, buffer, bucket, n):
+    def counted(inputs, buffer, bucket, n):
         zeroings.append(0)
         inside.append(True)
         try:
-            return zero_tail(runner, buffer, bucket, n)
+            return zero_tail(inputs, buffer, bucket, n)
         finally:
             inside.pop()
 
@@ -552,7 +553,7 @@ def test_every_step_stages_its_inputs_in_one_copy_and_keeps_the_tails_zero(monke
         return tensor.fill_(0)
 
     monkeypatch.setattr(cb_step.StepRunner, "_replay", checked)
-    monkeypatch.setattr(cb_step.StepRunner, "_zero_tail", counted)
+    monkeypatch.setattr(step_inputs.StepInputs, "_zero_tail", counted)
     monkeypatch.setattr(torch.Tensor, "zero_", zero)
     model = build_model("llama")
     prompts = random_prompts(seed=21, lengths=(30, 2, 11, 7, 19))

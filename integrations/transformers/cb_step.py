@@ -17,8 +17,8 @@ step with the step's packed query tokens and paged-attention metadata. While
   about as many rows as it has requests, not one per token. Under tensor parallelism the
   ``lm_head`` all-gather stays inside a graph too.
 
-The step's inputs are copied into the buckets' static buffers (one or two small copies, and
-one more that zeroes a tail where the step shrank: :meth:`StepRunner._zero_tail`) and the
+The step's inputs are copied into the buckets' static buffers (:mod:`.step_inputs`: one or
+two small copies, a third where the step shrank) and the
 logits come back as a fresh fp32 tensor (what transformers' ``.float()`` would make), so the
 next step can reuse graph memory at once. Every bucket is captured before serving (when a
 manager is created), with a fake one-sequence step that touches no cache. A pure-decode step
@@ -62,12 +62,12 @@ from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, attention_heads, default_query_buckets, layer_attention
 from .paged_decode import default_splits, fits, paged_decode, query_rows, triton_available, warm_up
+from .step_inputs import StepInputs
 from .tensor_parallel import graph_safe_tensor_parallel
 
 logger = logging.getLogger("breakgraph")
 
-__all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention",
-           "rows_of_one"]
+__all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_attention"]
 
 #: The attention key a model holds while continuous batching is enabled (a plain key: from
 #: transformers 5.19 the ``paged|`` prefix is stripped, and any key but its own is refused).
@@ -176,27 +176,6 @@ class CBStep:
         if self._q_bounds is None:
             self._q_bounds = _bounds(self.cu_q)
         return self._q_bounds
-
-
-def rows_of_one(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
-    """``first`` and ``second`` (``[1, n]`` each) as one ``[2, n]`` view where they are rows of
-    one tensor, ``second`` after ``first`` (transformers keeps a step's ids and positions as two
-    rows of one bulk tensor), so that one copy stages both; None where they are not.
-
-    >>> bulk = torch.arange(12).view(3, 4)
-    >>> rows_of_one(bulk[0, :3].unsqueeze(0), bulk[2, :3].unsqueeze(0)).tolist()
-    [[0, 1, 2], [8, 9, 10]]
-    >>> rows_of_one(torch.zeros(1, 3), torch.zeros(1, 3)) is None
-    True
-    """
-    n = first.shape[-1]
-    if (first.dtype != second.dtype or second.shape[-1] != n or first.stride(-1) != 1
-            or second.stride(-1) != 1 or first.device != second.device):  # fmt: skip
-        return None
-    apart = second.storage_offset() - first.storage_offset()
-    if apart < n or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
-        return None
-    return first.as_strided((2, n), (apart, 1))
 
 
 def _bounds(cu: torch.Tensor) -> list:
@@ -386,11 +365,7 @@ class StepRunner:
         self.logits = GraphLadder(**options)
         self.ranks = ranks
         self.debug = debug
-        self._inputs: dict[int, torch.Tensor] = {}  # query bucket -> [2, B] ids and positions
-        self._rows: dict[int, torch.Tensor] = {}  # logits bucket -> [L] row index
-        #: (buffer address, bucket) -> the columns of that static buffer a step may have left
-        #: non-zero (:meth:`_zero_tail`)
-        self._written: dict[tuple[int, int], int] = {}
+        self.inputs = StepInputs(self.device)  # the graphs' static ids, positions, row indices
         self._hidden: torch.Tensor | None = None  # [1, largest bucket, hidden]
         self._lock = threading.Lock()
         self._event = torch.cuda.Event() if self.tokens.backend == "cuda" else None
@@ -470,9 +445,7 @@ class StepRunner:
                 self._hidden = torch.zeros(
                     1, sizes[-1], hidden_size, dtype=self.lm_head.weight.dtype, device=self.device
                 )
-                for size in sizes:
-                    self._inputs[size] = torch.zeros(2, size, dtype=torch.long, device=self.device)
-                    self._rows[size] = torch.zeros(size, dtype=torch.long, device=self.device)
+            self.inputs.allocate(sizes)
             # the ladders capture thread-local: other managers may be stepping other models on
             # other threads meanwhile
             with torch.no_grad(), self.tokens.capture_window(), self.logits.capture_window():
@@ -507,12 +480,12 @@ class StepRunner:
         return out.last_hidden_state
 
     def _record_tokens(self, bucket: int) -> None:
-        inputs = self._inputs[bucket]
+        inputs = self.inputs.tokens[bucket]
         hidden = self._decoder(inputs[0:1], inputs[1:2])
         self._hidden[:, :bucket].copy_(hidden)
 
     def _record_logits(self, rows: int) -> torch.Tensor:
-        return self.lm_head(self._hidden.index_select(1, self._rows[rows]))
+        return self.lm_head(self._hidden.index_select(1, self.inputs.rows[rows]))
 
     # -- serving -------------------------------------------------------------------------------
     def graphs_off(self, manager) -> None:
@@ -552,14 +525,7 @@ class StepRunner:
         return self._output(logits=logits)
 
     def _replay(self, bucket: int, ids, positions, keep, n: int, rows: int) -> torch.Tensor:
-        inputs = self._inputs[bucket]
-        both = rows_of_one(ids, positions)
-        if both is not None:  # transformers' bulk tensor: one copy stages both
-            inputs[:, :n].copy_(both)
-        else:
-            inputs[0, :n].copy_(ids[0])
-            inputs[1, :n].copy_(positions[0])
-        self._zero_tail(inputs, bucket, n)  # the tail: defined ids and positions
+        self.inputs.stage(bucket, ids, positions, n)
         step = self.step
         decode = self.decode is not None and step.pure_decode
         if decode and self.decode.replay(step, bucket, n, self.tokens.buckets[-1]):
@@ -570,23 +536,8 @@ class StepRunner:
                 self.block_table_steps["break"] += 1
             self.tokens.replay(bucket, step, size=n)
         rows_bucket = self.logits.choose(rows).bucket
-        index = self._rows[rows_bucket]
-        if isinstance(keep, torch.Tensor):
-            index[:rows].copy_(keep)
-        else:
-            torch.arange(rows, out=index[:rows])
-        self._zero_tail(index, rows_bucket, rows)
+        self.inputs.stage_rows(rows_bucket, keep, rows)
         return self.logits.replay(rows_bucket, None, size=rows)[:, :rows]
-
-    def _zero_tail(self, buffer: torch.Tensor, bucket: int, n: int) -> None:
-        """Zero ``buffer``'s columns from ``n`` on (its last dimension) where an earlier step
-        wrote them: the tail of every static input buffer stays zero (defined ids, positions
-        and rows) at one device operation per step that shrank, none otherwise."""
-        key = (buffer.data_ptr(), bucket)
-        written = self._written.get(key, bucket)  # unknown: all of it
-        if written > n:
-            buffer[..., n:written].zero_()
-        self._written[key] = n
 
     def _eager(self, ids, positions, keep, n: int) -> torch.Tensor:
         with breakgraph.context_scope(self.step):
@@ -623,9 +574,7 @@ class StepRunner:
             self.logits.close()
             if self.decode is not None:
                 self.decode.close()
-            self._inputs.clear()
-            self._rows.clear()
-            self._written.clear()
+            self.inputs.clear()
             self._hidden = None
 
 

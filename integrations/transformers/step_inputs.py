@@ -1,0 +1,108 @@
+"""A CB step's static inputs: what the step runner's graphs read, and each step's copy into it.
+
+The query-token graphs read ``[2, B]`` ids and positions per bucket ``B``, the logits graphs a
+``[L]`` row index per bucket ``L`` (:mod:`.cb_step`). Every step copies its values in before
+a replay, on the hot path, so the staging costs as few device operations as it can:
+
+* transformers keeps a step's ids and positions as two rows of one bulk tensor; where they are
+  (:func:`rows_of_one`), one copy stages both;
+* a buffer's tail (past the step's ``n`` columns) must hold defined values (zeros) for the
+  padded rows; it is zeroed only where an earlier step wrote past ``n``, so steps of steady or
+  growing size pay nothing for it.
+
+Example (a bulk tensor as transformers lays it out: ids, then positions)::
+
+    >>> inputs = StepInputs(torch.device("cpu"))
+    >>> inputs.allocate([4, 8])
+    >>> bulk = torch.arange(20).view(2, 10)
+    >>> inputs.stage(8, bulk[0, :3][None], bulk[1, :3][None], 3).tolist()
+    [[0, 1, 2, 0, 0, 0, 0, 0], [10, 11, 12, 0, 0, 0, 0, 0]]
+    >>> inputs.stage_rows(4, torch.tensor([2, 0]), 2).tolist()
+    [2, 0, 0, 0]
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["StepInputs", "rows_of_one"]
+
+
+class StepInputs:
+    """The static ids-and-positions buffers of every query bucket (:attr:`tokens`) and row
+    indices of every logits bucket (:attr:`rows`), allocated once (:meth:`allocate`). Not
+    thread-safe: the step runner stages under its lock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tokens: dict[int, torch.Tensor] = {}  # query bucket -> [2, B] ids and positions
+        self.rows: dict[int, torch.Tensor] = {}  # logits bucket -> [L] row index
+        #: (buffer address, bucket) -> the columns of that buffer a step may have left non-zero
+        self._written: dict[tuple[int, int], int] = {}
+
+    def allocate(self, sizes) -> None:
+        """Zeroed buffers for every bucket of ``sizes`` (the same sizes serve both ladders)."""
+        with torch.inference_mode(False):
+            for size in sizes:
+                self.tokens[size] = torch.zeros(2, size, dtype=torch.long, device=self.device)
+                self.rows[size] = torch.zeros(size, dtype=torch.long, device=self.device)
+
+    def stage(self, bucket: int, ids: torch.Tensor, positions: torch.Tensor, n: int):
+        """Copy the step's ``ids`` and ``positions`` (``[1, n]`` each) into ``bucket``'s buffer,
+        zeros after them; returns the buffer."""
+        tokens = self.tokens[bucket]
+        both = rows_of_one(ids, positions)
+        if both is not None:  # transformers' bulk tensor: one copy stages both
+            tokens[:, :n].copy_(both)
+        else:
+            tokens[0, :n].copy_(ids[0])
+            tokens[1, :n].copy_(positions[0])
+        self._zero_tail(tokens, bucket, n)
+        return tokens
+
+    def stage_rows(self, bucket: int, keep, rows: int) -> torch.Tensor:
+        """The logits rows to keep (a tensor of ``rows`` indices, or None: the first ``rows``)
+        into ``bucket``'s row index, zeros after them; returns the index."""
+        index = self.rows[bucket]
+        if isinstance(keep, torch.Tensor):
+            index[:rows].copy_(keep)
+        else:
+            torch.arange(rows, out=index[:rows])
+        self._zero_tail(index, bucket, rows)
+        return index
+
+    def clear(self) -> None:
+        """Release every buffer (the runner's ``close``)."""
+        self.tokens.clear()
+        self.rows.clear()
+        self._written.clear()
+
+    def _zero_tail(self, buffer: torch.Tensor, bucket: int, n: int) -> None:
+        """Zero ``buffer``'s columns from ``n`` on (its last dimension) where an earlier step
+        wrote them: one device operation for a step that shrank, none otherwise."""
+        key = (buffer.data_ptr(), bucket)
+        written = self._written.get(key, bucket)  # unknown: all of it
+        if written > n:
+            buffer[..., n:written].zero_()
+        self._written[key] = n
+
+
+def rows_of_one(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """``first`` and ``second`` (``[1, n]`` each) as one ``[2, n]`` view where they are rows of
+    one tensor, ``second`` after ``first`` (transformers keeps a step's ids and positions as two
+    rows of one bulk tensor), so that one copy stages both; None where they are not.
+
+    >>> bulk = torch.arange(12).view(3, 4)
+    >>> rows_of_one(bulk[0, :3].unsqueeze(0), bulk[2, :3].unsqueeze(0)).tolist()
+    [[0, 1, 2], [8, 9, 10]]
+    >>> rows_of_one(torch.zeros(1, 3), torch.zeros(1, 3)) is None
+    True
+    """
+    n = first.shape[-1]
+    if (first.dtype != second.dtype or second.shape[-1] != n or first.stride(-1) != 1
+            or second.stride(-1) != 1 or first.device != second.device):  # fmt: skip
+        return None
+    apart = second.storage_offset() - first.storage_offset()
+    if apart < n or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+        return None
+    return first.as_strided((2, n), (apart, 1))
