@@ -9,12 +9,12 @@ functions the forward calls with wall-clock timers, for the pure-decode forwards
 
 * ``refill``: the step's views of transformers' tensors (``CBStep.refill``);
 * ``decide``: the query-token ladder's bucket decision;
-* ``staging``: the ids and positions into the bucket's buffers (the rest of ``_replay`` before
-  the decode graphs);
+* ``staging``: the ids and positions into the bucket's buffer, its tail, and the logits' row
+  index (the rest of ``_replay``: ``StepInputs.stage`` and ``stage_rows``);
 * ``decode fill``: the table and key offsets into the decode graph's buffers;
 * ``decode replay``: the decode graph's ladder replay (its launch);
 * ``decode other``: the rest of ``DecodeGraphs.replay`` (layout lookup, checks);
-* ``logits``: the logits ladder's row index and replay (the rest of ``_replay``);
+* ``logits``: the logits ladder's replay;
 * ``fp32 copy``: the logits to a fresh fp32 tensor (``Tensor.to``, timed while the forward
   runs);
 * ``output``: the rest of ``forward`` (the lock, releasing the step, the output object).
@@ -53,7 +53,8 @@ PARTS = ("refill", "decide", "staging", "decode fill", "decode replay", "decode 
 
 
 class ForwardTimers:
-    """Per pure-decode forward: seconds in each wrapped function (outermost calls)."""
+    """Per pure-decode forward: seconds in each wrapped function, summed over its calls (none
+    of them calls itself)."""
 
     def __init__(self) -> None:
         self.forwards: list[dict] = []

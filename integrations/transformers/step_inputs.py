@@ -51,24 +51,24 @@ class StepInputs:
         """Copy the step's ``ids`` and ``positions`` (``[1, n]`` each) into ``bucket``'s buffer,
         zeros after them; returns the buffer."""
         tokens = self.tokens[bucket]
+        self._zero_tail(tokens, bucket, n)  # first: a copy that fails leaves no stale tail
         both = rows_of_one(ids, positions)
         if both is not None:  # transformers' bulk tensor: one copy stages both
             tokens[:, :n].copy_(both)
         else:
             tokens[0, :n].copy_(ids[0])
             tokens[1, :n].copy_(positions[0])
-        self._zero_tail(tokens, bucket, n)
         return tokens
 
     def stage_rows(self, bucket: int, keep, rows: int) -> torch.Tensor:
         """The logits rows to keep (a tensor of ``rows`` indices, or None: the first ``rows``)
         into ``bucket``'s row index, zeros after them; returns the index."""
         index = self.rows[bucket]
+        self._zero_tail(index, bucket, rows)
         if isinstance(keep, torch.Tensor):
             index[:rows].copy_(keep)
         else:
             torch.arange(rows, out=index[:rows])
-        self._zero_tail(index, bucket, rows)
         return index
 
     def clear(self) -> None:
@@ -97,12 +97,17 @@ def rows_of_one(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | Non
     [[0, 1, 2], [8, 9, 10]]
     >>> rows_of_one(torch.zeros(1, 3), torch.zeros(1, 3)) is None
     True
+    >>> rows = torch.arange(8).numpy()   # two storages at one address, the first too short
+    >>> rows_of_one(torch.from_numpy(rows[:3])[None], torch.from_numpy(rows)[None, 4:7]) is None
+    True
     """
     n = first.shape[-1]
     if (first.dtype != second.dtype or second.shape[-1] != n or first.stride(-1) != 1
             or second.stride(-1) != 1 or first.device != second.device):  # fmt: skip
         return None
     apart = second.storage_offset() - first.storage_offset()
-    if apart < n or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
-        return None
+    storage = first.untyped_storage()
+    if (apart < n or storage.data_ptr() != second.untyped_storage().data_ptr()
+            or storage.nbytes() < (first.storage_offset() + apart + n) * first.element_size()):
+        return None  # not one storage (two may start at one address), or not two whole rows
     return first.as_strided((2, n), (apart, 1))
