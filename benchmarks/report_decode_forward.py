@@ -97,6 +97,9 @@ def section(runs: list, gather_runs: list = ()) -> str:
         if both else "-"
     )  # fmt: skip
     one = next(iter(_parts(first).values()))
+    output_share = [data["models"][m]["median_us"]["output"] / p["forward"]
+                    for data, tree, *_ in runs if tree == "now"
+                    for m, p in _parts(data).items()]  # fmt: skip
     saved = lambda key: pct(1 - statistics.median(  # noqa: E731
         v for (k, _, tree), values in rel.items() if k == key and tree == "now" for v in values
     ) / statistics.median(
@@ -115,6 +118,7 @@ def section(runs: list, gather_runs: list = ()) -> str:
         order=order,
         staging_saved=saved("staging_rel"),
         forward_saved=saved("forward_rel"),
+        output_share=f"{pct(min(output_share))}–{pct(max(output_share))}",
         new_tokens=first["settings"]["new_tokens"],
         passes=first["settings"]["passes"],
         min_requests=first["settings"]["min_requests"],
