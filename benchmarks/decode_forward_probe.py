@@ -15,9 +15,14 @@ functions the forward calls with wall-clock timers, for the pure-decode forwards
 * ``decode replay``: the decode graph's ladder replay (its launch);
 * ``decode other``: the rest of ``DecodeGraphs.replay`` (layout lookup, checks);
 * ``logits``: the logits ladder's replay;
-* ``fp32 copy``: the logits to a fresh fp32 tensor (``Tensor.to``, timed while the forward
-  runs);
-* ``output``: the rest of ``forward`` (the lock, releasing the step, the output object).
+* ``fp32 copy``: the logits to a fresh fp32 tensor (``Tensor.to``);
+* ``stream order``: the event that orders steps issued on different streams, waited on and
+  recorded every step (``torch.cuda.current_stream``, ``Stream.wait_event``, ``Event.record``;
+  CUDA only);
+* ``output object``: the ``CausalLMOutputWithPast`` the forward returns;
+* ``output``: the rest of ``forward`` (the lock, releasing the step, the checks).
+
+The last four are timed where ``forward`` calls them itself, not inside the other parts.
 
 The timers add a wrapper call per part (about a microsecond each, counted in the parts). Also
 the pure-decode step's wall time (``cb_instruments.decode_window``: the median interval
@@ -49,7 +54,9 @@ if __package__ in (None, ""):  # python benchmarks/decode_forward_probe.py
 MODELS = ("llama3-8b-4l", "qwen2.5-3b-12l")
 MIN_REQUESTS = 32
 PARTS = ("refill", "decide", "staging", "decode fill", "decode replay", "decode other",
-         "logits", "fp32 copy", "output")  # fmt: skip
+         "logits", "fp32 copy", "stream order", "output object", "output")  # fmt: skip
+#: the parts timed only where the forward calls them itself (no other timed part running)
+TOP_LEVEL = ("fp32 copy", "stream order", "output object")
 
 
 class ForwardTimers:
@@ -59,20 +66,23 @@ class ForwardTimers:
     def __init__(self) -> None:
         self.forwards: list[dict] = []
         self.current: dict | None = None
+        self.active = 0  # timed calls running now (nested ones included)
 
     def wrap(self, function, name: str):
-        timers = self
+        timers, top_level = self, name in TOP_LEVEL
 
         @functools.wraps(function)
         def timed(*args, **kwargs):
             current = timers.current
-            if current is None:
+            if current is None or (top_level and timers.active):
                 return function(*args, **kwargs)
+            timers.active += 1
             begin = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
                 current[name] = current.get(name, 0.0) + time.perf_counter() - begin
+                timers.active -= 1
 
         return timed
 
@@ -82,10 +92,13 @@ class ForwardTimers:
         from breakgraph.ladder import GraphLadder
 
         runner_forward = cb_step.StepRunner.forward
-        timers = self
+        timers, wrapped_outputs = self, set()
 
         @functools.wraps(runner_forward)
         def forward(runner, **kwargs):
+            if id(runner) not in wrapped_outputs:  # the runner's own attribute: once per runner
+                wrapped_outputs.add(id(runner))
+                patches.attribute(runner, "_output", timers.wrap(runner._output, "output object"))
             names = runner.names
             n = kwargs[names.input_ids].shape[-1]
             decode = kwargs[names.max_q] == 1 and n >= MIN_REQUESTS
@@ -108,6 +121,9 @@ class ForwardTimers:
             (decode_graph.DecodeGraphs, "replay", "decode graphs"),
             (decode_graph.DecodeBuffers, "fill", "decode fill"),
             (torch.Tensor, "to", "fp32 copy"),
+            (torch.cuda, "current_stream", "stream order"),
+            (torch.cuda.Stream, "wait_event", "stream order"),
+            (torch.cuda.Event, "record", "stream order"),
         ):  # fmt: skip
             function = vars(owner).get(name) or getattr(owner, name)  # Tensor.to: inherited
             patches.attribute(owner, name, self.wrap(function, part))
@@ -119,11 +135,13 @@ class ForwardTimers:
             if current is None:
                 return ladder_replay(ladder, *args, **kwargs)
             part = "decode replay" if "decode graphs" in ladder.who else "ladder replay"
+            timers.active += 1
             begin = time.perf_counter()
             try:
                 return ladder_replay(ladder, *args, **kwargs)
             finally:
                 current[part] = current.get(part, 0.0) + time.perf_counter() - begin
+                timers.active -= 1
 
         patches.attribute(GraphLadder, "replay", replay)
 
@@ -142,8 +160,10 @@ class ForwardTimers:
             "decode other": graphs - get("decode fill") - get("decode replay"),
             "logits": logits,
             "fp32 copy": get("fp32 copy"),
+            "stream order": get("stream order"),
+            "output object": get("output object"),
             "output": (get("forward") - get("_replay") - get("refill") - get("decide")
-                       - get("fp32 copy")),  # fmt: skip
+                       - sum(get(part) for part in TOP_LEVEL)),  # fmt: skip
             "forward": get("forward"),
         }
 
