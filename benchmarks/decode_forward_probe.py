@@ -22,7 +22,8 @@ functions the forward calls with wall-clock timers, for the pure-decode forwards
 * ``output object``: the ``CausalLMOutputWithPast`` the forward returns;
 * ``output``: the rest of ``forward`` (the lock, releasing the step, the checks).
 
-The last four are timed where ``forward`` calls them itself, not inside the other parts.
+The fp32 copy, the stream order and the output object are timed only where ``forward`` calls
+them itself, not inside the other parts.
 
 The timers add a wrapper call per part (about a microsecond each, counted in the parts). Also
 the pure-decode step's wall time (``cb_instruments.decode_window``: the median interval
