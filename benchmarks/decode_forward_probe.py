@@ -16,9 +16,9 @@ functions the forward calls with wall-clock timers, for the pure-decode forwards
 * ``decode other``: the rest of ``DecodeGraphs.replay`` (layout lookup, checks);
 * ``logits``: the logits ladder's replay;
 * ``fp32 copy``: the logits to a fresh fp32 tensor (``Tensor.to``);
-* ``stream order``: the event that orders steps issued on different streams, waited on and
-  recorded every step (``torch.cuda.current_stream``, ``Stream.wait_event``, ``Event.record``;
-  CUDA only);
+* ``stream order``: what orders steps issued on different streams (``StepOrder.follow``: the
+  current stream, a wait where it changed; CUDA only; before it, an event waited on and
+  recorded every step);
 * ``output object``: the ``CausalLMOutputWithPast`` the forward returns;
 * ``output``: the rest of ``forward`` (the lock, releasing the step, the checks).
 
@@ -34,6 +34,7 @@ compare two trees, run it once per tree (``PYTHONPATH`` pointing at the other tr
     source scripts/setup_device.sh
     python3 -m benchmarks.decode_forward_probe --out "$OUT/decode-forward-probe.json"
 
+It first times single operations of the kind the forward is made of (:func:`time_operations`).
 Without CUDA it says so and exits 0.
 """
 
@@ -122,9 +123,7 @@ class ForwardTimers:
             (decode_graph.DecodeGraphs, "replay", "decode graphs"),
             (decode_graph.DecodeBuffers, "fill", "decode fill"),
             (torch.Tensor, "to", "fp32 copy"),
-            (torch.cuda, "current_stream", "stream order"),
-            (torch.cuda.Stream, "wait_event", "stream order"),
-            (torch.cuda.Event, "record", "stream order"),
+            (cb_step.StepOrder, "follow", "stream order"),
         ):  # fmt: skip
             function = vars(owner).get(name) or getattr(owner, name)  # Tensor.to: inherited
             patches.attribute(owner, name, self.wrap(function, part))
@@ -182,6 +181,63 @@ class ForwardTimers:
             out["p10_us"][key] = values[len(values) // 10]
             out["p90_us"][key] = values[(9 * len(values)) // 10]
         return out
+
+
+def time_operations(device: torch.device, repeats: int = 2000) -> dict:
+    """The host's time (µs, the median of ``repeats`` calls, a hundred calls each) for each
+    single operation the forward is made of, on a pure-decode step's sizes (64 requests in a
+    bucket of 96, transformers' int32 bulk tensor, a 32000-word vocabulary): what a view, a
+    copy, a stream lookup or the output object costs this host, to weigh a lever before
+    building it. Nothing in flight: the GPU keeps up with these small operations."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    cuda = device.type == "cuda"
+    n, bucket = 64, 96
+    bulk = torch.zeros(7, 2080, dtype=torch.int32, device=device)  # transformers' layout
+    tokens = torch.zeros(2, bucket, dtype=torch.long, device=device)
+    table = torch.zeros(bucket, 64, dtype=torch.int32, device=device)
+    live_table = torch.zeros(2, 512, 64, dtype=torch.int32, device=device)
+    cu_k = torch.zeros(bucket + 1, dtype=torch.int32, device=device)
+    both, dst, last = bulk[0:2, :n], tokens[:, :n], bulk[4, n : n + 1]
+    logits = torch.zeros(1, n, 32000, dtype=torch.bfloat16, device=device)
+    lock = __import__("threading").Lock()
+
+    def locked():
+        with lock, torch.no_grad():
+            pass
+
+    operations = {
+        "2-d slice (tokens[:, :n])": lambda: tokens[:, :n],
+        "1-d slice (cu_k[:n + 1])": lambda: cu_k[: n + 1],
+        "copy int32 [2, n] into int64": lambda: dst.copy_(both),
+        "copy int32 [n, 64] table rows": lambda: table[:n].copy_(live_table[0, :n]),
+        "copy int32 [n + 1], same dtype": lambda: cu_k[: n + 1].copy_(bulk[4, : n + 1]),
+        "expand and copy (padded tail)": lambda: cu_k[n + 1 :].copy_(last.expand(bucket - n)),
+        "zero a tail": lambda: tokens[:, n:].zero_(),
+        "fp32 copy of the logits (Tensor.to)": lambda: logits.to(torch.float32, copy=True),
+        "output object (CausalLMOutputWithPast)": lambda: CausalLMOutputWithPast(logits=logits),
+        "lock and no_grad": locked,
+    }  # fmt: skip
+    if cuda:
+        event = torch.cuda.Event()
+        operations.update({
+            "torch.cuda.current_stream()": torch.cuda.current_stream,
+            "event wait and record": lambda: (torch.cuda.current_stream().wait_event(event),
+                                              event.record()),
+            "stream comparison": lambda: torch.cuda.current_stream() != event,
+        })  # fmt: skip
+    out = {}
+    for name, operation in operations.items():
+        samples = []
+        for _ in range(max(1, repeats // 100)):
+            begin = time.perf_counter()
+            for _ in range(100):
+                operation()
+            samples.append((time.perf_counter() - begin) / 100 * 1e6)
+        if cuda:
+            torch.cuda.synchronize()
+        out[name] = statistics.median(samples)
+    return out
 
 
 def run_model(name: str, new_tokens: int, asynchronous: bool, passes: int) -> dict:
@@ -244,6 +300,9 @@ def main(argv=None) -> int:
                             "min_requests": MIN_REQUESTS},
                "breakgraph": os.path.dirname(os.path.dirname(breakgraph.__file__)),
                "models": {}}  # fmt: skip
+    results["operations_us"] = time_operations(torch.device("cuda"))
+    print("single operations (µs, medians): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in results["operations_us"].items()), flush=True)  # fmt: skip
     for name in args.models:
         out = run_model(name, args.new_tokens, not args.sync, args.passes)
         results["models"][name] = out

@@ -334,11 +334,30 @@ def paged_attention(
     return breakgraph.eager_on_graph(call)().unsqueeze(0), None
 
 
+class StepOrder:
+    """Orders the steps of managers that issue them on different CUDA streams: a step first
+    waits for the stream of the step before it, where that is another stream. One stream lookup
+    per step (an event waited on and recorded every step cost two more calls on the hot path);
+    steps on one stream are ordered by the stream itself."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: torch.cuda.Stream | None = None  # the stream of the step before
+
+    def follow(self) -> None:
+        """Order the step about to be issued on the current stream after the one before."""
+        stream = torch.cuda.current_stream()
+        if self.last is not None and stream != self.last:
+            stream.wait_stream(self.last)  # everything issued there so far: the step before too
+        self.last = stream
+
+
 class StepRunner:
     """One model's continuous-batching steps: two graph ladders and their static buffers.
 
-    Shared by every CB manager of the model (one step at a time: a lock, and on CUDA an
-    event that orders steps issued on different streams). ``plan`` captures the buckets
+    Shared by every CB manager of the model (one step at a time: a lock, and on CUDA a
+    :class:`StepOrder` for steps issued on different streams). ``plan`` captures the buckets
     for a manager's ``max_batch_tokens``; ``forward`` serves one step.
     """
 
@@ -368,7 +387,7 @@ class StepRunner:
         self.inputs = StepInputs(self.device)  # the graphs' static ids, positions, row indices
         self._hidden: torch.Tensor | None = None  # [1, largest bucket, hidden]
         self._lock = threading.Lock()
-        self._event = torch.cuda.Event() if self.tokens.backend == "cuda" else None
+        self._order = StepOrder() if self.tokens.backend == "cuda" else None
         self._eager_managers: weakref.WeakSet = weakref.WeakSet()  # graphs off for these
         self._eager_caches: weakref.WeakSet = weakref.WeakSet()
         # pure-decode steps as graphs without attention breaks (not under tensor parallelism;
@@ -500,8 +519,8 @@ class StepRunner:
         keep = kwargs.get(names.logits_to_keep)
         rows = keep.numel() if isinstance(keep, torch.Tensor) else n
         with self._lock, torch.no_grad():
-            if self._event is not None:  # a step another manager issued on another stream
-                torch.cuda.current_stream().wait_event(self._event)
+            if self._order is not None:  # after a step another manager issued on another stream
+                self._order.follow()
             step = self.step
             step.refill(kwargs, names, n)
             try:
@@ -520,8 +539,6 @@ class StepRunner:
             # fresh fp32 memory (what transformers' .float() makes): the next step, maybe of
             # another manager on another thread, reuses the graph's output at once
             logits = logits.to(torch.float32, copy=True)
-            if self._event is not None:
-                self._event.record()
         return self._output(logits=logits)
 
     def _replay(self, bucket: int, ids, positions, keep, n: int, rows: int) -> torch.Tensor:
