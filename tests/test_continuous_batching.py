@@ -576,6 +576,30 @@ def test_every_step_stages_its_inputs_in_one_copy_and_keeps_the_tails_zero(monke
     assert zeroings == expected_zeroings and 0 < sum(zeroings) < len(zeroings), zeroings
 
 
+def test_step_views_are_made_once_bounded_and_never_outlive_their_buffers(monkeypatch):
+    """The staging's views of static buffers are made once per key (a dispatch less per view on
+    the hot path), the cache starts again at ``VIEWS_KEPT``, and new buffers get new views."""
+    made, cache, buffer = [], {}, torch.arange(10)
+
+    def make(k):
+        made.append(k)
+        return buffer[:k]
+
+    for k in (3, 3, 4, 3):
+        assert step_inputs.view(cache, k, lambda k=k: make(k)).tolist() == list(range(k))
+    assert made == [3, 4]
+    monkeypatch.setattr(step_inputs, "VIEWS_KEPT", 2)
+    step_inputs.view(cache, 5, lambda: make(5))
+    assert made == [3, 4, 5] and list(cache) == [5]
+    inputs = step_inputs.StepInputs(torch.device("cpu"))
+    bulk = torch.randint(1, 100, (2, 6))
+    inputs.allocate([4])
+    inputs.stage(4, bulk[0, :3][None], bulk[1, :3][None], 3)
+    inputs.allocate([4])  # new buffers (as after close and a new plan)
+    staged = inputs.stage(4, bulk[0, :3][None], bulk[1, :3][None], 3)
+    assert staged is inputs.tokens[4] and staged[:, :3].equal(bulk[:, :3])
+
+
 @needs_cb
 def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
     """``compile=...``: the decoder's Dynamo frames compile once, at the largest bucket's

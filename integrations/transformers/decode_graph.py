@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from breakgraph.errors import InputError
 from breakgraph.ladder import GraphLadder, LadderStats
 from breakgraph.ladder_stats import combined
 
@@ -77,6 +78,7 @@ from .paged_decode import (
     query_rows,
     triton_available,
 )
+from .step_inputs import view
 
 __all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows"]
 
@@ -132,15 +134,20 @@ class DecodeBuffers:
             self.table = zeros(largest, padded, dtype=torch.int32) if width else {}
             self.cu_k = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.source = torch.zeros(largest, dtype=torch.long, device=device)
-            self.iota = torch.arange(largest, dtype=torch.long, device=device)
+            self.iota = torch.arange(largest + 1, dtype=torch.long, device=device)
         self._source_for: tuple[int, int] | None = None  # (n, bucket) the source holds
+        self._views: dict[tuple, torch.Tensor] = {}  # the buffers' views a step copies into
 
     def fill(self, step: Any, n: int, bucket: int, page: int = 0, rows: int = 0) -> None:
         """Copy the live step's indices in (device copies, no sync; every read index fits):
         an index-list step's write and read indices, a block-table step's table (and, for
         the emulated backend, its ``rows`` read rows, derived from the table: blocks of
-        ``page`` tokens, :mod:`.block_table`)."""
-        cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
+        ``page`` tokens, :mod:`.block_table`), and the key offsets (one gather, padding
+        included). The views it copies into are made once (:func:`.step_inputs.view`)."""
+        cu_k, views = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k, self._views
+        if cu_k.shape[0] <= n:  # before any copy; on CUDA the gather would assert on the device
+            raise InputError(f"breakgraph decode graphs: the step's key offsets hold "
+                             f"{cu_k.shape[0]} entries for {n} sequences; expected {n + 1}")
         for group, write in self.write.items():  # index-list steps
             live = step.write_index[group]
             index = step.read_index[group]
@@ -150,12 +157,17 @@ class DecodeBuffers:
                 write[n:bucket].copy_(live[:1].expand(bucket - n))
         for group, table in self.table.items():  # block-table steps
             live = step.table[group, :n]
-            table[:n, : self.width].copy_(live)
+            view(views, (group, n), lambda t=table: t[:n, : self.width]).copy_(live)
             if self.read:
                 self.read[group][:rows].copy_(read_slots(live, cu_k, page, rows))
-        self.cu_k[: n + 1].copy_(cu_k)
-        if n < bucket:  # padded sequences: no keys
-            self.cu_k[n + 1 : bucket + 1].copy_(cu_k[n:].expand(bucket - n))
+        # the key offsets, those of the padded sequences (no keys) repeating the last: one
+        # gather, through index [0, 1, .., n, n, .., n] (its bounds checked first)
+        index = view(views, ("pad", n, bucket), lambda: self.iota[: bucket + 1].clamp(max=n))
+        offsets = view(views, ("cu_k", bucket), lambda: self.cu_k[: bucket + 1])
+        if cu_k.dtype == offsets.dtype:
+            torch.index_select(cu_k, 0, index, out=offsets)
+        else:
+            offsets.copy_(cu_k.index_select(0, index))
         if self._source_for != (n, bucket):
             self.source[:n].copy_(self.iota[:n])
             self.source[n:bucket].zero_()

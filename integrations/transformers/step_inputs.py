@@ -25,7 +25,28 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StepInputs", "rows_of_one"]
+__all__ = ["StepInputs", "rows_of_one", "view"]
+
+#: most views a cache of :func:`view` keeps (then it starts again): each a few hundred bytes
+VIEWS_KEPT = 1024
+
+
+def view(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` the first time: a step's views of static buffers
+    (``buffer[:, :n]``) are the same few every step, and making one costs the host a
+    dispatch (microseconds on the hot path). Bounded by :data:`VIEWS_KEPT`.
+
+    >>> views, buffer = {}, torch.arange(6)
+    >>> first = view(views, 3, lambda: buffer[:3])
+    >>> view(views, 3, lambda: buffer[:0]) is first, first.tolist()
+    (True, [0, 1, 2])
+    """
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= VIEWS_KEPT:
+            cache.clear()
+        found = cache[key] = make()
+    return found
 
 
 class StepInputs:
@@ -39,9 +60,11 @@ class StepInputs:
         self.rows: dict[int, torch.Tensor] = {}  # logits bucket -> [L] row index
         #: (buffer address, bucket) -> the columns of that buffer a step may have left non-zero
         self._written: dict[tuple[int, int], int] = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # (kind, bucket, n) -> the buffer's columns
 
     def allocate(self, sizes) -> None:
         """Zeroed buffers for every bucket of ``sizes`` (the same sizes serve both ladders)."""
+        self._views.clear()  # of any buffers before these
         with torch.inference_mode(False):
             for size in sizes:
                 self.tokens[size] = torch.zeros(2, size, dtype=torch.long, device=self.device)
@@ -54,7 +77,7 @@ class StepInputs:
         self._zero_tail(tokens, bucket, n)  # first: a copy that fails leaves no stale tail
         both = rows_of_one(ids, positions)
         if both is not None:  # transformers' bulk tensor: one copy stages both
-            tokens[:, :n].copy_(both)
+            view(self._views, ("tokens", bucket, n), lambda: tokens[:, :n]).copy_(both)
         else:
             tokens[0, :n].copy_(ids[0])
             tokens[1, :n].copy_(positions[0])
@@ -66,7 +89,7 @@ class StepInputs:
         index = self.rows[bucket]
         self._zero_tail(index, bucket, rows)
         if isinstance(keep, torch.Tensor):
-            index[:rows].copy_(keep)
+            view(self._views, ("rows", bucket, rows), lambda: index[:rows]).copy_(keep)
         else:
             torch.arange(rows, out=index[:rows])
         return index
@@ -76,6 +99,7 @@ class StepInputs:
         self.tokens.clear()
         self.rows.clear()
         self._written.clear()
+        self._views.clear()
 
     def _zero_tail(self, buffer: torch.Tensor, bucket: int, n: int) -> None:
         """Zero ``buffer``'s columns from ``n`` on (its last dimension) where an earlier step
