@@ -199,6 +199,7 @@ def time_operations(device: torch.device, repeats: int = 2000) -> dict:
     live_table = torch.zeros(2, 512, 64, dtype=torch.int32, device=device)
     cu_k = torch.zeros(bucket + 1, dtype=torch.int32, device=device)
     both, dst, last = bulk[0:2, :n], tokens[:, :n], bulk[4, n : n + 1]
+    pad = torch.arange(bucket + 1, device=device).clamp(max=n)  # the decode fill's index
     logits = torch.zeros(1, n, 32000, dtype=torch.bfloat16, device=device)
     lock = __import__("threading").Lock()
 
@@ -213,6 +214,8 @@ def time_operations(device: torch.device, repeats: int = 2000) -> dict:
         "copy int32 [n, 64] table rows": lambda: table[:n].copy_(live_table[0, :n]),
         "copy int32 [n + 1], same dtype": lambda: cu_k[: n + 1].copy_(bulk[4, : n + 1]),
         "expand and copy (padded tail)": lambda: cu_k[n + 1 :].copy_(last.expand(bucket - n)),
+        "gather int32 [bucket + 1] (index_select, out=)": lambda: torch.index_select(
+            bulk[4], 0, pad, out=cu_k),
         "zero a tail": lambda: tokens[:, n:].zero_(),
         "fp32 copy of the logits (Tensor.to)": lambda: logits.to(torch.float32, copy=True),
         "output object (CausalLMOutputWithPast)": lambda: CausalLMOutputWithPast(logits=logits),

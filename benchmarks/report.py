@@ -100,6 +100,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_decode_step.DECODE_GEMM_FILE, *report_decode_step.FIRST_CALL_FILES]
         + [name for name, *_ in report_decode_forward.FILES]
         + [name for name, *_ in report_decode_forward.GATHER_FILES]
+        + [name for name, *_ in report_decode_forward.SPLIT_FILES]
+        + [name for name, *_ in report_decode_forward.FLOOR_AGAIN_FILES]
         + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
@@ -231,6 +233,12 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         gather_runs = [(d, *rest) for name, *rest in report_decode_forward.GATHER_FILES
                        if (d := load(name)) is not None]  # fmt: skip
         blocks.append(report_decode_forward.section(forward_runs, gather_runs))
+    split_runs = [(d, *rest) for name, *rest in report_decode_forward.SPLIT_FILES
+                  if (d := load(name)) is not None]  # fmt: skip
+    floor_again = [(d, *rest) for name, *rest in report_decode_forward.FLOOR_AGAIN_FILES
+                   if (d := load(name)) is not None]  # fmt: skip
+    if split_runs and floor_again:
+        blocks.append(report_decode_forward.split_section(split_runs, floor_again))
     first_calls = [d for name in report_decode_step.FIRST_CALL_FILES if (d := load(name))]
     warm_runs = [d for name in report_decode_step.WARM_KERNELS_FILES if (d := load(name))]
     if len(first_calls) == 2 and len(warm_runs) == 2:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 
+from .decode_forward_probe import PARTS
 from .template import fill, num, pct, span, table
 
 #: ``decode_forward_probe --passes 2`` of the tree before (``0172197``: two staging copies and
@@ -135,3 +136,132 @@ def section(runs: list, gather_runs: list = ()) -> str:
                          for p in _parts(d).values()], 0),  # fmt: skip
         steps=steps,
     )
+
+
+# -- session 29: the output part split, the stream order, the key-offset gather ----------------
+#: ``decode_forward_probe`` (which also times single operations) in turn, per change:
+#: ``order``: 73533b7 (an event waited on and recorded every step) against ``StepOrder``;
+#: ``fill``: 73533b7 against ``StepOrder``, the key offsets gathered in one operation and the
+#: views made once; ``gather-views``: two copies against the gather, both with the views made
+#: once. (file, change, tree, release, turn)
+SPLIT_FILES = tuple(
+    (f"h200-decode-forward-{change}-{tree}-{release}-{turn}.json", change, tree, release, turn)
+    for change, trees, runs in (
+        ("order", ("before", "now"), (("5.17", 1), ("5.17", 2), ("5.24", 1))),
+        ("fill", ("before", "now"), (("5.17", 1), ("5.17", 2), ("5.24", 1))),
+        ("gather-views", ("copies", "gather"), (("5.17", 1), ("5.17", 2))),
+    )
+    for release, turn in runs
+    for tree in trees
+)  # fmt: skip
+#: the order the processes ran in, per change and release
+SPLIT_ORDER = {("order", "5.17"): "now, before, before, now", ("order", "5.24"): "before, now",
+               ("fill", "5.17"): "now, before, before, now", ("fill", "5.24"): "before, now",
+               ("gather-views", "5.17"): "gather, copies, copies, gather"}  # fmt: skip
+#: the forward's parts none of these changes touched: each process's yardstick
+STILL = ("refill", "decide", "decode replay", "decode other", "logits", "fp32 copy",
+         "output object", "output")  # fmt: skip
+#: ``bench_cb --models llama3-8b-4l --prompts 32`` (both decoders, 3 rounds): 73533b7 and this
+#: tree in turn (5.24, then 5.17), then this tree twice more on each: (file, tree, release, turn)
+FLOOR_AGAIN_FILES = (
+    *((f"h200-cb-floor-32-turns-{tree}-{release}.json", tree, release, 1)
+      for release in ("5.24", "5.17") for tree in ("before", "now")),
+    *((f"h200-cb-floor-32-now-{release}-{turn}.json", "now", release, turn + 1)
+      for release in ("5.24", "5.17") for turn in (1, 2)),
+)  # fmt: skip
+
+
+def _still(medians: dict) -> float:
+    return sum(medians[p] for p in STILL)
+
+
+def split_section(runs: list, floors: list) -> str:
+    """``runs``: ``(data, change, tree, release, turn)`` of :data:`SPLIT_FILES`; ``floors``:
+    ``(data, tree, release, turn)`` of :data:`FLOOR_AGAIN_FILES`."""
+    from .report_decode_step import _floor_ms
+
+    rows, rel, ops, share, steps, kept = [], {}, {}, {}, {}, {}
+    for data, change, tree, release, turn in runs:
+        for name, us in data.get("operations_us", {}).items():
+            ops.setdefault(name, []).append(us)
+        for model, v in data["models"].items():
+            m = v["median_us"]
+            still = _still(m)
+            rows.append([change, release, model, tree, turn, num(m["stream order"], 1),
+                         num(m["staging"], 1), num(m["decode fill"], 1), num(still, 1),
+                         num(m["forward"], 1), num(m["forward"] / still)])  # fmt: skip
+            for part in ("stream order", "staging", "decode fill", "forward"):
+                rel.setdefault((change, tree, part), []).append(m[part] / still)
+            if change != "gather-views":
+                steps.setdefault(tree, []).extend(x for x in v["decode_step_ms"] if x)
+            if (change, tree) in (("fill", "now"), ("gather-views", "gather")):
+                for part in PARTS:
+                    share.setdefault(part, []).append(m[part] / m["forward"])
+    header = ["change", "transformers", "model", "tree", "turn", "stream order µs", "staging µs",
+              "decode fill µs", "still µs", "forward µs", "forward / still"]  # fmt: skip
+    op_rows = [[name, num(statistics.median(values), 1), span(values, 1), len(values)]
+               for name, values in ops.items()]  # fmt: skip
+    both = lambda change, a, b, part: (  # noqa: E731
+        f"{span(rel[(change, a, part)])} → {span(rel[(change, b, part)])}")
+    median_ratio = lambda change, a, b, part: pct(1 - statistics.median(  # noqa: E731
+        rel[(change, b, part)]) / statistics.median(rel[(change, a, part)]))
+    shares = sorted(((statistics.median(v), part) for part, v in share.items()), reverse=True)
+    floor_rows, met, prep_met, prep_missed = [], [], [], []
+    for data, tree, release, turn in floors:
+        m = data["models"][0]
+        for variant, label in (("breakgraph", "default"), ("breakgraph_compiled", "compiled")):
+            v = m["variants"][variant]
+            floor = _floor_ms(data, v)
+            over = v["decode_step_ms"] / floor
+            floor_rows.append([release, tree, turn, label,
+                               f"{num(v['decode_step_ms'])} ({num(over)}×)",
+                               num(v["decode_prepare_ms"]), num(v["decode_forward_host_ms"]),
+                               num(v["decode_forward_device_ms"])])  # fmt: skip
+            kept.setdefault((label, tree, "step"), []).append(v["decode_step_ms"])
+            kept.setdefault((label, tree, "device"), []).append(v["decode_forward_device_ms"])
+            if over <= 2.0:
+                met.append(f"{label} on {release} ({tree}, {num(over)}×)")
+            if label == "compiled":
+                (prep_met if over <= 2.0 else prep_missed).append(v["decode_prepare_ms"])
+    first = runs[0][0]
+    return fill(
+        "cb.forward_split",
+        files=", ".join(f"`{name}`" for name, *_ in SPLIT_FILES),
+        floor_files=", ".join(f"`{name}`" for name, *_ in FLOOR_AGAIN_FILES),
+        device=first["meta"].get("gpu", "?"), torch=first["meta"].get("torch", "?"),
+        date=first["meta"].get("date", "?"),
+        order="; ".join(f"{change} on {release}: {turns}"
+                        for (change, release), turns in SPLIT_ORDER.items()),
+        ops=table(["operation", "µs (median)", "processes' medians", "processes"], op_rows),
+        processes=len(ops.get("lock and no_grad", [])),
+        table=table(header, rows),
+        order_stream=both("order", "before", "now", "stream order"),
+        order_saved=median_ratio("order", "before", "now", "stream order"),
+        order_forward=both("order", "before", "now", "forward"),
+        order_forward_saved=median_ratio("order", "before", "now", "forward"),
+        fill_staging=both("fill", "before", "now", "staging"),
+        fill_fill=both("fill", "before", "now", "decode fill"),
+        fill_forward=both("fill", "before", "now", "forward"),
+        fill_forward_saved=median_ratio("fill", "before", "now", "forward"),
+        gather_fill=both("gather-views", "copies", "gather", "decode fill"),
+        gather_saved=median_ratio("gather-views", "copies", "gather", "decode fill"),
+        shares=", ".join(f"{part} {pct(share)}" for share, part in shares),
+        floor_table=table(["transformers", "tree", "process", "decoder", "step ms (× floor)",
+                           "scheduling ms", "bg forward host ms", "device ms"],
+                          floor_rows),  # fmt: skip
+        met="; ".join(met) or "none",
+        met_count=len(met),
+        floor_runs=len(floor_rows),
+        prep_met=span(prep_met) if prep_met else "-",
+        prep_missed=span(prep_missed) if prep_missed else "-",
+        default_step=both_floor(kept, "default", "step"),
+        default_device=both_floor(kept, "default", "device"),
+        compiled_step=both_floor(kept, "compiled", "step"),
+        compiled_device=both_floor(kept, "compiled", "device"),
+        probe_steps=f"{span(steps['before'])} ms before, {span(steps['now'])} ms now",
+    )
+
+
+def both_floor(kept: dict, label: str, what: str) -> str:
+    """``before → now`` spans of a decoder's step or device span over the floor runs."""
+    return f"{span(kept[(label, 'before', what)])} → {span(kept[(label, 'now', what)])} ms"

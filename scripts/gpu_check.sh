@@ -57,6 +57,13 @@
 # benchmarks/decode_forward_probe.py, git revision REV (in /tmp/breakgraph-before-forward) and
 # this tree, one process each in turn, ~25 s a process; writes forward-{before,now}-N.json, see
 # report_decode_forward.FILES),
+# RUN_FLOOR_TURNS=DIR (the pure-decode step of llama3-8b-4l at 32 requests against its floor, both
+# decoders, the older checkout in DIR (e.g. `mkdir .baseline && git archive 73533b7 | tar -x -C
+# .baseline`, carried with the call) and this tree, one process each in turn, twice, ~4 min;
+# writes floor-32-{now,before}-N.json: the check that the default decoder's
+# slower steps in session 29's floor runs (docs/performance.md, "The forward's output part,
+# split") were the host's and not StepOrder's or the one-gather fill's; run with the CUDA
+# test test_cuda_pure_decode_forwards_never_synchronize),
 # RUN_SPLIT_AB=1 (paged_decode's kernels with a compile-time split count against one pair for
 # every count, in turn, warm_up's compile first on an empty Triton cache:
 # benchmarks/split_kernel_ab.py, ~70 s; carry .device/paged_decode_before.py, written here by
@@ -104,7 +111,7 @@
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
-# RUN_STRESS 3 (skip other sections
+# RUN_FLOOR_TURNS 4, RUN_STRESS 3 (skip other sections
 # to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
@@ -319,6 +326,19 @@ if [ -n "${RUN_FORWARD_PARTS:-}" ]; then  # the decode forward's host parts, REV
       timeout 150 python3 -c "import sys; ${first}from benchmarks.decode_forward_probe import main; sys.exit(main())" \
         --passes 2 --out "$OUT/forward-$tree-$turn.json" 2>&1 | grep -E "^(llama|qwen)" | sed "s/^/[$tree $turn] /" \
         | tee -a "$LOG" || status=1
+    done
+  done
+fi
+if [ -n "${RUN_FLOOR_TURNS:-}" ]; then  # the pure-decode step at 32 requests, DIR against this tree (~4 min)
+  before=$(cd "$RUN_FLOOR_TURNS" && pwd)
+  v=breakgraph,breakgraph_compiled
+  for turn in 1 2; do
+    for tree in now before; do
+      first=""; [ "$tree" = before ] && first="sys.path.insert(0, '$before'); "
+      timeout 100 python3 -c "import sys; ${first}from benchmarks.bench_cb import main; main()" \
+        --models llama3-8b-4l --prompts 32 --variants $v --repeat $v --rounds 3 --budget-s 0 \
+        --keep-going --out "$OUT/floor-32-$tree-$turn.json" > /dev/null 2>&1 || status=1
+      echo "[floor $tree $turn: $(python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['models'][0]; print(', '.join(f\"{k} {v['decode_step_ms']:.2f} ms ({v['decode_over_floor']:.2f}x)\" for k, v in m['variants'].items()))" "$OUT/floor-32-$tree-$turn.json")]" | tee -a "$LOG"
     done
   done
 fi

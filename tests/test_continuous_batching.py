@@ -1809,6 +1809,44 @@ def test_cuda_decode_graphs_serve_a_second_manager_and_agree_with_breaks():
     assert agree_first >= 0.9 and agree_whole >= 0.5, (agree_first, agree_whole)
 
 
+@needs_cb
+@pytest.mark.requires_cuda
+def test_cuda_pure_decode_forwards_never_synchronize(monkeypatch):
+    """A pure-decode step served by a decode graph that exists already issues all its work
+    without waiting for the device (CUDA's sync debug mode warns at any synchronizing call inside
+    breakgraph's forward): the host runs ahead, and asynchronous batching overlaps it."""
+    import warnings
+
+    model = build_model("llama", device="cuda", dtype=torch.bfloat16, **CUDA_SHAPE)
+    prompts = cuda_prompts(count=48, seed=5)
+    gen = generation_config(max_new_tokens=12, pad_token_id=999)
+    cbc = ContinuousBatchingConfig(block_size=256, num_blocks=256, max_batch_tokens=1024)
+    forward, checked, synced = cb_step.StepRunner.forward, [], []
+
+    def watched(runner, **kwargs):
+        decode = runner.decode
+        if decode is None or kwargs[runner.names.max_q] != 1:
+            return forward(runner, **kwargs)
+        captures = decode.stats.captures
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = forward(runner, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if decode.stats.captures == captures:  # a capture synchronizes: not a served step
+            checked.append(kwargs[runner.names.input_ids].shape[-1])
+            synced.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+        return out
+
+    monkeypatch.setattr(cb_step.StepRunner, "forward", watched)
+    with enable_continuous_batching(model) as handle:
+        generate_batch(model, prompts, gen=gen, cbc=cbc)
+    assert handle.decode_graphs.stats.replays > 0
+    assert len(checked) >= 5 and not synced, (checked, synced[:3])
+
+
 def test_async_batching_is_the_default_with_graphs_on_a_single_cuda_model():
     """transformers' own rule for its graphs (async with graphs and no mask), applied to
     breakgraph's: on for a CUDA model with graphs, off without graphs, on the CPU (transformers'

@@ -785,3 +785,31 @@ def test_split_section_computes_its_conclusions_from_the_sweep():
     assert "and in 0 of 1 cases (2.00×) in the columns up to it" in text
     sweep["c/32-upto6144"] = _threshold_row(32, 8, 6144, 150.0, 100.0)  # now split 2 pays once
     assert "every default split paid at some length" in report_cb_decode.split_section(sweep, [])
+
+
+def test_the_forward_split_section_computes_its_claims_from_the_runs(tmp_path):
+    """The stream-order saving, the runs within twice the floor and the scheduling they had come
+    from the JSON: a process's numbers changed, the sentences change with them."""
+    from benchmarks import report_decode_forward as forward
+
+    heading = "### The forward's output part, split, and two cuts"
+    section = lambda text: text.split(heading)[1].split("\n### ")[0]  # noqa: E731
+    committed = section(report.render())
+    assert "Within twice the floor in 2 of 16:" in committed
+    name = "h200-cb-floor-32-now-5.24-1.json"
+    assert name in [n for n, *_ in forward.FLOOR_AGAIN_FILES]
+    with open(os.path.join(RESULTS, name)) as f:
+        data = json.load(f)
+    compiled = data["models"][0]["variants"]["breakgraph_compiled"]
+    compiled["decode_step_ms"] = compiled["decode_floor_ms"] * 1.5  # now within the target
+    compiled["decode_prepare_ms"] = 0.123
+    order = "h200-decode-forward-order-now-5.17-1.json"
+    with open(os.path.join(RESULTS, order)) as f:
+        probe = json.load(f)
+    for model in probe["models"].values():
+        model["median_us"]["stream order"] *= 10  # StepOrder as slow as ten lookups
+    text = section(report.render(results_copy(tmp_path, {name: data, order: probe})))
+    assert "Within twice the floor in 3 of 16:" in text and "(now, 1.50×)" in text
+    assert "took 0.12–0.53 ms" in text
+    assert committed.split("Stream order over still")[1][:60] != text.split(
+        "Stream order over still")[1][:60]  # fmt: skip
