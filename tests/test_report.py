@@ -795,7 +795,7 @@ def test_the_forward_split_section_computes_its_claims_from_the_runs(tmp_path):
     heading = "### The forward's output part, split, and two cuts"
     section = lambda text: text.split(heading)[1].split("\n### ")[0]  # noqa: E731
     committed = section(report.render())
-    assert "Within twice the floor in 2 of 16:" in committed
+    assert "Within twice the floor in 2 of the 16 rows:" in committed
     name = "h200-cb-floor-32-now-5.24-1.json"
     assert name in [n for n, *_ in forward.FLOOR_AGAIN_FILES]
     with open(os.path.join(RESULTS, name)) as f:
@@ -809,7 +809,7 @@ def test_the_forward_split_section_computes_its_claims_from_the_runs(tmp_path):
     for model in probe["models"].values():
         model["median_us"]["stream order"] *= 10  # StepOrder as slow as ten lookups
     text = section(report.render(results_copy(tmp_path, {name: data, order: probe})))
-    assert "Within twice the floor in 3 of 16:" in text and "(now, 1.50×)" in text
+    assert "Within twice the floor in 3 of the 16 rows:" in text and "(now, 1.50×)" in text
     assert "took 0.12–0.53 ms" in text
     assert committed.split("Stream order over still")[1][:60] != text.split(
         "Stream order over still")[1][:60]  # fmt: skip
