@@ -175,15 +175,29 @@ def _still(medians: dict) -> float:
     return sum(medians[p] for p in STILL)
 
 
+#: single operations the page leaves out: an early probe compared a stream with an event there
+#: (a type check, not what ``StepOrder`` does)
+OPS_LEFT_OUT = ("stream comparison",)
+#: the single operations that are views, and the small ones that reach the device
+VIEW_OPS = ("2-d slice (tokens[:, :n])", "1-d slice (cu_k[:n + 1])")
+DEVICE_OPS = ("copy int32 [2, n] into int64", "copy int32 [n, 64] table rows",
+              "copy int32 [n + 1], same dtype", "expand and copy (padded tail)", "zero a tail")
+#: forward parts that are one single operation each: (part, operation)
+ONE_OP_PARTS = (("fp32 copy", "fp32 copy of the logits (Tensor.to)"),
+                ("output object", "output object (CausalLMOutputWithPast)"))  # fmt: skip
+
+
 def split_section(runs: list, floors: list) -> str:
     """``runs``: ``(data, change, tree, release, turn)`` of :data:`SPLIT_FILES`; ``floors``:
     ``(data, tree, release, turn)`` of :data:`FLOOR_AGAIN_FILES`."""
     from .report_decode_step import _floor_ms
 
-    rows, rel, ops, share, steps, kept = [], {}, {}, {}, {}, {}
+    rows, rel, ops, share, steps, kept, raw, ratios = [], {}, {}, {}, {}, {}, {}, {}
     for data, change, tree, release, turn in runs:
-        for name, us in data.get("operations_us", {}).items():
-            ops.setdefault(name, []).append(us)
+        timed = data.get("operations_us", {})
+        for name, us in timed.items():
+            if name not in OPS_LEFT_OUT:
+                ops.setdefault(name, []).append(us)
         for model, v in data["models"].items():
             m = v["median_us"]
             still = _still(m)
@@ -192,20 +206,31 @@ def split_section(runs: list, floors: list) -> str:
                          num(m["forward"], 1), num(m["forward"] / still)])  # fmt: skip
             for part in ("stream order", "staging", "decode fill", "forward"):
                 rel.setdefault((change, tree, part), []).append(m[part] / still)
+            raw.setdefault((change, tree), []).append(m["forward"])
+            for part, op in ONE_OP_PARTS:
+                if op in timed:
+                    ratios.setdefault(part, []).append(m[part] / timed[op])
             if change != "gather-views":
-                steps.setdefault(tree, []).extend(x for x in v["decode_step_ms"] if x)
+                steps.setdefault((model, tree), []).extend(x for x in v["decode_step_ms"] if x)
             if (change, tree) in (("fill", "now"), ("gather-views", "gather")):
                 for part in PARTS:
                     share.setdefault(part, []).append(m[part] / m["forward"])
     header = ["change", "transformers", "model", "tree", "turn", "stream order µs", "staging µs",
               "decode fill µs", "still µs", "forward µs", "forward / still"]  # fmt: skip
-    op_rows = [[name, num(statistics.median(values), 1), span(values, 1), len(values)]
+    median = statistics.median
+    op_rows = [[name, num(median(values), 1), span(values, 1), len(values)]
                for name, values in ops.items()]  # fmt: skip
     both = lambda change, a, b, part: (  # noqa: E731
         f"{span(rel[(change, a, part)])} → {span(rel[(change, b, part)])}")
-    median_ratio = lambda change, a, b, part: pct(1 - statistics.median(  # noqa: E731
-        rel[(change, b, part)]) / statistics.median(rel[(change, a, part)]))
-    shares = sorted(((statistics.median(v), part) for part, v in share.items()), reverse=True)
+    median_ratio = lambda change, a, b, part: pct(1 - median(  # noqa: E731
+        rel[(change, b, part)]) / median(rel[(change, a, part)]))
+    order_points = 100 * (median(rel[("order", "before", "stream order")])
+                          - median(rel[("order", "now", "stream order")])) / median(
+        rel[("order", "before", "forward")])  # fmt: skip
+    shares = sorted(((median(v), part) for part, v in share.items()), reverse=True)
+    gather = median(ops["gather int32 [bucket + 1] (index_select, out=)"]) / (
+        median(ops["copy int32 [n + 1], same dtype"])
+        + median(ops["expand and copy (padded tail)"]))  # fmt: skip
     floor_rows, met, prep_met, prep_missed = [], [], [], []
     for data, tree, release, turn in floors:
         m = data["models"][0]
@@ -217,12 +242,23 @@ def split_section(runs: list, floors: list) -> str:
                                f"{num(v['decode_step_ms'])} ({num(over)}×)",
                                num(v["decode_prepare_ms"]), num(v["decode_forward_host_ms"]),
                                num(v["decode_forward_device_ms"])])  # fmt: skip
-            kept.setdefault((label, tree, "step"), []).append(v["decode_step_ms"])
-            kept.setdefault((label, tree, "device"), []).append(v["decode_forward_device_ms"])
+            for what, key in (("step", "decode_step_ms"), ("device", "decode_forward_device_ms"),
+                              ("prep", "decode_prepare_ms")):  # fmt: skip
+                kept.setdefault((label, tree, what), []).append(v[key])
+                kept.setdefault((label, tree, what, release), []).append(v[key])
             if over <= 2.0:
                 met.append(f"{label} on {release} ({tree}, {num(over)}×)")
             if label == "compiled":
                 (prep_met if over <= 2.0 else prep_missed).append(v["decode_prepare_ms"])
+    releases = sorted({release for _, _, release, _ in floors})
+    def slower(label: str, what: str = "step") -> str:
+        """How many of this tree's processes took longer (``what``: the step, or ``prep``:
+        transformers' scheduling) than the tree before's, on the same release."""
+        pairs = [(now, min(kept[(label, "before", what, r)]))
+                 for r in releases for now in kept[(label, "now", what, r)]]  # fmt: skip
+        return f"{sum(now > before for now, before in pairs)} of {len(pairs)} processes"
+
+    models = sorted({model for model, _ in steps})
     first = runs[0][0]
     return fill(
         "cb.forward_split",
@@ -233,18 +269,27 @@ def split_section(runs: list, floors: list) -> str:
         order="; ".join(f"{change} on {release}: {turns}"
                         for (change, release), turns in SPLIT_ORDER.items()),
         ops=table(["operation", "µs (median)", "processes' medians", "processes"], op_rows),
-        processes=len(ops.get("lock and no_grad", [])),
+        processes=max(len(values) for values in ops.values()),
+        view_us=span([median(ops[name]) for name in VIEW_OPS], 1),
+        device_us=span([median(ops[name]) for name in DEVICE_OPS], 1),
+        fp32_ratio=span(ratios["fp32 copy"], 1),
+        output_ratio=span(ratios["output object"], 1),
         table=table(header, rows),
         order_stream=both("order", "before", "now", "stream order"),
         order_saved=median_ratio("order", "before", "now", "stream order"),
         order_forward=both("order", "before", "now", "forward"),
         order_forward_saved=median_ratio("order", "before", "now", "forward"),
+        order_points=num(order_points, 1),
+        order_forward_us=span(raw[("order", "before")], 0),
+        order_forward_now_us=span(raw[("order", "now")], 0),
         fill_staging=both("fill", "before", "now", "staging"),
         fill_fill=both("fill", "before", "now", "decode fill"),
         fill_forward=both("fill", "before", "now", "forward"),
         fill_forward_saved=median_ratio("fill", "before", "now", "forward"),
         gather_fill=both("gather-views", "copies", "gather", "decode fill"),
         gather_saved=median_ratio("gather-views", "copies", "gather", "decode fill"),
+        gather_processes=len(rel[("gather-views", "gather", "decode fill")]),
+        gather_share=pct(gather),
         shares=", ".join(f"{part} {pct(share)}" for share, part in shares),
         floor_table=table(["transformers", "tree", "process", "decoder", "step ms (× floor)",
                            "scheduling ms", "bg forward host ms", "device ms"],
@@ -254,11 +299,19 @@ def split_section(runs: list, floors: list) -> str:
         floor_runs=len(floor_rows),
         prep_met=span(prep_met) if prep_met else "-",
         prep_missed=span(prep_missed) if prep_missed else "-",
+        default_slower=slower("default"),
+        compiled_slower=slower("compiled"),
         default_step=both_floor(kept, "default", "step"),
         default_device=both_floor(kept, "default", "device"),
         compiled_step=both_floor(kept, "compiled", "step"),
         compiled_device=both_floor(kept, "compiled", "device"),
-        probe_steps=f"{span(steps['before'])} ms before, {span(steps['now'])} ms now",
+        prep_default=slower("default", "prep"),
+        prep_compiled=slower("compiled", "prep"),
+        probe_requests=num(median(v["requests_median"] for d, *_ in runs
+                                  for v in d["models"].values()), 0),  # fmt: skip
+        probe_steps="; ".join(
+            f"{model} {num(median(steps[(model, 'before')]))} → "
+            f"{num(median(steps[(model, 'now')]))} ms" for model in models),
     )
 
 

@@ -157,13 +157,19 @@ def test_a_cuda_table_step_costs_the_host_two_device_operations():
     with Launches() as launches:
         buffers.fill(step, n, bucket, page=4, rows=n)
     assert launches.ops == ["copy_.default", "index_select.out"], launches.ops
-    for n in (5, 3, 3, 8, 1):  # fresh offsets, shrinking, steady, a full bucket, one sequence
+    two = DecodeBuffers((0, 1), bucket, 1024, torch.device("cpu"), blocks, 4, reads=False)
+    # fresh offsets, shrinking, steady, a full bucket, one sequence, the same size in a smaller
+    # bucket: each step's own offsets and padding, each group's own table rows
+    for n, size in ((5, 8), (3, 8), (3, 8), (8, 8), (1, 8), (3, 4), (3, 8)):
         cu_k = torch.randint(1, 40, (n + 1,), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        step = SimpleNamespace(table=torch.randint(0, 50, (1, n, blocks), dtype=torch.int32),
+        step = SimpleNamespace(table=torch.randint(0, 50, (2, n, blocks), dtype=torch.int32),
                                cu_k=cu_k)  # fmt: skip
-        buffers.fill(step, n, bucket, page=4, rows=n)
-        assert buffers.cu_k.tolist() == cu_k.tolist() + [cu_k[-1].item()] * (bucket - n)
+        for each in (buffers, two):
+            each.fill(step, n, size, page=4, rows=n)
+            assert each.cu_k[: size + 1].tolist() == cu_k.tolist() + [cu_k[-1].item()] * (size - n)
         assert buffers.table[0][:n, :blocks].equal(step.table[0])
+        assert two.table[0][:n, :blocks].equal(step.table[0])
+        assert two.table[1][:n, :blocks].equal(step.table[1])
     with pytest.raises(InputError, match="key offsets hold 3 entries for 3 sequences"):
         short, table_before = torch.arange(3, dtype=torch.int32), buffers.table[0].clone()
         buffers.fill(SimpleNamespace(table=step.table, cu_k=short), 3, bucket, page=4, rows=3)

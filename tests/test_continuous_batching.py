@@ -595,9 +595,16 @@ def test_step_views_are_made_once_bounded_and_never_outlive_their_buffers(monkey
     bulk = torch.randint(1, 100, (2, 6))
     inputs.allocate([4])
     inputs.stage(4, bulk[0, :3][None], bulk[1, :3][None], 3)
-    inputs.allocate([4])  # new buffers (as after close and a new plan)
+    inputs.allocate([4, 8])  # new buffers (as after close and a new plan)
     staged = inputs.stage(4, bulk[0, :3][None], bulk[1, :3][None], 3)
     assert staged is inputs.tokens[4] and staged[:, :3].equal(bulk[:, :3])
+    # the same size in another bucket: that bucket's own buffer (and row index)
+    other = torch.randint(100, 200, (2, 6))
+    assert inputs.stage(8, other[0, :3][None], other[1, :3][None], 3)[:, :3].equal(other[:, :3])
+    assert inputs.tokens[4][:, :3].equal(bulk[:, :3])
+    inputs.stage_rows(4, torch.tensor([2, 0, 1]), 3)
+    assert inputs.stage_rows(8, torch.tensor([1, 2, 0]), 3)[:3].tolist() == [1, 2, 0]
+    assert inputs.rows[4][:3].tolist() == [2, 0, 1]
 
 
 @needs_cb
@@ -1813,30 +1820,50 @@ def test_cuda_decode_graphs_serve_a_second_manager_and_agree_with_breaks():
 @pytest.mark.requires_cuda
 def test_cuda_pure_decode_forwards_never_synchronize(monkeypatch):
     """A pure-decode step served by a decode graph that exists already issues all its work
-    without waiting for the device (CUDA's sync debug mode warns at any synchronizing call inside
-    breakgraph's forward): the host runs ahead, and asynchronous batching overlaps it."""
+    without waiting for the device: no call CUDA's sync debug mode flags inside breakgraph's
+    forward (stream syncs, blocking copies, ``.item()``), and no ``torch.cuda.synchronize``,
+    ``Stream.synchronize`` or ``Event.synchronize`` (which that mode does not flag): the host
+    runs ahead, and asynchronous batching overlaps it."""
     import warnings
 
     model = build_model("llama", device="cuda", dtype=torch.bfloat16, **CUDA_SHAPE)
     prompts = cuda_prompts(count=48, seed=5)
     gen = generation_config(max_new_tokens=12, pad_token_id=999)
     cbc = ContinuousBatchingConfig(block_size=256, num_blocks=256, max_batch_tokens=1024)
-    forward, checked, synced = cb_step.StepRunner.forward, [], []
+    forward, checked, synced, inside = cb_step.StepRunner.forward, [], [], []
+
+    def watch(owner, name):
+        original = getattr(owner, name)
+
+        def called(*args, **kwargs):
+            if inside:  # this forward's calls
+                inside[-1].append(f"{getattr(owner, '__name__', owner)}.{name}")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, called)
+
+    for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                        (torch.cuda.Event, "synchronize")):  # fmt: skip
+        watch(owner, name)
 
     def watched(runner, **kwargs):
         decode = runner.decode
         if decode is None or kwargs[runner.names.max_q] != 1:
             return forward(runner, **kwargs)
-        captures = decode.stats.captures
+        captures, replays = decode.stats.captures, decode.stats.replays
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
+            inside.append([])
             try:
                 out = forward(runner, **kwargs)
             finally:
+                calls = inside.pop()
                 torch.cuda.set_sync_debug_mode("default")
-        if decode.stats.captures == captures:  # a capture synchronizes: not a served step
+        # a served step: replayed by a decode graph that was there (a capture synchronizes)
+        if decode.stats.captures == captures and decode.stats.replays > replays:
             checked.append(kwargs[runner.names.input_ids].shape[-1])
+            synced.extend(calls)
             synced.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
         return out
 

@@ -813,3 +813,27 @@ def test_the_forward_split_section_computes_its_claims_from_the_runs(tmp_path):
     assert "took 0.12–0.53 ms" in text
     assert committed.split("Stream order over still")[1][:60] != text.split(
         "Stream order over still")[1][:60]  # fmt: skip
+
+
+def test_the_forward_split_section_reads_each_part_from_its_own_runs(tmp_path):
+    """Decode fill from the fill runs' decode fill (not staging), the gather from the gather
+    runs (and its direction: slower now says less by a negative share)."""
+    heading = "### The forward's output part, split, and two cuts"
+    section = lambda text: text.split(heading)[1].split("\n### ")[0]  # noqa: E731
+    clause = lambda text, start: text.split(start)[1].split(" less")[0]  # noqa: E731
+    committed = section(report.render())
+    changed = {}
+    for name in ("h200-decode-forward-fill-now-5.17-1.json",
+                 "h200-decode-forward-gather-views-gather-5.17-1.json",
+                 "h200-decode-forward-gather-views-gather-5.17-2.json"):  # fmt: skip
+        with open(os.path.join(RESULTS, name)) as f:
+            changed[name] = json.load(f)
+        for model in changed[name]["models"].values():
+            model["median_us"]["decode fill"] *= 3
+    text = section(report.render(results_copy(tmp_path, changed)))
+    upto_comma = lambda text, start: text.split(start)[1].split(",")[0]  # noqa: E731
+    fill = "decode fill over still"
+    assert upto_comma(text, fill) != upto_comma(committed, fill)
+    assert upto_comma(text, "staging over still") == upto_comma(committed, "staging over still")
+    gather = "both with the views made once: decode fill"
+    assert "(-" in clause(text, gather) and "(-" not in clause(committed, gather)

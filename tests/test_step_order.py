@@ -1,5 +1,5 @@
 """``cb_step.StepOrder``: continuous-batching steps of managers on different CUDA streams run in
-the order they were issued; steps on one stream add no wait.
+the order they were issued; steps on one stream add no wait; every step starts with it.
 
 The bookkeeping runs on the CPU with stand-in streams; the ordering itself on a GPU (two real
 streams, the first one's step still running when the second starts)."""
@@ -12,6 +12,8 @@ import torch
 pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers.cb_step import StepOrder  # noqa: E402
+
+from tests.helpers import needs_continuous_batching  # noqa: E402
 
 
 class FakeStream:
@@ -60,3 +62,35 @@ def test_a_step_on_another_stream_sees_the_step_before_it():
         torch.testing.assert_close(seen, expected, msg=f"trial {trial}")
         assert order.last == second
         order.last = None  # the next trial starts on `first` again, with no step before it
+
+
+@needs_continuous_batching()
+def test_every_step_runs_after_the_order_and_before_anything_else(monkeypatch):
+    """``StepRunner.forward`` calls ``follow()`` first on every step (CUDA only: here a stand-in
+    order on the emulated backend), before the step touches transformers' tensors."""
+    from breakgraph.integrations.transformers import cb_step, enable_continuous_batching
+
+    from tests.test_continuous_batching import BUCKETS, build_model, generate_batch, random_prompts
+
+    events, forward, refill = [], cb_step.StepRunner.forward, cb_step.CBStep.refill
+
+    class Order:
+        def follow(self):
+            events.append("follow")
+
+    def counted_forward(runner, **kwargs):
+        events.append("forward")
+        return forward(runner, **kwargs)
+
+    def counted_refill(step, *args):
+        events.append("refill")
+        return refill(step, *args)
+
+    monkeypatch.setattr(cb_step.StepRunner, "forward", counted_forward)
+    monkeypatch.setattr(cb_step.CBStep, "refill", counted_refill)
+    model = build_model("llama")
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        handle.runner._order = Order()
+        generate_batch(model, random_prompts(seed=16))
+    steps = events.count("forward")
+    assert steps > 2 and events == ["forward", "follow", "refill"] * steps, events[:9]

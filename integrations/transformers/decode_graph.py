@@ -135,7 +135,9 @@ class DecodeBuffers:
             self.cu_k = torch.zeros(largest + 1, dtype=torch.int32, device=device)
             self.source = torch.zeros(largest, dtype=torch.long, device=device)
             self.iota = torch.arange(largest + 1, dtype=torch.long, device=device)
-        self._source_for: tuple[int, int] | None = None  # (n, bucket) the source holds
+            # the key offsets' gather index for (n, bucket): [0, 1, .., n, n, .., n]
+            self.pad = torch.zeros(largest + 1, dtype=torch.long, device=device)
+        self._source_for: tuple[int, int] | None = None  # (n, bucket) source and pad hold
         self._views: dict[tuple, torch.Tensor] = {}  # the buffers' views a step copies into
 
     def fill(self, step: Any, n: int, bucket: int, page: int = 0, rows: int = 0) -> None:
@@ -143,11 +145,19 @@ class DecodeBuffers:
         an index-list step's write and read indices, a block-table step's table (and, for
         the emulated backend, its ``rows`` read rows, derived from the table: blocks of
         ``page`` tokens, :mod:`.block_table`), and the key offsets (one gather, padding
-        included). The views it copies into are made once (:func:`.step_inputs.view`)."""
+        included, through a static index rewritten where the step's size changed, like the
+        write source rows). The views it copies into are made once
+        (:func:`.step_inputs.view`): views only, so the cache owns no device memory."""
         cu_k, views = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k, self._views
         if cu_k.shape[0] <= n:  # before any copy; on CUDA the gather would assert on the device
             raise InputError(f"breakgraph decode graphs: the step's key offsets hold "
-                             f"{cu_k.shape[0]} entries for {n} sequences; expected {n + 1}")
+                             f"{cu_k.shape[0]} entries for {n} sequences; expected at least "
+                             f"{n + 1}")  # fmt: skip
+        if self._source_for != (n, bucket):  # static buffers, rewritten in stream order
+            self.source[:n].copy_(self.iota[:n])
+            self.source[n:bucket].zero_()
+            torch.clamp(self.iota[: bucket + 1], max=n, out=self.pad[: bucket + 1])
+            self._source_for = (n, bucket)
         for group, write in self.write.items():  # index-list steps
             live = step.write_index[group]
             index = step.read_index[group]
@@ -161,17 +171,13 @@ class DecodeBuffers:
             if self.read:
                 self.read[group][:rows].copy_(read_slots(live, cu_k, page, rows))
         # the key offsets, those of the padded sequences (no keys) repeating the last: one
-        # gather, through index [0, 1, .., n, n, .., n] (its bounds checked first)
-        index = view(views, ("pad", n, bucket), lambda: self.iota[: bucket + 1].clamp(max=n))
+        # gather through the pad index (its bounds checked first)
+        index = view(views, ("pad", bucket), lambda: self.pad[: bucket + 1])
         offsets = view(views, ("cu_k", bucket), lambda: self.cu_k[: bucket + 1])
-        if cu_k.dtype == offsets.dtype:
+        if cu_k.dtype == offsets.dtype and cu_k.device == offsets.device:
             torch.index_select(cu_k, 0, index, out=offsets)
-        else:
-            offsets.copy_(cu_k.index_select(0, index))
-        if self._source_for != (n, bucket):
-            self.source[:n].copy_(self.iota[:n])
-            self.source[n:bucket].zero_()
-            self._source_for = (n, bucket)
+        else:  # not transformers' int32 offsets on the model's device: a temporary
+            offsets.copy_(cu_k.to(offsets.device).index_select(0, index))
 
     def write_rows(self, group: Any, bucket: int) -> torch.Tensor:
         """Each sequence's write row ``[bucket]`` from the table and the key offsets alone (run

@@ -34,7 +34,9 @@ VIEWS_KEPT = 1024
 def view(cache: dict, key, make):
     """``cache[key]``, made by ``make()`` the first time: a step's views of static buffers
     (``buffer[:, :n]``) are the same few every step, and making one costs the host a
-    dispatch (microseconds on the hot path). Bounded by :data:`VIEWS_KEPT`.
+    dispatch (microseconds on the hot path). Bounded by :data:`VIEWS_KEPT`. Views only: a
+    tensor of its own memory, freed when the cache starts again, could be handed out anew while
+    a step on another stream still reads it.
 
     >>> views, buffer = {}, torch.arange(6)
     >>> first = view(views, 3, lambda: buffer[:3])
