@@ -8,7 +8,9 @@ a replay, on the hot path, so the staging costs as few device operations as it c
   (:func:`rows_of_one`), one copy stages both;
 * a buffer's tail (past the step's ``n`` columns) must hold defined values (zeros) for the
   padded rows; it is zeroed only where an earlier step wrote past ``n``, so steps of steady or
-  growing size pay nothing for it.
+  growing size pay nothing for it;
+* the buffers' columns a step copies into are views made once per size (:func:`view`, also
+  used by :class:`.decode_graph.DecodeBuffers`), not sliced again on every step.
 
 Example (a bulk tensor as transformers lays it out: ids, then positions)::
 
