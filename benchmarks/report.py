@@ -94,6 +94,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
         + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
         + [report_tests.SUITE_NEWEST_FILE, *report_cb_host.PREP_PARTS_FILES]
+        + [report_tests.SUITE_AGAIN_FILE]
         + [*report_cb_host.FILL_VIEWS_FILES, report_cb_host.FILL_VIEWS_HOST_FILE]
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
         + [*report_decode_step.FLOOR_FILES, *report_decode_step.FLOOR_BEFORE_FILES]
@@ -102,6 +103,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, *_ in report_decode_forward.GATHER_FILES]
         + [name for name, *_ in report_decode_forward.SPLIT_FILES]
         + [name for name, *_ in report_decode_forward.FLOOR_AGAIN_FILES]
+        + [name for name, *_ in report_decode_forward.FLOOR_RERUN_FILES]
         + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
@@ -239,6 +241,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
                    if (d := load(name)) is not None]  # fmt: skip
     if split_runs and floor_again:
         blocks.append(report_decode_forward.split_section(split_runs, floor_again))
+    floor_rerun = [(d, *rest) for name, *rest in report_decode_forward.FLOOR_RERUN_FILES
+                   if (d := load(name)) is not None]  # fmt: skip
+    if len(floor_rerun) == len(report_decode_forward.FLOOR_RERUN_FILES):
+        blocks.append(report_decode_forward.floor_rerun_section(floor_rerun))
     first_calls = [d for name in report_decode_step.FIRST_CALL_FILES if (d := load(name))]
     warm_runs = [d for name in report_decode_step.WARM_KERNELS_FILES if (d := load(name))]
     if len(first_calls) == 2 and len(warm_runs) == 2:
@@ -266,6 +272,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded.get(report_tests.CPU_SUITE_SERIAL_FILE),
         loaded.get(report_tests.SUITE_SERIAL_FILE),
         loaded.get(report_tests.SUITE_NEWEST_FILE),
+        loaded.get(report_tests.SUITE_AGAIN_FILE),
     )
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
 

@@ -318,3 +318,113 @@ def split_section(runs: list, floors: list) -> str:
 def both_floor(kept: dict, label: str, what: str) -> str:
     """``before → now`` spans of a decoder's step or device span over the floor runs."""
     return f"{span(kept[(label, 'before', what)])} → {span(kept[(label, 'now', what)])} ms"
+
+
+#: the floor runs of :func:`split_section` again, a later session: 73533b7 (``.device/before``,
+#: *before*) and this tree (*now*), one process each, two turns per call and release:
+#: (file, call, release, turn, tree), in the order the processes ran. Call *a* ran both turns
+#: now-first; call *b* ran the second turn before-first (ABBA), on 5.17, then on 5.24.
+FLOOR_RERUN_FILES = (
+    *((f"h200-cb-floor-32-rerun-a-{tree}-{turn}-5.17.json", "a", "5.17", turn, tree)
+      for turn in (1, 2) for tree in ("now", "before")),
+    *((f"h200-cb-floor-32-rerun-b-{tree}-{turn}-{release}.json", "b", release, turn, tree)
+      for release in ("5.17", "5.24")
+      for turn, order in ((1, ("now", "before")), (2, ("before", "now")))
+      for tree in order),
+)  # fmt: skip
+#: the parts compared pair by pair: (what the page calls it, the bench_cb key)
+RERUN_PARTS = (("step", "decode_step_ms"), ("scheduling", "decode_prepare_ms"),
+               ("bg forward host", "decode_forward_host_ms"),
+               ("device", "decode_forward_device_ms"))  # fmt: skip
+
+
+def direction(slower: int, pairs: int) -> str:
+    """What ``slower`` of ``pairs`` paired processes say about a difference: a direction only
+    where every pair agrees.
+
+    Example::
+
+        >>> direction(3, 6)
+        'no consistent direction'
+        >>> direction(6, 6), direction(0, 6)
+        ('this tree slower in every pair', 'this tree faster in every pair')
+    """
+    if slower == pairs:
+        return "this tree slower in every pair"
+    if slower == 0:
+        return "this tree faster in every pair"
+    return "no consistent direction"
+
+
+def floor_rerun_section(runs: list) -> str:
+    """``runs``: ``(data, call, release, turn, tree)`` of :data:`FLOOR_RERUN_FILES`, in the
+    order they ran. Pairs the two trees' processes of each turn and counts, per decoder and
+    part, where this tree took longer."""
+    from .report_decode_step import _floor_ms
+
+    rows, met, values, first_slower = [], [], {}, 0
+    turns = {}
+    for data, call, release, turn, tree in runs:
+        turns.setdefault((call, release, turn), []).append((tree, data))
+    for (call, release, turn), pair in turns.items():
+        assert [tree for tree, _ in pair] in (["now", "before"], ["before", "now"]), pair
+        steps = []
+        for place, (tree, data) in enumerate(pair):
+            m = data["models"][0]
+            for variant, label in (("breakgraph", "default"),
+                                   ("breakgraph_compiled", "compiled")):  # fmt: skip
+                v = m["variants"][variant]
+                over = v["decode_step_ms"] / _floor_ms(data, v)
+                rows.append([call, release, turn, ("first", "second")[place], tree, label,
+                             f"{num(v['decode_step_ms'])} ({num(over)}×)",
+                             *(num(v[key]) for _, key in RERUN_PARTS[1:])])  # fmt: skip
+                for part, key in RERUN_PARTS:
+                    values.setdefault((label, part), {}).setdefault(tree, []).append(v[key])
+                if over <= 2.0:
+                    met.append(f"{label} on {release} ({tree}, {num(over)}×)")
+                steps.append(v["decode_step_ms"])
+        # the process that ran first against the second, both decoders' steps
+        first_slower += sum(a > b for a, b in zip(steps[:2], steps[2:]))
+    median = statistics.median
+    lines = []
+    for label in ("default", "compiled"):
+        for part, _ in RERUN_PARTS:
+            now, before = (values[(label, part)][t] for t in ("now", "before"))
+            slower = sum(a > b for a, b in zip(now, before))
+            ratios = [a / b for a, b in zip(now, before)]
+            lines.append([label, part, f"{slower} of {len(now)}", num(median(ratios)),
+                          span(ratios), direction(slower, len(now))])  # fmt: skip
+    pairs = len(turns)
+    first = runs[0][0]
+    default_steps = values[("default", "step")]
+    slower = sum(a > b for a, b in zip(default_steps["now"], default_steps["before"]))
+    if direction(slower, pairs) == "no consistent direction":
+        verdict = ("The default decoder's step was longer in this tree in some pairs and shorter "
+                   "in others, so the slower default steps of the runs above (every process of "
+                   "this tree slower than the one of the tree before) were the host's, not the "
+                   "tree's.")
+    else:
+        verdict = (f"The default decoder's step: {direction(slower, pairs)}, as in the runs "
+                   "above: the tree is not ruled out.")
+    return fill(
+        "cb.floor_rerun",
+        files=", ".join(f"`{name}`" for name, *_ in FLOOR_RERUN_FILES),
+        device=first["meta"].get("gpu", "?"), torch=first["meta"].get("torch", "?"),
+        date=first["meta"].get("date", "?"),
+        processes=len(runs), pairs=pairs,
+        table=table(["call", "transformers", "turn", "ran", "tree", "decoder",
+                     "step ms (× floor)", "scheduling ms", "bg forward host ms", "device ms"],
+                    rows),  # fmt: skip
+        pairs_table=table(["decoder", "part", "this tree longer", "now / before (median)",
+                           "now / before (pairs)", "reading"], lines),  # fmt: skip
+        first_slower=f"{first_slower} of {2 * pairs}",
+        met_count=len(met), rows=len(rows), met="; ".join(met) or "none", verdict=verdict,
+        default_step=span(values[("default", "step")]["now"]
+                          + values[("default", "step")]["before"]),
+        compiled_step=span(values[("compiled", "step")]["now"]
+                           + values[("compiled", "step")]["before"]),
+        scheduling=span(values[("default", "scheduling")]["now"]
+                        + values[("default", "scheduling")]["before"]
+                        + values[("compiled", "scheduling")]["now"]
+                        + values[("compiled", "scheduling")]["before"]),
+    )

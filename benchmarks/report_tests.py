@@ -14,6 +14,9 @@ SUITE_WHOLE_FILE = "h200-suite-times-whole.json"  # the whole suite (emulated an
 #: the same tests in one process, where the latest run used pytest-xdist workers
 SUITE_SERIAL_FILE = "h200-cuda-suite-times-serial.json"
 SUITE_NEWEST_FILE = "h200-cuda-suite-times-5.24.json"  # the CUDA tests on the newest transformers
+#: the latest run's command again, later, on another lease of the machine
+SUITE_AGAIN_FILE = "h200-cuda-suite-times-again.json"
+AGAIN_MIN_S = 1.0  # tests compared between the latest run and its rerun: at least this long
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
 #: and the same tests in one process
@@ -192,16 +195,45 @@ def cpu_suite_line(run: dict | None, serial: dict | None) -> str:
     ).strip("\n")
 
 
+def again_line(run: dict, again: dict | None) -> str | None:
+    """The latest run's command again (``again``): its wall against the target, and how much
+    longer the tests that both runs timed took (the median over tests of at least
+    :data:`AGAIN_MIN_S` in ``run``), from its list of slowest tests."""
+    if again is None:
+        return None
+    before = {t["test"]: t["seconds"] for t in run["slowest"]}
+    common = [(t["seconds"] / before[t["test"]], t) for t in again["slowest"]
+              if before.get(t["test"], 0) >= AGAIN_MIN_S]  # fmt: skip
+    ratios = sorted(r for r, _ in common)
+    return fill(
+        "tests.suite.again",
+        label=again["label"], date=(again.get("meta") or {}).get("date") or "-",
+        wall=_cell(again["wall_s"]), target=f"{T.TARGET_CUDA_SUITE_S:g}",
+        verdict=suite_verdict(again), tests_s=_cell(again["tests_s"]),
+        run_tests_s=_cell(run["tests_s"]), run_wall=_cell(run["wall_s"]),
+        common=len(ratios), ratios=f"{num(ratios[0])}–{num(ratios[-1])}" if ratios else "-",
+        median=num(ratios[len(ratios) // 2]) if ratios else "-",
+        outcome=_outcome(again["counts"]),
+    )
+
+
+def _outcome(counts: dict) -> str:
+    """``"Every test it ran passed"`` or how many failed (errors counted as failures)."""
+    failed = counts.get("failed", 0) + counts.get("errors", 0)
+    return "Every test it ran passed" if not failed else f"{failed} of its tests failed"
+
+
 def suite_time_section(
     run: dict | None, before: dict | None = None, whole: dict | None = None,
     cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
-    newest: dict | None = None,
+    newest: dict | None = None, again: dict | None = None,
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
     machine, ``cpu`` and ``cpu_serial`` the whole suite on a CPU machine like CI's, ``serial``
     the CUDA tests in one process where ``run`` used workers, ``newest`` the CUDA tests on the
-    newest transformers supported (any may be missing: not measured)."""
+    newest transformers supported, ``again`` ``run``'s command later on another lease of the
+    machine (any may be missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -210,9 +242,11 @@ def suite_time_section(
     if run is None:
         return [fill("tests.suite.missing", file=SUITE_FILE, **targets)]
     meta = run.get("meta") or {}
-    runs = [r for r in (before, serial, run, newest) if r]
+    runs = [r for r in (before, serial, run, newest, again) if r]
     names = [n for n, r in ((SUITE_BEFORE_FILE, before), (SUITE_SERIAL_FILE, serial),
-                            (SUITE_FILE, run), (SUITE_NEWEST_FILE, newest)) if r]  # fmt: skip
+                            (SUITE_FILE, run), (SUITE_NEWEST_FILE, newest),
+                            (SUITE_AGAIN_FILE, again)) if r]  # fmt: skip
+    dates = dict.fromkeys((r.get("meta") or {}).get("date") or "-" for r in (run, again) if r)
     releases = dict.fromkeys((r.get("meta") or {}).get("transformers") or "-" for r in runs)
     return [
         fill(
@@ -222,14 +256,14 @@ def suite_time_section(
             gpu=meta.get("gpu") or "-",
             torch=meta.get("torch") or "-",
             transformers=", ".join(releases),
-            date=meta.get("date") or "-",
+            date=", ".join(dates),
             **targets,
             table=suite_runs_table(runs),
             verdict="\n\n".join(
                 filter(
                     None,
                     [suite_verdict_line(run), newest and suite_verdict_line(newest),
-                     whole_suite_line(whole),
+                     again_line(run, again), whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), gc_paragraph(before, run)],  # fmt: skip
                 )
             ),

@@ -63,7 +63,10 @@
 # writes floor-32-{now,before}-N.json: the check that the default decoder's
 # slower steps in session 29's floor runs (docs/performance.md, "The forward's output part,
 # split") were the host's and not StepOrder's or the one-gather fill's; run with the CUDA
-# test test_cuda_pure_decode_forwards_never_synchronize),
+# test test_cuda_pure_decode_forwards_never_synchronize; the second turn runs the trees in the
+# other order, so that neither always goes first; session 30's runs are
+# docs/results/h200-cb-floor-32-rerun-*.json, see report_decode_forward.FLOOR_RERUN_FILES and
+# the page's "The flagged slowdown, run again"),
 # RUN_SPLIT_AB=1 (paged_decode's kernels with a compile-time split count against one pair for
 # every count, in turn, warm_up's compile first on an empty Triton cache:
 # benchmarks/split_kernel_ab.py, ~70 s; carry .device/paged_decode_before.py, written here by
@@ -333,7 +336,8 @@ if [ -n "${RUN_FLOOR_TURNS:-}" ]; then  # the pure-decode step at 32 requests, D
   before=$(cd "$RUN_FLOOR_TURNS" && pwd)
   v=breakgraph,breakgraph_compiled
   for turn in 1 2; do
-    for tree in now before; do
+    order="now before"; [ "$turn" = 2 ] && order="before now"  # ABBA: neither tree always goes first
+    for tree in $order; do
       first=""; [ "$tree" = before ] && first="sys.path.insert(0, '$before'); "
       timeout 100 python3 -c "import sys; ${first}from benchmarks.bench_cb import main; main()" \
         --models llama3-8b-4l --prompts 32 --variants $v --repeat $v --rounds 3 --budget-s 0 \

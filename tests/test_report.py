@@ -494,8 +494,13 @@ def test_suite_time_section_from_the_committed_runs():
     assert f"`pytest {run['selection']} tests`" in text
     assert (
         "(`h200-cuda-suite-times-before.json`, `h200-cuda-suite-times-serial.json`, "
-        "`h200-cuda-suite-times.json`, `h200-cuda-suite-times-5.24.json`: NVIDIA H200"
+        "`h200-cuda-suite-times.json`, `h200-cuda-suite-times-5.24.json`, "
+        "`h200-cuda-suite-times-again.json`: NVIDIA H200"
     ) in text
+    again = committed(report_tests.SUITE_AGAIN_FILE)  # the same command later: its row, its line
+    again_verdict = "met" if again["wall_s"] <= T.TARGET_CUDA_SUITE_S else "missed"
+    assert text.split(f"| {again['label']} |")[1].split("\n")[0].endswith(f"| {again_verdict} |")
+    assert f"The same command again on {again['meta']['date']}" in text
     newest = committed(report_tests.SUITE_NEWEST_FILE)  # the newest transformers: its own row
     assert newest["meta"]["transformers"] == "5.24.0" and "transformers\n5.17.0, 5.24.0" in text
     assert f"| {newest['label']} | {newest['wall_s']:.1f} |" in text
@@ -508,6 +513,49 @@ def test_suite_time_section_from_the_committed_runs():
     assert f"| {run['label']} | {run['wall_s']:.1f} |" in text
     assert text.split(f"| {run['label']} |")[1].split("\n")[0].endswith(f"| {verdict} |")
     assert f"`{run['per_file'][0]['file']}`" in text
+
+
+def test_again_line_compares_the_tests_both_runs_timed():
+    """The rerun's line: its own wall and verdict, the ratio over tests both runs list among
+    their slowest (those under a second in the first run left out), and its failures named."""
+    from benchmarks import report_tests
+
+    def run(wall, slowest, failed=0):
+        return {"label": "x", "meta": {"date": "d"}, "wall_s": wall, "tests_s": 2 * wall,
+                "counts": {"passed": 3, "failed": failed},
+                "slowest": [{"test": t, "seconds": s} for t, s in slowest]}  # fmt: skip
+
+    first = run(150.0, [("a", 10.0), ("b", 4.0), ("c", 0.5)])
+    line = report_tests.again_line(first, run(200.0, [("a", 15.0), ("b", 4.0), ("c", 5.0)]))
+    assert "200.0 s of wall time" in line and "(missed; 150.0 s in the run above)" in line
+    assert "1.00–1.50× their time" in line and "2 tests" in line  # c: under a second before
+    assert "Every test it ran passed" in line
+    failing = report_tests.again_line(first, run(100.0, [("a", 5.0)], failed=2))
+    assert "(met;" in failing and "2 of its tests failed" in failing
+    assert report_tests.again_line(first, None) is None
+
+
+def test_floor_rerun_section_pairs_each_turn_and_reads_no_direction_from_a_split():
+    """The floor re-runs: each turn's two processes paired, this tree's longer parts counted
+    per decoder, a direction read only where every pair agrees; the committed runs split."""
+    from benchmarks import report_decode_forward as rdf
+
+    assert rdf.direction(2, 6) == "no consistent direction"
+    assert rdf.direction(6, 6).endswith("slower in every pair")
+    runs = [(committed(name), *rest) for name, *rest in rdf.FLOOR_RERUN_FILES]
+    text = rdf.floor_rerun_section(runs)
+    assert "over\nthe 6 pairs" in text and "| default | step | 3 of 6 |" in text
+    assert "were the host's, not the tree's" in text
+    # every pair slower: the section says the tree is not ruled out
+    slow = []
+    for data, call, release, turn, tree in runs:
+        data = json.loads(json.dumps(data))
+        if tree == "now":
+            for v in data["models"][0]["variants"].values():
+                v["decode_step_ms"] += 10.0
+        slow.append((data, call, release, turn, tree))
+    text = rdf.floor_rerun_section(slow)
+    assert "| default | step | 6 of 6 |" in text and "the tree is not ruled out" in text
 
 
 def test_cpu_suite_line_says_whether_the_readme_command_meets_the_target():
