@@ -155,6 +155,43 @@ def summarize(lines: list[dict]) -> dict:
     }
 
 
+def workers(timeline: str) -> dict:
+    """Worker by worker, from ``pytest_timing``'s timeline (``WORKER START STOP PHASE
+    TEST_ID`` per line): the span from the first phase's start to the last one's stop, each
+    worker's seconds inside tests (*busy*) and outside them until it stopped (*idle*: waiting
+    for tests, collecting, importing), its stop, and the test it ran last. Times are seconds
+    from the first start of any worker.
+
+    Example::
+
+        >>> t = workers("gw0 100.0 102.0 call tests/a.py::x\\n"
+        ...             "gw1 101.0 101.5 call tests/a.py::y\\n"
+        ...             "gw1 103.0 110.0 call tests/b.py::z\\n")
+        >>> t["span_s"], [(w["worker"], w["busy_s"], w["idle_s"], w["stop_s"])
+        ...               for w in t["workers"]]
+        (10.0, [('gw0', 2.0, 0.0, 2.0), ('gw1', 7.5, 2.5, 10.0)])
+        >>> t["workers"][1]["last_test"]
+        'tests/b.py::z'
+    """
+    rows = []
+    for line in timeline.splitlines():
+        if line.strip():
+            worker, start, stop, _phase, test = line.split(maxsplit=4)
+            rows.append((worker, float(start), float(stop), test))
+    if not rows:
+        raise ValueError("workers: the timeline holds no line")
+    origin = min(start for _, start, _, _ in rows)
+    out = []
+    for worker in sorted({w for w, *_ in rows}):
+        mine = sorted((r for r in rows if r[0] == worker), key=lambda r: r[2])
+        busy = sum(stop - start for _, start, stop, _ in mine)
+        stop = mine[-1][2] - origin
+        out.append({"worker": worker, "tests": len({r[3] for r in mine}),
+                    "busy_s": round(busy, 3), "idle_s": round(stop - busy, 3),
+                    "stop_s": round(stop, 3), "last_test": mine[-1][3]})  # fmt: skip
+    return {"span_s": round(max(w["stop_s"] for w in out), 3), "workers": out}
+
+
 def suite_times(times: str, log: str, label: str, selection: str, meta: dict | None = None) -> dict:
     """The JSON record of one run from the texts of its timing file and pytest log.
 
@@ -188,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--selection", default="", help="pytest's selection, e.g. '-m requires_cuda'"
     )
+    parser.add_argument(
+        "--timeline", default=None, help="pytest_timing's .timeline file: the run worker by worker"
+    )
     parser.add_argument("--out", required=True)
     for key in ("gpu", "torch", "transformers", "date"):
         parser.add_argument(f"--{key}", default=None, help=f"the run's {key} (meta)")
@@ -198,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         log = f.read()
     meta = {k: getattr(args, k) for k in ("gpu", "torch", "transformers", "date")}
     result = suite_times(times, log, args.label, args.selection, meta)
+    if args.timeline:
+        with open(args.timeline) as f:
+            result["timeline"] = workers(f.read())
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")

@@ -11,6 +11,12 @@ worker appends its own tests' lines (the controller writes none).
 Each line ends with `` gc=S/N``: the seconds the phase spent in N garbage collections
 (``gc.callbacks``). Every CUDA capture collects once (as ``torch.cuda.graph`` does), and a
 collection walks every object the process holds: this says how much of a test that is.
+
+``$PYTEST_TIMING_FILE.timeline`` gets one line per phase too: ``WORKER START STOP PHASE
+TEST_ID``, the phase's wall-clock start and stop (seconds since the epoch) and the
+pytest-xdist worker that ran it (``main`` without workers), so that a run's wall time can be
+laid out worker by worker (``benchmarks.suite_times --timeline``): where workers sat idle, and
+which tests ran last.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import time
 
 _file = None
+_timeline = None
 _gc = {"seconds": 0.0, "count": 0, "start": 0.0}
 
 
@@ -44,15 +51,19 @@ def pytest_configure(config) -> None:
 
 
 def pytest_runtest_logreport(report) -> None:
-    global _file
+    global _file, _timeline
     path = os.environ.get("PYTEST_TIMING_FILE")
     if not path or _skip["controller"]:
         return
     if _file is None:
         _file = open(path, "a", buffering=1)  # noqa: SIM115 (kept open for the whole run)
+        _timeline = open(path + ".timeline", "a", buffering=1)  # noqa: SIM115 (the same)
     gc_part = f"gc={_gc['seconds']:.3f}/{_gc['count']}"
     _gc["seconds"], _gc["count"] = 0.0, 0
     _file.write(f"{report.duration:.3f} {report.when} {report.outcome} {report.nodeid} {gc_part}\n")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    start, stop = f"{report.start:.3f}", f"{report.stop:.3f}"
+    _timeline.write(f"{worker} {start} {stop} {report.when} {report.nodeid}\n")
     if report.failed:
         with open(path + ".failures", "a") as failures:
             failures.write(f"==== {report.when} {report.nodeid}\n{report.longreprtext}\n\n")

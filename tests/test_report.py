@@ -365,6 +365,11 @@ def test_the_timing_plugin_keeps_each_failure_with_what_it_printed(tmp_path):
     failures = (tmp_path / "times.txt.failures").read_text()
     assert "==== call " in failures and "assert 1 == 2" in failures
     assert "---- Captured stderr call" in failures and "from the thread" in failures
+    timeline = [line.split() for line in (tmp_path / "times.txt.timeline").read_text().splitlines()]
+    assert {(w, phase) for w, _, _, phase, _ in timeline} == {("main", p) for p in
+                                                              ("setup", "call", "teardown")}
+    assert all(float(start) <= float(stop) for _, start, stop, *_ in timeline)
+    assert {test.rpartition("::")[2] for *_, test in timeline} == {"test_ok", "test_bad"}
 
 
 def test_suite_times_reads_the_last_pytest_summary_line():
