@@ -42,8 +42,9 @@ TRANSFORMERS_MODULES = {
 #: cores) and the Dynamo compiles (about 20 s, one module). pytest-xdist's load scheduling hands
 #: tests out in collection order and never moves one once sent: left in place (late in the
 #: alphabet) they ran last, one worker alone for the suite's last 5-10 s. First, the short
-#: tests fill in around them and both workers finish together. Whole modules move as a block,
-#: so a module-scoped fixture (``tp_runs``) still runs once.
+#: tests fill in around them and the workers finish together (:func:`layout` spreads them over
+#: the workers). Whole modules move as a block, so a module-scoped fixture (``tp_runs``) still
+#: runs once.
 START_FIRST = (
     "test_tensor_parallel",
     "test_examples.py::test_example_runs[tensor_parallel.py]",
@@ -63,12 +64,63 @@ def _start_rank(item) -> int:
     return next((i for i, name in enumerate(START_FIRST) if name in keys), len(START_FIRST))
 
 
+def layout(items: list, workers: int) -> list:
+    """``items`` in the order pytest-xdist should hand them out over ``workers`` workers: the
+    tests of :data:`START_FIRST` first, dealt out one unit at a time (a module listed whole is
+    one unit) over the first chunk of every worker, every other test after them in its order.
+
+    Why: pytest-xdist's load scheduling first sends each worker a chunk of consecutive tests
+    (``max(2, tests // workers // 4)`` of them), which no other worker can take. With the slow
+    tests simply put first they all landed in the first workers' chunks and ran one after the
+    other: on the H200 one worker of four ran every one of them, busy for 186 s while the
+    other three stopped at 54-73 s. One at a time (``--maxschedchunk 1``) spreads them but
+    splits every module's tests over the workers, so its shared fixtures are built once per
+    worker (the CPU suite took 17% longer). Without workers (or with one) the order is just
+    :data:`START_FIRST` first.
+
+    Example::
+
+        >>> from types import SimpleNamespace as T
+        >>> ids = [f"tests/test_a.py::test_{i}" for i in range(8)] + [
+        ...     "tests/test_prefill_compile.py::test_p", "tests/test_prefill_compile.py::test_q",
+        ...     "tests/test_examples.py::test_example_runs[tensor_parallel.py]"]
+        >>> [i.nodeid.rpartition("::")[2] for i in layout([T(nodeid=n) for n in ids], 2)]
+        ... # doctest: +NORMALIZE_WHITESPACE
+        ['test_example_runs[tensor_parallel.py]', 'test_0', 'test_p', 'test_q',
+         'test_1', 'test_2', 'test_3', 'test_4', 'test_5', 'test_6', 'test_7']
+    """
+    ranked = sorted(items, key=_start_rank)  # stable: every other test keeps its place
+    first = [item for item in ranked if _start_rank(item) < len(START_FIRST)]
+    rest = ranked[len(first) :]
+    if workers < 2:
+        return first + rest
+    units: dict = {}  # a listed module is one unit; any other listed test is one of its own
+    for item in first:
+        rank = _start_rank(item)
+        key = rank if "::" not in START_FIRST[rank] else item.nodeid
+        units.setdefault(key, []).append(item)
+    chunks: list[list] = [[] for _ in range(workers)]
+    for index, unit in enumerate(units.values()):
+        chunks[index % workers].extend(unit)
+    size = max(2, len(items) // workers // 4)  # pytest-xdist's first chunk per worker
+    ordered = []
+    for chunk in chunks:
+        fill = max(0, size - len(chunk))
+        ordered += chunk + rest[:fill]
+        rest = rest[fill:]
+    return ordered + rest
+
+
+def pytest_itemcollected(item):
+    # here, not in pytest_collection_modifyitems: `-m transformers` deselects before ours runs
+    module = getattr(item, "module", None)
+    if module is not None and module.__name__.rsplit(".", 1)[-1] in TRANSFORMERS_MODULES:
+        item.add_marker(pytest.mark.transformers)
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` deselected: the tests the workers run
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and module.__name__.rsplit(".", 1)[-1] in TRANSFORMERS_MODULES:
-            item.add_marker(pytest.mark.transformers)
-    items.sort(key=_start_rank)  # stable: every other test keeps its place
+    items[:] = layout(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def pytest_collection_finish(session):

@@ -356,6 +356,7 @@ def test_the_timing_plugin_keeps_each_failure_with_what_it_printed(tmp_path):
     scripts = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
     env = dict(os.environ, PYTHONPATH=scripts, PYTEST_TIMING_FILE=str(times),
                PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # fmt: skip  (no torch: 4 s less)
+    env.pop("PYTEST_XDIST_WORKER", None)  # this run's own worker, if any, is not the probe's
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_timing",
                     "-p", "no:cacheprovider", str(tmp_path / "test_probe.py")],
                    env=env, cwd=tmp_path, capture_output=True, timeout=120)  # fmt: skip
