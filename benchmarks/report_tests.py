@@ -9,13 +9,17 @@ from . import targets as T
 from .template import bullets, fill, num, pct, table
 
 SUITE_FILE = "h200-cuda-suite-times.json"  # the latest CUDA run (replaced by newer runs)
+#: the latest run before the slow tests were dealt over the workers' first chunks (session 28)
+SUITE_EARLIER_FILE = "h200-cuda-suite-times-session28.json"
 SUITE_BEFORE_FILE = "h200-cuda-suite-times-before.json"  # before captures stopped collecting
 SUITE_WHOLE_FILE = "h200-suite-times-whole.json"  # the whole suite (emulated and CUDA tests)
 #: the same tests in one process, where the latest run used pytest-xdist workers
 SUITE_SERIAL_FILE = "h200-cuda-suite-times-serial.json"
 SUITE_NEWEST_FILE = "h200-cuda-suite-times-5.24.json"  # the CUDA tests on the newest transformers
-#: the latest run's command again, later, on another lease of the machine
+#: the earlier run's command again, later, on another lease of the machine (with a timeline)
 SUITE_AGAIN_FILE = "h200-cuda-suite-times-again.json"
+#: six workers, before and with the layout over the workers' first chunks (with timelines)
+SUITE_SIX_FILES = ("h200-cuda-suite-times-six-chunked.json", "h200-cuda-suite-times-six.json")
 AGAIN_MIN_S = 1.0  # tests compared between the latest run and its rerun: at least this long
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
@@ -223,17 +227,51 @@ def _outcome(counts: dict) -> str:
     return "Every test it ran passed" if not failed else f"{failed} of its tests failed"
 
 
+def workers_paragraph(pairs: list[tuple[dict, dict]]) -> str | None:
+    """Runs laid out worker by worker (``suite_times --timeline``): ``pairs`` of a run before
+    ``tests/conftest.layout`` and one with it, on the same number of workers."""
+    pairs = [(a, b) for a, b in pairs if a and b and "timeline" in a and "timeline" in b]
+    if not pairs:
+        return None
+    rows, lines = [], []
+    for pair in pairs:
+        for r in pair:
+            t = r["timeline"]
+            busy = sorted(t["workers"], key=lambda w: -w["stop_s"])
+            rows.append([r["label"], len(t["workers"]), _cell(r["wall_s"]), _cell(t["span_s"]),
+                         ", ".join(f"{_cell(w['busy_s'])} ({_cell(w['stop_s'])})" for w in busy),
+                         f"`{busy[0]['last_test'].rpartition('::')[2]}`"])  # fmt: skip
+        (a, b), n = pair, len(pair[0]["timeline"]["workers"])
+        stops = [sorted(w["stop_s"] for w in r["timeline"]["workers"]) for r in pair]
+        lines.append(
+            f"- {n} workers: the last worker stopped at {_cell(stops[0][-1])} s while the others "
+            f"stopped at {_cell(stops[0][0])}–{_cell(stops[0][-2])} s before the layout, every "
+            f"worker between {_cell(stops[1][0])} and {_cell(stops[1][-1])} s with it; the "
+            f"tests' own seconds {_cell(a['tests_s'])} → {_cell(b['tests_s'])}, pytest's wall "
+            f"{_cell(a['wall_s'])} → {_cell(b['wall_s'])} s."
+        )
+    return fill(
+        "tests.suite.workers",
+        table=table(["run", "workers", "wall s", "first test to last s",
+                     "each worker: busy s (stopped at s)", "the last worker's last test"],
+                    rows),  # fmt: skip
+        lines=bullets(lines),
+    )
+
+
 def suite_time_section(
     run: dict | None, before: dict | None = None, whole: dict | None = None,
     cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
-    newest: dict | None = None, again: dict | None = None,
+    newest: dict | None = None, earlier: dict | None = None, again: dict | None = None,
+    six: tuple = (None, None),
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
     machine, ``cpu`` and ``cpu_serial`` the whole suite on a CPU machine like CI's, ``serial``
     the CUDA tests in one process where ``run`` used workers, ``newest`` the CUDA tests on the
-    newest transformers supported, ``again`` ``run``'s command later on another lease of the
-    machine (any may be missing: not measured)."""
+    newest transformers supported, ``earlier`` the latest run before ``tests/conftest.layout``,
+    ``again`` its command later on another lease of the machine, ``six`` six workers before and
+    with the layout (any may be missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -242,11 +280,13 @@ def suite_time_section(
     if run is None:
         return [fill("tests.suite.missing", file=SUITE_FILE, **targets)]
     meta = run.get("meta") or {}
-    runs = [r for r in (before, serial, run, newest, again) if r]
-    names = [n for n, r in ((SUITE_BEFORE_FILE, before), (SUITE_SERIAL_FILE, serial),
-                            (SUITE_FILE, run), (SUITE_NEWEST_FILE, newest),
-                            (SUITE_AGAIN_FILE, again)) if r]  # fmt: skip
-    dates = dict.fromkeys((r.get("meta") or {}).get("date") or "-" for r in (run, again) if r)
+    named = ((SUITE_BEFORE_FILE, before), (SUITE_SERIAL_FILE, serial),
+             (SUITE_EARLIER_FILE, earlier), (SUITE_NEWEST_FILE, newest),
+             (SUITE_AGAIN_FILE, again), (SUITE_SIX_FILES[0], six[0]), (SUITE_FILE, run),
+             (SUITE_SIX_FILES[1], six[1]))  # fmt: skip
+    runs = [r for _, r in named if r]
+    names = [n for n, r in named if r]
+    dates = sorted({(r.get("meta") or {}).get("date") or "-" for r in (earlier, run) if r})
     releases = dict.fromkeys((r.get("meta") or {}).get("transformers") or "-" for r in runs)
     return [
         fill(
@@ -263,7 +303,8 @@ def suite_time_section(
                 filter(
                     None,
                     [suite_verdict_line(run), newest and suite_verdict_line(newest),
-                     again_line(run, again), whole_suite_line(whole),
+                     earlier and again_line(earlier, again),
+                     workers_paragraph([(again, run), six]), whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), gc_paragraph(before, run)],  # fmt: skip
                 )
             ),

@@ -51,7 +51,7 @@
 # are WARM_KERNELS_PAIR_FILES and FIRST_CALL_PAIR_FILES),
 # RUN_STRESS=N (the CUDA tests while N threads keep the GPU busy: BREAKGRAPH_TEST_BUSY_GPU=N,
 # docs/testing.md, ~4-5 min with -n 4 (STRESS_ARGS replaces "-n 4 -m requires_cuda tests",
-# STRESS_TIMEOUT 420 s); writes stress.log, stress-times.txt and its .failures; run it with
+# STRESS_TIMEOUT 420 s); writes stress.log, stress-times.txt, its .timeline and its .failures; run it with
 # SKIP_TESTS=1 SKIP_PREFILL=1 SKIP_CB=1 SKIP_OVERHEAD=1 SKIP_ANATOMY=1),
 # RUN_FORWARD_PARTS=REV (breakgraph's forward of a pure-decode CB step, part by part on the host:
 # benchmarks/decode_forward_probe.py, git revision REV (in /tmp/breakgraph-before-forward) and
@@ -82,9 +82,9 @@
 # copy host-path-{new,old}-first.json to docs/results/h200-prefill-host-path-upload-*.json, see
 # report_prefill.UPLOAD_FILES). The tests also write test-times.txt (seconds per test, and the
 # seconds of garbage collection inside it); for the page's test-suite section run the CUDA tests
-# alone (TEST_ARGS="-n 4 -m requires_cuda tests", about 100 s, with the pytest-xdist and execnet
+# alone (TEST_ARGS="-n 4 -m requires_cuda tests", about 125 s, with the pytest-xdist and execnet
 # wheels carried in .whl; without -n, one process, about 3.5 min) and, here, python -m benchmarks.suite_times
-# --times test-times.txt --log pytest.log --label ... --out docs/results/h200-cuda-suite-times.json.
+# --times test-times.txt --log pytest.log --timeline test-times.txt.timeline --label ... --out docs/results/h200-cuda-suite-times.json.
 # Tensor parallelism needs 2 GPUs (kind nvidia-h200-x2): bash scripts/tp_check.sh (the TP
 # tests, the example and the TP benchmark, with and without NCCL graph mixing).
 # PREFILL_ARGS adds flags to the prefill benchmark (e.g. "--families llama-1b,mixtral-4l" or
@@ -110,11 +110,12 @@
 # with the device call; fetch it first (git-ignored):
 #   python3 -m pip download --no-deps -d .whl breakable-cuda-graphs==0.1.0
 # The device tool returns at most 8 files: the default sections write pytest.log,
-# test-times.txt, benchmarks.log, prefill-baselines.json, overhead.json, anatomy.json (6);
+# test-times.txt, its .timeline, benchmarks.log, prefill-baselines.json, overhead.json,
+# anatomy.json (7);
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
-# RUN_FLOOR_TURNS 4, RUN_STRESS 3 (skip other sections
+# RUN_FLOOR_TURNS 4, RUN_STRESS 4 (skip other sections
 # to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.

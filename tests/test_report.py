@@ -500,13 +500,17 @@ def test_suite_time_section_from_the_committed_runs():
     assert f"`pytest {run['selection']} tests`" in text
     assert (
         "(`h200-cuda-suite-times-before.json`, `h200-cuda-suite-times-serial.json`, "
-        "`h200-cuda-suite-times.json`, `h200-cuda-suite-times-5.24.json`, "
-        "`h200-cuda-suite-times-again.json`: NVIDIA H200"
+        "`h200-cuda-suite-times-session28.json`, `h200-cuda-suite-times-5.24.json`, "
+        "`h200-cuda-suite-times-again.json`, `h200-cuda-suite-times-six-chunked.json`, "
+        "`h200-cuda-suite-times.json`, `h200-cuda-suite-times-six.json`: NVIDIA H200"
     ) in text
     again = committed(report_tests.SUITE_AGAIN_FILE)  # the same command later: its row, its line
     again_verdict = "met" if again["wall_s"] <= T.TARGET_CUDA_SUITE_S else "missed"
     assert text.split(f"| {again['label']} |")[1].split("\n")[0].endswith(f"| {again_verdict} |")
-    assert f"The same command again on {again['meta']['date']}" in text
+    assert f"Session twenty-eight's command again on {again['meta']['date']}" in text
+    # worker by worker: a line per pair of runs, before the layout and with it
+    assert "- 4 workers: the last worker stopped at 185.7 s" in text
+    assert "pytest's wall 208.5 → 125.4 s." in text and "- 6 workers:" in text
     newest = committed(report_tests.SUITE_NEWEST_FILE)  # the newest transformers: its own row
     assert newest["meta"]["transformers"] == "5.24.0" and "transformers\n5.17.0, 5.24.0" in text
     assert f"| {newest['label']} | {newest['wall_s']:.1f} |" in text
@@ -533,12 +537,34 @@ def test_again_line_compares_the_tests_both_runs_timed():
 
     first = run(150.0, [("a", 10.0), ("b", 4.0), ("c", 0.5)])
     line = report_tests.again_line(first, run(200.0, [("a", 15.0), ("b", 4.0), ("c", 5.0)]))
-    assert "200.0 s of wall time" in line and "(missed; 150.0 s in the run above)" in line
+    assert "200.0 s of wall time" in line and "(missed; 150.0 s in session twenty-eight's" in line
     assert "1.00–1.50× their time" in line and "2 tests" in line  # c: under a second before
     assert "Every test it ran passed" in line
     failing = report_tests.again_line(first, run(100.0, [("a", 5.0)], failed=2))
     assert "(met;" in failing and "2 of its tests failed" in failing
     assert report_tests.again_line(first, None) is None
+
+
+def test_workers_paragraph_lays_out_each_pair_from_its_timelines():
+    """Worker by worker: the stops of every worker before and with the layout, from the
+    timelines; a pair where a run has no timeline (or is missing) is left out."""
+    from benchmarks import report_tests
+
+    def run(label, wall, stops):
+        workers = [{"worker": f"gw{i}", "busy_s": s - 1, "stop_s": s, "last_test": f"t.py::t{i}"}
+                   for i, s in enumerate(stops)]  # fmt: skip
+        return {"label": label, "wall_s": wall, "tests_s": sum(stops),
+                "timeline": {"span_s": max(stops), "workers": workers}}  # fmt: skip
+
+    text = report_tests.workers_paragraph([(run("a", 200.0, [180.0, 50.0, 60.0]),
+                                            run("b", 120.0, [90.0, 95.0, 88.0]))])  # fmt: skip
+    assert "- 3 workers: the last worker stopped at 180.0 s while the others stopped at " \
+        "50.0–60.0 s before the layout, every worker between 88.0 and 95.0 s with it" in text
+    assert "pytest's wall 200.0 → 120.0 s." in text and "| a | 3 | 200.0 | 180.0 |" in text
+    assert "179.0 (180.0), 59.0 (60.0), 49.0 (50.0) | `t0` |" in text
+    no_timeline = {"label": "c", "wall_s": 1.0}
+    assert report_tests.workers_paragraph([(no_timeline, run("b", 1.0, [1.0])), (None, None)]) \
+        is None
 
 
 def test_floor_rerun_section_pairs_each_turn_and_reads_no_direction_from_a_split():
@@ -585,7 +611,8 @@ def test_cpu_suite_line_says_whether_the_readme_command_meets_the_target():
 def test_suite_time_section_from_two_runs(tmp_path):
     text = two_runs_text(tmp_path, suite_run())
     assert "`pytest -m requires_cuda tests`" in text
-    assert "NVIDIA H200, torch 2.11.0+cu130, transformers\n5.17.0, 5.24.0, 2026-12-02" in text
+    dates = "transformers\n5.17.0, 5.24.0, 2026-12-02, 2026-12-03"  # the latest and session 28's
+    assert f"NVIDIA H200, torch 2.11.0+cu130, {dates}" in text
     assert "within\n180 s of pytest's wall time" in text and "100 s on CI's 2 cores" in text
     assert "| before | 357.4 | 345.4 | 172.9 | 50% | 5768 | 370 | 57 | 0 | missed |" in text
     assert "| after | 203.0 | 187.3 | 7.1 | 4% | 3428 | 370 | 57 | 0 | missed |" in text
