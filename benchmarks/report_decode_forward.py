@@ -356,6 +356,42 @@ def direction(slower: int, pairs: int) -> str:
     return "no consistent direction"
 
 
+#: how far from 1 the median now / before of the default step may be for the re-runs to call
+#: the runs above the host's (session 29's processes of this tree: 1.31-1.46x the tree before)
+RERUN_TOLERANCE = 0.05
+
+
+def rerun_verdict(now: list, before: list) -> str:
+    """What the re-runs say of the default decoder's step, pair by pair (``now[i]`` against
+    ``before[i]``): the tree is not ruled out where every pair is slower; the runs above were
+    the host's only where the pairs split and their median ratio is within
+    :data:`RERUN_TOLERANCE` of one; otherwise inconclusive.
+
+    Example::
+
+        >>> rerun_verdict([1.0, 2.0], [1.1, 1.9]).startswith("The default decoder's step was")
+        True
+        >>> rerun_verdict([1.3, 1.3, 1.0], [1.0, 1.0, 1.1]).startswith("Inconclusive")
+        True
+    """
+    slower = sum(a > b for a, b in zip(now, before))
+    ratio = statistics.median(a / b for a, b in zip(now, before))
+    if slower == len(now):
+        return ("The default decoder's step: this tree slower in every pair, as in the runs "
+                "above: the tree is not ruled out.")  # fmt: skip
+    if slower == 0:
+        return ("The default decoder's step: this tree faster in every pair, so no sign that "
+                "the tree slowed it.")  # fmt: skip
+    if abs(ratio - 1) <= RERUN_TOLERANCE:
+        return (f"The default decoder's step was longer in this tree in {slower} of "
+                f"{len(now)} pairs and shorter in the others, the median ratio "
+                f"{num(ratio)}, so the slower default steps of the runs above (every process "
+                "of this tree slower than the one of the tree before) were the host's, not the "
+                "tree's.")  # fmt: skip
+    return (f"Inconclusive: the default decoder's step was longer in this tree in {slower} of "
+            f"{len(now)} pairs, but the median ratio is {num(ratio)}.")  # fmt: skip
+
+
 def floor_rerun_section(runs: list) -> str:
     """``runs``: ``(data, call, release, turn, tree)`` of :data:`FLOOR_RERUN_FILES`, in the
     order they ran. Pairs the two trees' processes of each turn and counts, per decoder and
@@ -396,16 +432,8 @@ def floor_rerun_section(runs: list) -> str:
                           span(ratios), direction(slower, len(now))])  # fmt: skip
     pairs = len(turns)
     first = runs[0][0]
-    default_steps = values[("default", "step")]
-    slower = sum(a > b for a, b in zip(default_steps["now"], default_steps["before"]))
-    if direction(slower, pairs) == "no consistent direction":
-        verdict = ("The default decoder's step was longer in this tree in some pairs and shorter "
-                   "in others, so the slower default steps of the runs above (every process of "
-                   "this tree slower than the one of the tree before) were the host's, not the "
-                   "tree's.")
-    else:
-        verdict = (f"The default decoder's step: {direction(slower, pairs)}, as in the runs "
-                   "above: the tree is not ruled out.")
+    verdict = rerun_verdict(values[("default", "step")]["now"],
+                            values[("default", "step")]["before"])  # fmt: skip
     return fill(
         "cb.floor_rerun",
         files=", ".join(f"`{name}`" for name, *_ in FLOOR_RERUN_FILES),

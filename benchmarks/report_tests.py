@@ -5,6 +5,8 @@ code, prose from ``performance.md.in``, targets from ``targets.py``."""
 
 from __future__ import annotations
 
+import statistics
+
 from . import targets as T
 from .template import bullets, fill, num, pct, table
 
@@ -216,7 +218,7 @@ def again_line(run: dict, again: dict | None) -> str | None:
         verdict=suite_verdict(again), tests_s=_cell(again["tests_s"]),
         run_tests_s=_cell(run["tests_s"]), run_wall=_cell(run["wall_s"]),
         common=len(ratios), ratios=f"{num(ratios[0])}–{num(ratios[-1])}" if ratios else "-",
-        median=num(ratios[len(ratios) // 2]) if ratios else "-",
+        median=num(statistics.median(ratios)) if ratios else "-",
         outcome=_outcome(again["counts"]),
     )
 
@@ -286,7 +288,7 @@ def suite_time_section(
              (SUITE_SIX_FILES[1], six[1]))  # fmt: skip
     runs = [r for _, r in named if r]
     names = [n for n, r in named if r]
-    dates = sorted({(r.get("meta") or {}).get("date") or "-" for r in (earlier, run) if r})
+    dates = sorted({(r.get("meta") or {}).get("date") or "-" for r in runs})
     releases = dict.fromkeys((r.get("meta") or {}).get("transformers") or "-" for r in runs)
     return [
         fill(

@@ -158,9 +158,10 @@ def summarize(lines: list[dict]) -> dict:
 def workers(timeline: str) -> dict:
     """Worker by worker, from ``pytest_timing``'s timeline (``WORKER START STOP PHASE
     TEST_ID`` per line): the span from the first phase's start to the last one's stop, each
-    worker's seconds inside tests (*busy*) and outside them until it stopped (*idle*: waiting
-    for tests, collecting, importing), its stop, and the test it ran last. Times are seconds
-    from the first start of any worker.
+    worker's seconds inside tests (*busy*) and outside them from the first test of any worker
+    until it stopped (*idle*: a later start, waits between tests), its stop, and the test it
+    ran last. Times are seconds from the first start of any worker; what happens before it
+    (start-up, collection) is not in the timeline.
 
     Example::
 

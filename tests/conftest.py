@@ -38,21 +38,23 @@ TRANSFORMERS_MODULES = {
 }
 
 
-#: Tests that run first, in this order: the two-process launches (TP, about 20 s each on two
-#: cores) and the Dynamo compiles (about 20 s, one module). pytest-xdist's load scheduling hands
-#: tests out in collection order and never moves one once sent: left in place (late in the
-#: alphabet) they ran last, one worker alone for the suite's last 5-10 s. First, the short
-#: tests fill in around them and the workers finish together (:func:`layout` spreads them over
-#: the workers). Whole modules move as a block, so a module-scoped fixture (``tp_runs``) still
-#: runs once.
+#: Tests that run first, in this order, with a rough cost in seconds each (per module, where a
+#: module is listed whole): the two-process launches (TP, about 20 s each on two cores), the
+#: Dynamo compiles (one module) and, on a GPU, the busy-GPU CB processes and the compiled
+#: decoder. pytest-xdist's load scheduling hands tests out in collection order and never moves
+#: one once sent: left in place (late in the alphabet) they ran last, one worker alone for the
+#: suite's last 5-10 s. First, the short tests fill in around them (:func:`layout` deals them
+#: over the workers). Whole modules move as a block, so a module-scoped fixture (``tp_runs``)
+#: still runs once. The costs only order the dealing; measured: the H200's timelines and the
+#: CPU suite's slowest tests (docs/performance.md, *Test-suite time*).
 START_FIRST = (
-    "test_tensor_parallel",
-    "test_examples.py::test_example_runs[tensor_parallel.py]",
-    "test_prefill_compile",
+    ("test_tensor_parallel", 45.0),
+    ("test_examples.py::test_example_runs[tensor_parallel.py]", 19.0),
+    ("test_prefill_compile", 46.0),
     # on a GPU: 15-25 s each in a process of its own, loading the GPU meanwhile
-    "test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy",
-    # the decoder under torch.compile on a GPU: 43 s on the H200 (its longest test)
-    "test_continuous_batching.py::test_cuda_compiled_decoder_agrees_with_paged_sdpa",
+    ("test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy", 20.0),
+    # the decoder under torch.compile on a GPU: 40-47 s on the H200 (its longest test)
+    ("test_continuous_batching.py::test_cuda_compiled_decoder_agrees_with_paged_sdpa", 42.0),
 )
 
 
@@ -61,22 +63,34 @@ def _start_rank(item) -> int:
     test name and parameters); after all of them when it is not listed."""
     test = item.nodeid.rpartition("/")[2]  # "test_x.py::test_y[id]"
     keys = (test.partition(".py")[0], test.partition("[")[0], test)
-    return next((i for i, name in enumerate(START_FIRST) if name in keys), len(START_FIRST))
+    return next((i for i, (name, _) in enumerate(START_FIRST) if name in keys), len(START_FIRST))
 
 
-def layout(items: list, workers: int) -> list:
+def _skipped(item) -> bool:
+    """Whether collection already knows ``item`` will be skipped: a ``skip`` mark, or a
+    ``skipif`` whose conditions are all true booleans (the tensor-parallel tests on one GPU)."""
+    marks = getattr(item, "iter_markers", lambda name: ())
+    if any(True for _ in marks("skip")):
+        return True
+    return any(m.args and all(a is True for a in m.args) for m in marks("skipif"))
+
+
+def layout(items: list, workers: int, chunk: int | None = None) -> list:
     """``items`` in the order pytest-xdist should hand them out over ``workers`` workers: the
-    tests of :data:`START_FIRST` first, dealt out one unit at a time (a module listed whole is
-    one unit) over the first chunk of every worker, every other test after them in its order.
+    tests of :data:`START_FIRST` dealt out over the first chunk of every worker (``chunk``
+    tests each; pytest-xdist's size by default), costliest unit first to the worker with the
+    least so far that has room for it (a module listed whole is one unit; the other listed tests
+    one each); units that do not fit, and units whose tests will all be skipped, right after
+    the chunks; every other test fills the chunks and follows, in its order.
 
     Why: pytest-xdist's load scheduling first sends each worker a chunk of consecutive tests
-    (``max(2, tests // workers // 4)`` of them), which no other worker can take. With the slow
-    tests simply put first they all landed in the first workers' chunks and ran one after the
-    other: on the H200 one worker of four ran every one of them, busy for 186 s while the
-    other three stopped at 54-73 s. One at a time (``--maxschedchunk 1``) spreads them but
-    splits every module's tests over the workers, so its shared fixtures are built once per
-    worker (the CPU suite took 17% longer). Without workers (or with one) the order is just
-    :data:`START_FIRST` first.
+    (``max(2, tests // workers // 4)`` of them, at most ``--maxschedchunk``), which no other
+    worker can take. With the slow tests simply put first they landed in the first one or two
+    workers' chunks and ran one after the other: on the H200 one worker of four ran every one
+    of them, busy for 186 s while the other three stopped at 54-73 s. One at a time
+    (``--maxschedchunk 1``) spreads them but splits every module's tests over the workers, so
+    its shared fixtures are built once per worker (the CPU suite took longer in the one run
+    tried). Without workers (or with one) the order is just :data:`START_FIRST` first.
 
     Example::
 
@@ -86,7 +100,7 @@ def layout(items: list, workers: int) -> list:
         ...     "tests/test_examples.py::test_example_runs[tensor_parallel.py]"]
         >>> [i.nodeid.rpartition("::")[2] for i in layout([T(nodeid=n) for n in ids], 2)]
         ... # doctest: +NORMALIZE_WHITESPACE
-        ['test_example_runs[tensor_parallel.py]', 'test_0', 'test_p', 'test_q',
+        ['test_p', 'test_q', 'test_example_runs[tensor_parallel.py]', 'test_0',
          'test_1', 'test_2', 'test_3', 'test_4', 'test_5', 'test_6', 'test_7']
     """
     ranked = sorted(items, key=_start_rank)  # stable: every other test keeps its place
@@ -97,18 +111,27 @@ def layout(items: list, workers: int) -> list:
     units: dict = {}  # a listed module is one unit; any other listed test is one of its own
     for item in first:
         rank = _start_rank(item)
-        key = rank if "::" not in START_FIRST[rank] else item.nodeid
+        key = rank if "::" not in START_FIRST[rank][0] else item.nodeid
         units.setdefault(key, []).append(item)
+    size = chunk or max(2, len(items) // workers // 4)  # pytest-xdist's first chunk per worker
     chunks: list[list] = [[] for _ in range(workers)]
-    for index, unit in enumerate(units.values()):
-        chunks[index % workers].extend(unit)
-    size = max(2, len(items) // workers // 4)  # pytest-xdist's first chunk per worker
+    load = [0.0] * workers
+    after = []  # units that fit no chunk, and units that will be skipped
+    dealt = sorted(units.values(), key=lambda unit: -START_FIRST[_start_rank(unit[0])][1])
+    for unit in dealt:  # stable: equal costs keep START_FIRST's order
+        room = [w for w in range(workers) if len(chunks[w]) + len(unit) <= size]
+        if all(_skipped(item) for item in unit) or not room:
+            after += unit
+            continue
+        worker = min(room, key=lambda w: (load[w], w))
+        chunks[worker] += unit
+        load[worker] += START_FIRST[_start_rank(unit[0])][1]
     ordered = []
-    for chunk in chunks:
-        fill = max(0, size - len(chunk))
-        ordered += chunk + rest[:fill]
+    for tests in chunks:
+        fill = size - len(tests)
+        ordered += tests + rest[:fill]
         rest = rest[fill:]
-    return ordered + rest
+    return ordered + after + rest
 
 
 def pytest_itemcollected(item):
@@ -120,7 +143,10 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(trylast=True)  # after `-m` and `-k` deselected: the tests the workers run
 def pytest_collection_modifyitems(config, items):
-    items[:] = layout(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    most = getattr(getattr(config, "option", None), "maxschedchunk", None)  # --maxschedchunk
+    chunk = max(2, min(len(items) // workers // 4, most)) if most else None
+    items[:] = layout(items, workers, chunk)
 
 
 def pytest_collection_finish(session):

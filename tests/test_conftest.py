@@ -1,48 +1,79 @@
-"""The suite's own scheduling (``tests/conftest.py``): the slow tests first, spread over the
+"""The suite's own scheduling (``tests/conftest.py``): the slow tests dealt over the
 pytest-xdist workers' first chunks, and the ``transformers`` marker set before ``-m`` selects."""
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
 
 from tests import conftest
 
-SLOW = [
-    "tests/test_prefill_compile.py::test_a[cuda]",  # a module listed whole: one unit
-    "tests/test_prefill_compile.py::test_b",
-    "tests/test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy[x]",
-    "tests/test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy[y]",
-    "tests/test_continuous_batching.py::test_cuda_compiled_decoder_agrees_with_paged_sdpa",
-]
+COMPILE = ["tests/test_prefill_compile.py::test_a[cuda]",  # a module listed whole: one unit
+           "tests/test_prefill_compile.py::test_b"]  # fmt: skip
+BUSY = "tests/test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy"
+COMPILED = "tests/test_continuous_batching.py::test_cuda_compiled_decoder_agrees_with_paged_sdpa"
+SLOW = [*COMPILE, f"{BUSY}[x]", f"{BUSY}[y]", COMPILED]
 
 
-def _items(ids):
-    return [types.SimpleNamespace(nodeid=i) for i in ids]
+def _items(ids, skipped=()):
+    def item(nodeid):
+        marks = [types.SimpleNamespace(args=(True,))] if nodeid in skipped else []
+        return types.SimpleNamespace(
+            nodeid=nodeid, iter_markers=lambda name: marks if name == "skipif" else []
+        )
+
+    return [item(i) for i in ids]
 
 
-def test_each_workers_first_chunk_starts_with_its_share_of_the_slow_tests():
+def _chunks(order, size, workers):
+    return [order[k * size : (k + 1) * size] for k in range(workers)]
+
+
+def test_the_costliest_slow_tests_go_to_the_least_loaded_workers_first_chunks():
     others = [f"tests/test_z.py::test_{i}" for i in range(95)]
     ids = others[:40] + SLOW + others[40:]  # 100 tests: chunks of 100 // 4 // 4 = 6
     order = [i.nodeid for i in conftest.layout(_items(ids), 4)]
     assert sorted(order) == sorted(ids)
-    chunks = [order[k * 6 : (k + 1) * 6] for k in range(4)]
-    assert chunks[0][:2] == SLOW[:2]  # the module, together
-    assert chunks[1][0] == SLOW[2] and chunks[2][0] == SLOW[3] and chunks[3][0] == SLOW[4]
+    chunks = _chunks(order, 6, 4)
+    # the compiles (46 s, together), the compiled decoder (42 s), then a busy case each
+    assert chunks[0][:2] == COMPILE and chunks[1][0] == COMPILED
+    assert chunks[2][0] == f"{BUSY}[x]" and chunks[3][0] == f"{BUSY}[y]"
     assert [i for i in order if i in others] == others  # every other test keeps its order
     # one worker, or none: the slow tests first, in START_FIRST's order
     assert [i.nodeid for i in conftest.layout(_items(ids), 1)] == SLOW + others
 
 
-def test_the_layout_follows_the_worker_count_pytest_xdist_sets(monkeypatch):
-    ids = [f"tests/test_z.py::test_{i}" for i in range(30)] + SLOW[2:4]
-    for count, second in (("2", 4), (None, 1)):  # chunks of 32 // 2 // 4 = 4
-        if count:
+def test_a_unit_larger_than_a_chunk_or_skipped_whole_is_not_dealt_and_never_split():
+    others = [f"tests/test_z.py::test_{i}" for i in range(20)]
+    tp = [f"tests/test_tensor_parallel.py::test_{i}" for i in range(5)]  # one unit of 5
+    ids = tp + [COMPILED] + others + [f"{BUSY}[x]"]
+    order = [i.nodeid for i in conftest.layout(_items(ids, skipped={f"{BUSY}[x]"}), 2, chunk=3)]
+    assert sorted(order) == sorted(ids)
+    assert _chunks(order, 3, 2) == [[COMPILED, *others[:2]], others[2:5]]
+    assert order[6:12] == [*tp, f"{BUSY}[x]"]  # right after the chunks, the module whole
+    assert order[12:] == others[5:]
+
+
+def test_the_layout_follows_the_worker_count_and_maxschedchunk(monkeypatch):
+    ids = [f"tests/test_z.py::test_{i}" for i in range(30)] + [f"{BUSY}[x]", f"{BUSY}[y]"]
+    config = types.SimpleNamespace(option=types.SimpleNamespace(maxschedchunk=None))
+    for count, most, second in (("2", None, 4), ("2", 3, 3), (None, None, 1)):
+        if count:  # pytest-xdist's workers: chunks of 32 // 2 // 4 = 4, or --maxschedchunk 3
             monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", count)
         else:
             monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+        config.option.maxschedchunk = most
         items = _items(ids)
-        conftest.pytest_collection_modifyitems(None, items)
-        assert items[0].nodeid == SLOW[2] and items[second].nodeid == SLOW[3]
+        conftest.pytest_collection_modifyitems(config, items)
+        assert items[0].nodeid == f"{BUSY}[x]" and items[second].nodeid == f"{BUSY}[y]"
+
+
+def test_the_layout_runs_after_deselection():
+    """trylast: after ``-m``/``-k`` deselected, so the chunks are those of the tests the
+    workers run."""
+    assert conftest.pytest_collection_modifyitems.pytest_impl["trylast"]
 
 
 @pytest.mark.parametrize("module, marked", [("tests.test_transformers", True),
@@ -53,3 +84,23 @@ def test_transformers_tests_are_marked_as_they_are_collected(module, marked):
                                  add_marker=added.append)  # fmt: skip
     conftest.pytest_itemcollected(item)
     assert [m.name for m in added] == (["transformers"] if marked else [])
+
+
+def test_minus_m_transformers_selects_the_transformers_modules():
+    """What .ci/run's second leg relies on, end to end: ``-m transformers`` keeps a transformers
+    module's tests and drops the others."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "transformers",
+         "tests/test_examples.py", "tests/test_step_order.py"],
+        capture_output=True, text=True, cwd=root, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if "::" in line]
+    assert lines and all(line.startswith("tests/test_examples.py::") for line in lines), lines
+
+
+def test_the_layout_docstring_example_runs():
+    import doctest
+
+    assert doctest.testmod(conftest, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0

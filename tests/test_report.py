@@ -577,6 +577,8 @@ def test_floor_rerun_section_pairs_each_turn_and_reads_no_direction_from_a_split
     runs = [(committed(name), *rest) for name, *rest in rdf.FLOOR_RERUN_FILES]
     text = rdf.floor_rerun_section(runs)
     assert "over\nthe 6 pairs" in text and "| default | step | 3 of 6 |" in text
+    assert "ran first took longer than the one after it in 5 of 12" in text
+    assert "Within twice the floor in 1 of the 24 rows: compiled on 5.17 (now, 1.83×)." in text
     assert "were the host's, not the tree's" in text
     # every pair slower: the section says the tree is not ruled out
     slow = []
@@ -588,6 +590,23 @@ def test_floor_rerun_section_pairs_each_turn_and_reads_no_direction_from_a_split
         slow.append((data, call, release, turn, tree))
     text = rdf.floor_rerun_section(slow)
     assert "| default | step | 6 of 6 |" in text and "the tree is not ruled out" in text
+    assert "ran first took longer than the one after it in 8 of 12" in text  # now first: 4 turns
+    assert "Within twice the floor in 0 of the 24 rows: none." in text  # every step +10 ms
+    # the other readings: every pair faster, and pairs that split with a median far from one
+    assert "faster in every pair, so no sign" in rdf.rerun_verdict([1.0, 1.0], [2.0, 2.0])
+    assert rdf.rerun_verdict([1.3, 1.3, 0.9], [1.0, 1.0, 1.0]).startswith("Inconclusive")
+    assert "were the host's" in rdf.rerun_verdict([1.02, 0.99, 1.0], [1.0, 1.0, 1.01])
+
+
+def test_report_helpers_docstring_examples_run():
+    """The examples in the report helpers' docstrings (breakgraph's own run in
+    test_doctests.py)."""
+    import doctest
+
+    from benchmarks import report_decode_forward, report_tests, suite_times
+
+    for module in (report_decode_forward, report_tests, suite_times):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 def test_cpu_suite_line_says_whether_the_readme_command_meets_the_target():
