@@ -28,6 +28,12 @@ PROFILE_FILE = "h200-capture-profile.json"
 #: and the same tests in one process
 CPU_SUITE_FILE = "cpu-suite-times.json"
 CPU_SUITE_SERIAL_FILE = "cpu-suite-times-serial.json"
+#: the README's command with ``tests/conftest.layout`` on and off, in turn on one VM, in the
+#: order they ran: (file, layout on, turn)
+CPU_LAYOUT_FILES = (("cpu-suite-times-layout-on-1.json", True, 1),
+                    ("cpu-suite-times-layout-off-1.json", False, 1),
+                    ("cpu-suite-times-layout-off-2.json", False, 2),
+                    ("cpu-suite-times-layout-on-2.json", True, 2))  # fmt: skip
 TOP_FILES = 10  # files in the per-file table
 SLOWEST_FILES = 3  # files named where the target is missed
 LARGEST_PARTS = 3  # parts named per runner
@@ -229,6 +235,38 @@ def _outcome(counts: dict) -> str:
     return "Every test it ran passed" if not failed else f"{failed} of its tests failed"
 
 
+def cpu_layout_line(cpu: dict | None, runs: list) -> str | None:
+    """The README's command with the layout on and off in turn (``runs``: ``(data, on, turn)``
+    of :data:`CPU_LAYOUT_FILES`), beside the committed CPU run ``cpu``: their walls, how
+    evenly the two workers finished, and how much slower the VM's tests ran than in ``cpu``."""
+    if cpu is None or len(runs) != len(CPU_LAYOUT_FILES):
+        return None
+    on = [d for d, state, _ in runs if state]
+    off = [d for d, state, _ in runs if not state]
+    before = {t["test"]: t["seconds"] for t in cpu["slowest"]}
+    ratios = [t["seconds"] / before[t["test"]] for d in on for t in d["slowest"]
+              if before.get(t["test"], 0) >= AGAIN_MIN_S]  # fmt: skip
+    gaps = []
+    for d, _, _ in runs:
+        stops = [w["stop_s"] for w in d["timeline"]["workers"]]
+        gaps.append(max(stops) - min(stops))
+    walls = lambda ds: ", ".join(_cell(d["wall_s"]) for d in ds)  # noqa: E731
+    worst = max(d["wall_s"] for d in on)
+    failed = {d["counts"].get("failed", 0) for d in off}
+    return fill(
+        "tests.suite.cpu_layout",
+        date=(on[0].get("meta") or {}).get("date") or "-",
+        files="`, `".join(name for name, *_ in CPU_LAYOUT_FILES),
+        order=", ".join("on" if state else "off" for _, state, _ in runs),
+        on=walls(on), off=walls(off), failed="/".join(map(str, sorted(failed))),
+        gap=_cell(max(gaps)), tests_s=" and ".join(_cell(d["tests_s"]) for d in on),
+        cpu_tests_s=_cell(cpu["tests_s"]), cpu_wall=_cell(cpu["wall_s"]),
+        median=num(statistics.median(ratios)) if ratios else "-", common=len(ratios),
+        verdict="meets" if worst <= T.TARGET_CPU_SUITE_S else "misses",
+        target=f"{T.TARGET_CPU_SUITE_S:g}",
+    )
+
+
 def workers_paragraph(pairs: list[tuple[dict, dict]]) -> str | None:
     """Runs laid out worker by worker (``suite_times --timeline``): ``pairs`` of a run before
     ``tests/conftest.layout`` and one with it, on the same number of workers."""
@@ -265,7 +303,7 @@ def suite_time_section(
     run: dict | None, before: dict | None = None, whole: dict | None = None,
     cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
     newest: dict | None = None, earlier: dict | None = None, again: dict | None = None,
-    six: tuple = (None, None),
+    six: tuple = (None, None), cpu_layout: list = (),
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
@@ -273,7 +311,8 @@ def suite_time_section(
     the CUDA tests in one process where ``run`` used workers, ``newest`` the CUDA tests on the
     newest transformers supported, ``earlier`` the latest run before ``tests/conftest.layout``,
     ``again`` its command later on another lease of the machine, ``six`` six workers before and
-    with the layout (any may be missing: not measured)."""
+    with the layout, ``cpu_layout`` the README's command with the layout on and off (any may be
+    missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -307,7 +346,8 @@ def suite_time_section(
                     [suite_verdict_line(run), newest and suite_verdict_line(newest),
                      earlier and again_line(earlier, again),
                      workers_paragraph([(again, run), six]), whole_suite_line(whole),
-                     cpu_suite_line(cpu, cpu_serial), gc_paragraph(before, run)],  # fmt: skip
+                     cpu_suite_line(cpu, cpu_serial), cpu_layout_line(cpu, list(cpu_layout)),
+                     gc_paragraph(before, run)],  # fmt: skip
                 )
             ),
             top=min(TOP_FILES, len(run["per_file"])),

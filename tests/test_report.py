@@ -567,6 +567,23 @@ def test_workers_paragraph_lays_out_each_pair_from_its_timelines():
         is None
 
 
+def test_cpu_layout_line_from_the_committed_runs_and_without_them():
+    """The README's command with the layout on and off: walls per state, the workers' largest
+    gap, the VM's slowdown against the committed CPU run, the verdict from the target."""
+    from benchmarks import report_tests
+
+    cpu = committed(report_tests.CPU_SUITE_FILE)
+    runs = [(committed(name), *rest) for name, *rest in report_tests.CPU_LAYOUT_FILES]
+    line = report_tests.cpu_layout_line(cpu, runs)
+    assert "(on, off, off, on;" in line and "124.8, 123.7\ns of wall time with it" in line
+    assert "127.0, 125.7 s without it" in line and "the 4 tests that check the layout" in line
+    assert "the wall misses the\n100 s target (83.6 s above)" in line
+    fast = [(dict(d, wall_s=90.0), on, turn) for d, on, turn in runs]
+    assert "the wall meets the" in report_tests.cpu_layout_line(cpu, fast)
+    assert report_tests.cpu_layout_line(None, runs) is None
+    assert report_tests.cpu_layout_line(cpu, runs[:2]) is None
+
+
 def test_floor_rerun_section_pairs_each_turn_and_reads_no_direction_from_a_split():
     """The floor re-runs: each turn's two processes paired, this tree's longer parts counted
     per decoder, a direction read only where every pair agrees; the committed runs split."""
