@@ -376,12 +376,12 @@ def rerun_verdict(now: list, before: list) -> str:
     """
     slower = sum(a > b for a, b in zip(now, before))
     ratio = statistics.median(a / b for a, b in zip(now, before))
+    reading = direction(slower, len(now))
     if slower == len(now):
-        return ("The default decoder's step: this tree slower in every pair, as in the runs "
-                "above: the tree is not ruled out.")  # fmt: skip
+        return (f"The default decoder's step: {reading}, as in the runs above: the tree is not "
+                "ruled out.")  # fmt: skip
     if slower == 0:
-        return ("The default decoder's step: this tree faster in every pair, so no sign that "
-                "the tree slowed it.")  # fmt: skip
+        return f"The default decoder's step: {reading}, so no sign that the tree slowed it."
     if abs(ratio - 1) <= RERUN_TOLERANCE:
         return (f"The default decoder's step was longer in this tree in {slower} of "
                 f"{len(now)} pairs and shorter in the others, the median ratio "

@@ -22,7 +22,7 @@ SUITE_NEWEST_FILE = "h200-cuda-suite-times-5.24.json"  # the CUDA tests on the n
 SUITE_AGAIN_FILE = "h200-cuda-suite-times-again.json"
 #: six workers, before and with the layout over the workers' first chunks (with timelines)
 SUITE_SIX_FILES = ("h200-cuda-suite-times-six-chunked.json", "h200-cuda-suite-times-six.json")
-AGAIN_MIN_S = 1.0  # tests compared between the latest run and its rerun: at least this long
+AGAIN_MIN_S = 1.0  # tests compared between a run and a later one: at least this long in the first
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
 #: and the same tests in one process
@@ -207,16 +207,29 @@ def cpu_suite_line(run: dict | None, serial: dict | None) -> str:
     ).strip("\n")
 
 
+def slowdown(reference: dict, later: list[dict]) -> list[float]:
+    """Sorted time ratios, later over ``reference``, of the tests both list among their
+    slowest, those under :data:`AGAIN_MIN_S` in ``reference`` left out.
+
+    Example::
+
+        >>> ref = {"slowest": [{"test": "a", "seconds": 2.0}, {"test": "b", "seconds": 0.5}]}
+        >>> slowdown(ref, [{"slowest": [{"test": "a", "seconds": 3.0},
+        ...                             {"test": "b", "seconds": 5.0}]}])
+        [1.5]
+    """
+    before = {t["test"]: t["seconds"] for t in reference["slowest"]}
+    return sorted(t["seconds"] / before[t["test"]] for run in later for t in run["slowest"]
+                  if before.get(t["test"], 0) >= AGAIN_MIN_S)  # fmt: skip
+
+
 def again_line(run: dict, again: dict | None) -> str | None:
     """The latest run's command again (``again``): its wall against the target, and how much
     longer the tests that both runs timed took (the median over tests of at least
     :data:`AGAIN_MIN_S` in ``run``), from its list of slowest tests."""
     if again is None:
         return None
-    before = {t["test"]: t["seconds"] for t in run["slowest"]}
-    common = [(t["seconds"] / before[t["test"]], t) for t in again["slowest"]
-              if before.get(t["test"], 0) >= AGAIN_MIN_S]  # fmt: skip
-    ratios = sorted(r for r, _ in common)
+    ratios = slowdown(run, [again])
     return fill(
         "tests.suite.again",
         label=again["label"], date=(again.get("meta") or {}).get("date") or "-",
@@ -243,9 +256,7 @@ def cpu_layout_line(cpu: dict | None, runs: list) -> str | None:
         return None
     on = [d for d, state, _ in runs if state]
     off = [d for d, state, _ in runs if not state]
-    before = {t["test"]: t["seconds"] for t in cpu["slowest"]}
-    ratios = [t["seconds"] / before[t["test"]] for d in on for t in d["slowest"]
-              if before.get(t["test"], 0) >= AGAIN_MIN_S]  # fmt: skip
+    ratios = slowdown(cpu, on)
     gaps = []
     for d, _, _ in runs:
         stops = [w["stop_s"] for w in d["timeline"]["workers"]]
