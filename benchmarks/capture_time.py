@@ -15,7 +15,16 @@ Variants (each changes one thing, for the measurement only):
   SDPA call builds no cuDNN plan per bucket length (FlashAttention-2 instead);
 * ``neither``: both;
 * ``no_tune_warmup``: tuning times each bucket without an untimed replay first
-  (``BucketedRunner.tune(warmup=0)``; the capture already replayed every segment).
+  (``BucketedRunner.tune(warmup=0)``; the capture already replayed every segment);
+* ``cudnn_ragged``: the process starts with ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``, PyTorch's
+  opt-in that keys cuDNN's SDPA plans on the sequence lengths rounded up to powers of two
+  (passing the real lengths to the kernel), so 64 bucket lengths need about 10 plans. PyTorch
+  reads it once per process, at its first cuDNN attention call, hence a variable of the
+  child's environment and not a switch inside it. Its first use warns (the path is marked
+  experimental); ``ragged_path_taken`` records whether the child's stderr says so.
+
+``--turns 2`` runs the variants again in the reverse order (ABBA), so a drift of the machine
+over the run hits every variant alike.
 
 Prints, per family and variant: the whole construction, the first (largest) bucket, the
 mean of the others, and the same for a second runner built right after in the same process.
@@ -34,7 +43,16 @@ import time
 
 import torch
 
-VARIANTS = ("default", "no_sync_check", "no_cudnn_sdpa", "neither", "no_tune_warmup")
+VARIANTS = (
+    "default",
+    "no_sync_check",
+    "no_cudnn_sdpa",
+    "neither",
+    "no_tune_warmup",
+    "cudnn_ragged",
+)
+# variants that only set an environment variable of the child process
+CHILD_ENVIRONMENT = {"cudnn_ragged": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"}}
 
 
 @contextlib.contextmanager
@@ -116,10 +134,32 @@ def child(family_name: str, variant: str) -> dict:
     return out
 
 
+def run_child(family: str, variant: str) -> dict | None:
+    """One fresh process: its result, or ``None`` (printed) when it failed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.capture_time", "--child", family, variant],
+        capture_output=True, text=True, env={**os.environ, **CHILD_ENVIRONMENT.get(variant, {})},
+    )  # fmt: skip
+    if done.returncode:
+        print(f"{family} {variant}: failed\n{done.stderr[-2000:]}", flush=True)
+        return None
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    r["ragged_path_taken"] = "AVOID_RECOMPILE=1 is currently experimental" in done.stderr
+    f, s = r["first"], r["second"]
+    print(
+        f"{family:18s} {variant:14s} construction {f['construction_s']:6.2f} s "
+        f"(first bucket {f['first_s']:.3f}, rest mean {f['rest_mean_s']:.4f}) | "
+        f"second runner {s['construction_s']:6.2f} s (rest mean {s['rest_mean_s']:.4f})",
+        flush=True,
+    )
+    return r
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="llama-1b,mistral-sw256-4l")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--turns", type=int, default=1, help="even turns reverse the order")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -135,24 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := [v for v in variants if v not in VARIANTS]:
         parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     results = []
-    for family in families:
-        for variant in variants:
-            done = subprocess.run(
-                [sys.executable, "-m", "benchmarks.capture_time", "--child", family, variant],
-                capture_output=True, text=True, env=dict(os.environ),
-            )  # fmt: skip
-            if done.returncode:
-                print(f"{family} {variant}: failed\n{done.stderr[-2000:]}", flush=True)
-                continue
-            r = json.loads(done.stdout.strip().splitlines()[-1])
-            results.append(r)
-            f, s = r["first"], r["second"]
-            print(
-                f"{family:18s} {variant:14s} construction {f['construction_s']:6.2f} s "
-                f"(first bucket {f['first_s']:.3f}, rest mean {f['rest_mean_s']:.4f}) | "
-                f"second runner {s['construction_s']:6.2f} s (rest mean {s['rest_mean_s']:.4f})",
-                flush=True,
-            )
+    for turn in range(args.turns):
+        order = variants if turn % 2 == 0 else variants[::-1]
+        for family in families:
+            for variant in order:
+                if (r := run_child(family, variant)) is not None:
+                    results.append({**r, "turn": turn + 1})
     if args.out:
         from benchmarks.environment import environment
 

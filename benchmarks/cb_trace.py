@@ -344,14 +344,11 @@ def summarize_trace(trace: dict, settle: int = 0) -> dict:
     >>> summarize_trace({"traceEvents": trace["traceEvents"][:3]})["device"]
     'none recorded: no CUDA kernel, memcpy or memset in the trace'
     """
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in PHASES]
-    iterations = _iterations(ranges)[settle:]
+    events, iterations = _window(trace, settle)
     if not iterations:
         note = f"no complete CB step in the trace after {settle} settling steps"
         return {"steps": 0, "device": None, "note": note}
-    begin = iterations[0]["prepare"][0][0]
-    end = max(e for it in iterations for spans in it.values() for _, e in spans)
+    begin, end = _bounds(iterations)
     window = end - begin
     n = len(iterations)
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
@@ -418,6 +415,49 @@ def summarize_trace(trace: dict, settle: int = 0) -> dict:
             "numbers undercount"
         )
     return out
+
+
+def _window(trace: dict, settle: int) -> tuple[list[dict], list[dict]]:
+    """The trace's complete events and its CB steps after the first ``settle``."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in PHASES]
+    return events, _iterations(ranges)[settle:]
+
+
+def _bounds(iterations: list[dict]) -> tuple[float, float]:
+    """From the first step's ``cb.prepare`` to the end of the last step's last range."""
+    begin = iterations[0]["prepare"][0][0]
+    return begin, max(e for it in iterations for spans in it.values() for _, e in spans)
+
+
+def device_time_by_kernel(trace: dict, settle: int = 0) -> list[dict]:
+    """Per kernel (or copy) name, its device ms and launches per step over the window of
+    :func:`summarize_trace`, the largest first: which kernels make up each kind's time.
+
+    >>> X = lambda name, cat, ts, dur: dict(name=name, cat=cat, ph="X", ts=ts, dur=dur)
+    >>> trace = {"traceEvents": [
+    ...     X("cb.prepare", "user_annotation", 0, 10), X("cb.step", "user_annotation", 10, 2),
+    ...     X("cb.update", "user_annotation", 12, 8), X("gemm", "kernel", 5, 20),
+    ...     X("gemm", "kernel", 25, 10), X("cb.prepare", "user_annotation", 20, 10)]}
+    >>> device_time_by_kernel(trace)   # one step: prepare to the end of its update range
+    [{'name': 'gemm', 'kind': 'dense GEMM', 'ms_per_step': 0.02, 'launches_per_step': 1.0}]
+    """
+    events, iterations = _window(trace, settle)
+    if not iterations:
+        return []
+    begin, end = _bounds(iterations)
+    totals: dict = {}
+    for e in events:
+        if e.get("cat") in DEVICE_CATEGORIES and begin <= e["ts"] < end:
+            ms, launches = totals.get(e["name"], (0.0, 0))
+            totals[e["name"]] = (ms + e["dur"] * 1e-3, launches + 1)
+    n = len(iterations)
+    rows = [
+        {"name": name, "kind": kernel_kind(name), "ms_per_step": ms / n,
+         "launches_per_step": launches / n}
+        for name, (ms, launches) in totals.items()
+    ]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
 def _correlation(event: dict):

@@ -20,6 +20,7 @@ from . import (
     report_cb_decode,
     report_cb_host,
     report_decode_forward,
+    report_decode_kernels,
     report_decode_step,
     report_earlier,
     report_prefill,
@@ -106,6 +107,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, *_ in report_decode_forward.SPLIT_FILES]
         + [name for name, *_ in report_decode_forward.FLOOR_AGAIN_FILES]
         + [name for name, *_ in report_decode_forward.FLOOR_RERUN_FILES]
+        + [report_decode_kernels.SUMMARY_FILE]
         + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
@@ -247,6 +249,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
                    if (d := load(name)) is not None]  # fmt: skip
     if len(floor_rerun) == len(report_decode_forward.FLOOR_RERUN_FILES):
         blocks.append(report_decode_forward.floor_rerun_section(floor_rerun))
+    kernels_summary = load(report_decode_kernels.SUMMARY_FILE)
+    kernels_floor = load(report_decode_kernels.FLOOR_FILE)
+    if kernels_summary is not None and kernels_floor is not None:
+        kernels = report_decode_kernels.load_kernels(results, kernels_summary)
+        blocks.append(report_decode_kernels.section(kernels_summary, kernels, kernels_floor))
     first_calls = [d for name in report_decode_step.FIRST_CALL_FILES if (d := load(name))]
     warm_runs = [d for name in report_decode_step.WARM_KERNELS_FILES if (d := load(name))]
     if len(first_calls) == 2 and len(warm_runs) == 2:

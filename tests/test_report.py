@@ -615,14 +615,42 @@ def test_floor_rerun_section_pairs_each_turn_and_reads_no_direction_from_a_split
     assert "were the host's" in rdf.rerun_verdict([1.02, 0.99, 1.0], [1.0, 1.0, 1.01])
 
 
+def test_decode_kernels_section_reads_the_gemms_and_the_rest_from_the_traces(tmp_path):
+    """The kernel-by-kernel section: kinds against the floor, the GEMMs (with cuBLAS's split-K
+    reductions) against their weights' bytes, computed from the committed traces; a floor
+    that doubles turns the verdict numbers with it."""
+    from benchmarks import report_decode_kernels as rdk
+
+    summary = committed(rdk.SUMMARY_FILE)
+    kernels = rdk.load_kernels(RESULTS, summary)
+    floor_run = committed(rdk.FLOOR_FILE)
+    text = rdk.section(summary, kernels, floor_run)
+    assert "| all kernels × the floor | 2.19× | 1.74× |" in text
+    assert "take 0.82 ms and 0.82 ms per step" in text and "at 71% of HBM bandwidth" in text
+    assert "leaves 0.16 ms per\n  step" in text
+    # the split-K reductions count with the GEMMs, not with the elementwise work
+    reduce = [r for r in kernels["breakgraph"] if rdk.SPLIT_K_REDUCE in r["name"]]
+    assert reduce and rdk._gemm_ms(kernels["breakgraph"]) == pytest.approx(
+        sum(r["ms_per_step"] for r in kernels["breakgraph"] if r["kind"] == "dense GEMM")
+        + sum(r["ms_per_step"] for r in reduce))
+    halved = json.loads(json.dumps(floor_run))
+    for m in halved["models"]:
+        m["variants"]["breakgraph"]["decode_floor_ms"] *= 2
+    assert "| all kernels × the floor | 1.10× | 0.87× |" in rdk.section(summary, kernels, halved)
+    # the page carries it, and leaves it out without the traces' summary
+    assert "### A pure-decode step on the device, kernel by kernel" in report.render()
+    folder = results_copy(tmp_path, {rdk.SUMMARY_FILE: None})
+    assert "kernel by kernel" not in report.render(folder, suite=None)
+
+
 def test_report_helpers_docstring_examples_run():
     """The examples in the report helpers' docstrings (breakgraph's own run in
     test_doctests.py)."""
     import doctest
 
-    from benchmarks import report_decode_forward, report_tests, suite_times
+    from benchmarks import cb_trace, report_decode_forward, report_tests, suite_times
 
-    for module in (report_decode_forward, report_tests, suite_times):
+    for module in (cb_trace, report_decode_forward, report_tests, suite_times):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 
