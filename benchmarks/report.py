@@ -19,6 +19,7 @@ from . import (
     report_breaks,
     report_cb_decode,
     report_cb_host,
+    report_cudnn_ragged,
     report_decode_forward,
     report_decode_kernels,
     report_decode_step,
@@ -107,7 +108,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, *_ in report_decode_forward.SPLIT_FILES]
         + [name for name, *_ in report_decode_forward.FLOOR_AGAIN_FILES]
         + [name for name, *_ in report_decode_forward.FLOOR_RERUN_FILES]
-        + [report_decode_kernels.SUMMARY_FILE]
+        + [report_decode_kernels.SUMMARY_FILE, report_cudnn_ragged.CAPTURE_FILE]
+        + [name for name, *_ in report_cudnn_ragged.PREFILL_FILES]
         + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
@@ -136,6 +138,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         [(n, tag, loaded[n]) for n, tag in report_prefill.CAPTURE_LATER_FILES if n in loaded],
         loaded.get(report_prefill.FILE),
     )
+    ragged_runs = [(d, *rest) for name, *rest in report_cudnn_ragged.PREFILL_FILES
+                   if (d := loaded.get(name)) is not None]  # fmt: skip
+    ragged_capture = loaded.get(report_cudnn_ragged.CAPTURE_FILE)
+    if ragged_capture is not None and len(ragged_runs) == len(report_cudnn_ragged.PREFILL_FILES):
+        blocks.append(report_cudnn_ragged.section(ragged_capture, ragged_runs))
     blocks += report_tests.capture_profile_section(loaded.get(report_tests.PROFILE_FILE))
     compile_run = load(report_prefill.COMPILE_FILE)
     if compile_run is not None:

@@ -643,6 +643,33 @@ def test_decode_kernels_section_reads_the_gemms_and_the_rest_from_the_traces(tmp
     assert "kernel by kernel" not in report.render(folder, suite=None)
 
 
+def test_cudnn_ragged_section_pairs_each_setting_and_counts_the_target():
+    """The ragged-path trial: capture per family and variant, turns side by side; device time
+    per layer added and the prefill target counted from the runs, with and without the path."""
+    from benchmarks import report_cudnn_ragged as rcr
+
+    capture = committed(rcr.CAPTURE_FILE)
+    runs = [(committed(name), on, turn) for name, on, turn in rcr.PREFILL_FILES]
+    text = rcr.section(capture, runs)
+    assert "| mistral-7b-4l | `cudnn_ragged` | yes, yes | 4.63, 3.29 | 43, 30 |" in text
+    assert "mistral-7b-4l 87–89 → 30–43 ms" in text
+    assert "mistral-7b-4l 0 of 2; llama-1b 0 of 2 (target ≤ 30 ms)" in text
+    assert "grows by 17–26 µs per layer per call" in text
+    assert "in 5 of 12 rows (without the path: 0 of 12)" in text
+    # a faster ragged run meets the capture target, and a slower prefill is counted
+    fast = json.loads(json.dumps(capture))
+    for r in fast["results"]:
+        if r["variant"] == "cudnn_ragged":
+            r["first"]["rest_mean_s"] = 0.02
+    assert "mistral-7b-4l 2 of 2; llama-1b 2 of 2" in rcr.section(fast, runs)
+    slow = json.loads(json.dumps(runs[1][0]))
+    for fam in slow["families"]:
+        for row in fam["rows"]:
+            row["ms"]["breakgraph"] = 2 * row["ms"]["hf_graph"]
+    text = rcr.section(capture, [runs[0], (slow, True, 1), *runs[2:]])
+    assert "in 9 of 12 rows" in text  # turn 1: all six; turn 2: three, as committed
+
+
 def test_report_helpers_docstring_examples_run():
     """The examples in the report helpers' docstrings (breakgraph's own run in
     test_doctests.py)."""
