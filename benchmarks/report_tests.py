@@ -22,6 +22,11 @@ SUITE_NEWEST_FILE = "h200-cuda-suite-times-5.24.json"  # the CUDA tests on the n
 SUITE_AGAIN_FILE = "h200-cuda-suite-times-again.json"
 #: six workers, before and with the layout over the workers' first chunks (with timelines)
 SUITE_SIX_FILES = ("h200-cuda-suite-times-six-chunked.json", "h200-cuda-suite-times-six.json")
+#: four workers with the layout's first version, which dealt the slow tests in turn (session 30)
+SUITE_LAYOUT_FIRST_FILE = "h200-cuda-suite-times-layout-first.json"
+#: four workers with the layout dealing by cost and capacity, before the GPU's random packed
+#: batches were dealt too (session 31; the latest run, SUITE_FILE, has them)
+SUITE_COST_FILE = "h200-cuda-suite-times-cost.json"
 AGAIN_MIN_S = 1.0  # tests compared between a run and a later one: at least this long in the first
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
@@ -278,20 +283,26 @@ def cpu_layout_line(cpu: dict | None, runs: list) -> str | None:
     )
 
 
-def workers_paragraph(pairs: list[tuple[dict, dict]]) -> str | None:
+def _timeline_row(r: dict) -> list:
+    """A run's row of the worker-by-worker table, the last worker to stop first."""
+    t = r["timeline"]
+    busy = sorted(t["workers"], key=lambda w: -w["stop_s"])
+    return [r["label"], len(t["workers"]), _cell(r["wall_s"]), _cell(t["span_s"]),
+            ", ".join(f"{_cell(w['busy_s'])} ({_cell(w['stop_s'])})" for w in busy),
+            f"`{busy[0]['last_test'].rpartition('::')[2]}`"]  # fmt: skip
+
+
+def workers_paragraph(pairs: list[tuple[dict, dict]], later: list = ()) -> str | None:
     """Runs laid out worker by worker (``suite_times --timeline``): ``pairs`` of a run before
-    ``tests/conftest.layout`` and one with it, on the same number of workers."""
+    ``tests/conftest.layout`` and one with it, on the same number of workers; ``later``, runs
+    of later versions of the layout, a row and a line each."""
     pairs = [(a, b) for a, b in pairs if a and b and "timeline" in a and "timeline" in b]
+    later = [r for r in later if r and "timeline" in r]
     if not pairs:
         return None
     rows, lines = [], []
     for pair in pairs:
-        for r in pair:
-            t = r["timeline"]
-            busy = sorted(t["workers"], key=lambda w: -w["stop_s"])
-            rows.append([r["label"], len(t["workers"]), _cell(r["wall_s"]), _cell(t["span_s"]),
-                         ", ".join(f"{_cell(w['busy_s'])} ({_cell(w['stop_s'])})" for w in busy),
-                         f"`{busy[0]['last_test'].rpartition('::')[2]}`"])  # fmt: skip
+        rows += [_timeline_row(r) for r in pair]
         (a, b), n = pair, len(pair[0]["timeline"]["workers"])
         stops = [sorted(w["stop_s"] for w in r["timeline"]["workers"]) for r in pair]
         lines.append(
@@ -300,6 +311,14 @@ def workers_paragraph(pairs: list[tuple[dict, dict]]) -> str | None:
             f"worker between {_cell(stops[1][0])} and {_cell(stops[1][-1])} s with it; the "
             f"tests' own seconds {_cell(a['tests_s'])} → {_cell(b['tests_s'])}, pytest's wall "
             f"{_cell(a['wall_s'])} → {_cell(b['wall_s'])} s."
+        )
+    for r in later:
+        stops = sorted(w["stop_s"] for w in r["timeline"]["workers"])
+        rows.append(_timeline_row(r))
+        lines.append(
+            f"- *{r['label']}*: every worker stopped between {_cell(stops[0])} and "
+            f"{_cell(stops[-1])} s ({_cell(stops[-1] - stops[0])} s apart); the tests' own "
+            f"seconds {_cell(r['tests_s'])}, pytest's wall {_cell(r['wall_s'])} s."
         )
     return fill(
         "tests.suite.workers",
@@ -314,7 +333,8 @@ def suite_time_section(
     run: dict | None, before: dict | None = None, whole: dict | None = None,
     cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
     newest: dict | None = None, earlier: dict | None = None, again: dict | None = None,
-    six: tuple = (None, None), cpu_layout: list = (),
+    six: tuple = (None, None), cpu_layout: list = (), layout_first: dict | None = None,
+    cost: dict | None = None,
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
@@ -322,8 +342,9 @@ def suite_time_section(
     the CUDA tests in one process where ``run`` used workers, ``newest`` the CUDA tests on the
     newest transformers supported, ``earlier`` the latest run before ``tests/conftest.layout``,
     ``again`` its command later on another lease of the machine, ``six`` six workers before and
-    with the layout, ``cpu_layout`` the README's command with the layout on and off (any may be
-    missing: not measured)."""
+    with the layout, ``cpu_layout`` the README's command with the layout on and off,
+    ``layout_first`` the run of the layout's first version and ``cost`` of its version by cost
+    before ``run`` (any may be missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -334,8 +355,9 @@ def suite_time_section(
     meta = run.get("meta") or {}
     named = ((SUITE_BEFORE_FILE, before), (SUITE_SERIAL_FILE, serial),
              (SUITE_EARLIER_FILE, earlier), (SUITE_NEWEST_FILE, newest),
-             (SUITE_AGAIN_FILE, again), (SUITE_SIX_FILES[0], six[0]), (SUITE_FILE, run),
-             (SUITE_SIX_FILES[1], six[1]))  # fmt: skip
+             (SUITE_AGAIN_FILE, again), (SUITE_SIX_FILES[0], six[0]),
+             (SUITE_LAYOUT_FIRST_FILE, layout_first), (SUITE_SIX_FILES[1], six[1]),
+             (SUITE_COST_FILE, cost), (SUITE_FILE, run))  # fmt: skip
     runs = [r for _, r in named if r]
     names = [n for n, r in named if r]
     dates = sorted({(r.get("meta") or {}).get("date") or "-" for r in runs})
@@ -356,7 +378,8 @@ def suite_time_section(
                     None,
                     [suite_verdict_line(run), newest and suite_verdict_line(newest),
                      earlier and again_line(earlier, again),
-                     workers_paragraph([(again, run), six]), whole_suite_line(whole),
+                     workers_paragraph([(again, layout_first), six], [cost, run]),
+                     whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), cpu_layout_line(cpu, list(cpu_layout)),
                      gc_paragraph(before, run)],  # fmt: skip
                 )

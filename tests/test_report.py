@@ -502,7 +502,8 @@ def test_suite_time_section_from_the_committed_runs():
         "(`h200-cuda-suite-times-before.json`, `h200-cuda-suite-times-serial.json`, "
         "`h200-cuda-suite-times-session28.json`, `h200-cuda-suite-times-5.24.json`, "
         "`h200-cuda-suite-times-again.json`, `h200-cuda-suite-times-six-chunked.json`, "
-        "`h200-cuda-suite-times.json`, `h200-cuda-suite-times-six.json`: NVIDIA H200"
+        "`h200-cuda-suite-times-layout-first.json`, `h200-cuda-suite-times-six.json`, "
+        "`h200-cuda-suite-times-cost.json`, `h200-cuda-suite-times.json`: NVIDIA H200"
     ) in text
     again = committed(report_tests.SUITE_AGAIN_FILE)  # the same command later: its row, its line
     again_verdict = "met" if again["wall_s"] <= T.TARGET_CUDA_SUITE_S else "missed"
@@ -511,6 +512,9 @@ def test_suite_time_section_from_the_committed_runs():
     # worker by worker: a line per pair of runs, before the layout and with it
     assert "- 4 workers: the last worker stopped at 185.7 s" in text
     assert "pytest's wall 208.5 → 125.4 s." in text and "- 6 workers:" in text
+    # the later versions of the layout: a line each, the workers' spread from the timelines
+    assert "every worker stopped between 91.9 and 120.1 s (28.1 s apart)" in text
+    assert "every worker stopped between 103.0 and 106.7 s (3.7 s apart)" in text
     newest = committed(report_tests.SUITE_NEWEST_FILE)  # the newest transformers: its own row
     assert newest["meta"]["transformers"] == "5.24.0" and "transformers\n5.17.0, 5.24.0" in text
     assert f"| {newest['label']} | {newest['wall_s']:.1f} |" in text
@@ -562,6 +566,13 @@ def test_workers_paragraph_lays_out_each_pair_from_its_timelines():
         "50.0–60.0 s before the layout, every worker between 88.0 and 95.0 s with it" in text
     assert "pytest's wall 200.0 → 120.0 s." in text and "| a | 3 | 200.0 | 180.0 |" in text
     assert "179.0 (180.0), 59.0 (60.0), 49.0 (50.0) | `t0` |" in text
+    later = run("d", 100.0, [80.0, 82.0, 81.0])
+    text = report_tests.workers_paragraph([(run("a", 200.0, [180.0, 50.0]),
+                                            run("b", 120.0, [90.0, 95.0]))],
+                                          [later, None, {"label": "no timeline"}])  # fmt: skip
+    assert "- *d*: every worker stopped between 80.0 and 82.0 s (2.0 s apart)" in text
+    assert "| d | 3 | 100.0 | 82.0 | 81.0 (82.0), 80.0 (81.0), 79.0 (80.0) | `t1` |" in text
+    assert "no timeline" not in text
     no_timeline = {"label": "c", "wall_s": 1.0}
     assert report_tests.workers_paragraph([(no_timeline, run("b", 1.0, [1.0])), (None, None)]) \
         is None
