@@ -33,15 +33,16 @@ PREFILL_FILES = (
 
 
 def _capture_rows(capture: dict) -> tuple[list[list[str]], dict]:
-    """One row per family and variant (the turns' values side by side), and the first
-    runner's mean ms per extra bucket per (family, variant)."""
+    """One row per family and variant (the turns' values side by side), and each runner's
+    mean ms per extra bucket per (family, variant, "first" or "second")."""
     per: dict = {}
     for r in capture["results"]:
         per.setdefault((r["family"], r["variant"]), []).append(r)
     rows, extra = [], {}
     for (family, variant), runs in per.items():
         runs.sort(key=lambda r: r["turn"])
-        extra[(family, variant)] = [1000 * r["first"]["rest_mean_s"] for r in runs]
+        for which in ("first", "second"):
+            extra[(family, variant, which)] = [1000 * r[which]["rest_mean_s"] for r in runs]
         rows.append([
             family, f"`{variant}`", ", ".join("yes" if r["ragged_path_taken"] else "no"
                                               for r in runs),
@@ -54,11 +55,13 @@ def _capture_rows(capture: dict) -> tuple[list[list[str]], dict]:
 
 
 def _within(extra: dict) -> str:
-    """Per family, how many first runners met the per-bucket capture target with the path."""
+    """Per family, how many first runners met the per-bucket capture target with the path
+    (``extra``: :func:`_capture_rows`' second value)."""
     limit = 1000 * T.TARGET_CAPTURE_S_PER_EXTRA_BUCKET
     return "; ".join(
         f"{family} {sum(ms <= limit for ms in values)} of {len(values)}"
-        for (family, variant), values in extra.items() if variant == "cudnn_ragged"
+        for (family, variant, which), values in extra.items()
+        if variant == "cudnn_ragged" and which == "first"
     ) + f" (target ≤ {num(limit, 0)} ms)"
 
 
@@ -82,11 +85,13 @@ def section(capture: dict, runs: list[tuple[dict, bool, int]]) -> str:
     """``capture``: :data:`CAPTURE_FILE`; ``runs``: ``(data, on, turn)`` of
     :data:`PREFILL_FILES`, loaded, in their order."""
     capture_rows, extra = _capture_rows(capture)
-    cuts = [
-        f"{family} {span(extra[(family, 'default')], 0)} → "
-        f"{span(extra[(family, 'cudnn_ragged')], 0)} ms"
-        for family in dict.fromkeys(f for f, _ in extra)
-    ]
+    families = list(dict.fromkeys(f for f, *_ in extra))
+
+    def cuts(which: str) -> str:
+        return "; ".join(f"{family} {span(extra[(family, 'default', which)], 0)} → "
+                         f"{span(extra[(family, 'cudnn_ragged', which)], 0)} ms"
+                         for family in families)  # fmt: skip
+
     singles = _single_rows(runs)
     rows, added, graph_moves, over, over_off = [], [], [], 0, 0
     for (family, tokens), by in singles.items():
@@ -112,7 +117,7 @@ def section(capture: dict, runs: list[tuple[dict, bool, int]]) -> str:
         capture_table=table(["family", "variant", "ragged path taken", "first runner s",
                              "ms per extra bucket", "second runner s", "ms per extra bucket"],
                             capture_rows),  # fmt: skip
-        cuts="; ".join(cuts),
+        cuts=cuts("first"), second=cuts("second"),
         within=_within(extra),
         prefill_table=table(["family", "tokens", "turn", "breakgraph device ms, off → on",
                              "exact graph device ms, off → on", "breakgraph / exact graph"],

@@ -664,6 +664,7 @@ def test_cudnn_ragged_section_pairs_each_setting_and_counts_the_target():
     text = rcr.section(capture, runs)
     assert "| mistral-7b-4l | `cudnn_ragged` | yes, yes | 4.63, 3.29 | 43, 30 |" in text
     assert "mistral-7b-4l 87–89 → 30–43 ms" in text
+    assert "whose plans exist already: mistral-7b-4l 14 → 16–19 ms; llama-1b 62–81" in text
     assert "mistral-7b-4l 0 of 2; llama-1b 0 of 2 (target ≤ 30 ms)" in text
     assert "grows by 17–26 µs per layer per call" in text
     assert "in 5 of 12 rows (without the path: 0 of 12)" in text
