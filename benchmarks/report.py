@@ -109,7 +109,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, *_ in report_decode_forward.SPLIT_FILES]
         + [name for name, *_ in report_decode_forward.FLOOR_AGAIN_FILES]
         + [name for name, *_ in report_decode_forward.FLOOR_RERUN_FILES]
-        + [report_decode_kernels.SUMMARY_FILE, report_cudnn_ragged.CAPTURE_FILE]
+        + [*report_decode_kernels.SUMMARY_FILES, report_cudnn_ragged.CAPTURE_FILE]
         + [name for name, *_ in report_cudnn_ragged.PREFILL_FILES]
         + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
@@ -257,11 +257,13 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
                    if (d := load(name)) is not None]  # fmt: skip
     if len(floor_rerun) == len(report_decode_forward.FLOOR_RERUN_FILES):
         blocks.append(report_decode_forward.floor_rerun_section(floor_rerun))
-    kernels_summary = load(report_decode_kernels.SUMMARY_FILE)
-    kernels_floor = load(report_decode_kernels.FLOOR_FILE)
-    if kernels_summary is not None and kernels_floor is not None:
-        kernels = report_decode_kernels.load_kernels(results, kernels_summary)
-        blocks.append(report_decode_kernels.section(kernels_summary, kernels, kernels_floor))
+    kernel_runs = [
+        (release, summary, report_decode_kernels.load_kernels(results, folder, summary), floor)
+        for release, folder, floor_file in report_decode_kernels.RUNS
+        if (summary := load(f"{folder}/summary.json")) and (floor := load(floor_file))
+    ]
+    if len(kernel_runs) == len(report_decode_kernels.RUNS):
+        blocks.append(report_decode_kernels.section(kernel_runs))
     first_calls = [d for name in report_decode_step.FIRST_CALL_FILES if (d := load(name))]
     warm_runs = [d for name in report_decode_step.WARM_KERNELS_FILES if (d := load(name))]
     if len(first_calls) == 2 and len(warm_runs) == 2:

@@ -4,9 +4,9 @@ Why: the floor sections above show the default decoder's device span at more tha
 HBM floor while the step's GEMMs alone are well under it; a trace of the served steps says
 which kernels fill the gap, and so which of them a faster step would have to remove.
 
-The run: ``benchmarks/cb_trace.py`` on llama3-8b-4l (the shape that came closest to twice its
-floor), 32 requests, both decoders; the floor is ``bench_cb``'s for the same workload
-(:data:`FLOOR_FILE`). Example (the committed runs)::
+The runs: ``benchmarks/cb_trace.py`` on llama3-8b-4l (the shape that came closest to twice its
+floor), 32 requests, both decoders, on the oldest and newest transformers supported; the floor
+is ``bench_cb``'s for the same workload (:data:`RUNS`). Example (the committed runs)::
 
     python -m benchmarks.report   # the whole page, this section included
 """
@@ -18,28 +18,32 @@ import json
 import os
 
 from .cb_trace import device_time_by_kernel
-from .template import fill, num, pct, table
+from .template import fill, num, pct, span, table
 
-#: the trace run: its summary and one chrome trace per decoder in the same folder
-TRACE_DIR = "h200-cb-trace-llama3-32-5.17"
-SUMMARY_FILE = f"{TRACE_DIR}/summary.json"
+#: the trace runs, one per transformers release: (release, folder with summary.json and one
+#: chrome trace per decoder, bench_cb's run of the same workload for the floor)
+RUNS = (
+    ("5.17", "h200-cb-trace-llama3-32-5.17", "h200-cb-floor-32-again-5.17.json"),
+    ("5.24", "h200-cb-trace-llama3-32-5.24", "h200-cb-floor-32-again-5.24.json"),
+)
+SUMMARY_FILES = tuple(f"{folder}/summary.json" for _, folder, _ in RUNS)
+FLOOR_FILES = tuple(floor for *_, floor in RUNS)
 DECODERS = (("breakgraph", "default"), ("breakgraph_compiled", "compiled"))
-#: bench_cb's run of the same workload (32 requests of 16-1024 tokens, 128 new tokens): the floor
-FLOOR_FILE = "h200-cb-floor-32-again-5.17.json"
 #: kernels of cuBLAS's split-K GEMMs that the trace's kinds count as reductions
 SPLIT_K_REDUCE = "splitKreduce"
 TOP_KERNELS = 10
+ELEMENTWISE = "elementwise / reduce (norms, rotary, activations)"
+FUSED = "fused by Inductor (torch.compile's Triton kernels)"
 
 
-def load_kernels(results: str, summary: dict) -> dict[str, list[dict]]:
-    """Per decoder, :func:`~benchmarks.cb_trace.device_time_by_kernel` of its committed trace,
-    over the window the summary used (its ``settle`` steps left out)."""
+def load_kernels(results: str, folder: str, summary: dict) -> dict[str, list[dict]]:
+    """Per decoder, :func:`~benchmarks.cb_trace.device_time_by_kernel` of its committed trace
+    in ``folder``, over the window the summary used (its ``settle`` steps left out)."""
     settle = summary["meta"]["args"]["settle"]
     kernels = {}
     for variant, _ in DECODERS:
         trace = os.path.basename(summary["variants"][variant]["trace"])  # the device's path
-        path = os.path.join(results, TRACE_DIR, trace)
-        with gzip.open(path, "rt") as f:
+        with gzip.open(os.path.join(results, folder, trace), "rt") as f:
             kernels[variant] = device_time_by_kernel(json.load(f), settle)
     return kernels
 
@@ -58,57 +62,81 @@ def _of_kind(rows: list[dict], kind: str, what: str = "ms_per_step") -> float:
     return sum(r[what] for r in rows if r["kind"] == kind and SPLIT_K_REDUCE not in r["name"])
 
 
-def section(summary: dict, kernels: dict[str, list[dict]], floor_run: dict) -> str:
-    """The section: kinds per decoder against the floor, the default decoder's largest
-    kernels, and the GEMMs' share of HBM bandwidth (``floor_run``: :data:`FLOOR_FILE`)."""
-    model = summary["meta"]["model"]
-    m = next(m for m in floor_run["models"] if m["model"] == model)
-    entry = m["variants"]["breakgraph"]
-    floor_ms = entry["decode_floor_ms"]
-    roof = m["floor"]
-    weights_ms = 1e3 * roof["weight_bytes_per_decode_step"] / roof["hbm_bytes_per_s"]
-    variants = summary["variants"]
+def _floor(summary: dict, floor_run: dict) -> tuple[float, dict]:
+    """The pure-decode step's floor (ms) of the traced model in ``floor_run``, and its roofline."""
+    m = next(m for m in floor_run["models"] if m["model"] == summary["meta"]["model"])
+    return m["variants"]["breakgraph"]["decode_floor_ms"], m["floor"]
+
+
+def _busy(columns: list[dict]) -> str:
+    """The GPU's busy share of a step per release, default and compiled decoder."""
+    by_release: dict = {}
+    for c in columns:
+        by_release.setdefault(c["release"], []).append(pct(c["v"]["device_busy_fraction"]))
+    return "; ".join(f"{' and '.join(shares)} on {release}"
+                     for release, shares in by_release.items())  # fmt: skip
+
+
+def section(runs: list[tuple[str, dict, dict, dict]]) -> str:
+    """The section: kinds per release and decoder against the floor, the first run's largest
+    kernels of the default decoder, and the GEMMs' share of HBM bandwidth. ``runs``: ``(release,
+    summary, kernels of :func:`load_kernels`, floor run)`` per :data:`RUNS` entry."""
     names = [n for n, _ in DECODERS]
-    every = dict.fromkeys(k for n in names for k in variants[n]["device_ms_per_step_by_kind"])
-    kinds = [[kind] + [num(variants[n]["device_ms_per_step_by_kind"].get(kind, 0.0))
-                       for n in names] for kind in every]  # fmt: skip
-    totals = {n: sum(variants[n]["device_ms_per_step_by_kind"].values()) for n in names}
-    kinds.append(["**all kernels**"] + [num(totals[n]) for n in names])
-    kinds.append(["all kernels × the floor"] + [f"{num(totals[n] / floor_ms)}×" for n in names])
-    kinds.append(["kernels per step"] + [
-        num(variants[n]["device_events"] / variants[n]["steps"], 0) for n in names])
-    kinds.append(["GPU busy"] + [pct(variants[n]["device_busy_fraction"]) for n in names])
-    kinds.append(["ms per step (profiled)"] + [num(variants[n]["wall_ms_per_step"]) for n in names])
-    default, compiled = (kernels[n] for n in names)
+    columns, every = [], {}
+    for release, summary, kernels, floor_run in runs:
+        floor_ms, roof = _floor(summary, floor_run)
+        for n in names:
+            v = summary["variants"][n]
+            total = sum(v["device_ms_per_step_by_kind"].values())
+            columns.append(dict(release=release, name=n, v=v, rows=kernels[n], floor=floor_ms,
+                                roof=roof, total=total))  # fmt: skip
+            every.update(dict.fromkeys(v["device_ms_per_step_by_kind"]))
+    kinds = [[kind] + [num(c["v"]["device_ms_per_step_by_kind"].get(kind, 0.0)) for c in columns]
+             for kind in every]  # fmt: skip
+    kinds.append(["**all kernels**"] + [num(c["total"]) for c in columns])
+    kinds.append(["all kernels × the floor"] + [f"{num(c['total'] / c['floor'])}×"
+                                                for c in columns])  # fmt: skip
+    kinds.append(["kernels per step"] + [num(c["v"]["device_events"] / c["v"]["steps"], 0)
+                                         for c in columns])  # fmt: skip
+    kinds.append(["GPU busy"] + [pct(c["v"]["device_busy_fraction"]) for c in columns])
+    kinds.append(["ms per step (profiled)"] + [num(c["v"]["wall_ms_per_step"]) for c in columns])
+    default = [c for c in columns if c["name"] == "breakgraph"]
+    compiled = [c for c in columns if c["name"] == "breakgraph_compiled"]
+    first = runs[0][1]
     top = [[num(1e3 * r["ms_per_step"], 1), num(r["launches_per_step"], 1), r["kind"],
-            f"`{_short(r['name'])}`"] for r in default[:TOP_KERNELS]]  # fmt: skip
-    gemm = {n: _gemm_ms(kernels[n]) for n in names}
-    elementwise = "elementwise / reduce (norms, rotary, activations)"
-    fused = "fused by Inductor (torch.compile's Triton kernels)"
-    room = 2 * floor_ms - totals["breakgraph_compiled"]
+            f"`{_short(r['name'])}`"] for r in default[0]["rows"][:TOP_KERNELS]]  # fmt: skip
+    roof = default[0]["roof"]
+    weights_ms = 1e3 * roof["weight_bytes_per_decode_step"] / roof["hbm_bytes_per_s"]
+    gemm = [_gemm_ms(c["rows"]) for c in columns]
     return fill(
         "cb.decode_kernels",
-        file=f"`{SUMMARY_FILE}`", floor_file=f"`{FLOOR_FILE}`",
-        device=summary["meta"].get("gpu", "?"), torch=summary["meta"].get("torch", "?"),
-        transformers=summary["meta"].get("transformers", "?"),
-        date=summary["meta"].get("date", "?"), model=model,
-        requests=summary["meta"]["args"]["prompts"], steps=variants["breakgraph"]["steps"],
-        floor=num(floor_ms, 3),
-        kinds=table(["device ms per pure-decode step", *(f"`{n}`" for n in names)], kinds),
+        files=", ".join(f"`{folder}/summary.json`" for _, folder, _ in RUNS),
+        floor_files=", ".join(f"`{name}`" for name in FLOOR_FILES),
+        device=first["meta"].get("gpu", "?"), torch=first["meta"].get("torch", "?"),
+        releases=", ".join(s["meta"].get("transformers", "?") for _, s, _, _ in runs),
+        date=", ".join(dict.fromkeys(s["meta"].get("date", "?") for _, s, _, _ in runs)),
+        model=first["meta"]["model"], requests=first["meta"]["args"]["prompts"],
+        steps=first["variants"]["breakgraph"]["steps"],
+        floor=span([c["floor"] for c in columns], 3),
+        kinds=table(["device ms per pure-decode step",
+                     *(f"`{c['name']}` {c['release']}" for c in columns)], kinds),  # fmt: skip
+        top_release=runs[0][0],
         top=table(["µs per step", "launches per step", "kind", "kernel"], top),
-        gemm=" and ".join(f"{num(gemm[n])} ms" for n in names),
-        weights_gb=num(roof["weight_bytes_per_decode_step"] / 1e9),
+        gemm=span(gemm), weights_gb=num(roof["weight_bytes_per_decode_step"] / 1e9),
         hbm=num(roof["hbm_bytes_per_s"] / 1e12, 1), weights_ms=num(weights_ms, 3),
-        share=pct(weights_ms / gemm["breakgraph"]),
-        gemm_over=num(gemm["breakgraph"] / floor_ms),
-        rest_default=num(totals["breakgraph"] - gemm["breakgraph"]),
-        elementwise=num(_of_kind(default, elementwise)),
-        elementwise_launches=num(_of_kind(default, elementwise, "launches_per_step"), 0),
-        attention=num(_of_kind(default, "attention")),
-        copies=num(_of_kind(default, "copies")),
-        rest_compiled=num(totals["breakgraph_compiled"] - gemm["breakgraph_compiled"]),
-        fused_launches=num(_of_kind(compiled, fused, "launches_per_step"), 0),
-        over_default=num(totals["breakgraph"] / floor_ms),
-        over_compiled=num(totals["breakgraph_compiled"] / floor_ms),
-        room=num(room, 2),
+        share=f"{span([100 * weights_ms / g for g in gemm], 0)}%",
+        gemm_over=span([g / c["floor"] for g, c in zip(gemm, columns)]),
+        rest_default=span([c["total"] - _gemm_ms(c["rows"]) for c in default]),
+        elementwise=span([_of_kind(c["rows"], ELEMENTWISE) for c in default]),
+        elementwise_launches=span([_of_kind(c["rows"], ELEMENTWISE, "launches_per_step")
+                                   for c in default], 0),  # fmt: skip
+        attention=span([_of_kind(c["rows"], "attention") for c in default]),
+        copies=span([_of_kind(c["rows"], "copies") for c in default]),
+        rest_compiled=span([c["total"] - _gemm_ms(c["rows"]) for c in compiled]),
+        fused_launches=span([_of_kind(c["rows"], FUSED, "launches_per_step") for c in compiled],
+                            0),  # fmt: skip
+        over_default=span([c["total"] / c["floor"] for c in default]),
+        over_compiled=span([c["total"] / c["floor"] for c in compiled]),
+        room=span([2 * c["floor"] - c["total"] for c in compiled]),
+        busy=_busy(columns),
     )

@@ -627,30 +627,38 @@ def test_floor_rerun_section_pairs_each_turn_and_reads_no_direction_from_a_split
 
 
 def test_decode_kernels_section_reads_the_gemms_and_the_rest_from_the_traces(tmp_path):
-    """The kernel-by-kernel section: kinds against the floor, the GEMMs (with cuBLAS's split-K
-    reductions) against their weights' bytes, computed from the committed traces; a floor
-    that doubles turns the verdict numbers with it."""
+    """The kernel-by-kernel section: kinds against the floor per release and decoder, the
+    GEMMs (with cuBLAS's split-K reductions) against their weights' bytes, computed from the
+    committed traces; a floor that doubles turns the ratios with it."""
     from benchmarks import report_decode_kernels as rdk
 
-    summary = committed(rdk.SUMMARY_FILE)
-    kernels = rdk.load_kernels(RESULTS, summary)
-    floor_run = committed(rdk.FLOOR_FILE)
-    text = rdk.section(summary, kernels, floor_run)
-    assert "| all kernels × the floor | 2.19× | 1.74× |" in text
-    assert "take 0.82 ms and 0.82 ms per step" in text and "at 71% of HBM bandwidth" in text
-    assert "leaves 0.16 ms per\n  step" in text
+    def runs(double_floor: bool = False) -> list:
+        out = []
+        for release, folder, floor_file in rdk.RUNS:
+            summary = committed(f"{folder}/summary.json")
+            floor = committed(floor_file)
+            for m in floor["models"] if double_floor else ():
+                m["variants"]["breakgraph"]["decode_floor_ms"] *= 2
+            out.append((release, summary, rdk.load_kernels(RESULTS, folder, summary), floor))
+        return out
+
+    committed_runs = runs()
+    text = rdk.section(committed_runs)
+    assert "| all kernels × the floor | 2.19× | 1.74× | 2.14× | 1.69× |" in text
+    assert "take 0.79–0.82 ms per step" in text and "at\n  71–73% of HBM bandwidth" in text
+    assert "leaves 0.16–0.19 ms per\n  step" in text
+    assert "76% and 50% on 5.17; 37% and 34% on 5.24." in text
     # the split-K reductions count with the GEMMs, not with the elementwise work
-    reduce = [r for r in kernels["breakgraph"] if rdk.SPLIT_K_REDUCE in r["name"]]
-    assert reduce and rdk._gemm_ms(kernels["breakgraph"]) == pytest.approx(
-        sum(r["ms_per_step"] for r in kernels["breakgraph"] if r["kind"] == "dense GEMM")
+    kernels = committed_runs[0][2]["breakgraph"]
+    reduce = [r for r in kernels if rdk.SPLIT_K_REDUCE in r["name"]]
+    assert reduce and rdk._gemm_ms(kernels) == pytest.approx(
+        sum(r["ms_per_step"] for r in kernels if r["kind"] == "dense GEMM")
         + sum(r["ms_per_step"] for r in reduce))
-    halved = json.loads(json.dumps(floor_run))
-    for m in halved["models"]:
-        m["variants"]["breakgraph"]["decode_floor_ms"] *= 2
-    assert "| all kernels × the floor | 1.10× | 0.87× |" in rdk.section(summary, kernels, halved)
-    # the page carries it, and leaves it out without the traces' summary
+    assert "| all kernels × the floor | 1.10× | 0.87× | 1.07× | 0.85× |" in rdk.section(
+        runs(double_floor=True))
+    # the page carries it, and leaves it out without a release's summary
     assert "### A pure-decode step on the device, kernel by kernel" in report.render()
-    folder = results_copy(tmp_path, {rdk.SUMMARY_FILE: None})
+    folder = results_copy(tmp_path, {rdk.SUMMARY_FILES[1]: None})
     assert "kernel by kernel" not in report.render(folder, suite=None)
 
 
