@@ -20,14 +20,16 @@ import os
 from .cb_trace import device_time_by_kernel
 from .template import fill, num, pct, span, table
 
-#: the trace runs, one per transformers release: (release, folder with summary.json and one
-#: chrome trace per decoder, bench_cb's run of the same workload for the floor)
+#: the trace runs, each on a fresh machine: (label, folder with summary.json and one chrome
+#: trace per decoder, bench_cb's run of the same workload on that release for the floor); the
+#: last one is scripts/gpu_check.sh's RUN_DECODE_KERNELS section run again on the oldest release
 RUNS = (
     ("5.17", "h200-cb-trace-llama3-32-5.17", "h200-cb-floor-32-again-5.17.json"),
     ("5.24", "h200-cb-trace-llama3-32-5.24", "h200-cb-floor-32-again-5.24.json"),
+    ("5.17 again", "h200-cb-trace-llama3-32-5.17-again", "h200-cb-floor-32-again-5.17.json"),
 )
 SUMMARY_FILES = tuple(f"{folder}/summary.json" for _, folder, _ in RUNS)
-FLOOR_FILES = tuple(floor for *_, floor in RUNS)
+FLOOR_FILES = tuple(dict.fromkeys(floor for *_, floor in RUNS))
 DECODERS = (("breakgraph", "default"), ("breakgraph_compiled", "compiled"))
 #: kernels of cuBLAS's split-K GEMMs that the trace's kinds count as reductions
 SPLIT_K_REDUCE = "splitKreduce"
@@ -69,7 +71,7 @@ def _floor(summary: dict, floor_run: dict) -> tuple[float, dict]:
 
 
 def _busy(columns: list[dict]) -> str:
-    """The GPU's busy share of a step per release, default and compiled decoder."""
+    """The GPU's busy share of a step per run, default and compiled decoder."""
     by_release: dict = {}
     for c in columns:
         by_release.setdefault(c["release"], []).append(pct(c["v"]["device_busy_fraction"]))
@@ -78,8 +80,8 @@ def _busy(columns: list[dict]) -> str:
 
 
 def section(runs: list[tuple[str, dict, dict, dict]]) -> str:
-    """The section: kinds per release and decoder against the floor, the first run's largest
-    kernels of the default decoder, and the GEMMs' share of HBM bandwidth. ``runs``: ``(release,
+    """The section: kinds per run and decoder against the floor, the first run's largest
+    kernels of the default decoder, and the GEMMs' share of HBM bandwidth. ``runs``: ``(label,
     summary, kernels of :func:`load_kernels`, floor run)`` per :data:`RUNS` entry."""
     names = [n for n, _ in DECODERS]
     columns, every = [], {}
@@ -113,14 +115,15 @@ def section(runs: list[tuple[str, dict, dict, dict]]) -> str:
         files=", ".join(f"`{folder}/summary.json`" for _, folder, _ in RUNS),
         floor_files=", ".join(f"`{name}`" for name in FLOOR_FILES),
         device=first["meta"].get("gpu", "?"), torch=first["meta"].get("torch", "?"),
-        releases=", ".join(s["meta"].get("transformers", "?") for _, s, _, _ in runs),
+        releases=", ".join(dict.fromkeys(s["meta"].get("transformers", "?")
+                                         for _, s, _, _ in runs)),  # fmt: skip
         date=", ".join(dict.fromkeys(s["meta"].get("date", "?") for _, s, _, _ in runs)),
         model=first["meta"]["model"], requests=first["meta"]["args"]["prompts"],
         steps=first["variants"]["breakgraph"]["steps"],
         floor=span([c["floor"] for c in columns], 3),
         kinds=table(["device ms per pure-decode step",
                      *(f"`{c['name']}` {c['release']}" for c in columns)], kinds),  # fmt: skip
-        top_release=runs[0][0],
+        top_release=runs[0][0], again=runs[-1][0],
         top=table(["µs per step", "launches per step", "kind", "kernel"], top),
         gemm=span(gemm), weights_gb=num(roof["weight_bytes_per_decode_step"] / 1e9),
         hbm=num(roof["hbm_bytes_per_s"] / 1e12, 1), weights_ms=num(weights_ms, 3),

@@ -67,6 +67,14 @@
 # other order, so that neither always goes first; session 30's runs are
 # docs/results/h200-cb-floor-32-rerun-*.json, see report_decode_forward.FLOOR_RERUN_FILES and
 # the page's "The flagged slowdown, run again"),
+# RUN_CUDNN_RAGGED=1 (cuDNN's plans keyed on rounded lengths, TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1,
+# against the default: benchmarks/capture_time.py's cudnn_ragged variant, two turns ABBA, then
+# bench_prefill on mistral-7b-4l and mixtral-1k-4l with the variable unset, set, set, unset, one
+# process each, ~7 min: a call of its own; copy capture-ragged.json and prefill-ragged-*.json to
+# docs/results/h200-capture-time-ragged.json and h200-prefill-ragged-{off,on,on-2,off-2}.json,
+# see report_cudnn_ragged), RUN_DECODE_KERNELS=1 (a pure-decode step's device time kernel by
+# kernel: cb_trace on llama3-8b-4l, 32 requests, both decoders, ~45 s; once per release, its
+# folder to docs/results/h200-cb-trace-llama3-32-<release>/, see report_decode_kernels.RUNS),
 # RUN_SPLIT_AB=1 (paged_decode's kernels with a compile-time split count against one pair for
 # every count, in turn, warm_up's compile first on an empty Triton cache:
 # benchmarks/split_kernel_ab.py, ~70 s; carry .device/paged_decode_before.py, written here by
@@ -115,7 +123,7 @@
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
-# RUN_FLOOR_TURNS 4, RUN_STRESS 4 (skip other sections
+# RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3 (skip other sections
 # to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
@@ -223,6 +231,26 @@ if [ -n "${RUN_TRACE:-}" ]; then  # does async CB preparation overlap the device
   timeout 200 python3 -m benchmarks.cb_trace --model "${TRACE_MODEL:-mixtral-1k-8l}" \
     --out "$OUT/cb-trace" 2>&1 | tee -a "$LOG" || status=1
   echo "[cb trace: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_CUDNN_RAGGED:-}" ]; then  # cuDNN's rounded-length plans: capture and prefill (~7 min)
+  t=$SECONDS
+  timeout 300 python3 -m benchmarks.capture_time --families mistral-7b-4l,llama-1b \
+    --variants default,cudnn_ragged --turns 2 --out "$OUT/capture-ragged.json" 2>&1 \
+    | tee -a "$LOG" || status=1
+  for setting in off on on-2 off-2; do  # PyTorch reads the variable once per process
+    ragged=(); [ "${setting%-2}" = on ] && ragged=(env TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1)
+    timeout 120 "${ragged[@]}" python3 -m benchmarks.bench_prefill \
+      --families mistral-7b-4l,mixtral-1k-4l --compile-families "" --rounds 6 --budget-s 90 \
+      --out "$OUT/prefill-ragged-$setting.json" >"/tmp/prefill-ragged-$setting.log" 2>&1 || status=1
+  done
+  echo "[cudnn ragged: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_DECODE_KERNELS:-}" ]; then  # a pure-decode step's device time, kernel by kernel (~45 s)
+  t=$SECONDS
+  timeout 200 python3 -m benchmarks.cb_trace --model llama3-8b-4l \
+    --variants breakgraph,breakgraph_compiled --prompts 32 --max-len 1024 --new-tokens 128 \
+    --skip 30 --steps 16 --settle 2 --out "$OUT/cb-trace-llama3-32" 2>&1 | tee -a "$LOG" || status=1
+  echo "[decode kernels: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_DECODE_ATTENTION:-}" ]; then  # one layer's decode attention, three ways (~40 s)
   t=$SECONDS
