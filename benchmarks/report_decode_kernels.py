@@ -72,11 +72,11 @@ def _floor(summary: dict, floor_run: dict) -> tuple[float, dict]:
 
 def _busy(columns: list[dict]) -> str:
     """The GPU's busy share of a step per run, default and compiled decoder."""
-    by_release: dict = {}
+    by_run: dict = {}
     for c in columns:
-        by_release.setdefault(c["release"], []).append(pct(c["v"]["device_busy_fraction"]))
-    return "; ".join(f"{' and '.join(shares)} on {release}"
-                     for release, shares in by_release.items())  # fmt: skip
+        by_run.setdefault(c["label"], []).append(pct(c["v"]["device_busy_fraction"]))
+    return "; ".join(f"{' and '.join(shares)} on {label}"
+                     for label, shares in by_run.items())  # fmt: skip
 
 
 def section(runs: list[tuple[str, dict, dict, dict]]) -> str:
@@ -85,13 +85,13 @@ def section(runs: list[tuple[str, dict, dict, dict]]) -> str:
     summary, kernels of :func:`load_kernels`, floor run)`` per :data:`RUNS` entry."""
     names = [n for n, _ in DECODERS]
     columns, every = [], {}
-    for release, summary, kernels, floor_run in runs:
+    for label, summary, kernels, floor_run in runs:
         floor_ms, roof = _floor(summary, floor_run)
         for n in names:
             v = summary["variants"][n]
             total = sum(v["device_ms_per_step_by_kind"].values())
-            columns.append(dict(release=release, name=n, v=v, rows=kernels[n], floor=floor_ms,
-                                roof=roof, total=total))  # fmt: skip
+            columns.append(dict(label=label, name=n, v=v, rows=kernels[n], floor=floor_ms,
+                                roof=roof, total=total, gemm=_gemm_ms(kernels[n])))  # fmt: skip
             every.update(dict.fromkeys(v["device_ms_per_step_by_kind"]))
     kinds = [[kind] + [num(c["v"]["device_ms_per_step_by_kind"].get(kind, 0.0)) for c in columns]
              for kind in every]  # fmt: skip
@@ -109,7 +109,7 @@ def section(runs: list[tuple[str, dict, dict, dict]]) -> str:
             f"`{_short(r['name'])}`"] for r in default[0]["rows"][:TOP_KERNELS]]  # fmt: skip
     roof = default[0]["roof"]
     weights_ms = 1e3 * roof["weight_bytes_per_decode_step"] / roof["hbm_bytes_per_s"]
-    gemm = [_gemm_ms(c["rows"]) for c in columns]
+    gemm = [c["gemm"] for c in columns]
     return fill(
         "cb.decode_kernels",
         files=", ".join(f"`{folder}/summary.json`" for _, folder, _ in RUNS),
@@ -122,20 +122,20 @@ def section(runs: list[tuple[str, dict, dict, dict]]) -> str:
         steps=first["variants"]["breakgraph"]["steps"],
         floor=span([c["floor"] for c in columns], 3),
         kinds=table(["device ms per pure-decode step",
-                     *(f"`{c['name']}` {c['release']}" for c in columns)], kinds),  # fmt: skip
+                     *(f"`{c['name']}` {c['label']}" for c in columns)], kinds),  # fmt: skip
         top_release=runs[0][0], again=runs[-1][0],
         top=table(["µs per step", "launches per step", "kind", "kernel"], top),
         gemm=span(gemm), weights_gb=num(roof["weight_bytes_per_decode_step"] / 1e9),
         hbm=num(roof["hbm_bytes_per_s"] / 1e12, 1), weights_ms=num(weights_ms, 3),
         share=f"{span([100 * weights_ms / g for g in gemm], 0)}%",
         gemm_over=span([g / c["floor"] for g, c in zip(gemm, columns)]),
-        rest_default=span([c["total"] - _gemm_ms(c["rows"]) for c in default]),
+        rest_default=span([c["total"] - c["gemm"] for c in default]),
         elementwise=span([_of_kind(c["rows"], ELEMENTWISE) for c in default]),
         elementwise_launches=span([_of_kind(c["rows"], ELEMENTWISE, "launches_per_step")
                                    for c in default], 0),  # fmt: skip
         attention=span([_of_kind(c["rows"], "attention") for c in default]),
         copies=span([_of_kind(c["rows"], "copies") for c in default]),
-        rest_compiled=span([c["total"] - _gemm_ms(c["rows"]) for c in compiled]),
+        rest_compiled=span([c["total"] - c["gemm"] for c in compiled]),
         fused_launches=span([_of_kind(c["rows"], FUSED, "launches_per_step") for c in compiled],
                             0),  # fmt: skip
         over_default=span([c["total"] / c["floor"] for c in default]),

@@ -663,7 +663,7 @@ def test_decode_kernels_section_reads_the_gemms_and_the_rest_from_the_traces(tmp
     assert "kernel by kernel" not in report.render(folder, suite=None)
 
 
-def test_cudnn_ragged_section_pairs_each_setting_and_counts_the_target():
+def test_cudnn_ragged_section_pairs_each_setting_and_counts_the_target(monkeypatch):
     """The ragged-path trial: capture per family and variant, turns side by side; device time
     per layer added and the prefill target counted from the runs, with and without the path."""
     from benchmarks import report_cudnn_ragged as rcr
@@ -689,6 +689,10 @@ def test_cudnn_ragged_section_pairs_each_setting_and_counts_the_target():
             row["ms"]["breakgraph"] = 2 * row["ms"]["hf_graph"]
     text = rcr.section(capture, [runs[0], (slow, True, 1), *runs[2:]])
     assert "in 9 of 12 rows" in text  # turn 1: all six; turn 2: three, as committed
+    # prompts of at most SHORT_PROMPT_TOKENS are held to their own target: three of the five
+    # committed rows over it are 32-token prompts
+    monkeypatch.setattr(T, "TARGET_BG_VS_EXACT_GRAPH_32", 1.2)
+    assert "in 2 of 12 rows" in rcr.section(capture, runs)
 
 
 def test_report_helpers_docstring_examples_run():
