@@ -13,6 +13,7 @@ is ``bench_cb``'s for the same workload (:data:`RUNS`). Example (the committed r
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -45,9 +46,20 @@ def load_kernels(results: str, folder: str, summary: dict) -> dict[str, list[dic
     kernels = {}
     for variant, _ in DECODERS:
         trace = os.path.basename(summary["variants"][variant]["trace"])  # the device's path
-        with gzip.open(os.path.join(results, folder, trace), "rt") as f:
-            kernels[variant] = device_time_by_kernel(json.load(f), settle)
+        path = os.path.realpath(os.path.join(results, folder, trace))
+        stat = os.stat(path)
+        rows = _trace_kernels(path, settle, stat.st_mtime_ns, stat.st_size)
+        kernels[variant] = [dict(row) for row in rows]  # the caller's own copies
     return kernels
+
+
+@functools.lru_cache(maxsize=16)
+def _trace_kernels(path: str, settle: int, mtime_ns: int, size: int) -> tuple[dict, ...]:
+    """One trace's kernels, read once per process while the file is unchanged (its real path
+    and stat are the key): a trace is megabytes of JSON, and the tests render the page many
+    times."""
+    with gzip.open(path, "rt") as f:
+        return tuple(device_time_by_kernel(json.load(f), settle))
 
 
 def _short(name: str, limit: int = 64) -> str:

@@ -2,7 +2,7 @@
 
 Dynamo left to its defaults compiles the first (largest) bucket at static shapes and every
 frame again, dynamic, at the second: twice the compile time (issue 23 item 4). These tests
-count compiles with a backend that only counts (no Inductor: fast on a CPU) passed through
+count compiles with a backend that counts (no Inductor: fast on a CPU) passed through
 ``compile={"backend": ...}``, on the emulated backend, whose captures must not stop Dynamo
 from compiling the next bucket's warm-up either (a dispatch mode makes Dynamo skip frames for
 good).
@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
 
 from benchmarks.tiny_models import TINY, tiny_config  # noqa: E402
+from tests.conftest import BACKENDS  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 
@@ -31,19 +32,22 @@ BUCKETS = (16, 40, 64)  # 64: the hidden size (see the module docstring)
 
 
 class CountingBackend:
-    """A ``torch.compile`` backend that runs Dynamo's graphs as they are and counts, per
-    compiled graph, how many times it ran."""
+    """A ``torch.compile`` backend that counts, per compiled graph, how many times it ran; it
+    runs Dynamo's graphs as they are, or through ``inner`` (a backend's name, say
+    ``"aot_eager"``: AOT autograd's timers run too, still without Inductor)."""
 
-    def __init__(self):
+    def __init__(self, inner: str | None = None):
         self.calls: list[int] = []  # one entry per compiled graph
+        self.inner = inner and torch._dynamo.lookup_backend(inner)
 
     def __call__(self, gm, example_inputs):
         index = len(self.calls)
         self.calls.append(0)
+        forward = self.inner(gm, example_inputs) if self.inner else gm.forward
 
         def run(*args):
             self.calls[index] += 1
-            return gm.forward(*args)
+            return forward(*args)
 
         return run
 
@@ -72,7 +76,49 @@ def build(model, compile, backend="emulated", **kwargs) -> PrefillRunner:
                          tune_buckets=False, **kwargs)  # fmt: skip
 
 
-def test_compile_true_compiles_each_frame_once_for_all_buckets(backend, device, fresh_dynamo):
+@pytest.fixture(scope="module", params=BACKENDS)
+def compiled_ladder(request) -> dict:
+    """One compiled runner per backend, shared by the tests that read it (Dynamo's compiles
+    are most of this module's time on a CPU): the packed ladder alone, through a counting
+    backend over AOT autograd, with torch's compile timers around its construction; then, in
+    the same fixture (a test that resets Dynamo in between would make the replays compile
+    again), its prefills beside the uncompiled runner's and the counts after them."""
+    from benchmarks.baselines import dynamo_delta, dynamo_snapshot
+    from benchmarks.bench_prefill import runner_record
+
+    backend = request.param
+    torch._dynamo.reset()
+    model = tiny_llama("cuda" if backend == "cuda" else "cpu")
+    counting = CountingBackend("aot_eager")
+    before = dynamo_snapshot()
+    start = time.perf_counter()
+    # the packed ladder alone (the single-prompt graphs, on CUDA, would add their own warm-up
+    # and captures to the counts); then those graphs, built afterwards, compile nothing
+    runner = build(model, {"backend": counting}, backend, on_miss="eager",
+                   single_prompt_graphs=False)  # fmt: skip
+    record = runner_record(runner, time.perf_counter() - start)
+    record["dynamo"] = dynamo_delta(before)
+    calls = list(counting.calls)
+    plain = None
+    try:
+        plain = build(model, False, backend, on_miss="eager")
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(128, (n,), generator=g) for n in (5, 9, 20)]
+        longer = [torch.randint(128, (n,), generator=g) for n in (50, 30)]  # > every bucket
+        pairs = [(runner.prefill(prompts).logits, plain.prefill(prompts).logits)]
+        after_replays = len(counting.calls)
+        pairs.append((runner.prefill(longer).logits, plain.prefill(longer).logits))
+        yield dict(backend=backend, model=model, runner=runner, record=record, calls=calls,
+                   pairs=pairs, compiled_after_replays=after_replays,
+                   prompts=prompts)  # fmt: skip
+    finally:
+        runner.close()
+        if plain is not None:
+            plain.close()
+        torch._dynamo.reset()
+
+
+def test_compile_true_compiles_each_frame_once_for_all_buckets(compiled_ladder):
     """The graphs compiled for the whole ladder each serve every bucket's warm-up (and, on
     CUDA, capture): none compiled again at a second size, no frame left to run eagerly.
     Replays compile nothing, and the results are the uncompiled runner's, in the ladder and
@@ -83,40 +129,58 @@ def test_compile_true_compiles_each_frame_once_for_all_buckets(backend, device, 
     each graph's runs are a multiple of the 3 buckets exactly when it served all of them. A
     graph compiled again at another size, or a frame left eager after the first bucket,
     leaves a count that is not."""
-    model = tiny_llama(device)
-    counting = CountingBackend()
-    # the packed ladder alone (the single-prompt graphs, on CUDA, would add their own warm-up
-    # and captures to the counts); then those graphs, built afterwards, compile nothing
-    runner = build(model, {"backend": counting}, backend, on_miss="eager",
-                   single_prompt_graphs=False)  # fmt: skip
-    plain = build(model, False, backend, on_miss="eager")
-    try:
-        compiled = len(counting.calls)
-        assert compiled, "nothing was compiled"
-        assert all(runs and runs % len(BUCKETS) == 0 for runs in counting.calls), (
-            f"per compiled graph, its runs for {len(BUCKETS)} buckets: {counting.calls} (a "
-            f"count that is no multiple of {len(BUCKETS)}: compiled again at another size, or "
-            f"a frame ran eagerly)"
-        )
-        g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(128, (n,), generator=g) for n in (5, 9, 20)]
-        torch.testing.assert_close(runner.prefill(prompts).logits, plain.prefill(prompts).logits)
-        assert len(counting.calls) == compiled  # replays compile nothing
-        longer = [torch.randint(128, (n,), generator=g) for n in (50, 30)]  # > every bucket
-        torch.testing.assert_close(runner.prefill(longer).logits, plain.prefill(longer).logits)
-        if backend == "cuda":  # the default there: single-prompt graphs compile nothing more
-            torch._dynamo.reset()
-            again = CountingBackend()
-            single = build(model, {"backend": again}, backend, single_prompt_graphs=True)
-            try:
-                assert len(again.calls) == compiled, (again.calls, counting.calls)
-                one = [prompts[1]]
-                torch.testing.assert_close(single.prefill(one).logits, plain.prefill(one).logits)
-            finally:
-                single.close()
-    finally:
-        runner.close()
-        plain.close()
+    calls = compiled_ladder["calls"]
+    compiled = len(calls)
+    # a graph that never ran is one Dynamo threw away when AOT autograd made it trace the
+    # frame again (the attention's Python scalars turned into tensors), before any bucket
+    ran = [runs for runs in calls if runs]
+    assert ran, f"nothing was compiled, or nothing compiled ran: {calls}"
+    assert all(runs % len(BUCKETS) == 0 for runs in ran), (
+        f"per compiled graph, its runs for {len(BUCKETS)} buckets: {calls} (a count that is "
+        f"no multiple of {len(BUCKETS)}: compiled again at another size, or a frame ran "
+        f"eagerly)"
+    )
+    for got, want in compiled_ladder["pairs"]:  # in the ladder, then past every bucket
+        torch.testing.assert_close(got, want)
+    assert compiled_ladder["compiled_after_replays"] == compiled  # replays compile nothing
+    if compiled_ladder["backend"] == "cuda":  # the default there: single-prompt graphs
+        model = compiled_ladder["model"]  # compile nothing more
+        torch._dynamo.reset()
+        again = CountingBackend("aot_eager")  # as the ladder's: the same graphs thrown away
+        single = build(model, {"backend": again}, "cuda", single_prompt_graphs=True)
+        plain = build(model, False, "cuda")
+        try:
+            assert len(again.calls) == compiled, (again.calls, calls)
+            one = [compiled_ladder["prompts"][1]]
+            torch.testing.assert_close(single.prefill(one).logits, plain.prefill(one).logits)
+        finally:
+            single.close()
+            plain.close()
+
+
+def test_the_benchmark_breaks_the_compile_time_down(compiled_ladder):
+    """``benchmarks/bench_prefill.py``'s compile section: where the construction went (Dynamo,
+    AOT autograd, the warm-up runs, the captures), from torch's own timers."""
+    from benchmarks.bench_prefill import construction_breakdown
+
+    record = compiled_ladder["record"]
+    phases = record["dynamo"]["compile_s"]
+    assert record["dynamo"]["frames"] > 0 and record["dynamo"]["graph_breaks"] > 0
+    assert phases["compile_s"] > phases["dynamo_s"] > 0
+    assert phases["aot_autograd_s"] > 0 and phases["inductor_s"] == 0  # no Inductor here
+    assert "_compile.compile_inner" in record["dynamo"]["timers"]
+    breakdown = construction_breakdown(compiled_ladder["runner"], record)
+    # torch's compile timers read the wall clock (time.time_ns), the runner's spans a
+    # monotonic one: a clock step between them (seen once on CI: 15.8 s of compile in an
+    # 8.8 s warm-up) makes any comparison across the two fail, so none is asserted here
+    assert breakdown["compile_s"] > 0
+    assert 0 < breakdown["warmup_s"] < breakdown["construction_s"]
+    parts = ("warmup_s", "capture_s", "other_s")
+    assert sum(breakdown[k] for k in parts) == pytest.approx(breakdown["construction_s"])
+    assert all(breakdown[k] >= 0 for k in parts)
+    assert breakdown["warmup_runs_s"] == pytest.approx(
+        breakdown["warmup_s"] - breakdown["compile_s"]
+    )
 
 
 def test_user_dynamic_false_is_honoured(fresh_dynamo):
@@ -149,36 +213,3 @@ def test_inductor_compiled_runner_matches_the_uncompiled_one(fresh_dynamo):
             torch.testing.assert_close(compiled.prefill(batch).logits, want, atol=1e-3, rtol=1e-3)
     finally:
         compiled.close()
-
-
-def test_the_benchmark_breaks_the_compile_time_down(fresh_dynamo):
-    """``benchmarks/bench_prefill.py``'s compile section: where the construction went (Dynamo,
-    AOT autograd, the warm-up runs, the captures), from torch's own timers."""
-    from benchmarks.baselines import dynamo_delta, dynamo_snapshot
-    from benchmarks.bench_prefill import construction_breakdown, runner_record
-
-    before = dynamo_snapshot()
-    start = time.perf_counter()
-    runner = build(tiny_llama(), {"backend": "aot_eager"}, token_buckets=BUCKETS[-1:])
-    try:
-        record = runner_record(runner, time.perf_counter() - start)
-        record["dynamo"] = dynamo_delta(before)
-        phases = record["dynamo"]["compile_s"]
-        assert record["dynamo"]["frames"] > 0 and record["dynamo"]["graph_breaks"] > 0
-        assert phases["compile_s"] > phases["dynamo_s"] > 0
-        assert phases["aot_autograd_s"] > 0 and phases["inductor_s"] == 0  # no Inductor here
-        assert "_compile.compile_inner" in record["dynamo"]["timers"]
-        breakdown = construction_breakdown(runner, record)
-        # torch's compile timers read the wall clock (time.time_ns), the runner's spans a
-        # monotonic one: a clock step between them (seen once on CI: 15.8 s of compile in an
-        # 8.8 s warm-up) makes any comparison across the two fail, so none is asserted here
-        assert breakdown["compile_s"] > 0
-        assert 0 < breakdown["warmup_s"] < breakdown["construction_s"]
-        parts = ("warmup_s", "capture_s", "other_s")
-        assert sum(breakdown[k] for k in parts) == pytest.approx(breakdown["construction_s"])
-        assert all(breakdown[k] >= 0 for k in parts)
-        assert breakdown["warmup_runs_s"] == pytest.approx(
-            breakdown["warmup_s"] - breakdown["compile_s"]
-        )
-    finally:
-        runner.close()

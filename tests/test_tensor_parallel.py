@@ -1,7 +1,8 @@
 """Tensor parallelism: two ranks run a TP=2 transformers model through breakgraph.
 
-Every scenario runs in two spawned processes (gloo and the emulated backend on the CPU,
-NCCL and CUDA graphs on two GPUs). The model is sharded by transformers itself
+Every scenario runs in two fresh processes (gloo and the emulated backend on the CPU,
+NCCL and CUDA graphs on two GPUs; without CUDA they fork from a server that imported torch
+and transformers once, see ``_start_method``). The model is sharded by transformers itself
 (``DistributedConfig(tp_size=2)``): its row-parallel layers all-reduce and its ``lm_head``
 all-gathers, inside breakgraph's segments or, with ``tp_collectives="eager"``, in breaks.
 One launch per backend runs the scenarios one after the other in the same two processes
@@ -87,21 +88,23 @@ def launch(scenarios: tuple, backend: str, path: str, env: dict | None = None) -
     A rank whose scenario raised returns ``{"error": ..., "traceback": ...}`` for it and goes
     on with the next; ranks still running at the deadline are killed and the launch fails.
     """
-    context = multiprocessing.get_context("spawn")
+    context = _start_method()
     results = context.Queue()
     port = _free_port()
     stacks = tempfile.mkdtemp(prefix="breakgraph-tp-stacks-")
     timeout = SCENARIO_TIMEOUT * len(scenarios)
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "emulated" else {}
+    environment = {**hidden, **(env or {})}
     processes = [
         context.Process(
             target=_worker,
             args=(rank, port, scenarios, backend, path, results, time.time() + timeout, stacks),
+            kwargs={"environment": environment},  # a forked rank has the server's, not ours
             daemon=True,
         )
         for rank in range(WORLD)
     ]
-    hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "emulated" else {}
-    with _environment({**hidden, **(env or {})}):  # gloo ranks stay on the CPU on a GPU machine too
+    with _environment(environment):  # gloo ranks stay on the CPU on a GPU machine too
         for process in processes:
             process.start()
     deadline = time.monotonic() + timeout
@@ -178,8 +181,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, port, scenarios, backend, path, results, deadline, stack_dir) -> None:
+def _start_method():
+    """How the ranks start: on a machine without CUDA, forked from a server process that
+    imported this module (torch, transformers) once per test process, which saves two
+    interpreter start-ups and imports per launch (about 10 s of a CI core each); with CUDA,
+    spawned, since a process that asked CUDA for its devices (this module's import does)
+    must not fork ranks that use it."""
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
+def _worker(rank, port, scenarios, backend, path, results, deadline, stack_dir,
+            environment=None) -> None:  # fmt: skip
     import faulthandler
+
+    os.environ.update(environment or {})  # before anything reads it (CUDA_VISIBLE_DEVICES)
 
     # the parent gives up at `deadline` (its start-up counts): dump the stacks shortly before
     stacks = open(os.path.join(stack_dir, f"stack-rank{rank}.txt"), "w")  # noqa: SIM115 (until exit)
