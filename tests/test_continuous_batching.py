@@ -611,29 +611,33 @@ def test_step_views_are_made_once_bounded_and_never_outlive_their_buffers(monkey
 def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
     """``compile=...``: the decoder's Dynamo frames compile once, at the largest bucket's
     warm-up, and serve every layer (a frame per layer would hit Dynamo's recompile limit and
-    run the rest eagerly, silently) and every bucket (dynamic token dimension): as many
-    compiled graphs with 2 layers as with 5. The tokens still equal ``generate()``, decode
-    graphs included (emulated captures run the compiled code eagerly: see ``.compiled``)."""
+    run the rest eagerly, silently) and every bucket (dynamic token dimension). A 2-layer
+    model compiles; then a 5-layer one of the same family, with Dynamo's caches kept, adds
+    fewer graphs than its 3 extra layers (none on 5.17: its frames are the 2-layer model's; a
+    frame per layer would add at least one per extra layer). The tokens of both equal
+    ``generate()``, decode graphs included (emulated captures run the compiled code eagerly:
+    see ``.compiled``). One compile, not one per depth: Dynamo's tracing is most of this
+    test's time."""
     from tests.test_prefill_compile import CountingBackend
 
     prompts = random_prompts()
+    counting = CountingBackend()
     graphs = {}
-    for layers in (2, 5):
-        torch._dynamo.reset()
-        model = build_model("qwen3", num_hidden_layers=layers)
-        expected = generate_each(model, prompts)
-        counting = CountingBackend()
-        try:
+    torch._dynamo.reset()
+    try:
+        for layers in (2, 5):
+            model = build_model("qwen3", num_hidden_layers=layers)
+            expected = generate_each(model, prompts)
             with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
                                             compile={"backend": counting}) as handle:  # fmt: skip
                 assert generate_batch(model, prompts) == expected, layers
-        finally:
-            torch._dynamo.reset()
-        assert handle.runner.compiled and handle.stats.eager_steps == 0
-        assert handle.decode_graphs.stats.replays > 0
-        assert all(calls > 0 for calls in counting.calls)  # each compiled graph ran
-        graphs[layers] = len(counting.calls)
-    assert graphs[2] == graphs[5], graphs
+            assert handle.runner.compiled and handle.stats.eager_steps == 0
+            assert handle.decode_graphs.stats.replays > 0
+            graphs[layers] = len(counting.calls)
+    finally:
+        torch._dynamo.reset()
+    assert all(calls > 0 for calls in counting.calls)  # each compiled graph ran
+    assert graphs[2] and graphs[5] - graphs[2] < 5 - 2, graphs
 
 
 @needs_cb
