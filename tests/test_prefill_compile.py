@@ -110,7 +110,7 @@ def compiled_ladder(request) -> dict:
         pairs.append((runner.prefill(longer).logits, plain.prefill(longer).logits))
         yield dict(backend=backend, model=model, runner=runner, record=record, calls=calls,
                    pairs=pairs, compiled_after_replays=after_replays,
-                   prompts=prompts)  # fmt: skip
+                   compiled_after_eager=len(counting.calls), prompts=prompts)  # fmt: skip
     finally:
         runner.close()
         if plain is not None:
@@ -143,6 +143,9 @@ def test_compile_true_compiles_each_frame_once_for_all_buckets(compiled_ladder):
     for got, want in compiled_ladder["pairs"]:  # in the ladder, then past every bucket
         torch.testing.assert_close(got, want)
     assert compiled_ladder["compiled_after_replays"] == compiled  # replays compile nothing
+    # nor does a batch longer than the ladder, run eagerly through the compiled forward: its
+    # inputs view one base as the staged ones do, so the compiled frames' guards hold
+    assert compiled_ladder["compiled_after_eager"] == compiled
     if compiled_ladder["backend"] == "cuda":  # the default there: single-prompt graphs
         model = compiled_ladder["model"]  # compile nothing more
         torch._dynamo.reset()
@@ -213,3 +216,42 @@ def test_inductor_compiled_runner_matches_the_uncompiled_one(fresh_dynamo):
             torch.testing.assert_close(compiled.prefill(batch).logits, want, atol=1e-3, rtol=1e-3)
     finally:
         compiled.close()
+
+
+def test_a_batch_longer_than_the_buffer_is_laid_out_as_the_buffer():
+    """``StepBuffers.wide_inputs``: ids, positions and the last-token indices of a batch longer
+    than the staging buffer view one base of their own, at the staging layout's offsets (the
+    compiled forward's guards read the views), with the batch's ids and positions."""
+    from breakgraph.integrations.transformers.prefill_buffers import StepBuffers
+
+    steps = StepBuffers(8, 3, torch.device("cpu"), pad_id=0)
+    prompts = [torch.arange(5) + 10, torch.arange(7) + 20]
+    ids, positions, last = steps.wide_inputs(prompts, [5, 7])
+    assert ids.shape == positions.shape == (1, 12) and last.shape == (3,)
+    assert ids._base is positions._base is last._base and ids._base is not steps.device_buffer
+    assert (ids.storage_offset(), positions.storage_offset(), last.storage_offset()) == (0, 12, 24)
+    assert ids._base.numel() == steps.words + 2 * (12 - 8)  # the staging buffer's words, wider
+    assert ids[0].tolist() == [*range(10, 15), *range(20, 27)]
+    assert positions[0].tolist() == [*range(5), *range(7)]
+    # the staged layout it copies: the same base for all three, the positions at an offset
+    staged_ids, staged_positions = steps.allocate(6)
+    assert staged_ids._base is staged_positions._base is steps.last_index._base
+
+
+def test_the_fallback_benchmark_puts_the_separate_inputs_back_for_its_process(monkeypatch):
+    """``benchmarks/compile_eager_fallback.py --variant separate`` patches ``wide_inputs`` to the
+    inputs before it (tensors of their own, the staging buffer's indices: ``None``)."""
+    from breakgraph.integrations.transformers.prefill_buffers import StepBuffers
+
+    from benchmarks import compile_eager_fallback as bench
+
+    monkeypatch.setattr(StepBuffers, "wide_inputs", StepBuffers.wide_inputs)  # restored after
+    seen = []
+    monkeypatch.setattr(bench, "run_family", lambda *args: seen.append(args) or {"family": 1})
+    data = bench.main(["--smoke", "--variant", "separate"])
+    assert seen == [("tiny", "separate", True)] and data["families"] == [{"family": 1}]
+    assert data["meta"]["variant"] == "separate" and data["meta"]["smoke"]
+    steps = StepBuffers(8, 3, torch.device("cpu"), pad_id=0)
+    ids, positions, last = steps.wide_inputs([torch.arange(5), torch.arange(7)], [5, 7])
+    assert ids._base is not positions._base and last is None  # each a tensor of its own
+    assert positions[0].tolist() == [*range(5), *range(7)]

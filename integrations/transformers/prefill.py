@@ -340,7 +340,7 @@ class PrefillRunner:
 
     # -- the captured forward ------------------------------------------------------------
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, inline: bool = False
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_index=None, inline=False
     ) -> torch.Tensor:
         state = _attention.RunnerState(self.attention, self._outputs, inline=inline)
         capturing = breakgraph.is_capturing()
@@ -350,6 +350,8 @@ class PrefillRunner:
             else contextlib.nullcontext()
         )
         self._steps.upload()  # in a graph: its first node (the host only writes the buffer)
+        if last_index is not None:  # an eager batch longer than the buffer (its wide_inputs)
+            last_index.copy_(self._steps.last_index)
         padding = None  # grouped_mm experts: which rows are padding (see .experts)
         if self._skip_padding:
             padding = self._padding_rows(input_ids.shape[1])
@@ -364,7 +366,7 @@ class PrefillRunner:
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
-                logits_to_keep=self._steps.last_index,
+                logits_to_keep=self._steps.last_index if last_index is None else last_index,
                 **self._extra,
             ).logits
         if not capturing:
@@ -533,14 +535,13 @@ class PrefillRunner:
         total = sum(lengths)
         if staged:
             bounds = self._steps.commit(prompts, lengths, total)
-            ids, positions = self._steps.allocate(total)
+            inputs = self._steps.allocate(total)
         else:  # its own ids and positions; the boundaries still go through the step buffers
-            ids = torch.cat([p.to(self.device) for p in prompts]).view(1, total)
-            positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
+            inputs = self._steps.wide_inputs(prompts, lengths)
             bounds = self._steps.commit_boundaries(lengths)
         batch = self._batch(bounds, len(lengths))
         try:
-            logits = self._runner.run_eagerly((ids, positions), batch, reason)
+            logits = self._runner.run_eagerly(inputs, batch, reason)
         finally:
             self._steps.launched()
         return logits[0, : len(lengths)], bounds

@@ -300,6 +300,24 @@ class StepBuffers(StaticInputs):
         self.write_ids([prompt], [size], vocab_size)
         return self.commit([prompt], [size], size)
 
+    def wide_inputs(self, prompts: list, lengths: list) -> tuple:
+        """A batch longer than the buffer (an eager run): its ids, positions and a place for
+        its last-token indices, ``(1, total)``, ``(1, total)`` and ``(max_prompts,)``, in a
+        device buffer of its own laid out as this one (one base, the positions at an offset,
+        the indices after them; the forward copies the indices in after its upload). Why: a
+        compiled forward (``compile=True``) guards on how its inputs view their base (one
+        base for all three, offsets of at least 2); tensors of their own broke those guards,
+        and Dynamo compiled the model's frames again at the first batch longer than the ladder
+        (seconds under Inductor)."""
+        total = sum(lengths)
+        device = self.device_buffer.device
+        wide = torch.empty(self.words + 2 * (total - self.max_tokens), dtype=torch.long,
+                           device=device)  # fmt: skip
+        ids, positions = wide[:total], wide[total : 2 * total]
+        torch.cat([p.to(device) for p in prompts], out=ids)
+        torch.cat([torch.arange(n, device=device) for n in lengths], out=positions)
+        return ids.view(1, total), positions.view(1, total), wide[2 * total :][: self.max_prompts]
+
     def commit_boundaries(self, lengths: list) -> list:
         """A batch longer than the buffer (an eager run with its own ids and positions): only
         the last-token indices and boundaries, which the forward still reads from the device
