@@ -19,6 +19,7 @@ from . import (
     report_breaks,
     report_cb_decode,
     report_cb_host,
+    report_compile_fallback,
     report_cudnn_ragged,
     report_decode_forward,
     report_decode_kernels,
@@ -111,6 +112,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, *_ in report_decode_forward.FLOOR_RERUN_FILES]
         + [*report_decode_kernels.SUMMARY_FILES, report_cudnn_ragged.CAPTURE_FILE]
         + [name for name, *_ in report_cudnn_ragged.PREFILL_FILES]
+        + [name for name, *_ in (*report_compile_fallback.CPU_FILES,
+                                 *report_compile_fallback.GPU_FILES)]  # fmt: skip
         + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
@@ -148,6 +151,12 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     compile_run = load(report_prefill.COMPILE_FILE)
     if compile_run is not None:
         blocks += report_prefill.compile_run_section(compile_run)
+    for files, on_gpu in ((report_compile_fallback.GPU_FILES, True),
+                          (report_compile_fallback.CPU_FILES, False)):  # fmt: skip
+        fallback = [(loaded[name], *rest) for name, *rest in files if name in loaded]
+        if len(fallback) == len(files):  # the GPU's runs once they exist, else the CPU's
+            blocks.append(report_compile_fallback.section(fallback, on_gpu))
+            break
     blocks += report_prefill.newest_release_section(
         loaded.get(report_prefill.NEWEST_FILE), loaded.get(report_prefill.FILE),
         loaded.get(report_prefill.FIXED_FILE),

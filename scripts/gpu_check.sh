@@ -75,6 +75,11 @@
 # see report_cudnn_ragged), RUN_DECODE_KERNELS=1 (a pure-decode step's device time kernel by
 # kernel: cb_trace on llama3-8b-4l, 32 requests, both decoders, ~45 s; once per release, its
 # folder to docs/results/h200-cb-trace-llama3-32-<release>/, see report_decode_kernels.RUNS),
+# RUN_COMPILE_FALLBACK=1 (compile=True's eager fallback, a batch longer than the ladder, with
+# the inputs before StepBuffers.wide_inputs and with it: benchmarks/compile_eager_fallback.py
+# on mistral-7b-4l and llama-1b, separate, wide, wide, separate, one process each, ~5 min;
+# compile-eager-fallback-*.json to docs/results/h200-compile-eager-fallback-*.json, see
+# report_compile_fallback.GPU_FILES),
 # RUN_SPLIT_AB=1 (paged_decode's kernels with a compile-time split count against one pair for
 # every count, in turn, warm_up's compile first on an empty Triton cache:
 # benchmarks/split_kernel_ab.py, ~70 s; carry .device/paged_decode_before.py, written here by
@@ -123,7 +128,8 @@
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
-# RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3 (skip other sections
+# RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
+# RUN_COMPILE_FALLBACK 5 (skip other sections
 # to make room).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
@@ -251,6 +257,17 @@ if [ -n "${RUN_DECODE_KERNELS:-}" ]; then  # a pure-decode step's device time, k
     --variants breakgraph,breakgraph_compiled --prompts 32 --max-len 1024 --new-tokens 128 \
     --skip 30 --steps 16 --settle 2 --out "$OUT/cb-trace-llama3-32" 2>&1 | tee -a "$LOG" || status=1
   echo "[decode kernels: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_COMPILE_FALLBACK:-}" ]; then  # compile=True's eager fallback, in turn (~5 min)
+  t=$SECONDS
+  turn=0
+  for variant in separate wide wide separate; do  # ABBA: a process each (Dynamo's caches)
+    turn=$((turn + 1))
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout 230 \
+      python3 -m benchmarks.compile_eager_fallback --variant $variant \
+      --out "$OUT/compile-eager-fallback-$variant-$turn.json" 2>&1 | tee -a "$LOG" || status=1
+  done
+  echo "[compile fallback: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_DECODE_ATTENTION:-}" ]; then  # one layer's decode attention, three ways (~40 s)
   t=$SECONDS

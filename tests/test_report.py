@@ -1037,3 +1037,35 @@ def test_the_forward_split_section_reads_each_part_from_its_own_runs(tmp_path):
     assert upto_comma(text, "staging over still") == upto_comma(committed, "staging over still")
     gather = "both with the views made once: decode fill"
     assert "(-" in clause(text, gather) and "(-" not in clause(committed, gather)
+
+
+def test_compile_fallback_section_reads_each_turn_and_prefers_the_gpu_runs(tmp_path):
+    """The eager-fallback section: every turn's calls, the first over-ladder call per variant
+    (a changed run changes the line); the GPU's runs replace the CPU's once all exist, and the
+    note that they have not run goes with them."""
+    from benchmarks import report_compile_fallback as rcf
+
+    runs = [(committed(name), variant, turn) for name, variant, turn in rcf.CPU_FILES]
+    text = rcf.section(runs, on_gpu=False)
+    assert "| tiny | `separate` | 1 | 9.38 | 4.441 (6), 0.006 (0) | 0.007 (0), 0.007 (0) |" in text
+    assert "compiled 6 frames in 4.44–5.56 s with the\nseparate inputs" in text
+    assert "and 0 frames in 0.008 s with the wide ones" in text
+    assert "no GPU was lent" in text and "40 tokens: s (frames), again" in text
+    slower = json.loads(json.dumps(runs[1][0]))
+    slower["families"][0]["calls"][0].update(frames=2, seconds=1.5)
+    slower["families"][0]["calls"][3].update(frames=1)
+    changed = rcf.section([runs[0], (slower, "wide", 2), *runs[2:]], on_gpu=False)
+    assert "and 0–2 frames in 0.008–1.500 s with the wide ones" in changed
+    assert "the later calls\ncompiled nothing either way" in text
+    assert "the later calls\ncompiled 1 frame in all" in changed
+    # the page: the CPU's runs now; the GPU's, named and without the note, once all four exist
+    assert "cpu-compile-eager-fallback-separate-1.json" in report.render()
+    gpu = {}
+    for (name, *_), (data, *_) in zip(rcf.GPU_FILES, runs):
+        gpu[name] = {**data, "meta": {**data["meta"], "gpu": "NVIDIA H200"}}
+    page = report.render(results_copy(tmp_path, gpu), suite=None)
+    assert "`h200-compile-eager-fallback-separate-1.json`" in page and "NVIDIA H200, torch" in page
+    assert "no GPU was lent" not in page
+    page = report.render(results_copy(tmp_path, {rcf.GPU_FILES[0][0]: gpu[rcf.GPU_FILES[0][0]]}),
+                         suite=None)  # fmt: skip
+    assert "no GPU was lent" in page  # one GPU run of four: the CPU's runs still
