@@ -99,7 +99,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.SUITE_NEWEST_FILE, *report_cb_host.PREP_PARTS_FILES]
         + [report_tests.SUITE_AGAIN_FILE, report_tests.SUITE_EARLIER_FILE]
         + [*report_tests.SUITE_SIX_FILES, report_tests.SUITE_LAYOUT_FIRST_FILE]
-        + [report_tests.SUITE_COST_FILE]
+        + [report_tests.SUITE_COST_FILE, report_tests.SUITE_DEALT_FILE]
         + [name for name, *_ in report_tests.CPU_LAYOUT_FILES]
         + [*report_cb_host.FILL_VIEWS_FILES, report_cb_host.FILL_VIEWS_HOST_FILE]
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
@@ -307,6 +307,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
          if (d := loaded.get(name)) is not None],  # fmt: skip
         loaded.get(report_tests.SUITE_LAYOUT_FIRST_FILE),
         loaded.get(report_tests.SUITE_COST_FILE),
+        loaded.get(report_tests.SUITE_DEALT_FILE),
     )
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
 

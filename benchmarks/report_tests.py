@@ -27,6 +27,9 @@ SUITE_LAYOUT_FIRST_FILE = "h200-cuda-suite-times-layout-first.json"
 #: four workers with the layout dealing by cost and capacity, before the GPU's random packed
 #: batches were dealt too (session 31; the latest run, SUITE_FILE, has them)
 SUITE_COST_FILE = "h200-cuda-suite-times-cost.json"
+#: the same, with the GPU's random packed batches dealt too (session 31's last run); the latest
+#: run, SUITE_FILE, is session 32's, on its own tests
+SUITE_DEALT_FILE = "h200-cuda-suite-times-dealt.json"
 AGAIN_MIN_S = 1.0  # tests compared between a run and a later one: at least this long in the first
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
@@ -334,7 +337,7 @@ def suite_time_section(
     cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
     newest: dict | None = None, earlier: dict | None = None, again: dict | None = None,
     six: tuple = (None, None), cpu_layout: list = (), layout_first: dict | None = None,
-    cost: dict | None = None,
+    cost: dict | None = None, dealt: dict | None = None,
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
@@ -343,8 +346,8 @@ def suite_time_section(
     newest transformers supported, ``earlier`` the latest run before ``tests/conftest.layout``,
     ``again`` its command later on another lease of the machine, ``six`` six workers before and
     with the layout, ``cpu_layout`` the README's command with the layout on and off,
-    ``layout_first`` the run of the layout's first version and ``cost`` of its version by cost
-    before ``run`` (any may be missing: not measured)."""
+    ``layout_first`` the run of the layout's first version, ``cost`` of its version by cost and
+    ``dealt`` of its last version before ``run`` (any may be missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -357,7 +360,8 @@ def suite_time_section(
              (SUITE_EARLIER_FILE, earlier), (SUITE_NEWEST_FILE, newest),
              (SUITE_AGAIN_FILE, again), (SUITE_SIX_FILES[0], six[0]),
              (SUITE_LAYOUT_FIRST_FILE, layout_first), (SUITE_SIX_FILES[1], six[1]),
-             (SUITE_COST_FILE, cost), (SUITE_FILE, run))  # fmt: skip
+             (SUITE_COST_FILE, cost), (SUITE_DEALT_FILE, dealt),
+             (SUITE_FILE, run))  # fmt: skip
     runs = [r for _, r in named if r]
     names = [n for n, r in named if r]
     dates = sorted({(r.get("meta") or {}).get("date") or "-" for r in runs})
@@ -378,7 +382,7 @@ def suite_time_section(
                     None,
                     [suite_verdict_line(run), newest and suite_verdict_line(newest),
                      earlier and again_line(earlier, again),
-                     workers_paragraph([(again, layout_first), six], [cost, run]),
+                     workers_paragraph([(again, layout_first), six], [cost, dealt, run]),
                      whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), cpu_layout_line(cpu, list(cpu_layout)),
                      gc_paragraph(before, run)],  # fmt: skip
