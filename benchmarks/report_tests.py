@@ -42,6 +42,13 @@ CPU_LAYOUT_FILES = (("cpu-suite-times-layout-on-1.json", True, 1),
                     ("cpu-suite-times-layout-off-1.json", False, 1),
                     ("cpu-suite-times-layout-off-2.json", False, 2),
                     ("cpu-suite-times-layout-on-2.json", True, 2))  # fmt: skip
+#: the README's command on the tree before session 32's cuts of the suite's slowest work
+#: (074b68f) and after them, in turn on one VM: (file, after the cuts, turn)
+CPU_CUTS_FILES = (("cpu-suite-times-cuts-before-1.json", False, 1),
+                  ("cpu-suite-times-cuts-after-1.json", True, 1),
+                  ("cpu-suite-times-cuts-after-2.json", True, 2),
+                  ("cpu-suite-times-cuts-before-2.json", False, 2))  # fmt: skip
+CUT_TESTS = 6  # tests named in the cuts' line, the largest changes first
 TOP_FILES = 10  # files in the per-file table
 SLOWEST_FILES = 3  # files named where the target is missed
 LARGEST_PARTS = 3  # parts named per runner
@@ -286,6 +293,57 @@ def cpu_layout_line(cpu: dict | None, runs: list) -> str | None:
     )
 
 
+def cpu_cuts_line(runs: list) -> str | None:
+    """The README's command before and after session 32's cuts, in turn (``runs``: ``(data,
+    after, turn)`` of :data:`CPU_CUTS_FILES`): the walls, the tests' own seconds, and the
+    tests whose time changed most (each side's median over its runs; a test missing from a
+    run's list of slowest counts as 0 s there: it was under the list's last entry)."""
+    if len(runs) != len(CPU_CUTS_FILES):
+        return None
+    before = [d for d, after, _ in runs if not after]
+    after = [d for d, cut, _ in runs if cut]
+
+    def median_times(ds: list) -> tuple[dict, float]:
+        """Each listed test's median over ``ds`` (a run that does not list it: the run's last
+        entry, an upper bound), and the largest last entry (below it: not listed)."""
+        floor = max(d["slowest"][-1]["seconds"] for d in ds)
+        names = {t["test"] for d in ds for t in d["slowest"]}
+        times = {n: statistics.median(next((t["seconds"] for t in d["slowest"] if t["test"] == n),
+                                           d["slowest"][-1]["seconds"]) for d in ds)
+                 for n in names}  # fmt: skip
+        return times, floor
+
+    (old, old_floor), (new, new_floor) = median_times(before), median_times(after)
+    shown = lambda times, floor, n: (  # noqa: E731
+        f"{_cell(times[n])}" if n in times else f"under {_cell(floor)}")
+    changes = sorted(set(old) | set(new),
+                     key=lambda n: new.get(n, new_floor) - old.get(n, old_floor))  # fmt: skip
+    named = ", ".join(f"`{n.rpartition('::')[2]}` {shown(old, old_floor, n)} → "
+                      f"{shown(new, new_floor, n)} s" for n in changes[:CUT_TESTS])  # fmt: skip
+    walls = lambda ds: ", ".join(_cell(d["wall_s"]) for d in ds)  # noqa: E731
+    worst = max(d["wall_s"] for d in after)
+    return fill(
+        "tests.suite.cpu_cuts",
+        date=(after[0].get("meta") or {}).get("date") or "-",
+        files="`, `".join(name for name, *_ in CPU_CUTS_FILES),
+        order=", ".join("after" if cut else "before" for _, cut, _ in runs),
+        before=walls(before), after=walls(after),
+        before_tests=" and ".join(_cell(d["tests_s"]) for d in before),
+        after_tests=" and ".join(_cell(d["tests_s"]) for d in after),
+        ratio=num(statistics.median(d["wall_s"] for d in after)
+                  / statistics.median(d["wall_s"] for d in before)),  # fmt: skip
+        named=named,
+        outcome="every run passed" if not any(d["counts"].get("failed", 0) for d, *_ in runs)
+        else "some runs had failures",
+        passed_before="/".join(sorted({str(d["counts"].get("passed", 0)) for d in before})),
+        passed_after="/".join(sorted({str(d["counts"].get("passed", 0)) for d in after})),
+        verdict="meets" if worst <= T.TARGET_CPU_SUITE_S else "misses",
+        target=f"{T.TARGET_CPU_SUITE_S:g}",
+        rest="" if worst <= T.TARGET_CPU_SUITE_S
+        else fill("tests.suite.cpu_cuts.rest").strip("\n"),
+    )
+
+
 def _timeline_row(r: dict) -> list:
     """A run's row of the worker-by-worker table, the last worker to stop first."""
     t = r["timeline"]
@@ -337,7 +395,7 @@ def suite_time_section(
     cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
     newest: dict | None = None, earlier: dict | None = None, again: dict | None = None,
     six: tuple = (None, None), cpu_layout: list = (), layout_first: dict | None = None,
-    cost: dict | None = None, dealt: dict | None = None,
+    cost: dict | None = None, dealt: dict | None = None, cpu_cuts: list = (),
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
@@ -347,7 +405,8 @@ def suite_time_section(
     ``again`` its command later on another lease of the machine, ``six`` six workers before and
     with the layout, ``cpu_layout`` the README's command with the layout on and off,
     ``layout_first`` the run of the layout's first version, ``cost`` of its version by cost and
-    ``dealt`` of its last version before ``run`` (any may be missing: not measured)."""
+    ``dealt`` of its last version before ``run``, ``cpu_cuts`` the README's command before and
+    after session 32's cuts (any may be missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -385,6 +444,7 @@ def suite_time_section(
                      workers_paragraph([(again, layout_first), six], [cost, dealt, run]),
                      whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), cpu_layout_line(cpu, list(cpu_layout)),
+                     cpu_cuts_line(list(cpu_cuts)),
                      gc_paragraph(before, run)],  # fmt: skip
                 )
             ),

@@ -1071,3 +1071,27 @@ def test_compile_fallback_section_reads_each_turn_and_prefers_the_gpu_runs(tmp_p
     page = report.render(results_copy(tmp_path, {rcf.GPU_FILES[0][0]: gpu[rcf.GPU_FILES[0][0]]}),
                          suite=None)  # fmt: skip
     assert "no GPU was lent" in page  # one GPU run of four: the CPU's runs still
+
+
+def test_cpu_cuts_line_pairs_the_turns_and_names_the_largest_changes():
+    """The README's command before and after session 32's cuts: both sides' walls and test
+    seconds, the tests whose median changed most (a test a run does not list: under its last
+    entry), the verdict against the CPU target from the slower run after the cuts."""
+    from benchmarks import report_tests
+
+    runs = [(committed(name), after, turn) for name, after, turn in report_tests.CPU_CUTS_FILES]
+    text = report_tests.cpu_cuts_line(runs)
+    assert "130.4, 118.8 s of wall time before, 108.6, 104.2 s after" in text
+    assert "(the medians' ratio\n0.85)" in text
+    assert "`test_the_benchmark_breaks_the_compile_time_down` 12.7 → under 2.0 s" in text
+    assert "every run passed,\n749 tests before, 752 after" in text
+    assert "misses\nthe 100 s target; what is left above it" in text
+    fast = [(json.loads(json.dumps(d)), after, turn) for d, after, turn in runs]
+    for d, after, _ in fast:
+        if after:
+            d["wall_s"] = 90.0
+    fast[3][0]["counts"]["failed"] = 1
+    text = report_tests.cpu_cuts_line(fast)
+    assert "meets\nthe 100 s target." in text and "what is left" not in text
+    assert "some runs had failures" in text
+    assert report_tests.cpu_cuts_line(runs[:3]) is None  # a turn missing: not on the page
