@@ -340,7 +340,11 @@ class PrefillRunner:
 
     # -- the captured forward ------------------------------------------------------------
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_index=None, inline=False
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        last_index: torch.Tensor | None = None,  # only an eager batch's (StepBuffers.wide_inputs)
+        inline: bool = False,
     ) -> torch.Tensor:
         state = _attention.RunnerState(self.attention, self._outputs, inline=inline)
         capturing = breakgraph.is_capturing()
