@@ -38,8 +38,9 @@ SMOKE_BUCKETS, SMOKE_BATCHES = (16, 32), ((40,), (20, 30))
 
 
 def separate_inputs(steps, prompts: list, lengths: list) -> tuple:
-    """The inputs before ``wide_inputs``: ids and positions as tensors of their own, and the
-    staging buffer's last-token indices (what ``--variant separate`` patches in)."""
+    """The inputs before ``wide_inputs``: ids and positions as tensors of their own (``--variant
+    separate`` patches them in with ``None`` for the indices: the forward then reads the
+    staging buffer's, as it did)."""
     device = steps.device_buffer.device
     ids = torch.cat([p.to(device) for p in prompts]).view(1, -1)
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]

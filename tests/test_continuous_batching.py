@@ -612,9 +612,9 @@ def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
     """``compile=...``: the decoder's Dynamo frames compile once, at the largest bucket's
     warm-up, and serve every layer (a frame per layer would hit Dynamo's recompile limit and
     run the rest eagerly, silently) and every bucket (dynamic token dimension). A 2-layer
-    model compiles; then a 5-layer one of the same family, with Dynamo's caches kept, adds
-    fewer graphs than its 3 extra layers (none on 5.17: its frames are the 2-layer model's; a
-    frame per layer would add at least one per extra layer). The tokens of both equal
+    model compiles; then a 5-layer one of the same family, with Dynamo's caches kept,
+    compiles nothing more (its frames are the 2-layer model's on 5.17, 5.24 and 5.25; a frame
+    per layer would add at least one graph per extra layer). The tokens of both equal
     ``generate()``, decode graphs included (emulated captures run the compiled code eagerly:
     see ``.compiled``). One compile, not one per depth: Dynamo's tracing is most of this
     test's time."""
@@ -637,7 +637,7 @@ def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
     finally:
         torch._dynamo.reset()
     assert all(calls > 0 for calls in counting.calls)  # each compiled graph ran
-    assert graphs[2] and graphs[5] - graphs[2] < 5 - 2, graphs
+    assert graphs[2] and graphs[5] == graphs[2], graphs  # the deeper model compiled nothing
 
 
 @needs_cb
