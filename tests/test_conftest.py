@@ -31,7 +31,7 @@ def _chunks(order, size, workers):
 def test_the_costliest_slow_tests_go_to_the_least_loaded_workers_first_chunks():
     others = [f"tests/test_z.py::test_{i}" for i in range(95)]
     ids = others[:40] + SLOW + others[40:]  # 100 tests: chunks of 100 // 4 // 4 = 6
-    order = [i.nodeid for i in conftest.layout(_items(ids), 4)]
+    order = [i.nodeid for i in conftest.layout(_items(ids), 4, gpu=True)]
     assert sorted(order) == sorted(ids)
     chunks = _chunks(order, 6, 4)
     # the compiled decoder (50 s), the compiles (46 s, together), then a busy case each
@@ -40,6 +40,24 @@ def test_the_costliest_slow_tests_go_to_the_least_loaded_workers_first_chunks():
     assert [i for i in order if i in others] == others  # every other test keeps its order
     # one worker, or none: the slow tests first, in START_FIRST's order
     assert [i.nodeid for i in conftest.layout(_items(ids), 1)] == SLOW + others
+
+
+def test_a_machine_without_a_gpu_deals_by_its_own_costs():
+    """Without a GPU the compile module costs what the TP module does (22 s each on two CPU
+    cores, against 46 s on the H200, where TP on one GPU is skipped): the TP module and the TP
+    example go to one worker, the compiles and the serve launcher to the other, where the
+    GPU's costs pair them the other way round."""
+    others = [f"tests/test_z.py::test_{i}" for i in range(60)]
+    tp = [f"tests/test_tensor_parallel.py::test_{i}" for i in range(2)]
+    compile_ = [f"tests/test_prefill_compile.py::test_{i}" for i in range(2)]
+    example = "tests/test_examples.py::test_example_runs[tensor_parallel.py]"
+    serve = "tests/test_continuous_batching.py::test_serve_launcher_answers_a_completion[x]"
+    ids = others[:30] + [serve, example] + compile_ + others[30:] + tp
+    for gpu, first, second in ((False, [*tp, example], [*compile_, serve]),
+                               (True, [*compile_, serve], [*tp, example])):  # fmt: skip
+        order = [i.nodeid for i in conftest.layout(_items(ids), 2, chunk=8, gpu=gpu)]
+        assert sorted(order) == sorted(ids)
+        assert _chunks(order, 8, 2) == [first + others[:5], second + others[5:10]], gpu
 
 
 def test_a_unit_larger_than_a_chunk_or_skipped_whole_is_not_dealt_and_never_split():
