@@ -7,6 +7,7 @@ skipped cleanly without a GPU); ``device`` is the matching tensor device.
 import functools
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -218,6 +219,24 @@ def device(backend):
 def capture(backend):
     """``breakgraph.capture`` bound to the backend under test."""
     return functools.partial(breakgraph.capture, backend=backend)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cb_stops_without_the_idle_poll():
+    """transformers' CB managers stop without waiting out their loop's 0.1-s idle poll
+    (``helpers.stops_wake_the_cb_loop``: 0.1 s per stop, about 200 stops in the suite), for
+    the session, when collection imported transformers' continuous batching (a session of
+    other tests does not import transformers for it)."""
+    module = sys.modules.get("transformers.generation.continuous_batching.continuous_api")
+    manager = getattr(module, "ContinuousBatchingManager", None)
+    if manager is None:
+        yield
+        return
+    from tests import helpers
+
+    with pytest.MonkeyPatch.context() as patches:
+        helpers.stops_wake_the_cb_loop(patches, manager)
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

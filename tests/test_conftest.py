@@ -1,11 +1,13 @@
 """The suite's own scheduling (``tests/conftest.py``): the slow tests dealt over the
 pytest-xdist workers' first chunks, and the ``transformers`` marker set before ``-m`` selects."""
 
+import sys
+import threading
 import types
 
 import pytest
 
-from tests import conftest
+from tests import conftest, helpers
 
 COMPILE = ["tests/test_prefill_compile.py::test_a[cuda]",  # a module listed whole: one unit
            "tests/test_prefill_compile.py::test_b"]  # fmt: skip
@@ -119,3 +121,67 @@ def test_the_layout_docstring_example_runs():
     import doctest
 
     assert doctest.testmod(conftest, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
+
+
+class _Status:
+    FLUSH_AND_STOP, HARD_STOP = 1, 2
+
+    def __init__(self):
+        self.requested = []
+
+    def request_stop(self, status, rank):
+        self.requested.append((status, rank))
+
+
+def _manager_class(event_name):
+    class Manager:
+        def __init__(self, started=True):
+            setattr(self, event_name, threading.Event())
+            self.background_thread_status = _Status()
+            self.distributed_helper = types.SimpleNamespace(global_rank=3)
+            self._generation_thread = object() if started else None
+            self.seen = None
+
+        def stop(self, block=True, timeout=None, keep_for_next_session=False, hard_stop=False):
+            # what transformers' own stop finds when it runs: the loop woken, the stop asked
+            event = getattr(self, event_name)
+            self.seen = (event.is_set(), list(self.background_thread_status.requested))
+            self.seen += ((block, timeout, keep_for_next_session, hard_stop),)
+
+    return Manager
+
+
+@pytest.mark.parametrize("event_name", ["_has_new_requests", "_wake_up_loop"])  # 5.17; 5.24 on
+def test_a_blocking_stop_wakes_the_cb_loop_before_transformers_stop_joins(event_name):
+    """``helpers.stops_wake_the_cb_loop``: a started manager's blocking stop asks the stop and
+    sets the loop's event, then runs the original stop with the caller's arguments; a
+    non-blocking stop, a manager never started, or one without the names, is left alone; the
+    patch is undone with the monkeypatch."""
+    manager = _manager_class(event_name)
+    original = manager.stop
+    with pytest.MonkeyPatch.context() as patches:
+        helpers.stops_wake_the_cb_loop(patches, manager)
+        woken = manager()
+        woken.stop(True, 5, False, True)
+        assert woken.seen == (True, [(_Status.HARD_STOP, 3)], (True, 5, False, True))
+        woken = manager()
+        woken.stop()
+        assert woken.seen == (True, [(_Status.FLUSH_AND_STOP, 3)], (True, None, False, False))
+        for untouched, kwargs in ((manager(), {"block": False}), (manager(started=False), {})):
+            untouched.stop(**kwargs)
+            assert untouched.seen[:2] == (False, [])
+        nameless = manager()
+        del nameless.distributed_helper
+        nameless.stop()
+        assert nameless.seen[:2] == (False, [])
+    assert manager.stop is original
+
+
+def test_the_session_patches_transformers_stop_only_while_it_runs():
+    """The session fixture (``conftest.cb_stops_without_the_idle_poll``) wraps the manager's
+    stop for the session, where collection imported transformers' continuous batching."""
+    module = sys.modules.get("transformers.generation.continuous_batching.continuous_api")
+    if module is None:
+        pytest.skip("transformers' continuous batching is not imported in this session")
+    stop = module.ContinuousBatchingManager.stop
+    assert stop.__qualname__.startswith("stops_wake_the_cb_loop.")
