@@ -102,6 +102,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.SUITE_COST_FILE, report_tests.SUITE_DEALT_FILE]
         + [name for name, *_ in report_tests.CPU_LAYOUT_FILES]
         + [name for name, *_ in report_tests.CPU_CUTS_FILES]
+        + [name for name, *_ in report_tests.CPU_WAITS_FILES]
         + [*report_cb_host.FILL_VIEWS_FILES, report_cb_host.FILL_VIEWS_HOST_FILE]
         + [name for name, _, _ in report_decode_step.WRITE_ROWS_FILES]
         + [*report_decode_step.FLOOR_FILES, *report_decode_step.FLOOR_BEFORE_FILES]
@@ -310,6 +311,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded.get(report_tests.SUITE_COST_FILE),
         loaded.get(report_tests.SUITE_DEALT_FILE),
         [(d, *rest) for name, *rest in report_tests.CPU_CUTS_FILES
+         if (d := loaded.get(name)) is not None],  # fmt: skip
+        [(d, *rest) for name, *rest in report_tests.CPU_WAITS_FILES
          if (d := loaded.get(name)) is not None],  # fmt: skip
     )
     return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"

@@ -48,6 +48,11 @@ CPU_CUTS_FILES = (("cpu-suite-times-cuts-before-1.json", False, 1),
                   ("cpu-suite-times-cuts-after-1.json", True, 1),
                   ("cpu-suite-times-cuts-after-2.json", True, 2),
                   ("cpu-suite-times-cuts-before-2.json", False, 2))  # fmt: skip
+#: the README's command before and after session 33's removal of idle seconds, in turn
+CPU_WAITS_FILES = (("cpu-suite-times-waits-before-1.json", False, 1),
+                   ("cpu-suite-times-waits-after-1.json", True, 1),
+                   ("cpu-suite-times-waits-after-2.json", True, 2),
+                   ("cpu-suite-times-waits-before-2.json", False, 2))  # fmt: skip
 CUT_TESTS = 6  # tests named in the cuts' line, the largest changes first
 TOP_FILES = 10  # files in the per-file table
 SLOWEST_FILES = 3  # files named where the target is missed
@@ -293,12 +298,17 @@ def cpu_layout_line(cpu: dict | None, runs: list) -> str | None:
     )
 
 
-def cpu_cuts_line(runs: list) -> str | None:
-    """The README's command before and after session 32's cuts, in turn (``runs``: ``(data,
-    after, turn)`` of :data:`CPU_CUTS_FILES`): the walls, the tests' own seconds, and the
-    tests whose time changed most (each side's median over its runs; a test missing from a
-    run's list of slowest counts as 0 s there: it was under the list's last entry)."""
-    if len(runs) != len(CPU_CUTS_FILES):
+def cpu_cuts_line(
+    runs: list, files: tuple = CPU_CUTS_FILES, fragment: str = "tests.suite.cpu_cuts", **extra
+) -> str | None:
+    """The README's command before and after a round of cuts, in turn (``runs``: ``(data,
+    after, turn)`` of ``files``, :data:`CPU_CUTS_FILES` for session 32's, or
+    :data:`CPU_WAITS_FILES` for session 33's, with its ``fragment``): the walls, the tests' own
+    seconds, and the tests whose time changed most (each side's median over its runs; a test
+    missing from a run's list of slowest counts as 0 s there: it was under the list's last
+    entry). Where the slower run after misses the target, ``fragment``'s ``.rest`` says why.
+    ``extra``: more of ``fragment``'s placeholders."""
+    if len(runs) != len(files):
         return None
     before = [d for d, after, _ in runs if not after]
     after = [d for d, cut, _ in runs if cut]
@@ -323,9 +333,9 @@ def cpu_cuts_line(runs: list) -> str | None:
     walls = lambda ds: ", ".join(_cell(d["wall_s"]) for d in ds)  # noqa: E731
     worst = max(d["wall_s"] for d in after)
     return fill(
-        "tests.suite.cpu_cuts",
+        fragment,
         date=(after[0].get("meta") or {}).get("date") or "-",
-        files="`, `".join(name for name, *_ in CPU_CUTS_FILES),
+        files="`, `".join(name for name, *_ in files),
         order=", ".join("after" if cut else "before" for _, cut, _ in runs),
         before=walls(before), after=walls(after),
         before_tests=" and ".join(_cell(d["tests_s"]) for d in before),
@@ -340,7 +350,8 @@ def cpu_cuts_line(runs: list) -> str | None:
         verdict="meets" if worst <= T.TARGET_CPU_SUITE_S else "misses",
         target=f"{T.TARGET_CPU_SUITE_S:g}",
         rest="" if worst <= T.TARGET_CPU_SUITE_S
-        else fill("tests.suite.cpu_cuts.rest").strip("\n"),
+        else fill(f"{fragment}.rest").strip("\n"),
+        **extra,
     )
 
 
@@ -390,12 +401,25 @@ def workers_paragraph(pairs: list[tuple[dict, dict]], later: list = ()) -> str |
     )
 
 
+def vm_speed_line(cuts: list, waits: list) -> str:
+    """How fast the VM ran for session 33's runs against session 32's (``cuts`` and ``waits``:
+    ``(data, after, turn)``): the tree before session 33 against session 32's tree after its
+    cuts, nearly the same tests; empty where either side is missing."""
+    then = [d["wall_s"] for d, after, _ in cuts if after]
+    now = [d["wall_s"] for d, after, _ in waits if not after]
+    if not then or not now:
+        return ""
+    walls = lambda values: ", ".join(_cell(v) for v in values)  # noqa: E731
+    return fill("tests.suite.cpu_waits.vm", now=walls(now), then=walls(then)).strip("\n")
+
+
 def suite_time_section(
     run: dict | None, before: dict | None = None, whole: dict | None = None,
     cpu: dict | None = None, cpu_serial: dict | None = None, serial: dict | None = None,
     newest: dict | None = None, earlier: dict | None = None, again: dict | None = None,
     six: tuple = (None, None), cpu_layout: list = (), layout_first: dict | None = None,
     cost: dict | None = None, dealt: dict | None = None, cpu_cuts: list = (),
+    cpu_waits: list = (),
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
@@ -406,7 +430,8 @@ def suite_time_section(
     with the layout, ``cpu_layout`` the README's command with the layout on and off,
     ``layout_first`` the run of the layout's first version, ``cost`` of its version by cost and
     ``dealt`` of its last version before ``run``, ``cpu_cuts`` the README's command before and
-    after session 32's cuts (any may be missing: not measured)."""
+    after session 32's cuts, ``cpu_waits`` before and after session 33's (any may be missing:
+    not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -445,6 +470,8 @@ def suite_time_section(
                      whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), cpu_layout_line(cpu, list(cpu_layout)),
                      cpu_cuts_line(list(cpu_cuts)),
+                     cpu_cuts_line(list(cpu_waits), CPU_WAITS_FILES, "tests.suite.cpu_waits",
+                                   vm=vm_speed_line(list(cpu_cuts), list(cpu_waits))),
                      gc_paragraph(before, run)],  # fmt: skip
                 )
             ),

@@ -1095,3 +1095,22 @@ def test_cpu_cuts_line_pairs_the_turns_and_names_the_largest_changes():
     assert "meets\nthe 100 s target." in text and "what is left" not in text
     assert "some runs had failures" in text
     assert report_tests.cpu_cuts_line(runs[:3]) is None  # a turn missing: not on the page
+
+
+def test_cpu_waits_line_reads_its_own_turns_and_says_how_fast_the_vm_ran():
+    """Session 33's round through the same line, with its own files and fragment, and how fast
+    the VM ran that day against session 32's runs of nearly the same tests."""
+    from benchmarks import report_tests
+
+    cuts = [(committed(name), after, turn) for name, after, turn in report_tests.CPU_CUTS_FILES]
+    waits = [(committed(name), after, turn)
+             for name, after, turn in report_tests.CPU_WAITS_FILES]  # fmt: skip
+    vm = report_tests.vm_speed_line(cuts, waits)
+    text = " ".join(report_tests.cpu_cuts_line(waits, report_tests.CPU_WAITS_FILES,
+                                               "tests.suite.cpu_waits", vm=vm).split())  # fmt: skip
+    assert "87.9, 84.4 s of wall time before, 76.5, 74.8 s after (the medians' ratio 0.88)" in text
+    assert "the tests' own seconds 139.4 and 139.0 before, 133.4 and 129.1 after" in text
+    assert "meets the 100 s target. The VM ran faster" in text
+    assert "the tree before took 87.9, 84.4 s here" in text and "took 108.6, 104.2 s;" in text
+    assert report_tests.vm_speed_line([], waits) == ""  # session 32's runs missing: no comparison
+    assert report_tests.cpu_cuts_line(waits[:3], report_tests.CPU_WAITS_FILES) is None
