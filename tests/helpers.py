@@ -141,6 +141,16 @@ def no_full_collections_in_cb_cleanup(patches, *modules) -> None:
         patches.setattr(module, "gc", no_op)
 
 
+def cb_loop_wake_parts(manager) -> tuple | None:
+    """``(event, status, rank)`` of transformers' CB ``manager`` that :func:`stops_wake_the_cb_loop`
+    uses: the event its idle loop waits on (``_has_new_requests`` on 5.17, ``_wake_up_loop``
+    from 5.24), its ``background_thread_status`` and its rank; ``None`` where one is missing."""
+    wake = getattr(manager, "_wake_up_loop", None) or getattr(manager, "_has_new_requests", None)
+    status = getattr(manager, "background_thread_status", None)
+    rank = getattr(getattr(manager, "distributed_helper", None), "global_rank", None)
+    return None if None in (wake, status, rank) else (wake, status, rank)
+
+
 def stops_wake_the_cb_loop(patches, manager_class) -> None:
     """Make ``manager_class.stop(block=True)`` (transformers' CB manager) wake the generation
     loop at once, instead of waiting out its idle poll.
@@ -158,13 +168,10 @@ def stops_wake_the_cb_loop(patches, manager_class) -> None:
     original = manager_class.stop
 
     def stop(self, block=True, timeout=None, keep_for_next_session=False, hard_stop=False):
-        wake = getattr(self, "_wake_up_loop", None) or getattr(self, "_has_new_requests", None)
-        status = getattr(self, "background_thread_status", None)
-        rank = getattr(getattr(self, "distributed_helper", None), "global_rank", None)
-        started = getattr(self, "_generation_thread", None) is not None
-        if block and started and None not in (wake, status, rank):
-            stopping = status.HARD_STOP if hard_stop else status.FLUSH_AND_STOP
-            status.request_stop(stopping, rank)
+        parts = cb_loop_wake_parts(self)
+        if block and parts is not None and getattr(self, "_generation_thread", None) is not None:
+            wake, status, rank = parts
+            status.request_stop(status.HARD_STOP if hard_stop else status.FLUSH_AND_STOP, rank)
             wake.set()
         return original(self, block, timeout, keep_for_next_session, hard_stop)
 
