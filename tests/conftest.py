@@ -224,7 +224,7 @@ def capture(backend):
 @pytest.fixture(scope="session", autouse=True)
 def cb_stops_without_the_idle_poll():
     """transformers' CB managers stop without waiting out their loop's 0.1-s idle poll
-    (``helpers.stops_wake_the_cb_loop``: 0.1 s per stop, about 200 stops in the suite), for
+    (``helpers.stops_wake_the_cb_loop``: 0.1 s per stop, 134 stops in the suite), for
     the session, when collection imported transformers' continuous batching (a session of
     other tests does not import transformers for it)."""
     module = sys.modules.get("transformers.generation.continuous_batching.continuous_api")

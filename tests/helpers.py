@@ -142,13 +142,16 @@ def no_full_collections_in_cb_cleanup(patches, *modules) -> None:
 
 
 def cb_loop_wake_parts(manager) -> tuple | None:
-    """``(event, status, rank)`` of transformers' CB ``manager`` that :func:`stops_wake_the_cb_loop`
-    uses: the event its idle loop waits on (``_has_new_requests`` on 5.17, ``_wake_up_loop``
-    from 5.24), its ``background_thread_status`` and its rank; ``None`` where one is missing."""
+    """``(event, status, rank)`` of transformers' CB ``manager`` while its loop runs, what
+    :func:`stops_wake_the_cb_loop` uses: the event its idle loop waits on
+    (``_has_new_requests`` on 5.17, ``_wake_up_loop`` from 5.24), its
+    ``background_thread_status`` and its rank; ``None`` where one is missing, or where the
+    manager has no loop thread (``_generation_thread``: never started, or stopped)."""
+    thread = getattr(manager, "_generation_thread", None)
     wake = getattr(manager, "_wake_up_loop", None) or getattr(manager, "_has_new_requests", None)
     status = getattr(manager, "background_thread_status", None)
     rank = getattr(getattr(manager, "distributed_helper", None), "global_rank", None)
-    return None if None in (wake, status, rank) else (wake, status, rank)
+    return None if None in (thread, wake, status, rank) else (wake, status, rank)
 
 
 def stops_wake_the_cb_loop(patches, manager_class) -> None:
@@ -160,16 +163,15 @@ def stops_wake_the_cb_loop(patches, manager_class) -> None:
     thread. So every stop took 0.1 s, with the test's process idle: 114 stops, 11.4 s of the CB
     test files in one process on CI's 2 cores. The stop here requests the stop and sets the
     loop's event, then runs transformers' own ``stop`` (which requests it again and joins): the
-    same path, without the wait. Only a started manager's blocking stop; where a name it reads
-    is missing (they are private: the event, ``_has_new_requests`` on 5.17 and
-    ``_wake_up_loop`` from 5.24, ``background_thread_status``, ``distributed_helper``), the
-    stop waits as before. ``patches`` is a ``pytest.MonkeyPatch``.
+    same path, without the wait. Only a running manager's blocking stop; where a name it reads
+    is missing (they are private: :func:`cb_loop_wake_parts`), the stop waits as before.
+    ``patches`` is a ``pytest.MonkeyPatch``.
     """
     original = manager_class.stop
 
     def stop(self, block=True, timeout=None, keep_for_next_session=False, hard_stop=False):
         parts = cb_loop_wake_parts(self)
-        if block and parts is not None and getattr(self, "_generation_thread", None) is not None:
+        if block and parts is not None:
             wake, status, rank = parts
             status.request_stop(status.HARD_STOP if hard_stop else status.FLUSH_AND_STOP, rank)
             wake.set()
