@@ -410,7 +410,10 @@ def vm_speed_line(cuts: list, waits: list) -> str:
     if not then or not now:
         return ""
     walls = lambda values: ", ".join(_cell(v) for v in values)  # noqa: E731
-    return fill("tests.suite.cpu_waits.vm", now=walls(now), then=walls(then)).strip("\n")
+    speed = "faster" if statistics.median(now) < statistics.median(then) else "slower"
+    return fill("tests.suite.cpu_waits.vm", speed=speed, now=walls(now), then=walls(then)).strip(
+        "\n"
+    )
 
 
 def suite_time_section(

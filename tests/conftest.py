@@ -40,41 +40,32 @@ TRANSFORMERS_MODULES = {
 
 
 #: Tests that run first, in this order, with a rough cost in seconds each (per module, where a
-#: module is listed whole), on a machine with a GPU and on one without: the two-process
-#: launches (TP, the TP example, the serve launcher), the Dynamo compiles (one module, and the
-#: CB decoder's) and, on a GPU, the busy-GPU CB processes and the compiled decoder.
-#: pytest-xdist's load scheduling hands tests out in collection order and never moves one once
-#: sent: left in place (late in the alphabet) they ran last, one worker alone for the suite's
-#: last 5-10 s (the serve launcher, before it was listed). First, the short tests fill in around
-#: them (:func:`layout` deals them over the workers). Whole modules move as a block, so a
+#: module is listed whole): the two-process launches (TP, about 20 s each on two cores, and the
+#: serve launcher's process), the Dynamo compiles (one module, and the CB decoder's) and, on a
+#: GPU, the busy-GPU CB processes and the compiled decoder. pytest-xdist's load scheduling
+#: hands tests out in collection order and never moves one once sent: left in place (late in
+#: the alphabet) they ran last, one worker alone for the suite's last 5-10 s (the serve
+#: launcher did, until it was listed). First, the short tests fill in around them
+#: (:func:`layout` deals them over the workers). Whole modules move as a block, so a
 #: module-scoped fixture (``tp_runs``) still runs once. The costs only order the dealing;
 #: measured: the H200's timelines and the CPU suite's slowest tests (docs/performance.md,
-#: *Test-suite time*). A test skipped on the GPU machine (TP on one GPU, the CPU cases) or
-#: absent without one keeps the other machine's figure.
+#: *Test-suite time*).
 START_FIRST = (
-    # name, seconds with a GPU, seconds without
-    ("test_tensor_parallel", 45.0, 22.0),
-    ("test_examples.py::test_example_runs[tensor_parallel.py]", 19.0, 21.0),
-    ("test_prefill_compile", 46.0, 22.0),
-    # a server process of its own: imports, model, a completion, shutdown
-    ("test_continuous_batching.py::test_serve_launcher_answers_a_completion", 14.0, 14.0),
-    # the decoder compiled at two depths (CPU, AOT autograd)
-    (
-        "test_continuous_batching.py::test_compiled_decoder_compiles_once_for_every_layer_and_bucket",
-        10.0,
-        10.0,
-    ),
+    ("test_tensor_parallel", 45.0),
+    ("test_examples.py::test_example_runs[tensor_parallel.py]", 19.0),
+    ("test_prefill_compile", 46.0),
+    # a server process of its own (imports, model, a completion, shutdown): 13-16 s on 2 cores
+    ("test_continuous_batching.py::test_serve_launcher_answers_a_completion", 14.0),
+    # the CB decoder compiled at two depths (CPU, AOT autograd): 8-11 s on 2 cores
+    ("test_continuous_batching.py::test_compiled_decoder_compiles_once_for_every_layer_and_bucket",
+     10.0),  # fmt: skip
     # on a GPU: 15-25 s each in a process of its own, loading the GPU meanwhile
-    (
-        "test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy",
-        20.0,
-        20.0,
-    ),
+    ("test_continuous_batching.py::test_cuda_tokens_equal_generate_while_the_gpu_is_busy", 20.0),
     # the decoder under torch.compile on a GPU: 40-60 s on the H200 (its longest test)
-    ("test_continuous_batching.py::test_cuda_compiled_decoder_agrees_with_paged_sdpa", 50.0, 50.0),
+    ("test_continuous_batching.py::test_cuda_compiled_decoder_agrees_with_paged_sdpa", 50.0),
     # random packed batches per family on a GPU: 6-17 s each, 50 s in all; left to the load
     # scheduling they came as one batch to one worker and ran last (session 31's H200 run)
-    ("test_fuzz_prefill.py::test_random_packed_batches_match_each_prompt_alone_cuda", 10.0, 10.0),
+    ("test_fuzz_prefill.py::test_random_packed_batches_match_each_prompt_alone_cuda", 10.0),
 )
 
 
@@ -83,7 +74,7 @@ def _start_rank(item) -> int:
     test name and parameters); after all of them when it is not listed."""
     test = item.nodeid.rpartition("/")[2]  # "test_x.py::test_y[id]"
     keys = (test.partition(".py")[0], test.partition("[")[0], test)
-    return next((i for i, (name, *_) in enumerate(START_FIRST) if name in keys), len(START_FIRST))
+    return next((i for i, (name, _) in enumerate(START_FIRST) if name in keys), len(START_FIRST))
 
 
 def _skipped(item) -> bool:
@@ -95,15 +86,13 @@ def _skipped(item) -> bool:
     return any(m.args and all(a is True for a in m.args) for m in marks("skipif"))
 
 
-def layout(items: list, workers: int, chunk: int | None = None, gpu: bool | None = None) -> list:
+def layout(items: list, workers: int, chunk: int | None = None) -> list:
     """``items`` in the order pytest-xdist should hand them out over ``workers`` workers: the
     tests of :data:`START_FIRST` dealt out over the first chunk of every worker (``chunk``
     tests each; pytest-xdist's size by default), costliest unit first to the worker with the
     least so far that has room for it (a module listed whole is one unit; the other listed tests
     one each); units that do not fit, and units whose tests will all be skipped, right after
-    the chunks; every other test fills the chunks and follows, in its order. The costs are
-    :data:`START_FIRST`'s for a machine with a GPU when ``gpu`` (by default: when CUDA is
-    available), else those for one without.
+    the chunks; every other test fills the chunks and follows, in its order.
 
     Why: pytest-xdist's load scheduling first sends each worker a chunk of consecutive tests
     (``max(2, tests // workers // 4)`` of them, at most ``--maxschedchunk``), which no other
@@ -130,10 +119,9 @@ def layout(items: list, workers: int, chunk: int | None = None, gpu: bool | None
     rest = ranked[len(first) :]
     if workers < 2:
         return first + rest
-    column = 1 if (torch.cuda.is_available() if gpu is None else gpu) else 2
 
     def cost(unit: list) -> float:
-        return START_FIRST[_start_rank(unit[0])][column]
+        return START_FIRST[_start_rank(unit[0])][1]
 
     units: dict = {}  # a listed module is one unit; any other listed test is one of its own
     for item in first:
@@ -177,21 +165,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Freeze what collection left in memory, and start the one process of the checks that
-    need their own (``helpers.fresh_process_check``).
-
-    The freeze (:func:`gc.freeze`): collecting imported torch, transformers and Dynamo, a few
-    hundred thousand objects that live as long as the process; every full garbage collection
-    then walked all of them, and the tests run thousands (Dynamo's compiles allocate enough to
-    trigger them: 2,285 in the compile module's fixture alone). Frozen, they are never
-    scanned again; what the tests create is collected as before.
-
-    The process: started now, so that its start-up (about 11 s on the H200's host) runs beside
-    the other tests. Not in a pytest-xdist worker: every worker collects every test, and only
-    the one given those tests needs the process (it starts it when the first of them asks)."""
+    """Start the one process of the checks that need their own (``helpers.fresh_process_check``)
+    now, so that its start-up (about 11 s on the H200's host) runs beside the other tests. Not
+    in a pytest-xdist worker: every worker collects every test, and only the one given those
+    tests needs the process (it starts it when the first of them asks)."""
     from tests import helpers
-
-    gc.freeze()
 
     wanted = any(item.get_closest_marker("fresh_process") for item in session.items)
     worker = os.environ.get("PYTEST_XDIST_WORKER")
@@ -223,10 +201,10 @@ def capture(backend):
 
 @pytest.fixture(scope="session", autouse=True)
 def cb_stops_without_the_idle_poll():
-    """transformers' CB managers stop without waiting out their loop's 0.1-s idle poll
-    (``helpers.stops_wake_the_cb_loop``: 0.1 s per stop, 134 stops in the suite), for
-    the session, when collection imported transformers' continuous batching (a session of
-    other tests does not import transformers for it)."""
+    """transformers' CB managers stop without waiting out their loop's idle poll
+    (``helpers.joins_wake_the_cb_loop``: up to 0.1 s per stop, 134 stops in the suite's test
+    processes), for the session, when collection imported transformers' continuous batching (a
+    session of other tests does not import transformers for it)."""
     module = sys.modules.get("transformers.generation.continuous_batching.continuous_api")
     manager = getattr(module, "ContinuousBatchingManager", None)
     if manager is None:
@@ -235,7 +213,7 @@ def cb_stops_without_the_idle_poll():
     from tests import helpers
 
     with pytest.MonkeyPatch.context() as patches:
-        helpers.stops_wake_the_cb_loop(patches, manager)
+        helpers.joins_wake_the_cb_loop(patches, manager)
         yield
 
 

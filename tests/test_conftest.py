@@ -33,7 +33,7 @@ def _chunks(order, size, workers):
 def test_the_costliest_slow_tests_go_to_the_least_loaded_workers_first_chunks():
     others = [f"tests/test_z.py::test_{i}" for i in range(95)]
     ids = others[:40] + SLOW + others[40:]  # 100 tests: chunks of 100 // 4 // 4 = 6
-    order = [i.nodeid for i in conftest.layout(_items(ids), 4, gpu=True)]
+    order = [i.nodeid for i in conftest.layout(_items(ids), 4)]
     assert sorted(order) == sorted(ids)
     chunks = _chunks(order, 6, 4)
     # the compiled decoder (50 s), the compiles (46 s, together), then a busy case each
@@ -42,24 +42,6 @@ def test_the_costliest_slow_tests_go_to_the_least_loaded_workers_first_chunks():
     assert [i for i in order if i in others] == others  # every other test keeps its order
     # one worker, or none: the slow tests first, in START_FIRST's order
     assert [i.nodeid for i in conftest.layout(_items(ids), 1)] == SLOW + others
-
-
-def test_a_machine_without_a_gpu_deals_by_its_own_costs():
-    """Without a GPU the compile module costs what the TP module does (22 s each on two CPU
-    cores, against 46 s on the H200, where TP on one GPU is skipped): the TP module and the TP
-    example go to one worker, the compiles and the serve launcher to the other, where the
-    GPU's costs pair them the other way round."""
-    others = [f"tests/test_z.py::test_{i}" for i in range(60)]
-    tp = [f"tests/test_tensor_parallel.py::test_{i}" for i in range(2)]
-    compile_ = [f"tests/test_prefill_compile.py::test_{i}" for i in range(2)]
-    example = "tests/test_examples.py::test_example_runs[tensor_parallel.py]"
-    serve = "tests/test_continuous_batching.py::test_serve_launcher_answers_a_completion[x]"
-    ids = others[:30] + [serve, example] + compile_ + others[30:] + tp
-    for gpu, first, second in ((False, [*tp, example], [*compile_, serve]),
-                               (True, [*compile_, serve], [*tp, example])):  # fmt: skip
-        order = [i.nodeid for i in conftest.layout(_items(ids), 2, chunk=8, gpu=gpu)]
-        assert sorted(order) == sorted(ids)
-        assert _chunks(order, 8, 2) == [first + others[:5], second + others[5:10]], gpu
 
 
 def test_a_unit_larger_than_a_chunk_or_skipped_whole_is_not_dealt_and_never_split():
@@ -123,65 +105,47 @@ def test_the_layout_docstring_example_runs():
     assert doctest.testmod(conftest, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
 
 
-class _Status:
-    FLUSH_AND_STOP, HARD_STOP = 1, 2
-
-    def __init__(self):
-        self.requested = []
-
-    def request_stop(self, status, rank):
-        self.requested.append((status, rank))
-
-
 def _manager_class(event_name):
     class Manager:
-        def __init__(self, started=True):
+        def __init__(self):
             setattr(self, event_name, threading.Event())
-            self.background_thread_status = _Status()
-            self.distributed_helper = types.SimpleNamespace(global_rank=3)
-            self._generation_thread = object() if started else None
-            self.seen = None
+            self.joined = None
 
-        def stop(self, block=True, timeout=None, keep_for_next_session=False, hard_stop=False):
-            # what transformers' own stop finds when it runs: the loop woken, the stop asked
-            event = getattr(self, event_name)
-            self.seen = (event.is_set(), list(self.background_thread_status.requested))
-            self.seen += ((block, timeout, keep_for_next_session, hard_stop),)
+        def join(self, stop_trigger_time, timeout=None):
+            # what transformers' own join finds when it runs: the idle loop woken, or not
+            event = getattr(self, event_name, None)
+            self.joined = (event is not None and event.is_set(), stop_trigger_time, timeout)
 
     return Manager
 
 
 @pytest.mark.parametrize("event_name", ["_has_new_requests", "_wake_up_loop"])  # 5.17; 5.24 on
-def test_a_blocking_stop_wakes_the_cb_loop_before_transformers_stop_joins(event_name):
-    """``helpers.stops_wake_the_cb_loop``: a started manager's blocking stop asks the stop and
-    sets the loop's event, then runs the original stop with the caller's arguments; a
-    non-blocking stop, a manager never started, or one without the names, is left alone; the
-    patch is undone with the monkeypatch."""
+def test_a_join_wakes_the_cb_loop_before_transformers_join_waits(event_name):
+    """``helpers.joins_wake_the_cb_loop``: the join sets the loop's event, then runs the
+    original join with the caller's arguments; a manager without the event is joined as
+    before; the patch is undone with the monkeypatch."""
     manager = _manager_class(event_name)
-    original = manager.stop
+    original = manager.join
     with pytest.MonkeyPatch.context() as patches:
-        helpers.stops_wake_the_cb_loop(patches, manager)
+        helpers.joins_wake_the_cb_loop(patches, manager)
         woken = manager()
-        woken.stop(True, 5, False, True)
-        assert woken.seen == (True, [(_Status.HARD_STOP, 3)], (True, 5, False, True))
+        woken.join(12.5, 60)
+        assert woken.joined == (True, 12.5, 60)
         woken = manager()
-        woken.stop()
-        assert woken.seen == (True, [(_Status.FLUSH_AND_STOP, 3)], (True, None, False, False))
-        for untouched, kwargs in ((manager(), {"block": False}), (manager(started=False), {})):
-            untouched.stop(**kwargs)
-            assert untouched.seen[:2] == (False, [])
-        nameless = manager()
-        del nameless.distributed_helper
-        nameless.stop()
-        assert nameless.seen[:2] == (False, [])
-    assert manager.stop is original
+        woken.join(3.0)
+        assert woken.joined == (True, 3.0, None)
+        eventless = manager()
+        delattr(eventless, event_name)
+        eventless.join(1.0)
+        assert eventless.joined == (False, 1.0, None)
+    assert manager.join is original
 
 
-def test_the_session_patches_transformers_stop_only_while_it_runs():
+def test_the_session_wraps_transformers_join():
     """The session fixture (``conftest.cb_stops_without_the_idle_poll``) wraps the manager's
-    stop for the session, where collection imported transformers' continuous batching."""
+    join for the session, where collection imported transformers' continuous batching."""
     module = sys.modules.get("transformers.generation.continuous_batching.continuous_api")
     if module is None:
         pytest.skip("transformers' continuous batching is not imported in this session")
-    stop = module.ContinuousBatchingManager.stop
-    assert stop.__qualname__.startswith("stops_wake_the_cb_loop.")
+    join = module.ContinuousBatchingManager.join
+    assert join.__qualname__.startswith("joins_wake_the_cb_loop.")

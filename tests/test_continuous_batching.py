@@ -27,6 +27,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -53,7 +54,7 @@ from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAP
 from breakgraph.errors import BackendError, InputError, ReplayError  # noqa: E402
 from tests.helpers import (  # noqa: E402
     busy_gpu,
-    cb_loop_wake_parts,
+    cb_loop_wake_event,
     compiled_decode_kernels,
     no_full_collections_in_cb_cleanup,
 )
@@ -164,17 +165,17 @@ def generate_queued(model, prompts, cbc=None) -> list:
 
 @needs_cb
 def test_a_started_manager_has_what_the_suites_quick_stop_reads():
-    """The suite's stops wake transformers' idle CB loop (``helpers.stops_wake_the_cb_loop``,
-    a session patch) through private names; on every release CI runs, a started manager has
-    them (else each stop would quietly wait out the loop's 0.1-s poll again), and the patched
-    stop ends the loop."""
+    """The suite's stops wake transformers' idle CB loop (``helpers.joins_wake_the_cb_loop``, a
+    session patch of the manager's join) through a private event; on every release CI runs, a
+    started manager has it (else each stop would quietly wait out the loop's poll again), and
+    the patched stop ends the loop."""
     model = build_model("llama", None)
     manager = model.init_continuous_batching(
         generation_config=generation_config(), continuous_batching_config=cb_config()
     )
     manager.start()
     try:
-        assert cb_loop_wake_parts(manager) is not None
+        assert isinstance(cb_loop_wake_event(manager), threading.Event)
     finally:
         manager.stop(block=True, timeout=60)
         manager.destroy()

@@ -1113,4 +1113,6 @@ def test_cpu_waits_line_reads_its_own_turns_and_says_how_fast_the_vm_ran():
     assert "meets the 100 s target. The VM ran faster" in text
     assert "the tree before took 87.9, 84.4 s here" in text and "took 108.6, 104.2 s;" in text
     assert report_tests.vm_speed_line([], waits) == ""  # session 32's runs missing: no comparison
+    slow = [(dict(d, wall_s=d["wall_s"] + 40), after, turn) for d, after, turn in waits]
+    assert "The VM ran slower on this day" in report_tests.vm_speed_line(cuts, slow)
     assert report_tests.cpu_cuts_line(waits[:3], report_tests.CPU_WAITS_FILES) is None
