@@ -1108,10 +1108,10 @@ def test_cpu_waits_line_reads_its_own_turns_and_says_how_fast_the_vm_ran():
     vm = report_tests.vm_speed_line(cuts, waits)
     text = " ".join(report_tests.cpu_cuts_line(waits, report_tests.CPU_WAITS_FILES,
                                                "tests.suite.cpu_waits", vm=vm).split())  # fmt: skip
-    assert "87.9, 84.4 s of wall time before, 76.5, 74.8 s after (the medians' ratio 0.88)" in text
-    assert "the tests' own seconds 139.4 and 139.0 before, 133.4 and 129.1 after" in text
+    assert "78.3, 76.2 s of wall time before, 70.3, 69.1 s after (the medians' ratio 0.90)" in text
+    assert "the tests' own seconds 125.7 and 125.8 before, 122.4 and 120.7 after" in text
     assert "meets the 100 s target. The VM ran faster" in text
-    assert "the tree before took 87.9, 84.4 s here" in text and "took 108.6, 104.2 s;" in text
+    assert "the tree before took 78.3, 76.2 s here" in text and "took 108.6, 104.2 s;" in text
     assert report_tests.vm_speed_line([], waits) == ""  # session 32's runs missing: no comparison
     slow = [(dict(d, wall_s=d["wall_s"] + 40), after, turn) for d, after, turn in waits]
     assert "The VM ran slower on this day" in report_tests.vm_speed_line(cuts, slow)
