@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import unicodedata
 
 from . import (
     cb_report,
@@ -67,6 +69,57 @@ def sources_table(loaded: dict[str, dict]) -> str:
             ]
         )
     return table(["JSON", "GPU", "torch", "transformers", "date"], rows)
+
+
+def anchor(heading: str, taken: dict[str, int]) -> str:
+    """The anchor GitHub gives ``heading`` (its text, lowercased, punctuation dropped, spaces
+    to hyphens; a repeat gets ``-1``, ``-2``, ...); ``taken`` counts the anchors so far.
+
+    Example::
+
+        >>> taken = {}
+        >>> anchor("Continuous batching (transformers `generate_batch` / manager)", taken)
+        'continuous-batching-transformers-generate_batch--manager'
+        >>> anchor("torch.compile", taken), anchor("torch.compile", taken)
+        ('torchcompile', 'torchcompile-1')
+    """
+    keep = lambda c: c.isalnum() or c in " -_" or unicodedata.category(c).startswith("M")  # noqa: E731
+    slug = "".join(c for c in heading.strip().lower() if keep(c)).replace(" ", "-")
+    repeat = taken.get(slug, 0)
+    taken[slug] = repeat + 1
+    return f"{slug}-{repeat}" if repeat else slug
+
+
+def contents(markdown: str) -> str:
+    """A list linking every section (``##``) and subsection (``###``) of ``markdown``, in
+    page order, but the subsections named after a model family (one per family, under the
+    sections that list them); lines inside code fences are not headings.
+
+    Example::
+
+        >>> print(contents("# Page\\n## Prefill\\n### llama-1b (1100 M parameters)\\n### Targets"))
+        - [Prefill](#prefill)
+          - [Targets](#targets)
+    """
+    taken: dict[str, int] = {}
+    lines, fenced = [], False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        level = 0 if fenced else len(line) - len(line.lstrip("#"))
+        if level not in (1, 2, 3) or not line[level:].startswith(" "):
+            continue
+        title = line[level:].strip()
+        slug = anchor(title, taken)
+        if level == 1 or (level == 3 and _FAMILY_HEADING.search(title)):
+            continue
+        indent = "  " * (level - 2)
+        lines.append(f"{indent}- [{title}](#{slug})")
+    return "\n".join(lines)
+
+
+#: a subsection per model family: "llama-1b (1100 M parameters)", "... (596 M parameters, ...)"
+_FAMILY_HEADING = re.compile(r"\(\d+ M parameters")
 
 
 def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
@@ -126,7 +179,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         with open(suite) as f:
             suite_data = json.load(f)
         loaded[os.path.basename(suite)] = suite_data
-    blocks = [fill("page", sources=sources_table(loaded))]
+    blocks = []
     blocks += report_prefill.section(
         loaded.get(report_prefill.FILE),
         load(report_prefill.NEIGHBOURS_FILE),
@@ -315,7 +368,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         [(d, *rest) for name, *rest in report_tests.CPU_WAITS_FILES
          if (d := loaded.get(name)) is not None],  # fmt: skip
     )
-    return "\n\n".join(b.strip("\n") for b in blocks if b) + "\n"
+    blocks.append(fill("sources", sources=sources_table(loaded)))
+    body = "\n\n".join(b.strip("\n") for b in blocks if b)
+    return fill("page", contents=contents(body)).strip("\n") + "\n\n" + body + "\n"
 
 
 def write_plots(

@@ -42,6 +42,37 @@ def test_committed_page_is_reproduced_exactly():
         assert report.render() == f.read(), "run `python -m benchmarks.report` and commit the page"
 
 
+def test_contents_link_every_section_and_sources_come_last():
+    """The page opens with a list of its sections; every link names a heading of the page
+    (GitHub's anchors), and the list of JSON sources is the last section."""
+    page = report.render()
+    head, body = page.split("\n## ", 1)
+    links = re.findall(r"^( *)- \[(.+)\]\(#([^)]+)\)$", head, re.M)
+    headings = re.findall(r"^(#{2,3}) (.+)$", "## " + body, re.M)
+    taken: dict[str, int] = {}
+    anchors = {report.anchor(title, taken): (len(hashes), title) for hashes, title in headings}
+    assert len(anchors) == len(headings)  # repeated titles got anchors of their own
+    for indent, title, slug in links:
+        assert anchors[slug] == (len(indent) // 2 + 2, title)
+    listed = {title for _, title, _ in links}
+    assert all(title in listed for hashes, title in headings if hashes == "##")
+    families = [t for h, t in headings if h == "###" and re.search(r"\(\d+ M parameters", t)]
+    assert families and not listed & set(families)  # one per family, left out of the list
+    assert headings[-1] == ("##", "Sources") and "| `h200-prefill-baselines.json` |" in body
+
+
+def test_anchors_are_githubs():
+    taken: dict[str, int] = {}
+    assert report.anchor("Prefill on transformers 5.24.0", taken) == "prefill-on-transformers-5240"
+    assert report.anchor("`compile=True`'s eager fallback: longer", taken) == (
+        "compiletrues-eager-fallback-longer")
+    assert report.anchor("bg × floor – again_2", taken) == "bg--floor--again_2"
+    assert [report.anchor("Targets", taken) for _ in range(3)] == [
+        "targets", "targets-1", "targets-2"]
+    fenced = "## Real\n```bash\n## a comment, not a heading\n```\n### Also real"
+    assert report.contents(fenced) == "- [Real](#real)\n  - [Also real](#also-real)"
+
+
 def test_prose_template_holds_no_numbers():
     """A number in prose is a claim: it must come from the JSON or a target constant."""
     standalone = re.compile(r"(?<![\w.$-])\d+(?:\.\d+)?(?![\w-])")
