@@ -224,6 +224,24 @@ def validate_buckets(buckets: Any, where: str, allow_empty: bool = False) -> lis
     return sorted({int(b) for b in sizes})
 
 
+def validate_count(value: Any, least: int, what: str) -> int:
+    """``value`` if it is an int of at least ``least`` (bools, floats and None refused), else
+    an ``InputError`` naming ``what`` (the caller and the argument).
+
+    Example::
+
+        >>> from breakgraph.buckets import validate_count
+        >>> validate_count(2, 0, "demo: warmup")
+        2
+        >>> validate_count(-1, 0, "demo: warmup")
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: demo: warmup must be an int >= 0, got -1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise InputError(f"{what} must be an int >= {least}, got {value!r}.")
+    return int(value)
+
+
 def default_token_buckets(
     max_tokens: int = 4096, step: int = 8, dense_until: int = 256
 ) -> tuple[int, ...]:

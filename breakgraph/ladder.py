@@ -55,6 +55,7 @@ from .buckets import (
     geometric_buckets,
     tuned_times,
     validate_buckets,
+    validate_count,
 )
 from .debug import debug_enabled
 from .errors import HostSyncError, InputError, ReplayError
@@ -409,11 +410,12 @@ class GraphLadder:
         if self.ranks is not None:
             self.ranks.before_eager()
 
-    def graph(self, bucket: int) -> BreakableCUDAGraph:
-        """The captured graph of ``bucket``."""
+    def graph(self, bucket: int, *, what: str = "graph") -> BreakableCUDAGraph:
+        """The captured graph of ``bucket`` (``what`` names the caller's method in the error
+        for a size that is not a bucket)."""
         rung = self._rungs.get(bucket)
         if rung is None:
-            raise self._unknown(bucket, "graph")
+            raise self._unknown(bucket, what)
         return rung.graph
 
     def output(self, bucket: int) -> Any:
@@ -459,10 +461,7 @@ class GraphLadder:
             )
         self._check_open("tune")
         for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise InputError(
-                    f"{self.who}.tune: {name} must be an int >= {least}, got {value!r}."
-                )
+            validate_count(value, least, f"{self.who}.tune: {name}")
         if self.backend != "cuda" or not self._sizes:
             return {}
 

@@ -1040,7 +1040,10 @@ def test_a_model_sharing_the_config_is_untouched():
         assert generate_batch(other, prompts) == expected_other
         assert handle.stats.replays == 0  # the other model never reached breakgraph
         assert generate_batch(enabled, prompts) == expected_enabled
+        enabled.config.set_while_enabled = True  # on the private copy (docs: dropped with it)
+        assert not hasattr(other.config, "set_while_enabled")
     assert enabled.config is other.config and enabled.config._attn_implementation == "sdpa"
+    assert not hasattr(enabled.config, "set_while_enabled")
 
 
 @needs_cb

@@ -180,6 +180,8 @@ def test_all_buckets_share_one_pool(backend, device):
         (dict(max_padding_fraction=1.5), "max_padding_fraction"),
         (dict(example_inputs=()), "example_inputs"),
         (dict(dims=5), "out of range"),
+        (dict(warmup=-1), "warmup must be an int >= 0"),
+        (dict(warmup=1.5), "warmup must be an int >= 0"),
         (dict(pad_values=(0, 1)), "pad_values"),
     ],
 )
@@ -193,6 +195,35 @@ def test_bad_configuration(backend, device, kwargs, phrase):
     args.update(kwargs)
     with pytest.raises(InputError, match=phrase):
         BucketedRunner(**args)
+
+
+def test_sizes_that_are_not_sizes_are_refused(backend, device):
+    runner, _ = make(device, backend)
+    for bad in (-1, 2.5, True, None):
+        with pytest.raises(InputError, match="BucketedRunner.decide: size must be an int >= 0"):
+            runner.decide(bad)
+        with pytest.raises(InputError, match="BucketedRunner.bucket_for: size must be an int"):
+            runner.bucket_for(bad)
+    assert runner.decide(0).bucket == runner.bucket_for(3) == 4
+    with pytest.raises(InputError, match=r"BucketedRunner.static_inputs: no bucket 5"):
+        runner.static_inputs(5)
+
+
+def test_negative_dims_trim_every_output_from_its_own_end(backend, device):
+    """``dims=-1``: time-last outputs of any rank come back at the live length, not padded to
+    the bucket (the first input's dimension 1 is the last of a 2-D input only)."""
+    runner = BucketedRunner(
+        lambda x: (x * 2, x.sum(0), x.unsqueeze(0), x[:, :1]),  # [C, T], [T], [1, C, T], [C, 1]
+        buckets=(8,), example_inputs=(torch.zeros(3, 1, device=device),), dims=-1,
+        backend=backend, warmup=1,
+    )  # fmt: skip
+    for n in (5, 2, 8):
+        x = torch.randn(3, n, device=device)
+        doubled, summed, lifted, first = runner(x)
+        torch.testing.assert_close(doubled, x * 2)
+        torch.testing.assert_close(summed, x.sum(0))  # no padding rows
+        torch.testing.assert_close(lifted, x.unsqueeze(0))
+        torch.testing.assert_close(first, x[:, :1])
 
 
 # -- tuned routes: a larger bucket that is faster takes the call --------------------------------

@@ -580,8 +580,16 @@ def test_unsupported_models():
 
 def test_bad_runner_arguments():
     model = _tiny("LlamaConfig", **COMMON)
-    with pytest.raises(InputError, match="max_prompts must be >= 1"):
-        PrefillRunner(model, token_buckets=BUCKETS, max_prompts=0, backend="emulated")
+    for bad in (0, 2.0, True, None):
+        with pytest.raises(InputError, match="PrefillRunner: max_prompts must be an int >= 1"):
+            PrefillRunner(model, token_buckets=BUCKETS, max_prompts=bad, backend="emulated")
+    for bad in (-1, 1.0, None):
+        with pytest.raises(InputError, match="PrefillRunner: warmup must be an int >= 0"):
+            PrefillRunner(model, token_buckets=BUCKETS, warmup=bad, backend="emulated")
+    # a Llama config's pad_token_id is None: refused by name, not by a comparison's TypeError
+    for bad in (None, True, 3.0, -1, model.config.vocab_size):
+        with pytest.raises(InputError, match=r"pad_token_id must be a token id .*got "):
+            PrefillRunner(model, token_buckets=BUCKETS, pad_token_id=bad, backend="emulated")
     with pytest.raises(InputError, match="attention must be"):
         PrefillRunner(model, token_buckets=BUCKETS, attention="sdpa", backend="emulated")
     with pytest.raises(InputError, match="on_miss"):

@@ -44,7 +44,7 @@ import torch
 
 import breakgraph
 from breakgraph import distributed
-from breakgraph.buckets import Action, expected_padding, validate_buckets
+from breakgraph.buckets import Action, expected_padding, validate_buckets, validate_count
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
 from breakgraph.ladder_stats import combined
@@ -218,10 +218,8 @@ class PrefillRunner:
                 f"PrefillRunner: single_prompt_graphs must be None (the default: on with the "
                 f"CUDA backend in one process), True or False, got {single_prompt_graphs!r}."
             )
-        if not isinstance(max_prompts, int) or max_prompts < 1:
-            raise InputError(
-                f"PrefillRunner: max_prompts must be >= 1 (an int), got {max_prompts!r}."
-            )
+        validate_count(max_prompts, 1, "PrefillRunner: max_prompts")
+        validate_count(warmup, 0, "PrefillRunner: warmup")
         limit = getattr(model.config, "max_position_embeddings", None)
         if token_buckets is None:
             token_buckets = default_token_buckets(min(4096, limit or 4096))
@@ -241,10 +239,13 @@ class PrefillRunner:
         )
         self.max_prompts = max_prompts
         self.vocab_size = model.config.get_text_config().vocab_size
-        if not 0 <= pad_token_id < self.vocab_size:
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not (
+            0 <= pad_token_id < self.vocab_size
+        ):
             raise InputError(
-                f"PrefillRunner: pad_token_id={pad_token_id} is outside the vocabulary "
-                f"(0..{self.vocab_size - 1})."
+                f"PrefillRunner: pad_token_id must be a token id of the vocabulary "
+                f"(an int in 0..{self.vocab_size - 1}), got {pad_token_id!r}; a model without a "
+                f"pad token (config.pad_token_id None) can keep the default, 0."
             )
         self._forward_model = model
         if compile:  # dynamic token dimension from the first compile: see .compiled

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from breakgraph.errors import InputError
-from breakgraph.runner import StaticInputs
+from breakgraph.static_inputs import StaticInputs
 
 __all__ = ["StepBuffers"]
 
