@@ -1,0 +1,131 @@
+"""docs/api.md stays true to the code: every signature it shows (the fenced ones and the
+methods listed under a class) has the parameters, kinds and defaults of the real callable,
+and every name its module table lists is importable from that module."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import re
+
+import pytest
+
+API_MD = os.path.join(os.path.dirname(__file__), "..", "docs", "api.md")
+MODULES = (
+    "breakgraph",
+    "breakgraph.runner",
+    "breakgraph.ladder",
+    "breakgraph.buckets",
+    "breakgraph.distributed",
+    "breakgraph.testing",
+    "breakgraph.memory",
+    "breakgraph.integrations.transformers",  # needs transformers: skipped without it
+)
+KINDS = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional",
+    inspect.Parameter.VAR_POSITIONAL: "*args",
+    inspect.Parameter.KEYWORD_ONLY: "keyword-only",
+    inspect.Parameter.VAR_KEYWORD: "**kwargs",
+}
+NO_DEFAULT = "(none)"
+
+
+def _public_names() -> dict:
+    names = {}
+    for module in MODULES:
+        try:
+            loaded = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in dir(loaded):
+            names.setdefault(name, getattr(loaded, name))
+    return names
+
+
+def _documented(params: str) -> list[tuple]:
+    """The parameters of ``name(params)`` as written in the docs: (name, kind, default)."""
+    args = ast.parse(f"def f({params}): pass").body[0].args
+    positional = args.posonlyargs + args.args
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    out = [(a.arg, "positional", d) for a, d in zip(positional, defaults)]
+    out += [(args.vararg.arg, "*args", None)] if args.vararg else []
+    out += [(a.arg, "keyword-only", d) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    out += [(args.kwarg.arg, "**kwargs", None)] if args.kwarg else []
+    return [(n, k, NO_DEFAULT if d is None else ast.literal_eval(d)) for n, k, d in out]
+
+
+def _real(obj) -> list[tuple]:
+    return [
+        (p.name, KINDS[p.kind], NO_DEFAULT if p.default is inspect.Parameter.empty else p.default)
+        for p in inspect.signature(obj).parameters.values()
+        if p.name != "self"
+    ]
+
+
+def _signatures() -> list[tuple[str, str, str, object]]:
+    """(where, name, params, owner class or None) for every signature the page shows: the
+    fenced blocks without a language, and ``* `method(...)` `` bullets under a class's
+    heading."""
+    public = _public_names()
+    found, fence, block, owner = [], None, [], None
+    with open(API_MD, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            if fence is None:
+                fence, block = line[3:].strip(), []
+            else:
+                if fence == "":
+                    joined = " ".join(part.strip() for part in block)
+                    for name, params in re.findall(r"(\w+)\(([^()]*)\)", joined):
+                        found.append((f"line {number}", name, params, None))
+                fence = None
+            continue
+        if fence is not None:
+            block.append(line)
+            continue
+        heading = re.match(r"^#+ `(?:[\w.]+\.)?(\w+)`", line)
+        if heading:
+            candidate = public.get(heading.group(1))
+            owner = candidate if inspect.isclass(candidate) else None
+        bullet = re.match(r"^\* `(\w+)\(([^`]*)\)(?: ->[^`]*)?`", line)
+        if bullet and owner is not None:
+            found.append((f"line {number}", bullet.group(1), bullet.group(2), owner))
+    return found
+
+
+def test_every_signature_shown_is_the_codes():
+    public = _public_names()
+    forms: dict[tuple, list] = {}  # one callable may be shown several ways (a decorator)
+    for where, name, params, owner in _signatures():
+        obj = getattr(owner, name, None) if owner is not None else public.get(name)
+        if obj is None or not callable(obj) or inspect.isclass(obj) and issubclass(obj, Exception):
+            continue  # a type named in a block (Action.REPLAY), not a signature
+        key = (owner.__name__ if owner else "", name)
+        forms.setdefault(key, []).append((where, _documented(params), _real(obj)))
+    assert len(forms) >= 30, f"the page's signatures were not found: {sorted(forms)}"
+    wrong = {
+        key: [(where, doc) for where, doc, _ in shown] + [("code", shown[0][2])]
+        for key, shown in forms.items()
+        if not any(doc == real for _, doc, real in shown)
+    }
+    assert not wrong, f"docs/api.md disagrees with the code: {wrong}"
+
+
+def test_the_module_table_names_what_each_module_exports():
+    with open(API_MD, encoding="utf-8") as f:
+        table = f.read().split("```", 2)[1]
+    entries = re.findall(r"^(breakgraph[\w.]*)\s*\n?\s*((?:.+\n)+?)(?=^breakgraph|\Z)", table, re.M)
+    assert len(entries) >= 7
+    for module, names in entries:
+        if module.endswith("transformers"):
+            pytest.importorskip("transformers")
+        loaded = importlib.import_module(module)
+        entries = re.sub(r"\([^)]*\)", "", names).replace("\n", " ").split(",")
+        listed = [re.sub(r"^and\s+", "", e.strip()) for e in entries]
+        listed = [n for n in listed if re.fullmatch(r"[A-Za-z_]\w*", n)]  # not prose, not ...
+        missing = [n for n in listed if not hasattr(loaded, n)]
+        assert not missing, f"{module} does not have {missing}"
