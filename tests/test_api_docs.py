@@ -1,6 +1,7 @@
-"""docs/api.md stays true to the code: every signature it shows (the fenced ones and the
-methods listed under a class) has the parameters, kinds and defaults of the real callable,
-and every name its module table lists is importable from that module."""
+"""The docs stay true to the code: every signature docs/api.md shows (the fenced ones and the
+methods listed under a class), and the fenced ones of the runner and prefill pages, have the
+parameters, kinds and defaults of the real callable, and every name the API page's module
+table lists is importable from that module."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import re
 
 import pytest
 
-API_MD = os.path.join(os.path.dirname(__file__), "..", "docs", "api.md")
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
+API_MD = os.path.join(DOCS, "api.md")
+#: the pages whose fenced blocks show signatures of the public API (API_MD's bullets too)
+PAGES = ("api.md", "runner.md", "integration-transformers.md")
 MODULES = (
     "breakgraph",
     "breakgraph.runner",
@@ -65,13 +69,13 @@ def _real(obj) -> list[tuple]:
     ]
 
 
-def _signatures() -> list[tuple[str, str, str, object]]:
-    """(where, name, params, owner class or None) for every signature the page shows: the
+def _signatures(page: str) -> list[tuple[str, str, str, object]]:
+    """(where, name, params, owner class or None) for every signature ``page`` shows: the
     fenced blocks without a language, and ``* `method(...)` `` bullets under a class's
     heading."""
     public = _public_names()
     found, fence, block, owner = [], None, [], None
-    with open(API_MD, encoding="utf-8") as f:
+    with open(os.path.join(DOCS, page), encoding="utf-8") as f:
         lines = f.read().split("\n")
     for number, line in enumerate(lines, 1):
         if line.startswith("```"):
@@ -81,7 +85,7 @@ def _signatures() -> list[tuple[str, str, str, object]]:
                 if fence == "":
                     joined = " ".join(part.strip() for part in block)
                     for name, params in re.findall(r"(\w+)\(([^()]*)\)", joined):
-                        found.append((f"line {number}", name, params, None))
+                        found.append((f"{page}:{number}", name, params, None))
                 fence = None
             continue
         if fence is not None:
@@ -93,26 +97,26 @@ def _signatures() -> list[tuple[str, str, str, object]]:
             owner = candidate if inspect.isclass(candidate) else None
         bullet = re.match(r"^\* `(\w+)\(([^`]*)\)(?: ->[^`]*)?`", line)
         if bullet and owner is not None:
-            found.append((f"line {number}", bullet.group(1), bullet.group(2), owner))
+            found.append((f"{page}:{number}", bullet.group(1), bullet.group(2), owner))
     return found
 
 
 def test_every_signature_shown_is_the_codes():
     public = _public_names()
-    forms: dict[tuple, list] = {}  # one callable may be shown several ways (a decorator)
-    for where, name, params, owner in _signatures():
+    forms: dict[tuple, list] = {}  # a block may show one callable several ways (a decorator)
+    for where, name, params, owner in (s for page in PAGES for s in _signatures(page)):
         obj = getattr(owner, name, None) if owner is not None else public.get(name)
         if obj is None or not callable(obj) or inspect.isclass(obj) and issubclass(obj, Exception):
             continue  # a type named in a block (Action.REPLAY), not a signature
-        key = (owner.__name__ if owner else "", name)
-        forms.setdefault(key, []).append((where, _documented(params), _real(obj)))
-    assert len(forms) >= 30, f"the page's signatures were not found: {sorted(forms)}"
+        key = (where, owner.__name__ if owner else "", name)
+        forms.setdefault(key, []).append((_documented(params), _real(obj)))
+    assert len(forms) >= 35, f"the pages' signatures were not found: {sorted(forms)}"
     wrong = {
-        key: [(where, doc) for where, doc, _ in shown] + [("code", shown[0][2])]
+        key: [doc for doc, _ in shown] + [("code", shown[0][1])]
         for key, shown in forms.items()
-        if not any(doc == real for _, doc, real in shown)
+        if not any(doc == real for doc, real in shown)
     }
-    assert not wrong, f"docs/api.md disagrees with the code: {wrong}"
+    assert not wrong, f"the docs disagree with the code: {wrong}"
 
 
 def test_the_module_table_names_what_each_module_exports():
