@@ -46,6 +46,9 @@ SYNC_OPERATIONS: dict = {
     aten.is_nonzero: "`if tensor:` / `bool(tensor)` (a Python branch on a device value)",
     aten.item: "`.item()`",
     aten.nonzero: "`nonzero()` / `torch.where(cond)` (its output size depends on the data)",
+    # under inference_mode these arrive whole, not as the nonzero / masked_select inside them
+    aten.argwhere: "`argwhere` (its output size depends on the data)",
+    aten.combinations: "`torch.combinations` (runs masked_select inside)",
     aten.masked_select: "`masked_select` (its output size depends on the data)",
     aten._unique: "`unique` (its output size depends on the data)",
     aten._unique2: "`unique` (its output size depends on the data)",
@@ -89,9 +92,13 @@ def _user_frame() -> str:
 
 def _sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     packet = func.overloadpacket
+    if packet is aten.where and func is not aten.where.default:
+        return None  # where(cond, a, b): no sync; where(cond) alone is nonzero
     if packet in SYNC_OPERATIONS:
-        if packet is aten.repeat_interleave and kwargs.get("output_size") is not None:
-            return None
+        if packet is aten.repeat_interleave and (
+            kwargs.get("output_size") is not None or func is aten.repeat_interleave.self_int
+        ):
+            return None  # the output size is known on the host: an int of repeats, or given
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if all_devices or any(t.device.type != "cpu" for t in tensors):
             return SYNC_OPERATIONS[packet]
@@ -121,6 +128,9 @@ def _sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     return None
 
 
+SYNC_OPERATIONS[aten.where] = (
+    "`torch.where(cond)` with one argument (nonzero: its output size depends on the data)"
+)
 SYNC_OPERATIONS[aten.repeat_interleave] = (
     "`repeat_interleave` with a tensor of repeats and no `output_size` (its output size "
     "depends on the data)"

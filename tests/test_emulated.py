@@ -1,5 +1,6 @@
 """The emulated backend (CPU): CUDA-graph semantics without a GPU, bugs included."""
 
+import contextlib
 import functools
 
 import pytest
@@ -140,6 +141,49 @@ def test_host_sync_in_eager_function_is_fine(op):
         new = fresh_into(x)
         g.replay()
         torch.testing.assert_close(y, compute(new * 3) + 1)
+
+
+# syncs that reach the dispatch mode whole under inference_mode (how the runners capture),
+# not as the nonzero or masked_select inside them
+WHOLE_UNDER_INFERENCE = {
+    "where, one argument": lambda x: torch.where(x > 0)[0],
+    "argwhere": lambda x: torch.argwhere(x > 0),
+    "combinations": lambda x: torch.combinations(x[:4]),
+}
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("op", list(SYNC_OPS) + list(WHOLE_UNDER_INFERENCE))
+def test_host_syncs_are_caught_under_every_grad_mode(op, grad_mode):
+    """Under inference_mode composite ops reach the mode unexpanded: where(cond) captured there
+    once replayed its capture-time indices broadcast over the new ones, silently."""
+    sync = SYNC_OPS[op][0] if op in SYNC_OPS else WHOLE_UNDER_INFERENCE[op]
+    x = torch.randn(8)
+    g = BreakableCUDAGraph()
+    with grad_mode(), pytest.raises(HostSyncError, match="test_emulated.py"):
+        with capture(g):
+            sync(x * 2)
+    assert_clean(g)
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_repeat_interleave_syncs_only_with_a_tensor_of_repeats(grad_mode):
+    x = torch.randn(2, 3)
+    g = BreakableCUDAGraph()
+    with grad_mode(), capture(g):  # an int of repeats: the output size is known on the host
+        y = x.repeat_interleave(2, dim=1) * 1
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new.repeat_interleave(2, dim=1))
+    for sized in (False, True):
+        g = BreakableCUDAGraph()
+        repeats = torch.tensor([1, 2, 3])
+        size = {"output_size": 6} if sized else {}
+        with grad_mode(), contextlib.ExitStack() as stack:
+            if not sized:
+                stack.enter_context(pytest.raises(HostSyncError, match="repeat_interleave"))
+            with capture(g):
+                x.repeat_interleave(repeats, dim=1, **size)
 
 
 def test_detect_syncs_false_lets_item_freeze():
