@@ -15,6 +15,7 @@ path for TP, so rank 0 saves a random model and every rank loads it with TP=2.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,9 @@ def main() -> None:
     device = next(model.parameters()).device
     whole = transformers.AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype)
     whole = whole.to(device).eval()
+    dist.barrier()  # every rank has loaded the model: its files can go
+    if rank == 0:
+        shutil.rmtree(path[0])
 
     runner = PrefillRunner(model, token_buckets=(64, 128), max_prompts=8, backend=backend)
     if rank == 0:

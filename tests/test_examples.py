@@ -27,7 +27,7 @@ ENV = dict(
 
 
 @pytest.mark.parametrize("name", sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py")))
-def test_example_runs(name, one_cpu_thread, capsys):
+def test_example_runs(name, one_cpu_thread, capsys, tmp_path):
     if name in ("quickstart.py", "tensor_parallel.py", "continuous_batching.py"):
         pytest.importorskip("transformers")
         from breakgraph.integrations.transformers import compat
@@ -38,8 +38,10 @@ def test_example_runs(name, one_cpu_thread, capsys):
     if name == "tensor_parallel.py":
         pytest.importorskip("accelerate")
         result = run_torchrun_script([sys.executable, os.path.join(EXAMPLES, name)],
-                                     timeout=600, env=ENV)  # fmt: skip
+                                     timeout=600, env=dict(ENV, TMPDIR=str(tmp_path)))  # fmt: skip
         assert result.returncode == 0, result.stderr[-2000:]
+        saved = [n for n in os.listdir(tmp_path) if n.startswith("breakgraph-tp-")]
+        assert saved == []  # the model it saved for its ranks is gone (torchrun's files stay)
         stdout = result.stdout
     else:
         runpy.run_path(os.path.join(EXAMPLES, name), run_name="__main__")  # raises if it fails
