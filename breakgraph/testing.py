@@ -20,7 +20,7 @@ import torch
 
 from .graph import BreakableCUDAGraph, capture
 from .state import context_scope
-from .structure import describe, split
+from .structure import describe, map_tensors, split
 
 __all__ = ["assert_replay_matches_eager"]
 
@@ -40,9 +40,11 @@ def assert_replay_matches_eager(
 ) -> BreakableCUDAGraph:
     """Capture ``fn`` once, then replay it on ``replays`` fresh draws and compare with eager.
 
-    ``make_inputs()`` returns a fresh tuple of tensors (or one tensor) on every call:
-    the first draw becomes the static inputs; each later draw is copied into them,
-    the graph is replayed, and ``fn`` is run eagerly on the same draw. Outputs are
+    ``make_inputs()`` returns a fresh tuple of tensors (or one tensor) on every call, of the
+    same structure, shapes and dtypes each time: a copy of the first draw becomes the static
+    inputs; each later draw is copied into them, the graph is replayed, its outputs are
+    copied at once (an output in a long-lived buffer would otherwise be overwritten by the
+    eager run before the comparison), and ``fn`` is run eagerly on the same draw. Outputs are
     compared structurally (the structures of :mod:`breakgraph.structure`: tensors with
     ``torch.testing.assert_close``, containers and objects field by field, other values
     with ``==``); ``equal_nan=True`` lets NaNs match. The first difference raises
@@ -50,7 +52,7 @@ def assert_replay_matches_eager(
     frozen host decisions, stale buffers that ``fn`` reads besides its inputs, and
     unwritten outputs. Returns the graph.
     """
-    static = _as_tuple(make_inputs())
+    static = map_tensors(torch.Tensor.clone, _as_tuple(make_inputs()))  # writable, dense
     with context_scope(context):
         for _ in range(warmup):
             fn(*static)
@@ -61,9 +63,10 @@ def assert_replay_matches_eager(
         fresh = _as_tuple(make_inputs())
         _copy_into(static, fresh, "input")
         graph.replay(context=context)
+        got = map_tensors(torch.Tensor.clone, output)
         with context_scope(context):
             expected = fn(*fresh)
-        _compare(output, expected, "output", f"replay {replay}", (atol, rtol, equal_nan))
+        _compare(got, expected, "output", f"replay {replay}", (atol, rtol, equal_nan))
     return graph
 
 
@@ -87,6 +90,11 @@ def _copy_into(static: Any, fresh: Any, path: str) -> None:
     parts = split(static)
     if parts is not None:
         fresh_parts = split(fresh)
+        if fresh_parts is None or type(fresh) is not type(static) or fresh_parts.keys != parts.keys:
+            raise AssertionError(
+                f"make_inputs() changed {path}: {describe(static)} at first, "
+                f"{describe(fresh)} now; the static inputs need the same structure on every draw"
+            )
         for key, s, f in zip(parts.keys, parts.values, fresh_parts.values):
             _copy_into(s, f, parts.label(path, key))
 

@@ -329,6 +329,44 @@ def test_assert_replay_matches_eager_catches_a_frozen_branch(backend, device):
         assert_replay_matches_eager(fn, lambda: torch.randn(4, device=device), backend=backend)
 
 
+def test_assert_replay_matches_eager_catches_a_stale_buffer_in_a_long_lived_output(backend, device):
+    """An output in a buffer that outlives the call (a static cache): the eager run writes the
+    buffer too, so the graph's output is copied before it runs, or the helper compares the
+    buffer with itself and passes a wrong graph."""
+    buffer, scale = torch.zeros(4, device=device), {"t": torch.ones(4, device=device)}
+
+    def fn(x):
+        buffer.copy_(x * scale["t"])
+        scale["t"] = scale["t"] + 1  # the bug: the graph keeps reading the first tensor
+        return buffer
+
+    with pytest.raises(AssertionError, match="replay 0: output differs from eager"):
+        assert_replay_matches_eager(fn, lambda: torch.randn(4, device=device), backend=backend)
+
+
+@pytest.mark.parametrize("second", [
+    (torch.randn(2),),  # a list of two tensors, then a tensor
+    ([torch.randn(2)],),  # a shorter list
+    ({"b": torch.randn(2)},),  # other keys
+], ids=["type", "length", "keys"])  # fmt: skip
+def test_assert_replay_matches_eager_names_a_changed_input_structure(second):
+    draws = iter([([torch.randn(2), torch.randn(2)],)] * 1 + [second])
+    if isinstance(second[0], dict):
+        draws = iter([({"a": torch.randn(2)},), second])
+    with pytest.raises(AssertionError, match=r"make_inputs\(\) changed input\[0\].*same structure"):
+        assert_replay_matches_eager(lambda v: v, lambda: next(draws), backend="emulated")
+
+
+def test_assert_replay_matches_eager_takes_expanded_inputs():
+    """The first draw is copied into dense static inputs: an expanded draw (stride 0) cannot be
+    written into, and the caller's tensors are left as they were."""
+    first = torch.randn(1, 3).expand(4, 3)
+    draws = iter([(first,)] + [(torch.randn(1, 3).expand(4, 3),) for _ in range(3)])
+    kept = first.clone()
+    assert_replay_matches_eager(lambda x: x * 2, lambda: next(draws), backend="emulated")
+    assert torch.equal(first, kept)
+
+
 # -- plugin and logging ----------------------------------------------------------------------------
 @pytest.mark.requires_cuda
 def test_requires_cuda_marker_skips_without_a_gpu():
