@@ -440,6 +440,15 @@ class _Capture:
                 with torch.inference_mode():
                     copy_back(function(*args, **kwargs))
 
+        elif not torch.is_grad_enabled():  # and under no_grad, whatever the caller's mode
+
+            def replay() -> None:
+                if torch.is_grad_enabled():
+                    with torch.no_grad():
+                        copy_back(function(*args, **kwargs))
+                else:
+                    copy_back(function(*args, **kwargs))
+
         else:
 
             def replay() -> None:

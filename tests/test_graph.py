@@ -586,6 +586,31 @@ def test_capture_under_inference_mode_replays_outside_it(capture, device):
     torch.testing.assert_close(y, (new + 1) * 2 + 1)
 
 
+def test_capture_under_no_grad_replays_breaks_without_autograd(capture, device):
+    """Replayed with grad enabled, a break captured under no_grad runs under no_grad again: its
+    parameters' autograd would otherwise make its outputs need grad (copy-back into views made
+    under no_grad then raised torch's error)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 4, device=device)
+
+    @eager_on_graph
+    def project(h):
+        return linear(h).chunk(2, dim=-1)  # views of a new tensor
+
+    x = torch.randn(2, 4, device=device)
+    g = BreakableCUDAGraph()
+    with torch.no_grad(), capture(g):
+        first, second = project(x * 1)
+        out = first + second
+    for _ in range(2):
+        new = fresh_into(x)
+        assert torch.is_grad_enabled()
+        g.replay()
+        with torch.no_grad():
+            torch.testing.assert_close(out, sum(linear(new).chunk(2, dim=-1)))
+        assert not (first.requires_grad or out.requires_grad)
+
+
 # ---------------------------------------------------------------------------------------
 # Graph bugs stay visible (both backends give the same wrong answer)
 # ---------------------------------------------------------------------------------------
