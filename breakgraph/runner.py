@@ -188,10 +188,14 @@ class BucketedRunner:
         self.context = context
         self.capture_context = capture_context
         self._buffers: dict[int, tuple] = {}  # bucket -> its static input buffers
-        if ranks is not None:  # every rank must capture the same buckets in the same order
+        if ranks is not None:  # the same buckets, captured alike, and the same decisions
             shapes = [(dtype, device.type, shape) for dtype, device, shape in self.inputs.specs]
-            spec = distributed.fingerprint(sizes, self.inputs.dims, self.inputs.pads, shapes)
-            ranks.agree(0, spec, "buckets")
+            ranks.agree_settings("BucketedRunner", {
+                "buckets": sizes, "dims": self.inputs.dims, "pad_values": self.inputs.pads,
+                "input shapes": shapes, "on_miss": on_miss, "warmup": warmup,
+                "max_padding_fraction": max_padding_fraction, "warmup_each": warmup_each,
+                "eager_region": eager_region, "backend": self.backend, "debug": self.debug,
+            })  # fmt: skip
         self._capture(sizes)
 
     # -- capture phase ----------------------------------------------------------------

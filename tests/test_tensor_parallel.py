@@ -465,6 +465,15 @@ def bucket_agreement(rank: int, backend: str) -> dict:
             fn, buckets, (torch.zeros(1, 8, device=device),), backend=backend, ranks=ranks
         )
     )
+    # settings that decide which calls replay, run eagerly, raise, or warm up how often: a
+    # difference made ranks part ways (one replays, one runs eagerly), hang, or time out raw
+    for setting, value in (("on_miss", ("eager", "raise")[rank]), ("warmup", 1 + rank),
+                           ("max_padding_fraction", (None, 0.5)[rank]),
+                           ("pad_values", float(rank))):  # fmt: skip
+        out[f"different_{setting}"] = error_text_of(lambda: BucketedRunner(
+            fn, (8, 16), (torch.zeros(1, 8, device=device),), backend=backend, ranks=ranks,
+            **{"warmup": 1, setting: value},
+        ))  # fmt: skip
     ranks.close()
     return out
 
@@ -830,6 +839,10 @@ def test_bucket_agreement_with_different_sizes(main_run):
         # ... or both raised
         assert result["raise_one_over_error"] == "InputError"
         assert result["different_buckets"] == "RankMismatchError"
+        for setting in ("on_miss", "warmup", "max_padding_fraction", "pad_values"):
+            message = result[f"different_{setting}"]
+            assert message.startswith("RankMismatchError: BucketedRunner"), message
+            assert f"different {setting} (" in message, message
 
 
 def test_a_capture_failure_on_one_rank_raises_on_both(main_run):
