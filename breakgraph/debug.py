@@ -53,7 +53,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .errors import BreakgraphWarning, StaleTensorError
-from .structure import describe, iter_tensors
+from .structure import describe, iter_tensors, reachable_tensors
 from .syncs import _user_frame
 
 __all__ = ["debug_enabled", "InputWatch", "GraphReport"]
@@ -165,7 +165,7 @@ class InputWatch:
     def observe_break(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
         """Watch what crosses a break; checked before the segment that precedes the break."""
         segment, reader = self.segment - 1, f"eager function {name!r}"
-        for _, t in iter_tensors((args, kwargs), "arguments"):
+        for t in reachable_tensors((args, kwargs)):
             self._watch(t, f"the arguments of {reader}", True, segment, reader)
         for _, t in iter_tensors(output):
             self._produced.add(_storage_ptr(t))

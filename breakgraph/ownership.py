@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
-from .structure import StructureError, iter_tensors, split
+from .structure import StructureError, reachable_tensors, split
 
 __all__ = ["call_and_classify", "storages_of", "storage_key"]
 
 
 def storages_of(*values: Any) -> frozenset:
     """The storage addresses of every tensor inside ``values`` (an eager call's arguments)."""
-    return frozenset(storage_key(t) for v in values for _, t in iter_tensors(v, "argument"))
+    return frozenset(storage_key(t) for t in reachable_tensors(values))
 
 
 def storage_key(tensor: torch.Tensor) -> int:

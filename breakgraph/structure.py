@@ -4,13 +4,16 @@ Copy-back (an eager function's output), the runner (trimming and owning outputs)
 ``breakgraph.testing`` (comparing replay with eager) all look inside the same
 structures, so they share this module and support exactly the same set:
 
-* leaves: tensors and plain Python values (``None``, numbers, strings, dtypes, ...);
+* leaves: tensors and plain Python values (``None``, numbers, strings, dtypes, enum
+  members, classes, ...);
 * tuples, lists and namedtuples;
 * mappings (``dict``, ``OrderedDict``, transformers' ``ModelOutput``);
 * dataclasses, and plain objects with a ``__dict__`` and/or ``__slots__``.
 
 Anything else is a leaf compared by value. A container that contains itself (a
-reference cycle) raises :class:`StructureError`.
+reference cycle) raises :class:`StructureError`, except in :func:`reachable_tensors`,
+which only looks for the tensors an eager function's arguments reach (an argument may hold
+a logger or a parent pointer).
 
 Example::
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -32,9 +36,19 @@ import torch
 
 from .errors import BreakgraphError
 
-__all__ = ["Split", "split", "map_tensors", "iter_tensors", "is_leaf_value", "describe"]
+__all__ = [
+    "Split",
+    "split",
+    "map_tensors",
+    "iter_tensors",
+    "reachable_tensors",
+    "is_leaf_value",
+    "describe",
+]
 
-_LEAF_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_LEAF_TYPES = (
+    bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum, type,
+)  # fmt: skip
 
 
 class StructureError(BreakgraphError, ValueError):
@@ -159,6 +173,35 @@ def _iter(value: Any, path: str, active: set) -> Iterator[tuple[str, torch.Tenso
     with _entered(value, path, active):
         for key, item in zip(parts.keys, parts.values):
             yield from _iter(item, parts.label(path, key), active)
+
+
+def reachable_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor ``value`` reaches, each container visited once: a container seen before (a
+    reference cycle, a back-reference, a shared child) is skipped, not an error. For the
+    arguments of an eager function, which may hold anything.
+
+    Example::
+
+        >>> import torch
+        >>> from breakgraph.structure import reachable_tensors
+        >>> node = {"weight": torch.ones(1)}
+        >>> node["parent"] = node  # a back-reference: iter_tensors would raise
+        >>> [t.tolist() for t in reachable_tensors([node, node])]
+        [[1.0]]
+    """
+    seen, stack = set(), [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if id(item) not in seen:
+                seen.add(id(item))
+                yield item
+            continue
+        parts = split(item)
+        if parts is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        stack.extend(reversed(parts.values))
 
 
 class _entered:

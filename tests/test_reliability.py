@@ -337,6 +337,42 @@ def test_11_reference_cycle_in_output_is_a_copy_back_error(capture, device):
     assert_clean(g)
 
 
+def test_11_arguments_may_hold_back_references_enums_and_loggers(capture, device):
+    """An eager function's arguments are searched for tensors, not rebuilt: a parent pointer,
+    a logger (whose manager points back at it) or an Enum member (whose class holds every
+    member) used to fail the capture as a 'reference cycle'. An Enum returned is a value."""
+    import enum
+    import logging
+
+    class Mode(enum.Enum):
+        FAST = 1
+        SLOW = 2
+
+    class Node:
+        def __init__(self, weight, parent=None):
+            self.weight, self.parent, self.children = weight, parent, []
+            self.log = logging.getLogger("breakgraph-test")
+            if parent is not None:
+                parent.children.append(self)
+
+    @breakgraph.eager_on_graph
+    def act(h, mode, node):
+        out = h.relu() if mode is Mode.FAST else h.tanh()
+        return out * node.weight + node.parent.weight, Mode.SLOW
+
+    root = Node(torch.randn(4, device=device))
+    leaf = Node(torch.randn(4, device=device), parent=root)
+    x = torch.randn(4, device=device)
+    g = breakgraph.BreakableCUDAGraph()
+    with capture(g):
+        y, mode = act(x * 1, Mode.FAST, leaf)
+    assert mode is Mode.SLOW
+    for _ in range(2):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, new.relu() * leaf.weight + root.weight)
+
+
 # -- 12. the user's own RuntimeError ---------------------------------------------------------------
 
 
