@@ -214,6 +214,28 @@ def inplace_out_views(x, buf):
     return flat * 1, head, x.t().contiguous()
 
 
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("make", [
+    lambda x: torch.tensor([1.0, 2.0]),
+    lambda x: torch.as_tensor([1.0, 2.0]),
+    lambda x: x.new_tensor([1.0, 2.0]),
+], ids=["tensor", "as_tensor", "new_tensor"])  # fmt: skip
+def test_a_tensor_of_python_data_starts_from_its_values_every_replay(make, grad_mode):
+    """A literal updated in place inside a segment: each replay writes its values again, as a
+    captured copy from host memory would (they accumulated over replays, an answer neither
+    eager code nor a GPU gives)."""
+    x = torch.zeros(2)
+    g = BreakableCUDAGraph()
+    with grad_mode(), capture(g):
+        literal = make(x)
+        literal += x
+        out = literal * 1
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(out, torch.tensor([1.0, 2.0]) + new)
+
+
 def test_in_place_out_and_views_replay():
     x = torch.randn(4, 3)
     buf = torch.randn(4, 3)

@@ -11,6 +11,8 @@ same objects:
 * in-place and ``out=`` operations run again and mutate their targets;
 * views run nothing: they share storage with their base, which was updated;
 * ``empty``-like allocations run nothing (a CUDA graph launches no kernel for them);
+* a tensor made from Python data (``torch.tensor([...])``) gets its values written again,
+  as a captured copy from host memory would;
 * random operations draw fresh numbers, as a replayed CUDA graph does;
 * in-place metadata operations (``unsqueeze_``, ``t_``, ``as_strided_``, ...) run
   nothing: a CUDA graph holds no tensor metadata, only addresses. Every tensor an
@@ -55,7 +57,6 @@ _NO_KERNEL = {
     aten.empty_strided,
     aten.new_empty,
     aten.new_empty_strided,
-    aten.lift_fresh,
     aten.detach,
     aten.alias,
 }
@@ -99,6 +100,11 @@ def _storages(args: tuple, kwargs: dict) -> set:
 
 def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
     """Compile one recorded operation into a replay closure (None when nothing must run)."""
+    if func.overloadpacket is aten.lift_fresh:  # a tensor of Python data (torch.tensor([..]))
+        # as a captured copy from host memory: every replay writes its values again, so a
+        # segment that updates it in place starts from them each time, as eager code does
+        target, values = _frozen(out), out.clone()
+        return lambda: target.copy_(values)
     if func.overloadpacket in _NO_KERNEL or torch.Tag.inplace_view in func.tags:
         return None
     schema = func._schema
