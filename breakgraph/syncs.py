@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from ._layout import OWN_DIRS
 from .errors import HostSyncError
 
-__all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS"]
+__all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS", "sync_reason"]
 
 aten = torch.ops.aten
 
@@ -90,7 +90,10 @@ def _user_frame() -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
 
 
-def _sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
+def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
+    """Why ``func(*args, **kwargs)`` needs the host to see device values (the spelling users
+    wrote), or None. ``all_devices=True`` counts CPU tensors as device tensors (the emulated
+    backend, where every tensor stands for a device tensor)."""
     packet = func.overloadpacket
     if packet is aten.where and func is not aten.where.default:
         return None  # where(cond, a, b): no sync; where(cond) alone is nonzero
@@ -160,7 +163,7 @@ class SegmentMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.check_syncs:
-            reason = _sync_reason(func, args, kwargs, self.all_devices)
+            reason = sync_reason(func, args, kwargs, self.all_devices)
             if reason is not None:
                 frame = _user_stack_frame()
                 target = f"`{frame.name}`" if frame is not None else "the function that contains it"

@@ -198,6 +198,20 @@ def test_detect_syncs_false_lets_item_freeze():
     torch.testing.assert_close(y, new * captured_sum)
 
 
+def test_detect_syncs_false_freezes_data_dependent_shapes_too():
+    """nonzero and mask indexing, let through, keep their capture-time results: they ran again
+    and their new results were broadcast into the old buffers (neither eager nor frozen)."""
+    x = torch.tensor([1.0, 2.0, -1.0, 3.0])
+    g = BreakableCUDAGraph()
+    with capture(g, detect_syncs=False):
+        where = torch.nonzero(x > 0).flatten() * 10
+        picked = x[x > 0] * 1
+    captured = where.clone(), picked.clone()
+    x.copy_(torch.tensor([-1.0, -1.0, 5.0, -1.0]))  # one positive where there were three
+    g.replay()
+    assert torch.equal(where, captured[0]) and torch.equal(picked, captured[1])
+
+
 # ---------------------------------------------------------------------------------------
 # In-place, out=, views, random
 # ---------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from ..patches import patch_attribute
-from ..syncs import SegmentMode
+from ..syncs import SegmentMode, sync_reason
 from .base import CaptureOptions, Observer
 
 aten = torch.ops.aten
@@ -211,7 +211,10 @@ class EmulatedSession:
         patch_attribute(self._stack, torch.cuda.graphs, "is_current_stream_capturing", replacement)
 
     def _record(self, func, args, kwargs, out) -> None:
-        step = _replay_step(func, args, kwargs, out)
+        if not self.detect_syncs and sync_reason(func, args, kwargs, all_devices=True):
+            step = None  # a host sync let through: its capture-time value stays (frozen)
+        else:
+            step = _replay_step(func, args, kwargs, out)
         if step is not None:
             self._steps.append(step)
         if self.observer is not None:
