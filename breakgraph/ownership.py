@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -141,6 +142,32 @@ def _holders(tensor: torch.Tensor) -> tuple[int, int]:
     return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
 
 
+def _holds_of(view: torch.Tensor, base: torch.Tensor) -> int:
+    """How many times ``view`` holds ``base`` from C++: once for a strided view; a view
+    replayed by a function (another dtype: ``.real``, ``view_as_real``; a conjugate or
+    negative bit) holds it once more in torch 2.13, counted on probes once per process."""
+    special = (
+        view.dtype != base.dtype or view.is_conj() != base.is_conj()
+        or view.is_neg() != base.is_neg()
+    )  # fmt: skip
+    return _view_holds()[special]
+
+
+@functools.cache
+def _view_holds() -> tuple[int, int]:
+    """What a strided view and a ``view_as_real`` add to their base's use count."""
+    with torch.inference_mode(False):
+        base = torch.empty(1, dtype=torch.complex64)
+        before = _uses(base)
+        strided = base[:1]
+        plain = _uses(base) - before
+        del strided
+        complex_view = torch.view_as_real(base)
+        special = _uses(base) - before
+        del complex_view
+    return max(plain, 1), max(special, 1)
+
+
 class _Census:
     """Every container and tensor of an output once (then the bases of its views, then two
     probe tensors), the references between them, and the containers above each tensor."""
@@ -156,7 +183,7 @@ class _Census:
             node = self.nodes[index]
             base = node._base if isinstance(node, torch.Tensor) else None
             if base is not None:  # a view holds its base
-                self.viewers[id(base)] += 1
+                self.viewers[id(base)] += _holds_of(node, base)
                 self._add(base)
         with torch.inference_mode(False):  # views of inference tensors hold no base
             held_probe = torch.empty(2, device="cpu")

@@ -486,6 +486,47 @@ def test_global_buffer_chosen_by_the_replay_context_is_never_overwritten(capture
     torch.testing.assert_close(buffers[0], before, rtol=0, atol=0)
 
 
+COMPLEX_VIEWS = {  # views torch replays by a function, which hold their base twice
+    "view_as_real": torch.view_as_real,
+    "real": lambda z: z.real,
+    "imag then slice": lambda z: z.imag[1:],
+    "conj": lambda z: z.conj(),
+}
+
+
+@pytest.mark.parametrize("view", list(COMPLEX_VIEWS))
+def test_complex_views_of_new_tensors_are_the_graphs_and_of_held_ones_are_not(capture, device,
+                                                                              view):  # fmt: skip
+    """A view of a complex tensor the function just made is owned by the graph (it was refused
+    on the first replay as memory the graph does not own); one of a tensor something else holds
+    still is not."""
+    make_view, held = COMPLEX_VIEWS[view], {"z": torch.randn(3, dtype=torch.complex64,
+                                                             device=device)}  # fmt: skip
+
+    @eager_on_graph
+    def rotate(h):
+        return make_view(torch.complex(h, 2 * h) * (1 + 1j))
+
+    @eager_on_graph
+    def of_held(h):
+        held["z"] = held["z"] * 1  # a different tensor every replay, always held
+        return make_view(held["z"])
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with torch.no_grad(), capture(g):
+        y = rotate(x * 1) * 1
+    for _ in range(2):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, make_view(torch.complex(new, 2 * new) * (1 + 1j)))
+    g = BreakableCUDAGraph()
+    with torch.no_grad(), capture(g):
+        of_held(x * 1)
+    with pytest.raises(CopyBackError, match="does not own"):
+        g.replay()
+
+
 def test_cached_structure_chosen_per_replay_is_never_overwritten(capture, device):
     """The tensors are held only by a cached tuple, and the cache holds the tuple."""
     cache = {name: (torch.randn(3, device=device),) for name in "ab"}
