@@ -487,8 +487,13 @@ def _same_value(a: Any, b: Any) -> bool:
     if a is b:
         return True
     try:
-        if bool(a == b):
+        if getattr(a, "shape", None) != getattr(b, "shape", None):
+            return False
+        equal = a == b
+        if not isinstance(equal, bool) and hasattr(equal, "all"):  # arrays: element by element
+            return bool(equal.all())
+        if bool(equal):
             return True
-    except Exception:  # comparisons that do not produce a bool (arrays, ...)
+    except Exception:  # comparisons that produce no truth value
         return False
     return isinstance(a, float) and isinstance(b, float) and a != a and b != b  # NaN == NaN

@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -121,7 +120,8 @@ def _held_elsewhere(output: Any) -> frozenset:
         if (
             id(node) in outside
             or not census.above.get(id(node), set()).isdisjoint(outside)
-            or impls - base_storage[0] > tensors[key] - 1  # tensors over it outside the output
+            # tensors over it outside the output (but those the output's views hold inside)
+            or impls - base_storage[0] > tensors[key] - 1 + census.hidden[key]
             or python > base_storage[1]  # a Python storage object held elsewhere
         ):
             held.add(key)
@@ -142,30 +142,21 @@ def _holders(tensor: torch.Tensor) -> tuple[int, int]:
     return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
 
 
-def _holds_of(view: torch.Tensor, base: torch.Tensor) -> int:
-    """How many times ``view`` holds ``base`` from C++: once for a strided view; a view
-    replayed by a function (another dtype: ``.real``, ``view_as_real``; a conjugate or
-    negative bit) holds it once more in torch 2.13, counted on probes once per process."""
-    special = (
-        view.dtype != base.dtype or view.is_conj() != base.is_conj()
-        or view.is_neg() != base.is_neg()
-    )  # fmt: skip
-    return _view_holds()[special]
-
-
-@functools.cache
-def _view_holds() -> tuple[int, int]:
-    """What a strided view and a ``view_as_real`` add to their base's use count."""
-    with torch.inference_mode(False):
-        base = torch.empty(1, dtype=torch.complex64)
-        before = _uses(base)
-        strided = base[:1]
-        plain = _uses(base) - before
-        del strided
-        complex_view = torch.view_as_real(base)
-        special = _uses(base) - before
-        del complex_view
-    return max(plain, 1), max(special, 1)
+def _holds_of(view: torch.Tensor, base: torch.Tensor) -> tuple[int, int]:
+    """How many times ``view`` holds ``base`` from C++, and how many tensors it keeps over their
+    storage besides itself: once and none for a strided view; more for a view torch replays by
+    a function (``.real``, ``view_as_real``, ``conj()``, and chains of them hold their
+    intermediate views). Measured by making the same view of a meta probe shaped like
+    ``base`` (torch's own replay of the view, ``Tensor._view_func``); (1, 0) where that cannot
+    be made."""
+    try:
+        with torch.inference_mode(False):  # views of inference tensors hold no base
+            probe = torch.empty_like(base, device="meta")
+            uses, (impls, _) = _uses(probe), _holders(probe)
+            replica = view._view_func(probe)  # noqa: F841 (held while counting)
+            return max(_uses(probe) - uses, 1), max(_holders(probe)[0] - impls - 1, 0)
+    except Exception:  # no _view_func on this torch, or a view meta tensors cannot make
+        return 1, 0
 
 
 class _Census:
@@ -177,13 +168,16 @@ class _Census:
         self.seen: set = set()
         self.inner = collections.Counter()  # id -> references from containers in the output
         self.above: dict = {}  # tensor id -> ids of the containers above it
-        self.viewers = collections.Counter()  # tensor id -> views in the output of it
+        self.viewers = collections.Counter()  # tensor id -> holds of it by views in the output
+        self.hidden = collections.Counter()  # storage -> tensors the output's views keep over it
         self._visit(output, ())
         for index in range(len(self.nodes)):
             node = self.nodes[index]
             base = node._base if isinstance(node, torch.Tensor) else None
             if base is not None:  # a view holds its base
-                self.viewers[id(base)] += _holds_of(node, base)
+                holds, hidden = _holds_of(node, base)
+                self.viewers[id(base)] += holds
+                self.hidden[storage_key(base)] += hidden
                 self._add(base)
         with torch.inference_mode(False):  # views of inference tensors hold no base
             held_probe = torch.empty(2, device="cpu")

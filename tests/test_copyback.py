@@ -491,6 +491,7 @@ COMPLEX_VIEWS = {  # views torch replays by a function, which hold their base tw
     "real": lambda z: z.real,
     "imag then slice": lambda z: z.imag[1:],
     "conj": lambda z: z.conj(),
+    "conj then imag": lambda z: z.conj().imag,  # a chain: its intermediate views hold more
 }
 
 
@@ -525,6 +526,30 @@ def test_complex_views_of_new_tensors_are_the_graphs_and_of_held_ones_are_not(ca
         of_held(x * 1)
     with pytest.raises(CopyBackError, match="does not own"):
         g.replay()
+
+
+def test_an_equal_array_returned_again_is_the_same_value(capture, device):
+    """Python values are compared: numpy arrays element by element (their == is no bool, and
+    an equal array was refused on every replay as a changed value); a changed one is named."""
+    import numpy as np
+
+    table = {"ids": np.arange(3)}
+
+    @eager_on_graph
+    def with_table(h):
+        return h * 2, table["ids"].copy()
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y, ids = with_table(x * 1)
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 2)
+    for changed in (np.arange(1, 4), np.arange(4)):  # other values, another shape
+        table["ids"] = changed
+        with pytest.raises(CopyBackError, match=r"a changed Python value at output\[1\]"):
+            g.replay()
 
 
 def test_cached_structure_chosen_per_replay_is_never_overwritten(capture, device):
