@@ -246,8 +246,10 @@ class GraphReport:
             rows.append(f"  segment {i:<3} {counted} aten ops{note}")
             if i < len(self.break_names):
                 t = self.break_host_us[i]
-                timing = (
-                    f"{t:8.1f} us/replay" if t is not None else "       - (timed in debug mode)"
+                timing = (  # an empty break (break_graph()) runs nothing: no timer even then
+                    f"{t:8.1f} us/replay"
+                    if t is not None
+                    else "       - (not timed: debug mode is off, or the break is empty)"
                 )
                 rows.append(f"    break {i:<3} {self.break_names[i]:<40}{timing}")
         memory = (

@@ -284,8 +284,14 @@ def test_report_without_debug_has_no_timings(capture, device):
     with capture(g):
         host_scale(x)
     assert g.report().break_host_us == [None]
+    assert "not timed: debug mode is off, or the break is empty" in str(g.report())
     with pytest.raises(breakgraph.ReplayError):
         BreakableCUDAGraph().report()
+    with capture(g := BreakableCUDAGraph(), debug=True):  # an empty break runs nothing to time
+        y = x * 2
+        breakgraph.break_graph()
+        y = y + 1
+    assert "not timed: debug mode is off, or the break is empty" in str(g.report())
 
 
 # -- testing helpers -------------------------------------------------------------------------------
