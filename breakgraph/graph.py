@@ -84,6 +84,7 @@ class Captured:
     steps: tuple[Callable[[], None], ...]  # segment.replay, break.replay, ... (prebuilt)
     timers: tuple | None = None  # debug mode: host time of each break
     unjoined: dict | None = None  # debug mode: segment -> side streams breakgraph joined
+    without_grad: bool = False  # a break was captured under no_grad: replays run under it
 
 
 class BreakableCUDAGraph:
@@ -171,11 +172,16 @@ class BreakableCUDAGraph:
             )
         previous = state.context
         state.context = captured.context if context is _NO_CONTEXT else context
+        grad_off = captured.without_grad and torch.is_grad_enabled()
+        if grad_off:  # breaks captured under no_grad replay under it, whatever the caller's mode
+            torch.set_grad_enabled(False)
         try:
             for step in captured.steps:
                 step()
         finally:
             state.context = previous
+            if grad_off:
+                torch.set_grad_enabled(True)
 
     def reset(self) -> None:
         """Drop every segment and break and release what they held; the graph can be captured
@@ -355,6 +361,7 @@ class _Capture:
         self.failure: str | None = None  # why the capture cannot be completed
         self.segments: list[Segment] = []
         self.breaks: list[Break] = []
+        self.without_grad = False  # a break ran under no_grad (not inference_mode)
         self.unjoined: dict = {}
         self._closed = False
         self.watch = _debug.InputWatch() if options.debug else None
@@ -418,6 +425,8 @@ class _Capture:
                 self._begin_segment()
             raise
         self.breaks.append(Break(options.name, function, args, kwargs, output, replay))
+        if function is not None and not torch.is_grad_enabled():
+            self.without_grad = self.without_grad or not torch.is_inference_mode_enabled()
         if self.watch is not None:
             self.watch.observe_break(options.name, args, kwargs, output)
         self._begin_segment()
@@ -440,16 +449,7 @@ class _Capture:
                 with torch.inference_mode():
                     copy_back(function(*args, **kwargs))
 
-        elif not torch.is_grad_enabled():  # and under no_grad, whatever the caller's mode
-
-            def replay() -> None:
-                if torch.is_grad_enabled():
-                    with torch.no_grad():
-                        copy_back(function(*args, **kwargs))
-                else:
-                    copy_back(function(*args, **kwargs))
-
-        else:
+        else:  # captured under no_grad: replay() turns grad off for it (Captured.without_grad)
 
             def replay() -> None:
                 copy_back(function(*args, **kwargs))
@@ -484,6 +484,7 @@ class _Capture:
             tuple(steps),
             timers,
             self.unjoined,
+            self.without_grad,
         )
         self.graph._capturing = False
         self._close()
