@@ -556,6 +556,13 @@ def test_unsupported_models():
 
     training = _tiny("LlamaConfig", **COMMON).train()
     _assert_unsupported(training, "training mode")
+    one_layer = _tiny("LlamaConfig", **COMMON)
+    one_layer.model.layers[0].self_attn.train()  # eval() for the model, not for this module
+    _assert_unsupported(one_layer, r"training mode \(model.layers.0.self_attn, ")
+
+    with torch.device("meta"):
+        on_meta = _tiny("LlamaConfig", **COMMON)
+    _assert_unsupported(on_meta, "meta device")
 
     compiled = torch.compile(_tiny("LlamaConfig", **COMMON))  # an OptimizedModule; never run
     _assert_unsupported(compiled, "torch.compile")

@@ -167,9 +167,11 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
             f"that is {causal_lm}); breakgraph returns next-token logits from the LM head. "
             f"Load the model with AutoModelForCausalLM."
         )
-    if model.training:
+    training = [name or "the model" for name, m in model.named_modules() if m.training]
+    if training:  # a submodule too: its dropout would be left out of the graph
         raise UnsupportedModelError(
-            f"{who}: the model is in training mode; call model.eval() first."
+            f"{who}: the model is in training mode ({', '.join(training[:3])}"
+            f"{', ...' if len(training) > 3 else ''}); call model.eval() first."
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
@@ -182,5 +184,11 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
             raise UnsupportedModelError(f"{who}: {name} is not supported.")
-    if len({p.device for p in model.parameters()}) != 1:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
         raise UnsupportedModelError(f"{who}: all parameters must be on one device.")
+    if devices == {torch.device("meta")}:
+        raise UnsupportedModelError(
+            f"{who}: the parameters are on the meta device and hold no data (a model built "
+            f"under torch.device('meta') or offloaded); load its weights onto a device first."
+        )
