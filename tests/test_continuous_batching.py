@@ -1022,6 +1022,33 @@ def test_disable_restores_model_and_transformers(arch, experts):
 
 
 @needs_cb
+def test_a_stock_manager_made_before_enabling_cannot_take_the_key_back():
+    """A manager created without breakgraph: on 5.17 it holds the model's attention key
+    ("paged|sdpa") and its stop() writes the one before back, which took breakgraph's key out
+    while enabled (later steps captured plain sdpa and gave other tokens, silently). Enabling
+    is refused while it is live (5.17); where the key is not its to write back (5.19+), its
+    stop leaves breakgraph's tokens exact."""
+    model, prompts = build_model("llama"), random_prompts(seed=21)
+    expected = generate_batch(model, prompts)
+    stock = model.init_continuous_batching(generation_config=generation_config(),
+                                           continuous_batching_config=cb_config())  # fmt: skip
+    try:
+        handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    except InputError as refused:
+        assert "created without breakgraph is live" in str(refused)
+        stock.start()  # transformers restores the key when a started manager stops
+        stock.stop(block=True)
+        handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    else:
+        stock.start()
+        stock.stop(block=True)
+    with handle:
+        assert compat.attention_key(model) == CB_ATTENTION_KEY
+        assert generate_batch(model, prompts) == expected
+    assert compat.attention_key(model) == "sdpa"
+
+
+@needs_cb
 def test_a_model_sharing_the_config_is_untouched():
     """Two models built from one config object: enabling one leaves the other's attention key,
     generate() and continuous batching exactly as before (the handle is keyed by the model)."""

@@ -472,6 +472,14 @@ def enable_continuous_batching(
                 f"{_WHO}: the model holds a persistent CB manager created without breakgraph; "
                 f"call model.destroy_cached_continuous_batching_manager() first."
             )
+        key = compat.attention_key(model)
+        if isinstance(key, str) and key.startswith("paged|"):  # 5.17: set by a live manager
+            raise InputError(
+                f"{_WHO}: a CB manager created without breakgraph is live on this model (its "
+                f"attention implementation is {key!r}, and its stop() writes the one before "
+                f"back, which would take breakgraph's out while enabled); stop it first (a "
+                f"manager that never started restores nothing: start() it, then stop(block=True))."
+            )
         group = distributed.tensor_parallel_group(model)
         if group is not None and compile is not False:
             raise InputError(
