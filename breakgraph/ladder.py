@@ -510,12 +510,21 @@ class GraphLadder:
         if self.closed:
             return
         self.closed = True
+        self._window_open = False
+        self._release()
+
+    def discard(self) -> None:
+        """Release every graph and stay open: the next capture starts from none (an owner whose
+        capture phase failed halfway leaves nothing half-captured). Counters stay readable."""
+        self._check_open("discard")
+        self._release()
+
+    def _release(self) -> None:
         graphs = [rung.graph for rung in self._rungs.values()]
         self._rungs.clear()
         self._sizes = ()
         self._decisions.clear()
         self._faster = {}
-        self._window_open = False
         distributed.release_graphs(graphs, self.ranks)
 
     def _check_open(self, what: str) -> None:

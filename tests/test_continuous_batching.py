@@ -1049,6 +1049,31 @@ def test_a_stock_manager_made_before_enabling_cannot_take_the_key_back():
 
 
 @needs_cb
+def test_a_capture_that_fails_when_the_first_manager_is_made_leaves_nothing_half_captured():
+    """A failure in one bucket's capture (a transient out-of-memory, say) left the buckets
+    before it captured: the next manager skipped capturing, and every step then failed with a
+    KeyError (each request's error read "None"). Now the next manager captures afresh."""
+    model, prompts = build_model("llama"), random_prompts(seed=22)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        runner, record, armed = handle.runner, handle.runner._record_tokens, [True]
+
+        def flaky(bucket):
+            if armed and bucket == BUCKETS[1]:
+                armed.clear()
+                raise RuntimeError("transient capture failure")
+            return record(bucket)
+
+        runner._record_tokens = flaky
+        with pytest.raises(RuntimeError, match="transient capture failure"):
+            model.init_continuous_batching(generation_config=generation_config(),
+                                           continuous_batching_config=cb_config())  # fmt: skip
+        assert runner.tokens.buckets == runner.logits.buckets == ()
+        assert generate_batch(model, prompts) == expected
+        assert runner.tokens.buckets == BUCKETS
+
+
+@needs_cb
 def test_a_model_sharing_the_config_is_untouched():
     """Two models built from one config object: enabling one leaves the other's attention key,
     generate() and continuous batching exactly as before (the handle is keyed by the model)."""

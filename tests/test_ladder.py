@@ -364,6 +364,21 @@ def test_close_is_final(backend, device):
     ladder.close()  # idempotent
 
 
+def test_discard_releases_every_graph_and_captures_again(backend, device):
+    """What an owner whose capture phase failed halfway calls: nothing half-captured stays."""
+    ladder, owner = make(backend, device)
+    graphs = [ladder.graph(b) for b in ladder.buckets]
+    ladder.replay(4, 0)
+    ladder.discard()
+    assert not ladder.closed and ladder.buckets == () and all(g.num_segments == 0 for g in graphs)
+    assert ladder.decide(3).action == "eager" and ladder.stats.replays == 1
+    ladder.capture((4, 16), owner.record, context=lambda size: size)
+    assert ladder.buckets == (4, 16) and ladder.decide(3).bucket == 4
+    ladder.close()
+    with pytest.raises(ReplayError, match="closed by close"):
+        ladder.discard()
+
+
 # -- ranks: every warm-up and capture a checked step, one exchange per decision ------------------
 
 

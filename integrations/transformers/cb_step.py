@@ -441,11 +441,10 @@ class StepRunner:
 
     # -- planning: capture before serving ------------------------------------------------------
     def plan(self, max_batch_tokens: int, page: int = 0) -> None:
-        """Capture every bucket up to ``max_batch_tokens`` (once; later managers must fit), and
-        compile the decode kernels the pure-decode graphs of those buckets will launch
-        (``page``: the block table's tokens per entry, 0 for steps with index lists; see
-        :func:`.paged_decode.warm_up`; a later manager with another page compiles its own), so
-        that no pure-decode graph compiles one while serving."""
+        """Capture every bucket up to ``max_batch_tokens`` (once, all or none; later managers
+        must fit), and compile the decode kernels the pure-decode graphs of those buckets will
+        launch (``page``: the block table's tokens per entry, 0 with index lists; see
+        :func:`.paged_decode.warm_up`; another page compiles its own): none while serving."""
         with self._lock:
             sizes = default_query_buckets(self.query_buckets, max_batch_tokens, self.who)
             if self.tokens.buckets:
@@ -467,10 +466,14 @@ class StepRunner:
             self.inputs.allocate(sizes)
             # the ladders capture thread-local: other managers may be stepping other models on
             # other threads meanwhile
-            with torch.no_grad(), self.tokens.capture_window(), self.logits.capture_window():
-                self.tokens.capture(sizes, self._record_tokens, warm_up=self._record_tokens,
-                                    warm_up_each=self.compiled, context=self.step.fake)  # fmt: skip
-                self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits)
+            try:
+                with torch.no_grad(), self.tokens.capture_window(), self.logits.capture_window():
+                    self.tokens.capture(sizes, self._record_tokens, warm_up=self._record_tokens,
+                                        warm_up_each=self.compiled, context=self.step.fake)
+                    self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits)
+            except BaseException:  # nothing half-captured: the next manager captures afresh
+                self.tokens.discard(), self.logits.discard(), self.inputs.clear()
+                raise
             self._warm_kernels(sizes, page)
 
     def _warm_kernels(self, sizes, page: int) -> None:
