@@ -1659,6 +1659,18 @@ def test_serve_launcher_answers_a_completion(tmp_path, backend, device):
     assert "breakgraph: served steps per query bucket" in output, output[-3000:]
 
 
+@pytest.mark.parametrize("buckets", ["8,x", "0,8", "8,,16"])
+def test_serve_launcher_refuses_bad_query_buckets_before_loading(buckets, capsys):
+    """Argparse's usage error, exit code 2, before transformers is asked for anything (they
+    were a raw ValueError, or an InputError once the server had loaded the model)."""
+    from breakgraph.integrations.transformers import serve
+
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["some/model", "--query-buckets", buckets])
+    assert exited.value.code == 2
+    assert "argument --query-buckets" in capsys.readouterr().err
+
+
 def test_serve_launcher_refuses_a_release_whose_serve_it_cannot_extend(monkeypatch, capsys):
     """A release whose server loads models where the launcher cannot reach them: the probe
     finds that, and the launcher says which transformers is installed, what is missing and
@@ -1823,7 +1835,7 @@ def test_serve_launcher_patches_only_while_the_server_runs(monkeypatch, capsys, 
         serve.__dict__.pop("BreakgraphModelLoader", None)
         if saved is not None:
             serve.BreakgraphModelLoader = saved
-    assert seen["args"] == ["serve", "m", "--continuous-batching"]
+    assert seen["args"] == ["serve", "--continuous-batching", "m"]  # a trailing option last
     assert seen["enabled"] == ("m", "emulated", {"attention": "auto", "query_buckets": (8, 16)})
     assert seen["model"].model_id == "m" and seen["disabled"]
     assert manager_module.ModelManager is manager_class

@@ -45,9 +45,24 @@ import threading
 __all__ = ["main"]
 
 
+def _buckets(text: str) -> tuple[int, ...]:
+    """``--query-buckets 8,16,64``: positive ints, refused before the server loads anything."""
+    from breakgraph.buckets import validate_buckets
+    from breakgraph.errors import InputError
+
+    try:
+        return tuple(validate_buckets([int(b) for b in text.split(",")], "--query-buckets"))
+    except (ValueError, InputError) as exc:
+        message = f"{text!r}: comma-separated positive ints ({exc})"
+        raise argparse.ArgumentTypeError(message) from None
+
+
 def _parser() -> argparse.ArgumentParser:
+    prog = "python -m breakgraph.integrations.transformers.serve"
     parser = argparse.ArgumentParser(
-        prog="python -m breakgraph.integrations.transformers.serve",
+        prog=prog,
+        usage=f"{prog} MODEL [--backend {{cuda,emulated}}] [--attention {{auto,flash,reference}}] "
+        "[--query-buckets 8,16,64,...] [options of `transformers serve`]",
         description="transformers serve --continuous-batching, with breakgraph's continuous "
         "batching enabled on the served model.",
         epilog="Other options go to `transformers serve` (see `transformers serve --help`).",
@@ -57,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", choices=("auto", "flash", "reference"), default="auto")
     parser.add_argument(
         "--query-buckets",
+        type=_buckets,
         default=None,
         help="comma-separated query-token buckets (default: 32, 128, 512, ...)",
     )
@@ -81,11 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import click
 
-    if "--continuous-batching" not in rest:
-        rest.append("--continuous-batching")
-    buckets = None
-    if ours.query_buckets:
-        buckets = tuple(int(b) for b in ours.query_buckets.split(","))
+    if "--continuous-batching" not in rest:  # first: a trailing option keeps its own error
+        rest.insert(0, "--continuous-batching")
+    buckets = ours.query_buckets
 
     from breakgraph.patches import PatchSet
 
