@@ -120,8 +120,9 @@ def _held_elsewhere(output: Any) -> frozenset:
         if (
             id(node) in outside
             or not census.above.get(id(node), set()).isdisjoint(outside)
-            # tensors over it outside the output (but those the output's views hold inside)
-            or impls - base_storage[0] > tensors[key] - 1 + census.hidden[key]
+            # tensors over it outside the output (a chain of views replayed by functions, as
+            # conj().imag, keeps tensors no census sees: such an output counts as held)
+            or impls - base_storage[0] > tensors[key] - 1
             or python > base_storage[1]  # a Python storage object held elsewhere
         ):
             held.add(key)
@@ -142,21 +143,19 @@ def _holders(tensor: torch.Tensor) -> tuple[int, int]:
     return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
 
 
-def _holds_of(view: torch.Tensor, base: torch.Tensor) -> tuple[int, int]:
-    """How many times ``view`` holds ``base`` from C++, and how many tensors it keeps over their
-    storage besides itself: once and none for a strided view; more for a view torch replays by
-    a function (``.real``, ``view_as_real``, ``conj()``, and chains of them hold their
-    intermediate views). Measured by making the same view of a meta probe shaped like
-    ``base`` (torch's own replay of the view, ``Tensor._view_func``); (1, 0) where that cannot
-    be made."""
+def _holds_of(view: torch.Tensor, base: torch.Tensor) -> int:
+    """How many times ``view`` holds ``base`` from C++: once for a strided view, more for a view
+    torch replays by a function (``.real``, ``view_as_real``, ``conj()``). Measured by making
+    the same view of a meta probe shaped like ``base`` (torch's own replay of the view,
+    ``Tensor._view_func``); 1 where that cannot be made."""
     try:
         with torch.inference_mode(False):  # views of inference tensors hold no base
             probe = torch.empty_like(base, device="meta")
-            uses, (impls, _) = _uses(probe), _holders(probe)
+            before = _uses(probe)
             replica = view._view_func(probe)  # noqa: F841 (held while counting)
-            return max(_uses(probe) - uses, 1), max(_holders(probe)[0] - impls - 1, 0)
+            return max(_uses(probe) - before, 1)
     except Exception:  # no _view_func on this torch, or a view meta tensors cannot make
-        return 1, 0
+        return 1
 
 
 class _Census:
@@ -169,15 +168,12 @@ class _Census:
         self.inner = collections.Counter()  # id -> references from containers in the output
         self.above: dict = {}  # tensor id -> ids of the containers above it
         self.viewers = collections.Counter()  # tensor id -> holds of it by views in the output
-        self.hidden = collections.Counter()  # storage -> tensors the output's views keep over it
         self._visit(output, ())
         for index in range(len(self.nodes)):
             node = self.nodes[index]
             base = node._base if isinstance(node, torch.Tensor) else None
             if base is not None:  # a view holds its base
-                holds, hidden = _holds_of(node, base)
-                self.viewers[id(base)] += holds
-                self.hidden[storage_key(base)] += hidden
+                self.viewers[id(base)] += _holds_of(node, base)
                 self._add(base)
         with torch.inference_mode(False):  # views of inference tensors hold no base
             held_probe = torch.empty(2, device="cpu")
