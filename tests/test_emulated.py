@@ -212,6 +212,39 @@ def test_detect_syncs_false_freezes_data_dependent_shapes_too():
     assert torch.equal(where, captured[0]) and torch.equal(picked, captured[1])
 
 
+def test_detect_syncs_false_frozen_results_start_afresh_and_mask_writes_run():
+    """A frozen result the segment updates in place starts from its capture-time values on
+    every replay (it accumulated); a mask assignment, which writes its argument, runs again."""
+    x = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    g = BreakableCUDAGraph()
+    with capture(g, detect_syncs=False):
+        where = torch.nonzero(x > 0).flatten()
+        where.add_(1)
+        clipped = x.clone()
+        clipped[clipped < 0] = 0.0
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        assert where.tolist() == [1, 3]  # [0, 2] at capture, plus one, every time
+        torch.testing.assert_close(clipped, new.clamp(min=0))
+
+
+def test_a_tensor_over_the_callers_memory_is_read_as_it_is_at_replay():
+    """torch.from_numpy / as_tensor of an array share the caller's memory: a replay reads it
+    as it is then and never writes it (only torch's own copies of Python data are rewritten)."""
+    import numpy as np
+
+    host, x = np.array([1.0, 2.0, 3.0], dtype=np.float32), torch.zeros(3)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = x + torch.as_tensor(host)
+    host[:] = [10.0, 20.0, 30.0]
+    new = fresh_into(x)
+    g.replay()
+    assert host.tolist() == [10.0, 20.0, 30.0]
+    torch.testing.assert_close(out, new + torch.tensor([10.0, 20.0, 30.0]))
+
+
 # ---------------------------------------------------------------------------------------
 # In-place, out=, views, random
 # ---------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ same objects:
 * in-place and ``out=`` operations run again and mutate their targets;
 * views run nothing: they share storage with their base, which was updated;
 * ``empty``-like allocations run nothing (a CUDA graph launches no kernel for them);
-* a tensor made from Python data (``torch.tensor([...])``) gets its values written again,
-  as a captured copy from host memory would;
+* a tensor made from Python data (``torch.tensor([...])``) gets its values written again
+  (a tensor over the caller's memory, ``from_numpy``, is read as that memory is then);
 * random operations draw fresh numbers, as a replayed CUDA graph does;
 * in-place metadata operations (``unsqueeze_``, ``t_``, ``as_strided_``, ...) run
   nothing: a CUDA graph holds no tensor metadata, only addresses. Every tensor an
@@ -98,11 +98,32 @@ def _storages(args: tuple, kwargs: dict) -> set:
     return found
 
 
+def _frozen_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
+    """A host sync let through (``detect_syncs=False``): its results keep their capture-time
+    values, written again on every replay (the segment may update them in place); one that
+    writes its argument (``x[mask] = v``) runs again like any in-place operation."""
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return _replay_step(func, args, kwargs, out)
+    outputs = out if isinstance(out, (list, tuple)) else (out,)
+    kept = [(_frozen(t), t.clone()) for t in outputs if isinstance(t, torch.Tensor)]
+    if not kept:
+        return None  # a Python value (.item()): frozen into the operations that used it
+
+    def write_back() -> None:
+        for target, values in kept:
+            target.copy_(values)
+
+    return write_back
+
+
 def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
     """Compile one recorded operation into a replay closure (None when nothing must run)."""
-    if func.overloadpacket is aten.lift_fresh:  # a tensor of Python data (torch.tensor([..]))
-        # as a captured copy from host memory: every replay writes its values again, so a
-        # segment that updates it in place starts from them each time, as eager code does
+    if func.overloadpacket is aten.lift_fresh:  # a tensor made from host data
+        if not out.untyped_storage().resizable():  # over the caller's memory (from_numpy,
+            return None  # as_tensor of an array): replays read that memory as it is then
+        # torch's own copy of Python data (torch.tensor([..])): nothing else writes it, so
+        # every replay writes its values again, and a segment that updates it in place
+        # starts from them each time, as eager code does
         target, values = _frozen(out), out.clone()
         return lambda: target.copy_(values)
     if func.overloadpacket in _NO_KERNEL or torch.Tag.inplace_view in func.tags:
@@ -212,7 +233,7 @@ class EmulatedSession:
 
     def _record(self, func, args, kwargs, out) -> None:
         if not self.detect_syncs and sync_reason(func, args, kwargs, all_devices=True):
-            step = None  # a host sync let through: its capture-time value stays (frozen)
+            step = _frozen_step(func, args, kwargs, out)
         else:
             step = _replay_step(func, args, kwargs, out)
         if step is not None:
