@@ -28,7 +28,7 @@ import contextlib
 import gc
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -84,7 +84,7 @@ class Captured:
     steps: tuple[Callable[[], None], ...]  # segment.replay, break.replay, ... (prebuilt)
     timers: tuple | None = None  # debug mode: host time of each break
     unjoined: dict | None = None  # debug mode: segment -> side streams breakgraph joined
-    without_grad: bool = False  # a break was captured under no_grad: replays run under it
+    without_grad: bool = False  # every break was captured under no_grad: replays run under it
 
 
 class BreakableCUDAGraph:
@@ -361,7 +361,7 @@ class _Capture:
         self.failure: str | None = None  # why the capture cannot be completed
         self.segments: list[Segment] = []
         self.breaks: list[Break] = []
-        self.without_grad = False  # a break ran under no_grad (not inference_mode)
+        self.grad_modes: list[str] = []  # per break: "no_grad", "grad" or "" (the mode is moot)
         self.unjoined: dict = {}
         self._closed = False
         self.watch = _debug.InputWatch() if options.debug else None
@@ -425,8 +425,8 @@ class _Capture:
                 self._begin_segment()
             raise
         self.breaks.append(Break(options.name, function, args, kwargs, output, replay))
-        if function is not None and not torch.is_grad_enabled():
-            self.without_grad = self.without_grad or not torch.is_inference_mode_enabled()
+        moot = function is None or torch.is_inference_mode_enabled()  # it replays in that mode
+        self.grad_modes.append("" if moot else "grad" if torch.is_grad_enabled() else "no_grad")
         if self.watch is not None:
             self.watch.observe_break(options.name, args, kwargs, output)
         self._begin_segment()
@@ -465,6 +465,12 @@ class _Capture:
                 f"`with breakgraph.capture(...)` block, or catch it inside the eager function."
             )
         self._end_segment()
+        # breaks captured under no_grad replay under it: the whole replay turns grad off (one
+        # check per replay), or, in a graph that has breaks captured with grad too, each alone
+        without_grad = "no_grad" in self.grad_modes and "grad" not in self.grad_modes
+        if "no_grad" in self.grad_modes and not without_grad:
+            self.breaks = [replace(brk, replay=_under_no_grad(brk.replay)) if mode == "no_grad"
+                           else brk for brk, mode in zip(self.breaks, self.grad_modes)]  # fmt: skip
         timers = None
         if self.watch is None:
             steps = [self.segments[0].replay]
@@ -484,7 +490,7 @@ class _Capture:
             tuple(steps),
             timers,
             self.unjoined,
-            self.without_grad,
+            without_grad,
         )
         self.graph._capturing = False
         self._close()
@@ -530,3 +536,14 @@ class _Capture:
         state.capture, state.context = None, self._previous_context
         if self._gc_was_enabled:
             gc.enable()
+
+
+def _under_no_grad(replay: Callable[[], None]) -> Callable[[], None]:
+    """``replay`` under ``torch.no_grad()`` (a break captured under it, in a graph that also
+    has breaks captured with grad)."""
+
+    def step() -> None:
+        with torch.no_grad():
+            replay()
+
+    return step

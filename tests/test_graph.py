@@ -611,6 +611,33 @@ def test_capture_under_no_grad_replays_breaks_without_autograd(capture, device):
         assert not (first.requires_grad or out.requires_grad)
 
 
+def test_breaks_captured_in_different_grad_modes_each_replay_in_their_own(capture, device):
+    """One break captured under no_grad, one with grad that uses autograd: turning grad off for
+    the whole replay broke the second (its autograd.grad found nothing requiring grad)."""
+    weight = torch.ones(3, device=device, requires_grad=True)
+
+    @eager_on_graph
+    def scale(h):
+        return h * 2
+
+    @eager_on_graph
+    def gradient(h):
+        (grad,) = torch.autograd.grad((weight * h).sum(), weight)
+        return grad.detach() * 1
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        with torch.no_grad():
+            doubled = scale(x * 1)
+        out = gradient(doubled)
+    for _ in range(2):
+        new = fresh_into(x)
+        g.replay()  # with grad: the first break turns it off for itself only
+        torch.testing.assert_close(out, new * 2)  # d(sum(weight * h))/d(weight) = h = 2x
+        assert not doubled.requires_grad
+
+
 # ---------------------------------------------------------------------------------------
 # Graph bugs stay visible (both backends give the same wrong answer)
 # ---------------------------------------------------------------------------------------
