@@ -388,11 +388,10 @@ class BucketedRunner:
             return output
         if callable(self.slice_outputs):
             return self.slice_outputs(output, size)
-        dim = self.inputs.output_dim
+        d = self.inputs.dims[0]  # the first input's bucketed dimension, counted from the start
 
         def trim(t: torch.Tensor) -> torch.Tensor:
-            d = dim if dim >= 0 else t.dim() + dim
-            if 0 <= d < t.dim() and t.shape[d] == bucket_size:
+            if t.dim() > d and t.shape[d] == bucket_size:
                 return t.narrow(d, 0, size)
             return t
 

@@ -79,9 +79,6 @@ class StaticInputs:
         for i, (t, pad) in enumerate(zip(examples, self.pads)):
             _check_pad_value(pad, t.dtype, f"BucketedRunner: pad_values[{i}]")
         self.dims = tuple(d % t.dim() for t, d in zip(examples, dims))
-        # outputs are trimmed along dims[0] as given: a negative one counts from the end of
-        # each output, whose rank may differ from the first input's
-        self.output_dim = dims[0]
         self.specs = tuple((t.dtype, t.device, tuple(t.shape)) for t in examples)
 
     @property

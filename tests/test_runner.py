@@ -209,21 +209,24 @@ def test_sizes_that_are_not_sizes_are_refused(backend, device):
         runner.static_inputs(5)
 
 
-def test_negative_dims_trim_every_output_from_its_own_end(backend, device):
-    """``dims=-1``: time-last outputs of any rank come back at the live length, not padded to
-    the bucket (the first input's dimension 1 is the last of a 2-D input only)."""
+def test_negative_dims_trim_outputs_where_the_first_input_has_its_bucketed_dimension(
+    backend, device
+):
+    """``dims=-1`` on token ids ``[batch, tokens]``: the hidden states ``[batch, tokens,
+    hidden]`` are trimmed along dimension 1, the ids' bucketed one counted from the start (not
+    their own last dimension, which would leave the pad rows in)."""
+    embed = torch.nn.Embedding(16, 4).to(device)
     runner = BucketedRunner(
-        lambda x: (x * 2, x.sum(0), x.unsqueeze(0), x[:, :1]),  # [C, T], [T], [1, C, T], [C, 1]
-        buckets=(8,), example_inputs=(torch.zeros(3, 1, device=device),), dims=-1,
-        backend=backend, warmup=1,
+        lambda ids: (embed(ids), ids * 2),
+        buckets=(8,), example_inputs=(torch.zeros(1, 1, dtype=torch.long, device=device),),
+        dims=-1, backend=backend, warmup=1,
     )  # fmt: skip
     for n in (5, 2, 8):
-        x = torch.randn(3, n, device=device)
-        doubled, summed, lifted, first = runner(x)
-        torch.testing.assert_close(doubled, x * 2)
-        torch.testing.assert_close(summed, x.sum(0))  # no padding rows
-        torch.testing.assert_close(lifted, x.unsqueeze(0))
-        torch.testing.assert_close(first, x[:, :1])
+        ids = torch.randint(16, (1, n), device=device)
+        with torch.no_grad():
+            hidden, doubled = runner(ids)
+            torch.testing.assert_close(hidden, embed(ids))  # [1, n, 4], no padding rows
+        torch.testing.assert_close(doubled, ids * 2)
 
 
 # -- tuned routes: a larger bucket that is faster takes the call --------------------------------
