@@ -487,11 +487,12 @@ def _same_value(a: Any, b: Any) -> bool:
     if a is b:
         return True
     try:
-        if getattr(a, "shape", None) != getattr(b, "shape", None):
+        shapes = getattr(a, "shape", None), getattr(b, "shape", None)
+        if None not in shapes and shapes[0] != shapes[1]:
             return False
         equal = a == b
         if not isinstance(equal, bool) and hasattr(equal, "all"):  # arrays: element by element
-            return bool(equal.all())
+            return bool((equal | ((a != a) & (b != b))).all())  # NaN equals NaN
         if bool(equal):
             return True
     except Exception:  # comparisons that produce no truth value

@@ -572,6 +572,11 @@ def test_an_equal_array_returned_again_is_the_same_value(capture, device):
         table["ids"] = changed
         with pytest.raises(CopyBackError, match=r"a changed Python value at output\[1\]"):
             g.replay()
+    from breakgraph.copyback import _same_value
+
+    assert _same_value(np.float64(1.5), 1.5) and _same_value(1.5, np.float64(1.5))
+    assert _same_value(np.array([1.0, np.nan]), np.array([1.0, np.nan]))  # NaN equals NaN
+    assert not _same_value(np.array([1.0, np.nan]), np.array([2.0, np.nan]))
 
 
 def test_cached_structure_chosen_per_replay_is_never_overwritten(capture, device):

@@ -593,6 +593,10 @@ def test_bad_runner_arguments():
     for bad in (-1, 1.0, None):
         with pytest.raises(InputError, match="PrefillRunner: warmup must be an int >= 0"):
             PrefillRunner(model, token_buckets=BUCKETS, warmup=bad, backend="emulated")
+    import numpy as np
+
+    PrefillRunner(model, token_buckets=BUCKETS, pad_token_id=np.int64(3), backend="emulated",
+                  warmup=1).close()  # any integer type of the vocabulary  # fmt: skip
     # a Llama config's pad_token_id is None: refused by name, not by a comparison's TypeError
     for bad in (None, True, 3.0, -1, model.config.vocab_size):
         with pytest.raises(InputError, match=r"pad_token_id must be a token id .*got "):

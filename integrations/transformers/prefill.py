@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -239,7 +240,7 @@ class PrefillRunner:
         )
         self.max_prompts = max_prompts
         self.vocab_size = model.config.get_text_config().vocab_size
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not (
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral) or not (
             0 <= pad_token_id < self.vocab_size
         ):
             raise InputError(
