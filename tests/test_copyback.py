@@ -303,6 +303,16 @@ def test_mismatch_raises_copy_back_error(device, case):
     assert got_text in error.got, error.got
 
 
+
+def assert_replay_refused_leaving(g, x, held: torch.Tensor, match: str) -> None:
+    """A replay on fresh inputs raises ``CopyBackError`` (``match``) and leaves ``held``, memory
+    something besides the graph keeps, exactly as it was."""
+    before = held.clone()
+    fresh_into(x)
+    with pytest.raises(CopyBackError, match=match):
+        g.replay()
+    torch.testing.assert_close(held, before, rtol=0, atol=0)
+
 def test_mismatch_on_replay_names_function_and_path(capture, device):
     @eager_on_graph
     def plan(x):
@@ -543,11 +553,7 @@ def test_a_view_chain_whose_middle_a_cache_keeps_is_never_written(capture, devic
     g = BreakableCUDAGraph()
     with torch.no_grad(), capture(g):
         spectrum(x * 1)
-    kept = cache[0].clone()
-    fresh_into(x)
-    with pytest.raises(CopyBackError, match="does not own"):
-        g.replay()
-    torch.testing.assert_close(cache[0], kept, rtol=0, atol=0)
+    assert_replay_refused_leaving(g, x, cache[0], "does not own")
 
 
 def test_an_equal_array_returned_again_is_the_same_value(capture, device):
@@ -611,11 +617,7 @@ def test_output_the_function_also_keeps_is_never_overwritten(capture, device):
     g = BreakableCUDAGraph()
     with capture(g):
         out = remember(x + 1) + 0
-    first = history[0].clone()
-    fresh_into(x)
-    with pytest.raises(CopyBackError, match="remember.*does not own"):
-        g.replay()
-    torch.testing.assert_close(history[0], first, rtol=0, atol=0)
+    assert_replay_refused_leaving(g, x, history[0], "remember.*does not own")
 
 
 def test_function_returning_its_own_preallocated_buffer_still_replays(capture, device):
