@@ -449,7 +449,7 @@ class _Capture:
                 with torch.inference_mode():
                     copy_back(function(*args, **kwargs))
 
-        else:  # captured under no_grad: replay() turns grad off for it (Captured.without_grad)
+        else:  # with grad or under no_grad: finish() makes the no_grad ones replay under it
 
             def replay() -> None:
                 copy_back(function(*args, **kwargs))
