@@ -37,7 +37,12 @@ __all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS", "s
 
 aten = torch.ops.aten
 
-#: aten operations that need the host to see device values, with the Python spelling users wrote.
+#: aten operations (a whole overload packet, or one overload where only it syncs) that need the
+#: host to see device values, with the Python spelling users wrote.
+_TENSOR_REPEATS = (
+    "`repeat_interleave` with a tensor of repeats and no `output_size` (its output size "
+    "depends on the data)"
+)
 SYNC_OPERATIONS: dict = {
     aten._local_scalar_dense: (
         "`.item()`, `if tensor:` / `bool(t)`, `float(t)` or `int(t)`: a device value read on "
@@ -49,6 +54,12 @@ SYNC_OPERATIONS: dict = {
     # under inference_mode these arrive whole, not as the nonzero / masked_select inside them
     aten.argwhere: "`argwhere` (its output size depends on the data)",
     aten.combinations: "`torch.combinations` (runs masked_select inside)",
+    aten.where.default: (  # where(cond, a, b), the other overloads, needs no sync
+        "`torch.where(cond)` with one argument (nonzero: its output size depends on the data)"
+    ),
+    aten.repeat_interleave.Tensor: _TENSOR_REPEATS,  # an int of repeats (self_int) is no sync
+    aten.repeat_interleave.self_Tensor: _TENSOR_REPEATS,
+    aten.repeat_interleave.Tensor_out: _TENSOR_REPEATS,
     aten.masked_select: "`masked_select` (its output size depends on the data)",
     aten._unique: "`unique` (its output size depends on the data)",
     aten._unique2: "`unique` (its output size depends on the data)",
@@ -95,16 +106,13 @@ def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     wrote), or None. ``all_devices=True`` counts CPU tensors as device tensors (the emulated
     backend, where every tensor stands for a device tensor)."""
     packet = func.overloadpacket
-    if packet is aten.where and func is not aten.where.default:
-        return None  # where(cond, a, b): no sync; where(cond) alone is nonzero
-    if packet in SYNC_OPERATIONS:
-        if packet is aten.repeat_interleave and (
-            kwargs.get("output_size") is not None or func is aten.repeat_interleave.self_int
-        ):
-            return None  # the output size is known on the host: an int of repeats, or given
+    reason = SYNC_OPERATIONS.get(func) or SYNC_OPERATIONS.get(packet)
+    if reason is not None:
+        if kwargs.get("output_size") is not None:  # repeat_interleave told its output size
+            return None
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if all_devices or any(t.device.type != "cpu" for t in tensors):
-            return SYNC_OPERATIONS[packet]
+            return reason
         return None
     if packet in _MASK_INDEXING and len(args) > 1:
         masks = [
@@ -131,13 +139,6 @@ def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     return None
 
 
-SYNC_OPERATIONS[aten.where] = (
-    "`torch.where(cond)` with one argument (nonzero: its output size depends on the data)"
-)
-SYNC_OPERATIONS[aten.repeat_interleave] = (
-    "`repeat_interleave` with a tensor of repeats and no `output_size` (its output size "
-    "depends on the data)"
-)
 
 
 class SegmentMode(TorchDispatchMode):

@@ -98,22 +98,32 @@ def _storages(args: tuple, kwargs: dict) -> set:
     return found
 
 
-def _frozen_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
-    """A host sync let through (``detect_syncs=False``): its results keep their capture-time
-    values, written again on every replay (the segment may update them in place); one that
-    writes its argument (``x[mask] = v``) runs again like any in-place operation."""
-    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
-        return _replay_step(func, args, kwargs, out)
-    outputs = out if isinstance(out, (list, tuple)) else (out,)
-    kept = [(_frozen(t), t.clone()) for t in outputs if isinstance(t, torch.Tensor)]
-    if not kept:
-        return None  # a Python value (.item()): frozen into the operations that used it
+def _writes_an_argument(func) -> bool:
+    """In-place and ``out=`` operations: their schema marks an argument as written."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
-    def write_back() -> None:
+
+def _restore(tensors: list) -> Callable[[], None] | None:
+    """A replay step writing each tensor's values of now (capture time) into it again."""
+    kept = [(_frozen(t), t.clone()) for t in tensors if isinstance(t, torch.Tensor)]
+    if not kept:
+        return None
+
+    def restore() -> None:
         for target, values in kept:
             target.copy_(values)
 
-    return write_back
+    return restore
+
+
+def _frozen_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
+    """A host sync let through (``detect_syncs=False``): its results keep their capture-time
+    values, written again on every replay (the segment may update them in place; a Python
+    value, ``.item()``, is frozen into the operations that used it); one that writes its
+    argument (``x[mask] = v``) runs again like any in-place operation."""
+    if _writes_an_argument(func):
+        return _replay_step(func, args, kwargs, out)
+    return _restore(list(out) if isinstance(out, (list, tuple)) else [out])
 
 
 def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
@@ -124,12 +134,11 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None
         # torch's own copy of Python data (torch.tensor([..])): nothing else writes it, so
         # every replay writes its values again, and a segment that updates it in place
         # starts from them each time, as eager code does
-        target, values = _frozen(out), out.clone()
-        return lambda: target.copy_(values)
+        return _restore([out])
     if func.overloadpacket in _NO_KERNEL or torch.Tag.inplace_view in func.tags:
         return None
     schema = func._schema
-    mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    mutates = _writes_an_argument(func)
     outputs = out if len(schema.returns) > 1 else (out,)
     fresh: list[tuple] = []  # (return index, list index or None, recorded tensor)
     read = None
