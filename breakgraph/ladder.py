@@ -145,6 +145,7 @@ class GraphLadder:
         self.who = who
         self.stats = LadderStats()
         self.closed = False
+        self._given_pool = pool  # the caller's; after a discard the next capture starts there
         self._pool = pool
         self._rungs: dict[int, _Rung] = {}
         self._sizes: tuple[int, ...] = ()
@@ -515,7 +516,9 @@ class GraphLadder:
 
     def discard(self) -> None:
         """Release every graph and stay open: the next capture starts from none (an owner whose
-        capture phase failed halfway leaves nothing half-captured). Counters stay readable."""
+        capture phase failed halfway leaves nothing half-captured), in a new pool or the one
+        the ladder was given (torch gives a pool up with its last graph). Counters stay
+        readable."""
         self._check_open("discard")
         self._release()
 
@@ -525,6 +528,9 @@ class GraphLadder:
         self._sizes = ()
         self._decisions.clear()
         self._faster = {}
+        # torch gives a pool up with its last graph (backends.base.released_pool_error): a
+        # pool the ladder made itself is not captured into again
+        self._pool = self._given_pool
         distributed.release_graphs(graphs, self.ranks)
 
     def _check_open(self, what: str) -> None:

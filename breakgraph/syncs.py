@@ -139,8 +139,6 @@ def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     return None
 
 
-
-
 class SegmentMode(TorchDispatchMode):
     """Watches (and optionally records) the aten operations of one captured segment.
 

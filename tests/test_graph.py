@@ -19,6 +19,7 @@ from breakgraph import (
     BackendError,
     BreakableCUDAGraph,
     CaptureError,
+    HostSyncError,
     ReplayError,
     break_graph,
     eager_on_graph,
@@ -144,6 +145,55 @@ def test_two_graphs_sharing_a_pool_replay_interleaved(capture, device):
         gb.replay()
         torch.testing.assert_close(out_b, model_b(new_b))
         torch.testing.assert_close(out_a, model_a(new_a))  # B's replay left A's output alone
+
+
+def _new_pool(backend):
+    if backend == "cuda":
+        return torch.cuda.graph_pool_handle()
+    return breakgraph.backends.emulated.EmulatedPool()
+
+
+@torch.no_grad()
+def test_a_pool_is_given_up_with_its_last_graph_and_refused_by_name(capture, backend, device):
+    """torch counts a pool's graphs and gives the pool up with the last one: a later capture
+    into its handle failed torch 2.11's internal assert (``use_count > 0``) on the H200, where
+    ``GraphLadder.discard`` then ``capture`` hit it. Both backends refuse it by name, also where
+    the pool's only capture failed, and a pool with one live graph stays shared."""
+    model = Stack(layers=2, width=16).to(device)
+    static = torch.randn(5, 16, device=device)
+    model(static)
+    first, second, third = BreakableCUDAGraph(), BreakableCUDAGraph(), BreakableCUDAGraph()
+    with capture(first):
+        model(static)
+    pool = first.pool()
+    with capture(second, pool=pool):
+        model(static)
+    first.reset()  # second keeps the pool
+    with capture(third, pool=pool):
+        out = model(static)
+    new = fresh_into(static)
+    third.replay()
+    torch.testing.assert_close(out, model(new))
+    second.reset(), third.reset()
+    for _ in range(2):  # the second time from breakgraph's record, before torch is asked
+        with pytest.raises(CaptureError, match=r"has no live graph any more.*new pool"):
+            with capture(BreakableCUDAGraph(), pool=pool):
+                model(static)
+        assert_clean()
+
+    failed = _new_pool(backend)  # its only capture failed: torch gave it up on the reset
+    with pytest.raises(HostSyncError):
+        with capture(BreakableCUDAGraph(), pool=failed):
+            static.sum().item()
+    with pytest.raises(CaptureError, match="has no live graph any more"):
+        with capture(BreakableCUDAGraph(), pool=failed):
+            model(static)
+    fresh = BreakableCUDAGraph()
+    with capture(fresh):  # a new pool works as ever
+        out = model(static)
+    new = fresh_into(static)
+    fresh.replay()
+    torch.testing.assert_close(out, model(new))
 
 
 # ---------------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["CaptureOptions", "Backend", "Session", "Segment", "Observer"]
+from ..errors import CaptureError
+
+__all__ = ["CaptureOptions", "Backend", "Session", "Segment", "Observer", "released_pool_error"]
 
 #: ``(func, args, kwargs, out)`` after each aten operation of a segment (debug mode).
 Observer = Callable[[Any, tuple, dict, Any], None]
@@ -88,3 +90,20 @@ class Backend(Protocol):
         """Whether a new capture can record into ``pool`` (CUDA: not after a capture into it
         was invalidated, see :mod:`breakgraph.backends.cuda`)."""
         ...
+
+
+def released_pool_error(pool: Any) -> CaptureError:
+    """What both backends raise for a capture into a pool whose graphs were all released.
+
+    torch counts the graphs captured into a pool; when the last one is reset or deleted the
+    pool is given up, and its handle can never be captured into again (torch 2.11 fails an
+    internal assert, ``use_count > 0``, in ``capture_begin``). The emulated backend keeps the
+    same count, so the mistake fails on the CPU as it would on the device."""
+    shown = tuple(pool) if isinstance(pool, tuple) else pool
+    return CaptureError(
+        f"breakgraph.capture: pool {shown} has no live graph any more: torch gives a pool up "
+        f"when the last graph captured into it is reset or deleted, and cannot capture into "
+        f"its handle again. Capture into a new pool (pool=None, or "
+        f"torch.cuda.graph_pool_handle()), or keep one graph of the pool alive until the "
+        f"next capture into it has begun."
+    )

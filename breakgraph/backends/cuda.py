@@ -31,11 +31,12 @@ import torch
 from ..errors import BreakgraphError, CaptureError
 from ..streams import StreamTracker
 from ..syncs import CompileTransparentSegmentMode, SegmentMode
-from .base import CaptureOptions, Observer
+from .base import CaptureOptions, Observer, released_pool_error
 
 _capture_streams: dict = {}  # device -> breakgraph's capture stream
-# pools a capture CUDA invalidated left recording (torch 2.11): nothing can be captured into them
-_spoiled_pools: set = set()
+# pools nothing can be captured into again, and why: "invalidated" (a capture CUDA invalidated
+# left it recording, torch 2.11) or "released" (its graphs were all released; torch gave it up)
+_spoiled_pools: dict = {}
 _workspace_pools: dict = {}  # device -> (pool handle, graph) holding cuBLAS workspaces
 # breakgraph's own small captures (cuBLAS preparation, the pool probe, the RNG reset) hold
 # nothing of the user's: other threads' syncs and allocations meanwhile must not invalidate
@@ -65,7 +66,10 @@ class CudaSession:
     """The state of one capture: stream, pool, stream tracker, the segment being captured."""
 
     def __init__(self, options: CaptureOptions, observer: Observer | None = None):
-        if options.pool is not None and _pool_key(options.pool) in _spoiled_pools:
+        spoiled = None if options.pool is None else _spoiled_pools.get(_pool_key(options.pool))
+        if spoiled == "released":
+            raise released_pool_error(options.pool)
+        if spoiled is not None:
             raise CaptureError(
                 f"breakgraph.capture: pool {tuple(options.pool)} took part in a capture that "
                 f"CUDA invalidated, and torch keeps such a pool recording for the rest of the "
@@ -115,8 +119,12 @@ class CudaSession:
         graph = torch.cuda.CUDAGraph()
         try:
             graph.capture_begin(pool=self.pool, capture_error_mode=self.options.capture_error_mode)
-        except BaseException:  # torch may have put its RNG in capture mode before failing
+        except BaseException as error:  # torch may have put its RNG in capture mode first
             self._invalidated = True  # close() resets it
+            if isinstance(error, RuntimeError) and "use_count > 0" in str(error):
+                _spoiled_pools[_pool_key(self.pool)] = "released"  # torch's own assert
+                _end_allocate_to_pool(self.device, self.pool)  # if it got that far
+                raise released_pool_error(self.pool) from error
             raise
         self._graph = graph
         self.tracker.begin_segment()
@@ -166,7 +174,7 @@ class CudaSession:
         torch.cuda.current_stream().wait_stream(self.stream)
         if self._invalidated:
             if not _takes_captures(self.pool, self.stream):
-                _spoiled_pools.add(_pool_key(self.pool))
+                _spoiled_pools.setdefault(_pool_key(self.pool), "invalidated")
             _reset_capture_state(self.stream)
 
 

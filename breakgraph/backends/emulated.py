@@ -46,7 +46,7 @@ import torch
 
 from ..patches import patch_attribute
 from ..syncs import SegmentMode, sync_reason
-from .base import CaptureOptions, Observer
+from .base import CaptureOptions, Observer, released_pool_error
 
 aten = torch.ops.aten
 
@@ -66,7 +66,26 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd
 
 
 class EmulatedPool:
-    """Stands in for a CUDA memory-pool handle: sharing it between graphs is accepted."""
+    """Stands in for a CUDA memory-pool handle: sharing it between graphs is accepted.
+
+    It counts its segments as torch counts a pool's graphs (one per ``capture_begin``, given
+    back by ``reset``): once the count falls back to zero the pool is given up, and a capture
+    into it fails here as it does on the device."""
+
+    __slots__ = ("live", "released")
+
+    def __init__(self):
+        self.live = 0
+        self.released = False
+
+    def take(self) -> None:
+        if self.released:
+            raise released_pool_error(self)
+        self.live += 1
+
+    def give_back(self) -> None:
+        self.live -= 1
+        self.released = self.live == 0
 
     def __repr__(self) -> str:
         return f"EmulatedPool(id={id(self):#x})"
@@ -189,12 +208,13 @@ def _wait_collective(result: Any) -> None:
 class EmulatedSegment:
     """A recorded segment; ``replay`` re-executes its operations in order."""
 
-    __slots__ = ("steps", "operations", "unjoined")
+    __slots__ = ("steps", "operations", "unjoined", "pool")
 
-    def __init__(self, steps: tuple, operations: int):
+    def __init__(self, steps: tuple, operations: int, pool: EmulatedPool | None):
         self.steps = steps
         self.operations = operations
         self.unjoined: list = []  # no streams here
+        self.pool = pool  # given back on reset (None: a handle that is not an EmulatedPool)
 
     def replay(self) -> None:
         # no autograd and no autocast: a CUDA graph replays the kernels it recorded
@@ -204,6 +224,9 @@ class EmulatedSegment:
 
     def reset(self) -> None:
         self.steps = ()
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.give_back()
 
 
 class _CapturingFlag(threading.local):
@@ -232,6 +255,8 @@ class EmulatedSession:
     def __init__(self, options: CaptureOptions, observer: Observer | None = None):
         self.observer = observer
         self.pool = options.pool if options.pool is not None else EmulatedPool()
+        self._counted = self.pool if isinstance(self.pool, EmulatedPool) else None
+        self._begun = False  # a segment took a count of the pool that no segment holds yet
         self.detect_syncs = options.detect_syncs
         self._mode: SegmentMode | None = None
         self._steps: list = []
@@ -251,6 +276,9 @@ class EmulatedSession:
             self.observer(func, args, kwargs, out)
 
     def begin_segment(self) -> None:
+        if self._counted is not None:
+            self._counted.take()
+            self._begun = True
         self._steps = []
         self._mode = SegmentMode(
             all_devices=True, on_operation=self._record, check_syncs=self.detect_syncs
@@ -262,7 +290,8 @@ class EmulatedSession:
         mode, self._mode = self._mode, None
         _capturing.active = False
         mode.__exit__(None, None, None)
-        return EmulatedSegment(tuple(self._steps), mode.operations)
+        held, self._begun = self._counted if self._begun else None, False
+        return EmulatedSegment(tuple(self._steps), mode.operations, held)
 
     def abort(self) -> None:
         mode, self._mode = self._mode, None
@@ -270,6 +299,9 @@ class EmulatedSession:
         if mode is not None:
             mode.__exit__(None, None, None)
         self._steps = []
+        if self._begun:  # as CUDA's abort resets the graph it began
+            self._begun = False
+            self._counted.give_back()
 
     def close(self) -> None:
         self._stack.close()
