@@ -75,5 +75,20 @@ def section(runs: list, on_gpu: bool) -> str:
         wide_s=span(wide_s, 3),
         later="compiled nothing either way" if not later
         else f"compiled {later} frame{'' if later == 1 else 's'} in all",
-        gpu_note="" if on_gpu else fill("prefill.compile_fallback.gpu_pending").strip("\n"),
+        gpu_note=fill("prefill.compile_fallback.gpu_note", again=span(_first_over_again(runs), 1))
+        .rstrip("\n") if on_gpu else fill("prefill.compile_fallback.gpu_pending").strip("\n"),
     )
+
+
+def _first_over_again(runs: list) -> list[float]:
+    """``wide``: each batch's first call over its repeat (no frames compiled in either)."""
+    ratios = []
+    for data, variant, _ in runs:
+        if variant != "wide":
+            continue
+        for fam in data["families"]:
+            calls = {}
+            for c in fam["calls"]:
+                calls.setdefault(tuple(c["lengths"]), []).append(c["seconds"])
+            ratios += [pair[0] / pair[1] for pair in calls.values() if len(pair) == 2]
+    return ratios

@@ -1091,17 +1091,19 @@ def test_compile_fallback_section_reads_each_turn_and_prefers_the_gpu_runs(tmp_p
     assert "and 0–2 frames in 0.008–1.500 s with the wide ones" in changed
     assert "the later calls\ncompiled nothing either way" in text
     assert "the later calls\ncompiled 1 frame in all" in changed
-    # the page: the CPU's runs now; the GPU's, named and without the note, once all four exist
-    assert "cpu-compile-eager-fallback-separate-1.json" in report.render()
-    gpu = {}
-    for (name, *_), (data, *_) in zip(rcf.GPU_FILES, runs):
-        gpu[name] = {**data, "meta": {**data["meta"], "gpu": "NVIDIA H200"}}
-    page = report.render(results_copy(tmp_path, gpu), suite=None)
-    assert "`h200-compile-eager-fallback-separate-1.json`" in page and "NVIDIA H200, torch" in page
-    assert "no GPU was lent" not in page
-    page = report.render(results_copy(tmp_path, {rcf.GPU_FILES[0][0]: gpu[rcf.GPU_FILES[0][0]]}),
-                         suite=None)  # fmt: skip
-    assert "no GPU was lent" in page  # one GPU run of four: the CPU's runs still
+    # the page: the GPU's runs (committed), named, without the note, with the first call over
+    # its repeat; the CPU's while any GPU run is missing
+    page = report.render()
+    assert "`h200-compile-eager-fallback-separate-1.json`" in page and "no GPU was lent" not in page
+    gpu = [(committed(name), variant, turn) for name, variant, turn in rcf.GPU_FILES]
+    assert "each batch's first call took 1.3–12.9× the time of its repeat" in page
+    slow = json.loads(json.dumps(gpu[1][0]))
+    repeat = slow["families"][0]["calls"][1]["seconds"]
+    slow["families"][0]["calls"][0].update(seconds=100 * repeat)  # mistral's 600 tokens
+    noted = rcf.section([gpu[0], (slow, "wide", 2), *gpu[2:]], on_gpu=True)
+    assert "first call took 1.3–100.0× the time" in noted
+    page = report.render(results_copy(tmp_path, {rcf.GPU_FILES[0][0]: None}), suite=None)
+    assert "`cpu-compile-eager-fallback-separate-1.json`" in page and "no GPU was lent" in page
 
 
 def test_cpu_cuts_line_pairs_the_turns_and_names_the_largest_changes():
