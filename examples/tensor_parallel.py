@@ -45,28 +45,32 @@ def main() -> None:
     # rank 0 saves a random model; every rank loads it sharded (TP=2) and, to compare, whole
     path = [tempfile.mkdtemp(prefix="breakgraph-tp-") if rank == 0 else None]
     dist.broadcast_object_list(path)
-    if rank == 0:
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=1000,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-        )
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path[0])
-    dist.barrier()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path[0], dtype=dtype, distributed_config=DistributedConfig(tp_size=dist.get_world_size())
-    ).eval()
-    device = next(model.parameters()).device
-    whole = transformers.AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype)
-    whole = whole.to(device).eval()
-    dist.barrier()  # every rank has loaded the model: its files can go
-    if rank == 0:
-        shutil.rmtree(path[0])
+    try:
+        if rank == 0:
+            torch.manual_seed(0)
+            config = transformers.LlamaConfig(
+                vocab_size=1000,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                max_position_embeddings=1024,
+            )
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path[0])
+        dist.barrier()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path[0],
+            dtype=dtype,
+            distributed_config=DistributedConfig(tp_size=dist.get_world_size()),
+        ).eval()
+        device = next(model.parameters()).device
+        whole = transformers.AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype)
+        whole = whole.to(device).eval()
+        dist.barrier()  # every rank has loaded the model: its files can go
+    finally:  # also when saving or loading failed
+        if rank == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
 
     runner = PrefillRunner(model, token_buckets=(64, 128), max_prompts=8, backend=backend)
     if rank == 0:
