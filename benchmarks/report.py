@@ -153,6 +153,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_tests.SUITE_AGAIN_FILE, report_tests.SUITE_EARLIER_FILE]
         + [*report_tests.SUITE_SIX_FILES, report_tests.SUITE_LAYOUT_FIRST_FILE]
         + [report_tests.SUITE_COST_FILE, report_tests.SUITE_DEALT_FILE]
+        + [report_tests.SUITE_SESSION32_FILE, report_tests.SUITE_NEWEST_EARLIER_FILE]
         + [name for name, *_ in report_tests.CPU_LAYOUT_FILES]
         + [name for name, *_ in report_tests.CPU_CUTS_FILES]
         + [name for name, *_ in report_tests.CPU_WAITS_FILES]
@@ -367,6 +368,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
          if (d := loaded.get(name)) is not None],  # fmt: skip
         [(d, *rest) for name, *rest in report_tests.CPU_WAITS_FILES
          if (d := loaded.get(name)) is not None],  # fmt: skip
+        loaded.get(report_tests.SUITE_SESSION32_FILE),
+        loaded.get(report_tests.SUITE_NEWEST_EARLIER_FILE),
     )
     blocks.append(fill("sources", sources=sources_table(loaded)))
     body = "\n\n".join(b.strip("\n") for b in blocks if b)

@@ -17,7 +17,9 @@ SUITE_BEFORE_FILE = "h200-cuda-suite-times-before.json"  # before captures stopp
 SUITE_WHOLE_FILE = "h200-suite-times-whole.json"  # the whole suite (emulated and CUDA tests)
 #: the same tests in one process, where the latest run used pytest-xdist workers
 SUITE_SERIAL_FILE = "h200-cuda-suite-times-serial.json"
-SUITE_NEWEST_FILE = "h200-cuda-suite-times-5.24.json"  # the CUDA tests on the newest transformers
+#: the CUDA tests on the newest transformers supported: the latest run, and session 24's
+SUITE_NEWEST_FILE = "h200-cuda-suite-times-5.24-session35.json"
+SUITE_NEWEST_EARLIER_FILE = "h200-cuda-suite-times-5.24.json"
 #: the earlier run's command again, later, on another lease of the machine (with a timeline)
 SUITE_AGAIN_FILE = "h200-cuda-suite-times-again.json"
 #: six workers, before and with the layout over the workers' first chunks (with timelines)
@@ -27,9 +29,10 @@ SUITE_LAYOUT_FIRST_FILE = "h200-cuda-suite-times-layout-first.json"
 #: four workers with the layout dealing by cost and capacity, before the GPU's random packed
 #: batches were dealt too (session 31; the latest run, SUITE_FILE, has them)
 SUITE_COST_FILE = "h200-cuda-suite-times-cost.json"
-#: the same, with the GPU's random packed batches dealt too (session 31's last run); the latest
-#: run, SUITE_FILE, is session 32's, on its own tests
+#: the same, with the GPU's random packed batches dealt too (session 31's last run)
 SUITE_DEALT_FILE = "h200-cuda-suite-times-dealt.json"
+#: session 32's run, on its own tests (the latest, SUITE_FILE, is session 35's)
+SUITE_SESSION32_FILE = "h200-cuda-suite-times-session32.json"
 AGAIN_MIN_S = 1.0  # tests compared between a run and a later one: at least this long in the first
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
@@ -422,7 +425,7 @@ def suite_time_section(
     newest: dict | None = None, earlier: dict | None = None, again: dict | None = None,
     six: tuple = (None, None), cpu_layout: list = (), layout_first: dict | None = None,
     cost: dict | None = None, dealt: dict | None = None, cpu_cuts: list = (),
-    cpu_waits: list = (),
+    cpu_waits: list = (), session32: dict | None = None, newest_earlier: dict | None = None,
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
@@ -433,8 +436,9 @@ def suite_time_section(
     with the layout, ``cpu_layout`` the README's command with the layout on and off,
     ``layout_first`` the run of the layout's first version, ``cost`` of its version by cost and
     ``dealt`` of its last version before ``run``, ``cpu_cuts`` the README's command before and
-    after session 32's cuts, ``cpu_waits`` before and after session 33's (any may be missing:
-    not measured)."""
+    after session 32's cuts, ``cpu_waits`` before and after session 33's, ``session32`` the
+    latest run before ``run`` and ``newest_earlier`` the run before ``newest`` (any may be
+    missing: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -444,10 +448,11 @@ def suite_time_section(
         return [fill("tests.suite.missing", file=SUITE_FILE, **targets)]
     meta = run.get("meta") or {}
     named = ((SUITE_BEFORE_FILE, before), (SUITE_SERIAL_FILE, serial),
-             (SUITE_EARLIER_FILE, earlier), (SUITE_NEWEST_FILE, newest),
+             (SUITE_EARLIER_FILE, earlier), (SUITE_NEWEST_EARLIER_FILE, newest_earlier),
              (SUITE_AGAIN_FILE, again), (SUITE_SIX_FILES[0], six[0]),
              (SUITE_LAYOUT_FIRST_FILE, layout_first), (SUITE_SIX_FILES[1], six[1]),
              (SUITE_COST_FILE, cost), (SUITE_DEALT_FILE, dealt),
+             (SUITE_SESSION32_FILE, session32), (SUITE_NEWEST_FILE, newest),
              (SUITE_FILE, run))  # fmt: skip
     runs = [r for _, r in named if r]
     names = [n for n, r in named if r]
@@ -469,7 +474,8 @@ def suite_time_section(
                     None,
                     [suite_verdict_line(run), newest and suite_verdict_line(newest),
                      earlier and again_line(earlier, again),
-                     workers_paragraph([(again, layout_first), six], [cost, dealt, run]),
+                     workers_paragraph([(again, layout_first), six],
+                                       [cost, dealt, session32, newest, run]),
                      whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), cpu_layout_line(cpu, list(cpu_layout)),
                      cpu_cuts_line(list(cpu_cuts)),

@@ -538,6 +538,7 @@ def test_suite_time_section_from_the_committed_runs():
         "`h200-cuda-suite-times-again.json`, `h200-cuda-suite-times-six-chunked.json`, "
         "`h200-cuda-suite-times-layout-first.json`, `h200-cuda-suite-times-six.json`, "
         "`h200-cuda-suite-times-cost.json`, `h200-cuda-suite-times-dealt.json`, "
+        "`h200-cuda-suite-times-session32.json`, `h200-cuda-suite-times-5.24-session35.json`, "
         "`h200-cuda-suite-times.json`: NVIDIA H200"
     ) in text
     again = committed(report_tests.SUITE_AGAIN_FILE)  # the same command later: its row, its line
@@ -551,6 +552,10 @@ def test_suite_time_section_from_the_committed_runs():
     assert "every worker stopped between 91.9 and 120.1 s (28.1 s apart)" in text
     assert "every worker stopped between 103.0 and 106.7 s (3.7 s apart)" in text
     assert "every worker stopped between 103.4 and 108.8 s (5.3 s apart)" in text  # session 32
+    assert "every worker stopped between 101.5 and 103.7 s (2.2 s apart)" in text  # session 35
+    assert "every worker stopped between 105.6 and 108.2 s (2.5 s apart)" in text  # and on 5.24
+    earlier = committed(report_tests.SUITE_NEWEST_EARLIER_FILE)  # session 24's: still a row
+    assert f"| {earlier['label']} | {earlier['wall_s']:.1f} |" in text
     newest = committed(report_tests.SUITE_NEWEST_FILE)  # the newest transformers: its own row
     assert newest["meta"]["transformers"] == "5.24.0" and "transformers\n5.17.0, 5.24.0" in text
     assert f"| {newest['label']} | {newest['wall_s']:.1f} |" in text
