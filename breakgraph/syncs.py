@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ._layout import OWN_DIRS
-from .errors import HostSyncError
+from .errors import CaptureError, HostSyncError
 
 __all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS", "sync_reason"]
 
@@ -42,6 +42,15 @@ aten = torch.ops.aten
 _TENSOR_REPEATS = (
     "`repeat_interleave` with a tensor of repeats and no `output_size` (its output size "
     "depends on the data)"
+)
+# linalg functions that read their error code on the host (_linalg_check_errors: `.item()`);
+# their `_ex` variants (`torch.linalg.inv_ex`, `cholesky_ex`, `solve_ex`) leave it on the device
+_CHECKED = (
+    "`torch.linalg.inv`, `solve`, `cholesky`, `lu_factor` and the like (they read their error "
+    "code on the host; `torch.linalg.inv_ex`, `cholesky_ex`, `solve_ex` and `lu_factor_ex` do not)"
+)
+_CUSOLVER = (
+    "`torch.linalg.eigh`, `svd` and what is built on them (cuSOLVER reads its status on the host)"
 )
 SYNC_OPERATIONS: dict = {
     aten._local_scalar_dense: (
@@ -71,7 +80,44 @@ SYNC_OPERATIONS: dict = {
     aten.equal: "`torch.equal` (returns a Python bool)",
     aten.allclose: "`torch.allclose` (returns a Python bool)",
     aten.bincount: "`bincount` (its output size depends on the data)",
+    aten._linalg_check_errors: _CHECKED,
+    # under inference_mode these arrive whole, not as what they decompose into
+    **dict.fromkeys(
+        (
+            aten.linalg_inv,
+            aten.inverse,
+            aten.linalg_solve,
+            aten.linalg_cholesky,
+            aten.linalg_lu_factor,
+            aten.linalg_ldl_factor,
+            aten.linalg_tensorinv,
+            aten.linalg_tensorsolve,
+        ),
+        _CHECKED,
+    ),
+    **dict.fromkeys(
+        (
+            aten._linalg_eigh,
+            aten.linalg_eigh,
+            aten.linalg_eigvalsh,
+            aten._linalg_svd,
+            aten.linalg_svd,
+            aten.linalg_svdvals,
+            aten.svd,
+            aten.linalg_matrix_rank,
+        ),
+        _CUSOLVER,
+    ),
 }
+
+# An array made from Python data is copied from pageable host memory, which torch refuses
+# during a CUDA capture (the CPU tensor is not pinned). On CUDA the copy runs below the
+# dispatcher (torch then raises on its own); only the emulated backend sees it, as lift_fresh.
+_HOST_DATA = (
+    "`torch.tensor(data)`, `as_tensor(list)`, `new_tensor(data)` or indexing with a list: a "
+    "copy of host data to the device, which torch refuses from pageable memory during a CUDA "
+    "capture; build the tensor before the capture"
+)
 
 _COPY_OPERATIONS = {aten._to_copy, aten.copy_}
 # indexing with a boolean mask runs nonzero() inside: the result size depends on the data
@@ -101,6 +147,31 @@ def _user_frame() -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
 
 
+def copies_host_data(made: torch.Tensor) -> bool:
+    """Whether ``lift_fresh(made)`` is torch's own copy of an array of Python data
+    (``torch.tensor([..])``, ``x[[0, 2]]``), which becomes a copy from pageable host memory on
+    CUDA. Not a tensor over the caller's memory (``torch.from_numpy``, ``as_tensor`` of an
+    array: its storage cannot be resized), nor an empty one (torch copies nothing), nor a
+    single number: torch makes one for ``x[:, 0] = 0.0``, a device fill on CUDA, and a
+    0-dim CPU tensor is a legal operand of CUDA kernels (``torch.tensor(2.0, device="cuda")``
+    is refused on CUDA but not seen here)."""
+    return made.dim() > 0 and made.numel() > 0 and made.untyped_storage().resizable()
+
+
+def own_generator(generator: torch.Generator, all_devices: bool) -> bool:
+    """Whether ``generator`` is not its device's default generator: a CUDA graph advances only
+    the generators registered with it, and each segment registers the default one alone.
+    ``all_devices``: CPU generators stand for device ones (the emulated backend). Wrappers
+    differ from call to call; ``_cdata`` names the generator itself."""
+    device = generator.device
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return generator._cdata != torch.cuda.default_generators[index]._cdata
+    return (
+        all_devices and device.type == "cpu" and generator._cdata != torch.default_generator._cdata
+    )
+
+
 def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     """Why ``func(*args, **kwargs)`` needs the host to see device values (the spelling users
     wrote), or None. ``all_devices=True`` counts CPU tensors as device tensors (the emulated
@@ -114,6 +185,8 @@ def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
         if all_devices or any(t.device.type != "cpu" for t in tensors):
             return reason
         return None
+    if packet is aten.lift_fresh:  # the emulated backend's stand-in for a host-to-device copy
+        return _HOST_DATA if all_devices and copies_host_data(args[0]) else None
     if packet in _MASK_INDEXING and len(args) > 1:
         masks = [
             i
@@ -161,6 +234,17 @@ class SegmentMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        generator = kwargs.get("generator")
+        if generator is not None and own_generator(generator, self.all_devices):
+            raise CaptureError(  # whether syncs are checked or not: CUDA refuses it either way
+                f"breakgraph.capture: {func} draws from a torch.Generator of your own at "
+                f"{_user_frame()}, inside a captured segment. A CUDA graph advances only the "
+                f"generators registered with it, and each segment registers the default CUDA "
+                f'generator alone, so CUDA refuses this draw ("Attempt to increase offset for a '
+                f'CUDA generator not in capture mode"). Leave generator= out (seed the default '
+                f"generator with torch.manual_seed before the capture), or draw inside a function "
+                f"decorated with @breakgraph.eager_on_graph."
+            )
         if self.check_syncs:
             reason = sync_reason(func, args, kwargs, self.all_devices)
             if reason is not None:

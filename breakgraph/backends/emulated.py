@@ -11,9 +11,11 @@ same objects:
 * in-place and ``out=`` operations run again and mutate their targets;
 * views run nothing: they share storage with their base, which was updated;
 * ``empty``-like allocations run nothing (a CUDA graph launches no kernel for them);
-* a tensor made from Python data (``torch.tensor([...])``) gets its values written again
-  (a tensor over the caller's memory, ``from_numpy``, is read as that memory is then);
-* random operations draw fresh numbers, as a replayed CUDA graph does;
+* a tensor made from one Python number (``x[i] = 0.5``) gets its value written again (an
+  array of them is a host sync: a pageable copy on CUDA; a tensor over the caller's memory,
+  ``from_numpy``, is read as that memory is then);
+* random operations draw fresh numbers, as a replayed CUDA graph does (not from a generator
+  of the user's own, nor after a new seed inside a segment: CUDA refuses both);
 * in-place metadata operations (``unsqueeze_``, ``t_``, ``as_strided_``, ...) run
   nothing: a CUDA graph holds no tensor metadata, only addresses. Every tensor an
   operation read or wrote is recorded as an alias with the shape and strides it had at
@@ -44,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..errors import CaptureError
 from ..patches import patch_attribute
 from ..syncs import SegmentMode, sync_reason
 from .base import CaptureOptions, Observer, released_pool_error
@@ -150,9 +153,10 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None
     if func.overloadpacket is aten.lift_fresh:  # a tensor made from host data
         if not out.untyped_storage().resizable():  # over the caller's memory (from_numpy,
             return None  # as_tensor of an array): replays read that memory as it is then
-        # torch's own copy of Python data (torch.tensor([..])): nothing else writes it, so
-        # every replay writes its values again, and a segment that updates it in place
-        # starts from them each time, as eager code does
+        # torch's own copy of a Python number (x[i] = 0.0, torch.tensor(2.0); an array of them
+        # is a host sync, syncs.copies_host_data): nothing else writes it, so every replay
+        # writes its value again, and a segment that updates it in place starts from it each
+        # time, as eager code does
         return _restore([out])
     if func.overloadpacket in _NO_KERNEL or torch.Tag.inplace_view in func.tags:
         return None
@@ -228,6 +232,22 @@ class EmulatedSegment:
         if pool is not None:
             pool.give_back()
 
+    def __del__(self) -> None:  # a CUDAGraph's destructor resets it: its pool count goes too
+        self.reset()
+
+
+def _reseeded_error() -> CaptureError:
+    """torch refuses a new seed for a CUDA generator while a capture is running (the same seed
+    is a no-op); the emulated backend sees the seed change when the segment ends."""
+    return CaptureError(
+        "breakgraph.capture: the default random generator was given a new seed inside a captured "
+        "segment (torch.manual_seed or torch.seed, seen when the segment ended). torch refuses "
+        'that during a CUDA capture ("CUDAGeneratorImpl::set_current_seed can be called during '
+        'stream capture only if new seed is the same as the original seed"), and a graph '
+        "could not seed again on replay anyway. Seed before the capture, or inside a function "
+        "decorated with @breakgraph.eager_on_graph, which runs on every replay."
+    )
+
 
 class _CapturingFlag(threading.local):
     active = False
@@ -257,6 +277,7 @@ class EmulatedSession:
         self.pool = options.pool if options.pool is not None else EmulatedPool()
         self._counted = self.pool if isinstance(self.pool, EmulatedPool) else None
         self._begun = False  # a segment took a count of the pool that no segment holds yet
+        self._seed = 0  # the default generator's seed when the segment began
         self.detect_syncs = options.detect_syncs
         self._mode: SegmentMode | None = None
         self._steps: list = []
@@ -279,6 +300,7 @@ class EmulatedSession:
         if self._counted is not None:
             self._counted.take()
             self._begun = True
+        self._seed = torch.default_generator.initial_seed()
         self._steps = []
         self._mode = SegmentMode(
             all_devices=True, on_operation=self._record, check_syncs=self.detect_syncs
@@ -290,6 +312,8 @@ class EmulatedSession:
         mode, self._mode = self._mode, None
         _capturing.active = False
         mode.__exit__(None, None, None)
+        if torch.default_generator.initial_seed() != self._seed:
+            raise _reseeded_error()  # the CPU generator stands for the device's default one
         held, self._begun = self._counted if self._begun else None, False
         return EmulatedSegment(tuple(self._steps), mode.operations, held)
 
