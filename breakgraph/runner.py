@@ -196,7 +196,11 @@ class BucketedRunner:
                 "max_padding_fraction": max_padding_fraction, "warmup_each": warmup_each,
                 "eager_region": eager_region, "backend": self.backend, "debug": self.debug,
             })  # fmt: skip
-        self._capture(sizes)
+        try:
+            self._capture(sizes)
+        except BaseException:  # nobody gets this runner to close: the buckets captured go now
+            self.close()
+            raise
 
     # -- capture phase ----------------------------------------------------------------
     @contextlib.contextmanager

@@ -316,6 +316,40 @@ def test_close_is_final(backend, device):
     assert runner.buckets == ()
 
 
+def test_a_constructor_that_fails_halfway_releases_what_it_captured(backend, device, monkeypatch):
+    """A bucket whose capture fails fails the constructor: nobody gets the runner, so nobody can
+    close it, and the larger buckets captured before it (largest first) kept their graphs and
+    their pool's memory for as long as the exception's traceback lived (a REPL keeps the last
+    one). The constructor closes the runner itself."""
+    graphs, made = [], []
+
+    class Recorded(breakgraph.BreakableCUDAGraph):
+        def __init__(self):
+            super().__init__()
+            graphs.append(self)
+
+    class Kept(BucketedRunner):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(breakgraph.ladder, "BreakableCUDAGraph", Recorded)
+    w = torch.randn(8, 8, device=device)
+
+    def model(x):
+        if breakgraph.is_capturing() and x.shape[0] == 4:
+            raise RuntimeError("boom")
+        return scale_real_rows(torch.relu(x @ w))
+
+    with pytest.raises(RuntimeError, match="boom"):
+        Kept(model, BUCKETS, (torch.randn(1, 8, device=device),), backend=backend, warmup=1,
+             capture_context=lambda size: size)  # fmt: skip
+    (runner,) = made
+    assert len(graphs) == len(BUCKETS)  # 64 and 16 captured, 4 failed
+    assert all(g.num_segments == 0 for g in graphs), [g.num_segments for g in graphs]
+    assert runner.ladder.closed and runner.buckets == ()
+
+
 @pytest.mark.parametrize(
     "bad, phrase",
     [
