@@ -1018,6 +1018,40 @@ def test_output_after_close_keeps_no_graph_memory(backend):
         out.cache(0)
 
 
+def test_an_owned_output_does_not_keep_its_runner_alive(backend):
+    """A ``PrefillOutput`` held the runner strongly: keeping outputs (their logits are owned
+    copies) kept a runner the caller had dropped, its graphs and its pool's memory, alive.
+    An owned output holds it weakly (``cache(i)`` then raises); one whose logits live in graph
+    memory (``owned=False``) keeps it, or the logits would be read from released memory."""
+    import gc
+    import weakref
+
+    device, _ = device_dtype(backend)
+    model = model_for("llama", backend)
+    runner = make_runner(model, backend)
+    p = prompt(5, device)
+    out = runner.prefill([p])
+    out.cache(0)
+    alive = weakref.ref(runner)
+    del runner
+    gc.collect()
+    assert alive() is None
+    assert_logits_close(out.logits[0], eager_last_logits(model, p), backend)
+    with pytest.raises(InputError, match="closed or deleted"):
+        out.cache(0)
+    runner = make_runner(model, backend)
+    borrowed = runner.prefill([p], owned=False)
+    alive = weakref.ref(runner)
+    del runner
+    gc.collect()
+    assert alive() is not None  # its logits live in the graph's memory
+    assert_logits_close(borrowed.logits[0], eager_last_logits(model, p), backend)
+    borrowed.cache(0)
+    del borrowed
+    gc.collect()
+    assert alive() is None
+
+
 @pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "LlamaModel"])
 def test_non_causal_lm_heads_are_rejected(head):
     """Item 7: a supported model_type with another head must not be served as a causal LM."""

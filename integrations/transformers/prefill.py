@@ -64,6 +64,7 @@ from .models import (
 )
 from .models import check_model as _check_model
 from .prefill_buffers import StepBuffers
+from .prefill_output import PrefillOutput
 from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = [
@@ -73,57 +74,6 @@ __all__ = [
     "UnsupportedModelError",
     "default_token_buckets",
 ]
-
-
-class PrefillOutput:
-    """The result of :meth:`PrefillRunner.prefill`.
-
-    ``logits`` is ``[num_prompts, vocab]``: owned (it survives the next prefill) unless
-    the prefill was called with ``owned=False``. ``cache(i)`` is prompt ``i``'s KV cache,
-    valid until the next prefill (it lives in graph memory).
-    """
-
-    def __init__(self, runner: PrefillRunner, logits: torch.Tensor, bounds: list, step: int,
-                 graph: tuple | None):  # fmt: skip
-        self.logits = logits
-        self.bounds = bounds
-        # graph: the key of the graph's KV views in runner._layers, None if it ran eagerly (a
-        # key, not the views: closing the runner must free their graph memory)
-        self._runner, self._step, self._graph = runner, step, graph
-
-    def cache(self, i: int):
-        """Prompt ``i``'s keys and values as a ``transformers.DynamicCache`` for ``generate()``.
-
-        Example::
-
-            out = runner.prefill([ids])
-            first = out.logits[0].argmax()
-            more = model.generate(torch.cat([ids, first[None]])[None],
-                                  past_key_values=out.cache(0), max_new_tokens=8)
-        """
-        from transformers import DynamicCache
-
-        runner = self._runner
-        if runner._closed:
-            raise InputError(
-                "PrefillOutput.cache: the runner was closed; its graph memory is gone."
-            )
-        if self._graph is None:
-            raise InputError("PrefillOutput.cache: this prefill ran eagerly and kept no KV cache.")
-        if runner._step != self._step:
-            raise InputError(
-                "PrefillOutput.cache: the KV cache lives in graph memory and a later prefill has "
-                "overwritten it (or was started and failed); call cache(i) before the next prefill."
-            )
-        if not 0 <= i < len(self.bounds):
-            raise InputError(
-                f"PrefillOutput.cache: prompt {i} out of range ({len(self.bounds)} prompts)."
-            )
-        start, end = self.bounds[i]
-        cache = DynamicCache(config=runner.model.config)
-        for layer, key, value in sorted(runner._layers[self._graph], key=lambda e: e[0]):
-            cache.update(key[:, :, start:end].clone(), value[:, :, start:end].clone(), layer)
-        return cache
 
 
 class PrefillRunner:
@@ -522,7 +472,7 @@ class PrefillRunner:
                 steps.launched()
             graph = (bucket, single)
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
-                             graph)  # fmt: skip
+                             graph, owned)  # fmt: skip
 
     def _batch(self, bounds: list, prompts: int) -> _attention.PackedBatch:
         """What the attention breaks read about a staged batch of ``prompts`` prompts: its

@@ -1,0 +1,74 @@
+"""``PrefillOutput``: what :meth:`.prefill.PrefillRunner.prefill` returns.
+
+An output refers to its runner for ``cache(i)``, whose keys and values live in the runner's
+graph memory. It holds the runner *weakly* when its logits are an owned copy: outputs are
+often kept long after the runner (their logits are the point), and a strong reference kept
+a runner the caller had dropped, with its graphs and their pool's memory, alive for as long
+as any of its outputs. Logits in graph memory (``prefill(..., owned=False)``) are views that
+do not own that memory (on CUDA borrowed aliases, :mod:`breakgraph.memory`): such an output
+keeps its runner alive, or they would be read from memory given back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from breakgraph.errors import InputError
+
+__all__ = ["PrefillOutput"]
+
+
+class PrefillOutput:
+    """The result of :meth:`.prefill.PrefillRunner.prefill` (``runner``).
+
+    ``logits`` is ``[num_prompts, vocab]``: owned (it survives the next prefill) unless
+    the prefill was called with ``owned=False``. ``cache(i)`` is prompt ``i``'s KV cache,
+    valid until the next prefill (it lives in graph memory) and while the runner lives.
+    """
+
+    def __init__(self, runner: Any, logits: torch.Tensor, bounds: list, step: int,
+                 graph: tuple | None, owned: bool = True):  # fmt: skip
+        self.logits = logits
+        self.bounds = bounds
+        # graph: the key of the graph's KV views in runner._layers, None if it ran eagerly (a
+        # key, not the views: closing the runner must free their graph memory)
+        self._runner, self._step, self._graph = weakref.ref(runner), step, graph
+        self._keeps = None if owned else runner  # logits in its graph memory: see the module
+
+    def cache(self, i: int):
+        """Prompt ``i``'s keys and values as a ``transformers.DynamicCache`` for ``generate()``.
+
+        Example::
+
+            out = runner.prefill([ids])
+            first = out.logits[0].argmax()
+            more = model.generate(torch.cat([ids, first[None]])[None],
+                                  past_key_values=out.cache(0), max_new_tokens=8)
+        """
+        from transformers import DynamicCache
+
+        runner = self._runner()
+        if runner is None or runner._closed:
+            raise InputError(
+                "PrefillOutput.cache: the runner was closed or deleted; its graph memory is "
+                "gone. Call cache(i) while the runner lives, before the next prefill."
+            )
+        if self._graph is None:
+            raise InputError("PrefillOutput.cache: this prefill ran eagerly and kept no KV cache.")
+        if runner._step != self._step:
+            raise InputError(
+                "PrefillOutput.cache: the KV cache lives in graph memory and a later prefill has "
+                "overwritten it (or was started and failed); call cache(i) before the next prefill."
+            )
+        if not 0 <= i < len(self.bounds):
+            raise InputError(
+                f"PrefillOutput.cache: prompt {i} out of range ({len(self.bounds)} prompts)."
+            )
+        start, end = self.bounds[i]
+        cache = DynamicCache(config=runner.model.config)
+        for layer, key, value in sorted(runner._layers[self._graph], key=lambda e: e[0]):
+            cache.update(key[:, :, start:end].clone(), value[:, :, start:end].clone(), layer)
+        return cache
