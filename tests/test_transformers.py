@@ -1105,6 +1105,41 @@ def test_default_ladder_pads_at_most_7_tokens_below_256_and_an_eighth_above():
         default_token_buckets(0)
 
 
+@pytest.mark.parametrize("failing", ["graph mixing", "packed graphs"])
+def test_a_tensor_parallel_construction_that_fails_closes_its_rank_group(failing, monkeypatch):
+    """Under tensor parallelism a PrefillRunner makes a RankGroup (a gloo group of its own);
+    a constructor that raised after the settings were agreed (NCCL's graph mixing refused, the
+    packed ladder's settings or captures failing on a rank) left that group open, one more
+    per attempt. Every failure closes it, as enable_continuous_batching does."""
+    from breakgraph import RankMismatchError, distributed
+
+    made = []
+
+    class Group:  # stands in for RankGroup: a runner built on one rank
+        keeps_memory = False
+
+        def __init__(self, group, timeout):
+            self.closed = False
+            made.append(self)
+
+        def agree_settings(self, who, settings):
+            if failing == "packed graphs" and who == "BucketedRunner":
+                raise RankMismatchError("BucketedRunner: rank 1 was built with other buckets")
+
+        def check_graph_mixing(self, eager_collectives):
+            if failing == "graph mixing":
+                raise InputError("NCCL_GRAPH_MIXING_SUPPORT=0")
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(distributed, "tensor_parallel_group", lambda model: object())
+    monkeypatch.setattr(distributed, "RankGroup", Group)
+    with pytest.raises((RankMismatchError, InputError)):
+        make_runner(model_for("llama", "emulated"), "emulated")
+    assert [group.closed for group in made] == [True]
+
+
 @pytest.mark.parametrize("failing", ["single-prompt graphs", "tuning"])
 def test_a_construction_that_fails_late_closes_what_it_captured(failing, monkeypatch):
     """A PrefillRunner whose single-prompt ladder or tuning raises leaves no ladder open

@@ -234,10 +234,10 @@ class PrefillRunner:
                     "compile": bool(compile), "debug": self._check_ids, "backend": backend_name,
                     "model dtype": self.dtype,
                 })  # fmt: skip
-            except BaseException:
+                self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
+            except BaseException:  # no one gets a runner whose constructor raised to close
                 self.ranks.close()
                 raise
-            self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
         if single_prompt_graphs is None:
             single_prompt_graphs = backend_name == "cuda" and self.ranks is None
         if single_prompt_graphs and self.ranks is not None:
@@ -247,20 +247,25 @@ class PrefillRunner:
                 "parallelism; leave it at None (off there)."
             )
         _attention.register()
-        self._runner = BucketedRunner(
-            self._forward,
-            token_buckets,
-            static_inputs=self._steps,
-            on_miss=on_miss,
-            ranks=self.ranks,
-            slice_outputs=False,
-            warmup=warmup,
-            warmup_each=bool(compile),
-            backend=backend,
-            capture_context=self._capture_batch,
-            debug=debug,
-            progress=progress,
-        )
+        try:
+            self._runner = BucketedRunner(
+                self._forward,
+                token_buckets,
+                static_inputs=self._steps,
+                on_miss=on_miss,
+                ranks=self.ranks,
+                slice_outputs=False,
+                warmup=warmup,
+                warmup_each=bool(compile),
+                backend=backend,
+                capture_context=self._capture_batch,
+                debug=debug,
+                progress=progress,
+            )
+        except BaseException:  # it closed itself; the rank group's gloo group goes too
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
         if single_prompt_graphs:  # same buckets, same inputs, the same pool; after the packed
             # ladder, whose capture built every bucket's attention plan outside a capture
             pool = self._runner.graph(token_buckets[-1]).pool() if self._borrow else None
