@@ -158,6 +158,7 @@ class SharedPatches:
         self._lock = threading.Lock()
         self._users = 0
         self._patches: PatchSet | None = None
+        self._late: list = []  # one entry per release_later() not yet counted
 
     @property
     def installed(self) -> bool:
@@ -165,7 +166,8 @@ class SharedPatches:
 
     def acquire(self) -> None:
         with self._lock:
-            if self._users == 0:
+            self._count_late()
+            if self._patches is None:
                 patches = PatchSet()
                 try:
                     self._install(patches)
@@ -177,12 +179,28 @@ class SharedPatches:
 
     def release(self) -> None:
         with self._lock:
+            self._count_late()
             if self._users == 0:
                 return
             self._users -= 1
-            if self._users == 0 and self._patches is not None:
-                patches, self._patches = self._patches, None
-                patches.restore()
+            self._restore_if_unused()
+
+    def release_later(self) -> None:
+        """A release for a finalizer (a user collected without releasing): counted at the next
+        :meth:`acquire` or :meth:`release`. Never restored from inside the collector, which may
+        run on a thread that holds the lock, or between the two halves of an acquire."""
+        self._late.append(None)  # atomic: no lock taken here
+
+    def _count_late(self) -> None:
+        while self._late:
+            self._late.pop()
+            self._users = max(self._users - 1, 0)
+        self._restore_if_unused()
+
+    def _restore_if_unused(self) -> None:
+        if self._users == 0 and self._patches is not None:
+            patches, self._patches = self._patches, None
+            patches.restore()
 
 
 def _own_value(owner: Any, name: str) -> Any:

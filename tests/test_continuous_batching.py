@@ -260,7 +260,7 @@ def _no_full_collections_in_transformers_cleanup(monkeypatch):
 @pytest.fixture(autouse=True)
 def _nothing_left_enabled():
     yield
-    leftover = list(cb._enabled.values())
+    leftover = [handle for ref in list(cb._enabled.values()) if (handle := ref()) is not None]
     for handle in leftover:
         handle.disable()
     assert not leftover, "a test left continuous batching enabled"
@@ -1115,6 +1115,33 @@ def test_plain_generate_while_enabled_raises():
     with enable_continuous_batching(model, backend="emulated"):
         with pytest.raises(InputError, match="handle.disable"):
             model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+
+
+@needs_cb
+def test_a_model_dropped_while_enabled_is_freed_with_its_graphs():
+    """The registry of enabled models is keyed weakly by the model, but it held the handle,
+    which holds the model: a model dropped without ``disable()`` (a server swapping models)
+    stayed alive for good, weights, step runner and captured graphs included. It is freed;
+    transformers' shared replacements go at the next enable or disable (never from inside the
+    collector)."""
+    import weakref
+
+    model = build_model("llama")
+    enable_continuous_batching(model, backend="emulated")  # the handle dropped: still enabled
+    gc.collect()
+    assert generate_batch(model, random_prompts()[:2])
+    handle = cb._handle_of(model)
+    assert handle.enabled and handle.stats.replays > 0
+    graphs = [weakref.ref(handle.runner.tokens.graph(b)) for b in handle.runner.buckets]
+    alive = weakref.ref(model)
+    del model, handle
+    gc.collect()
+    assert alive() is None and not any(graph() for graph in graphs)
+    assert not cb._enabled
+    other = build_model("llama")
+    with enable_continuous_batching(other, backend="emulated"):
+        assert generate_batch(other, random_prompts()[:2])
+    assert not cb._shared.installed  # the dropped model's share went with the next disable
 
 
 # -- 3. errors -------------------------------------------------------------------------------------

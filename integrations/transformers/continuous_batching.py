@@ -90,15 +90,20 @@ _WHO = "enable_continuous_batching"
 ContinuousBatchingStats = LadderStats
 
 _lock = threading.RLock()  # enable and disable
-_enabled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> handle
+# model -> a weak reference to its handle. Weak both ways: the model holds its handle (its
+# patched init_continuous_batching is the handle's closure) and the handle the model, so a
+# model dropped without disable() is collected with its handle, step runner and graphs; a
+# strong value kept the model alive for good.
+_enabled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _handle_of(model: Any) -> ContinuousBatchingHandle | None:
     """The enabled handle of ``model`` (keyed by the model object, never by its config)."""
     try:
-        return _enabled.get(model)
+        ref = _enabled.get(model)
     except TypeError:  # not weak-referenceable: never enabled
         return None
+    return None if ref is None else ref()
 
 
 def _install_shared(patches: PatchSet) -> None:
@@ -145,8 +150,9 @@ def _settle(device: torch.device) -> None:
 def _wants_block_table(config: Any) -> bool:
     """Whether ``config`` is an enabled model's whose decode steps breakgraph reads through
     transformers' block table (:mod:`.block_table`)."""
-    for handle in list(_enabled.values()):
-        if handle.model.config is config:
+    for ref in list(_enabled.values()):
+        handle = ref()
+        if handle is not None and handle.model.config is config:
             return handle.runner.block_tables
     return False
 
@@ -214,7 +220,10 @@ class ContinuousBatchingHandle:
             self._patches.restore()
             _shared.release()
             raise
-        _enabled[model] = self
+        _enabled[model] = weakref.ref(self)
+        # collected while enabled (the model dropped without disable()): its share of the
+        # shared replacements is given back, at the next enable or disable
+        self._share = weakref.finalize(self, _shared.release_later)
         self.enabled = True
 
     def disable(self) -> None:
@@ -243,6 +252,7 @@ class ContinuousBatchingHandle:
             self.runner.close()
             self._patches.restore()
             del _enabled[self.model]
+            self._share.detach()
             _shared.release()
             self.enabled = False
             if self.ranks is not None:
