@@ -334,9 +334,11 @@ class GraphLadder:
             return
         side = stream if stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            warm_up(size)
-        torch.cuda.current_stream().wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                warm_up(size)
+        finally:  # also after a raise: the owner may free the buffers the warm-up's work uses
+            torch.cuda.current_stream().wait_stream(side)
 
     def _pool_bytes(self) -> int:
         if self._pool is None:

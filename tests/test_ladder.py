@@ -339,6 +339,30 @@ def test_tune_times_every_bucket_on_cuda():
     other.close()
 
 
+@pytest.mark.requires_cuda
+def test_a_warm_up_that_raises_is_still_joined_to_the_callers_stream():
+    """On CUDA a warm-up runs on a side stream, joined to the caller's stream after it. One that
+    raised skipped the join: the caller's stream went on (a failed runner frees its buffers, the
+    allocator hands the memory out again) while what the warm-up launched still ran."""
+    ladder = GraphLadder(backend="cuda")
+    x = torch.zeros(16, device="cuda")
+    launched = torch.cuda.Event()
+
+    def warm_up(size):
+        torch.cuda._sleep(2_000_000_000)  # about a second of device time, on the side stream
+        launched.record()
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        ladder.capture((16,), lambda size: x[:size] * 2, warm_up=warm_up)
+    caller = torch.cuda.Event()
+    caller.record()
+    caller.synchronize()
+    assert launched.query()  # the caller's stream waited for the warm-up's work
+    assert ladder.buckets == ()
+    ladder.close()
+
+
 # -- release ---------------------------------------------------------------------------------------
 
 
