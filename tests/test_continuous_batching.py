@@ -1074,6 +1074,51 @@ def test_a_capture_that_fails_when_the_first_manager_is_made_leaves_nothing_half
 
 
 @needs_cb
+def test_a_failed_nccl_capture_step_keeps_the_buffers_its_graphs_read(monkeypatch):
+    """After a capture step failed with NCCL, the ladders keep their graphs until the process
+    exits (``RankGroup.capture_step``: the failed step's collectives may still run on the
+    device, and nothing they touch may be freed); the step runner freed the static buffers
+    those graphs read all the same, when the plan failed and on close. It keeps them, as
+    ``BucketedRunner`` does (``ranks.keeps_memory``)."""
+    from breakgraph.integrations.transformers import cb_step
+
+    from breakgraph import distributed
+
+    class Ranks:  # a RankGroup on NCCL whose logits capture fails on this rank
+        keeps_memory = False
+
+        def agree(self, size, fingerprint=0, what="inputs", fix=None):
+            return size
+
+        def capture_step(self, what, step, fingerprint=None, keep=None):
+            try:
+                return step()
+            except BaseException:
+                self.keeps_memory = True
+                raise
+
+    model, kept = build_model("llama"), len(distributed._KEPT_UNTIL_EXIT)
+    runner = cb_step.StepRunner(model, backend="emulated", kernel="reference", debug=False,
+                                ranks=Ranks(), query_buckets=BUCKETS, who="test")  # fmt: skip
+
+    def fail(rows):
+        raise RuntimeError("NCCL error")
+
+    monkeypatch.setattr(runner, "_record_logits", fail)
+    try:
+        with pytest.raises(RuntimeError, match="NCCL error"):
+            runner.plan(BUCKETS[-1])
+        graphs = [g for kept_graphs in distributed._KEPT_UNTIL_EXIT[kept:] for g in kept_graphs]
+        assert graphs and all(g.num_segments for g in graphs)  # the token graphs, kept
+        for release in (lambda: None, runner.close):
+            release()
+            assert sorted(runner.inputs.tokens) == list(BUCKETS)
+            assert runner.inputs.hidden is not None
+    finally:
+        del distributed._KEPT_UNTIL_EXIT[kept:]
+
+
+@needs_cb
 def test_a_model_sharing_the_config_is_untouched():
     """Two models built from one config object: enabling one leaves the other's attention key,
     generate() and continuous batching exactly as before (the handle is keyed by the model)."""

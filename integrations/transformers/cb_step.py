@@ -384,8 +384,8 @@ class StepRunner:
         self.logits = GraphLadder(**options)
         self.ranks = ranks
         self.debug = debug
-        self.inputs = StepInputs(self.device)  # the graphs' static ids, positions, row indices
-        self._hidden: torch.Tensor | None = None  # [1, largest bucket, hidden]
+        # the graphs' static ids, positions, row indices and hidden states between the ladders
+        self.inputs = StepInputs(self.device)
         self._lock = threading.Lock()
         self._order = StepOrder() if self.tokens.backend == "cuda" else None
         self._eager_managers: weakref.WeakSet = weakref.WeakSet()  # graphs off for these
@@ -458,12 +458,8 @@ class StepRunner:
                     )
                 self._warm_kernels(self.tokens.buckets, page)
                 return
-            hidden_size = self.lm_head.weight.shape[-1]
-            with torch.inference_mode(False):
-                self._hidden = torch.zeros(
-                    1, sizes[-1], hidden_size, dtype=self.lm_head.weight.dtype, device=self.device
-                )
-            self.inputs.allocate(sizes)
+            weight = self.lm_head.weight
+            self.inputs.allocate(sizes, weight.shape[-1], weight.dtype)
             # the ladders capture thread-local: other managers may be stepping other models on
             # other threads meanwhile
             try:
@@ -472,7 +468,7 @@ class StepRunner:
                                         warm_up_each=self.compiled, context=self.step.fake)
                     self.logits.capture(sizes, self._record_logits, warm_up=self._record_logits)
             except BaseException:  # nothing half-captured: the next manager captures afresh
-                self.tokens.discard(), self.logits.discard(), self.inputs.clear()
+                self.tokens.discard(), self.logits.discard(), self.inputs.clear(self.ranks)
                 raise
             self._warm_kernels(sizes, page)
 
@@ -504,10 +500,10 @@ class StepRunner:
     def _record_tokens(self, bucket: int) -> None:
         inputs = self.inputs.tokens[bucket]
         hidden = self._decoder(inputs[0:1], inputs[1:2])
-        self._hidden[:, :bucket].copy_(hidden)
+        self.inputs.hidden[:, :bucket].copy_(hidden)
 
     def _record_logits(self, rows: int) -> torch.Tensor:
-        return self.lm_head(self._hidden.index_select(1, self.inputs.rows[rows]))
+        return self.lm_head(self.inputs.hidden.index_select(1, self.inputs.rows[rows]))
 
     # -- serving -------------------------------------------------------------------------------
     def graphs_off(self, manager) -> None:
@@ -594,7 +590,6 @@ class StepRunner:
             self.logits.close()
             if self.decode is not None:
                 self.decode.close()
-            self.inputs.clear()
-            self._hidden = None
+            self.inputs.clear(self.ranks)  # kept with the graphs after a failed NCCL step
 
 

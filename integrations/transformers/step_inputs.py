@@ -54,22 +54,27 @@ def view(cache: dict, key, make):
 
 
 class StepInputs:
-    """The static ids-and-positions buffers of every query bucket (:attr:`tokens`) and row
-    indices of every logits bucket (:attr:`rows`), allocated once (:meth:`allocate`). Not
-    thread-safe: the step runner stages under its lock."""
+    """The static ids-and-positions buffers of every query bucket (:attr:`tokens`), row
+    indices of every logits bucket (:attr:`rows`) and the hidden states between the two
+    ladders (:attr:`hidden`), allocated once (:meth:`allocate`). Not thread-safe: the step
+    runner stages under its lock."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.tokens: dict[int, torch.Tensor] = {}  # query bucket -> [2, B] ids and positions
         self.rows: dict[int, torch.Tensor] = {}  # logits bucket -> [L] row index
+        self.hidden: torch.Tensor | None = None  # [1, largest bucket, hidden size]
         #: (buffer address, bucket) -> the columns of that buffer a step may have left non-zero
         self._written: dict[tuple[int, int], int] = {}
         self._views: dict[tuple, torch.Tensor] = {}  # (kind, bucket, n) -> the buffer's columns
 
-    def allocate(self, sizes) -> None:
-        """Zeroed buffers for every bucket of ``sizes`` (the same sizes serve both ladders)."""
+    def allocate(self, sizes, hidden_size: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        """Zeroed buffers for every bucket of ``sizes`` (the same sizes serve both ladders), and
+        the ``hidden_size``-wide hidden states of the largest in ``dtype``."""
         self._views.clear()  # of any buffers before these
         with torch.inference_mode(False):
+            shape = (1, max(sizes), hidden_size)
+            self.hidden = torch.zeros(shape, dtype=dtype, device=self.device)
             for size in sizes:
                 self.tokens[size] = torch.zeros(2, size, dtype=torch.long, device=self.device)
                 self.rows[size] = torch.zeros(size, dtype=torch.long, device=self.device)
@@ -98,8 +103,13 @@ class StepInputs:
             torch.arange(rows, out=index[:rows])
         return index
 
-    def clear(self) -> None:
-        """Release every buffer (the runner's ``close``)."""
+    def clear(self, ranks=None) -> None:
+        """Release every buffer (the runner's ``close``, a failed capture), unless ``ranks`` keep
+        memory: after a capture step failed with NCCL, the graphs that read these buffers are
+        kept until the process exits (``RankGroup.capture_step``), and so are they."""
+        if ranks is not None and ranks.keeps_memory:
+            return
+        self.hidden = None
         self.tokens.clear()
         self.rows.clear()
         self._written.clear()
