@@ -301,6 +301,7 @@ def test_single_prompt_graphs_match_the_eager_model(arch, backend, closing):
     for bucket in BUCKETS:
         assert runner.graph(bucket, single_prompt=True).num_breaks == moe_layers
         assert runner.graph(bucket).num_breaks == layers + moe_layers
+        assert runner.graph(bucket, single_prompt=True).pool() == runner.graph(bucket).pool()
     generator = torch.Generator().manual_seed(3)
     lengths = (5, 16, 20, 48, 1)  # tails of 11, 0, 28, 0 and 15 tokens
     for n in lengths:

@@ -266,9 +266,11 @@ class PrefillRunner:
             if self.ranks is not None:
                 self.ranks.close()
             raise
-        if single_prompt_graphs:  # same buckets, same inputs, the same pool; after the packed
-            # ladder, whose capture built every bucket's attention plan outside a capture
-            pool = self._runner.graph(token_buckets[-1]).pool() if self._borrow else None
+        if single_prompt_graphs:  # same buckets, same inputs, the same pool (on the emulated
+            # backend too, whose pools count their graphs as torch does: the CPU tests check the
+            # sharing); after the packed ladder, whose capture built every bucket's attention
+            # plan outside a capture
+            pool = self._runner.graph(token_buckets[-1]).pool()
             try:
                 self._single = BucketedRunner(
                     functools.partial(self._forward, inline=True),
