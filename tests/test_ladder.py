@@ -169,6 +169,25 @@ def test_a_pool_a_failed_capture_spoiled_is_left_for_a_new_one(monkeypatch):
     assert ladder.buckets == (4, 32) and ladder.graph(4).pool() is not spoiled
 
 
+def test_a_given_pool_torch_gave_up_is_left_for_a_new_one(backend, device):
+    """A pool given to the ladder whose last graph went before the ladder captured into it:
+    the capture is refused by name, and the next one starts a new pool, on both backends (the
+    emulated backend said such a pool was still usable, so every later capture failed too)."""
+    owner = Owner(device, (4, 16))
+    other = breakgraph.BreakableCUDAGraph()
+    with breakgraph.capture(other, backend=backend):
+        out = owner.buffers[16] * 3  # held: the pool's memory stays in use
+    pool = other.pool()
+    ladder = GraphLadder(backend=backend, pool=pool)
+    other.reset()
+    with pytest.raises(breakgraph.CaptureError, match="has no live graph any more"):
+        ladder.capture((16,), owner.record, context=lambda size: size)
+    ladder.capture((4, 16), owner.record, context=lambda size: size)
+    assert ladder.buckets == (4, 16) and ladder.graph(4).pool() == ladder.graph(16).pool()
+    assert ladder.graph(16).pool() != pool and out.shape == (16, 3)
+    ladder.close()
+
+
 def count_collections(monkeypatch) -> list:
     collections, real_collect = [], gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or real_collect(*a))

@@ -9,6 +9,7 @@ import torch
 import breakgraph
 from breakgraph import CaptureError, InputError, ReplayError
 from breakgraph.runner import BucketedRunner
+from tests.helpers import assert_clean
 
 BUCKETS = (4, 16, 64)
 
@@ -348,6 +349,7 @@ def test_a_constructor_that_fails_halfway_releases_what_it_captured(backend, dev
     assert len(graphs) == len(BUCKETS)  # 64 and 16 captured, 4 failed
     assert all(g.num_segments == 0 for g in graphs), [g.num_segments for g in graphs]
     assert runner.ladder.closed and runner.buckets == ()
+    assert_clean()
 
 
 @pytest.mark.parametrize(

@@ -87,8 +87,9 @@ class Backend(Protocol):
         ...
 
     def pool_usable(self, pool: Any) -> bool:
-        """Whether a new capture can record into ``pool`` (CUDA: not after a capture into it
-        was invalidated, see :mod:`breakgraph.backends.cuda`)."""
+        """Whether a new capture can record into ``pool`` (not after a capture into it was
+        invalidated, see :mod:`breakgraph.backends.cuda`, nor once torch gave it up with its
+        last graph, :func:`released_pool_error`)."""
         ...
 
 

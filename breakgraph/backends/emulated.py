@@ -338,7 +338,8 @@ class EmulatedBackend:
         return EmulatedSession(options, observer)
 
     def pool_usable(self, pool: Any) -> bool:
-        return True
+        # as the CUDA backend, which knows a pool torch gave up once a capture was refused
+        return not (isinstance(pool, EmulatedPool) and pool.released)
 
     def pool_bytes(self, pool: Any) -> int | None:
         return None  # emulated segments allocate nothing of their own
