@@ -149,3 +149,40 @@ def test_hooks_are_removed_after_captures():
     event.record()  # the originals work as before
     torch.cuda.current_stream().wait_event(event)
     event.synchronize()
+
+
+def test_a_segment_end_cuda_refuses_leaves_the_pool_to_a_new_capture():
+    """A fork breakgraph cannot see (an event recorded and waited on below torch's Python
+    ``Event``) leaves work unjoined, and CUDA refuses to end the segment. The session had already
+    let go of the segment's graph, so nothing told the allocator the capture was over: the
+    pool stayed recording, and the next capture into it failed with torch's internal
+    ``beginAllocateToPool: already recording to mempool_id`` (a GraphLadder would not know to
+    leave it). Now that pool is refused by name, and a new pool captures as ever (checked on an
+    H200: torch's error before, this one after)."""
+    x = torch.ones(4, device="cuda")
+    first = BreakableCUDAGraph()
+    with capture(first):
+        held = x * 2
+    pool = first.pool()
+
+    def untracked_fork():
+        x * 3
+        side, event = torch.cuda.Stream(priority=-1), torch.cuda.Event()
+        torch._C._CudaEventBase.record(event, torch.cuda.current_stream())
+        torch._C._CudaEventBase.wait(event, side)
+        with torch.cuda.stream(side):
+            x + 1
+
+    with pytest.raises(breakgraph.HostSyncError, match="unjoined"):
+        with capture(BreakableCUDAGraph(), pool=pool):
+            untracked_fork()
+    assert_clean()
+    with pytest.raises(breakgraph.CaptureError, match="CUDA invalidated"):
+        with capture(BreakableCUDAGraph(), pool=pool):
+            x * 4
+    g = BreakableCUDAGraph()
+    with capture(g):  # a new pool
+        out = x * 5 + torch.rand_like(x)
+    g.replay()
+    torch.cuda.synchronize()
+    assert out.shape == (4,) and held.shape == (4,)

@@ -140,7 +140,7 @@ class CudaSession:
 
     def end_segment(self) -> CudaSegment:
         graph, mode = self._graph, self._mode
-        self._graph = self._mode = None
+        self._mode = None
         operations = None
         if mode is not None:
             mode.__exit__(None, None, None)
@@ -148,6 +148,10 @@ class CudaSession:
         unjoined = self.tracker.join_all()
         with quiet_empty_graph(not operations):  # a break right after another
             graph.capture_end()
+        # kept until here: a capture_end that CUDA refused (a capture invalidated with no error
+        # at the operation, a side stream not joined) leaves abort() the graph to end, so the
+        # allocator stops recording to the pool and the pool is probed (close)
+        self._graph = None
         graph.replay()  # real values for the eager code that follows
         return CudaSegment(graph, operations, unjoined)
 
