@@ -302,7 +302,7 @@ class RankGroup:
             except RankFailedError:
                 failed = []
             self._broken = f"{what} failed on rank(s) {failed or [self._me]}"
-            self._keep_until_exit(keep)
+            self.keep_until_exit(keep)
             if level == _COLLATERAL and failed and self._me not in failed:
                 raise RankFailedError(
                     f"RankGroup: {what} failed on rank(s) {failed}, which cut off this rank's "
@@ -319,7 +319,7 @@ class RankGroup:
         _, same, failed = self._exchange(0, fingerprint(result) if fingerprint else 0, 0)
         if failed:
             self._broken = f"{what} failed on rank(s) {failed}"
-            self._keep_until_exit(keep)
+            self.keep_until_exit(keep)
             raise RankFailedError(
                 f"RankGroup: {what} failed on rank(s) {failed} (see the error there); rank "
                 f"{self._me} stopped instead of waiting for their collectives. The model's "
@@ -327,7 +327,7 @@ class RankGroup:
             )
         if not same:
             self._broken = f"{what} differed across ranks"
-            self._keep_until_exit(keep)
+            self.keep_until_exit(keep)
             raise RankMismatchError(
                 f"RankGroup: {what} produced different segments or breaks on different ranks, "
                 f"so their replays would not run the same collectives. Every rank must run the "
@@ -398,7 +398,7 @@ class RankGroup:
         """True once a step failed with NCCL: graphs must not be freed (see capture_step)."""
         return self.nccl and self._broken is not None
 
-    def _keep_until_exit(self, keep: Any) -> None:
+    def keep_until_exit(self, keep: Any) -> None:
         """With NCCL, never free what a failed capture step touched (see capture_step).
         A snapshot: the owner may clear its own containers later."""
         if self.nccl and keep is not None:

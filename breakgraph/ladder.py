@@ -145,7 +145,6 @@ class GraphLadder:
         self.who = who
         self.stats = LadderStats()
         self.closed = False
-        self._given_pool = pool  # the caller's; after a discard the next capture starts there
         self._pool = pool
         self._rungs: dict[int, _Rung] = {}
         self._sizes: tuple[int, ...] = ()
@@ -518,8 +517,8 @@ class GraphLadder:
 
     def discard(self) -> None:
         """Release every graph and stay open: the next capture starts from none (an owner whose
-        capture phase failed halfway leaves nothing half-captured), in a new pool or the one
-        the ladder was given (torch gives a pool up with its last graph). Counters stay
+        capture phase failed halfway leaves nothing half-captured), in a new pool: torch gives
+        a pool up with its last graph, even one the ladder was given. Counters stay
         readable."""
         self._check_open("discard")
         self._release()
@@ -530,9 +529,10 @@ class GraphLadder:
         self._sizes = ()
         self._decisions.clear()
         self._faster = {}
-        # torch gives a pool up with its last graph (backends.base.released_pool_error): a
-        # pool the ladder made itself is not captured into again
-        self._pool = self._given_pool
+        if graphs:  # torch gives a pool up with its last graph (backends.base
+            # .released_pool_error), and whether these were the last of a pool the ladder was
+            # given is not known here: the next capture starts a new pool
+            self._pool = None
         distributed.release_graphs(graphs, self.ranks)
 
     def _check_open(self, what: str) -> None:

@@ -235,7 +235,7 @@ class SegmentMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
-        if generator is not None and own_generator(generator, self.all_devices):
+        if isinstance(generator, torch.Generator) and own_generator(generator, self.all_devices):
             raise CaptureError(  # whether syncs are checked or not: CUDA refuses it either way
                 f"breakgraph.capture: {func} draws from a torch.Generator of your own at "
                 f"{_user_frame()}, inside a captured segment. A CUDA graph advances only the "

@@ -1086,6 +1086,10 @@ def test_a_failed_nccl_capture_step_keeps_the_buffers_its_graphs_read(monkeypatc
 
     class Ranks:  # a RankGroup on NCCL whose logits capture fails on this rank
         keeps_memory = False
+        kept: list = []
+
+        def keep_until_exit(self, keep):
+            self.kept.append(distributed._snapshot(keep))
 
         def agree(self, size, fingerprint=0, what="inputs", fix=None):
             return size
@@ -1114,6 +1118,13 @@ def test_a_failed_nccl_capture_step_keeps_the_buffers_its_graphs_read(monkeypatc
             release()
             assert sorted(runner.inputs.tokens) == list(BUCKETS)
             assert runner.inputs.hidden is not None
+        # a later allocate replaces the runner's buffers: the kept graphs' still live
+        hidden, tokens = runner.inputs.hidden, runner.inputs.tokens[BUCKETS[0]]
+        runner.inputs.allocate(BUCKETS, hidden.shape[-1], hidden.dtype)
+        assert runner.inputs.hidden is not hidden
+        held = [t for keep in Ranks.kept for part in keep
+                for t in (part if isinstance(part, tuple) else (part,))]  # fmt: skip
+        assert any(t is hidden for t in held) and any(t is tokens for t in held)
     finally:
         del distributed._KEPT_UNTIL_EXIT[kept:]
 

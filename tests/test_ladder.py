@@ -12,6 +12,7 @@ import torch
 import breakgraph
 from breakgraph import InputError, ReplayError, distributed
 from breakgraph import ladder as ladder_module
+from breakgraph.backends.emulated import EmulatedPool
 from breakgraph.ladder import (
     Action,
     Decision,
@@ -420,6 +421,22 @@ def test_discard_releases_every_graph_and_captures_again(backend, device):
     ladder.close()
     with pytest.raises(ReplayError, match="closed by close"):
         ladder.discard()
+
+
+def test_discard_of_a_ladder_given_a_fresh_pool_captures_again(backend, device):
+    """A ladder given a pool of its own (``torch.cuda.graph_pool_handle()``) held that pool's
+    only graphs: discarding them gave the pool up, and going back to it failed the next
+    capture ("no live graph any more"). After a discard the ladder starts a new pool."""
+    fresh = torch.cuda.graph_pool_handle() if backend == "cuda" else EmulatedPool()
+    ladder, owner = make(backend, device, pool=fresh)
+    assert ladder.graph(4).pool() == fresh
+    ladder.discard()
+    ladder.capture((4, 16), owner.record, context=lambda size: size)
+    owner.buffers[4].copy_(torch.randn(4, 3, device=device))
+    out = ladder.replay(4, 5)  # the replay context is added to every element
+    torch.testing.assert_close(out, owner.buffers[4] * 2 + 5)
+    assert ladder.graph(4).pool() != fresh
+    ladder.close()
 
 
 # -- ranks: every warm-up and capture a checked step, one exchange per decision ------------------

@@ -912,7 +912,7 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
         assert all(g.num_segments > 0 for g in graphs)  # not reset
         # capture_step's own keep is a snapshot: clearing the owner's dict keeps the values
         owner = {4: "graph"}
-        ranks._keep_until_exit((owner, "buffer"))
+        ranks.keep_until_exit((owner, "buffer"))
         owner.clear()
         assert distributed._KEPT_UNTIL_EXIT[-1] == (("graph",), "buffer")
         ranks._broken = None

@@ -106,8 +106,10 @@ class StepInputs:
     def clear(self, ranks=None) -> None:
         """Release every buffer (the runner's ``close``, a failed capture), unless ``ranks`` keep
         memory: after a capture step failed with NCCL, the graphs that read these buffers are
-        kept until the process exits (``RankGroup.capture_step``), and so are they."""
+        kept until the process exits (``RankGroup.capture_step``), and so are they, also when
+        a later :meth:`allocate` replaces them here."""
         if ranks is not None and ranks.keeps_memory:
+            ranks.keep_until_exit((self.hidden, self.tokens, self.rows))
             return
         self.hidden = None
         self.tokens.clear()
