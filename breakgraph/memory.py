@@ -1,4 +1,4 @@
-"""Borrowed tensors: read and write memory that something else keeps alive.
+"""What keeps graph memory alive: borrowed tensors, and methods held weakly.
 
 A :class:`~breakgraph.BreakableCUDAGraph` holds every tensor that crosses a break
 strongly, which is always safe. A runner that captures a ladder of buckets into one
@@ -22,13 +22,25 @@ Example::
     >>> _ = owner.add_(1)
     >>> alias.tolist()
     [1.0, 2.0, 3.0, 4.0]
+
+An object that hands one of its own methods to a runner it keeps (``BucketedRunner(self.forward,
+...)``) makes a reference cycle: the object holds the runner, the runner the bound method, the
+method the object. Reference counting never frees a cycle, so a dropped object's graphs, and
+the pool memory they hold, would wait for Python's cyclic collector. :func:`weak_method` hands
+the runner the method without the object.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-__all__ = ["borrowed"]
+from .errors import ReplayError
+
+__all__ = ["borrowed", "weak_method"]
 
 
 def borrowed(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,3 +51,37 @@ def borrowed(tensor: torch.Tensor) -> torch.Tensor:
     )
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # allocates nothing
     return alias.set_(alias_storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def weak_method(method: Callable) -> Callable:
+    """``method`` (a bound method) as a callable that does not keep its object alive; called
+    after the object is gone, it raises ``ReplayError``.
+
+    Example::
+
+        >>> import torch
+        >>> from breakgraph.runner import BucketedRunner
+        >>> class Doubler:
+        ...     def __init__(self):
+        ...         self.runner = BucketedRunner(weak_method(self.forward), (4,),
+        ...                                      (torch.zeros(1),), backend="emulated")
+        ...     def forward(self, x):
+        ...         return x * 2
+        >>> doubler = Doubler()
+        >>> doubler.runner(torch.ones(3)).tolist()
+        [2.0, 2.0, 2.0]
+        >>> del doubler  # no cycle: freed at once, with its runner and graphs
+    """
+    owner, function, name = weakref.ref(method.__self__), method.__func__, method.__qualname__
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        obj = owner()
+        if obj is None:
+            raise ReplayError(
+                f"{name}: its object was deleted (a runner kept it weakly); keep the object "
+                f"alive while its runner is used."
+            )
+        return function(obj, *args, **kwargs)
+
+    call.__name__, call.__qualname__ = method.__name__, name  # not __wrapped__: that holds it
+    return call

@@ -47,6 +47,27 @@ def assert_clean(graph=None):
             graph.replay()
 
 
+@contextlib.contextmanager
+def collector_off():
+    """Python's cyclic garbage collector off for the block (as it was after): an object in a
+    reference cycle outlives its last reference there, so a test can check that ``del`` alone
+    (reference counting) frees a runner and its graphs, whose pool memory goes back with them.
+
+    One collection first, of the garbage made before the block: the first capture of a process
+    may import ``torch._dynamo``, whose import leaves a frame in a cycle with itself
+    (``torch.fx.wrap``), and that frame's callers, the runner's constructor among them, stay
+    alive until a collection. An object still referenced is not collected, so it cannot hide
+    a cycle that only the ``del`` inside the block makes garbage."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 # -- checks that need a process of their own -----------------------------------------------------
 
 _FRESH_CHECKS: dict[str, tuple[str, bool]] = {}  # name -> (script, must run first)

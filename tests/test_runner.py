@@ -413,3 +413,49 @@ def test_pad_values_the_dtype_holds_are_written(dtype, pad):
     (buffer,) = StaticInputs((torch.zeros(1, 2, dtype=dtype),), pad_values=pad).allocate(3)
     expected = torch.full((3, 2), pad, dtype=dtype)
     assert torch.equal(buffer, expected) or (buffer.isnan().all() and expected.isnan().all())
+
+
+def test_a_dropped_runner_and_its_graphs_are_freed_at_del(backend, device):
+    """``del`` alone (reference counting, the collector off) frees a runner and its graphs,
+    eager breaks and capture contexts included, so their pool's memory goes back at once; so
+    does an object that keeps a runner over its own methods, handed over with ``weak_method``
+    (bound, they would make a reference cycle: object, runner, method, object)."""
+    import weakref
+
+    from breakgraph.memory import weak_method
+    from tests.helpers import collector_off
+
+    runner, _ = make(device, backend)
+    runner(torch.randn(5, 8, device=device), context=5)
+
+    class Owner:
+        def __init__(self):
+            self.w = torch.randn(8, 8, device=device)
+            self.runner = BucketedRunner(
+                weak_method(self.forward),
+                BUCKETS,
+                (torch.randn(1, 8, device=device),),
+                backend=backend,
+                warmup=1,
+                capture_context=weak_method(self.context_of),
+            )
+
+        def forward(self, x):
+            return scale_real_rows(x @ self.w)
+
+        def context_of(self, size):
+            return size
+
+    owner = Owner()
+    x = torch.randn(5, 8, device=device)
+    with breakgraph.context_scope(5):
+        expected = scale_real_rows(x @ owner.w)
+    torch.testing.assert_close(owner.runner(x, context=5), expected)
+    forward = owner.runner.fn
+    with collector_off():
+        refs = [weakref.ref(o) for o in (runner, owner, owner.runner)]
+        refs += [weakref.ref(r.graph(b)) for r in (runner, owner.runner) for b in BUCKETS]
+        del runner, owner
+        assert [ref() is None for ref in refs] == [True] * len(refs)
+    with pytest.raises(ReplayError, match="Owner.forward: its object was deleted"):
+        forward(x)

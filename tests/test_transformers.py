@@ -1053,6 +1053,32 @@ def test_an_owned_output_does_not_keep_its_runner_alive(backend):
     assert alive() is None
 
 
+@pytest.mark.parametrize("single_prompt_graphs", [None, True])
+def test_a_dropped_runner_and_its_graphs_are_freed_at_del(backend, single_prompt_graphs):
+    """The runner's ``BucketedRunner``s held its bound methods (the forward, the capture batch):
+    a reference cycle, so ``del runner`` freed nothing, and its graphs kept their pool's memory
+    until Python's cyclic collector ran (``torch.cuda.empty_cache()`` gave nothing back). They
+    hold them weakly (``breakgraph.memory.weak_method``): reference counting frees the runner
+    and every graph at ``del``, with the collector off."""
+    import weakref
+
+    from tests.helpers import collector_off
+
+    device, _ = device_dtype(backend)
+    runner = make_runner(model_for("llama", backend), backend,
+                         single_prompt_graphs=single_prompt_graphs, tune_buckets=True)  # fmt: skip
+    out = runner.prefill(prompts_of([5, 7], device))
+    runner.prefill([prompt(9, device)])
+    graphs = runner.graphs()
+    assert len(graphs) == len(BUCKETS) * (2 if single_prompt_graphs else 1)
+    with collector_off():
+        refs = [weakref.ref(runner), *(weakref.ref(g) for g in graphs.values())]
+        del runner, graphs
+        assert [ref() is None for ref in refs] == [True] * len(refs)
+    with pytest.raises(InputError, match="closed or deleted"):
+        out.cache(0)
+
+
 @pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "LlamaModel"])
 def test_non_causal_lm_heads_are_rejected(head):
     """Item 7: a supported model_type with another head must not be served as a causal LM."""
@@ -1139,6 +1165,50 @@ def test_a_tensor_parallel_construction_that_fails_closes_its_rank_group(failing
     with pytest.raises((RankMismatchError, InputError)):
         make_runner(model_for("llama", "emulated"), "emulated")
     assert [group.closed for group in made] == [True]
+
+
+def test_a_failed_nccl_capture_step_keeps_the_runner_until_exit(monkeypatch):
+    """After a capture step failed with NCCL the ladder keeps its graphs and the callables it
+    captured with until the process exits (``RankGroup.capture_step``: the failed step's
+    collectives may still run, and nothing they read may be freed). Those callables hold the
+    runner weakly (a dropped runner is freed at ``del``), so a constructor that fails so keeps
+    the runner itself, with its buffers and model."""
+    from breakgraph import distributed
+
+    kept, before = [], len(distributed._KEPT_UNTIL_EXIT)
+
+    class Group:  # stands in for RankGroup on NCCL: the first capture fails on this rank
+        keeps_memory = False
+
+        def __init__(self, group, timeout):
+            pass
+
+        def agree_settings(self, who, settings):
+            pass
+
+        def check_graph_mixing(self, eager_collectives):
+            pass
+
+        def capture_step(self, what, step, fingerprint=None, keep=None):
+            if what.startswith("capture"):
+                self.keeps_memory = True
+                raise RuntimeError("NCCL error")
+            return step()
+
+        def keep_until_exit(self, keep):
+            kept.append(keep)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(distributed, "tensor_parallel_group", lambda model: object())
+    monkeypatch.setattr(distributed, "RankGroup", Group)
+    try:
+        with pytest.raises(RuntimeError, match="NCCL error"):
+            make_runner(model_for("llama", "emulated"), "emulated")
+        assert [type(k) for k in kept] == [PrefillRunner]
+    finally:
+        del distributed._KEPT_UNTIL_EXIT[before:]
 
 
 @pytest.mark.parametrize("failing", ["single-prompt graphs", "tuning"])

@@ -49,7 +49,7 @@ from breakgraph.buckets import Action, expected_padding, validate_buckets, valid
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
 from breakgraph.ladder_stats import combined
-from breakgraph.memory import borrowed
+from breakgraph.memory import borrowed, weak_method
 from breakgraph.runner import BucketedRunner
 
 from . import attention as _attention
@@ -247,9 +247,13 @@ class PrefillRunner:
                 "parallelism; leave it at None (off there)."
             )
         _attention.register()
+        # the runners hold this one's methods weakly: bound, they would make a reference cycle
+        # (self -> runner -> method -> self) that keeps a dropped runner's graphs and their
+        # pool memory until Python's cyclic collector runs (see breakgraph.memory)
+        forward, capture_batch = weak_method(self._forward), weak_method(self._capture_batch)
         try:
             self._runner = BucketedRunner(
-                self._forward,
+                forward,
                 token_buckets,
                 static_inputs=self._steps,
                 on_miss=on_miss,
@@ -258,12 +262,16 @@ class PrefillRunner:
                 warmup=warmup,
                 warmup_each=bool(compile),
                 backend=backend,
-                capture_context=self._capture_batch,
+                capture_context=capture_batch,
                 debug=debug,
                 progress=progress,
             )
         except BaseException:  # it closed itself; the rank group's gloo group goes too
             if self.ranks is not None:
+                if self.ranks.keeps_memory:  # a failed NCCL step: its graphs stay until exit,
+                    # with what they read; the ladder keeps the runner's methods, which hold
+                    # this one only weakly, so its buffers and model are kept here
+                    self.ranks.keep_until_exit(self)
                 self.ranks.close()
             raise
         if single_prompt_graphs:  # same buckets, same inputs, the same pool (on the emulated
@@ -273,7 +281,7 @@ class PrefillRunner:
             pool = self._runner.graph(token_buckets[-1]).pool()
             try:
                 self._single = BucketedRunner(
-                    functools.partial(self._forward, inline=True),
+                    functools.partial(forward, inline=True),
                     token_buckets,
                     static_inputs=self._steps,
                     on_miss=on_miss,
@@ -281,7 +289,7 @@ class PrefillRunner:
                     warmup=1,
                     backend=backend,
                     pool=pool,
-                    capture_context=self._capture_batch,
+                    capture_context=capture_batch,
                     debug=debug,
                     progress=progress,
                 )
