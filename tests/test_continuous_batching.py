@@ -55,6 +55,7 @@ from breakgraph.errors import BackendError, InputError, ReplayError  # noqa: E40
 from tests.helpers import (  # noqa: E402
     busy_gpu,
     cb_loop_wake_event,
+    collector_off,
     compiled_decode_kernels,
     no_full_collections_in_cb_cleanup,
 )
@@ -1198,6 +1199,28 @@ def test_a_model_dropped_while_enabled_is_freed_with_its_graphs():
     with enable_continuous_batching(other, backend="emulated"):
         assert generate_batch(other, random_prompts()[:2])
     assert not cb._shared.installed  # the dropped model's share went with the next disable
+
+
+@needs_cb
+def test_a_disabled_handle_frees_its_step_runner_and_model_at_del():
+    """``disable()`` releases the graphs, but the step runner sat in a reference cycle with its
+    decode graphs (they held its bound record method), and the runner holds the model: ``del
+    handle, model`` kept the weights until Python's cyclic collector ran. The decode graphs
+    hold the method weakly: reference counting frees the model, the handle and the runner at
+    ``del``, with the collector off."""
+    import weakref
+
+    model = build_model("llama")
+    handle = enable_continuous_batching(model, backend="emulated")
+    assert generate_batch(model, random_prompts()[:2])
+    assert handle.decode_graphs is not None and handle.stats.replays > 0
+    graphs = [weakref.ref(handle.runner.tokens.graph(b)) for b in handle.runner.buckets]
+    handle.disable()
+    assert not any(graph() for graph in graphs)  # released by disable()
+    with collector_off():
+        refs = [weakref.ref(o) for o in (model, handle, handle.runner, handle.decode_graphs)]
+        del model, handle
+        assert [ref() is None for ref in refs] == [True] * len(refs)
 
 
 # -- 3. errors -------------------------------------------------------------------------------------

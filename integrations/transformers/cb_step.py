@@ -49,6 +49,7 @@ from breakgraph.buckets import Action
 from breakgraph.errors import InputError
 from breakgraph.ladder import GraphLadder
 from breakgraph.ladder_stats import combined
+from breakgraph.memory import weak_method
 
 from . import compat
 from .attention import (
@@ -397,7 +398,7 @@ class StepRunner:
         q_heads = getattr(model.config, "num_attention_heads", None)
         wanted = decode_graphs and ranks is None and None not in (layers, q_heads)
         if wanted and (self.tokens.backend != "cuda" or kernel == "flash"):
-            self.decode = DecodeGraphs(self._record_tokens, layers, q_heads,
+            self.decode = DecodeGraphs(weak_method(self._record_tokens), layers, q_heads,
                                        backend=self.tokens.backend, debug=debug,
                                        who=who)  # fmt: skip
         # transformers' decode fast path (a block table, no index lists: .block_table) where
