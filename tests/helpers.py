@@ -68,6 +68,26 @@ def collector_off():
             gc.enable()
 
 
+def run_threads(*targets, timeout=300):
+    """Run each callable on a thread of its own; raise the first exception one of them raised."""
+    errors = []
+
+    def guarded(target):
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(target,)) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert not any(thread.is_alive() for thread in threads), "a thread did not finish"
+    if errors:
+        raise errors[0]
+
+
 # -- checks that need a process of their own -----------------------------------------------------
 
 _FRESH_CHECKS: dict[str, tuple[str, bool]] = {}  # name -> (script, must run first)

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import types
+import weakref
 
 import pytest
 import torch
@@ -58,6 +59,7 @@ from tests.helpers import (  # noqa: E402
     collector_off,
     compiled_decode_kernels,
     no_full_collections_in_cb_cleanup,
+    run_threads,
 )
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
@@ -915,6 +917,52 @@ def test_two_threads_share_one_enabled_model():
     assert handle.runner.tokens.stats.captures == len(BUCKETS)  # once for both managers
     # two caches in turn: each keeps its decode graphs (no capture per step)
     assert handle.decode_graphs.layouts <= 2 and handle.decode_graphs.stats.replays > 0
+
+
+@needs_cb
+def test_a_manager_created_while_another_thread_enables_a_model(monkeypatch):
+    """Creating a manager lists the enabled models (transformers' decode fast-path gate asks
+    whether the model's steps read a block table) while another thread may enable or disable
+    another model; the listing looped over the live registry and raised "dictionary changed
+    size during iteration" in the creating thread. Paused inside the listing (a registry whose
+    listing stops after its first model), the creation now goes on once the other thread's
+    enable, which waits for the listing, is done or has had half a second."""
+    serving, other = build_model("llama"), build_model("qwen3")
+    listing, enabled = threading.Event(), threading.Event()
+
+    class PausedListing(weakref.WeakKeyDictionary):
+        def values(self):
+            for i, value in enumerate(super().values()):
+                yield value
+                if i == 0 and not listing.is_set():
+                    listing.set()
+                    enabled.wait(timeout=0.5)  # the other enable ran in full here, before
+
+    monkeypatch.setattr(cb, "_enabled", PausedListing())
+    handles = []
+
+    def create():
+        manager = serving.init_continuous_batching(
+            generation_config=generation_config(), continuous_batching_config=cb_config()
+        )
+        assert not manager.is_running()
+
+    def enable_other():
+        assert listing.wait(timeout=120), "creating a manager never listed the enabled models"
+        try:
+            handles.append(enable_continuous_batching(other, backend="emulated",
+                                                      query_buckets=BUCKETS))  # fmt: skip
+        finally:
+            enabled.set()
+
+    try:
+        with enable_continuous_batching(serving, backend="emulated", query_buckets=BUCKETS):
+            run_threads(create, enable_other)
+        assert handles[0].enabled
+    finally:
+        for handle in handles:
+            handle.disable()
+    assert not cb._shared.installed
 
 
 @needs_cb

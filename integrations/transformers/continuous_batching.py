@@ -95,6 +95,11 @@ _lock = threading.RLock()  # enable and disable
 # model dropped without disable() is collected with its handle, step runner and graphs; a
 # strong value kept the model alive for good.
 _enabled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# held to add or remove an entry of _enabled and to list its handles: a manager created on one
+# thread lists them (_wants_block_table) while another thread enables or disables another model
+# (iterating a dict that changes size raises). Never held for longer than that: _lock is held
+# through a whole enable, which can wait for other ranks.
+_registry = threading.Lock()
 
 
 def _handle_of(model: Any) -> ContinuousBatchingHandle | None:
@@ -150,8 +155,9 @@ def _settle(device: torch.device) -> None:
 def _wants_block_table(config: Any) -> bool:
     """Whether ``config`` is an enabled model's whose decode steps breakgraph reads through
     transformers' block table (:mod:`.block_table`)."""
-    for ref in list(_enabled.values()):
-        handle = ref()
+    with _registry:
+        handles = [ref() for ref in _enabled.values()]
+    for handle in handles:
         if handle is not None and handle.model.config is config:
             return handle.runner.block_tables
     return False
@@ -220,7 +226,8 @@ class ContinuousBatchingHandle:
             self._patches.restore()
             _shared.release()
             raise
-        _enabled[model] = weakref.ref(self)
+        with _registry:
+            _enabled[model] = weakref.ref(self)
         # collected while enabled (the model dropped without disable()): its share of the
         # shared replacements is given back, at the next enable or disable
         self._share = weakref.finalize(self, _shared.release_later)
@@ -251,7 +258,8 @@ class ContinuousBatchingHandle:
                 manager.start = _retired_start  # its cache was built for breakgraph's key
             self.runner.close()
             self._patches.restore()
-            del _enabled[self.model]
+            with _registry:
+                del _enabled[self.model]
             self._share.detach()
             _shared.release()
             self.enabled = False
