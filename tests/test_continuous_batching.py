@@ -966,6 +966,39 @@ def test_a_manager_created_while_another_thread_enables_a_model(monkeypatch):
 
 
 @needs_cb
+def test_a_manager_created_while_another_thread_disables_the_model_is_retired():
+    """disable() on one thread while another creates a manager of the same model: the manager
+    was made for breakgraph's attention key, the model was then restored under it, and it was
+    not among the managers disable() retires, so once started it served the paged cache's
+    steps with plain sdpa: other tokens, silently. Here disable() runs in full (or tries to,
+    for half a second) right before the creation registers its manager; it now waits for the
+    creation and retires the new manager with the others."""
+    model = build_model("llama")
+    handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    disabling = threading.Thread(target=handle.disable)
+
+    class DisabledMeanwhile(weakref.WeakSet):  # where the creation registers its manager
+        def add(self, manager):
+            disabling.start()
+            disabling.join(timeout=0.5)
+            super().add(manager)
+
+    handle._managers = DisabledMeanwhile()
+    manager = model.init_continuous_batching(
+        generation_config=generation_config(), continuous_batching_config=cb_config()
+    )
+    disabling.join(timeout=60)
+    assert not handle.enabled
+    try:
+        with pytest.raises(ReplayError, match="init_continuous_batching"):
+            manager.start()
+    finally:
+        if manager.is_running():
+            manager.stop(block=True, timeout=60)
+    assert generate_batch(model, random_prompts()[:2])  # a new manager works, stock
+
+
+@needs_cb
 def test_debug_mode_serves_exact_tokens():
     """Debug mode checks every graph input before each segment; transformers hands the model a
     fresh view of its refilled buffers on every step, which must not look stale."""

@@ -185,6 +185,10 @@ class ContinuousBatchingHandle:
                                  decode_graphs=decode_graphs, compile=compile)  # fmt: skip
         self._patches = PatchSet()
         self._managers: weakref.WeakSet = weakref.WeakSet()  # created while enabled
+        # held while a manager is created and by disable(): a manager made while another thread
+        # disables is then either made stock (after) or retired by it (before), never left
+        # configured for breakgraph's key on a model restored under it
+        self._managing = threading.RLock()
 
     @property
     def stats(self) -> ContinuousBatchingStats:
@@ -240,7 +244,7 @@ class ContinuousBatchingHandle:
         manager of the model) is running: stop it first. Managers created while enabled
         are destroyed; starting one again raises ``ReplayError``.
         """
-        with _lock:
+        with self._managing, _lock:  # a creation under way first, other models meanwhile
             if not self.enabled:
                 return
             managers = list(self._managers)
@@ -295,15 +299,19 @@ class ContinuousBatchingHandle:
     def _init(self, original):
         def init_continuous_batching(generation_config=None, continuous_batching_config=None,
                                      *args, **kwargs):  # fmt: skip
-            if compat.cached_manager(self.model) is not None:  # transformers returns it
-                return original(generation_config, continuous_batching_config, *args, **kwargs)
-            config = self._prepare(continuous_batching_config, generation_config)
-            manager = original(generation_config, config, *args, **kwargs)
-            self._managers.add(manager)
-            self._settle_after_reset(manager)
-            if not self._graphs_wanted(continuous_batching_config):
-                self.runner.graphs_off(manager)
-            return manager
+            with self._managing:
+                # disabled on another thread since this call began, or a cached manager, which
+                # transformers returns: the original
+                if not self.enabled or compat.cached_manager(self.model) is not None:
+                    return original(generation_config, continuous_batching_config, *args,
+                                    **kwargs)  # fmt: skip
+                config = self._prepare(continuous_batching_config, generation_config)
+                manager = original(generation_config, config, *args, **kwargs)
+                self._managers.add(manager)
+                self._settle_after_reset(manager)
+                if not self._graphs_wanted(continuous_batching_config):
+                    self.runner.graphs_off(manager)
+                return manager
 
         init_continuous_batching.__wrapped__ = original
         return init_continuous_batching
