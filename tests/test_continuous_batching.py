@@ -47,6 +47,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     step_inputs,
 )
 from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
+from breakgraph.integrations.transformers import experts as experts_module  # noqa: E402
 from breakgraph.integrations.transformers.experts import EXPERTS_KEY  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
@@ -999,6 +1000,42 @@ def test_a_manager_created_while_another_thread_disables_the_model_is_retired():
 
 
 @needs_cb
+def test_disabling_the_last_model_leaves_a_prefill_runner_its_experts_key(monkeypatch):
+    """The eager experts key is shared with PrefillRunner, which registers it before each of
+    its forwards. Continuous batching removed it with the last disable() when it was absent at
+    the first enable, also while a PrefillRunner of another model was in the middle of a
+    forward on another thread: that forward failed ("breakgraph_eager_loop" is not a supported
+    experts implementation). Both now register it for good, as the extension point it is."""
+    from breakgraph.integrations.transformers import PrefillRunner
+    from transformers.integrations.moe import ExpertsInterface
+
+    monkeypatch.delitem(ExpertsInterface._global_mapping, EXPERTS_KEY, raising=False)
+    dense, moe = build_model("llama"), build_model("mixtral", "eager")
+    handle = enable_continuous_batching(dense, backend="emulated", query_buckets=BUCKETS)
+    runner = PrefillRunner(moe, token_buckets=(16,), max_prompts=2, warmup=1, on_miss="eager",
+                           tune_buckets=False, backend="emulated")  # fmt: skip
+    disabling = threading.Thread(target=handle.disable)
+    register = experts_module.register
+
+    def register_then_disable():  # the runner's forward registered the key: disable now
+        register()
+        if handle.enabled:
+            disabling.start()
+            disabling.join(timeout=60)
+
+    monkeypatch.setattr(experts_module, "register", register_then_disable)
+    prompt = torch.tensor(random_prompts(seed=16, lengths=(30,))[0])
+    try:
+        logits = runner.prefill([prompt]).logits[0]  # longer than every bucket: eager
+    finally:
+        runner.close()
+    assert not handle.enabled
+    with torch.no_grad():
+        expected = moe(prompt[None], use_cache=False).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_cb
 def test_debug_mode_serves_exact_tokens():
     """Debug mode checks every graph input before each segment; transformers hands the model a
     fresh view of its refilled buffers on every step, which must not look stale."""
@@ -1095,6 +1132,13 @@ def test_disable_restores_model_and_transformers(arch, experts):
     handle.disable()
     handle.disable()  # idempotent
     after = transformers_state(model)
+    # breakgraph's own experts keys are registered for good (experts.register, as PrefillRunner
+    # does): a key removed by the last disable() could be in use by a runner on another thread
+    own = {EXPERTS_KEY: experts_module.breakgraph_experts,
+           experts_module.GROUPED_KEY: experts_module.grouped_skipping_padding}  # fmt: skip
+    for name, function in own.items():
+        assert after["experts"].pop(name, function) is function
+        before["experts"].pop(name, None)
     for key in before:
         if key in ("config", "instance_attrs", "attention", "experts"):
             assert after[key] == before[key], key

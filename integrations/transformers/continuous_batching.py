@@ -19,14 +19,18 @@ name it reads, next to its probe):
   ``ContinuousBatchingConfig`` with transformers' own graphs off, then every bucket is
   captured before the manager serves); the model also gets a private copy of its config, so
   models sharing a config object are untouched;
-* in transformers, while at least one model is enabled: ``AttentionInterface`` and
-  ``ExpertsInterface`` entries, ``ContinuousBatchingManager.switch_to_cb_friendly_attn``
+* in transformers, while at least one model is enabled: an ``AttentionInterface`` entry,
+  ``ContinuousBatchingManager.switch_to_cb_friendly_attn``
   keeps an enabled model's attention key (from 5.19 it refuses any other), and the step's
   index lists convert through numpy (:mod:`.index_lists`: transformers' ``input_outputs``
   module sees a view of torch whose ``tensor`` reads lists with numpy; equal tensors, for
   every CB manager of the process, in less than half the time);
 * on each manager an enabled model creates: ``_create_batch_processor``, after which the
   manager waits until the buffer reset it issued has run (:func:`_settle`).
+
+The eager experts loop's ``ExpertsInterface`` key is registered for good, as ``PrefillRunner``
+registers it (removed with the last handle, it could be pulled from under a runner's forward
+on another thread).
 
 Every replacement goes through :mod:`breakgraph.patches` and is undone by ``disable()``.
 
@@ -71,7 +75,8 @@ from breakgraph.patches import PatchSet, SharedPatches
 
 from . import block_table, compat, index_lists
 from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
-from .experts import EXPERTS_KEY, breakgraph_experts, needs_experts_break
+from .experts import EXPERTS_KEY, needs_experts_break
+from .experts import register as register_experts
 from .models import DEFAULT_MAX_BATCH_TOKENS, UnsupportedModelError, check_model
 from .models import resolve_attention as _resolve_attention
 
@@ -114,7 +119,6 @@ def _handle_of(model: Any) -> ContinuousBatchingHandle | None:
 def _install_shared(patches: PatchSet) -> None:
     """Replacements in transformers shared by every enabled model (see the module docstring)."""
     patches.item(compat.attention_registry()._global_mapping, CB_ATTENTION_KEY, paged_attention)
-    patches.item(compat.experts_registry()._global_mapping, EXPERTS_KEY, breakgraph_experts)
     manager = compat.manager_class()
     original = manager.__dict__["switch_to_cb_friendly_attn"]
 
@@ -220,6 +224,9 @@ class ContinuousBatchingHandle:
                 if module.__dict__.get("config") is config:
                     self._patches.attribute(module, "config", private)
             if needs_experts_break(model):
+                # registered for good, as PrefillRunner does around each forward: a key removed
+                # with the last handle could be in use by a runner's forward on another thread
+                register_experts()
                 model.set_experts_implementation(EXPERTS_KEY)
             model.set_attn_implementation(CB_ATTENTION_KEY)
             self._patches.attribute(model, "forward", self._forward(model.forward))
