@@ -55,7 +55,7 @@ import torch
 
 from .eager import eager_on_graph
 from .errors import InputError, RankFailedError, RankMismatchError
-from .patches import patch_attribute
+from .patches import PatchSet, SharedPatches
 
 __all__ = [
     "RankGroup",
@@ -429,9 +429,12 @@ def all_reduce_as_breaks() -> Iterator[None]:
     graph on every replay, and the captured segments hold no communication. transformers'
     row-parallel layers call ``torch.distributed.all_reduce`` (the module attribute) in
     place, so swapping that attribute while the capture runs is the narrowest hook. It is
-    restored on exit, and outside a segment the wrapper only calls the original function.
-    Asynchronous calls (``async_op=True``) and functional collectives (the ``lm_head``
-    all-gather of DTensor) are left as they are.
+    restored when the last block open in the process exits (one wrapper for every thread: it
+    makes breaks only on a thread that is capturing, and blocks entered and left on several
+    threads in any order, two runners serving from two threads, restore the original), and
+    outside a segment the wrapper only calls the original function. Asynchronous calls
+    (``async_op=True``) and functional collectives (the ``lm_head`` all-gather of DTensor) are
+    left as they are.
 
     Example::
 
@@ -443,6 +446,14 @@ def all_reduce_as_breaks() -> Iterator[None]:
         >>> dist.all_reduce is original
         True
     """
+    _all_reduce_breaks.acquire()
+    try:
+        yield
+    finally:
+        _all_reduce_breaks.release()
+
+
+def _install_all_reduce_breaks(patches: PatchSet) -> None:
     import torch.distributed as dist
 
     original = dist.all_reduce
@@ -453,9 +464,13 @@ def all_reduce_as_breaks() -> Iterator[None]:
             return original(tensor, op=op, group=group, async_op=True)
         return as_break(tensor, op=op, group=group)
 
-    with contextlib.ExitStack() as stack:
-        patch_attribute(stack, dist, "all_reduce", all_reduce)
-        yield
+    patches.attribute(dist, "all_reduce", all_reduce)
+
+
+# installed with the first all_reduce_as_breaks() block open and removed with the last: a
+# wrapper per block, restored as each block exits, left another thread's block without its
+# wrapper, or a wrapper installed for good when the blocks did not exit in reverse order
+_all_reduce_breaks = SharedPatches(_install_all_reduce_breaks)
 
 
 def release_graphs(graphs: Iterable[Any], ranks: RankGroup | None) -> None:
