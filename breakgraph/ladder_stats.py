@@ -56,13 +56,19 @@ class LadderStats:
     warmup_seconds: float = 0.0  # summed over every capture() call
     routed: dict[int, int] = field(default_factory=dict)  # bucket -> faster larger bucket
 
+    def _buckets(self) -> list[tuple[int, BucketStats]]:
+        """The buckets now, as a list: another thread may read the stats while the owner
+        captures a bucket (the continuous-batching decode graphs capture while serving), and a
+        loop over the dict itself would then raise ("dictionary changed size")."""
+        return list(self.buckets.items())
+
     @property
     def captures(self) -> int:
-        return sum(b.captures for b in self.buckets.values())
+        return sum(b.captures for _, b in self._buckets())
 
     @property
     def replays(self) -> int:
-        return sum(b.replays for b in self.buckets.values())
+        return sum(b.replays for _, b in self._buckets())
 
     @property
     def eager_steps(self) -> int:
@@ -70,10 +76,10 @@ class LadderStats:
 
     @property
     def capture_s(self) -> float:
-        return sum(b.capture_s for b in self.buckets.values())
+        return sum(b.capture_s for _, b in self._buckets())
 
     def _view(self, name: str) -> Mapping[int, Any]:
-        return types.MappingProxyType({k: getattr(b, name) for k, b in self.buckets.items()})
+        return types.MappingProxyType({k: getattr(b, name) for k, b in self._buckets()})
 
     @property
     def calls(self) -> Mapping[int, int]:
@@ -97,19 +103,22 @@ class LadderStats:
     def replay_ms(self) -> Mapping[int, float]:
         """Measured replay times of the buckets :meth:`GraphLadder.tune` timed."""
         return types.MappingProxyType(
-            {k: b.replay_ms for k, b in self.buckets.items() if b.replay_ms is not None}
+            {k: b.replay_ms for k, b in self._buckets() if b.replay_ms is not None}
         )
 
     def __str__(self) -> str:
+        buckets = sorted(self._buckets())
         rows = [("bucket", "captures", "replays", "padded", "capture s", "graph MiB", "breaks")]
-        for size, b in sorted(self.buckets.items()):
+        for size, b in buckets:
             mib = f"{b.graph_memory_bytes / 2**20:.1f}"
             rows.append(
                 (size, b.captures, b.replays, b.padded, f"{b.capture_s:.3f}", mib, b.breaks)
             )
-        memory = sum(b.graph_memory_bytes for b in self.buckets.values()) / 2**20
-        padded = sum(b.padded for b in self.buckets.values())
-        total = (self.captures, self.replays, padded, f"{self.capture_s:.3f}", f"{memory:.1f}", "")
+        memory = sum(b.graph_memory_bytes for _, b in buckets) / 2**20
+        padded = sum(b.padded for _, b in buckets)
+        captures, replays = sum(b.captures for _, b in buckets), sum(b.replays for _, b in buckets)
+        capture_s = sum(b.capture_s for _, b in buckets)
+        total = (captures, replays, padded, f"{capture_s:.3f}", f"{memory:.1f}", "")
         rows.append(("total", *total))
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
@@ -132,19 +141,19 @@ def combined(first: LadderStats, *others: LadderStats) -> LadderStats:
         >>> (both.captures, dict(both.calls), both.buckets[64].breaks)
         (2, {64: 7}, 4)
     """
-    buckets = {size: BucketStats(**vars(b)) for size, b in first.buckets.items()}
+    buckets = {size: BucketStats(**vars(b)) for size, b in first._buckets()}
     out = LadderStats(
         buckets, dict(first.eager_fallbacks), first.warmup_seconds, dict(first.routed)
     )
     for other in others:
-        for size, b in other.buckets.items():
+        for size, b in other._buckets():
             mine = buckets.setdefault(size, BucketStats())
             mine.captures += b.captures
             mine.replays += b.replays
             mine.padded += b.padded
             mine.capture_s += b.capture_s
             mine.graph_memory_bytes += b.graph_memory_bytes
-        for reason, count in other.eager_fallbacks.items():
+        for reason, count in list(other.eager_fallbacks.items()):
             out.eager_fallbacks[reason] = out.eager_fallbacks.get(reason, 0) + count
         out.warmup_seconds += other.warmup_seconds
     return out

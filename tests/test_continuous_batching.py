@@ -1035,6 +1035,42 @@ def test_disabling_the_last_model_leaves_a_prefill_runner_its_experts_key(monkey
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_decode_graph_stats_read_while_a_step_moves_its_layout():
+    """Every pure-decode step moves its cache layout to the end of the decode graphs' ordered
+    dict (the least recently used layout is released first). With two layouts held (two
+    managers serving in turn), a monitoring thread reading ``handle.stats`` or
+    ``handle.decode_graphs.stats`` meanwhile looped over that dict and raised "OrderedDict
+    mutated during iteration". The reader is paused at the first layout's ladder while a step
+    of that layout moves it."""
+    from breakgraph.ladder import GraphLadder
+
+    graphs = decode_graph.DecodeGraphs(None, 1, 4, backend="emulated", debug=False, who="test")
+    reading, moved, reader, results = threading.Event(), threading.Event(), [], []
+
+    class PausingLadder(GraphLadder):  # the reader stops at its first look at the stats
+        def __getattribute__(self, name):
+            if name == "stats" and threading.get_ident() in reader and not reading.is_set():
+                reading.set()
+                moved.wait(timeout=10)
+            return super().__getattribute__(name)
+
+    for layout in ("first", "second"):
+        graphs._graphs[layout] = decode_graph._LayoutGraphs(PausingLadder(backend="emulated"),
+                                                            None)  # fmt: skip
+
+    def read():
+        reader.append(threading.get_ident())
+        results.append(graphs.stats)
+
+    def step():  # what DecodeGraphs.replay does for a step of the first layout
+        assert reading.wait(timeout=10), "the reader never read a layout's stats"
+        graphs._graphs.move_to_end("first")
+        moved.set()
+
+    run_threads(read, step)
+    assert results[0].replays == 0 and list(graphs._graphs) == ["second", "first"]
+
+
 @needs_cb
 def test_debug_mode_serves_exact_tokens():
     """Debug mode checks every graph input before each segment; transformers hands the model a

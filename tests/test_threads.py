@@ -10,9 +10,62 @@ without the fix; the integration's own thread tests are in ``test_continuous_bat
 import threading
 import warnings
 
+import pytest
+import torch
+
 from breakgraph import distributed
 from breakgraph.errors import BreakgraphWarning
+from breakgraph.ladder import GraphLadder
+from breakgraph.ladder_stats import BucketStats, combined
 from tests.helpers import run_threads
+
+READS = {
+    "replays": lambda stats: stats.replays,
+    "captures": lambda stats: stats.captures,
+    "capture_s": lambda stats: stats.capture_s,
+    "calls": lambda stats: dict(stats.calls),
+    "combined": lambda stats: combined(stats),
+}
+
+
+@pytest.mark.parametrize("read", READS.values(), ids=READS.keys())
+def test_stats_read_while_another_thread_captures_a_bucket(read):
+    """A server's monitoring thread reads a ladder's stats while the serving thread captures a
+    new bucket (the continuous-batching decode graphs capture while serving): the totals, the
+    per-bucket views and ``combined`` looped over the live dict of buckets, and
+    raised "dictionary changed size during iteration" in the reader. The reader is paused at
+    the first bucket it reads, the capture runs, then the reader goes on: it reads the buckets
+    as they were when it started."""
+    x = torch.zeros(16)
+    ladder = GraphLadder(backend="emulated")
+    ladder.capture((4,), lambda size: x[:size] * 2)
+    reading, captured = threading.Event(), threading.Event()
+    reader, results = [], []
+
+    class PausingStats(BucketStats):  # the reader stops at its first look at this bucket
+        def __getattribute__(self, name):
+            if threading.get_ident() in reader and not reading.is_set():
+                reading.set()
+                captured.wait(timeout=10)
+            return super().__getattribute__(name)
+
+    ladder.stats.buckets[4] = PausingStats(**vars(ladder.stats.buckets[4]))
+
+    def read_stats():
+        reader.append(threading.get_ident())
+        results.append(read(ladder.stats))
+
+    def capture_meanwhile():
+        assert reading.wait(timeout=10), "the reader never read bucket 4"
+        with ladder.capture_window():
+            ladder.capture((8,), lambda size: x[:size] * 2)
+        captured.set()
+
+    try:
+        run_threads(read_stats, capture_meanwhile)
+    finally:
+        ladder.close()
+    assert len(results) == 1 and ladder.stats.captures == 2
 
 
 def test_all_reduce_as_breaks_blocks_exit_in_any_order():

@@ -241,7 +241,9 @@ class DecodeGraphs:
     @property
     def stats(self) -> LadderStats:
         """Captures and replays per bucket, summed over every cache layout's ladder."""
-        live = [graphs.ladder.stats for graphs in self._graphs.values()]
+        # a list first: another thread may read the stats while a step moves its layout to the
+        # end or captures a new one (iterating the dict meanwhile raises)
+        live = [graphs.ladder.stats for graphs in list(self._graphs.values())]
         return combined(*live, self._past)  # a copy: the caller may keep it
 
     @property
