@@ -13,11 +13,94 @@ import warnings
 import pytest
 import torch
 
+import breakgraph
 from breakgraph import distributed
 from breakgraph.errors import BreakgraphWarning
 from breakgraph.ladder import GraphLadder
 from breakgraph.ladder_stats import BucketStats, combined
-from tests.helpers import run_threads
+from breakgraph.runner import BucketedRunner
+from tests.helpers import assert_clean, run_threads
+
+
+def capturing_now() -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` as a library asks it (torch's CPU build
+    raises outside breakgraph's capture)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
+
+
+@breakgraph.eager_on_graph
+def scale_by_context(h):
+    return h * breakgraph.replay_context()["scale"]
+
+
+def test_threads_capture_and_replay_their_own_graphs_at_once():
+    """Four threads, each capturing a graph (plain, or in debug mode) and replaying it with its
+    own contexts while the others capture (their segments record on their threads only) and
+    replay: every replay equals the eager function, a thread sees itself capturing only inside
+    its own segments (breakgraph.is_capturing and the patched torch function), and nothing is
+    left installed afterwards."""
+    seen = set()
+    start = threading.Barrier(4, timeout=60)
+
+    def serve(seed):
+        numbers = torch.Generator().manual_seed(seed)  # its own: see the docstring
+        w = torch.randn(8, 8, generator=numbers)
+
+        def model(x):
+            h = torch.tanh(x @ w)
+            seen.add((breakgraph.is_capturing(), capturing_now()))
+            return (scale_by_context(h) @ w).relu()
+
+        for _ in range(6):
+            x = torch.randn(4, 8, generator=numbers)
+            g = breakgraph.BreakableCUDAGraph()
+            start.wait()  # every thread captures at once: they take turns on the lock
+            with breakgraph.capture(g, backend="emulated", context={"scale": 1.0},
+                                    debug=seed % 2 == 1):  # fmt: skip
+                out = model(x)
+            for step in range(4):
+                fresh, scale = torch.randn(4, 8, generator=numbers), float(seed + step)
+                x.copy_(fresh)
+                g.replay(context={"scale": scale})
+                with breakgraph.context_scope({"scale": scale}):
+                    expected = model(fresh)
+                torch.testing.assert_close(out, expected)
+            g.reset()
+
+    run_threads(*(lambda seed=seed: serve(seed) for seed in range(4)))
+    assert seen == {(True, True), (False, False)}
+    assert_clean()
+
+
+def test_runners_serve_from_several_threads_at_once():
+    """One BucketedRunner per thread, called with sizes that pick every bucket and the eager
+    fallback, its eager break reading the call's context: every call equals the function."""
+
+    def serve(seed):
+        numbers = torch.Generator().manual_seed(seed)
+        w = torch.randn(8, 8, generator=numbers)
+
+        def fn(x):
+            return scale_by_context(x @ w).sin()
+
+        runner = BucketedRunner(fn, (4, 8), (torch.zeros(1, 8),), backend="emulated",
+                                context={"scale": 1.0}, debug=seed == 0)  # fmt: skip
+        try:
+            for call in range(40):
+                x = torch.randn(1 + (call + seed) % 10, 8, generator=numbers)
+                context = {"scale": call / 7}
+                got = runner(x, context=context, owned=True)
+                with breakgraph.context_scope(context):
+                    torch.testing.assert_close(got, fn(x))
+        finally:
+            runner.close()
+
+    run_threads(*(lambda seed=seed: serve(seed) for seed in range(3)))
+    assert_clean()
+
 
 READS = {
     "replays": lambda stats: stats.replays,
