@@ -1000,9 +1000,6 @@ def test_a_manager_created_while_another_thread_disables_the_model_is_retired():
 
 
 @needs_cb
-@pytest.mark.xfail(strict=True, reason="cb_step.StepRunner.graphs_off adds to the set of "
-                   "managers without graphs outside the step lock that the steps loop over "
-                   "it under; the fix (take self._lock there) is cb_step.py's")  # fmt: skip
 def test_a_step_while_another_thread_creates_a_manager_without_graphs():
     """A manager whose config turns graphs off (``use_cuda_graph=False``) is added to a set
     that every step of the model's other managers loops over (is this step's cache one of

@@ -509,7 +509,8 @@ class StepRunner:
     # -- serving -------------------------------------------------------------------------------
     def graphs_off(self, manager) -> None:
         """``manager`` (its config says ``use_cuda_graph=False``) runs eager steps."""
-        self._eager_managers.add(manager)
+        with self._lock:  # the steps of other managers loop over the set under it
+            self._eager_managers.add(manager)
 
     def forward(self, **kwargs: Any) -> Any:
         """One CB step: logits ``[1, rows, vocab]`` (fp32) for ``logits_to_keep``."""
