@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -430,9 +431,9 @@ def all_reduce_as_breaks() -> Iterator[None]:
     row-parallel layers call ``torch.distributed.all_reduce`` (the module attribute) in
     place, so swapping that attribute while the capture runs is the narrowest hook. It is
     restored when the last block open in the process exits (one wrapper for every thread: it
-    makes breaks only on a thread that is capturing, and blocks entered and left on several
-    threads in any order, two runners serving from two threads, restore the original), and
-    outside a segment the wrapper only calls the original function. Asynchronous calls
+    makes breaks only on a thread inside a block and capturing, and blocks entered and left on
+    several threads in any order, two runners serving from two threads, restore the original),
+    and elsewhere the wrapper only calls the original function. Asynchronous calls
     (``async_op=True``) and functional collectives (the ``lm_head`` all-gather of DTensor) are
     left as they are.
 
@@ -447,9 +448,11 @@ def all_reduce_as_breaks() -> Iterator[None]:
         True
     """
     _all_reduce_breaks.acquire()
+    _blocks.depth += 1
     try:
         yield
     finally:
+        _blocks.depth -= 1
         _all_reduce_breaks.release()
 
 
@@ -460,8 +463,8 @@ def _install_all_reduce_breaks(patches: PatchSet) -> None:
     as_break = eager_on_graph(original)
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if async_op:
-            return original(tensor, op=op, group=group, async_op=True)
+        if async_op or not _blocks.depth:  # a thread outside every block: as torch's
+            return original(tensor, op=op, group=group, async_op=async_op)
         return as_break(tensor, op=op, group=group)
 
     patches.attribute(dist, "all_reduce", all_reduce)
@@ -471,6 +474,17 @@ def _install_all_reduce_breaks(patches: PatchSet) -> None:
 # wrapper per block, restored as each block exits, left another thread's block without its
 # wrapper, or a wrapper installed for good when the blocks did not exit in reverse order
 _all_reduce_breaks = SharedPatches(_install_all_reduce_breaks)
+
+
+class _BlockDepth(threading.local):
+    """How many all_reduce_as_breaks() blocks this thread is inside: the one wrapper makes
+    breaks only for them (another thread's capture, outside every block, keeps its all-reduces
+    in its graph, as its ranks' fingerprints expect)."""
+
+    depth = 0
+
+
+_blocks = _BlockDepth()
 
 
 def release_graphs(graphs: Iterable[Any], ranks: RankGroup | None) -> None:

@@ -32,13 +32,14 @@ the runner the method without the object.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .errors import ReplayError
+from .errors import InputError, ReplayError
 
 __all__ = ["borrowed", "weak_method"]
 
@@ -72,6 +73,11 @@ def weak_method(method: Callable) -> Callable:
         [2.0, 2.0, 2.0]
         >>> del doubler  # no cycle: freed at once, with its runner and graphs
     """
+    if not isinstance(method, types.MethodType):
+        raise InputError(
+            f"weak_method: expected a bound method (obj.method), got {method!r}; a plain "
+            f"function holds no object and can be passed as it is."
+        )
     owner, function, name = weakref.ref(method.__self__), method.__func__, method.__qualname__
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -84,4 +90,5 @@ def weak_method(method: Callable) -> Callable:
         return function(obj, *args, **kwargs)
 
     call.__name__, call.__qualname__ = method.__name__, name  # not __wrapped__: that holds it
+    call.__module__ = function.__module__
     return call

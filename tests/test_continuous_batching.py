@@ -1000,6 +1000,30 @@ def test_a_manager_created_while_another_thread_disables_the_model_is_retired():
 
 
 @needs_cb
+def test_a_call_that_began_before_disable_goes_to_the_handle_enabled_since():
+    """A server thread that looked up ``model.init_continuous_batching`` while handle 1 was
+    enabled calls it after the model was disabled and enabled again (handle 2). Handle 1's
+    wrapper called transformers' original: a manager handle 2 never prepared nor retired. It
+    now calls what the model has then, so handle 2 prepares the manager and retires it."""
+    model = build_model("llama")
+    first = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    stale = model.init_continuous_batching  # looked up before the disable
+    first.disable()
+    second = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    try:
+        manager = stale(
+            generation_config=generation_config(), continuous_batching_config=cb_config()
+        )
+        assert manager in set(second._managers)
+    finally:
+        second.disable()
+    with pytest.raises(ReplayError, match="init_continuous_batching"):
+        manager.start()
+    if manager.is_running():
+        manager.stop(block=True, timeout=60)
+
+
+@needs_cb
 def test_a_step_while_another_thread_creates_a_manager_without_graphs():
     """A manager whose config turns graphs off (``use_cuda_graph=False``) is added to a set
     that every step of the model's other managers loops over (is this step's cache one of
@@ -1075,6 +1099,21 @@ def test_disabling_the_last_model_leaves_a_prefill_runner_its_experts_key(monkey
     with torch.no_grad():
         expected = moe(prompt[None], use_cache=False).logits[0, -1]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_step_stats_without_decode_graphs_are_a_copy():
+    """Without decode graphs (``decode_graphs=False``, tensor parallelism) ``StepRunner.stats``
+    returned the query-token ladder's live stats, whose dicts a step on another thread grows
+    while a metrics thread reads them; it returns a copy, as with decode graphs."""
+    from breakgraph.integrations.transformers import cb_step
+
+    runner = cb_step.StepRunner(build_model("llama"), backend="emulated", kernel="reference",
+                                debug=False, ranks=None, query_buckets=BUCKETS, who="test",
+                                decode_graphs=False)  # fmt: skip
+    assert runner.decode is None
+    stats = runner.stats
+    assert stats is not runner.tokens.stats and stats.buckets is not runner.tokens.stats.buckets
+    runner.close()
 
 
 def test_decode_graph_stats_read_while_a_step_moves_its_layout():

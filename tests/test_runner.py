@@ -459,3 +459,22 @@ def test_a_dropped_runner_and_its_graphs_are_freed_at_del(backend, device):
         assert [ref() is None for ref in refs] == [True] * len(refs)
     with pytest.raises(ReplayError, match="Owner.forward: its object was deleted"):
         forward(x)
+
+
+def test_weak_method_takes_bound_methods_only_and_keeps_their_names():
+    """``weak_method`` of a plain function or a builtin raised a bare ``AttributeError``; the
+    callable it returns carries the method's name and module (break names, pickling errors)."""
+    from breakgraph.memory import weak_method
+
+    for bad in (scale_real_rows, len, lambda x: x):
+        with pytest.raises(InputError, match="weak_method: expected a bound method"):
+            weak_method(bad)
+
+    class Owner:
+        def forward(self, x):
+            return x
+
+    owner = Owner()
+    call = weak_method(owner.forward)
+    assert (call.__name__, call.__module__) == ("forward", __name__)
+    assert call.__qualname__.endswith("Owner.forward") and call(3) == 3

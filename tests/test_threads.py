@@ -7,6 +7,7 @@ thread is paused at the exact point by a hook, so that the test fails the same w
 without the fix; the integration's own thread tests are in ``test_continuous_batching.py``.
 """
 
+import contextlib
 import threading
 import warnings
 
@@ -183,3 +184,48 @@ def test_all_reduce_as_breaks_blocks_exit_in_any_order():
     assert not [str(w.message) for w in caught if issubclass(w.category, BreakgraphWarning)]
     assert inside["after the first left"] is not original  # the second block still has it
     assert dist.all_reduce is original
+
+
+def test_all_reduce_as_breaks_makes_breaks_only_inside_a_block(monkeypatch):
+    """The one wrapper of every open block turned all-reduces into breaks on any thread that
+    was capturing: a runner that captures its collectives (no block of its own) on one thread
+    got breaks while another thread's runner held a block open, and its ranks' graphs could
+    then differ. Only a thread inside a block gets breaks."""
+    import torch.distributed as dist
+
+    def doubles(tensor, op=None, group=None, async_op=False):  # stands in for a collective
+        return tensor.mul_(2)
+
+    monkeypatch.setattr(dist, "all_reduce", doubles)
+    held, done = threading.Event(), threading.Event()
+    breaks = {}
+
+    def hold_a_block():
+        with distributed.all_reduce_as_breaks():
+            held.set()
+            assert done.wait(timeout=30)
+
+    def capture(name, block):
+        assert held.wait(timeout=30)
+        x = torch.randn(4)
+        g = breakgraph.BreakableCUDAGraph()
+        with contextlib.ExitStack() as stack:
+            if block:
+                stack.enter_context(distributed.all_reduce_as_breaks())
+            with breakgraph.capture(g, backend="emulated"):
+                y = x * 1
+                dist.all_reduce(y)
+                out = y + 1
+        g.replay()
+        torch.testing.assert_close(out, x * 2 + 1)
+        breaks[name] = g.num_breaks
+
+    def both():
+        try:
+            capture("outside", block=False)
+            capture("inside", block=True)
+        finally:
+            done.set()
+
+    run_threads(hold_a_block, both)
+    assert breaks == {"outside": 0, "inside": 1}

@@ -432,8 +432,8 @@ class StepRunner:
         """:class:`~breakgraph.ladder.LadderStats` of the query-token ladder and the pure-decode
         graphs together (``decode.stats`` alone: the decode graphs, captured while serving);
         a bucket's ``breaks`` are its query-token graph's."""
-        if self.decode is None:
-            return self.tokens.stats
+        if self.decode is None:  # a copy: the ladder's own grows while another thread reads
+            return combined(self.tokens.stats)
         return combined(self.tokens.stats, self.decode.stats)
 
     @property

@@ -245,7 +245,8 @@ class ContinuousBatchingHandle:
         self.enabled = True
 
     def disable(self) -> None:
-        """Restore the model and transformers exactly as before (idempotent).
+        """Restore the model and transformers exactly as before (idempotent; transformers'
+        ``ExpertsInterface`` keeps breakgraph's experts keys, registered for good).
 
         Raises ``InputError`` while a manager created through this handle (or a persistent
         manager of the model) is running: stop it first. Managers created while enabled
@@ -307,18 +308,21 @@ class ContinuousBatchingHandle:
         def init_continuous_batching(generation_config=None, continuous_batching_config=None,
                                      *args, **kwargs):  # fmt: skip
             with self._managing:
-                # disabled on another thread since this call began, or a cached manager, which
-                # transformers returns: the original
-                if not self.enabled or compat.cached_manager(self.model) is not None:
-                    return original(generation_config, continuous_batching_config, *args,
-                                    **kwargs)  # fmt: skip
-                config = self._prepare(continuous_batching_config, generation_config)
-                manager = original(generation_config, config, *args, **kwargs)
-                self._managers.add(manager)
-                self._settle_after_reset(manager)
-                if not self._graphs_wanted(continuous_batching_config):
-                    self.runner.graphs_off(manager)
-                return manager
+                if self.enabled:
+                    if compat.cached_manager(self.model) is not None:  # transformers returns it
+                        return original(generation_config, continuous_batching_config, *args,
+                                        **kwargs)  # fmt: skip
+                    config = self._prepare(continuous_batching_config, generation_config)
+                    manager = original(generation_config, config, *args, **kwargs)
+                    self._managers.add(manager)
+                    self._settle_after_reset(manager)
+                    if not self._graphs_wanted(continuous_batching_config):
+                        self.runner.graphs_off(manager)
+                    return manager
+            # disabled on another thread since this call began: what the model has now (stock,
+            # or a later handle's wrapper), outside this handle's lock
+            current = self.model.init_continuous_batching
+            return current(generation_config, continuous_batching_config, *args, **kwargs)
 
         init_continuous_batching.__wrapped__ = original
         return init_continuous_batching
