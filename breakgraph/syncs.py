@@ -37,8 +37,6 @@ __all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS", "s
 
 aten = torch.ops.aten
 
-#: aten operations (a whole overload packet, or one overload where only it syncs) that need the
-#: host to see device values, with the Python spelling users wrote.
 _TENSOR_REPEATS = (
     "`repeat_interleave` with a tensor of repeats and no `output_size` (its output size "
     "depends on the data)"
@@ -52,6 +50,8 @@ _CHECKED = (
 _CUSOLVER = (
     "`torch.linalg.eigh`, `svd` and what is built on them (cuSOLVER reads its status on the host)"
 )
+#: aten operations (a whole overload packet, or one overload where only it syncs) that need the
+#: host to see device values, with the Python spelling users wrote.
 SYNC_OPERATIONS: dict = {
     aten._local_scalar_dense: (
         "`.item()`, `if tensor:` / `bool(t)`, `float(t)` or `int(t)`: a device value read on "

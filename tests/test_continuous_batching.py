@@ -920,6 +920,17 @@ def test_two_threads_share_one_enabled_model():
     assert handle.decode_graphs.layouts <= 2 and handle.decode_graphs.stats.replays > 0
 
 
+
+def _paused_after_first(items, paused: threading.Event, resume: threading.Event):
+    """``items``, pausing once after the first (``paused`` set) until ``resume`` is set or half
+    a second has passed: where another thread's change lands in the middle of a listing."""
+    for i, item in enumerate(items):
+        yield item
+        if i == 0 and not paused.is_set():
+            paused.set()
+            resume.wait(timeout=0.5)
+
+
 @needs_cb
 def test_a_manager_created_while_another_thread_enables_a_model(monkeypatch):
     """Creating a manager lists the enabled models (transformers' decode fast-path gate asks
@@ -932,12 +943,8 @@ def test_a_manager_created_while_another_thread_enables_a_model(monkeypatch):
     listing, enabled = threading.Event(), threading.Event()
 
     class PausedListing(weakref.WeakKeyDictionary):
-        def values(self):
-            for i, value in enumerate(super().values()):
-                yield value
-                if i == 0 and not listing.is_set():
-                    listing.set()
-                    enabled.wait(timeout=0.5)  # the other enable ran in full here, before
+        def values(self):  # the other enable ran in full inside this pause, before the fix
+            return _paused_after_first(super().values(), listing, enabled)
 
     monkeypatch.setattr(cb, "_enabled", PausedListing())
     handles = []
@@ -1038,11 +1045,7 @@ def test_a_step_while_another_thread_creates_a_manager_without_graphs():
 
     class PausedListing(weakref.WeakSet):
         def __iter__(self):
-            for i, manager in enumerate(super().__iter__()):
-                yield manager
-                if i == 0 and not listing.is_set():
-                    listing.set()
-                    created.wait(timeout=0.5)
+            return _paused_after_first(super().__iter__(), listing, created)
 
     eager, results = [], []
     eagerly = dict(generation_config=generation_config(),
