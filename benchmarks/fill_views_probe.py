@@ -70,7 +70,7 @@ def layouts(requests: int, page: int, seed: int = 0) -> dict:
                                 layer_type="full_attention", block_table=ids)  # fmt: skip
     return {
         "5.17 (managers)": (Cache(group_cache_managers=[manager]), steps),
-        "5.18+ (allocators)": (Cache(cache_allocators={"full": allocator}), steps),
+        "5.18+ (allocators)": (Cache(cache_allocators={"full_attention": allocator}), steps),
     }
 
 

@@ -751,18 +751,19 @@ def test_layer_kv_rows_refuses_what_it_does_not_know():
     OldCache.sliding_windows = [4]
     assert compat.layer_kv_rows(OldCache(), 0) is None
 
-    class Allocator:
-        index, layer_type = 0, "full_attention"
+    class Allocator:  # 5.18 on: filed by attention type (5.18's carry no `layer_type`)
+        index = 0
         _kv_token_views = {0: (torch.zeros(8, 2, 4), torch.zeros(8, 4, 2).transpose(1, 2))}
 
     class Cache:
         layer_to_allocator = {0: Allocator()}
+        cache_allocators = {"full_attention": layer_to_allocator[0]}
 
     assert compat.layer_kv_rows(Cache(), 0) is None  # a transposed value view
     Allocator._kv_token_views = {0: (torch.zeros(8, 2, 4), torch.zeros(8, 2, 4))}
     group, keys, values = compat.layer_kv_rows(Cache(), 0)
     assert group == 0 and keys.shape == (8, 2, 4)
-    Allocator.layer_type = "sliding_attention"
+    Cache.cache_allocators = {"sliding_attention": Cache.layer_to_allocator[0]}
     assert compat.layer_kv_rows(Cache(), 0) is None
 
 

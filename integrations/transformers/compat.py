@@ -48,8 +48,9 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      (:func:`layer_kv_rows`; optional: where neither layout is found, or the rows are not
      ``[rows, Hkv, D]`` with contiguous rows, decode steps read through ``update`` as
      before): in 5.17 ``cache.layer_index_to_group_indices``, ``sliding_windows`` and
-     ``cache.key_cache`` / ``value_cache``; in later releases ``cache.layer_to_allocator`` and
-     the allocator's ``index``, ``layer_type`` and ``_kv_token_views``. With it, inside a
+     ``cache.key_cache`` / ``value_cache``; in later releases ``cache.layer_to_allocator``, the
+     allocator filed under ``"full_attention"`` in ``cache.cache_allocators``, and its
+     ``index`` and ``_kv_token_views``. With it, inside a
      pure-decode break ``update`` is called with empty read indices (its write-only branch, in
      every tested release), so transformers still writes; a pure-decode *graph*
      (:mod:`.decode_graph`) writes the rows itself as ``update`` does in every tested release
@@ -72,7 +73,7 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      in 5.17, row ``i`` of ``cache.group_cache_managers[i]`` (full attention: no
      ``sliding_window``) gets the first ``ceil((past + query) / block_size)`` ids of
      ``manager.block_table[request_id]``; later, row ``allocator.index`` of every
-     ``cache.cache_allocators`` value (``layer_type`` ``"full_attention"``) gets all of
+     ``cache.cache_allocators`` value (filed under ``"full_attention"``) gets all of
      ``allocator.block_table[request_id]`` times ``block_physical_stride // tokens_per_page``.
      Replaced while a model is enabled, for host tables only, by a numpy write of the same
      values (:func:`.block_table.install_fill`; optional: elsewhere transformers' own runs).
@@ -91,7 +92,8 @@ serve (the ``transformers serve`` launcher, :mod:`.serve`)
      ``_load_model`` enables breakgraph there); :func:`serve_layout` tells the two apart; P the
      CLI ``app`` (``transformers.cli.transformers``) and its dependency ``requests``.
 
-Tested: transformers 5.17.0, 5.19.0, 5.21.1, 5.24.0 (CI: 5.17.0, 5.24.0; 5.25.0 tried).
+Tested: the newest patch of every minor release from 5.17 to 5.24 (:data:`TESTED_VERSIONS`;
+CI runs each; 5.25.0 tried).
 
 Example::
 
@@ -123,8 +125,9 @@ __all__ = [
     "cache_read_write",
 ]
 
-#: The releases the test suite runs on (the declared range is 5.17 to the newest of these).
-TESTED_VERSIONS = ("5.17.0", "5.19.0", "5.21.1", "5.24.0")
+#: The releases CI runs the suite on (`.ci/run` reads this list): the newest patch of every
+#: minor release in the declared range, 5.17 to the newest of these.
+TESTED_VERSIONS = ("5.17.0", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.24.0")
 FEATURES = ("prefill", "continuous_batching", "serve")
 
 
@@ -316,7 +319,8 @@ def layer_kv_rows(cache: Any, layer: int) -> tuple | None:
     if isinstance(allocators, dict):  # after 5.17: one allocator per attention type
         allocator = allocators.get(layer)
         views = getattr(allocator, "_kv_token_views", None)
-        full = getattr(allocator, "layer_type", None) == "full_attention"
+        # transformers files allocators by attention type (5.18's have no `layer_type`)
+        full = getattr(cache, "cache_allocators", {}).get("full_attention") is allocator
         if not full or not isinstance(views, dict):
             return None
         found = (getattr(allocator, "index", None), *views.get(layer, (None, None)))
@@ -402,16 +406,12 @@ def decode_path_gate() -> tuple[Any, str] | None:
 
 def block_table_page(cache: Any) -> int | None:
     """15. ``P``: tokens per block-table entry of the full-attention layers (None: unknown)."""
-    allocators = getattr(cache, "layer_to_allocator", None)
-    if isinstance(allocators, dict):  # after 5.17
-        for allocator in allocators.values():
-            if getattr(allocator, "layer_type", None) != "full_attention":
-                continue
-            page = getattr(allocator, "tokens_per_page", None)
-            stride = getattr(allocator, "block_physical_stride", None)
-            known = isinstance(page, int) and isinstance(stride, int) and page > 0
-            return page if known and stride % page == 0 else None
-        return None
+    allocators = getattr(cache, "cache_allocators", None)
+    if isinstance(allocators, dict):  # after 5.17: keyed by attention type
+        page = getattr(allocators.get("full_attention"), "tokens_per_page", None)
+        stride = getattr(allocators.get("full_attention"), "block_physical_stride", None)
+        known = isinstance(page, int) and isinstance(stride, int) and page > 0
+        return page if known and stride % page == 0 else None
     page = getattr(cache, "block_size", None)  # 5.17
     return page if isinstance(page, int) and page > 0 else None
 
@@ -439,12 +439,12 @@ def block_table_writers(cache: Any) -> list[tuple[int, Any, int, int]] | None:
     writers = []
     allocators = getattr(cache, "cache_allocators", None)
     if isinstance(allocators, dict):  # after 5.17
-        for allocator in allocators.values():
+        for kind, allocator in allocators.items():  # keyed by attention type
             row = getattr(allocator, "index", None)
             page = getattr(allocator, "tokens_per_page", None)
             stride = getattr(allocator, "block_physical_stride", None)
             ids = getattr(allocator, "block_table", None)
-            if (getattr(allocator, "layer_type", None) != "full_attention"
+            if (kind != "full_attention"
                     or not all(isinstance(v, int) for v in (row, page, stride)) or page <= 0
                     or stride % page or not isinstance(ids, dict)):  # fmt: skip
                 return None
