@@ -586,6 +586,32 @@ def test_unsupported_models():
     _assert_unsupported(softcapped, "attn_logit_softcapping")
 
 
+def test_a_tested_release_supports_every_feature_its_probes_decide():
+    """The CB and serve tests skip where the library's probe says a feature is unsupported, so a
+    probe that broke on a tested release would pass CI as skips. On a tested release every
+    feature must probe supported; serve needs transformers' serving extras, which CI installs."""
+    import importlib.util
+
+    if transformers.__version__ not in compat.TESTED_VERSIONS:
+        pytest.skip(f"transformers {transformers.__version__} is not a tested release")
+    features = [f for f in compat.FEATURES if f != "serve" or importlib.util.find_spec("fastapi")]
+    assert {f: compat.problems(f) for f in features} == {f: () for f in features}
+
+
+def test_the_tested_releases_are_the_declared_range_every_minor_release():
+    """``compat.TESTED_VERSIONS`` (what ``.ci/run`` runs) holds one release of every minor
+    version of pyproject's declared range, oldest first: a release left out broke unseen."""
+    import pathlib
+    import re
+
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    declared = set(re.findall(r'"transformers(?:\[serving\])?>=5\.(\d+),<5\.(\d+)"', pyproject))
+    assert len(declared) == 1, declared  # the transformers and serve extras agree
+    low, high = (int(v) for v in declared.pop())
+    minors = [int(v.split(".")[1]) for v in compat.TESTED_VERSIONS]
+    assert minors == list(range(low, high)), (compat.TESTED_VERSIONS, low, high)
+
+
 def test_bad_runner_arguments():
     model = _tiny("LlamaConfig", **COMMON)
     for bad in (0, 2.0, True, None):
