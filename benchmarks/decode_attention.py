@@ -22,7 +22,11 @@ the defaults were picked on: the same cases, to check that the defaults carry ov
 ``THRESHOLD`` rows (``"threshold": true``, key ``<shape>/<sequences>-upto<L>``: keys uniform in
 L/2..L) time only ``triton_paged`` and ``triton_paged_split``, launched, at the lengths around
 ``cb_step.SPLIT_FROM_KEYS``: an attention break launches its kernels one at a time, so it
-splits only where the split's second launch costs less than it saves.
+splits only where the split's second launch costs less than it saves. ``--threshold-only``
+times only these rows, for the held-out shapes too, at ``--lengths`` (a finer grid around the
+threshold)::
+
+    python -m benchmarks.decode_attention --threshold-only --lengths 3072,4096,5120 --out t.json
 
 Variants take turns (9 rounds of 20 calls each, CUDA events); medians, lowest and highest in
 µs. Each is timed twice: ``<variant>_us`` launches the 20 calls from Python (a short kernel
@@ -194,27 +198,42 @@ def _time_us(run) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--threshold-only", action="store_true",
+                        help="only the threshold rows, for SHAPES and HELD_OUT (no sweep)")
+    parser.add_argument("--lengths", default=",".join(map(str, THRESHOLD[1])),
+                        help="the threshold rows' longest keys, comma-separated")  # fmt: skip
     args = parser.parse_args(argv)
+    lengths = tuple(int(n) for n in args.lengths.split(","))
     if not torch.cuda.is_available():
         print("decode_attention: needs a CUDA GPU (FlashAttention-2 and Triton)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     results = {"meta": environment(cuda=True)}
     results["meta"]["multiprocessors"] = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.threshold_only:
+        _threshold(SHAPES, lengths, results, args.out)
+        _threshold(HELD_OUT, lengths, results, args.out, held_out=True)
+        return 0
     _sweep(SHAPES, results, args.out)
+    _threshold(SHAPES, lengths, results, args.out)
+    _sweep(HELD_OUT, results, args.out, held_out=True)
+    return 0
+
+
+def _threshold(shapes, lengths, results: dict, path: str, held_out: bool = False) -> None:
+    """The ``THRESHOLD`` rows: the unsplit and the default split kernel, launched, for each
+    sequence count and longest key count of ``lengths`` (keys uniform in L/2..L)."""
     pair = ("triton_paged", "triton_paged_split")
-    for name, q_heads, kv_heads, head_dim in SHAPES:
+    for name, q_heads, kv_heads, head_dim in shapes:
         for seqs in THRESHOLD[0]:
-            for longest in THRESHOLD[1]:
+            for longest in lengths:
                 label = f"{name}/{seqs}-upto{longest}"
                 results[label] = row = one_case(
                     q_heads, kv_heads, head_dim, seqs, (longest // 2, longest), pair, sweep=False
                 )
-                row["threshold"], row["longest"] = True, longest
+                row["threshold"], row["longest"], row["held_out"] = True, longest, held_out
                 print(label, {k: round(row[k + "_us"]["median"], 1) for k in pair}, flush=True)
-        _write(args.out, results)
-    _sweep(HELD_OUT, results, args.out, held_out=True)
-    return 0
+        _write(path, results)
 
 
 def _sweep(shapes, results: dict, path: str, held_out: bool = False) -> None:
