@@ -146,6 +146,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_cb_decode.LAUNCH_PROBE_FILE]
         + [*report_cb_decode.DECODE_GRAPHS_TRACE_FILES, report_cb_decode.COMPILED_TRACE_FILE]
         + [report_cb_decode.SPLIT_SWEEP_FILE, *(name for name, _ in report_cb_decode.SPLIT_FILES)]
+        + [report_cb_decode.THRESHOLD_FILE]
         + [report_tests.PROFILE_FILE, report_tests.SUITE_BEFORE_FILE, report_tests.SUITE_FILE]
         + [report_tests.SUITE_WHOLE_FILE, report_tests.CPU_SUITE_FILE]
         + [report_tests.CPU_SUITE_SERIAL_FILE, report_tests.SUITE_SERIAL_FILE]
@@ -343,6 +344,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     sweep = load(report_cb_decode.SPLIT_SWEEP_FILE)
     if split or sweep is not None:
         blocks.append(report_cb_decode.split_section(sweep, split))
+    if (threshold := load(report_cb_decode.THRESHOLD_FILE)) is not None:
+        blocks.append(report_cb_decode.threshold_section(threshold))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

@@ -63,6 +63,8 @@ COMPILED_FILES = (
 COMPILED_TRACE_FILE = "h200-cb-trace-compiled-5.24/summary.json"
 #: ``benchmarks/decode_attention.py`` with the split sweep (graph-replayed timings)
 SPLIT_SWEEP_FILE = "h200-decode-attention-split.json"
+#: ``decode_attention --threshold-only``: the break path's split threshold on a finer grid
+THRESHOLD_FILE = "h200-decode-attention-threshold.json"
 #: ``bench_cb --variants breakgraph,breakgraph_unsplit``, taking turns in one process:
 #: ``paged_decode``'s split and blocks of 128 keys against the kernel before; (file, label)
 SPLIT_FILES = (
@@ -520,6 +522,59 @@ def _threshold_table(sweep: dict, sms: int) -> tuple[str, dict]:
         "below": tally([v for n, v in eligible if n <= cb_step.SPLIT_FROM_KEYS]),
     }  # fmt: skip
     return table(header + [f"≤ {n} keys" for n in longest], rows), facts
+
+
+def threshold_section(data: dict) -> str:
+    """``decode_attention --threshold-only``: the launched split over the unsplit kernel on a
+    finer grid of longest keys, on the picked and the held-out shapes, against ``cb_step``'s
+    rule (a break splits beyond ``SPLIT_FROM_KEYS`` keys where the default split is at least
+    ``SPLIT_AT_LEAST``): where it pays, where the rule takes a loss or leaves a gain."""
+    from breakgraph.integrations.transformers import cb_step
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    from . import decode_attention as da
+
+    meta = data.get("meta", {})
+    sms = meta.get("multiprocessors", H200_MULTIPROCESSORS)
+    rows = {c: r for c, r in data.items() if c != "meta" and r.get("threshold")}
+    table_text, _ = _threshold_table(rows, sms)
+    tallies = {(h, side): [] for h in (False, True) for side in ("beyond", "below")}
+    crossings = []
+    cases: dict[tuple, dict] = {}
+    for case, r in rows.items():
+        split = pd.split_count(r["bucket"] * r["hkv"], sms)
+        ratio = r["triton_paged_split_us"]["median"] / r["triton_paged_us"]["median"]
+        cases.setdefault((case.split("/")[0], r["seqs"], split, bool(r.get("held_out"))),
+                         {})[r["longest"]] = ratio  # fmt: skip
+        if split >= cb_step.SPLIT_AT_LEAST:
+            side = "beyond" if r["longest"] > cb_step.SPLIT_FROM_KEYS else "below"
+            tallies[bool(r.get("held_out")), side].append(ratio)
+    for (shape, seqs, split, held_out), by_length in cases.items():
+        if split < cb_step.SPLIT_AT_LEAST:
+            continue
+        lengths = sorted(by_length)
+        paying = [n for i, n in enumerate(lengths) if all(by_length[m] < 1 for m in lengths[i:])]
+        where = f"from ≤ {paying[0]} keys" if paying else "at no length of the grid"
+        crossings.append(f"- {shape}{' (held out)' if held_out else ''}, {seqs} sequences, "
+                         f"default split {split}: the split pays {where}")  # fmt: skip
+
+    def tally(values: list) -> str:
+        if not values:
+            return "no case"
+        return f"{sum(v < 1 for v in values)} of {len(values)} ({span(values, 2)}×)"
+
+    lengths = sorted({r["longest"] for r in rows.values()})
+    return fill(
+        "cb.split_threshold",
+        file=f"`{THRESHOLD_FILE}`", gpu=meta.get("gpu", "-"), torch=meta.get("torch", "-"),
+        date=meta.get("date", "-"), low=lengths[0] if lengths else "-",
+        high=lengths[-1] if lengths else "-", steps=len(lengths),
+        held_shapes=", ".join(name for name, *_ in da.HELD_OUT), table=table_text,
+        split_from=cb_step.SPLIT_FROM_KEYS, split_at_least=cb_step.SPLIT_AT_LEAST,
+        beyond_picked=tally(tallies[False, "beyond"]), beyond_held=tally(tallies[True, "beyond"]),
+        below_picked=tally(tallies[False, "below"]), below_held=tally(tallies[True, "below"]),
+        crossings=bullets(crossings) or "(not measured)",
+    )  # fmt: skip
 
 
 def _setting(key: str) -> str:

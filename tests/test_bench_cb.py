@@ -284,6 +284,26 @@ def test_the_decode_attention_section_names_the_case_the_fold_loses():
     assert "another 3.0–4.0× on top" in text
 
 
+def test_the_threshold_section_says_where_each_case_pays_and_what_the_rule_gives_up():
+    from breakgraph.integrations.transformers import cb_step
+
+    def case(longest, ratio, held_out=False, seqs=8):
+        return {"hq": 16, "hkv": 4, "d": 64, "seqs": seqs, "bucket": seqs, "threshold": True,
+                "longest": longest, "held_out": held_out, "triton_paged_us": {"median": 10.0},
+                "triton_paged_split_us": {"median": 10.0 * ratio}}  # fmt: skip
+
+    below, beyond = cb_step.SPLIT_FROM_KEYS, cb_step.SPLIT_FROM_KEYS + 512
+    data = {"meta": {"gpu": "GPU", "torch": "2.x", "date": "today", "multiprocessors": 132},
+            "a/8-upto1": case(below - 512, 0.9), "a/8-upto2": case(below, 1.1),
+            "a/8-upto3": case(beyond, 0.8), "h/8-upto1": case(below - 512, 1.2, True),
+            "h/8-upto2": case(below, 0.95, True), "h/8-upto3": case(beyond, 1.05, True)}
+    text = report_cb_decode.threshold_section(data)
+    assert "paid in 1 of 1 (0.80×) on the picked shapes and 0 of 1 (1.05×) on the held-out" in text
+    assert "it would have paid in\n1 of 2 (0.90–1.10×) and 1 of 2 (0.95–1.20×)" in text
+    assert f"- a, 8 sequences, default split 16: the split pays from ≤ {beyond} keys" in text
+    assert "- h (held out), 8 sequences, default split 16: the split pays at no length" in text
+
+
 def test_the_losses_paragraph_names_where_synchronous_steps_won():
     def run(release, sync):
         bg = {"tokens_per_s": 100.0, "decode_over_floor": 10.0 if sync < 100 else 20.0}
