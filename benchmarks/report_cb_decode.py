@@ -361,7 +361,6 @@ def split_section(sweep: dict | None, runs: list) -> str:
     """``paged_decode``'s flash-decoding split: the kernel per case from the sweep (graph
     replays: the device's time), then ``breakgraph`` against ``breakgraph_unsplit`` in CB;
     ``runs`` holds ``(data, label)``."""
-    from breakgraph.integrations.transformers import cb_step
     from breakgraph.integrations.transformers import paged_decode as pd
 
     from . import decode_attention as da
@@ -453,8 +452,9 @@ def split_section(sweep: dict | None, runs: list) -> str:
         picked_shapes=", ".join(name for name, *_ in da.SHAPES),
         held_shapes=", ".join(name for name, *_ in da.HELD_OUT),
         workloads="; ".join(_workload(data, label) for data, label in runs) or "-",
-        split_from=cb_step.SPLIT_FROM_KEYS,
-        split_at_least=cb_step.SPLIT_AT_LEAST,
+        split_from=pd.BREAK_SPLIT_FROM,
+        keys_at=pd.BREAK_SPLIT_FROM // 128,
+        split_at_least=pd.BREAK_SPLIT_AT_LEAST,
         files=", ".join(f"`{name}` ({label})" for name, label in SPLIT_FILES),
         device=first.get("device", "-"),
         cb_date=first.get("date", "-"),
@@ -482,30 +482,29 @@ def _threshold_table(sweep: dict, sms: int) -> tuple[str, dict]:
     """The sweep's ``threshold`` rows: per shape and sequence count, the split's launched time
     over the unsplit kernel's at each longest sequence (below 1: the split pays in a break),
     and what the prose says of them (``threshold_seqs``, ``never_paid``, ``beyond``,
-    ``below``), computed against ``cb_step``'s rule."""
-    from breakgraph.integrations.transformers import cb_step
+    ``below``), computed against ``paged_decode.break_split``."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
     cells: dict[tuple, dict] = {}
     for case, r in sweep.items():
         if case != "meta" and r.get("threshold"):
             key = (case.split("/")[0], f"{r['hq']}/{r['hkv']} × {r['d']}", r["seqs"],
-                   pd.split_count(r["bucket"] * r["hkv"], sms))  # fmt: skip
+                   pd.split_count(r["bucket"] * r["hkv"], sms), r["d"])  # fmt: skip
             ratio = r["triton_paged_split_us"]["median"] / r["triton_paged_us"]["median"]
             cells.setdefault(key, {})[r["longest"]] = ratio
     if not cells:
         return "(not measured)", dict.fromkeys(("threshold_seqs", "never_paid", "beyond",
                                                 "below"), "-")  # fmt: skip
     longest = sorted({n for row in cells.values() for n in row})
-    rows = [[*map(str, key), *(f"{num(row[n], 2)}×" if n in row else "-" for n in longest)]
+    rows = [[*map(str, key[:4]), *(f"{num(row[n], 2)}×" if n in row else "-" for n in longest)]
             for key, row in cells.items()]  # fmt: skip
     header = ["shape", "heads × size", "sequences", "default split"]
     by_split: dict[int, list] = {}
     for key, row in cells.items():
         by_split.setdefault(key[3], []).extend(row.values())
     never = sorted(n for n, ratios in by_split.items() if min(ratios) >= 1)
-    eligible = [(n, ratio) for key, row in cells.items() if key[3] >= cb_step.SPLIT_AT_LEAST
-                for n, ratio in row.items()]  # fmt: skip
+    eligible = [(_splits_there(key[3], n, key[4]), ratio) for key, row in cells.items()
+                if key[3] >= pd.BREAK_SPLIT_AT_LEAST for n, ratio in row.items()]  # fmt: skip
 
     def tally(values: list) -> str:
         if not values:
@@ -518,18 +517,33 @@ def _threshold_table(sweep: dict, sms: int) -> tuple[str, dict]:
         "threshold_seqs": " and ".join(map(str, seqs)),
         "never_paid": (f"a default split of {' or '.join(map(str, never))} did not pay at any "
                        f"length" if never else "every default split paid at some length"),
-        "beyond": tally([v for n, v in eligible if n > cb_step.SPLIT_FROM_KEYS]),
-        "below": tally([v for n, v in eligible if n <= cb_step.SPLIT_FROM_KEYS]),
+        "beyond": tally([v for split, v in eligible if split]),
+        "below": tally([v for split, v in eligible if not split]),
     }  # fmt: skip
     return table(header + [f"≤ {n} keys" for n in longest], rows), facts
 
 
-def threshold_section(data: dict) -> str:
+def _splits_there(default: int, longest: int, head_dim: int, keys_alone: int = 0) -> bool:
+    """Whether a break splits in a threshold column of ``longest`` keys: ``paged_decode``'s
+    rule, or with ``keys_alone`` the rule before session 36 (that many keys, any head size).
+    A column's longest sequence lies just below its bound, hence ``longest - 1``."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    if keys_alone:
+        return default >= pd.BREAK_SPLIT_AT_LEAST and longest - 1 >= keys_alone
+    return pd.break_split(default, longest - 1, head_dim) > 1
+
+
+#: The break path's rule before session 36: a split from this many keys, whatever the head size
+RULE_BEFORE_KEYS = 4096
+
+
+def threshold_section(data: dict, earlier: dict | None = None) -> str:
     """``decode_attention --threshold-only``: the launched split over the unsplit kernel on a
-    finer grid of longest keys, on the picked and the held-out shapes, against ``cb_step``'s
-    rule (a break splits beyond ``SPLIT_FROM_KEYS`` keys where the default split is at least
-    ``SPLIT_AT_LEAST``): where it pays, where the rule takes a loss or leaves a gain."""
-    from breakgraph.integrations.transformers import cb_step
+    finer grid of longest keys, on the picked and the held-out shapes, against the break
+    path's rule (:func:`breakgraph.integrations.transformers.paged_decode.break_split`):
+    where it pays, where the rule takes a loss or leaves a gain; then the rule before and now
+    on this sweep and ``earlier`` (the split sweep's threshold rows, another host)."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
     from . import decode_attention as da
@@ -546,11 +560,11 @@ def threshold_section(data: dict) -> str:
         ratio = r["triton_paged_split_us"]["median"] / r["triton_paged_us"]["median"]
         cases.setdefault((case.split("/")[0], r["seqs"], split, bool(r.get("held_out"))),
                          {})[r["longest"]] = ratio  # fmt: skip
-        if split >= cb_step.SPLIT_AT_LEAST:
-            side = "beyond" if r["longest"] > cb_step.SPLIT_FROM_KEYS else "below"
+        if split >= pd.BREAK_SPLIT_AT_LEAST:
+            side = "beyond" if _splits_there(split, r["longest"], r["d"]) else "below"
             tallies[bool(r.get("held_out")), side].append(ratio)
     for (shape, seqs, split, held_out), by_length in cases.items():
-        if split < cb_step.SPLIT_AT_LEAST:
+        if split < pd.BREAK_SPLIT_AT_LEAST:
             continue
         lengths = sorted(by_length)
         paying = [n for i, n in enumerate(lengths) if all(by_length[m] < 1 for m in lengths[i:])]
@@ -563,18 +577,54 @@ def threshold_section(data: dict) -> str:
             return "no case"
         return f"{sum(v < 1 for v in values)} of {len(values)} ({span(values, 2)}×)"
 
+    compared = []
+    for label, sweep in (("this sweep", data), ("the split sweep above", earlier or {})):
+        host = sweep.get("meta", {}).get("multiprocessors", H200_MULTIPROCESSORS)
+        found = [r for c, r in sweep.items() if c != "meta" and r.get("threshold")]
+        if found:
+            before, now = _rule_cost(found, host, RULE_BEFORE_KEYS), _rule_cost(found, host)
+            compared.append(f"- {label} ({len(found)} rows): before {before}; now {now}")
+    common = [c for c, r in rows.items() if c in (earlier or {}) and "triton_paged_split_us" in
+              earlier[c] and "triton_paged_split_graph_us" in r]  # fmt: skip
+    slower = [rows[c]["triton_paged_split_us"]["median"]
+              / earlier[c]["triton_paged_split_us"]["median"] for c in common]  # fmt: skip
+    moved = [rows[c]["triton_paged_split_graph_us"]["median"]
+             / earlier[c]["triton_paged_split_graph_us"]["median"] for c in common]  # fmt: skip
     lengths = sorted({r["longest"] for r in rows.values()})
     return fill(
         "cb.split_threshold",
+        common=len(common), slower=f"{span(slower, 2)}×" if slower else "-",
+        slower_median=f"{num(statistics.median(slower), 2)}×" if slower else "-",
+        graph_moved=f"{span(moved, 2)}×" if moved else "-",
         file=f"`{THRESHOLD_FILE}`", gpu=meta.get("gpu", "-"), torch=meta.get("torch", "-"),
         date=meta.get("date", "-"), low=lengths[0] if lengths else "-",
         high=lengths[-1] if lengths else "-", steps=len(lengths),
         held_shapes=", ".join(name for name, *_ in da.HELD_OUT), table=table_text,
-        split_from=cb_step.SPLIT_FROM_KEYS, split_at_least=cb_step.SPLIT_AT_LEAST,
+        split_from=pd.BREAK_SPLIT_FROM, keys_at=pd.BREAK_SPLIT_FROM // 128, head=128,
+        split_at_least=pd.BREAK_SPLIT_AT_LEAST, before_keys=RULE_BEFORE_KEYS,
         beyond_picked=tally(tallies[False, "beyond"]), beyond_held=tally(tallies[True, "beyond"]),
         below_picked=tally(tallies[False, "below"]), below_held=tally(tallies[True, "below"]),
         crossings=bullets(crossings) or "(not measured)",
+        compared=bullets(compared) or "(not measured)",
     )  # fmt: skip
+
+
+def _rule_cost(rows: list, sms: int, keys_alone: int = 0) -> str:
+    """What a rule gives away on threshold rows, against splitting exactly where it pays:
+    the losses it takes (it splits, the split is slower) and the gains it leaves (it does not,
+    the split is faster), as cases and µs per call summed."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    taken, left = [], []
+    for r in rows:
+        unsplit, split = r["triton_paged_us"]["median"], r["triton_paged_split_us"]["median"]
+        default = pd.split_count(r["bucket"] * r["hkv"], sms)
+        if _splits_there(default, r["longest"], r["d"], keys_alone):
+            taken += [split - unsplit] if split >= unsplit else []
+        elif default >= pd.BREAK_SPLIT_AT_LEAST and split < unsplit:
+            left.append(unsplit - split)
+    return (f"{len(taken)} losses taken ({num(sum(taken), 0)} µs), {len(left)} gains left "
+            f"({num(sum(left), 0)} µs), {num(sum(taken) + sum(left), 0)} µs in all")
 
 
 def _setting(key: str) -> str:

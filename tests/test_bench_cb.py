@@ -285,23 +285,33 @@ def test_the_decode_attention_section_names_the_case_the_fold_loses():
 
 
 def test_the_threshold_section_says_where_each_case_pays_and_what_the_rule_gives_up():
-    from breakgraph.integrations.transformers import cb_step
+    from breakgraph.integrations.transformers import paged_decode as pd
 
-    def case(longest, ratio, held_out=False, seqs=8):
+    def case(longest, ratio, held_out=False, seqs=8, unsplit=10.0):
         return {"hq": 16, "hkv": 4, "d": 64, "seqs": seqs, "bucket": seqs, "threshold": True,
-                "longest": longest, "held_out": held_out, "triton_paged_us": {"median": 10.0},
-                "triton_paged_split_us": {"median": 10.0 * ratio}}  # fmt: skip
+                "longest": longest, "held_out": held_out, "triton_paged_us": {"median": unsplit},
+                "triton_paged_split_us": {"median": unsplit * ratio},
+                "triton_paged_split_graph_us": {"median": 1.0}}  # fmt: skip
 
-    below, beyond = cb_step.SPLIT_FROM_KEYS, cb_step.SPLIT_FROM_KEYS + 512
+    below = pd.BREAK_SPLIT_FROM // 64  # the longest keys of a 64-wide head that stay unsplit
+    beyond = below + 512
     data = {"meta": {"gpu": "GPU", "torch": "2.x", "date": "today", "multiprocessors": 132},
             "a/8-upto1": case(below - 512, 0.9), "a/8-upto2": case(below, 1.1),
             "a/8-upto3": case(beyond, 0.8), "h/8-upto1": case(below - 512, 1.2, True),
             "h/8-upto2": case(below, 0.95, True), "h/8-upto3": case(beyond, 1.05, True)}
-    text = report_cb_decode.threshold_section(data)
-    assert "paid in 1 of 1 (0.80×) on the picked shapes and 0 of 1 (1.05×) on the held-out" in text
-    assert "it would have paid in\n1 of 2 (0.90–1.10×) and 1 of 2 (0.95–1.20×)" in text
+    earlier = {"meta": {"multiprocessors": 132}, "a/8-upto3": case(beyond, 0.5, unsplit=5.0),
+               "b/8-upto1": case(4608, 1.5)}  # the rule before splits b, now it does not
+    text = report_cb_decode.threshold_section(data, earlier)
+    assert "paid in 1 of 1 (0.80×) on the picked shapes and 0 of 1 (1.05×) on the\nheld-out" in text
+    assert "it would have paid in 1 of 2 (0.90–1.10×) and\n1 of 2 (0.95–1.20×)" in text
     assert f"- a, 8 sequences, default split 16: the split pays from ≤ {beyond} keys" in text
     assert "- h (held out), 8 sequences, default split 16: the split pays at no length" in text
+    # before: from 4096 keys at any head size; a 64-wide head now splits from twice that
+    assert ("- this sweep (6 rows): before 3 losses taken (4 µs), 0 gains left (0 µs), 4 µs in "
+            "all; now 1 losses taken (0 µs), 2 gains left (2 µs), 2 µs in all") in text
+    assert ("- the split sweep above (2 rows): before 1 losses taken (5 µs), 0 gains left (0 µs), "
+            "5 µs in all; now 0 losses taken (0 µs), 0 gains left (0 µs), 0 µs in all") in text
+    assert "the launched split took\n3.20× its time on the split sweep's host" in text
 
 
 def test_the_losses_paragraph_names_where_synchronous_steps_won():

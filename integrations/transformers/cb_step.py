@@ -62,7 +62,7 @@ from .block_table import read_slots, write_slots
 from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
 from .models import UnsupportedModelError, attention_heads, default_query_buckets, layer_attention
-from .paged_decode import default_splits, fits, paged_decode, query_rows, triton_available, warm_up
+from .paged_decode import break_splits, fits, paged_decode, query_rows, triton_available, warm_up
 from .step_inputs import StepInputs
 from .tensor_parallel import graph_safe_tensor_parallel
 
@@ -73,16 +73,6 @@ __all__ = ["CB_ATTENTION_KEY", "CBStep", "PagedAttention", "StepRunner", "paged_
 #: The attention key a model holds while continuous batching is enabled (a plain key: from
 #: transformers 5.19 the ``paged|`` prefix is stripped, and any key but its own is refused).
 CB_ATTENTION_KEY = "breakgraph_paged"
-#: A pure-decode break splits each sequence's keys across programs (flash-decoding; a second
-#: kernel launch, about 24 µs of host time on an H200 server) only once the step's longest
-#: sequence holds this many keys and the default split is at least ``SPLIT_AT_LEAST`` programs:
-#: below either, the launch costs more than the split saves the device. Measured launched on
-#: the CB shapes' heads, 8 and 32 sequences (``benchmarks/decode_attention``, THRESHOLD rows;
-#: keys uniform in L/2..L): with a default split of at least 4 the split won every case with
-#: L = 6,144 (0.51-0.81x) and 11 of 40 with L up to 4,096 (0.62-2.15x), which this rule leaves
-#: unsplit; with a default split of 2 it lost at every length (1.04-1.40x).
-SPLIT_FROM_KEYS = 4096
-SPLIT_AT_LEAST = 4
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 _STEPS = (  # what the ranks must agree on for each step, and how to fix a mismatch
@@ -270,18 +260,15 @@ class PagedAttention:
 
         Launched from a break, a kernel costs the host about as much as the device spends on
         a short sequence, so the keys are split across programs (a second launch) only once
-        the longest sequence holds ``SPLIT_FROM_KEYS`` keys and the default split is at least
-        ``SPLIT_AT_LEAST``; a decode graph, which launches nothing, always takes
-        :func:`.paged_decode.default_splits`."""
+        the longest sequence is long enough (:func:`.paged_decode.break_splits`); a decode
+        graph, which launches nothing, always takes :func:`.paged_decode.default_splits`."""
         group, keys, values = rows
         _, _, cu_k, max_k = compat.cache_read_write(
             step, self.key[:, :, :n], self.value[:, :, :n], self.layer, self.layer_type,
             read=False,
         )  # fmt: skip
         read_index = step.read_index[group]
-        splits = default_splits(n, keys.shape[1], keys.device) if max_k >= SPLIT_FROM_KEYS else 1
-        if splits < SPLIT_AT_LEAST:
-            splits = 1
+        splits = break_splits(n, max_k, keys)
         if self.out is not None:
             paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling, self.out[:n],
                          splits=splits)  # fmt: skip

@@ -39,6 +39,10 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = tl = None
 
 __all__ = [
+    "BREAK_SPLIT_AT_LEAST",
+    "BREAK_SPLIT_FROM",
+    "break_split",
+    "break_splits",
     "default_splits",
     "fits",
     "paged_decode",
@@ -309,6 +313,47 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return split_count(batch * kv_heads, _SM_COUNT[index])
+
+
+#: An attention break launches its kernels one at a time (a decode graph launches nothing), so
+#: a split there costs a second launch, on the host about as long as a short sequence's kernel
+#: on the device. What the split shortens is each unsplit program's stream: one sequence's keys
+#: of one key head, ``keys x head size`` elements. A break therefore splits only once the
+#: step's longest sequence holds ``BREAK_SPLIT_FROM`` / head size keys (4096 at a head size of
+#: 128, 8192 at 64, 2048 at 256) and the default split is at least ``BREAK_SPLIT_AT_LEAST``
+#: programs (a split of 2 lost at every length measured). Until session 36 the rule was 4096
+#: keys at any head size; timed launched on two H200 hosts (``benchmarks/decode_attention``,
+#: threshold rows; performance.md, *The split threshold on a finer grid*), this rule leaves
+#: fewer microseconds on the table than that one, summed over both runs' cases.
+BREAK_SPLIT_FROM = 4096 * 128
+BREAK_SPLIT_AT_LEAST = 4
+
+
+def break_split(default: int, longest: int, head_dim: int) -> int:
+    """The split an attention break launches: ``default`` (the graphs' split,
+    :func:`default_splits`) once the step's longest sequence of ``longest`` keys times
+    ``head_dim`` reaches ``BREAK_SPLIT_FROM`` and ``default`` is at least
+    ``BREAK_SPLIT_AT_LEAST``; else 1.
+
+    >>> break_split(16, 4096, 128), break_split(16, 4096, 64), break_split(2, 8192, 128)
+    (16, 1, 1)
+    """
+    if default < BREAK_SPLIT_AT_LEAST or longest * head_dim < BREAK_SPLIT_FROM:
+        return 1
+    return default
+
+
+def break_splits(batch: int, longest: int, k_cache: torch.Tensor) -> int:
+    """:func:`break_split` for a step of ``batch`` sequences over ``k_cache`` (``[rows, Hkv,
+    D]``); a short step returns 1 without asking :func:`default_splits`.
+
+    >>> break_splits(8, 100, torch.empty(0, 4, 128))  # 100 keys: no split
+    1
+    """
+    if longest * k_cache.shape[-1] < BREAK_SPLIT_FROM:
+        return 1
+    default = default_splits(batch, k_cache.shape[1], k_cache.device)
+    return break_split(default, longest, k_cache.shape[-1])
 
 
 def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
