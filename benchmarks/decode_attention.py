@@ -20,9 +20,10 @@ setting of each case. ``HELD_OUT`` shapes (rows with ``"held_out": true``) were 
 the defaults were picked on: the same cases, to check that the defaults carry over.
 
 ``THRESHOLD`` rows (``"threshold": true``, key ``<shape>/<sequences>-upto<L>``: keys uniform in
-L/2..L) time only ``triton_paged`` and ``triton_paged_split``, launched, at the lengths around
-``cb_step.SPLIT_FROM_KEYS``: an attention break launches its kernels one at a time, so it
-splits only where the split's second launch costs less than it saves. ``--threshold-only``
+L/2..L, the longest in ``max_keys``) time only ``triton_paged`` and ``triton_paged_split``,
+launched, at the lengths around the break path's split rule (``paged_decode.break_split``): an
+attention break launches its kernels one at a time, so it splits only where the split's second
+launch costs less than it saves. ``--threshold-only``
 times only these rows, for the held-out shapes too, at ``--lengths`` (a finer grid around the
 threshold)::
 
@@ -134,7 +135,7 @@ def one_case(q_heads: int, kv_heads: int, head_dim: int, seqs: int, keys=KEYS,
     for block in BLOCKS if sweep else ():  # the kernel at every split count and block of keys
         functions.update({f"splits_{n}-block{block}": split_by(n, block) for n in SWEEP})
     row = {"hq": q_heads, "hkv": kv_heads, "d": head_dim, "seqs": seqs, "bucket": bucket,
-           "keys": total, "kv_mib": 2 * total * kv_heads * head_dim * 2 / 2**20,
+           "keys": total, "max_keys": max_k, "kv_mib": 2 * total * kv_heads * head_dim * 2 / 2**20,
            "default_splits": default_splits(bucket, kv_heads, q.device)}  # fmt: skip
     reference = gather_flash_causal()[:seqs].float()
     for label, function in functions.items():
@@ -197,12 +198,22 @@ def _time_us(run) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--out", help="JSON file to write")
+    parser.add_argument("--replay-max-keys", metavar="JSON",
+                        help="add each row's longest sequence to a run's file written before "
+                             "rows recorded it (see replay_max_keys), then exit")  # fmt: skip
     parser.add_argument("--threshold-only", action="store_true",
                         help="only the threshold rows, for SHAPES and HELD_OUT (no sweep)")
     parser.add_argument("--lengths", default=",".join(map(str, THRESHOLD[1])),
                         help="the threshold rows' longest keys, comma-separated")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.replay_max_keys:
+        with open(args.replay_max_keys) as f:
+            data = replay_max_keys(json.load(f))
+        _write(args.replay_max_keys, data)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
     lengths = tuple(int(n) for n in args.lengths.split(","))
     if not torch.cuda.is_available():
         print("decode_attention: needs a CUDA GPU (FlashAttention-2 and Triton)", file=sys.stderr)
@@ -248,6 +259,33 @@ def _sweep(shapes, results: dict, path: str, held_out: bool = False) -> None:
                   {k: round(v["median"], 1) for k, v in row.get("sweep_graph_us", {}).items()},
                   flush=True)  # fmt: skip
         _write(path, results)
+
+
+def replay_max_keys(data: dict) -> dict:
+    """``data`` (a run's JSON) with each row's ``max_keys``, for runs from before rows recorded
+    it: the run seeds the CPU generator once and draws each row's key counts from it (the only
+    CPU draw per row; the caches are drawn on the GPU), so replaying the draws in the file's row
+    order gives them back. Raises ``ValueError`` unless every replayed row's total equals its
+    recorded ``keys``; ``meta["max_keys"]`` says the values were replayed.
+
+    >>> replay_max_keys({"meta": {}})["meta"]["max_keys"]
+    'replayed from the seed (every row total matched)'
+    """
+    generator = torch.Generator().manual_seed(0)  # what torch.manual_seed(0) seeds on the CPU
+    for case, row in data.items():
+        if case == "meta":
+            continue
+        if row.get("threshold"):
+            keys = (row["longest"] // 2, row["longest"])
+        else:
+            keys = LONG[1] if case.endswith("-long") else KEYS
+        lens = torch.randint(keys[0], keys[1] + 1, (row["seqs"],), generator=generator)
+        if int(lens.sum()) != row["keys"]:
+            raise ValueError(f"{case}: replayed {int(lens.sum())} keys, the run recorded "
+                             f"{row['keys']}; not this run's draws")  # fmt: skip
+        row["max_keys"] = int(lens.max())
+    data["meta"]["max_keys"] = "replayed from the seed (every row total matched)"
+    return data
 
 
 def _write(path: str, results: dict) -> None:

@@ -67,7 +67,7 @@ def layouts(requests: int, page: int, seed: int = 0) -> dict:
     steps = [(f"req_{i}", n - 1) for i, n in enumerate(keys)]
     manager = SimpleNamespace(block_size=page, block_table=ids)
     allocator = SimpleNamespace(index=0, tokens_per_page=page, block_physical_stride=page,
-                                layer_type="full_attention", block_table=ids)  # fmt: skip
+                                block_table=ids)  # filed by type, as 5.18's (no layer_type)
     return {
         "5.17 (managers)": (Cache(group_cache_managers=[manager]), steps),
         "5.18+ (allocators)": (Cache(cache_allocators={"full_attention": allocator}), steps),

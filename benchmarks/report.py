@@ -345,7 +345,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if split or sweep is not None:
         blocks.append(report_cb_decode.split_section(sweep, split))
     if (threshold := load(report_cb_decode.THRESHOLD_FILE)) is not None:
-        blocks.append(report_cb_decode.threshold_section(threshold, sweep))
+        if text := report_cb_decode.threshold_section(threshold, sweep):
+            blocks.append(text)
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

@@ -452,8 +452,8 @@ def split_section(sweep: dict | None, runs: list) -> str:
         picked_shapes=", ".join(name for name, *_ in da.SHAPES),
         held_shapes=", ".join(name for name, *_ in da.HELD_OUT),
         workloads="; ".join(_workload(data, label) for data, label in runs) or "-",
-        split_from=pd.BREAK_SPLIT_FROM,
-        keys_at=pd.BREAK_SPLIT_FROM // 128,
+        from_keys=pd.BREAK_SPLIT_FROM_KEYS,
+        head=pd.BREAK_SPLIT_HEAD,
         split_at_least=pd.BREAK_SPLIT_AT_LEAST,
         files=", ".join(f"`{name}` ({label})" for name, label in SPLIT_FILES),
         device=first.get("device", "-"),
@@ -486,25 +486,26 @@ def _threshold_table(sweep: dict, sms: int) -> tuple[str, dict]:
     from breakgraph.integrations.transformers import paged_decode as pd
 
     cells: dict[tuple, dict] = {}
+    eligible = []  # (whether the break rule splits the row, ratio), default split large enough
     for case, r in sweep.items():
         if case != "meta" and r.get("threshold"):
             key = (case.split("/")[0], f"{r['hq']}/{r['hkv']} × {r['d']}", r["seqs"],
-                   pd.split_count(r["bucket"] * r["hkv"], sms), r["d"])  # fmt: skip
+                   pd.split_count(r["bucket"] * r["hkv"], sms))  # fmt: skip
             ratio = r["triton_paged_split_us"]["median"] / r["triton_paged_us"]["median"]
             cells.setdefault(key, {})[r["longest"]] = ratio
+            if key[3] >= pd.BREAK_SPLIT_AT_LEAST:
+                eligible.append((_break_rule(key[3], _longest(r), r["d"]), ratio))
     if not cells:
         return "(not measured)", dict.fromkeys(("threshold_seqs", "never_paid", "beyond",
                                                 "below"), "-")  # fmt: skip
     longest = sorted({n for row in cells.values() for n in row})
-    rows = [[*map(str, key[:4]), *(f"{num(row[n], 2)}×" if n in row else "-" for n in longest)]
+    rows = [[*map(str, key), *(f"{num(row[n], 2)}×" if n in row else "-" for n in longest)]
             for key, row in cells.items()]  # fmt: skip
     header = ["shape", "heads × size", "sequences", "default split"]
     by_split: dict[int, list] = {}
     for key, row in cells.items():
         by_split.setdefault(key[3], []).extend(row.values())
     never = sorted(n for n, ratios in by_split.items() if min(ratios) >= 1)
-    eligible = [(_splits_there(key[3], n, key[4]), ratio) for key, row in cells.items()
-                if key[3] >= pd.BREAK_SPLIT_AT_LEAST for n, ratio in row.items()]  # fmt: skip
 
     def tally(values: list) -> str:
         if not values:
@@ -523,15 +524,32 @@ def _threshold_table(sweep: dict, sms: int) -> tuple[str, dict]:
     return table(header + [f"≤ {n} keys" for n in longest], rows), facts
 
 
-def _splits_there(default: int, longest: int, head_dim: int, keys_alone: int = 0) -> bool:
-    """Whether a break splits in a threshold column of ``longest`` keys: ``paged_decode``'s
-    rule, or with ``keys_alone`` the rule before session 36 (that many keys, any head size).
-    A column's longest sequence lies just below its bound, hence ``longest - 1``."""
+def _longest(row: dict) -> int:
+    """A threshold row's longest sequence: ``max_keys`` (recorded, or replayed from the seed for
+    earlier runs: ``decode_attention.replay_max_keys``), else the column's bound."""
+    return row.get("max_keys", row["longest"])
+
+
+def _break_rule(default: int, longest: int, head_dim: int) -> bool:
+    """Whether an attention break splits: ``paged_decode``'s rule."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    if keys_alone:
-        return default >= pd.BREAK_SPLIT_AT_LEAST and longest - 1 >= keys_alone
-    return pd.break_split(default, longest - 1, head_dim) > 1
+    return pd.break_split(default, longest, head_dim) > 1
+
+
+def _keys_rule(default: int, longest: int, head_dim: int) -> bool:
+    """The rule before session 36: ``RULE_BEFORE_KEYS`` keys, whatever the head size."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    return default >= pd.BREAK_SPLIT_AT_LEAST and longest >= RULE_BEFORE_KEYS
+
+
+def _product_rule(default: int, longest: int, head_dim: int) -> bool:
+    """Tried in session 36: keys times head size at every head size (``RULE_BEFORE_KEYS`` keys
+    at a head of 128, twice as many at 64)."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    return default >= pd.BREAK_SPLIT_AT_LEAST and longest * head_dim >= RULE_BEFORE_KEYS * 128
 
 
 #: The break path's rule before session 36: a split from this many keys, whatever the head size
@@ -542,8 +560,9 @@ def threshold_section(data: dict, earlier: dict | None = None) -> str:
     """``decode_attention --threshold-only``: the launched split over the unsplit kernel on a
     finer grid of longest keys, on the picked and the held-out shapes, against the break
     path's rule (:func:`breakgraph.integrations.transformers.paged_decode.break_split`):
-    where it pays, where the rule takes a loss or leaves a gain; then the rule before and now
-    on this sweep and ``earlier`` (the split sweep's threshold rows, another host)."""
+    where it pays, where the rule takes a loss or leaves a gain; then the rules before, tried
+    and now on this sweep and ``earlier`` (the split sweep's threshold rows, another host).
+    Empty where the file holds no threshold rows."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
     from . import decode_attention as da
@@ -551,6 +570,8 @@ def threshold_section(data: dict, earlier: dict | None = None) -> str:
     meta = data.get("meta", {})
     sms = meta.get("multiprocessors", H200_MULTIPROCESSORS)
     rows = {c: r for c, r in data.items() if c != "meta" and r.get("threshold")}
+    if not rows:
+        return ""
     table_text, _ = _threshold_table(rows, sms)
     tallies = {(h, side): [] for h in (False, True) for side in ("beyond", "below")}
     crossings = []
@@ -561,16 +582,17 @@ def threshold_section(data: dict, earlier: dict | None = None) -> str:
         cases.setdefault((case.split("/")[0], r["seqs"], split, bool(r.get("held_out"))),
                          {})[r["longest"]] = ratio  # fmt: skip
         if split >= pd.BREAK_SPLIT_AT_LEAST:
-            side = "beyond" if _splits_there(split, r["longest"], r["d"]) else "below"
+            side = "beyond" if _break_rule(split, _longest(r), r["d"]) else "below"
             tallies[bool(r.get("held_out")), side].append(ratio)
     for (shape, seqs, split, held_out), by_length in cases.items():
-        if split < pd.BREAK_SPLIT_AT_LEAST:
-            continue
         lengths = sorted(by_length)
         paying = [n for i, n in enumerate(lengths) if all(by_length[m] < 1 for m in lengths[i:])]
         where = f"from ≤ {paying[0]} keys" if paying else "at no length of the grid"
+        never = split < pd.BREAK_SPLIT_AT_LEAST
         crossings.append(f"- {shape}{' (held out)' if held_out else ''}, {seqs} sequences, "
-                         f"default split {split}: the split pays {where}")  # fmt: skip
+                         f"default split {split}: the split pays {where}"
+                         + (" (below the minimum split: a break never splits it)" if never
+                            else ""))  # fmt: skip
 
     def tally(values: list) -> str:
         if not values:
@@ -582,46 +604,51 @@ def threshold_section(data: dict, earlier: dict | None = None) -> str:
         host = sweep.get("meta", {}).get("multiprocessors", H200_MULTIPROCESSORS)
         found = [r for c, r in sweep.items() if c != "meta" and r.get("threshold")]
         if found:
-            before, now = _rule_cost(found, host, RULE_BEFORE_KEYS), _rule_cost(found, host)
-            compared.append(f"- {label} ({len(found)} rows): before {before}; now {now}")
-    common = [c for c, r in rows.items() if c in (earlier or {}) and "triton_paged_split_us" in
-              earlier[c] and "triton_paged_split_graph_us" in r]  # fmt: skip
-    slower = [rows[c]["triton_paged_split_us"]["median"]
-              / earlier[c]["triton_paged_split_us"]["median"] for c in common]  # fmt: skip
-    moved = [rows[c]["triton_paged_split_graph_us"]["median"]
-             / earlier[c]["triton_paged_split_graph_us"]["median"] for c in common]  # fmt: skip
+            costs = [f"{name} {_rule_cost(found, host, rule)}" for name, rule in (
+                ("before", _keys_rule), ("tried", _product_rule), ("now", _break_rule))]
+            compared.append(f"- {label} ({len(found)} rows): " + "; ".join(costs))
+    timed = ("triton_paged_split_us", "triton_paged_split_graph_us")
+    common = [c for c, r in rows.items() if all(k in r and k in (earlier or {}).get(c, {})
+                                                 for k in timed)]  # fmt: skip
+    hosts = ""
+    if common:
+        slower = [rows[c][timed[0]]["median"] / earlier[c][timed[0]]["median"] for c in common]
+        moved = [rows[c][timed[1]]["median"] / earlier[c][timed[1]]["median"] for c in common]
+        hosts = fill("cb.split_threshold.hosts", common=len(common), slower=f"{span(slower, 2)}×",
+                     slower_median=f"{num(statistics.median(slower), 2)}×",
+                     graph_moved=f"{span(moved, 2)}×")  # fmt: skip
     lengths = sorted({r["longest"] for r in rows.values()})
     return fill(
         "cb.split_threshold",
-        common=len(common), slower=f"{span(slower, 2)}×" if slower else "-",
-        slower_median=f"{num(statistics.median(slower), 2)}×" if slower else "-",
-        graph_moved=f"{span(moved, 2)}×" if moved else "-",
         file=f"`{THRESHOLD_FILE}`", gpu=meta.get("gpu", "-"), torch=meta.get("torch", "-"),
-        date=meta.get("date", "-"), low=lengths[0] if lengths else "-",
-        high=lengths[-1] if lengths else "-", steps=len(lengths),
+        date=meta.get("date", "-"), low=lengths[0], high=lengths[-1], steps=len(lengths),
         held_shapes=", ".join(name for name, *_ in da.HELD_OUT), table=table_text,
-        split_from=pd.BREAK_SPLIT_FROM, keys_at=pd.BREAK_SPLIT_FROM // 128, head=128,
-        split_at_least=pd.BREAK_SPLIT_AT_LEAST, before_keys=RULE_BEFORE_KEYS,
+        head=pd.BREAK_SPLIT_HEAD, before_keys=RULE_BEFORE_KEYS,
+        wide_keys=pd.BREAK_SPLIT_FROM_KEYS // 2,  # at a head twice BREAK_SPLIT_HEAD
         beyond_picked=tally(tallies[False, "beyond"]), beyond_held=tally(tallies[True, "beyond"]),
         below_picked=tally(tallies[False, "below"]), below_held=tally(tallies[True, "below"]),
-        crossings=bullets(crossings) or "(not measured)",
-        compared=bullets(compared) or "(not measured)",
+        crossings=bullets(crossings), compared=bullets(compared) or "(not measured)",
+        hosts=hosts,
     )  # fmt: skip
 
 
-def _rule_cost(rows: list, sms: int, keys_alone: int = 0) -> str:
-    """What a rule gives away on threshold rows, against splitting exactly where it pays:
-    the losses it takes (it splits, the split is slower) and the gains it leaves (it does not,
-    the split is faster), as cases and µs per call summed."""
+def _rule_cost(rows: list, sms: int, rule) -> str:
+    """What ``rule`` (``(default split, longest keys, head size) -> splits``) gives away on
+    threshold rows against splitting exactly where the split pays: the losses it takes (it
+    splits, the split is slower) and the gains it leaves (it does not, the split is faster),
+    as cases and µs per launched call summed. Rows whose default split is below the minimum
+    split under no rule and count for none."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
     taken, left = [], []
     for r in rows:
         unsplit, split = r["triton_paged_us"]["median"], r["triton_paged_split_us"]["median"]
         default = pd.split_count(r["bucket"] * r["hkv"], sms)
-        if _splits_there(default, r["longest"], r["d"], keys_alone):
+        if default < pd.BREAK_SPLIT_AT_LEAST:
+            continue
+        if rule(default, _longest(r), r["d"]):
             taken += [split - unsplit] if split >= unsplit else []
-        elif default >= pd.BREAK_SPLIT_AT_LEAST and split < unsplit:
+        elif split < unsplit:
             left.append(unsplit - split)
     return (f"{len(taken)} losses taken ({num(sum(taken), 0)} µs), {len(left)} gains left "
             f"({num(sum(left), 0)} µs), {num(sum(taken) + sum(left), 0)} µs in all")

@@ -285,33 +285,52 @@ def test_the_decode_attention_section_names_the_case_the_fold_loses():
 
 
 def test_the_threshold_section_says_where_each_case_pays_and_what_the_rule_gives_up():
+    """The tallies, where each case pays, and the rules before, tried and now follow the rows:
+    a 64-wide head splits from 4096 keys, a 256-wide one from 2048 (``paged_decode``)."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    def case(longest, ratio, held_out=False, seqs=8, unsplit=10.0):
-        return {"hq": 16, "hkv": 4, "d": 64, "seqs": seqs, "bucket": seqs, "threshold": True,
-                "longest": longest, "held_out": held_out, "triton_paged_us": {"median": unsplit},
+    assert (pd.BREAK_SPLIT_FROM_KEYS, pd.BREAK_SPLIT_HEAD) == (4096, 128)
+
+    def case(longest, ratio, d=64, held_out=False, unsplit=100.0):
+        return {"hq": 16, "hkv": 4, "d": d, "seqs": 8, "bucket": 8, "threshold": True,
+                "longest": longest, "max_keys": longest, "held_out": held_out,
+                "triton_paged_us": {"median": unsplit},
                 "triton_paged_split_us": {"median": unsplit * ratio},
                 "triton_paged_split_graph_us": {"median": 1.0}}  # fmt: skip
 
-    below = pd.BREAK_SPLIT_FROM // 64  # the longest keys of a 64-wide head that stay unsplit
-    beyond = below + 512
     data = {"meta": {"gpu": "GPU", "torch": "2.x", "date": "today", "multiprocessors": 132},
-            "a/8-upto1": case(below - 512, 0.9), "a/8-upto2": case(below, 1.1),
-            "a/8-upto3": case(beyond, 0.8), "h/8-upto1": case(below - 512, 1.2, True),
-            "h/8-upto2": case(below, 0.95, True), "h/8-upto3": case(beyond, 1.05, True)}
-    earlier = {"meta": {"multiprocessors": 132}, "a/8-upto3": case(beyond, 0.5, unsplit=5.0),
-               "b/8-upto1": case(4608, 1.5)}  # the rule before splits b, now it does not
+            "a/8-upto1": case(3584, 0.9), "a/8-upto2": case(4096, 1.1),
+            "a/8-upto3": case(4608, 0.8), "h/8-upto1": case(1536, 1.2, 256, True),
+            "h/8-upto2": case(2048, 0.95, 256, True), "h/8-upto3": case(2560, 1.05, 256, True)}
+    earlier = {"meta": {"multiprocessors": 132}, "a/8-upto3": case(4608, 0.5, unsplit=40.0)}
     text = report_cb_decode.threshold_section(data, earlier)
-    assert "paid in 1 of 1 (0.80×) on the picked shapes and 0 of 1 (1.05×) on the\nheld-out" in text
-    assert "it would have paid in 1 of 2 (0.90–1.10×) and\n1 of 2 (0.95–1.20×)" in text
-    assert f"- a, 8 sequences, default split 16: the split pays from ≤ {beyond} keys" in text
+    assert "paid in 1 of 2 (0.80–1.10×) on the picked shapes and\n1 of 2 (0.95–1.05×)" in text
+    assert "would have paid in\n1 of 1 (0.90×) and 0 of 1 (1.20×)" in text
+    assert "- a, 8 sequences, default split 16: the split pays from ≤ 4608 keys" in text
     assert "- h (held out), 8 sequences, default split 16: the split pays at no length" in text
-    # before: from 4096 keys at any head size; a 64-wide head now splits from twice that
-    assert ("- this sweep (6 rows): before 3 losses taken (4 µs), 0 gains left (0 µs), 4 µs in "
-            "all; now 1 losses taken (0 µs), 2 gains left (2 µs), 2 µs in all") in text
-    assert ("- the split sweep above (2 rows): before 1 losses taken (5 µs), 0 gains left (0 µs), "
-            "5 µs in all; now 0 losses taken (0 µs), 0 gains left (0 µs), 0 µs in all") in text
-    assert "the launched split took\n3.20× its time on the split sweep's host" in text
+    assert ("- this sweep (6 rows): before 1 losses taken (10 µs), 2 gains left (15 µs), 25 µs "
+            "in all; tried 1 losses taken (5 µs), 2 gains left (30 µs), 35 µs in all; now 2 "
+            "losses taken (15 µs), 1 gains left (10 µs), 25 µs in all") in text
+    assert ("- the split sweep above (1 rows): before 0 losses taken (0 µs), 0 gains left (0 µs), "
+            "0 µs in all; tried 0 losses taken (0 µs), 1 gains left (20 µs), 20 µs in all; now 0 "
+            "losses taken (0 µs), 0 gains left (0 µs), 0 µs in all") in text
+    assert "the launched split took\n4.00× its time on the split sweep's host" in text
+    alone = report_cb_decode.threshold_section(data)  # no earlier sweep: no hosts paragraph
+    assert "The two hosts differ" not in alone and "- the split sweep above" not in alone
+    assert report_cb_decode.threshold_section({"meta": {}}) == ""
+
+
+def test_replayed_longest_sequences_check_every_rows_total():
+    """``decode_attention.replay_max_keys`` gives an earlier run's rows their longest sequence
+    by replaying the seeded draws, and refuses a file whose totals the replay does not match."""
+    from benchmarks import decode_attention as da
+
+    lens = torch.randint(2048, 4097, (8,), generator=torch.Generator().manual_seed(0))
+    row = {"threshold": True, "longest": 4096, "seqs": 8, "keys": int(lens.sum())}
+    data = da.replay_max_keys({"meta": {}, "x/8-upto4096": dict(row)})
+    assert data["x/8-upto4096"]["max_keys"] == int(lens.max())
+    with pytest.raises(ValueError, match="not this run's draws"):
+        da.replay_max_keys({"meta": {}, "x/8-upto4096": dict(row, keys=row["keys"] + 1)})
 
 
 def test_the_losses_paragraph_names_where_synchronous_steps_won():

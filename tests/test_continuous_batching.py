@@ -447,10 +447,10 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
 @pytest.mark.parametrize("default, split", [(4, 4), (2, 1)])
 def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch, default, split):
     """A pure-decode break takes the default split (here ``default``, asked for with the
-    step's sequences and key heads) exactly when the step's longest sequence's keys times the
-    head size reach ``paged_decode.BREAK_SPLIT_FROM`` and that split is at least
-    ``BREAK_SPLIT_AT_LEAST``, and one program per sequence otherwise (a default of 2 never
-    splits)."""
+    step's sequences and key heads) exactly when the step's longest sequence holds
+    ``paged_decode.BREAK_SPLIT_FROM_KEYS`` keys (the tiny model's head is narrower than
+    ``BREAK_SPLIT_HEAD``) and that split is at least ``BREAK_SPLIT_AT_LEAST``, and one program
+    per sequence otherwise (a default of 2 never splits)."""
     from breakgraph.integrations.transformers import attention as bg_attention
     from breakgraph.integrations.transformers import paged_decode as pd
 
@@ -472,8 +472,8 @@ def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch, defaul
     monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
     monkeypatch.setattr(cb_step, "paged_decode", fake_paged)
     monkeypatch.setattr(pd, "default_splits", fake_default)
-    head_dim = model.config.head_dim
-    monkeypatch.setattr(pd, "BREAK_SPLIT_FROM", 20 * head_dim)  # the prompt of 17 reaches it
+    assert model.config.head_dim <= pd.BREAK_SPLIT_HEAD
+    monkeypatch.setattr(pd, "BREAK_SPLIT_FROM_KEYS", 20)  # the prompt of 17 reaches it
     prompts = random_prompts(seed=14, lengths=(3, 17, 5))
     expected = generate_batch(model, prompts)
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
@@ -1843,7 +1843,7 @@ def test_cuda_decode_kernels_compile_before_serving(monkeypatch, mode):
     (``paged_decode.warm_up``), so no step compiles one while serving: Triton holds as many
     binaries after the run as right after the warm-up. The decode graphs with either layout,
     and the attention breaks (``decode_graphs=False``; made to split every step's keys, as
-    they do from ``paged_decode.BREAK_SPLIT_FROM`` on, whatever the split count). Heads no
+    they do from ``paged_decode.BREAK_SPLIT_FROM_KEYS`` on, whatever the split count). Heads no
     other test uses (6 over 3), so that the warm-up is what compiled them, whatever ran
     before."""
     from breakgraph.integrations.transformers import cb_step
@@ -1852,7 +1852,7 @@ def test_cuda_decode_kernels_compile_before_serving(monkeypatch, mode):
     if breaks:
         from breakgraph.integrations.transformers import paged_decode as pd
 
-        monkeypatch.setattr(pd, "BREAK_SPLIT_FROM", 1)
+        monkeypatch.setattr(pd, "BREAK_SPLIT_FROM_KEYS", 1)
         monkeypatch.setattr(pd, "BREAK_SPLIT_AT_LEAST", 2)
         splits = []
         real_split = pd.default_splits

@@ -996,8 +996,8 @@ def _threshold_row(seqs: int, hkv: int, longest: int, unsplit: float, split: flo
 
 def test_split_section_computes_its_conclusions_from_the_sweep():
     """The held-out summary, the worst held-out case, and the threshold facts (which default
-    splits never paid, the tallies beyond and up to ``paged_decode.BREAK_SPLIT_FROM``) follow
-    the data."""
+    splits never paid, the tallies of the columns the break rule splits and leaves) follow the
+    data."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
     from benchmarks import report_cb_decode
@@ -1019,7 +1019,7 @@ def test_split_section_computes_its_conclusions_from_the_sweep():
     assert "(16 × 64 against 16 × 128)" in text
     assert "for 8 and 32 sequences" in text
     assert "a default split of 2 did not pay at any length" in text
-    assert pd.BREAK_SPLIT_FROM < 6144 * 128 and pd.BREAK_SPLIT_AT_LEAST <= 16
+    assert pd.BREAK_SPLIT_FROM_KEYS < 6144 and pd.BREAK_SPLIT_AT_LEAST <= 16
     assert "paid in 1 of 1 cases (0.50×) in the columns the rule splits" in text
     assert "and in\n0 of 1 cases (2.00×) in the columns it leaves unsplit" in text
     sweep["c/32-upto6144"] = _threshold_row(32, 8, 6144, 150.0, 100.0)  # now split 2 pays once

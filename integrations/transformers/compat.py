@@ -319,8 +319,8 @@ def layer_kv_rows(cache: Any, layer: int) -> tuple | None:
     if isinstance(allocators, dict):  # after 5.17: one allocator per attention type
         allocator = allocators.get(layer)
         views = getattr(allocator, "_kv_token_views", None)
-        # transformers files allocators by attention type (5.18's have no `layer_type`)
-        full = getattr(cache, "cache_allocators", {}).get("full_attention") is allocator
+        by_type = getattr(cache, "cache_allocators", None)  # 5.18's allocators: no layer_type
+        full = isinstance(by_type, dict) and by_type.get("full_attention") is allocator
         if not full or not isinstance(views, dict):
             return None
         found = (getattr(allocator, "index", None), *views.get(layer, (None, None)))
@@ -408,8 +408,8 @@ def block_table_page(cache: Any) -> int | None:
     """15. ``P``: tokens per block-table entry of the full-attention layers (None: unknown)."""
     allocators = getattr(cache, "cache_allocators", None)
     if isinstance(allocators, dict):  # after 5.17: keyed by attention type
-        page = getattr(allocators.get("full_attention"), "tokens_per_page", None)
-        stride = getattr(allocators.get("full_attention"), "block_physical_stride", None)
+        ca = allocators.get("full_attention")  # transformers names its allocators `ca`
+        page, stride = getattr(ca, "tokens_per_page", 0), getattr(ca, "block_physical_stride", 0)
         known = isinstance(page, int) and isinstance(stride, int) and page > 0
         return page if known and stride % page == 0 else None
     page = getattr(cache, "block_size", None)  # 5.17

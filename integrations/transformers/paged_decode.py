@@ -40,7 +40,8 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 __all__ = [
     "BREAK_SPLIT_AT_LEAST",
-    "BREAK_SPLIT_FROM",
+    "BREAK_SPLIT_FROM_KEYS",
+    "BREAK_SPLIT_HEAD",
     "break_split",
     "break_splits",
     "default_splits",
@@ -317,28 +318,29 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 #: An attention break launches its kernels one at a time (a decode graph launches nothing), so
 #: a split there costs a second launch, on the host about as long as a short sequence's kernel
-#: on the device. What the split shortens is each unsplit program's stream: one sequence's keys
-#: of one key head, ``keys x head size`` elements. A break therefore splits only once the
-#: step's longest sequence holds ``BREAK_SPLIT_FROM`` / head size keys (4096 at a head size of
-#: 128, 8192 at 64, 2048 at 256) and the default split is at least ``BREAK_SPLIT_AT_LEAST``
-#: programs (a split of 2 lost at every length measured). Until session 36 the rule was 4096
-#: keys at any head size; timed launched on two H200 hosts (``benchmarks/decode_attention``,
-#: threshold rows; performance.md, *The split threshold on a finer grid*), this rule leaves
-#: fewer microseconds on the table than that one, summed over both runs' cases.
-BREAK_SPLIT_FROM = 4096 * 128
+#: on the device. A break therefore splits only once the step's longest sequence holds
+#: ``BREAK_SPLIT_FROM_KEYS`` keys at a head size of up to ``BREAK_SPLIT_HEAD``, proportionally
+#: fewer at larger heads (each program streams keys x head size: 2048 keys at 256), and the
+#: default split is at least ``BREAK_SPLIT_AT_LEAST`` programs (a split of 2 lost at every
+#: length measured). Timed launched on two H200 hosts (``benchmarks/decode_attention``,
+#: threshold rows; performance.md, *The split threshold on a finer grid*): at heads of 64 and
+#: 128 it started to pay between about 4096 and 7168 keys, later on the host that launched
+#: slower; at 256 (held-out shapes, one host) at the shortest length timed, 3072 keys.
+BREAK_SPLIT_FROM_KEYS = 4096
+BREAK_SPLIT_HEAD = 128
 BREAK_SPLIT_AT_LEAST = 4
 
 
 def break_split(default: int, longest: int, head_dim: int) -> int:
     """The split an attention break launches: ``default`` (the graphs' split,
-    :func:`default_splits`) once the step's longest sequence of ``longest`` keys times
-    ``head_dim`` reaches ``BREAK_SPLIT_FROM`` and ``default`` is at least
-    ``BREAK_SPLIT_AT_LEAST``; else 1.
+    :func:`default_splits`) once the step's longest sequence of ``longest`` keys reaches
+    ``BREAK_SPLIT_FROM_KEYS`` (scaled down for heads wider than ``BREAK_SPLIT_HEAD``) and
+    ``default`` is at least ``BREAK_SPLIT_AT_LEAST``; else 1.
 
-    >>> break_split(16, 4096, 128), break_split(16, 4096, 64), break_split(2, 8192, 128)
-    (16, 1, 1)
+    >>> break_split(16, 4096, 64), break_split(16, 2048, 256), break_split(2, 8192, 128)
+    (16, 16, 1)
     """
-    if default < BREAK_SPLIT_AT_LEAST or longest * head_dim < BREAK_SPLIT_FROM:
+    if default < BREAK_SPLIT_AT_LEAST or not _long_enough(longest, head_dim):
         return 1
     return default
 
@@ -350,10 +352,14 @@ def break_splits(batch: int, longest: int, k_cache: torch.Tensor) -> int:
     >>> break_splits(8, 100, torch.empty(0, 4, 128))  # 100 keys: no split
     1
     """
-    if longest * k_cache.shape[-1] < BREAK_SPLIT_FROM:
+    if not _long_enough(longest, k_cache.shape[-1]):
         return 1
     default = default_splits(batch, k_cache.shape[1], k_cache.device)
     return break_split(default, longest, k_cache.shape[-1])
+
+
+def _long_enough(longest: int, head_dim: int) -> bool:
+    return longest * max(head_dim, BREAK_SPLIT_HEAD) >= BREAK_SPLIT_FROM_KEYS * BREAK_SPLIT_HEAD
 
 
 def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
