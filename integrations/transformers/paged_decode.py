@@ -325,7 +325,8 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 #: length measured). Timed launched on two H200 hosts (``benchmarks/decode_attention``,
 #: threshold rows; performance.md, *The split threshold on a finer grid*): at heads of 64 and
 #: 128 it started to pay between about 4096 and 7168 keys, later on the host that launched
-#: slower; at 256 (held-out shapes, one host) at the shortest length timed, 3072 keys.
+#: slower; at 256 (held-out shapes, one host) at the shortest length timed, 3072 keys (the
+#: rule's 2048 there is below what was timed).
 BREAK_SPLIT_FROM_KEYS = 4096
 BREAK_SPLIT_HEAD = 128
 BREAK_SPLIT_AT_LEAST = 4
@@ -359,6 +360,7 @@ def break_splits(batch: int, longest: int, k_cache: torch.Tensor) -> int:
 
 
 def _long_enough(longest: int, head_dim: int) -> bool:
+    """Whether ``longest`` keys reach the break rule's threshold at ``head_dim``."""
     return longest * max(head_dim, BREAK_SPLIT_HEAD) >= BREAK_SPLIT_FROM_KEYS * BREAK_SPLIT_HEAD
 
 
