@@ -129,8 +129,15 @@
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
 # RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
-# RUN_COMPILE_FALLBACK 5 (skip other sections
+# RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_RELEASES 1 per wheel (skip other sections
 # to make room).
+# RUN_SPLIT_THRESHOLD=1 (the break path's split threshold on a finer grid, picked and held-out
+# shapes: decode_attention --threshold-only, ~45 s; copy decode-attention-threshold.json to
+# docs/results/h200-decode-attention-threshold.json, see report_cb_decode.THRESHOLD_FILE),
+# RUN_RELEASES=DIR (the CUDA tests that touch transformers, -m "requires_cuda and transformers",
+# 4 workers, on each transformers wheel in DIR, e.g. the newest patch of each minor release of
+# compat.TESTED_VERSIONS fetched with pip download --no-deps into .device/releases and carried;
+# ~100 s a release; writes cuda-transformers-<wheel>.log; needs the pytest-xdist wheels in .whl).
 # Then, here: copy the JSON to docs/results/h200-*.json (prefill-baselines.json ->
 # h200-prefill-baselines.json) and run python -m benchmarks.report.
 source "$(dirname "$0")/setup_device.sh"
@@ -274,6 +281,25 @@ if [ -n "${RUN_DECODE_ATTENTION:-}" ]; then  # one layer's decode attention, thr
   timeout 200 python3 -m benchmarks.decode_attention --out "$OUT/decode-attention.json" 2>&1 \
     | tee -a "$LOG" || status=1
   echo "[decode attention: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_SPLIT_THRESHOLD:-}" ]; then  # the break path's split threshold, finer (~45 s)
+  t=$SECONDS
+  timeout 240 python3 -m benchmarks.decode_attention --threshold-only \
+    --lengths 3072,3584,4096,4608,5120,5632,6144,7168,8192 \
+    --out "$OUT/decode-attention-threshold.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[split threshold: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_RELEASES:-}" ]; then  # the CUDA transformers tests on each release's wheel
+  for wheel in "$RUN_RELEASES"/transformers-*.whl; do
+    t=$SECONDS
+    name=$(basename "$wheel" .whl)
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-index --no-deps --target "$site" "$wheel"
+    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout 200 python3 -m pytest -q -rfEs -n 4 \
+      -p no:cacheprovider -m "requires_cuda and transformers" tests > "$OUT/cuda-$name.log" 2>&1 \
+      || status=1
+    echo "[$name: $((SECONDS - t)) s] $(tail -1 "$OUT/cuda-$name.log")" | tee -a "$LOG"
+  done
 fi
 if [ -n "${RUN_DECODE_GRAPHS:-}" ]; then  # decode graphs against breaks, in turn (~2.5 min)
   t=$SECONDS
