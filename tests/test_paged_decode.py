@@ -314,3 +314,20 @@ def test_kernel_matches_reference_in_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+def test_a_break_splits_from_4096_keys_up_to_a_head_of_128_and_fewer_for_wider_heads(monkeypatch):
+    """``break_split``: the default split once the longest sequence reaches 4096 keys at a head
+    size of up to 128 (64 alike), 2048 at 256, and only for a default of at least
+    ``BREAK_SPLIT_AT_LEAST``; ``break_splits`` asks for the default only on a long step."""
+    at_least = pd.BREAK_SPLIT_AT_LEAST
+    for head, keys in ((64, 4096), (128, 4096), (256, 2048)):
+        assert pd.break_split(16, keys, head) == 16, head
+        assert pd.break_split(16, keys - 1, head) == 1, head
+        assert pd.break_split(at_least - 1, 8 * keys, head) == 1, head
+        assert pd.break_split(at_least, keys, head) == at_least, head
+    asked = []
+    monkeypatch.setattr(pd, "default_splits", lambda *a: asked.append(a) or 16)
+    cache = torch.empty(0, 4, 128)
+    assert pd.break_splits(8, 4095, cache) == 1 and not asked
+    assert pd.break_splits(8, 4096, cache) == 16 and asked == [(8, 4, cache.device)]
