@@ -62,7 +62,6 @@ SYNC_OPERATIONS: dict = {
     aten.nonzero: "`nonzero()` / `torch.where(cond)` (its output size depends on the data)",
     # under inference_mode these arrive whole, not as the nonzero / masked_select inside them
     aten.argwhere: "`argwhere` (its output size depends on the data)",
-    aten.combinations: "`torch.combinations` (runs masked_select inside)",
     aten.where.default: (  # where(cond, a, b), the other overloads, needs no sync
         "`torch.where(cond)` with one argument (nonzero: its output size depends on the data)"
     ),
@@ -109,6 +108,36 @@ SYNC_OPERATIONS: dict = {
         _CUSOLVER,
     ),
 }
+
+
+def _decomposes_into_a_sync(call: Callable[[], Any]) -> bool:
+    """Whether ``call`` runs an operation of :data:`SYNC_OPERATIONS` once its composite
+    operations expand (they do outside ``inference_mode``). For operations whose
+    implementation moved between torch releases: support is probed, not read off a version.
+
+    Example::
+
+        >>> import torch
+        >>> _decomposes_into_a_sync(lambda: torch.ones(3).nonzero())
+        True
+    """
+    seen = []
+
+    class _Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), _Record():
+        call()
+    return any(f in SYNC_OPERATIONS or f.overloadpacket in SYNC_OPERATIONS for f in seen)
+
+
+# Under inference_mode `torch.combinations` reaches the mode whole. Up to torch 2.13 it ran
+# masked_select inside (a sync); from 2.14 it runs nonzero_static, whose size is known, and
+# is captured like any other operation.
+if _decomposes_into_a_sync(lambda: torch.combinations(torch.arange(3.0))):
+    SYNC_OPERATIONS[aten.combinations] = "`torch.combinations` (runs masked_select inside)"
 
 # An array made from Python data is copied from pageable host memory, which torch refuses
 # during a CUDA capture (the CPU tensor is not pinned). On CUDA the copy runs below the

@@ -7,9 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, HostSyncError, eager_on_graph
+from breakgraph import syncs as syncs_module
+from breakgraph.syncs import SYNC_OPERATIONS
 from tests.helpers import HAS_CUDA, assert_clean, fresh_into
 
 capture = functools.partial(breakgraph.capture, backend="emulated")
@@ -99,7 +102,9 @@ SYNC_OPS = {
         lambda x: x + x[x > 0].sum(),
     ),
     "mask assignment": (
-        lambda x: x.clone().__setitem__(x > 0, 0.0),
+        # a tensor value: torch 2.15 turns `x[mask] = scalar` into masked_fill_ (no sync; the
+        # test after the next one)
+        lambda x: x.clone().__setitem__(x > 0, x.new_zeros(1)),
         "aten.index_put",
         lambda x: x.masked_fill(x > 0, 0.0) + 1,
     ),
@@ -158,12 +163,78 @@ def test_host_syncs_are_caught_under_every_grad_mode(op, grad_mode):
     """Under inference_mode composite ops reach the mode unexpanded: where(cond) captured there
     once replayed its capture-time indices broadcast over the new ones, silently."""
     sync = SYNC_OPS[op][0] if op in SYNC_OPS else WHOLE_UNDER_INFERENCE[op]
+    if op == "combinations" and torch.ops.aten.combinations not in SYNC_OPERATIONS:
+        pytest.skip("this torch builds combinations without a sync (next test)")
     x = torch.randn(8)
     g = BreakableCUDAGraph()
     with grad_mode(), pytest.raises(HostSyncError, match="test_emulated.py"):
         with capture(g):
             sync(x * 2)
     assert_clean(g)
+
+
+def _dispatched(call) -> list[str]:
+    """The aten operations ``call`` reaches the dispatcher as (outside inference_mode)."""
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Record():
+        call()
+    return seen
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_mask_assignment_of_a_scalar_is_flagged_or_captured_as_this_torch_runs_it(grad_mode):
+    """Up to torch 2.14 `x[mask] = 0.0` runs index_put with a bool index (nonzero inside: a
+    sync); 2.15 runs masked_fill_, which needs no sync: flagged on the first, captured and
+    replayed with fresh values on the second."""
+    ops = _dispatched(lambda: torch.ones(3).__setitem__(torch.ones(3) > 0, 0.0))
+    syncs = "aten.index_put_" in ops
+    assert syncs or "aten.masked_fill_" in ops, ops
+    x = torch.randn(8)
+    g = BreakableCUDAGraph()
+
+    def zero_positives(t):
+        t[t > 0] = 0.0
+        return t
+
+    with grad_mode(), contextlib.ExitStack() as stack:
+        if syncs:
+            stack.enter_context(pytest.raises(HostSyncError, match="mask"))
+        with capture(g):
+            y = zero_positives(x * 2) + 1
+    if syncs:
+        return
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, (new * 2).clamp(max=0) + 1)
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_combinations_is_a_sync_exactly_where_this_torch_makes_it_one(grad_mode):
+    """torch up to 2.13 runs masked_select inside combinations (a sync); 2.14 runs
+    nonzero_static (its size known). The table follows the installed torch: flagged where it
+    syncs, captured and replayed with fresh values where it does not."""
+    syncs = syncs_module._decomposes_into_a_sync(lambda: torch.combinations(torch.arange(3.0)))
+    assert (torch.ops.aten.combinations in SYNC_OPERATIONS) == syncs
+    x = torch.randn(8)
+    g = BreakableCUDAGraph()
+    with grad_mode(), contextlib.ExitStack() as stack:
+        if syncs:
+            stack.enter_context(pytest.raises(HostSyncError, match="combinations"))
+        with capture(g):
+            y = torch.combinations(x[:4] * 2) + 1
+    if syncs:
+        return
+    for _ in range(3):
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, torch.combinations(new[:4] * 2) + 1)
 
 
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])

@@ -212,9 +212,11 @@ def test_one_garbage_collection_per_capture_call(backend, device, monkeypatch):
     assert flags == [None, False, False, None]
     # None is torch.cuda.graph's rule: a full collection only with force_cudagraph_gc
     assert collections == []
-    monkeypatch.setattr(torch.compiler.config, "force_cudagraph_gc", True)
-    owner.buffers[12] = torch.zeros(12, 3, device=device)
-    ladder.capture((12,), owner.record, context=lambda size: size)
+    # torch's own patch: from 2.14 pytest's monkeypatch leaves torch's config without the
+    # name after its undo (every later read raised AttributeError)
+    with torch.compiler.config.patch(force_cudagraph_gc=True):
+        owner.buffers[12] = torch.zeros(12, 3, device=device)
+        ladder.capture((12,), owner.record, context=lambda size: size)
     # what a collection protects is device memory held by dead cycles (handed back to the
     # device before the graph's pool grows): only the CUDA backend has any
     assert len(collections) == (1 if backend == "cuda" else 0)
@@ -237,9 +239,9 @@ def test_a_capture_collects_only_where_it_frees_device_memory(capture, backend, 
     assert collections == []
     with capture(breakgraph.BreakableCUDAGraph(), collect_garbage=True):
         watch(x * 2)
-    monkeypatch.setattr(torch.compiler.config, "force_cudagraph_gc", True)
-    with capture(breakgraph.BreakableCUDAGraph()):  # torch's switch, honoured
-        watch(x * 2)
+    with torch.compiler.config.patch(force_cudagraph_gc=True):
+        with capture(breakgraph.BreakableCUDAGraph()):  # torch's switch, honoured
+            watch(x * 2)
     assert len(collections) == (2 if backend == "cuda" else 0)
     assert enabled == [False] * 4 and gc.isenabled()  # off during every capture, then back
 

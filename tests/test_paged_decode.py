@@ -283,10 +283,30 @@ def test_kernel_refuses_splits_and_blocks_that_are_not_powers_of_two_or_too_many
 def test_kernel_matches_reference_in_triton_interpreter():
     """Triton's CPU interpreter runs the kernel itself (it must be chosen before Triton is
     imported, hence a fresh process). Where a GPU is present the CUDA test covers the kernel
-    (the interpreter of Triton 3.9 runs it; older ones fail on its loop bounds)."""
+    (the interpreter of Triton 3.9 runs it; older ones fail on its loop bounds). The
+    interpreter of Triton 3.6 (torch 2.10's) cannot turn a loaded loop bound into an int with
+    numpy >= 2.4: a one-line kernel probes that first, and the test skips where it fails."""
     script = textwrap.dedent(
         """
         import torch
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _loop_over_a_loaded_bound(bounds, out):
+            total = 0
+            for i in range(tl.load(bounds), tl.load(bounds + 1)):
+                total += i
+            tl.store(out, total)
+
+        out = torch.zeros(1, dtype=torch.int32)
+        try:
+            _loop_over_a_loaded_bound[(1,)](torch.tensor([1, 4], dtype=torch.int32), out)
+        except Exception as error:
+            print("interpreter fails:", repr(error)[:300])
+            raise SystemExit(0)
+        assert out.item() == 6, out
+
         from breakgraph.integrations.transformers import paged_decode as pd
         from tests.test_paged_decode import paged_case
         for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
@@ -313,6 +333,8 @@ def test_kernel_matches_reference_in_triton_interpreter():
     )
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    if run.returncode == 0 and "interpreter fails:" in run.stdout:
+        pytest.skip(f"this Triton's interpreter cannot run a loop over loaded bounds: {run.stdout}")
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 

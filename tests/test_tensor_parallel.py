@@ -170,7 +170,10 @@ def _hang_report(stacks: str, collected: dict) -> str:
         if rank in collected:
             continue
         stack = os.path.join(stacks, f"stack-rank{rank}.txt")
-        text = open(stack).read() if os.path.exists(stack) else "(no stack dumped)"
+        text = "(no stack dumped)"
+        if os.path.exists(stack):
+            with open(stack) as dumped:
+                text = dumped.read()
         lines.append(f"--- rank {rank} did not answer; its threads:\n{text}")
     return "\n".join(lines)
 
