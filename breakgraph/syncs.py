@@ -128,7 +128,8 @@ def _decomposes_into_a_sync(call: Callable[[], Any]) -> bool:
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad(), _Record():
+    # inference_mode(False): imported under inference_mode, composites would not expand
+    with torch.inference_mode(False), torch.no_grad(), _Record():
         call()
     return any(f in SYNC_OPERATIONS or f.overloadpacket in SYNC_OPERATIONS for f in seen)
 

@@ -2,6 +2,8 @@
 
 import contextlib
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,6 +173,19 @@ def test_host_syncs_are_caught_under_every_grad_mode(op, grad_mode):
         with capture(g):
             sync(x * 2)
     assert_clean(g)
+
+
+def test_the_combinations_probe_answers_the_same_when_breakgraph_is_imported_in_inference_mode():
+    """The probe runs at import; under inference_mode composites reach a dispatch mode whole, so
+    a probe that did not leave the mode would see no sync and drop combinations silently."""
+    script = (
+        "import torch\n"
+        "with torch.inference_mode():\n"
+        "    from breakgraph.syncs import SYNC_OPERATIONS\n"
+        "print(torch.ops.aten.combinations in SYNC_OPERATIONS)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.stdout.strip() == str(torch.ops.aten.combinations in SYNC_OPERATIONS), run.stderr
 
 
 def _dispatched(call) -> list[str]:
