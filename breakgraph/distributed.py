@@ -48,6 +48,7 @@ import contextlib
 import hashlib
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -523,5 +524,11 @@ def _raised_by_a_collective(exc: BaseException) -> bool:
 
 
 def _add_note(exc: BaseException, text: str) -> None:
+    """PEP 678's note, which tracebacks print from Python 3.11. On 3.10 the note goes into
+    ``__notes__`` as 3.11 keeps it (for code that reads it) and is also warned, since 3.10's
+    traceback does not print it."""
     if hasattr(exc, "add_note"):  # Python 3.11+
         exc.add_note(text)
+        return
+    exc.__notes__ = [*getattr(exc, "__notes__", []), text]
+    warnings.warn(text, RuntimeWarning, stacklevel=3)

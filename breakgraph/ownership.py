@@ -91,7 +91,7 @@ def _held_elsewhere(output: Any) -> frozenset:
     # hold the root), against two probe tensors held the same way: one alone, one that a
     # view holds from C++ (torch versions differ in what that adds to Python's count)
     references = [sys.getrefcount(node) for node in census.nodes]
-    census.inner[id(output)] += 2  # call_and_classify's `output` and this function's argument
+    census.inner[id(output)] += _ARGUMENT_REFERENCES  # call_and_classify's `output`, passed here
     nodes, (held_probe, probe) = census.nodes[:-2], census.nodes[-2:]
     baseline, base_uses, base_storage = references[-1], _uses(probe), _holders(probe)
     kept_alive = references[-2] - baseline  # what a C++ holder adds to the Python count
@@ -127,6 +127,21 @@ def _held_elsewhere(output: Any) -> frozenset:
         ):
             held.add(key)
     return frozenset(held)
+
+
+def _references_inside(value: Any) -> int:
+    return sys.getrefcount(value) - 1  # less getrefcount's own argument
+
+
+def _argument_references() -> int:
+    """The references to a caller's local passed as an argument, counted inside the callee:
+    the local and the parameter (2) on Python 3.11 and later; on 3.10 the caller's stack
+    holds the argument during the call too (3). Measured, as the census measures the rest."""
+    value = object()
+    return _references_inside(value)
+
+
+_ARGUMENT_REFERENCES = _argument_references()
 
 
 def _uses(tensor: torch.Tensor) -> int:
