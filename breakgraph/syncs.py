@@ -110,16 +110,15 @@ SYNC_OPERATIONS: dict = {
 }
 
 
-def _decomposes_into_a_sync(call: Callable[[], Any]) -> bool:
-    """Whether ``call`` runs an operation of :data:`SYNC_OPERATIONS` once its composite
-    operations expand (they do outside ``inference_mode``). For operations whose
-    implementation moved between torch releases: support is probed, not read off a version.
+def _dispatched(call: Callable[[], Any]) -> list:
+    """The aten operations ``call`` reaches the dispatcher as, composites expanded (they do
+    outside ``inference_mode``; this leaves it, so an import under it answers the same).
 
     Example::
 
         >>> import torch
-        >>> _decomposes_into_a_sync(lambda: torch.ones(3).nonzero())
-        True
+        >>> [str(f) for f in _dispatched(lambda: torch.ones(3).nonzero())]
+        ['aten.ones.default', 'aten.nonzero.default']
     """
     seen = []
 
@@ -128,10 +127,25 @@ def _decomposes_into_a_sync(call: Callable[[], Any]) -> bool:
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
-    # inference_mode(False): imported under inference_mode, composites would not expand
     with torch.inference_mode(False), torch.no_grad(), _Record():
         call()
-    return any(f in SYNC_OPERATIONS or f.overloadpacket in SYNC_OPERATIONS for f in seen)
+    return seen
+
+
+def _decomposes_into_a_sync(call: Callable[[], Any]) -> bool:
+    """Whether ``call`` runs an operation of :data:`SYNC_OPERATIONS` once its composite
+    operations expand. For operations whose implementation moved between torch releases:
+    support is probed, not read off a version.
+
+    Example::
+
+        >>> import torch
+        >>> _decomposes_into_a_sync(lambda: torch.ones(3).nonzero())
+        True
+    """
+    return any(
+        f in SYNC_OPERATIONS or f.overloadpacket in SYNC_OPERATIONS for f in _dispatched(call)
+    )
 
 
 # Under inference_mode `torch.combinations` reaches the mode whole. Up to torch 2.13 it ran

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import breakgraph
 from breakgraph import BreakableCUDAGraph, HostSyncError, eager_on_graph
@@ -188,28 +187,15 @@ def test_the_combinations_probe_answers_the_same_when_breakgraph_is_imported_in_
     assert run.stdout.strip() == str(torch.ops.aten.combinations in SYNC_OPERATIONS), run.stderr
 
 
-def _dispatched(call) -> list[str]:
-    """The aten operations ``call`` reaches the dispatcher as (outside inference_mode)."""
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), Record():
-        call()
-    return seen
-
-
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_mask_assignment_of_a_scalar_is_flagged_or_captured_as_this_torch_runs_it(grad_mode):
     """Up to torch 2.14 `x[mask] = 0.0` runs index_put with a bool index (nonzero inside: a
     sync); 2.15 runs masked_fill_, which needs no sync: flagged on the first, captured and
     replayed with fresh values on the second."""
-    ops = _dispatched(lambda: torch.ones(3).__setitem__(torch.ones(3) > 0, 0.0))
-    syncs = "aten.index_put_" in ops
-    assert syncs or "aten.masked_fill_" in ops, ops
+    ops = syncs_module._dispatched(lambda: torch.ones(3).__setitem__(torch.ones(3) > 0, 0.0))
+    packets = [str(f.overloadpacket) for f in ops]
+    syncs = "aten.index_put_" in packets
+    assert syncs or "aten.masked_fill_" in packets, packets
     x = torch.randn(8)
     g = BreakableCUDAGraph()
 
