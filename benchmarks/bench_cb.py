@@ -48,6 +48,9 @@ Variants:
                       creation: a decode kernel compiles inside the first step that needs it
                       (as before; compare the first rounds, each variant in a process of its
                       own with an empty ``TRITON_CACHE_DIR``)
+  breakgraph_breaks_keys4096  breakgraph_breaks with the break split rule before session 36:
+                      a break splits its sequences' keys from 4096 keys at every head size
+                      (now from fewer keys at heads wider than ``paged_decode.BREAK_SPLIT_HEAD``)
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
@@ -153,6 +156,7 @@ class Variant:
     max_blocks_per_request: int | None = None  # 0: no block table (index lists every step)
     numpy_fill: bool = True  # breakgraph writes block tables through numpy (off: transformers)
     warm_kernels: bool = True  # decode kernels compiled when the manager is created (off: later)
+    split_keys_any_head: bool = False  # a break splits from 4096 keys at every head (before)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
 
 
@@ -188,6 +192,9 @@ VARIANTS = {
         Variant("breakgraph_cold_kernels", "breakgraph without compiling the decode kernels "
                 "when the manager is created (each compiles in the first step that needs it, as "
                 "before)", True, warm_kernels=False),  # fmt: skip
+        Variant("breakgraph_breaks_keys4096", "breakgraph_breaks with the break split rule "
+                "before: a break splits from 4096 keys at every head size", True,
+                decode_graphs=False, split_keys_any_head=True),  # fmt: skip
     )
 }
 GENERATE = "generate"
@@ -211,6 +218,8 @@ MODELS = {
     "llama-1b": CBModel(FAMILIES["llama-1b"], CONTINUITY_VARIANTS),
     "qwen3-0.6b": CBModel(FAMILIES["qwen3-0.6b"], CONTINUITY_VARIANTS),
     "qwen3-moe": CBModel(CB_FAMILIES["qwen3-moe"], CONTINUITY_VARIANTS),
+    # held out from the CB shapes: heads of 256 (the break split rule's wide case), MQA
+    "gemma-2b": CBModel(FAMILIES["gemma-2b"], CONTINUITY_VARIANTS),
     **{n: CBModel(f, SMOKE_VARIANTS) for n, f in SMOKE_FAMILIES.items()},
 }
 DEFAULT_MODELS = ("qwen2.5-3b-12l", "llama3-8b-4l", "mixtral-1k-8l", "llama-1b", "qwen3-0.6b",
@@ -223,7 +232,8 @@ ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async":
                   "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
                   "breakgraph_breaks": 4000, "breakgraph_compiled": 4000,
                   "breakgraph_unsplit": 4000, "breakgraph_lists": 4000,
-                  "breakgraph_tx_fill": 4000, "breakgraph_cold_kernels": 4000}  # fmt: skip
+                  "breakgraph_tx_fill": 4000, "breakgraph_cold_kernels": 4000,
+                  "breakgraph_breaks_keys4096": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
@@ -335,6 +345,8 @@ def run_round(model, variant: Variant, run) -> dict:
                 patches.attribute(block_table_module, "install_fill", lambda patches: False)
             if not variant.warm_kernels:  # nothing compiled at plan: the steps compile
                 patches.attribute(cb_step_module, "warm_up", lambda *args, **kwargs: [])
+            if variant.split_keys_any_head:  # no head counts as wide: 4096 keys at every head
+                patches.attribute(paged_decode_module, "BREAK_SPLIT_HEAD", 1 << 20)
             buckets = None
             if variant.pow2:
                 buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]
