@@ -250,8 +250,8 @@ def capture(
     """Capture the work in the ``with`` block into ``graph``, breaking at eager functions.
 
     Mirrors ``torch.cuda.graph``: ``pool`` is a handle from
-    ``torch.cuda.graph_pool_handle()`` or ``other.pool()`` (all segments of the
-    graph share it), ``stream`` the capture stream (a private one by default) and
+    ``torch.cuda.graph_pool_handle()`` or ``other.pool()``, or a ``torch.cuda.MemPool`` (all
+    segments of the graph share it), ``stream`` the capture stream (a private one by default) and
     ``capture_error_mode`` is passed to ``CUDAGraph.capture_begin``. ``backend`` is
     ``"cuda"`` or ``"emulated"`` (default: ``$BREAKGRAPH_BACKEND``, else CUDA).
     ``context`` is what :func:`replay_context` returns during this capture and, by

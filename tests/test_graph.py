@@ -24,6 +24,7 @@ from breakgraph import (
     break_graph,
     eager_on_graph,
 )
+from breakgraph.backends import cuda as cuda_backend
 from tests.helpers import (
     HAS_CUDA,
     assert_clean,
@@ -145,6 +146,49 @@ def test_two_graphs_sharing_a_pool_replay_interleaved(capture, device):
         gb.replay()
         torch.testing.assert_close(out_b, model_b(new_b))
         torch.testing.assert_close(out_a, model_a(new_a))  # B's replay left A's output alone
+
+
+def test_a_mem_pool_is_taken_by_its_id_and_anything_else_is_refused(monkeypatch):
+    """torch 2.14's ``torch.cuda.graph`` takes a ``torch.cuda.MemPool`` as its pool;
+    breakgraph takes one on every release, by its id (earlier ``capture_begin``s take the id
+    only), and refuses what is no pool by name instead of a TypeError inside torch."""
+
+    class FakeMemPool:  # the CPU build's MemPool cannot be made
+        def __init__(self, id):
+            self.id = id
+
+    monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
+    assert cuda_backend.pool_handle(FakeMemPool((0, 7))) == (0, 7)
+    assert cuda_backend.pool_handle((3, 0)) == (3, 0)
+    for bad in ("not a pool handle", (1, 2, 3), [0, 1], (0, 1.0), 5):
+        with pytest.raises(CaptureError, match=r"is not a graph memory pool.*MemPool"):
+            cuda_backend.pool_handle(bad)
+
+
+@pytest.mark.requires_cuda
+@torch.no_grad()
+def test_two_graphs_share_a_mem_pool():
+    """A ``torch.cuda.MemPool`` as the pool of two graphs, as ``torch.cuda.graph`` takes it
+    from torch 2.14: both record into it and replay interleaved."""
+    model_a = Stack(layers=2, width=16).to("cuda")
+    model_b = Stack(layers=3, width=16).to("cuda")
+    static_a = torch.randn(5, 16, device="cuda")
+    static_b = torch.randn(7, 16, device="cuda")
+    model_a(static_a), model_b(static_b)  # warm up
+    mem_pool = torch.cuda.MemPool()
+    ga, gb = BreakableCUDAGraph(), BreakableCUDAGraph()
+    with breakgraph.capture(ga, pool=mem_pool, backend="cuda"):
+        out_a = model_a(static_a)
+    with breakgraph.capture(gb, pool=mem_pool, backend="cuda"):
+        out_b = model_b(static_b)
+    assert ga.pool() == gb.pool() == tuple(mem_pool.id)
+    assert ga.report().graph_memory_bytes > 0
+    for _ in range(4):
+        new_a, new_b = fresh_into(static_a), fresh_into(static_b)
+        ga.replay()
+        gb.replay()
+        torch.testing.assert_close(out_a, model_a(new_a))
+        torch.testing.assert_close(out_b, model_b(new_b))
 
 
 def _new_pool(backend):
@@ -508,7 +552,7 @@ def test_failure_beginning_a_segment_leaves_nothing_behind(
 def test_invalid_pool_leaves_nothing_behind():
     x = torch.randn(6, device="cuda")
     g = BreakableCUDAGraph()
-    with pytest.raises(Exception):
+    with pytest.raises(CaptureError, match=r"pool='not a pool handle' is not a graph memory"):
         with breakgraph.capture(g, pool="not a pool handle", backend="cuda"):
             pytest.fail("the body must not run")  # pragma: no cover
     assert_clean(g)

@@ -66,12 +66,13 @@ class CudaSession:
     """The state of one capture: stream, pool, stream tracker, the segment being captured."""
 
     def __init__(self, options: CaptureOptions, observer: Observer | None = None):
-        spoiled = None if options.pool is None else _spoiled_pools.get(_pool_key(options.pool))
+        pool = None if options.pool is None else pool_handle(options.pool)
+        spoiled = None if pool is None else _spoiled_pools.get(pool)
         if spoiled == "released":
-            raise released_pool_error(options.pool)
+            raise released_pool_error(pool)
         if spoiled is not None:
             raise CaptureError(
-                f"breakgraph.capture: pool {tuple(options.pool)} took part in a capture that "
+                f"breakgraph.capture: pool {pool} took part in a capture that "
                 f"CUDA invalidated, and torch keeps such a pool recording for the rest of the "
                 f"process, so nothing can be captured into it again. Capture into a new pool "
                 f"(pool=None, or torch.cuda.graph_pool_handle())."
@@ -98,7 +99,7 @@ class CudaSession:
             if stream is None:
                 stream = _capture_streams[device] = torch.cuda.Stream(device)
         self.device = device
-        self.pool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else tuple(torch.cuda.graph_pool_handle())
         self.stream = stream
         self.options = options
         self.observer = observer
@@ -122,7 +123,7 @@ class CudaSession:
         except BaseException as error:  # torch may have put its RNG in capture mode first
             self._invalidated = True  # close() resets it
             if isinstance(error, RuntimeError) and "use_count > 0" in str(error):
-                _spoiled_pools[_pool_key(self.pool)] = "released"  # torch's own assert
+                _spoiled_pools[self.pool] = "released"  # torch's own assert
                 _end_allocate_to_pool(self.device, self.pool)  # if it got that far
                 raise released_pool_error(self.pool) from error
             raise
@@ -178,7 +179,7 @@ class CudaSession:
         torch.cuda.current_stream().wait_stream(self.stream)
         if self._invalidated:
             if not _takes_captures(self.pool, self.stream):
-                _spoiled_pools.setdefault(_pool_key(self.pool), "invalidated")
+                _spoiled_pools.setdefault(self.pool, "invalidated")
             _reset_capture_state(self.stream)
 
 
@@ -279,8 +280,29 @@ def _reset_capture_state(stream: torch.cuda.Stream) -> None:
         )
 
 
-def _pool_key(pool: Any) -> tuple:
-    return tuple(pool)
+def pool_handle(pool: Any) -> tuple[int, int]:
+    """The ``(int, int)`` handle CUDA's capture takes for ``pool``: a handle from
+    ``torch.cuda.graph_pool_handle()`` or ``other.pool()`` as a plain tuple, a
+    ``torch.cuda.MemPool`` its ``id``. torch 2.14's ``torch.cuda.graph`` takes a MemPool too;
+    ``CUDAGraph.capture_begin`` of earlier releases takes the id only, and a pool's key in
+    breakgraph's own bookkeeping is the id either way. Anything else raises ``CaptureError``
+    here rather than a ``TypeError`` inside torch.
+
+    Example::
+
+        >>> pool_handle((0, 3))
+        (0, 3)
+    """
+    mem_pool = getattr(torch.cuda, "MemPool", None)
+    if mem_pool is not None and isinstance(pool, mem_pool):
+        pool = pool.id
+    if isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(i, int) for i in pool):
+        return tuple(pool)
+    raise CaptureError(
+        f"breakgraph.capture: pool={pool!r} is not a graph memory pool; pass a handle from "
+        f"torch.cuda.graph_pool_handle() or other_graph.pool(), a torch.cuda.MemPool, or None "
+        f"for a new pool."
+    )
 
 
 def _takes_captures(pool: Any, stream: torch.cuda.Stream) -> bool:
@@ -322,13 +344,15 @@ class CudaBackend:
         return CudaSession(options, observer)
 
     def pool_usable(self, pool: Any) -> bool:
-        return _pool_key(pool) not in _spoiled_pools
+        return pool_handle(pool) not in _spoiled_pools
 
     def pool_bytes(self, pool: Any) -> int | None:
         """Bytes the caching allocator holds in CUDA graph pool ``pool``."""
         segments = torch.cuda.memory._snapshot()["segments"]
         return sum(
-            s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool)
+            s["total_size"]
+            for s in segments
+            if tuple(s.get("segment_pool_id", ())) == pool_handle(pool)
         )
 
 
