@@ -27,6 +27,7 @@ from . import (
     report_decode_kernels,
     report_decode_step,
     report_earlier,
+    report_held_out,
     report_prefill,
     report_suite,
     report_tests,
@@ -174,6 +175,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*report_decode_step.WARM_KERNELS_FILES]
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
+        + [report_held_out.CB_FILE, report_held_out.BREAK_SPLIT_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -247,6 +249,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         prep = [d for name in cb_report.TRIED_PREP_FILES if (d := load(name)) is not None]
         serve = [(d, name) for name in cb_report.SERVE_FILES if (d := load(name)) is not None]
         blocks.append(cb_report.tried_section(tried, load(cb_report.TRIED_FILES[1]), prep, serve))
+    if (held_out := load(report_held_out.CB_FILE)) is not None:
+        blocks.append("\n".join(report_held_out.held_out_cb_section(held_out)))
     split = [data for name in report_cb_host.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
         blocks.append(report_cb_host.host_split_section(split))
@@ -345,7 +349,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if split or sweep is not None:
         blocks.append(report_cb_decode.split_section(sweep, split))
     if (threshold := load(report_cb_decode.THRESHOLD_FILE)) is not None:
-        if text := report_cb_decode.threshold_section(threshold, sweep):
+        served = load(report_held_out.BREAK_SPLIT_FILE)
+        cb_run = report_held_out.break_split_section(served) if served is not None else ""
+        if text := report_cb_decode.threshold_section(threshold, sweep, cb_run):
             blocks.append(text)
     tp = loaded.get(tp_report.FILE)
     if tp is not None:

@@ -556,13 +556,15 @@ def _product_rule(default: int, longest: int, head_dim: int) -> bool:
 RULE_BEFORE_KEYS = 4096
 
 
-def threshold_section(data: dict, earlier: dict | None = None) -> str:
+def threshold_section(data: dict, earlier: dict | None = None, cb_run: str = "") -> str:
     """``decode_attention --threshold-only``: the launched split over the unsplit kernel on a
     finer grid of longest keys, on the picked and the held-out shapes, against the break
     path's rule (:func:`breakgraph.integrations.transformers.paged_decode.break_split`):
     where it pays, where the rule takes a loss or leaves a gain; then the rules before, tried
-    and now on this sweep and ``earlier`` (the split sweep's threshold rows, another host).
-    Empty where the file holds no threshold rows."""
+    and now on this sweep and ``earlier`` (the split sweep's threshold rows, another host);
+    ``cb_run``, the rule served in continuous batching
+    (:func:`benchmarks.report_held_out.break_split_section`), closes it. Empty where the file
+    holds no threshold rows."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
     from . import decode_attention as da
@@ -628,7 +630,7 @@ def threshold_section(data: dict, earlier: dict | None = None) -> str:
         beyond_picked=tally(tallies[False, "beyond"]), beyond_held=tally(tallies[True, "beyond"]),
         below_picked=tally(tallies[False, "below"]), below_held=tally(tallies[True, "below"]),
         crossings=bullets(crossings), compared=bullets(compared) or "(not measured)",
-        hosts=hosts,
+        hosts=hosts, cb_run=cb_run or fill("cb.split_threshold.no_cb_run"),
     )  # fmt: skip
 
 

@@ -1,0 +1,78 @@
+"""Continuous batching on a shape the CB bench never picked: gemma-2b (18 layers, heads of
+256, one key head), against stock, and the break split rule of
+:func:`breakgraph.integrations.transformers.paged_decode.break_split` served on it.
+
+The split rule was set on one kernel timed alone (``decode_attention --threshold-only``); its
+wide-head case (heads wider than ``BREAK_SPLIT_HEAD`` split from fewer keys) was picked on
+held-out shapes of that sweep only. :func:`break_split_section` reads ``bench_cb`` with decode
+graphs off (every pure-decode step a break per layer, as sliding-window models run them), the
+rule now against the rule before (``breakgraph_breaks_keys4096``), taking turns in one process.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .cb_report import _model_block
+from .template import fill, num, span, table
+
+#: ``bench_cb --models gemma-2b`` on the default workload, stock and breakgraph
+CB_FILE = "h200-cb-gemma-2b.json"
+#: ``bench_cb --models gemma-2b --prompts 16 --min-len 1024 --max-len 3008``, decode graphs off,
+#: the split rule now against the rule before, in turn
+BREAK_SPLIT_FILE = "h200-cb-break-split-gemma-2b.json"
+NOW, BEFORE = "breakgraph_breaks", "breakgraph_breaks_keys4096"
+
+
+def held_out_cb_section(data: dict) -> list[str]:
+    """gemma-2b served on the CB bench's default workload: the intro, then the model's block
+    as the CB tables print theirs (:func:`benchmarks.cb_report._model_block`)."""
+    meta, m = data["meta"], data["models"][0]
+    return [
+        fill("cb.held_out", model=m["model"], shape=m["shape"], file=CB_FILE,
+             device=meta["device"], torch=meta["torch"], transformers=meta["transformers"],
+             date=meta["date"]),  # fmt: skip
+        "",
+        *_model_block(m["model"], [data]),
+    ]
+
+
+def break_split_section(data: dict) -> str:
+    """The rule now against the rule before, in turn: per variant its tokens/s (median and
+    rounds), the pure-decode step, its forward's host time and its breaks' host time; then
+    the per-round ratios. Empty when either variant did not serve."""
+    from breakgraph.integrations.transformers import paged_decode as pd
+
+    m = data["models"][0]
+    v = m["variants"]
+    now, before = v.get(NOW, {}), v.get(BEFORE, {})
+    if "tokens_per_s" not in now or "tokens_per_s" not in before:
+        return ""
+    rows = []
+    for name, e in ((BEFORE, before), (NOW, now)):
+        rows.append([
+            f"`{name}`", f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
+            num(e["decode_step_ms"], 2), num(e["decode_forward_host_ms"], 2),
+            num(e["decode_break_host_ms"], 2),
+            num(e["decode_forward_device_ms"], 2) if "decode_forward_device_ms" in e else "-",
+        ])  # fmt: skip
+    per_round = [a / b for a, b in zip(now["rounds_tokens_per_s"], before["rounds_tokens_per_s"])]
+    meta, args = data["meta"], data["meta"]["args"]
+    head = m["config"].get("head_dim", 0)
+    ratio = statistics.median(per_round)
+    return fill(
+        "cb.break_split_run",
+        model=m["model"], head=head, file=BREAK_SPLIT_FILE, device=meta["device"],
+        torch=meta["torch"], transformers=meta["transformers"], date=meta["date"],
+        prompts=args["prompts"], min_len=args["min_len"], max_len=args["max_len"],
+        new_tokens=args["new_tokens"], rounds=args["rounds"],
+        before_keys=pd.BREAK_SPLIT_FROM_KEYS,
+        wide_keys=pd.BREAK_SPLIT_FROM_KEYS * pd.BREAK_SPLIT_HEAD // max(head, pd.BREAK_SPLIT_HEAD),
+        longest=args["max_len"] + args["new_tokens"],
+        table=table(["variant", "tokens/s (rounds)", "decode ms", "decode fwd host ms",
+                     "decode breaks host ms", "decode fwd device ms"], rows),  # fmt: skip
+        per_round=span(per_round, 2), ratio=num(ratio, 2),
+        verdict="faster" if ratio > 1 else "slower",
+        step=f"{num(before['decode_step_ms'], 2)} → {num(now['decode_step_ms'], 2)}",
+        breaks=f"{num(before['decode_break_host_ms'], 2)} → {num(now['decode_break_host_ms'], 2)}",
+    )  # fmt: skip

@@ -1,0 +1,64 @@
+"""The page's sections on a shape the CB bench never picked (benchmarks/report_held_out.py):
+numbers from the JSON reach the text, a changed number changes it, a variant that did not
+serve leaves the section out."""
+
+from __future__ import annotations
+
+import copy
+
+from benchmarks import report_held_out as R
+
+
+def _variant(tokens_per_s, rounds, step, host, breaks, device=None):
+    entry = {"tokens_per_s": tokens_per_s, "rounds_tokens_per_s": rounds, "decode_step_ms": step,
+             "decode_forward_host_ms": host, "decode_break_host_ms": breaks}  # fmt: skip
+    if device is not None:
+        entry["decode_forward_device_ms"] = device
+    return entry
+
+
+def _run(now_rounds=(120.0, 90.0, 130.0)):
+    meta = {"device": "GPU X", "torch": "2.x", "transformers": "5.17.0", "date": "today",
+            "args": {"prompts": 16, "min_len": 1024, "max_len": 3008, "new_tokens": 64,
+                     "rounds": 3}}  # fmt: skip
+    variants = {
+        R.NOW: _variant(sorted(now_rounds)[1], list(now_rounds), 4.0, 2.0, 1.5, 3.5),
+        R.BEFORE: _variant(100.0, [100.0, 100.0, 100.0], 5.0, 2.5, 2.0),
+    }
+    return {"meta": meta, "models": [{"model": "m", "config": {"head_dim": 256},
+                                      "variants": variants}]}  # fmt: skip
+
+
+def test_the_break_split_run_reads_both_rules_round_by_round():
+    text = R.break_split_section(_run())
+    assert "| `breakgraph_breaks_keys4096` | 100 (100) | 5.00 | 2.50 | 2.00 | - |" in text
+    assert "| `breakgraph_breaks` | 120 (90–130) | 4.00 | 2.00 | 1.50 | 3.50 |" in text
+    assert "round by round: 0.90–1.30 (the median,\n1.20×: faster)" in text
+    assert "before → now: 5.00 → 4.00 ms; its breaks' host\ntime 2.00 → 1.50 ms" in text
+    # heads of 256 split from half the keys of heads up to 128; no sequence past 3008 + 64
+    assert "reached 2048 keys" in text and "grows past 3072\nkeys" in text
+    assert "(heads of 256," in text and "16 prompts of 1024–3008 tokens" in text
+    slower = R.break_split_section(_run((80.0, 90.0, 95.0)))
+    assert "round by round: 0.80–0.95 (the median,\n0.90×: slower)" in slower
+
+
+def test_the_break_split_run_is_left_out_where_a_rule_did_not_serve():
+    data = _run()
+    del data["models"][0]["variants"][R.BEFORE]["tokens_per_s"]
+    assert R.break_split_section(data) == ""
+
+
+def test_the_held_out_shape_prints_its_block_as_the_cb_tables_do():
+    entry = {"model": "gemma-2b", "shape": "18 layers, heads of 256", "params_m": 2506.0,
+             "prompt_tokens": 52398,
+             "floor": {"roofline_s": 0.5, "prefill_s": 0.2, "decode_s": 0.3, "bound_s": 0.4,
+                       "weight_bytes_per_decode_step": 5e9},
+             "ratios": {}, "ratio_spread": {},
+             "variants": {"stock_sdpa": {"skipped": "time budget"}}}  # fmt: skip
+    data = {"meta": {"device": "GPU X", "torch": "2.x", "transformers": "5.17.0",
+                     "date": "today"}, "models": [entry]}  # fmt: skip
+    text = "\n".join(R.held_out_cb_section(copy.deepcopy(data)))
+    assert "### A shape the bench never picked: gemma-2b" in text
+    assert "gemma-2b (18 layers, heads of 256) was never served" in text
+    assert "### gemma-2b (2506 M parameters, 52398 prompt tokens)" in text
+    assert "skipped: time budget" in text
