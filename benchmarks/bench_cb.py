@@ -48,9 +48,10 @@ Variants:
                       creation: a decode kernel compiles inside the first step that needs it
                       (as before; compare the first rounds, each variant in a process of its
                       own with an empty ``TRITON_CACHE_DIR``)
-  breakgraph_breaks_keys4096  breakgraph_breaks with the break split rule before session 36:
-                      a break splits its sequences' keys from 4096 keys at every head size
-                      (now from fewer keys at heads wider than ``paged_decode.BREAK_SPLIT_HEAD``)
+  breakgraph_breaks_keys2048  breakgraph_breaks with breaks splitting their sequences' keys
+                      from 2048 keys (``paged_decode.BREAK_SPLIT_FROM_KEYS`` is 4096): session
+                      36's rule for heads of 256, which lost in continuous batching (session
+                      38's run named the two ``breakgraph_breaks`` and ``..._keys4096``)
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
@@ -156,7 +157,7 @@ class Variant:
     max_blocks_per_request: int | None = None  # 0: no block table (index lists every step)
     numpy_fill: bool = True  # breakgraph writes block tables through numpy (off: transformers)
     warm_kernels: bool = True  # decode kernels compiled when the manager is created (off: later)
-    split_keys_any_head: bool = False  # a break splits from 4096 keys at every head (before)
+    break_split_keys: int | None = None  # a break splits from this many keys (None: the rule's)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
 
 
@@ -192,9 +193,9 @@ VARIANTS = {
         Variant("breakgraph_cold_kernels", "breakgraph without compiling the decode kernels "
                 "when the manager is created (each compiles in the first step that needs it, as "
                 "before)", True, warm_kernels=False),  # fmt: skip
-        Variant("breakgraph_breaks_keys4096", "breakgraph_breaks with the break split rule "
-                "before: a break splits from 4096 keys at every head size", True,
-                decode_graphs=False, split_keys_any_head=True),  # fmt: skip
+        Variant("breakgraph_breaks_keys2048", "breakgraph_breaks with breaks splitting from "
+                "2048 keys (session 36's rule for heads of 256)", True, decode_graphs=False,
+                break_split_keys=2048),  # fmt: skip
     )
 }
 GENERATE = "generate"
@@ -233,7 +234,7 @@ ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async":
                   "breakgraph_breaks": 4000, "breakgraph_compiled": 4000,
                   "breakgraph_unsplit": 4000, "breakgraph_lists": 4000,
                   "breakgraph_tx_fill": 4000, "breakgraph_cold_kernels": 4000,
-                  "breakgraph_breaks_keys4096": 4000}  # fmt: skip
+                  "breakgraph_breaks_keys2048": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
 
@@ -345,8 +346,9 @@ def run_round(model, variant: Variant, run) -> dict:
                 patches.attribute(block_table_module, "install_fill", lambda patches: False)
             if not variant.warm_kernels:  # nothing compiled at plan: the steps compile
                 patches.attribute(cb_step_module, "warm_up", lambda *args, **kwargs: [])
-            if variant.split_keys_any_head:  # no head counts as wide: 4096 keys at every head
-                patches.attribute(paged_decode_module, "BREAK_SPLIT_HEAD", 1 << 20)
+            if variant.break_split_keys is not None:  # another threshold for the breaks' split
+                patches.attribute(paged_decode_module, "BREAK_SPLIT_FROM_KEYS",
+                                  variant.break_split_keys)  # fmt: skip
             buckets = None
             if variant.pow2:
                 buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]

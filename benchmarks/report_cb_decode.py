@@ -453,7 +453,6 @@ def split_section(sweep: dict | None, runs: list) -> str:
         held_shapes=", ".join(name for name, *_ in da.HELD_OUT),
         workloads="; ".join(_workload(data, label) for data, label in runs) or "-",
         from_keys=pd.BREAK_SPLIT_FROM_KEYS,
-        head=pd.BREAK_SPLIT_HEAD,
         split_at_least=pd.BREAK_SPLIT_AT_LEAST,
         files=", ".join(f"`{name}` ({label})" for name, label in SPLIT_FILES),
         device=first.get("device", "-"),
@@ -494,7 +493,7 @@ def _threshold_table(sweep: dict, sms: int) -> tuple[str, dict]:
             ratio = r["triton_paged_split_us"]["median"] / r["triton_paged_us"]["median"]
             cells.setdefault(key, {})[r["longest"]] = ratio
             if key[3] >= pd.BREAK_SPLIT_AT_LEAST:
-                eligible.append((_break_rule(key[3], _longest(r), r["d"]), ratio))
+                eligible.append((_break_rule(key[3], _longest(r)), ratio))
     if not cells:
         return "(not measured)", dict.fromkeys(("threshold_seqs", "never_paid", "beyond",
                                                 "below"), "-")  # fmt: skip
@@ -530,18 +529,21 @@ def _longest(row: dict) -> int:
     return row.get("max_keys", row["longest"])
 
 
-def _break_rule(default: int, longest: int, head_dim: int) -> bool:
-    """Whether an attention break splits: ``paged_decode``'s rule."""
+def _break_rule(default: int, longest: int, head_dim: int = 0) -> bool:
+    """Whether an attention break splits: ``paged_decode``'s rule (the head size plays no
+    part; the rules below read it)."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    return pd.break_split(default, longest, head_dim) > 1
+    return pd.break_split(default, longest) > 1
 
 
-def _keys_rule(default: int, longest: int, head_dim: int) -> bool:
-    """The rule before session 36: ``RULE_BEFORE_KEYS`` keys, whatever the head size."""
+def _wide_rule(default: int, longest: int, head_dim: int) -> bool:
+    """Session 36's rule: ``RULE_BEFORE_KEYS`` keys up to a head size of ``WIDE_FROM_HEAD``,
+    proportionally fewer at wider heads (2048 keys at 256)."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    return default >= pd.BREAK_SPLIT_AT_LEAST and longest >= RULE_BEFORE_KEYS
+    wide = longest * max(head_dim, WIDE_FROM_HEAD) >= RULE_BEFORE_KEYS * WIDE_FROM_HEAD
+    return default >= pd.BREAK_SPLIT_AT_LEAST and wide
 
 
 def _product_rule(default: int, longest: int, head_dim: int) -> bool:
@@ -552,8 +554,11 @@ def _product_rule(default: int, longest: int, head_dim: int) -> bool:
     return default >= pd.BREAK_SPLIT_AT_LEAST and longest * head_dim >= RULE_BEFORE_KEYS * 128
 
 
-#: The break path's rule before session 36: a split from this many keys, whatever the head size
+#: The break path's rule before session 36, and again since session 38: a split from this many
+#: keys, whatever the head size
 RULE_BEFORE_KEYS = 4096
+#: session 36's rule scaled the keys down for heads wider than this
+WIDE_FROM_HEAD = 128
 
 
 def threshold_section(data: dict, earlier: dict | None = None, cb_run: str = "") -> str:
@@ -584,7 +589,7 @@ def threshold_section(data: dict, earlier: dict | None = None, cb_run: str = "")
         cases.setdefault((case.split("/")[0], r["seqs"], split, bool(r.get("held_out"))),
                          {})[r["longest"]] = ratio  # fmt: skip
         if split >= pd.BREAK_SPLIT_AT_LEAST:
-            side = "beyond" if _break_rule(split, _longest(r), r["d"]) else "below"
+            side = "beyond" if _wide_rule(split, _longest(r), r["d"]) else "below"
             tallies[bool(r.get("held_out")), side].append(ratio)
     for (shape, seqs, split, held_out), by_length in cases.items():
         lengths = sorted(by_length)
@@ -607,7 +612,8 @@ def threshold_section(data: dict, earlier: dict | None = None, cb_run: str = "")
         found = [r for c, r in sweep.items() if c != "meta" and r.get("threshold")]
         if found:
             costs = [f"{name} {_rule_cost(found, host, rule)}" for name, rule in (
-                ("before", _keys_rule), ("tried", _product_rule), ("now", _break_rule))]
+                ("before and now", _break_rule), ("tried", _product_rule),
+                ("session 36", _wide_rule))]  # fmt: skip
             compared.append(f"- {label} ({len(found)} rows): " + "; ".join(costs))
     timed = ("triton_paged_split_us", "triton_paged_split_graph_us")
     common = [c for c, r in rows.items() if all(k in r and k in (earlier or {}).get(c, {})
@@ -625,8 +631,8 @@ def threshold_section(data: dict, earlier: dict | None = None, cb_run: str = "")
         file=f"`{THRESHOLD_FILE}`", gpu=meta.get("gpu", "-"), torch=meta.get("torch", "-"),
         date=meta.get("date", "-"), low=lengths[0], high=lengths[-1], steps=len(lengths),
         held_shapes=", ".join(name for name, *_ in da.HELD_OUT), table=table_text,
-        head=pd.BREAK_SPLIT_HEAD, before_keys=RULE_BEFORE_KEYS,
-        wide_keys=pd.BREAK_SPLIT_FROM_KEYS // 2,  # at a head twice BREAK_SPLIT_HEAD
+        head=WIDE_FROM_HEAD, before_keys=RULE_BEFORE_KEYS,
+        wide_keys=RULE_BEFORE_KEYS // 2,  # at a head twice WIDE_FROM_HEAD
         beyond_picked=tally(tallies[False, "beyond"]), beyond_held=tally(tallies[True, "beyond"]),
         below_picked=tally(tallies[False, "below"]), below_held=tally(tallies[True, "below"]),
         crossings=bullets(crossings), compared=bullets(compared) or "(not measured)",

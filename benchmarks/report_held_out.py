@@ -1,12 +1,13 @@
 """Continuous batching on a shape the CB bench never picked: gemma-2b (18 layers, heads of
-256, one key head), against stock, and the break split rule of
-:func:`breakgraph.integrations.transformers.paged_decode.break_split` served on it.
+256, one key head), against stock, and the break split rule of session 36 served on it.
 
-The split rule was set on one kernel timed alone (``decode_attention --threshold-only``); its
-wide-head case (heads wider than ``BREAK_SPLIT_HEAD`` split from fewer keys) was picked on
-held-out shapes of that sweep only. :func:`break_split_section` reads ``bench_cb`` with decode
-graphs off (every pure-decode step a break per layer, as sliding-window models run them), the
-rule now against the rule before (``breakgraph_breaks_keys4096``), taking turns in one process.
+The break path's split rule was set on one kernel timed alone (``decode_attention
+--threshold-only``); session 36 split heads wider than 128 from fewer keys (2048 at 256), a
+case picked on held-out shapes of that sweep only. :func:`break_split_section` reads
+``bench_cb`` with decode graphs off (every pure-decode step a break per layer, as
+sliding-window models run them), that rule against the rule before it, taking turns in one
+process; it lost, and :func:`breakgraph.integrations.transformers.paged_decode.break_split` is
+the rule before again.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from .cb_report import _model_block
 from .template import fill, num, span, table
 
 #: ``bench_cb --models gemma-2b`` on the default workload, stock and breakgraph
-CB_FILE = "h200-cb-gemma-2b.json"
+CB_FILE = "h100-cb-gemma-2b.json"
 #: ``bench_cb --models gemma-2b --prompts 16 --min-len 1024 --max-len 3008``, decode graphs off,
-#: the split rule now against the rule before, in turn
-BREAK_SPLIT_FILE = "h200-cb-break-split-gemma-2b.json"
-NOW, BEFORE = "breakgraph_breaks", "breakgraph_breaks_keys4096"
+#: in turn: the run's ``breakgraph_breaks`` was session 36's rule (:data:`SESSION_36`),
+#: ``breakgraph_breaks_keys4096`` the rule before it, which is the rule again since (the
+#: variant that reruns session 36's rule is now ``breakgraph_breaks_keys2048``)
+BREAK_SPLIT_FILE = "h100-cb-break-split-gemma-2b.json"
+SESSION_36, BEFORE = "breakgraph_breaks", "breakgraph_breaks_keys4096"
 
 
 def held_out_cb_section(data: dict) -> list[str]:
@@ -31,32 +34,33 @@ def held_out_cb_section(data: dict) -> list[str]:
     return [
         fill("cb.held_out", model=m["model"], shape=m["shape"], file=CB_FILE,
              device=meta["device"], torch=meta["torch"], transformers=meta["transformers"],
-             date=meta["date"]),  # fmt: skip
+             date=meta["date"], hbm=f"{meta['hbm_bytes_per_s'] / 1e12:g}"),  # fmt: skip
         "",
         *_model_block(m["model"], [data]),
     ]
 
 
 def break_split_section(data: dict) -> str:
-    """The rule now against the rule before, in turn: per variant its tokens/s (median and
-    rounds), the pure-decode step, its forward's host time and its breaks' host time; then
-    the per-round ratios. Empty when either variant did not serve."""
+    """Session 36's rule against the rule before it, in turn: per variant its tokens/s (median
+    and rounds), the pure-decode step, its forward's host time, its breaks' host time and its
+    device span; then the per-round ratios. Empty when either variant did not serve."""
     from breakgraph.integrations.transformers import paged_decode as pd
+
+    from .report_cb_decode import RULE_BEFORE_KEYS, WIDE_FROM_HEAD
 
     m = data["models"][0]
     v = m["variants"]
-    now, before = v.get(NOW, {}), v.get(BEFORE, {})
-    if "tokens_per_s" not in now or "tokens_per_s" not in before:
+    wide, before = v.get(SESSION_36, {}), v.get(BEFORE, {})
+    if "tokens_per_s" not in wide or "tokens_per_s" not in before:
         return ""
     rows = []
-    for name, e in ((BEFORE, before), (NOW, now)):
+    for name, e in ((BEFORE, before), (SESSION_36, wide)):
         rows.append([
             f"`{name}`", f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
             num(e["decode_step_ms"], 2), num(e["decode_forward_host_ms"], 2),
-            num(e["decode_break_host_ms"], 2),
-            num(e["decode_forward_device_ms"], 2) if "decode_forward_device_ms" in e else "-",
+            num(e["decode_break_host_ms"], 2), _device(e),
         ])  # fmt: skip
-    per_round = [a / b for a, b in zip(now["rounds_tokens_per_s"], before["rounds_tokens_per_s"])]
+    per_round = [a / b for a, b in zip(wide["rounds_tokens_per_s"], before["rounds_tokens_per_s"])]
     meta, args = data["meta"], data["meta"]["args"]
     head = m["config"].get("head_dim", 0)
     ratio = statistics.median(per_round)
@@ -65,14 +69,22 @@ def break_split_section(data: dict) -> str:
         model=m["model"], head=head, file=BREAK_SPLIT_FILE, device=meta["device"],
         torch=meta["torch"], transformers=meta["transformers"], date=meta["date"],
         prompts=args["prompts"], min_len=args["min_len"], max_len=args["max_len"],
-        new_tokens=args["new_tokens"], rounds=args["rounds"],
-        before_keys=pd.BREAK_SPLIT_FROM_KEYS,
-        wide_keys=pd.BREAK_SPLIT_FROM_KEYS * pd.BREAK_SPLIT_HEAD // max(head, pd.BREAK_SPLIT_HEAD),
+        new_tokens=args["new_tokens"], rounds=args["rounds"], before_keys=RULE_BEFORE_KEYS,
+        wide_keys=RULE_BEFORE_KEYS * WIDE_FROM_HEAD // max(head, WIDE_FROM_HEAD),
         longest=args["max_len"] + args["new_tokens"],
         table=table(["variant", "tokens/s (rounds)", "decode ms", "decode fwd host ms",
                      "decode breaks host ms", "decode fwd device ms"], rows),  # fmt: skip
         per_round=span(per_round, 2), ratio=num(ratio, 2),
         verdict="faster" if ratio > 1 else "slower",
-        step=f"{num(before['decode_step_ms'], 2)} → {num(now['decode_step_ms'], 2)}",
-        breaks=f"{num(before['decode_break_host_ms'], 2)} → {num(now['decode_break_host_ms'], 2)}",
+        step=f"{num(before['decode_step_ms'], 2)} → {num(wide['decode_step_ms'], 2)}",
+        breaks=f"{num(before['decode_break_host_ms'], 2)} → {num(wide['decode_break_host_ms'], 2)}",
+        device_span=f"{_device(before)} → {_device(wide)}",
+        conclusion=fill("cb.break_split_run." + ("won" if ratio > 1 else "lost"),
+                        now_keys=pd.BREAK_SPLIT_FROM_KEYS),  # fmt: skip
     )  # fmt: skip
+
+
+def _device(entry: dict) -> str:
+    """A pure-decode forward's device span, ms ("-" where the run has none: the CPU)."""
+    value = entry.get("decode_forward_device_ms")
+    return "-" if value is None else num(value, 2)

@@ -285,11 +285,12 @@ def test_the_decode_attention_section_names_the_case_the_fold_loses():
 
 
 def test_the_threshold_section_says_where_each_case_pays_and_what_the_rule_gives_up():
-    """The tallies, where each case pays, and the rules before, tried and now follow the rows:
-    a 64-wide head splits from 4096 keys, a 256-wide one from 2048 (``paged_decode``)."""
+    """The tallies (session 36's rule: a 64-wide head splits from 4096 keys, a 256-wide one
+    from 2048), where each case pays, and the rules before and now (``paged_decode``: 4096
+    keys at every head), tried, and session 36's follow the rows."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    assert (pd.BREAK_SPLIT_FROM_KEYS, pd.BREAK_SPLIT_HEAD) == (4096, 128)
+    assert pd.BREAK_SPLIT_FROM_KEYS == 4096 and report_cb_decode.WIDE_FROM_HEAD == 128
 
     def case(longest, ratio, d=64, held_out=False, unsplit=100.0):
         return {"hq": 16, "hkv": 4, "d": d, "seqs": 8, "bucket": 8, "threshold": True,
@@ -308,12 +309,12 @@ def test_the_threshold_section_says_where_each_case_pays_and_what_the_rule_gives
     assert "would have paid in\n1 of 1 (0.90×) and 0 of 1 (1.20×)" in text
     assert "- a, 8 sequences, default split 16: the split pays from ≤ 4608 keys" in text
     assert "- h (held out), 8 sequences, default split 16: the split pays at no length" in text
-    assert ("- this sweep (6 rows): before 1 losses taken (10 µs), 2 gains left (15 µs), 25 µs "
-            "in all; tried 1 losses taken (5 µs), 2 gains left (30 µs), 35 µs in all; now 2 "
-            "losses taken (15 µs), 1 gains left (10 µs), 25 µs in all") in text
-    assert ("- the split sweep above (1 rows): before 0 losses taken (0 µs), 0 gains left (0 µs), "
-            "0 µs in all; tried 0 losses taken (0 µs), 1 gains left (20 µs), 20 µs in all; now 0 "
-            "losses taken (0 µs), 0 gains left (0 µs), 0 µs in all") in text
+    assert ("- this sweep (6 rows): before and now 1 losses taken (10 µs), 2 gains left (15 µs), "
+            "25 µs in all; tried 1 losses taken (5 µs), 2 gains left (30 µs), 35 µs in all; "
+            "session 36 2 losses taken (15 µs), 1 gains left (10 µs), 25 µs in all") in text
+    assert ("- the split sweep above (1 rows): before and now 0 losses taken (0 µs), 0 gains left "
+            "(0 µs), 0 µs in all; tried 0 losses taken (0 µs), 1 gains left (20 µs), 20 µs in "
+            "all; session 36 0 losses taken (0 µs), 0 gains left (0 µs), 0 µs in all") in text
     assert "the launched split took\n4.00× its time on the split sweep's host" in text
     alone = report_cb_decode.threshold_section(data)  # no earlier sweep: no hosts paragraph
     assert "The two hosts differ" not in alone and "- the split sweep above" not in alone

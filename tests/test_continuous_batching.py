@@ -448,8 +448,8 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
 def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch, default, split):
     """A pure-decode break takes the default split (here ``default``, asked for with the
     step's sequences and key heads) exactly when the step's longest sequence holds
-    ``paged_decode.BREAK_SPLIT_FROM_KEYS`` keys (the tiny model's head is narrower than
-    ``BREAK_SPLIT_HEAD``) and that split is at least ``BREAK_SPLIT_AT_LEAST``, and one program
+    ``paged_decode.BREAK_SPLIT_FROM_KEYS`` keys and that split is at least
+    ``BREAK_SPLIT_AT_LEAST``, and one program
     per sequence otherwise (a default of 2 never splits)."""
     from breakgraph.integrations.transformers import attention as bg_attention
     from breakgraph.integrations.transformers import paged_decode as pd
@@ -472,7 +472,6 @@ def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch, defaul
     monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
     monkeypatch.setattr(cb_step, "paged_decode", fake_paged)
     monkeypatch.setattr(pd, "default_splits", fake_default)
-    assert model.config.head_dim <= pd.BREAK_SPLIT_HEAD
     monkeypatch.setattr(pd, "BREAK_SPLIT_FROM_KEYS", 20)  # the prompt of 17 reaches it
     prompts = random_prompts(seed=14, lengths=(3, 17, 5))
     expected = generate_batch(model, prompts)

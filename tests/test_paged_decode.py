@@ -338,16 +338,20 @@ def test_kernel_matches_reference_in_triton_interpreter():
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 
-def test_a_break_splits_from_4096_keys_up_to_a_head_of_128_and_fewer_for_wider_heads(monkeypatch):
-    """``break_split``: the default split once the longest sequence reaches 4096 keys at a head
-    size of up to 128 (64 alike), 2048 at 256, and only for a default of at least
-    ``BREAK_SPLIT_AT_LEAST``; ``break_splits`` asks for the default only on a long step."""
+def test_a_break_splits_from_4096_keys_at_every_head_size(monkeypatch):
+    """``break_split``: the default split once the longest sequence reaches 4096 keys, and only
+    for a default of at least ``BREAK_SPLIT_AT_LEAST`` (session 36 split heads of 256 from 2048
+    keys; served in continuous batching that lost, performance.md); ``break_splits`` asks for
+    the default only on a long step, at any head size."""
     at_least = pd.BREAK_SPLIT_AT_LEAST
-    for head, keys in ((64, 4096), (128, 4096), (256, 2048)):
-        assert pd.break_split(16, keys, head) == 16, head
-        assert pd.break_split(16, keys - 1, head) == 1, head
-        assert pd.break_split(at_least - 1, 8 * keys, head) == 1, head
-        assert pd.break_split(at_least, keys, head) == at_least, head
+    assert pd.BREAK_SPLIT_FROM_KEYS == 4096
+    assert pd.break_split(16, 4096) == 16 and pd.break_split(16, 4095) == 1
+    assert pd.break_split(at_least - 1, 8 * 4096) == 1
+    assert pd.break_split(at_least, 4096) == at_least
+    monkeypatch.setattr(pd, "default_splits", lambda *a: 16)
+    for head in (64, 128, 256):
+        cache = torch.empty(0, 1, head)
+        assert pd.break_splits(8, 4095, cache) == 1 and pd.break_splits(8, 4096, cache) == 16
     asked = []
     monkeypatch.setattr(pd, "default_splits", lambda *a: asked.append(a) or 16)
     cache = torch.empty(0, 4, 128)

@@ -22,7 +22,7 @@ def _run(now_rounds=(120.0, 90.0, 130.0)):
             "args": {"prompts": 16, "min_len": 1024, "max_len": 3008, "new_tokens": 64,
                      "rounds": 3}}  # fmt: skip
     variants = {
-        R.NOW: _variant(sorted(now_rounds)[1], list(now_rounds), 4.0, 2.0, 1.5, 3.5),
+        R.SESSION_36: _variant(sorted(now_rounds)[1], list(now_rounds), 4.0, 2.0, 1.5, 3.5),
         R.BEFORE: _variant(100.0, [100.0, 100.0, 100.0], 5.0, 2.5, 2.0),
     }
     return {"meta": meta, "models": [{"model": "m", "config": {"head_dim": 256},
@@ -30,16 +30,21 @@ def _run(now_rounds=(120.0, 90.0, 130.0)):
 
 
 def test_the_break_split_run_reads_both_rules_round_by_round():
+    """Session 36's rule (the run's ``breakgraph_breaks``) over the rule before, round by
+    round, the step, the breaks' host time and the device span, before → session 36."""
     text = R.break_split_section(_run())
     assert "| `breakgraph_breaks_keys4096` | 100 (100) | 5.00 | 2.50 | 2.00 | - |" in text
     assert "| `breakgraph_breaks` | 120 (90–130) | 4.00 | 2.00 | 1.50 | 3.50 |" in text
-    assert "round by round: 0.90–1.30 (the median,\n1.20×: faster)" in text
-    assert "before → now: 5.00 → 4.00 ms; its breaks' host\ntime 2.00 → 1.50 ms" in text
+    assert "round by round: 0.90–1.30 (the\nmedian, 1.20×: faster)" in text
+    assert "before → session thirty-six: 5.00 → 4.00 ms; its\nbreaks' host time 2.00 → 1.50 ms" in text
+    assert "its forward's device span - → 3.50 ms" in text
+    assert "the runs disagree, and a rerun decides" in text and "again:" not in text
     # heads of 256 split from half the keys of heads up to 128; no sequence past 3008 + 64
-    assert "reached 2048 keys" in text and "grows past 3072\nkeys" in text
-    assert "(heads of 256," in text and "16 prompts of 1024–3008 tokens" in text
+    assert "has reached 2048 keys" in text and "grows past 3072 keys" in text
+    assert "(heads of 256," in text and "16 prompts of\n1024–3008 tokens" in text
     slower = R.break_split_section(_run((80.0, 90.0, 95.0)))
-    assert "round by round: 0.80–0.95 (the median,\n0.90×: slower)" in slower
+    assert "round by round: 0.80–0.95 (the\nmedian, 0.90×: slower)" in slower
+    assert "So the rule is the one before again: 4096 keys at every head size" in slower
 
 
 def test_the_break_split_run_is_left_out_where_a_rule_did_not_serve():
@@ -56,9 +61,9 @@ def test_the_held_out_shape_prints_its_block_as_the_cb_tables_do():
              "ratios": {}, "ratio_spread": {},
              "variants": {"stock_sdpa": {"skipped": "time budget"}}}  # fmt: skip
     data = {"meta": {"device": "GPU X", "torch": "2.x", "transformers": "5.17.0",
-                     "date": "today"}, "models": [entry]}  # fmt: skip
+                     "date": "today", "hbm_bytes_per_s": 3.35e12}, "models": [entry]}  # fmt: skip
     text = "\n".join(R.held_out_cb_section(copy.deepcopy(data)))
     assert "### A shape the bench never picked: gemma-2b" in text
     assert "gemma-2b (18 layers, heads of 256) was never served" in text
     assert "### gemma-2b (2506 M parameters, 52398 prompt tokens)" in text
-    assert "skipped: time budget" in text
+    assert "skipped: time budget" in text and "this card's 3.35 TB/s" in text

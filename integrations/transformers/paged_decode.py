@@ -41,7 +41,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 __all__ = [
     "BREAK_SPLIT_AT_LEAST",
     "BREAK_SPLIT_FROM_KEYS",
-    "BREAK_SPLIT_HEAD",
     "break_split",
     "break_splits",
     "default_splits",
@@ -317,31 +316,30 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 
 #: An attention break launches its kernels one at a time (a decode graph launches nothing), so
-#: a split there costs a second launch, on the host about as long as a short sequence's kernel
-#: on the device. A break therefore splits only once the step's longest sequence holds
-#: ``BREAK_SPLIT_FROM_KEYS`` keys at a head size of up to ``BREAK_SPLIT_HEAD``, proportionally
-#: fewer at larger heads (each program streams keys x head size: 2048 keys at 256), and the
-#: default split is at least ``BREAK_SPLIT_AT_LEAST`` programs (a split of 2 lost at every
-#: length measured). Timed launched on two H200 hosts (``benchmarks/decode_attention``,
+#: a split there costs a second launch and two small allocations on the host, and a step of
+#: breaks is bound by the host (its device idles between layers). A break therefore splits only
+#: once the step's longest sequence holds ``BREAK_SPLIT_FROM_KEYS`` keys, at every head size,
+#: and the default split is at least ``BREAK_SPLIT_AT_LEAST`` programs (a split of 2 lost at
+#: every length measured). Timed launched on two H200 hosts (``benchmarks/decode_attention``,
 #: threshold rows; performance.md, *The split threshold on a finer grid*): at heads of 64 and
-#: 128 it started to pay between about 4096 and 7168 keys, later on the host that launched
-#: slower; at 256 (held-out shapes, one host) at the shortest length timed, 3072 keys (the
-#: rule's 2048 there is below what was timed).
+#: 128 it started to pay between about 4096 and 7168 keys. At 256 the kernel alone paid from
+#: the shortest length timed, and session 36 split there from 2048 keys; served in continuous
+#: batching (gemma-2b, decode graphs off, sequences of 2048-3072 keys, an H100) that rule gave
+#: 0.83-0.91x the tokens/s of this one in every round (the breaks' host time grew by more than
+#: the device saved), so heads of 256 split from 4096 keys again.
 BREAK_SPLIT_FROM_KEYS = 4096
-BREAK_SPLIT_HEAD = 128
 BREAK_SPLIT_AT_LEAST = 4
 
 
-def break_split(default: int, longest: int, head_dim: int) -> int:
+def break_split(default: int, longest: int) -> int:
     """The split an attention break launches: ``default`` (the graphs' split,
     :func:`default_splits`) once the step's longest sequence of ``longest`` keys reaches
-    ``BREAK_SPLIT_FROM_KEYS`` (scaled down for heads wider than ``BREAK_SPLIT_HEAD``) and
-    ``default`` is at least ``BREAK_SPLIT_AT_LEAST``; else 1.
+    ``BREAK_SPLIT_FROM_KEYS`` and ``default`` is at least ``BREAK_SPLIT_AT_LEAST``; else 1.
 
-    >>> break_split(16, 4096, 64), break_split(16, 2048, 256), break_split(2, 8192, 128)
-    (16, 16, 1)
+    >>> break_split(16, 4096), break_split(16, 4095), break_split(2, 8192)
+    (16, 1, 1)
     """
-    if default < BREAK_SPLIT_AT_LEAST or not _long_enough(longest, head_dim):
+    if default < BREAK_SPLIT_AT_LEAST or longest < BREAK_SPLIT_FROM_KEYS:
         return 1
     return default
 
@@ -353,15 +351,9 @@ def break_splits(batch: int, longest: int, k_cache: torch.Tensor) -> int:
     >>> break_splits(8, 100, torch.empty(0, 4, 128))  # 100 keys: no split
     1
     """
-    if not _long_enough(longest, k_cache.shape[-1]):
+    if longest < BREAK_SPLIT_FROM_KEYS:
         return 1
-    default = default_splits(batch, k_cache.shape[1], k_cache.device)
-    return break_split(default, longest, k_cache.shape[-1])
-
-
-def _long_enough(longest: int, head_dim: int) -> bool:
-    """Whether ``longest`` keys reach the break rule's threshold at ``head_dim``."""
-    return longest * max(head_dim, BREAK_SPLIT_HEAD) >= BREAK_SPLIT_FROM_KEYS * BREAK_SPLIT_HEAD
+    return break_split(default_splits(batch, k_cache.shape[1], k_cache.device), longest)
 
 
 def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
