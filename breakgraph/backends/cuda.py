@@ -348,11 +348,10 @@ class CudaBackend:
 
     def pool_bytes(self, pool: Any) -> int | None:
         """Bytes the caching allocator holds in CUDA graph pool ``pool``."""
+        handle = pool_handle(pool)
         segments = torch.cuda.memory._snapshot()["segments"]
         return sum(
-            s["total_size"]
-            for s in segments
-            if tuple(s.get("segment_pool_id", ())) == pool_handle(pool)
+            s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == handle
         )
 
 
