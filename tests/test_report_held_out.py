@@ -36,7 +36,8 @@ def test_the_break_split_run_reads_both_rules_round_by_round():
     assert "| `breakgraph_breaks_keys4096` | 100 (100) | 5.00 | 2.50 | 2.00 | - |" in text
     assert "| `breakgraph_breaks` | 120 (90–130) | 4.00 | 2.00 | 1.50 | 3.50 |" in text
     assert "round by round: 0.90–1.30 (the\nmedian, 1.20×: faster)" in text
-    assert "before → session thirty-six: 5.00 → 4.00 ms; its\nbreaks' host time 2.00 → 1.50 ms" in text
+    assert ("before → session thirty-six: 5.00 → 4.00 ms; its\nbreaks' host time 2.00 → 1.50 "
+            "ms") in text
     assert "its forward's device span - → 3.50 ms" in text
     assert "the runs disagree, and a rerun decides" in text and "again:" not in text
     # heads of 256 split from half the keys of heads up to 128; no sequence past 3008 + 64
