@@ -24,7 +24,7 @@ from breakgraph import (
     break_graph,
     eager_on_graph,
 )
-from breakgraph.backends import cuda as cuda_backend
+from breakgraph.backends.base import pool_handle
 from tests.helpers import (
     HAS_CUDA,
     assert_clean,
@@ -158,11 +158,20 @@ def test_a_mem_pool_is_taken_by_its_id_and_anything_else_is_refused(monkeypatch)
             self.id = id
 
     monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
-    assert cuda_backend.pool_handle(FakeMemPool((0, 7))) == (0, 7)
-    assert cuda_backend.pool_handle((3, 0)) == (3, 0)
+    assert pool_handle(FakeMemPool((0, 7))) == (0, 7)
+    assert pool_handle((3, 0)) == (3, 0)
     for bad in ("not a pool handle", (1, 2, 3), [0, 1], (0, 1.0), 5):
         with pytest.raises(CaptureError, match=r"is not a graph memory pool.*MemPool"):
-            cuda_backend.pool_handle(bad)
+            pool_handle(bad)
+    # the emulated backend takes it as CUDA does: the graph's pool is the id
+    x = torch.randn(4)
+    g = BreakableCUDAGraph()
+    with breakgraph.capture(g, pool=FakeMemPool((0, 7)), backend="emulated"):
+        y = double_on_host(x) + 1
+    assert g.pool() == (0, 7)
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 2 + 1)
 
 
 @pytest.mark.requires_cuda
@@ -548,16 +557,18 @@ def test_failure_beginning_a_segment_leaves_nothing_behind(
     torch.testing.assert_close(y, new * 4 + 1)
 
 
-@pytest.mark.requires_cuda
-def test_invalid_pool_leaves_nothing_behind():
-    x = torch.randn(6, device="cuda")
+@pytest.mark.parametrize("bad", ["not a pool handle", (1, 2, 3), 5])
+def test_invalid_pool_leaves_nothing_behind(capture, device, bad):
+    """A pool that is none is refused by name on both backends, before the body runs, and
+    the graph takes a capture afterwards."""
+    x = torch.randn(6, device=device)
     g = BreakableCUDAGraph()
-    with pytest.raises(CaptureError, match=r"pool='not a pool handle' is not a graph memory"):
-        with breakgraph.capture(g, pool="not a pool handle", backend="cuda"):
+    with pytest.raises(CaptureError, match=r"is not a graph memory pool.*MemPool"):
+        with capture(g, pool=bad):
             pytest.fail("the body must not run")  # pragma: no cover
     assert_clean(g)
     assert not g._capturing
-    with breakgraph.capture(g, backend="cuda"):
+    with capture(g):
         y = double_on_host(x * 2) + 1
     new = fresh_into(x)
     g.replay()

@@ -24,9 +24,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from ..errors import CaptureError
 
-__all__ = ["CaptureOptions", "Backend", "Session", "Segment", "Observer", "released_pool_error"]
+__all__ = [
+    "CaptureOptions",
+    "Backend",
+    "Session",
+    "Segment",
+    "Observer",
+    "pool_handle",
+    "released_pool_error",
+]
 
 #: ``(func, args, kwargs, out)`` after each aten operation of a segment (debug mode).
 Observer = Callable[[Any, tuple, dict, Any], None]
@@ -91,6 +101,33 @@ class Backend(Protocol):
         invalidated, see :mod:`breakgraph.backends.cuda`, nor once torch gave it up with its
         last graph, :func:`released_pool_error`)."""
         ...
+
+
+def pool_handle(pool: Any) -> tuple[int, int]:
+    """The ``(int, int)`` handle CUDA's capture takes for ``pool``: a handle from
+    ``torch.cuda.graph_pool_handle()`` or ``other.pool()`` as a plain tuple, a
+    ``torch.cuda.MemPool`` its ``id``. torch 2.14's ``torch.cuda.graph`` takes a MemPool too;
+    ``CUDAGraph.capture_begin`` of earlier releases takes the id only, and a pool's key in
+    breakgraph's own bookkeeping is the id either way. Anything else raises ``CaptureError``
+    here rather than a ``TypeError`` inside torch. Both backends take pools through it (the
+    emulated one its own :class:`~breakgraph.backends.emulated.EmulatedPool` too), so a bad
+    pool fails on the CPU as on the device.
+
+    Example::
+
+        >>> pool_handle((0, 3))
+        (0, 3)
+    """
+    mem_pool = getattr(torch.cuda, "MemPool", None)
+    if mem_pool is not None and isinstance(pool, mem_pool):
+        pool = pool.id
+    if isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(i, int) for i in pool):
+        return tuple(pool)
+    raise CaptureError(
+        f"breakgraph.capture: pool={pool!r} is not a graph memory pool; pass a handle from "
+        f"torch.cuda.graph_pool_handle() or other_graph.pool(), a torch.cuda.MemPool, or None "
+        f"for a new pool."
+    )
 
 
 def released_pool_error(pool: Any) -> CaptureError:

@@ -31,7 +31,7 @@ import torch
 from ..errors import BreakgraphError, CaptureError
 from ..streams import StreamTracker
 from ..syncs import CompileTransparentSegmentMode, SegmentMode
-from .base import CaptureOptions, Observer, released_pool_error
+from .base import CaptureOptions, Observer, pool_handle, released_pool_error
 
 _capture_streams: dict = {}  # device -> breakgraph's capture stream
 # pools nothing can be captured into again, and why: "invalidated" (a capture CUDA invalidated
@@ -278,31 +278,6 @@ def _reset_capture_state(stream: torch.cuda.Stream) -> None:
             RuntimeWarning,
             stacklevel=2,
         )
-
-
-def pool_handle(pool: Any) -> tuple[int, int]:
-    """The ``(int, int)`` handle CUDA's capture takes for ``pool``: a handle from
-    ``torch.cuda.graph_pool_handle()`` or ``other.pool()`` as a plain tuple, a
-    ``torch.cuda.MemPool`` its ``id``. torch 2.14's ``torch.cuda.graph`` takes a MemPool too;
-    ``CUDAGraph.capture_begin`` of earlier releases takes the id only, and a pool's key in
-    breakgraph's own bookkeeping is the id either way. Anything else raises ``CaptureError``
-    here rather than a ``TypeError`` inside torch.
-
-    Example::
-
-        >>> pool_handle((0, 3))
-        (0, 3)
-    """
-    mem_pool = getattr(torch.cuda, "MemPool", None)
-    if mem_pool is not None and isinstance(pool, mem_pool):
-        pool = pool.id
-    if isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(i, int) for i in pool):
-        return tuple(pool)
-    raise CaptureError(
-        f"breakgraph.capture: pool={pool!r} is not a graph memory pool; pass a handle from "
-        f"torch.cuda.graph_pool_handle() or other_graph.pool(), a torch.cuda.MemPool, or None "
-        f"for a new pool."
-    )
 
 
 def _takes_captures(pool: Any, stream: torch.cuda.Stream) -> bool:

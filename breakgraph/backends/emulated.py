@@ -49,7 +49,7 @@ import torch
 from ..errors import CaptureError
 from ..patches import patch_attribute
 from ..syncs import SegmentMode, sync_reason
-from .base import CaptureOptions, Observer, released_pool_error
+from .base import CaptureOptions, Observer, pool_handle, released_pool_error
 
 aten = torch.ops.aten
 
@@ -274,7 +274,12 @@ def _patched_is_capturing(original: Callable[[], bool]) -> Callable[[], bool]:
 class EmulatedSession:
     def __init__(self, options: CaptureOptions, observer: Observer | None = None):
         self.observer = observer
-        self.pool = options.pool if options.pool is not None else EmulatedPool()
+        pool = options.pool
+        if pool is None:
+            pool = EmulatedPool()
+        elif not isinstance(pool, EmulatedPool):  # a CUDA handle or MemPool, as CUDA takes it
+            pool = pool_handle(pool)
+        self.pool = pool
         self._counted = self.pool if isinstance(self.pool, EmulatedPool) else None
         self._begun = False  # a segment took a count of the pool that no segment holds yet
         self._seed = 0  # the default generator's seed when the segment began

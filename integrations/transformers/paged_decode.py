@@ -323,10 +323,10 @@ def default_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 #: every length measured). Timed launched on two H200 hosts (``benchmarks/decode_attention``,
 #: threshold rows; performance.md, *The split threshold on a finer grid*): at heads of 64 and
 #: 128 it started to pay between about 4096 and 7168 keys. At 256 the kernel alone paid from
-#: the shortest length timed, and session 36 split there from 2048 keys; served in continuous
-#: batching (gemma-2b, decode graphs off, sequences of 2048-3072 keys, an H100) that rule gave
-#: 0.83-0.91x the tokens/s of this one in every round (the breaks' host time grew by more than
-#: the device saved), so heads of 256 split from 4096 keys again.
+#: the shortest length timed, but a rule splitting there from 2048 keys, served in continuous
+#: batching (gemma-2b, decode graphs off, sequences of 2048-3072 keys, an H100), gave
+#: 0.83-0.91x the tokens/s of this one in every round: the breaks' host time grew by more than
+#: the device saved.
 BREAK_SPLIT_FROM_KEYS = 4096
 BREAK_SPLIT_AT_LEAST = 4
 
