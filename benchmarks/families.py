@@ -196,6 +196,20 @@ CB_FAMILIES: dict[str, Family] = {
             ),
             "Llama-3-8B cut to 4 layers: hidden 4096, GQA 32/8, vocab 128256",
         ),
+        Family(  # held out: the whole model the 4-layer cut stands for (16 GB in bf16)
+            "llama3-8b",
+            lambda: _tf().LlamaConfig(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=8192,
+                rope_theta=500000.0,
+            ),
+            "Llama-3-8B, all 32 layers: hidden 4096, GQA 32/8, vocab 128256",
+        ),
         Family(
             "mixtral-1k-8l",
             lambda: _tf().MixtralConfig(

@@ -129,8 +129,13 @@
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
 # RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
-# RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_RELEASES 1 per wheel (skip other sections
+# RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_RELEASES 1 per wheel (skip other sections
 # to make room).
+# RUN_HELD_OUT=1 (continuous batching on the whole Llama-3-8B, 32 layers, a shape no CB default
+# was tuned on: bench_cb's default workload with stock_sdpa, stock_graphs and breakgraph, then 32
+# prompts with both decoders and stock_graphs, the floors at this card's bandwidth (3.35 TB/s on
+# an H100), ~4.5 min; copy cb-llama3-8b.json and cb-llama3-8b-32.json to
+# docs/results/<card>-cb-llama3-8b*.json, see report_held_out.FILES),
 # RUN_SPLIT_THRESHOLD=1 (the break path's split threshold on a finer grid, picked and held-out
 # shapes: decode_attention --threshold-only, ~45 s; copy decode-attention-threshold.json to
 # docs/results/h200-decode-attention-threshold.json, see report_cb_decode.THRESHOLD_FILE),
@@ -288,6 +293,18 @@ if [ -n "${RUN_SPLIT_THRESHOLD:-}" ]; then  # the break path's split threshold, 
     --lengths 3072,3584,4096,4608,5120,5632,6144,7168,8192 \
     --out "$OUT/decode-attention-threshold.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[split threshold: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_HELD_OUT:-}" ]; then  # CB on the whole Llama-3-8B, held out (~4.5 min)
+  t=$SECONDS
+  tbs=4.8; case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35 ;; esac
+  timeout 150 python3 -m benchmarks.bench_cb --models llama3-8b --num-blocks 512 \
+    --variants breakgraph,stock_sdpa,stock_graphs --repeat breakgraph --rounds 3 --budget-s 0 \
+    --keep-going --hbm-tbs $tbs --out "$OUT/cb-llama3-8b.json" 2>&1 | tee -a "$LOG" || status=1
+  v=breakgraph,breakgraph_compiled
+  timeout 200 python3 -m benchmarks.bench_cb --models llama3-8b --num-blocks 512 --prompts 32 \
+    --variants $v,stock_graphs --repeat $v --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
+    --out "$OUT/cb-llama3-8b-32.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[held out: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_RELEASES:-}" ]; then  # the CUDA transformers tests on each release's wheel
   for wheel in "$RUN_RELEASES"/transformers-*.whl; do
