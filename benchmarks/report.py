@@ -176,6 +176,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
         + [report_held_out.CB_FILE, report_held_out.BREAK_SPLIT_FILE]
+        + [*report_held_out.WHOLE_FILES]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -251,6 +252,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         blocks.append(cb_report.tried_section(tried, load(cb_report.TRIED_FILES[1]), prep, serve))
     if (held_out := load(report_held_out.CB_FILE)) is not None:
         blocks.append("\n".join(report_held_out.held_out_cb_section(held_out)))
+    if (whole := load(report_held_out.WHOLE_FILES[0])) is not None:
+        few = load(report_held_out.WHOLE_FILES[1])
+        blocks.append(report_held_out.whole_model_section(whole, few))
     split = [data for name in report_cb_host.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
         blocks.append(report_cb_host.host_split_section(split))

@@ -1,5 +1,7 @@
-"""Continuous batching on a shape the CB bench never picked: gemma-2b (18 layers, heads of
-256, one key head), against stock, and the break split rule of session 36 served on it.
+"""Continuous batching on shapes the CB bench never picked: gemma-2b (18 layers, heads of
+256, one key head), against stock, and the break split rule of session 36 served on it; the
+whole Llama-3-8B (32 layers) that the bench's ``llama3-8b-4l`` cuts to four, against stock and
+against its pure-decode floor (:func:`whole_model_section`).
 
 The break path's split rule was set on one kernel timed alone (``decode_attention
 --threshold-only``); session 36 split heads wider than 128 from fewer keys (2048 at 256), a
@@ -25,6 +27,9 @@ CB_FILE = "h100-cb-gemma-2b.json"
 #: variant that reruns session 36's rule is now ``breakgraph_breaks_keys2048``)
 BREAK_SPLIT_FILE = "h100-cb-break-split-gemma-2b.json"
 SESSION_36, BEFORE = "breakgraph_breaks", "breakgraph_breaks_keys4096"
+#: ``gpu_check.sh RUN_HELD_OUT``: ``bench_cb --models llama3-8b`` on the default workload
+#: (stock and breakgraph), then with 32 prompts (both decoders and stock's forced graphs)
+WHOLE_FILES = ("h100-cb-llama3-8b.json", "h100-cb-llama3-8b-32.json")
 
 
 def held_out_cb_section(data: dict) -> list[str]:
@@ -88,3 +93,51 @@ def _device(entry: dict) -> str:
     """A pure-decode forward's device span, ms ("-" where the run has none: the CPU)."""
     value = entry.get("decode_forward_device_ms")
     return "-" if value is None else num(value, 2)
+
+
+def whole_model_section(served: dict, few: dict | None) -> str:
+    """The whole Llama-3-8B on the default workload (``served``) and at 32 requests (``few``,
+    optional): one row per variant and run (tokens/s and its rounds, the pure-decode step
+    against its floor, the step's forward on the host and on the device), then issue 23's
+    targets as the CB tables state them (:func:`benchmarks.cb_report.target_lines`)."""
+    from .cb_report import target_lines
+
+    runs = [(served, WHOLE_FILES[0])] + ([(few, WHOLE_FILES[1])] if few is not None else [])
+    rows, targets, best = [], [], {}
+    for data, _ in runs:
+        m, prompts = data["models"][0], data["meta"]["args"]["prompts"]
+        for name, v in m["variants"].items():
+            if "tokens_per_s" not in v:
+                why = v.get("skipped") or v.get("failed", "did not serve")
+                rows.append([prompts, f"`{name}`", f"not measured: {why}"] + [""] * 6)
+                continue
+            rounds = v.get("rounds_tokens_per_s", [v["tokens_per_s"]])
+            rows.append([
+                prompts, f"`{name}`", f"{num(v['tokens_per_s'], 0)} ({span(rounds, 0)})",
+                v.get("decode_requests", "-"), _ms(v, "decode_step_ms"),
+                _ms(v, "decode_over_floor", 1, "×"), _ms(v, "decode_floor_ms", 3),
+                _ms(v, "decode_forward_host_ms"), _ms(v, "decode_forward_device_ms"),
+            ])  # fmt: skip
+            if name.startswith("breakgraph") and "decode_over_floor" in v:
+                key = (prompts, v["decode_over_floor"])
+                best[prompts] = min(best.get(prompts, key), key, key=lambda k: k[1])
+        targets += [f"- {prompts} prompts, {line[2:]}" for line in target_lines(m)]
+    meta, m = served["meta"], served["models"][0]
+    closest = min(best.values(), key=lambda k: k[1]) if best else None
+    return fill(
+        "cb.whole_model", model=m["model"], shape=m["shape"], params=f"{m['params_m']:.0f}",
+        files=", ".join(f"`{name}`" for _, name in runs), device=meta["device"],
+        torch=meta["torch"], transformers=meta["transformers"], date=meta["date"],
+        hbm=f"{meta['hbm_bytes_per_s'] / 1e12:g}",
+        table=table(["prompts", "variant", "tokens/s (rounds)", "decode requests",
+                     "decode ms", "× floor", "floor ms", "decode fwd host ms",
+                     "decode fwd device ms"], rows),  # fmt: skip
+        targets="\n".join(targets),
+        closest="-" if closest is None else f"{num(closest[1], 2)}× (at {closest[0]} prompts)",
+    )
+
+
+def _ms(entry: dict, key: str, digits: int = 2, unit: str = "") -> str:
+    """``entry[key]`` printed, or "-" where the run has none (stock has no decode forward)."""
+    value = entry.get(key)
+    return "-" if value is None else num(value, digits) + unit

@@ -68,3 +68,39 @@ def test_the_held_out_shape_prints_its_block_as_the_cb_tables_do():
     assert "gemma-2b (18 layers, heads of 256) was never served" in text
     assert "### gemma-2b (2506 M parameters, 52398 prompt tokens)" in text
     assert "skipped: time budget" in text and "this card's 3.35 TB/s" in text
+
+
+def _whole(prompts, variants):
+    meta = {"device": "GPU X", "torch": "2.x", "transformers": "5.17.0", "date": "today",
+            "hbm_bytes_per_s": 3.35e12, "args": {"prompts": prompts}}  # fmt: skip
+    entry = {"model": "llama3-8b", "shape": "32 layers", "params_m": 8030.2,
+             "ratios": {}, "ratio_spread": {}, "variants": variants}  # fmt: skip
+    return {"meta": meta, "models": [entry]}
+
+
+def _decoder(tokens_per_s, rounds, step, over, host=0.3, device=4.0):
+    return {"tokens_per_s": tokens_per_s, "rounds_tokens_per_s": rounds, "decode_requests": 32,
+            "decode_step_ms": step, "decode_over_floor": over, "decode_floor_ms": step / over,
+            "decode_forward_host_ms": host, "decode_forward_device_ms": device,
+            "decode_context": 500.0, "graphs": 8, "capture_s": 1.0, "breaks_per_graph": 32,
+            "eager_steps": 0}  # fmt: skip
+
+
+def test_the_whole_model_prints_both_runs_and_the_closest_decoder_to_its_floor():
+    """Each run's variants are rows (a variant that did not serve says why); the floor column
+    and the closest breakgraph decoder come from the JSON, and a changed number changes them."""
+    served = _whole(100, {"stock_sdpa": {"failed": "out of memory"},
+                          "breakgraph": _decoder(900.0, [880.0, 900.0, 910.0], 9.0, 2.4)})
+    few = _whole(32, {"breakgraph": _decoder(500.0, [500.0], 7.0, 2.1),
+                      "breakgraph_compiled": _decoder(600.0, [590.0, 610.0], 6.0, 1.8)})
+    text = R.whole_model_section(served, few)
+    assert "### The whole Llama-3-8B, held out" in text
+    assert "llama3-8b (32 layers,\n8030 M parameters)" in text
+    assert "| 100 | `stock_sdpa` | not measured: out of memory |" in text
+    assert "| 100 | `breakgraph` | 900 (880–910) | 32 | 9.00 | 2.4× | 3.750 | 0.30 | 4.00 |" in text
+    assert "| 32 | `breakgraph_compiled` | 600 (590–610) | 32 | 6.00 | 1.8× |" in text
+    assert "- 32 prompts, `breakgraph_compiled` pure decode at 32 requests" in text
+    assert "came to its floor: 1.80× (at 32 prompts)." in text
+    assert "`h100-cb-llama3-8b.json`, `h100-cb-llama3-8b-32.json`" in text
+    alone = R.whole_model_section(served, None)
+    assert "\n| 32 |" not in alone and "came to its floor: 2.40× (at 100 prompts)." in alone
