@@ -176,7 +176,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, _ in cb_report.AGAIN_FILES] + [*cb_report.TRIED_FILES]
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
         + [report_held_out.CB_FILE, report_held_out.BREAK_SPLIT_FILE]
-        + [*report_held_out.WHOLE_FILES]
+        + [*report_held_out.WHOLE_FILES, report_held_out.FLOOR_CARD_FILES[0]]
+        + [report_prefill.OTHER_CARD_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -225,6 +226,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         loaded.get(report_prefill.TRIED_FILE), loaded.get(report_prefill.FILE),
         loaded.get(report_prefill.NEWEST_FILE),
     )
+    blocks += report_prefill.other_card_section(
+        loaded.get(report_prefill.OTHER_CARD_FILE), loaded.get(report_prefill.FILE)
+    )
     if report_breaks.OVERHEAD_FILE in loaded:
         blocks += report_breaks.overhead_section(
             loaded[report_breaks.OVERHEAD_FILE], loaded.get(report_breaks.BEFORE_DEBUG_FILE)
@@ -255,6 +259,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if (whole := load(report_held_out.WHOLE_FILES[0])) is not None:
         few = load(report_held_out.WHOLE_FILES[1])
         blocks.append(report_held_out.whole_model_section(whole, few))
+    if (card := load(report_held_out.FLOOR_CARD_FILES[0])) is not None:
+        other = load(report_held_out.FLOOR_CARD_FILES[1])
+        blocks.append(report_held_out.floor_on_card_section(card, other))
     split = [data for name in report_cb_host.HOST_SPLIT_FILES if (data := load(name)) is not None]
     if split:
         blocks.append(report_cb_host.host_split_section(split))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 
+from . import targets as T
 from .cb_report import _model_block
 from .template import fill, num, span, table
 
@@ -115,7 +116,7 @@ def whole_model_section(served: dict, few: dict | None) -> str:
             rows.append([
                 prompts, f"`{name}`", f"{num(v['tokens_per_s'], 0)} ({span(rounds, 0)})",
                 v.get("decode_requests", "-"), _ms(v, "decode_step_ms"),
-                _ms(v, "decode_over_floor", 1, "×"), _ms(v, "decode_floor_ms", 3),
+                _ms(v, "decode_over_floor", 2, "×"), _ms(v, "decode_floor_ms", 3),
                 _ms(v, "decode_forward_host_ms"), _ms(v, "decode_forward_device_ms"),
             ])  # fmt: skip
             if name.startswith("breakgraph") and "decode_over_floor" in v:
@@ -124,6 +125,7 @@ def whole_model_section(served: dict, few: dict | None) -> str:
         targets += [f"- {prompts} prompts, {line[2:]}" for line in target_lines(m)]
     meta, m = served["meta"], served["models"][0]
     closest = min(best.values(), key=lambda k: k[1]) if best else None
+    bg = m["variants"].get("breakgraph", {})
     return fill(
         "cb.whole_model", model=m["model"], shape=m["shape"], params=f"{m['params_m']:.0f}",
         files=", ".join(f"`{name}`" for _, name in runs), device=meta["device"],
@@ -134,6 +136,8 @@ def whole_model_section(served: dict, few: dict | None) -> str:
                      "decode fwd device ms"], rows),  # fmt: skip
         targets="\n".join(targets),
         closest="-" if closest is None else f"{num(closest[1], 2)}× (at {closest[0]} prompts)",
+        host=_ms(bg, "decode_forward_host_ms"), device_span=_ms(bg, "decode_forward_device_ms"),
+        busy=f"{100 * bg['gpu_forward_fraction']:.1f}%" if "gpu_forward_fraction" in bg else "-",
     )
 
 
@@ -141,3 +145,43 @@ def _ms(entry: dict, key: str, digits: int = 2, unit: str = "") -> str:
     """``entry[key]`` printed, or "-" where the run has none (stock has no decode forward)."""
     value = entry.get(key)
     return "-" if value is None else num(value, digits) + unit
+
+
+#: ``bench_cb --prompts 32`` on the CB shapes and gemma-2b, both decoders, on an H100, beside
+#: the same workload's H200 run of the CB shapes (``report_decode_step.FLOOR_FILES``' 5.17 run)
+FLOOR_CARD_FILES = ("h100-cb-floor-32-5.17.json", "h200-cb-floor-32-again-5.17.json")
+
+
+def floor_on_card_section(data: dict, other: dict | None) -> str:
+    """Pure-decode steps at 32 requests against their floor on ``data``'s card, per shape and
+    decoder, beside ``other``'s ratio on its card (``-`` for a shape it did not serve), and how
+    many of the steps are within twice their floor."""
+    limit = T.TARGET_CB_DECODE_OVER_FLOOR
+    theirs = {(m["model"], name): v.get("decode_over_floor")
+              for m in (other or {}).get("models", []) for name, v in m["variants"].items()}
+    rows, within, measured = [], [], 0
+    for m in data["models"]:
+        for name, v in m["variants"].items():
+            if "decode_over_floor" not in v:
+                continue
+            measured += 1
+            if v["decode_over_floor"] <= limit:
+                within.append(f"{m['model']} `{name}` ({num(v['decode_over_floor'], 2)}×)")
+            there = theirs.get((m["model"], name))
+            rows.append([
+                m["model"], f"`{name}`", v["decode_requests"], _ms(v, "decode_step_ms"),
+                _ms(v, "decode_floor_ms", 3), _ms(v, "decode_over_floor", 2, "×"),
+                _ms(v, "decode_forward_device_ms"),
+                "-" if there is None else num(there, 2) + "×",
+            ])  # fmt: skip
+    meta, ometa = data["meta"], (other or {}).get("meta", {})
+    return fill(
+        "cb.floor_on_card", file=FLOOR_CARD_FILES[0], device=meta["device"],
+        torch=meta["torch"], transformers=meta["transformers"], date=meta["date"],
+        hbm=f"{meta['hbm_bytes_per_s'] / 1e12:g}", other_file=FLOOR_CARD_FILES[1],
+        other_device=ometa.get("device", "-"), other_date=ometa.get("date", "-"),
+        table=table(["model", "decoder", "requests", "decode ms", "floor ms", "× floor",
+                     "decode fwd device ms", f"× floor, {ometa.get('device', '-')}"], rows),
+        limit=f"{limit:g}", met=len(within), measured=measured,
+        within="; ".join(within) or "none",
+    )  # fmt: skip

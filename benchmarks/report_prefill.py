@@ -38,6 +38,7 @@ PACKED_ONLY_FILE = "h200-prefill-baselines-packed-only.json"  # before single-pr
 COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile variants only
 TRIED_FILE = "h200-prefill-baselines-5.25.json"  # a release outside the declared range, tried
 NEWEST_FILE = "h200-prefill-baselines-5.24.json"  # the same benchmark on the newest transformers
+OTHER_CARD_FILE = "h100-prefill-baselines.json"  # the same benchmark on an H100, four families
 #: that run's illegal memory access again: its last five families, a device-wide sync per read
 REPRODUCED_FILE = "h200-prefill-baselines-5.24-b.json"
 TORCH_ISSUE = "pytorch/pytorch#193402"  # graphs on one stream share its cuBLAS workspace
@@ -524,6 +525,41 @@ def tried_release_section(data: dict | None, *older: dict | None) -> list[str]:
             families=", ".join(f["family"] for f in data["families"]),
             table=table(["family", "tokens", *(f"transformers {r['meta']['transformers']}"
                                                for r in runs)], rows),  # fmt: skip
+            worst=num(max(own), 3),
+            target=f"{T.TARGET_BG_VS_EXACT_GRAPH:g}",
+            met=sum(c.met is True for c in check_list),
+            missed=len(missed),
+            misses="; ".join(f"{c.family}, {target_label(c.target)}: {num(c.value, 3)} "
+                             f"({limit_text(c.target)})" for c in missed) or "none",
+        )
+    ]
+
+
+def other_card_section(data: dict | None, main: dict | None) -> list[str]:
+    """The benchmark on another card (:data:`OTHER_CARD_FILE`), on the families it ran, beside
+    the main run's (``main``) on its card: breakgraph / exact-length graph per prompt size,
+    this card's targets, and the capture time per extra bucket it missed."""
+    if data is None:
+        return []
+    meta, check_list = data["meta"], checks(data)
+    runs = [data] + ([main] if main is not None else [])
+    rows, own = [], []
+    for fam in data["families"]:
+        for n in data["settings"]["sizes"]:
+            cells = [_bg_over_exact(run, fam["family"], n) for run in runs]
+            rows.append([fam["family"], str(n), *("-" if c is None else num(c, 3) for c in cells)])
+            own += [cells[0]] if cells[0] is not None else []
+    missed = [c for c in check_list if c.met is False]
+    return [
+        fill(
+            "prefill.other_card",
+            file=OTHER_CARD_FILE,
+            **_run_fields(meta),
+            main_file=FILE,
+            main_gpu=(main or {}).get("meta", {}).get("gpu") or "-",
+            families=", ".join(f["family"] for f in data["families"]),
+            table=table(["family", "tokens", *(r["meta"].get("gpu") or "-" for r in runs)],
+                        rows),  # fmt: skip
             worst=num(max(own), 3),
             target=f"{T.TARGET_BG_VS_EXACT_GRAPH:g}",
             met=sum(c.met is True for c in check_list),

@@ -982,6 +982,24 @@ def test_prefill_on_a_tried_release_stands_beside_the_declared_ones():
     assert report_prefill.tried_release_section(None, *older) == []
 
 
+def test_other_card_prefill_section_reads_both_cards_from_the_json():
+    """The H100 run beside the main run, family by family; its worst ratio and missed targets
+    come from the file, a changed time changes them; absent without the file."""
+    card, main = committed(report_prefill.OTHER_CARD_FILE), committed(report_prefill.FILE)
+    text = "\n".join(report_prefill.other_card_section(card, main))
+    assert "## Prefill on another card" in text
+    assert "| family | tokens | NVIDIA H100 80GB HBM3 | NVIDIA H200 |" in text
+    assert "| mistral-sw256-4l | 1000 | 0.943 | 0.972 |" in text
+    assert "at most 0.985 (target ≤ 1.03)" in text.replace("\n", " ")
+    row = next(r for f in card["families"] if f["family"] == "gemma-2b" for r in f["rows"]
+               if r["workload"] == "single 32")  # fmt: skip
+    row["ms"]["breakgraph"] = row["ms"]["hf_graph"] * 1.2
+    text = "\n".join(report_prefill.other_card_section(card, main))
+    assert "| gemma-2b | 32 | 1.200 | 0.980 |" in text and "at most 1.200" in text
+    assert "gemma-2b, breakgraph" in text.replace("\n", " ")
+    assert report_prefill.other_card_section(None, main) == []
+
+
 def _sweep_row(seqs: int, hkv: int, d: int, times: dict, held_out: bool = False) -> dict:
     graph = {key: {"median": us, "min": us, "max": us} for key, us in times.items()}
     return {"hq": 4 * hkv, "hkv": hkv, "d": d, "seqs": seqs, "bucket": seqs, "keys": 1000,

@@ -97,10 +97,27 @@ def test_the_whole_model_prints_both_runs_and_the_closest_decoder_to_its_floor()
     assert "### The whole Llama-3-8B, held out" in text
     assert "llama3-8b (32 layers,\n8030 M parameters)" in text
     assert "| 100 | `stock_sdpa` | not measured: out of memory |" in text
-    assert "| 100 | `breakgraph` | 900 (880–910) | 32 | 9.00 | 2.4× | 3.750 | 0.30 | 4.00 |" in text
-    assert "| 32 | `breakgraph_compiled` | 600 (590–610) | 32 | 6.00 | 1.8× |" in text
+    assert "| 100 | `breakgraph` | 900 (880–910) | 32 | 9.00 | 2.40× | 3.750 | 0.30 | 4.00 |" \
+        in text  # fmt: skip
+    assert "| 32 | `breakgraph_compiled` | 600 (590–610) | 32 | 6.00 | 1.80× |" in text
     assert "- 32 prompts, `breakgraph_compiled` pure decode at 32 requests" in text
     assert "came to its floor: 1.80× (at 32 prompts)." in text
     assert "`h100-cb-llama3-8b.json`, `h100-cb-llama3-8b-32.json`" in text
     alone = R.whole_model_section(served, None)
     assert "\n| 32 |" not in alone and "came to its floor: 2.40× (at 100 prompts)." in alone
+
+
+def test_the_floor_on_another_card_counts_the_steps_within_twice_their_floor():
+    """Each decoder's step on this card beside its ratio on the other (``-`` where the other
+    did not serve the shape); the count within twice the floor follows the JSON."""
+    here = _whole(32, {"breakgraph": _decoder(500.0, [500.0], 7.0, 2.1),
+                       "breakgraph_compiled": _decoder(600.0, [600.0], 6.0, 1.8)})
+    there = _whole(32, {"breakgraph": _decoder(500.0, [500.0], 7.0, 3.3)})
+    there["meta"]["device"] = "GPU Y"
+    text = R.floor_on_card_section(copy.deepcopy(here), there)
+    assert "| llama3-8b | `breakgraph` | 32 | 7.00 | 3.333 | 2.10× | 4.00 | 3.30× |" in text
+    assert "| llama3-8b | `breakgraph_compiled` | 32 | 6.00 | 3.333 | 1.80× | 4.00 | - |" in text
+    assert "× floor, GPU Y |" in text
+    assert "this card: 1 of 2 (llama3-8b `breakgraph_compiled` (1.80×))." in text
+    here["models"][0]["variants"]["breakgraph"]["decode_over_floor"] = 1.9
+    assert "this card: 2 of 2" in R.floor_on_card_section(here, None)
