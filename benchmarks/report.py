@@ -256,9 +256,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         blocks.append(cb_report.tried_section(tried, load(cb_report.TRIED_FILES[1]), prep, serve))
     if (held_out := load(report_held_out.CB_FILE)) is not None:
         blocks.append("\n".join(report_held_out.held_out_cb_section(held_out)))
-    if (whole := load(report_held_out.WHOLE_FILES[0])) is not None:
-        few = load(report_held_out.WHOLE_FILES[1])
-        blocks.append(report_held_out.whole_model_section(whole, few))
+    whole = [(n, d) for n in report_held_out.WHOLE_FILES if (d := load(n)) is not None]
+    if whole and whole[0][0] == report_held_out.WHOLE_FILES[0]:
+        blocks.append(report_held_out.whole_model_section(whole))
     if (card := load(report_held_out.FLOOR_CARD_FILES[0])) is not None:
         other = load(report_held_out.FLOOR_CARD_FILES[1])
         blocks.append(report_held_out.floor_on_card_section(card, other))

@@ -29,8 +29,10 @@ CB_FILE = "h100-cb-gemma-2b.json"
 BREAK_SPLIT_FILE = "h100-cb-break-split-gemma-2b.json"
 SESSION_36, BEFORE = "breakgraph_breaks", "breakgraph_breaks_keys4096"
 #: ``gpu_check.sh RUN_HELD_OUT``: ``bench_cb --models llama3-8b`` on the default workload
-#: (stock and breakgraph), then with 32 prompts (both decoders and stock's forced graphs)
-WHOLE_FILES = ("h100-cb-llama3-8b.json", "h100-cb-llama3-8b-32.json")
+#: (stock and breakgraph), then with 32 prompts (both decoders and stock's forced graphs), on
+#: transformers 5.17.0; then breakgraph's variants alone on 5.24.0 (``.device`` call C)
+WHOLE_FILES = ("h100-cb-llama3-8b.json", "h100-cb-llama3-8b-32.json",
+               "h100-cb-llama3-8b-5.24.json", "h100-cb-llama3-8b-32-5.24.json")  # fmt: skip
 
 
 def held_out_cb_section(data: dict) -> list[str]:
@@ -96,46 +98,48 @@ def _device(entry: dict) -> str:
     return "-" if value is None else num(value, 2)
 
 
-def whole_model_section(served: dict, few: dict | None) -> str:
-    """The whole Llama-3-8B on the default workload (``served``) and at 32 requests (``few``,
-    optional): one row per variant and run (tokens/s and its rounds, the pure-decode step
+def whole_model_section(runs: list[tuple[str, dict]]) -> str:
+    """The whole Llama-3-8B, ``runs`` of ``(file, data)`` (the first: the default workload
+    with stock): one row per run and variant (tokens/s and its rounds, the pure-decode step
     against its floor, the step's forward on the host and on the device), then issue 23's
     targets as the CB tables state them (:func:`benchmarks.cb_report.target_lines`)."""
     from .cb_report import target_lines
 
-    runs = [(served, WHOLE_FILES[0])] + ([(few, WHOLE_FILES[1])] if few is not None else [])
     rows, targets, best = [], [], {}
-    for data, _ in runs:
+    for _, data in runs:
         m, prompts = data["models"][0], data["meta"]["args"]["prompts"]
+        release = data["meta"]["transformers"]
         for name, v in m["variants"].items():
             if "tokens_per_s" not in v:
                 why = v.get("skipped") or v.get("failed", "did not serve")
-                rows.append([prompts, f"`{name}`", f"not measured: {why}"] + [""] * 6)
+                rows.append([release, prompts, f"`{name}`", f"not measured: {why}"] + [""] * 6)
                 continue
             rounds = v.get("rounds_tokens_per_s", [v["tokens_per_s"]])
             rows.append([
-                prompts, f"`{name}`", f"{num(v['tokens_per_s'], 0)} ({span(rounds, 0)})",
+                release, prompts, f"`{name}`",
+                f"{num(v['tokens_per_s'], 0)} ({span(rounds, 0)})",
                 v.get("decode_requests", "-"), _ms(v, "decode_step_ms"),
                 _ms(v, "decode_over_floor", 2, "×"), _ms(v, "decode_floor_ms", 3),
                 _ms(v, "decode_forward_host_ms"), _ms(v, "decode_forward_device_ms"),
             ])  # fmt: skip
             if name.startswith("breakgraph") and "decode_over_floor" in v:
-                key = (prompts, v["decode_over_floor"])
-                best[prompts] = min(best.get(prompts, key), key, key=lambda k: k[1])
-        targets += [f"- {prompts} prompts, {line[2:]}" for line in target_lines(m)]
-    meta, m = served["meta"], served["models"][0]
+                key = (f"{prompts} prompts, transformers {release}", v["decode_over_floor"])
+                best[key[0]] = min(best.get(key[0], key), key, key=lambda k: k[1])
+        targets += [f"- {release}, {prompts} prompts, {line[2:]}" for line in target_lines(m)]
+    meta, m = runs[0][1]["meta"], runs[0][1]["models"][0]
     closest = min(best.values(), key=lambda k: k[1]) if best else None
     bg = m["variants"].get("breakgraph", {})
     return fill(
         "cb.whole_model", model=m["model"], shape=m["shape"], params=f"{m['params_m']:.0f}",
-        files=", ".join(f"`{name}`" for _, name in runs), device=meta["device"],
-        torch=meta["torch"], transformers=meta["transformers"], date=meta["date"],
+        files=", ".join(f"`{name}`" for name, _ in runs), device=meta["device"],
+        torch=meta["torch"], releases=" and ".join(dict.fromkeys(
+            d["meta"]["transformers"] for _, d in runs)), date=meta["date"],
         hbm=f"{meta['hbm_bytes_per_s'] / 1e12:g}",
-        table=table(["prompts", "variant", "tokens/s (rounds)", "decode requests",
+        table=table(["transformers", "prompts", "variant", "tokens/s (rounds)", "decode requests",
                      "decode ms", "× floor", "floor ms", "decode fwd host ms",
                      "decode fwd device ms"], rows),  # fmt: skip
         targets="\n".join(targets),
-        closest="-" if closest is None else f"{num(closest[1], 2)}× (at {closest[0]} prompts)",
+        closest="-" if closest is None else f"{num(closest[1], 2)}× (at {closest[0]})",
         host=_ms(bg, "decode_forward_host_ms"), device_span=_ms(bg, "decode_forward_device_ms"),
         busy=f"{100 * bg['gpu_forward_fraction']:.1f}%" if "gpu_forward_fraction" in bg else "-",
     )

@@ -93,18 +93,25 @@ def test_the_whole_model_prints_both_runs_and_the_closest_decoder_to_its_floor()
                           "breakgraph": _decoder(900.0, [880.0, 900.0, 910.0], 9.0, 2.4)})
     few = _whole(32, {"breakgraph": _decoder(500.0, [500.0], 7.0, 2.1),
                       "breakgraph_compiled": _decoder(600.0, [590.0, 610.0], 6.0, 1.8)})
-    text = R.whole_model_section(served, few)
+    text = R.whole_model_section([("a.json", served), ("b.json", few)])
     assert "### The whole Llama-3-8B, held out" in text
     assert "llama3-8b (32 layers,\n8030 M parameters)" in text
-    assert "| 100 | `stock_sdpa` | not measured: out of memory |" in text
-    assert "| 100 | `breakgraph` | 900 (880–910) | 32 | 9.00 | 2.40× | 3.750 | 0.30 | 4.00 |" \
-        in text  # fmt: skip
-    assert "| 32 | `breakgraph_compiled` | 600 (590–610) | 32 | 6.00 | 1.80× |" in text
-    assert "- 32 prompts, `breakgraph_compiled` pure decode at 32 requests" in text
-    assert "came to its floor: 1.80× (at 32 prompts)." in text
-    assert "`h100-cb-llama3-8b.json`, `h100-cb-llama3-8b-32.json`" in text
-    alone = R.whole_model_section(served, None)
-    assert "\n| 32 |" not in alone and "came to its floor: 2.40× (at 100 prompts)." in alone
+    assert "| 5.17.0 | 100 | `stock_sdpa` | not measured: out of memory |" in text
+    assert "| 5.17.0 | 100 | `breakgraph` | 900 (880–910) | 32 | 9.00 | 2.40× | 3.750 | 0.30 " \
+        "| 4.00 |" in text  # fmt: skip
+    assert "| 5.17.0 | 32 | `breakgraph_compiled` | 600 (590–610) | 32 | 6.00 | 1.80× |" in text
+    assert "- 5.17.0, 32 prompts, `breakgraph_compiled` pure decode at 32 requests" in text
+    assert "came to its floor: 1.80× (at 32 prompts, transformers 5.17.0)." in text
+    assert "(`a.json`, `b.json`:" in text and "transformers 5.17.0, today" in text
+    newer = copy.deepcopy(few)
+    newer["meta"]["transformers"] = "5.24.0"
+    newer["models"][0]["variants"]["breakgraph"]["decode_over_floor"] = 1.5
+    both = R.whole_model_section([("a.json", served), ("b.json", few), ("c.json", newer)])
+    assert "transformers 5.17.0 and 5.24.0" in both and "| 5.24.0 | 32 | `breakgraph` |" in both
+    assert "came to its floor: 1.50× (at 32 prompts, transformers 5.24.0)." in both
+    alone = R.whole_model_section([("a.json", served)])
+    assert "\n| 5.17.0 | 32 |" not in alone
+    assert "came to its floor: 2.40× (at 100 prompts, transformers 5.17.0)." in alone
 
 
 def test_the_floor_on_another_card_counts_the_steps_within_twice_their_floor():
