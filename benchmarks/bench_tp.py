@@ -46,18 +46,9 @@ if __package__ in (None, ""):  # torchrun benchmarks/bench_tp.py: make `benchmar
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
-from benchmarks.families import TINY  # noqa: E402
+from benchmarks.families import LLAMA3_8B, TINY  # noqa: E402
 
-LLAMA_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=4096,
-    rope_theta=500000.0,
-)
+LLAMA_8B = dict(LLAMA3_8B, max_position_embeddings=4096)
 FULL = {"config": LLAMA_8B, "lengths": (32, 128, 512, 2048), "batch": (8, 200), "rounds": 5}
 SMOKE = {"config": TINY, "lengths": (8, 16, 32, 64), "batch": (1, 5), "rounds": 1}
 TP_VARIANTS = ("tp_eager", "tp_full_graph", "tp_breakgraph", "tp_bg_eager_ar")

@@ -502,37 +502,41 @@ def _bg_over_exact(run: dict | None, family: str, n: int) -> float | None:
     return None if row is None else ratio(row, "breakgraph", "hf_graph")
 
 
+def _beside(data: dict, runs: list, label) -> dict:
+    """The placeholders that set ``data``'s families beside ``runs`` (``data`` first): a table
+    of breakgraph / exact-length graph per family and prompt size, one column per run headed
+    ``label(run)`` (``-`` where a run lacks the family), ``data``'s worst ratio against its
+    target, and its targets met and missed (the misses as text, "none" when all were met)."""
+    rows, own = [], []
+    for fam in data["families"]:
+        for n in data["settings"]["sizes"]:
+            cells = [_bg_over_exact(run, fam["family"], n) for run in runs]
+            rows.append([fam["family"], str(n), *("-" if c is None else num(c, 3) for c in cells)])
+            own += [cells[0]] if cells[0] is not None else []
+    check_list = checks(data)
+    missed = [c for c in check_list if c.met is False]
+    return {
+        **_run_fields(data["meta"]),
+        "families": ", ".join(f["family"] for f in data["families"]),
+        "table": table(["family", "tokens", *map(label, runs)], rows),
+        "worst": num(max(own), 3),
+        "target": f"{T.TARGET_BG_VS_EXACT_GRAPH:g}",
+        "met": sum(c.met is True for c in check_list),
+        "missed": len(missed),
+        "misses": "; ".join(f"{c.family}, {target_label(c.target)}: {num(c.value, 3)} "
+                            f"({limit_text(c.target)})" for c in missed) or "none",
+    }  # fmt: skip
+
+
 def tried_release_section(data: dict | None, *older: dict | None) -> list[str]:
     """The benchmark on a release outside the declared range (:data:`TRIED_FILE`), on the
     families it ran, beside the same families on the releases of ``older`` (the main run and
     the newest supported): breakgraph / exact-length graph per prompt size, and its targets."""
     if data is None:
         return []
-    meta, check_list = data["meta"], checks(data)
     runs = [data, *(run for run in older if run is not None)]
-    rows, own = [], []  # own: this release's ratios
-    for fam in data["families"]:
-        for n in data["settings"]["sizes"]:
-            cells = [_bg_over_exact(run, fam["family"], n) for run in runs]
-            rows.append([fam["family"], str(n), *("-" if c is None else num(c, 3) for c in cells)])
-            own += [cells[0]] if cells[0] is not None else []
-    missed = [c for c in check_list if c.met is False]
-    return [
-        fill(
-            "prefill.tried",
-            file=TRIED_FILE,
-            **_run_fields(meta),
-            families=", ".join(f["family"] for f in data["families"]),
-            table=table(["family", "tokens", *(f"transformers {r['meta']['transformers']}"
-                                               for r in runs)], rows),  # fmt: skip
-            worst=num(max(own), 3),
-            target=f"{T.TARGET_BG_VS_EXACT_GRAPH:g}",
-            met=sum(c.met is True for c in check_list),
-            missed=len(missed),
-            misses="; ".join(f"{c.family}, {target_label(c.target)}: {num(c.value, 3)} "
-                             f"({limit_text(c.target)})" for c in missed) or "none",
-        )
-    ]
+    return [fill("prefill.tried", file=TRIED_FILE,
+                 **_beside(data, runs, lambda r: f"transformers {r['meta']['transformers']}"))]
 
 
 def other_card_section(data: dict | None, main: dict | None) -> list[str]:
@@ -541,33 +545,10 @@ def other_card_section(data: dict | None, main: dict | None) -> list[str]:
     this card's targets, and the capture time per extra bucket it missed."""
     if data is None:
         return []
-    meta, check_list = data["meta"], checks(data)
     runs = [data] + ([main] if main is not None else [])
-    rows, own = [], []
-    for fam in data["families"]:
-        for n in data["settings"]["sizes"]:
-            cells = [_bg_over_exact(run, fam["family"], n) for run in runs]
-            rows.append([fam["family"], str(n), *("-" if c is None else num(c, 3) for c in cells)])
-            own += [cells[0]] if cells[0] is not None else []
-    missed = [c for c in check_list if c.met is False]
-    return [
-        fill(
-            "prefill.other_card",
-            file=OTHER_CARD_FILE,
-            **_run_fields(meta),
-            main_file=FILE,
-            main_gpu=(main or {}).get("meta", {}).get("gpu") or "-",
-            families=", ".join(f["family"] for f in data["families"]),
-            table=table(["family", "tokens", *(r["meta"].get("gpu") or "-" for r in runs)],
-                        rows),  # fmt: skip
-            worst=num(max(own), 3),
-            target=f"{T.TARGET_BG_VS_EXACT_GRAPH:g}",
-            met=sum(c.met is True for c in check_list),
-            missed=len(missed),
-            misses="; ".join(f"{c.family}, {target_label(c.target)}: {num(c.value, 3)} "
-                             f"({limit_text(c.target)})" for c in missed) or "none",
-        )
-    ]
+    return [fill("prefill.other_card", file=OTHER_CARD_FILE, main_file=FILE,
+                 main_gpu=(main or {}).get("meta", {}).get("gpu") or "-",
+                 **_beside(data, runs, lambda r: r["meta"].get("gpu") or "-"))]
 
 
 def after_fixes(data: dict | None) -> str:
