@@ -135,7 +135,8 @@
 # was tuned on: bench_cb's default workload with stock_sdpa, stock_graphs and breakgraph, then 32
 # prompts with both decoders and stock_graphs, the floors at this card's bandwidth (3.35 TB/s on
 # an H100), ~4.5 min; copy cb-llama3-8b.json and cb-llama3-8b-32.json to
-# docs/results/<card>-cb-llama3-8b*.json, see report_held_out.FILES),
+# docs/results/<card>-cb-llama3-8b*.json, with .whl holding the 5.24 wheel to
+# <card>-cb-llama3-8b-5.24.json and -32-5.24.json, see report_held_out.WHOLE_FILES),
 # RUN_SPLIT_THRESHOLD=1 (the break path's split threshold on a finer grid, picked and held-out
 # shapes: decode_attention --threshold-only, ~45 s; copy decode-attention-threshold.json to
 # docs/results/h200-decode-attention-threshold.json, see report_cb_decode.THRESHOLD_FILE),
