@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 
 from . import targets as T
-from .cb_report import _model_block
+from .cb_report import _cell, _model_block
 from .template import fill, num, span, table
 
 #: ``bench_cb --models gemma-2b`` on the default workload, stock and breakgraph
@@ -28,6 +28,7 @@ CB_FILE = "h100-cb-gemma-2b.json"
 #: variant that reruns session 36's rule is now ``breakgraph_breaks_keys2048``)
 BREAK_SPLIT_FILE = "h100-cb-break-split-gemma-2b.json"
 SESSION_36, BEFORE = "breakgraph_breaks", "breakgraph_breaks_keys4096"
+KEY_DEVICE = "decode_forward_device_ms"  # a pure-decode forward's device span ("-": the CPU)
 #: ``gpu_check.sh RUN_HELD_OUT``: ``bench_cb --models llama3-8b`` on the default workload
 #: (stock and breakgraph), then with 32 prompts (both decoders and stock's forced graphs), on
 #: transformers 5.17.0; then breakgraph's variants alone on 5.24.0 (the same runs, the wheel
@@ -67,7 +68,7 @@ def break_split_section(data: dict) -> str:
         rows.append([
             f"`{name}`", f"{num(e['tokens_per_s'], 0)} ({span(e['rounds_tokens_per_s'], 0)})",
             num(e["decode_step_ms"], 2), num(e["decode_forward_host_ms"], 2),
-            num(e["decode_break_host_ms"], 2), _device(e),
+            num(e["decode_break_host_ms"], 2), _cell(e, KEY_DEVICE, ".2f"),
         ])  # fmt: skip
     per_round = [a / b for a, b in zip(wide["rounds_tokens_per_s"], before["rounds_tokens_per_s"])]
     meta, args = data["meta"], data["meta"]["args"]
@@ -87,16 +88,11 @@ def break_split_section(data: dict) -> str:
         verdict="faster" if ratio > 1 else "slower",
         step=f"{num(before['decode_step_ms'], 2)} → {num(wide['decode_step_ms'], 2)}",
         breaks=f"{num(before['decode_break_host_ms'], 2)} → {num(wide['decode_break_host_ms'], 2)}",
-        device_span=f"{_device(before)} → {_device(wide)}",
+        device_span=f"{_cell(before, KEY_DEVICE, '.2f')} → {_cell(wide, KEY_DEVICE, '.2f')}",
         conclusion=fill("cb.break_split_run." + ("won" if ratio > 1 else "lost"),
                         now_keys=pd.BREAK_SPLIT_FROM_KEYS),  # fmt: skip
     )  # fmt: skip
 
-
-def _device(entry: dict) -> str:
-    """A pure-decode forward's device span, ms ("-" where the run has none: the CPU)."""
-    value = entry.get("decode_forward_device_ms")
-    return "-" if value is None else num(value, 2)
 
 
 def whole_model_section(runs: list[tuple[str, dict]]) -> str:
@@ -119,9 +115,9 @@ def whole_model_section(runs: list[tuple[str, dict]]) -> str:
             rows.append([
                 release, prompts, f"`{name}`",
                 f"{num(v['tokens_per_s'], 0)} ({span(rounds, 0)})",
-                v.get("decode_requests", "-"), _ms(v, "decode_step_ms"),
-                _ms(v, "decode_over_floor", 2, "×"), _ms(v, "decode_floor_ms", 3),
-                _ms(v, "decode_forward_host_ms"), _ms(v, "decode_forward_device_ms"),
+                v.get("decode_requests", "-"), _cell(v, "decode_step_ms", ".2f"),
+                _times(v, "decode_over_floor"), _cell(v, "decode_floor_ms", ".3f"),
+                _cell(v, "decode_forward_host_ms", ".2f"), _cell(v, KEY_DEVICE, ".2f"),
             ])  # fmt: skip
             if name.startswith("breakgraph") and "decode_over_floor" in v:
                 best.append((v["decode_over_floor"], f"{prompts} prompts, transformers {release}"))
@@ -140,15 +136,11 @@ def whole_model_section(runs: list[tuple[str, dict]]) -> str:
                      "decode fwd device ms"], rows),  # fmt: skip
         targets="\n".join(targets),
         closest="-" if closest is None else f"{num(closest[0], 2)}× (at {closest[1]})",
-        host=_ms(bg, "decode_forward_host_ms"), device_span=_ms(bg, "decode_forward_device_ms"),
+        host=_cell(bg, "decode_forward_host_ms", ".2f"),
+        device_span=_cell(bg, KEY_DEVICE, ".2f"),
         busy=f"{100 * bg['gpu_forward_fraction']:.1f}%" if "gpu_forward_fraction" in bg else "-",
     )
 
-
-def _ms(entry: dict, key: str, digits: int = 2, unit: str = "") -> str:
-    """``entry[key]`` printed, or "-" where the run has none (stock has no decode forward)."""
-    value = entry.get(key)
-    return "-" if value is None else num(value, digits) + unit
 
 
 #: ``bench_cb --prompts 32`` on the CB shapes and gemma-2b, both decoders, on an H100, beside
@@ -173,9 +165,9 @@ def floor_on_card_section(data: dict, other: dict | None) -> str:
                 within.append(f"{m['model']} `{name}` ({num(v['decode_over_floor'], 2)}×)")
             there = theirs.get((m["model"], name))
             rows.append([
-                m["model"], f"`{name}`", v["decode_requests"], _ms(v, "decode_step_ms"),
-                _ms(v, "decode_floor_ms", 3), _ms(v, "decode_over_floor", 2, "×"),
-                _ms(v, "decode_forward_device_ms"),
+                m["model"], f"`{name}`", v["decode_requests"], _cell(v, "decode_step_ms", ".2f"),
+                _cell(v, "decode_floor_ms", ".3f"), _times(v, "decode_over_floor"),
+                _cell(v, KEY_DEVICE, ".2f"),
                 "-" if there is None else num(there, 2) + "×",
             ])  # fmt: skip
     meta, ometa = data["meta"], (other or {}).get("meta", {})
@@ -189,3 +181,9 @@ def floor_on_card_section(data: dict, other: dict | None) -> str:
         limit=f"{limit:g}", met=len(within), measured=measured,
         within="; ".join(within) or "none",
     )  # fmt: skip
+
+
+def _times(entry: dict, key: str) -> str:
+    """A ratio of ``entry`` printed with its "×", or "-" where the run has none."""
+    cell = _cell(entry, key, ".2f")
+    return cell if cell == "-" else cell + "×"

@@ -449,8 +449,8 @@ def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch, defaul
     """A pure-decode break takes the default split (here ``default``, asked for with the
     step's sequences and key heads) exactly when the step's longest sequence holds
     ``paged_decode.BREAK_SPLIT_FROM_KEYS`` keys and that split is at least
-    ``BREAK_SPLIT_AT_LEAST``, and one program
-    per sequence otherwise (a default of 2 never splits)."""
+    ``BREAK_SPLIT_AT_LEAST``, and one program per sequence otherwise (a default of 2 never
+    splits)."""
     from breakgraph.integrations.transformers import attention as bg_attention
     from breakgraph.integrations.transformers import paged_decode as pd
 
