@@ -242,6 +242,39 @@ def validate_count(value: Any, least: int, what: str) -> int:
     return int(value)
 
 
+def validate_callable(value: Any, what: str, optional: bool = True) -> Any:
+    """``value`` if it is callable (or None, when ``optional``), else an ``InputError`` naming
+    ``what``: a wrong argument fails where it is given, not at the first call that uses it.
+
+    Example::
+
+        >>> from breakgraph.buckets import validate_callable
+        >>> validate_callable("max", "demo: agree_size")
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: demo: agree_size must be callable or None, got 'max'.
+    """
+    if (value is None and optional) or callable(value):
+        return value
+    expected = "callable or None" if optional else "callable"
+    raise InputError(f"{what} must be {expected}, got {value!r}.")
+
+
+def validate_real(value: Any, what: str) -> float:
+    """``value`` as a float if it is a real number (bools and strings refused), else an
+    ``InputError`` naming ``what``.
+
+    Example::
+
+        >>> from breakgraph.buckets import validate_real
+        >>> validate_real("0.5", "demo: margin")
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: demo: margin must be a real number, got '0.5'.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputError(f"{what} must be a real number, got {value!r}.")
+    return float(value)
+
+
 def default_token_buckets(
     max_tokens: int = 4096, step: int = 8, dense_until: int = 256
 ) -> tuple[int, ...]:

@@ -89,6 +89,9 @@ def eager_on_graph(
         [11.0]
     """
 
+    if capture_stub is not None and not callable(capture_stub):
+        raise InputError(f"eager_on_graph: capture_stub must be callable, got {capture_stub!r}.")
+
     def decorate(wrapped: Callable):
         if not enable:
             return wrapped

@@ -296,11 +296,7 @@ def capture(
         raise CaptureError(
             f"breakgraph.capture: expected a BreakableCUDAGraph, got {type(graph).__name__}."
         )
-    if graph._captured is not None or graph._capturing:
-        raise CaptureError(
-            "breakgraph.capture: this graph already holds a capture; call g.reset() first "
-            "or capture into a new BreakableCUDAGraph."
-        )
+    _refuse_held(graph)
     if capture_error_mode not in _CAPTURE_ERROR_MODES:
         raise CaptureError(
             f"breakgraph.capture: capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, "
@@ -324,6 +320,7 @@ def capture(
     _capture_lock.acquire()  # a capture on another thread: wait for it to finish
     recording = None
     try:
+        _refuse_held(graph)  # again: another thread may have captured into it meanwhile
         recording = _Capture(graph, chosen, options, context)
         yield graph
         recording.finish()
@@ -343,6 +340,14 @@ def capture(
         raise
     finally:
         _capture_lock.release()
+
+
+def _refuse_held(graph: BreakableCUDAGraph) -> None:
+    if graph._captured is not None or graph._capturing:
+        raise CaptureError(
+            "breakgraph.capture: this graph already holds a capture; call g.reset() first "
+            "or capture into a new BreakableCUDAGraph."
+        )
 
 
 def _is_cuda_capture_failure(exc: BaseException, backend: str) -> bool:
@@ -460,8 +465,8 @@ class _Capture:
         if self.failure is not None:
             raise CaptureError(
                 f"breakgraph.capture: {self.failure}, and the exception was caught inside the "
-                f"capture block. The code after it ran without being captured, so the graph "
-                f"would not match it; the capture was abandoned. Let the exception leave the "
+                f"capture block. The graph would not match the code (what raised is missing "
+                f"from it), so the capture was abandoned. Let the exception leave the "
                 f"`with breakgraph.capture(...)` block, or catch it inside the eager function."
             )
         self._end_segment()
@@ -481,7 +486,7 @@ class _Capture:
         else:
             timers = tuple(_debug.BreakTimer() for _ in self.breaks)
             steps = self._debug_steps(timers)
-        self.graph._captured = Captured(
+        captured = Captured(
             self.backend,
             self.session.pool,
             self.context,
@@ -492,8 +497,10 @@ class _Capture:
             self.unjoined,
             without_grad,
         )
+        self._close()  # first: where closing raises (a restore that warns, under -W error),
+        # the graph holds nothing and abort() drops the segments
+        self.graph._captured = captured
         self.graph._capturing = False
-        self._close()
 
     def _debug_steps(self, timers: tuple) -> list:
         """Replay steps with input checks, break timers and NVTX ranges (debug mode only)."""
@@ -512,11 +519,10 @@ class _Capture:
 
     def abort(self) -> None:
         """Leave nothing behind: no half-built graph, no hook, the previous stream current."""
-        if self._closed:
-            return
         self.in_segment = False
         try:
-            self.session.abort()
+            if not self._closed:  # closed: finish() raised while closing, after the session
+                self.session.abort()
         finally:
             for segment in self.segments:
                 segment.reset()

@@ -55,7 +55,9 @@ from .buckets import (
     geometric_buckets,
     tuned_times,
     validate_buckets,
+    validate_callable,
     validate_count,
+    validate_real,
 )
 from .debug import debug_enabled
 from .errors import HostSyncError, InputError, ReplayError
@@ -128,8 +130,11 @@ class GraphLadder:
     ):
         if on_miss not in ("eager", "raise"):
             raise InputError(f"{who}: on_miss must be 'eager' or 'raise', got {on_miss!r}.")
-        if max_padding_fraction is not None and not 0.0 <= max_padding_fraction < 1.0:
+        if max_padding_fraction is not None and not (
+            0.0 <= validate_real(max_padding_fraction, f"{who}: max_padding_fraction") < 1.0
+        ):
             raise InputError(f"{who}: max_padding_fraction must be in [0, 1).")
+        validate_callable(agree_size, f"{who}: agree_size")
         if ranks is not None and agree_size is not None:
             raise InputError(
                 f"{who}: with ranks=, the ranks agree the size themselves; drop agree_size."
@@ -490,6 +495,11 @@ class GraphLadder:
         bucket: :meth:`tune` measures them, or pass a profile's) say is faster by more than
         ``margin`` (:func:`faster_buckets`). Fills ``stats.routed`` and ``replay_ms``."""
         self._check_open("route")
+        margin = validate_real(margin, f"{self.who}.route: margin")
+        if not isinstance(times, Mapping):
+            raise InputError(f"{self.who}.route: times must map buckets to ms, got {times!r}.")
+        for size, ms in times.items():
+            validate_real(ms, f"{self.who}.route: times[{size!r}]")
         unknown = sorted(set(times) - set(self._rungs))
         if unknown:
             raise InputError(f"{self.who}.route: {unknown} are not captured buckets.")

@@ -60,6 +60,7 @@ from .buckets import (
     choose_bucket,
     faster_buckets,
     validate_buckets,
+    validate_callable,
     validate_count,
 )
 from .eager import eager_on_graph
@@ -156,6 +157,8 @@ class BucketedRunner:
         progress: bool = False,
     ):
         sizes = validate_buckets(buckets, "BucketedRunner")
+        validate_callable(fn, "BucketedRunner: fn", optional=False)
+        validate_callable(capture_context, "BucketedRunner: capture_context")
         warmup = validate_count(warmup, 0, "BucketedRunner: warmup")
         if ranks is not None and warmup < 1:
             raise InputError(

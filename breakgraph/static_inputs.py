@@ -72,7 +72,7 @@ class StaticInputs:
         dims = _per_input(dims, n, "dims")
         self.pads = _per_input(pad_values, n, "pad_values")
         for i, (t, d) in enumerate(zip(examples, dims)):
-            if not isinstance(d, int) or not -t.dim() <= d < t.dim():
+            if isinstance(d, bool) or not isinstance(d, int) or not -t.dim() <= d < t.dim():
                 raise InputError(
                     f"BucketedRunner: dims[{i}]={d!r} is out of range for a {t.dim()}-D input."
                 )

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from ._layout import OWN_DIRS
 from .errors import CaptureError, HostSyncError
+from .state import state
 
 __all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS", "sync_reason"]
 
@@ -256,6 +257,19 @@ def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     return None
 
 
+def _refused(error: Exception) -> Exception:
+    """Mark this thread's running capture as failed by ``error`` and return it to raise.
+
+    The operation did not run, so the segment is missing it: code that catches the error
+    inside the capture block (a library's ``except RuntimeError`` fallback) would otherwise
+    have its fallback captured, and every replay would silently differ from eager. With the
+    mark, the capture raises when the block ends (as after an eager function that raised)."""
+    capture = state.capture
+    if capture is not None and capture.failure is None:
+        capture.failure = f"{type(error).__name__} refused an operation in a segment ({error})"
+    return error
+
+
 class SegmentMode(TorchDispatchMode):
     """Watches (and optionally records) the aten operations of one captured segment.
 
@@ -280,7 +294,7 @@ class SegmentMode(TorchDispatchMode):
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and own_generator(generator, self.all_devices):
-            raise CaptureError(  # whether syncs are checked or not: CUDA refuses it either way
+            raise _refused(CaptureError(  # checked or not: CUDA refuses it either way
                 f"breakgraph.capture: {func} draws from a torch.Generator of your own at "
                 f"{_user_frame()}, inside a captured segment. A CUDA graph advances only the "
                 f"generators registered with it, and each segment registers the default CUDA "
@@ -288,20 +302,20 @@ class SegmentMode(TorchDispatchMode):
                 f'CUDA generator not in capture mode"). Leave generator= out (seed the default '
                 f"generator with torch.manual_seed before the capture), or draw inside a function "
                 f"decorated with @breakgraph.eager_on_graph."
-            )
+            ))
         if self.check_syncs:
             reason = sync_reason(func, args, kwargs, self.all_devices)
             if reason is not None:
                 frame = _user_stack_frame()
                 target = f"`{frame.name}`" if frame is not None else "the function that contains it"
-                raise HostSyncError(
+                raise _refused(HostSyncError(
                     f"host synchronisation inside a captured segment: {func} ({reason}) at "
                     f"{_user_frame()}. A CUDA graph runs no Python on replay, so this value would "
                     f"be frozen at capture time (and CUDA invalidates the capture). Decorate "
                     f"{target} (or a smaller function holding this code) with "
                     f"@breakgraph.eager_on_graph so it runs eagerly on every replay, or keep it on "
                     f"the device (for example torch.where(mask, a, b) instead of nonzero())."
-                )
+                ))
         out = func(*args, **kwargs)
         self.operations += 1
         if self.on_operation is not None:

@@ -861,6 +861,47 @@ def test_captures_on_two_threads_take_turns(capture, device):
     assert results == {"first": True, "second": True}
 
 
+def test_two_threads_capturing_into_one_graph_do_not_overwrite_each_other(capture, device):
+    """Both threads pass the "already holds a capture" check while a third holds the capture
+    lock; the one that gets the lock second must still be refused, not replace the first's
+    capture (whose outputs would then never update on replay)."""
+    import threading
+
+    hold, inside = threading.Event(), threading.Event()
+    x = torch.randn(4, device=device)
+    g = breakgraph.BreakableCUDAGraph()
+    outputs, errors = {}, {}
+
+    def blocker():
+        with capture(breakgraph.BreakableCUDAGraph(), capture_error_mode="thread_local"):
+            inside.set()
+            hold.wait(timeout=30)
+
+    def capturer(k):
+        try:
+            with capture(g, capture_error_mode="thread_local"):
+                outputs[k] = x * k
+        except CaptureError as exc:
+            errors[k] = exc
+
+    first = threading.Thread(target=blocker)
+    first.start()
+    inside.wait(timeout=30)
+    threads = [threading.Thread(target=capturer, args=(k,)) for k in (2, 3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)  # both wait for the lock, past the first check
+    hold.set()
+    for thread in [first, *threads]:
+        thread.join(timeout=30)
+    assert len(outputs) == 1 and len(errors) == 1
+    assert "already holds a capture" in str(next(iter(errors.values())))
+    (k, out), = outputs.items()
+    x.copy_(torch.randn(4, device=device))
+    g.replay()
+    torch.testing.assert_close(out, x * k)
+
+
 def test_torch_refusing_a_host_copy_during_capture_is_named_a_host_sync():
     """torch's own refusal of an unpinned host copy inside a CUDA capture (e.g. fp32
     ``grouped_mm``'s fallback) becomes HostSyncError with the fix, like CUDA's capture errors."""

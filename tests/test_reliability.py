@@ -300,6 +300,62 @@ def test_09_caught_exception_in_eager_function_raises_capture_error(capture, dev
     assert_clean(g)
 
 
+def test_09_caught_host_sync_inside_the_capture_block_raises_capture_error(capture, device):
+    """A sync refused inside a segment and caught there (a library's broad ``except
+    RuntimeError`` fallback) fails the capture: the operation never ran, so the fallback
+    branch would be captured and every replay would silently differ from eager."""
+
+    def count_positive(t):
+        try:
+            return int((t > 0).sum())  # a host sync: refused before it runs
+        except RuntimeError:
+            return 0
+
+    x = torch.randn(8, device=device)
+    g = breakgraph.BreakableCUDAGraph()
+    with pytest.raises(CaptureError, match=r"HostSyncError.*count_positive.*caught inside"):
+        with capture(g):
+            x * (count_positive(x) + 1)
+    assert_clean(g)
+
+
+def test_09_caught_draw_from_an_own_generator_raises_capture_error(capture, device):
+    generator = torch.Generator(device=device).manual_seed(0)
+    g = breakgraph.BreakableCUDAGraph()
+    with pytest.raises(CaptureError, match=r"torch\.Generator of your own.*caught inside"):
+        with capture(g):
+            try:
+                torch.randn(3, device=device, generator=generator)
+            except CaptureError:
+                pass
+    assert_clean(g)
+
+
+def test_09_a_close_that_raises_leaves_no_capture(monkeypatch):
+    """Closing a finished capture can raise (restoring a patch that other code replaced
+    warns, an error under ``-W error``): the graph then holds nothing, as after any failure."""
+    import warnings
+
+    from breakgraph.errors import BreakgraphWarning
+
+    original = torch.cuda.is_current_stream_capturing
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", original)  # restored after
+    x = torch.randn(3)
+    g = breakgraph.BreakableCUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BreakgraphWarning)
+        with pytest.raises(BreakgraphWarning, match="replaced by other code"):
+            with breakgraph.capture(g, backend="emulated"):
+                x * 2
+                torch.cuda.is_current_stream_capturing = lambda: False  # other code's patch
+    torch.cuda.is_current_stream_capturing = original
+    assert_clean(g)
+    with breakgraph.capture(g, backend="emulated"):  # and the graph captures again
+        y = x * 3
+    g.replay()
+    torch.testing.assert_close(y, x * 3)
+
+
 # -- 10. expanded (stride-0) outputs ---------------------------------------------------------------
 
 
@@ -439,6 +495,34 @@ def test_15_add_buckets_validates_sizes(backend, device, bad):
 def test_15_constructor_validates_sizes(backend, device, bad):
     with pytest.raises(InputError, match="bucket"):
         BucketedRunner(lambda t: t, bad, (torch.randn(1, 2, device=device),), backend=backend)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("fn", None), ("max_padding_fraction", "0.5"), ("max_padding_fraction", True),
+     ("agree_size", "max"), ("capture_context", 5), ("dims", True)],  # fmt: skip
+)
+def test_15_constructor_validates_its_other_arguments(backend, device, name, value):
+    """A wrong argument is refused where it is given, naming it, not with a TypeError at the
+    first call that uses it."""
+    arguments = {"fn": lambda t: t * 2, "buckets": (4,), "backend": backend,
+                 "example_inputs": (torch.randn(1, 2, device=device),), name: value}  # fmt: skip
+    with pytest.raises(InputError, match=name):
+        BucketedRunner(**arguments)
+
+
+def test_15_route_validates_its_arguments(backend, device):
+    runner = BucketedRunner(lambda t: t * 2, (4, 8), (torch.randn(1, 2, device=device),),
+                            backend=backend)  # fmt: skip
+    for times, margin in (({4: "fast", 8: 1.0}, 0.02), ({4: 1.0, 8: 1.0}, "x"), ([4, 8], 0.02)):
+        with pytest.raises(InputError, match="route"):
+            runner.ladder.route(times, margin)
+    assert runner.ladder.route({4: 2.0, 8: 1.0}, 0.02) == {4: 8}
+
+
+def test_15_capture_stub_must_be_callable():
+    with pytest.raises(InputError, match="capture_stub"):
+        breakgraph.eager_on_graph(capture_stub="oops")
 
 
 def test_15_agree_size_smaller_than_the_size_is_rejected(backend, device):
