@@ -391,6 +391,10 @@ def test_cache_is_invalidated_by_next_prefill(backend, closing):
         first.cache(2)
     with pytest.raises(InputError, match="out of range"):
         first.cache(-1)
+    for bad in (0.0, "0", True, torch.tensor([0])):
+        with pytest.raises(InputError, match="i must be a prompt's index"):
+            first.cache(bad)
+    assert first.cache(torch.tensor(1)).get_seq_length() == 7  # a 0-d integer tensor is an index
 
     second = runner.prefill(prompts_of([4], device))
     with pytest.raises(InputError, match="later prefill"):
@@ -635,6 +639,9 @@ def test_bad_runner_arguments():
     for bad in ("16", (2.5,), (True, 16), (0, 16), ()):  # validated as every runner's buckets
         with pytest.raises(InputError, match="PrefillRunner: token_buckets: bucket sizes must"):
             PrefillRunner(model, token_buckets=bad, backend="emulated", warmup=1)
+    for bad in ("yes", 1, None):  # as enable_continuous_batching: a bool or torch.compile's dict
+        with pytest.raises(InputError, match="PrefillRunner: compile must be True, False or a"):
+            PrefillRunner(model, token_buckets=BUCKETS, compile=bad, backend="emulated")
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -1135,6 +1142,8 @@ def test_bad_prefill_inputs_raise_input_errors(backend):
     runner = make_runner(model, backend)
     out = runner.prefill(p for p in prompts_of([4, 5], device))  # any iterable of prompts
     assert out.logits.shape[0] == 2
+    with pytest.raises(InputError, match="list of 1-D LongTensors"):
+        runner.prefill(None)
     with pytest.raises(InputError) as info:
         runner.prefill(prompts_of([30, 30], device))  # 60 tokens > largest bucket 48
     assert "capture_window" not in str(info.value)

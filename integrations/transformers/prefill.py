@@ -169,6 +169,11 @@ class PrefillRunner:
                 f"PrefillRunner: single_prompt_graphs must be None (the default: on with the "
                 f"CUDA backend in one process), True or False, got {single_prompt_graphs!r}."
             )
+        if not isinstance(compile, (bool, dict)):
+            raise InputError(
+                f"PrefillRunner: compile must be True, False or a dict of torch.compile keyword "
+                f"arguments, got {compile!r}."
+            )
         validate_count(max_prompts, 1, "PrefillRunner: max_prompts")
         validate_count(warmup, 0, "PrefillRunner: warmup")
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -441,6 +446,11 @@ class PrefillRunner:
             raise InputError(
                 "PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
                 "prompt), not one tensor; wrap a single prompt as [ids]."
+            )
+        if not isinstance(prompts, Iterable):
+            raise InputError(
+                f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
+                f"prompt), got {type(prompts).__name__}."
             )
         prompts = prompts if isinstance(prompts, list) else list(prompts)
         steps = self._steps

@@ -11,6 +11,7 @@ keeps its runner alive, or they would be read from memory given back.
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from typing import Any
 
@@ -63,6 +64,10 @@ class PrefillOutput:
                 "PrefillOutput.cache: the KV cache lives in graph memory and a later prefill has "
                 "overwritten it (or was started and failed); call cache(i) before the next prefill."
             )
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral | torch.Tensor) or (
+            isinstance(i, torch.Tensor) and (i.dim() or i.is_floating_point())
+        ):
+            raise InputError(f"PrefillOutput.cache: i must be a prompt's index, an int; got {i!r}.")
         if not 0 <= i < len(self.bounds):
             raise InputError(
                 f"PrefillOutput.cache: prompt {i} out of range ({len(self.bounds)} prompts)."
