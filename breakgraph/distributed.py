@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .buckets import validate_real
 from .eager import eager_on_graph
 from .errors import InputError, RankFailedError, RankMismatchError
 from .patches import PatchSet, SharedPatches
@@ -127,14 +128,30 @@ def fingerprint(*parts: Any) -> int:
         False
     """
     digest = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        if isinstance(part, torch.Tensor):
-            data = part.detach().to("cpu").contiguous()
-            digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
-            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            digest.update(repr(part).encode())
+    _digest_into(digest, parts)
     return int.from_bytes(digest.digest(), "little") & _MASK
+
+
+def _digest_into(digest: Any, part: Any) -> None:
+    """Feed ``part`` to ``digest``: tensors by dtype, shape and every value, wherever they are
+    in lists, tuples and dicts (``repr`` would round values, elide long tensors and name the
+    device and autograd state), other values by ``repr``. Each container is tagged with its
+    kind and length, so ``[[1], 2]`` and ``[1, [2]]`` differ."""
+    if isinstance(part, torch.Tensor):
+        data = part.detach().to("cpu").contiguous()
+        digest.update(f"tensor{data.dtype}{tuple(data.shape)}".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(part, (list, tuple)):
+        digest.update(f"{type(part).__name__}[{len(part)}]".encode())
+        for item in part:
+            _digest_into(digest, item)
+    elif isinstance(part, dict):
+        digest.update(f"dict[{len(part)}]".encode())
+        for key, value in part.items():
+            _digest_into(digest, key)
+            _digest_into(digest, value)
+    else:
+        digest.update(f"{repr(part)};".encode())
 
 
 class RankGroup:
@@ -153,13 +170,13 @@ class RankGroup:
     def __init__(self, group: Any = None, *, timeout: float = 300.0):
         import torch.distributed as dist
 
+        if validate_real(timeout, "RankGroup: timeout") <= 0:
+            raise InputError(f"RankGroup: timeout must be positive, got {timeout}.")
         if not (dist.is_available() and dist.is_initialized()):
             raise InputError(
                 "RankGroup: torch.distributed is not initialised; call "
                 "dist.init_process_group(...) first (torchrun sets its environment)."
             )
-        if timeout <= 0:
-            raise InputError(f"RankGroup: timeout must be positive, got {timeout}.")
         self.group = group if group is not None else dist.group.WORLD
         self.ranks = dist.get_process_group_ranks(self.group)  # global ranks, in group order
         self.rank = dist.get_rank(self.group)  # this process's index in ``ranks``

@@ -223,6 +223,9 @@ class GraphLadder:
         buckets captured before it in this call stay.
         """
         self._check_open("capture")
+        validate_callable(record, f"{self.who}.capture: record", optional=False)
+        validate_callable(warm_up, f"{self.who}.capture: warm_up")
+        validate_callable(context, f"{self.who}.capture: context (size -> context)")
         ordered = [
             s
             for s in reversed(validate_buckets(sizes, f"{self.who}.capture", allow_empty=True))
@@ -299,13 +302,13 @@ class GraphLadder:
             raise
         self._pool = graph.pool()
         seconds = time.perf_counter() - start
-        stats = BucketStats(
-            captures=1,
-            capture_s=seconds,
-            graph_memory_bytes=self._pool_bytes() - pool_before,
-            breaks=graph.num_breaks,
-        )
-        self.stats.buckets[size] = stats
+        stats = self.stats.buckets.setdefault(size, BucketStats())  # captured again after
+        # discard(): its counters go on (replays, padding, captures and their seconds); what
+        # describes the graph (memory, breaks, a tuned time) is the new graph's
+        stats.captures += 1
+        stats.capture_s += seconds
+        stats.graph_memory_bytes = self._pool_bytes() - pool_before
+        stats.breaks, stats.replay_ms = graph.num_breaks, None
         self._rungs[size] = _Rung(graph, output, stats)
         self._sizes = tuple(sorted(self._rungs))
         self._decisions.clear()
@@ -539,6 +542,7 @@ class GraphLadder:
         self._sizes = ()
         self._decisions.clear()
         self._faster = {}
+        self.stats.routed = {}  # the routes went with the graphs
         if graphs:  # torch gives a pool up with its last graph (backends.base
             # .released_pool_error), and whether these were the last of a pool the ladder was
             # given is not known here: the next capture starts a new pool

@@ -33,7 +33,9 @@ class LadderStats:
     """The counters of a :class:`GraphLadder` (``BucketedRunner.stats`` is one too, as
     ``RunnerStats``); ``str(stats)`` prints a table.
 
-    ``buckets`` maps each captured bucket to its :class:`BucketStats`; ``calls``,
+    ``buckets`` maps each bucket captured since the ladder was built to its
+    :class:`BucketStats` (a bucket released by ``discard()`` keeps its counters, and they go
+    on if it is captured again); ``calls``,
     ``padded_elements``, ``capture_seconds``, ``graph_memory_bytes`` and ``replay_ms`` are
     read-only ``{bucket: value}`` views of them.
 

@@ -78,7 +78,15 @@ def weak_method(method: Callable) -> Callable:
             f"weak_method: expected a bound method (obj.method), got {method!r}; a plain "
             f"function holds no object and can be passed as it is."
         )
-    owner, function, name = weakref.ref(method.__self__), method.__func__, method.__qualname__
+    try:
+        owner = weakref.ref(method.__self__)
+    except TypeError as exc:  # __slots__ without __weakref__ (dataclass(slots=True) too)
+        raise InputError(
+            f"weak_method: {method.__qualname__}'s object cannot be referenced weakly ({exc}); "
+            f"add '__weakref__' to its class's __slots__ (dataclass(weakref_slot=True)), or "
+            f"pass the method as it is."
+        ) from exc
+    function, name = method.__func__, method.__qualname__
 
     def call(*args: Any, **kwargs: Any) -> Any:
         obj = owner()

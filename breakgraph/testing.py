@@ -42,17 +42,17 @@ def assert_replay_matches_eager(
 
     ``make_inputs()`` returns a fresh tuple of tensors (or one tensor) on every call, of the
     same structure, shapes and dtypes each time: a copy of the first draw becomes the static
-    inputs; each later draw is copied into them, the graph is replayed, its outputs are
-    copied at once (an output in a long-lived buffer would otherwise be overwritten by the
-    eager run before the comparison), and ``fn`` is run eagerly on the same draw. Outputs are
-    compared structurally (the structures of :mod:`breakgraph.structure`: tensors with
-    ``torch.testing.assert_close``, containers and objects field by field, other values
-    with ``==``); ``equal_nan=True`` lets NaNs match. The first difference raises
-    ``AssertionError`` naming the replay and its path (``output[1]['logits']``). Catches
-    frozen host decisions, stale buffers that ``fn`` reads besides its inputs, and
-    unwritten outputs. Returns the graph.
+    inputs (inputs that share memory, a buffer and a view of it, share it in the copy too); each
+    later draw is copied into them, the graph is replayed, its outputs are copied at once (an
+    output in a long-lived buffer would otherwise be overwritten by the eager run before the
+    comparison), and ``fn`` is run eagerly on the same draw. Outputs are compared structurally
+    (the structures of :mod:`breakgraph.structure`: tensors with ``torch.testing.assert_close``,
+    containers and objects field by field, other values with ``==``); ``equal_nan=True`` lets
+    NaNs match. The first difference raises ``AssertionError`` naming the replay and its path
+    (``output[1]['logits']``). Catches frozen host decisions, stale buffers that ``fn`` reads
+    besides its inputs, and unwritten outputs. Returns the graph.
     """
-    static = map_tensors(torch.Tensor.clone, _as_tuple(make_inputs()))  # writable, dense
+    static = _static_copy(_as_tuple(make_inputs()))
     with context_scope(context):
         for _ in range(warmup):
             fn(*static)
@@ -68,6 +68,33 @@ def assert_replay_matches_eager(
             expected = fn(*fresh)
         _compare(got, expected, "output", f"replay {replay}", (atol, rtol, equal_nan))
     return graph
+
+
+def _static_copy(draw: tuple) -> tuple:
+    """The first draw as the static inputs: each tensor cloned (writable and dense), except
+    tensors that share memory with another input (a buffer and a view of it): those become
+    views of one copy of that memory, laid out as before, so the graph is captured on inputs
+    that alias as the eager runs' do (an in-place write to one shows in the other)."""
+    counts: dict[int, int] = {}
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        counts[key] = counts.get(key, 0) + 1
+        return t
+
+    map_tensors(count, draw)
+    copies: dict[int, Any] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if counts[key] < 2:
+            return t.clone()
+        if key not in copies:
+            copies[key] = t.untyped_storage().clone()
+        view = torch.empty(0, dtype=t.dtype, device=t.device)
+        return view.set_(copies[key], t.storage_offset(), t.shape, t.stride())
+
+    return map_tensors(copy, draw)
 
 
 def _as_tuple(inputs: Any) -> tuple:

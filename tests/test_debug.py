@@ -373,10 +373,57 @@ def test_assert_replay_matches_eager_takes_expanded_inputs():
     assert torch.equal(first, kept)
 
 
+def test_replay_matches_eager_keeps_inputs_that_share_memory_shared(backend, device):
+    """A buffer and a view of it: the static inputs share memory as the draws do, so an
+    in-place write to one shows in the other in the graph as in eager (each input cloned
+    alone, a correct program was reported as differing from eager)."""
+
+    def make_inputs():
+        cache = torch.randn(4, device=device)
+        return cache, cache[:2]
+
+    def fn(cache, head):
+        cache.mul_(2)
+        return head + 1
+
+    assert_replay_matches_eager(fn, make_inputs, backend=backend)
+    x = torch.randn(3, device=device)  # and the same tensor twice
+    assert_replay_matches_eager(lambda a, b: a.add_(1) + b, lambda: (x.clone(),) * 2,
+                                backend=backend)  # fmt: skip
+
+
 # -- plugin and logging ----------------------------------------------------------------------------
 @pytest.mark.requires_cuda
 def test_requires_cuda_marker_skips_without_a_gpu():
     assert torch.cuda.is_available()  # only ever runs with a GPU
+
+
+def test_requires_cuda_skips_only_the_marked_tests(tmp_path):
+    """The plugin reads the marker itself: a test whose parametrize id or folder is named
+    requires_cuda (an item's keywords hold those too) is not skipped."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "requires_cuda").mkdir()
+    (tmp_path / "requires_cuda" / "test_in_folder.py").write_text("def test_a():\n    pass\n")
+    (tmp_path / "test_ids.py").write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.parametrize("mode", ["requires_cuda", "cpu"])
+        def test_modes(mode):
+            pass
+
+        @pytest.mark.requires_cuda
+        def test_marked():
+            pass
+    """))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    expected = "4 passed" if torch.cuda.is_available() else "3 passed, 1 skipped"
+    assert expected in result.stdout, result.stdout + result.stderr
 
 
 def test_backend_fixture(breakgraph_backend):

@@ -425,6 +425,41 @@ def test_discard_releases_every_graph_and_captures_again(backend, device):
         ladder.discard()
 
 
+def test_counters_go_on_after_discard_and_a_new_capture(backend, device):
+    """discard() keeps the counters readable: a bucket captured again adds to its counts (it
+    replaced them, so totals went down), and the routes that went with the graphs leave
+    ``stats.routed`` too (it kept a route that decide() no longer took)."""
+    ladder, owner = make(backend, device)
+    ladder.replay(4, 3, size=3)
+    ladder.replay(4, 2, size=2)
+    assert ladder.route({4: 1.0, 16: 0.5, 64: 0.6}) == {4: 16} == ladder.stats.routed
+    ladder.discard()
+    assert ladder.stats.routed == {} and ladder.stats.replays == 2
+    ladder.capture((4, 16), owner.record, context=lambda size: size)
+    assert ladder.decide(3).bucket == 4 and ladder.stats.routed == {}
+    assert ladder.stats.replays == 2 and ladder.stats.padded_elements[4] == 3
+    assert ladder.stats.buckets[4].captures == 2 and ladder.stats.buckets[64].captures == 1
+    assert ladder.stats.buckets[4].replay_ms is None  # the new graph was not timed
+    ladder.close()
+
+
+@pytest.mark.parametrize(
+    "arguments, name",
+    [({"record": None}, "record"), ({"warm_up": True}, "warm_up"),
+     ({"context": {"lengths": [3]}}, "context")],  # fmt: skip
+)
+def test_capture_refuses_arguments_that_are_not_callable(backend, device, arguments, name):
+    """``context`` takes ``size -> context`` here (``breakgraph.capture`` takes the value):
+    refused by name, before anything is captured, not with a TypeError from inside."""
+    owner = Owner(device, (4,))
+    ladder = GraphLadder(backend=backend)
+    call = {"record": owner.record, **arguments}
+    with pytest.raises(InputError, match=f"GraphLadder.capture: {name}"):
+        ladder.capture((4,), call.pop("record"), **call)
+    assert ladder.buckets == ()
+    ladder.close()
+
+
 def test_discard_of_a_ladder_given_a_fresh_pool_captures_again(backend, device):
     """A ladder given a pool of its own (``torch.cuda.graph_pool_handle()``) held that pool's
     only graphs: discarding them gave the pool up, and going back to it failed the next

@@ -537,6 +537,30 @@ def test_15_agree_size_smaller_than_the_size_is_rejected(backend, device):
         runner(torch.randn(3, 2, device=device))
 
 
+def test_15_fingerprints_read_every_value_of_tensors_inside_containers():
+    """Prompts passed as a list: fingerprinted by repr, values were rounded to four decimals
+    and long tensors elided (a rank mismatch went unseen), and autograd state counted."""
+    from breakgraph.distributed import fingerprint
+
+    a, b = torch.zeros(5000, dtype=torch.long), torch.zeros(5000, dtype=torch.long)
+    b[2500] = 1
+    assert fingerprint([a]) != fingerprint([b])
+    assert fingerprint({"ids": a}) != fingerprint({"ids": b})
+    assert fingerprint([torch.tensor([1.00001])]) != fingerprint([torch.tensor([1.00002])])
+    t = torch.randn(3, requires_grad=True) * 2
+    assert fingerprint([t]) == fingerprint([t.detach()]) == fingerprint([t.detach().clone()])
+    assert fingerprint([[1], 2]) != fingerprint([1, [2]])
+    assert fingerprint([3, 5]) != fingerprint([5, 3])
+
+
+@pytest.mark.parametrize("bad", [None, "30", 0, -1.0])
+def test_15_rank_group_timeout_must_be_a_positive_number(bad):
+    from breakgraph.distributed import RankGroup
+
+    with pytest.raises(InputError, match="RankGroup: timeout must be"):
+        RankGroup(timeout=bad)
+
+
 # -- 16. assert_replay_matches_eager ---------------------------------------------------------------
 
 

@@ -478,3 +478,12 @@ def test_weak_method_takes_bound_methods_only_and_keeps_their_names():
     call = weak_method(owner.forward)
     assert (call.__name__, call.__module__) == ("forward", __name__)
     assert call.__qualname__.endswith("Owner.forward") and call(3) == 3
+
+    class Slotted:  # no __weakref__: refused with the fix, not torch's or weakref's TypeError
+        __slots__ = ()
+
+        def forward(self, x):
+            return x
+
+    with pytest.raises(InputError, match=r"weak_method: .*Slotted.forward.*__weakref__"):
+        weak_method(Slotted().forward)
