@@ -133,14 +133,17 @@ def fingerprint(*parts: Any) -> int:
 
 
 def _digest_into(digest: Any, part: Any) -> None:
-    """Feed ``part`` to ``digest``: tensors by dtype, shape and every value, wherever they are
-    in lists, tuples and dicts (``repr`` would round values, elide long tensors and name the
-    device and autograd state), other values by ``repr``. Each container is tagged with its
-    kind and length, so ``[[1], 2]`` and ``[1, [2]]`` differ."""
+    """Feed ``part`` to ``digest``: tensors and numpy arrays by dtype, shape and every value,
+    wherever they are in lists, tuples and dicts (``repr`` would round values, elide long
+    tensors and name the device and autograd state), other values by ``repr``. Each container
+    is tagged with its kind and length, so ``[[1], 2]`` and ``[1, [2]]`` differ."""
     if isinstance(part, torch.Tensor):
         data = part.detach().to("cpu").contiguous()
         digest.update(f"tensor{data.dtype}{tuple(data.shape)}".encode())
         digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif type(part).__module__ == "numpy" and hasattr(part, "tobytes"):  # arrays, scalars
+        digest.update(f"numpy{part.dtype}{getattr(part, 'shape', ())}".encode())
+        digest.update(part.tobytes())
     elif isinstance(part, (list, tuple)):
         digest.update(f"{type(part).__name__}[{len(part)}]".encode())
         for item in part:

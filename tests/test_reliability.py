@@ -551,6 +551,7 @@ def test_15_fingerprints_read_every_value_of_tensors_inside_containers():
     assert fingerprint([t]) == fingerprint([t.detach()]) == fingerprint([t.detach().clone()])
     assert fingerprint([[1], 2]) != fingerprint([1, [2]])
     assert fingerprint([3, 5]) != fingerprint([5, 3])
+    assert fingerprint([a.numpy()]) != fingerprint([b.numpy()])  # numpy elides long arrays too
 
 
 @pytest.mark.parametrize("bad", [None, "30", 0, -1.0])
