@@ -888,8 +888,28 @@ def test_use_cuda_graph_false_runs_eager_steps():
     expected = generate_batch(model, prompts)
     with enable_continuous_batching(model, backend="emulated") as handle:
         assert generate_batch(model, prompts, cbc=cb_config(use_cuda_graph=False)) == expected
-    assert handle.stats.eager_steps > 0
-    assert handle.stats.captures == handle.stats.replays == 0
+        assert handle.stats.eager_steps > 0
+        assert handle.stats.captures == handle.stats.replays == 0
+        # the same config the legacy way, inside the generation config, after a manager with
+        # graphs: its steps replayed them (the choice read only a config passed on its own)
+        assert generate_batch(model, prompts) == expected and handle.stats.replays > 0
+        replays, eager = handle.stats.replays, handle.stats.eager_steps
+        gen = generation_config()
+        gen.continuous_batching_config = cb_config(use_cuda_graph=False)
+        outs = model.generate_batch(prompts, generation_config=gen, progress_bar=False)
+        assert [o.generated_tokens for o in outs.values()] == expected
+        assert handle.stats.replays == replays and handle.stats.eager_steps > eager
+
+
+@needs_cb
+@pytest.mark.parametrize("bad", [-1, 7.5, "16", True])
+def test_a_bad_max_batch_tokens_is_refused_by_name(bad):
+    """transformers checks max_batch_tokens when its manager starts; breakgraph plans its
+    buckets from it before that, where a bad value raised torch's errors."""
+    model = build_model("llama")
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        with pytest.raises(InputError, match=r"ContinuousBatchingConfig.max_batch_tokens must"):
+            generate_batch(model, random_prompts(seed=5), cbc=cb_config(max_batch_tokens=bad))
 
 
 @needs_cb
@@ -2041,6 +2061,19 @@ def test_serve_launcher_refuses_a_release_whose_serve_it_cannot_extend(monkeypat
     assert f"transformers {transformers.__version__} is not supported for serve" in err
     assert "ModelLoader._load_model exists. Tested releases: 5.17.0" in err
     assert 'pip install "breakgraph[serve]" installs one with the serving extras.' in err
+
+
+def test_without_transformers_require_and_the_launcher_say_so(monkeypatch, capsys):
+    """With transformers not installed, the messages name no version (they raised
+    ModuleNotFoundError while asking for one)."""
+    from breakgraph.integrations.transformers import compat, serve
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    monkeypatch.setattr(compat, "problems", lambda feature: ("transformers is not installed",))
+    with pytest.raises(UnsupportedModelError, match=r"transformers \(not installed\) is not"):
+        compat.require("prefill", "PrefillRunner")
+    assert serve.main(["some/model"]) == 2
+    assert "transformers is not installed. Tested releases" in capsys.readouterr().err
 
 
 def test_serve_layout_tells_the_in_process_and_model_process_servers_apart():

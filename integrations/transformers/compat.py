@@ -132,8 +132,10 @@ FEATURES = ("prefill", "continuous_batching", "serve")
 
 
 def _version() -> str:
-    import transformers
-
+    try:
+        import transformers
+    except ImportError:  # problems() says "not installed"; messages name no version then
+        return "(not installed)"
     return transformers.__version__
 
 

@@ -68,6 +68,7 @@ import torch
 
 from breakgraph import distributed
 from breakgraph.backends import select_backend
+from breakgraph.buckets import validate_count
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
 from breakgraph.ladder import BucketStats, LadderStats
@@ -312,11 +313,12 @@ class ContinuousBatchingHandle:
                     if compat.cached_manager(self.model) is not None:  # transformers returns it
                         return original(generation_config, continuous_batching_config, *args,
                                         **kwargs)  # fmt: skip
-                    config = self._prepare(continuous_batching_config, generation_config)
+                    config, use_graphs = self._prepare(continuous_batching_config,
+                                                       generation_config)  # fmt: skip
                     manager = original(generation_config, config, *args, **kwargs)
                     self._managers.add(manager)
                     self._settle_after_reset(manager)
-                    if not self._graphs_wanted(continuous_batching_config):
+                    if not use_graphs:
                         self.runner.graphs_off(manager)
                     return manager
             # disabled on another thread since this call began: what the model has now (stock,
@@ -344,9 +346,11 @@ class ContinuousBatchingHandle:
         self._patches.attribute(manager, "_create_batch_processor", _create_batch_processor)
 
     def _prepare(self, given, generation_config):
-        """A copy of the caller's CB config for transformers: its own graphs (and padding) off,
+        """A copy of the caller's CB config for transformers (its own graphs and padding off,
         asynchronous steps on a single CUDA model unless the caller decided, and
-        ``max_batch_tokens`` no larger than the captured buckets. Captures them first."""
+        ``max_batch_tokens`` no larger than the captured buckets), and whether its steps run
+        as breakgraph's graphs, read from the config given or else the one in the generation
+        config. Captures them first."""
         from transformers import ContinuousBatchingConfig
 
         if given is None:  # transformers' own default (a config in the generation config: legacy)
@@ -380,6 +384,9 @@ class ContinuousBatchingHandle:
         if use_graphs:
             planned = self.runner.buckets
             default = planned[-1] if planned else self._default_max_batch_tokens()
+            if config.max_batch_tokens is not None:  # transformers checks it only later
+                validate_count(config.max_batch_tokens, 1,
+                               f"{_WHO}: ContinuousBatchingConfig.max_batch_tokens")  # fmt: skip
             config.max_batch_tokens = config.max_batch_tokens or default
         if self.ranks is not None:  # every rank serves the same way, or all raise
             settings = (use_graphs, config.max_batch_tokens, config.use_async_batching)
@@ -392,7 +399,7 @@ class ContinuousBatchingHandle:
         if use_graphs:  # capture before serving, and compile the decode kernels
             tables = self.runner.block_tables and config.max_blocks_per_request != 0
             self.runner.plan(config.max_batch_tokens, _page_size(config) if tables else 0)
-        return config
+        return config, use_graphs
 
     def _async_by_default(self, use_graphs: bool) -> bool:
         """``use_async_batching`` when the caller left it unset: transformers' own rule for its
