@@ -132,9 +132,9 @@ FEATURES = ("prefill", "continuous_batching", "serve")
 
 
 def _version() -> str:
-    try:
+    try:  # problems() says "not installed"; the messages name no version then
         import transformers
-    except ImportError:  # problems() says "not installed"; messages name no version then
+    except ImportError:
         return "(not installed)"
     return transformers.__version__
 
@@ -562,16 +562,14 @@ def problems(feature: str) -> tuple[str, ...]:
 
 
 def supported(feature: str) -> bool:
-    """Whether the installed transformers has everything ``feature`` reads (the tests use this
-    to decide what to run)."""
+    """Whether the installed transformers has everything ``feature`` reads (the tests ask)."""
     return not problems(feature)
 
 
 def require(feature: str, who: str) -> None:
     """Raise :class:`~.errors.UnsupportedModelError` unless ``feature`` is supported, naming
     the installed version, what is missing and the tested releases."""
-    found = problems(feature)
-    if found:
+    if found := problems(feature):
         raise UnsupportedModelError(unsupported_message(feature, who, found))
 
 
