@@ -122,6 +122,7 @@ def launch(scenarios: tuple, backend: str, path: str, env: dict | None = None) -
             except queue.Empty:  # every rank reports before it exits (code 0): a crash
                 crashed = {r: p.exitcode for r, p in enumerate(processes) if p.exitcode}
                 if crashed:
+                    _collect_the_others(results, collected, crashed)
                     raise RankDied(
                         f"scenarios {scenarios} ({backend}): rank(s) died without a result, "
                         f"exit codes {crashed} (negative: the signal's number)\n"
@@ -195,6 +196,19 @@ def _start_method():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     return context
+
+
+def _collect_the_others(results, collected: dict, crashed: dict, grace: float = 5.0) -> None:
+    """Once a rank has died, what the others answered, for the report: a rank can answer
+    while its peer dies (the queue's feeder thread delivers it a moment later), which the
+    report named as no answer when the parent looked in between (a CI flake under load)."""
+    end = time.monotonic() + grace
+    while len(collected) + len(crashed) < WORLD and time.monotonic() < end:
+        try:
+            rank, result = results.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        collected[rank] = result
 
 
 def _worker(rank, port, scenarios, backend, path, results, deadline, stack_dir,
