@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import wrapt
 
+from .buckets import validate_callable
 from .errors import InputError
 from .graph import BreakOptions
 from .state import state
@@ -89,8 +90,7 @@ def eager_on_graph(
         [11.0]
     """
 
-    if capture_stub is not None and not callable(capture_stub):
-        raise InputError(f"eager_on_graph: capture_stub must be callable, got {capture_stub!r}.")
+    validate_callable(capture_stub, "eager_on_graph: capture_stub")
 
     def decorate(wrapped: Callable):
         if not enable:

@@ -405,6 +405,13 @@ class _Capture:
                 _debug.warn_unjoined(index, segment.unjoined)
             self.watch.segment += 1
 
+    def fail(self, why: str) -> None:
+        """Mark the capture as one that cannot complete (the first reason is kept): an
+        exception the user's code caught inside the block left the segments without what
+        raised, so :meth:`finish` refuses instead of storing a graph that differs from eager."""
+        if self.failure is None:
+            self.failure = why
+
     def run_break(
         self, function: Callable | None, options: BreakOptions, args: tuple, kwargs: dict
     ) -> Any:
@@ -414,7 +421,7 @@ class _Capture:
         try:
             self._end_segment()
         except BaseException as exc:  # the segment is gone: nothing after this is captured
-            self.failure = f"ending the segment before {options.name!r} raised {exc!r}"
+            self.fail(f"ending the segment before {options.name!r} raised {exc!r}")
             raise
         try:
             if function is None:  # break_graph(): an empty break, nothing runs on replay
@@ -422,7 +429,7 @@ class _Capture:
             else:
                 output, replay = self._run_eagerly(function, options, args, kwargs)
         except BaseException as exc:
-            self.failure = f"eager function {options.name!r} raised {type(exc).__name__}: {exc}"
+            self.fail(f"eager function {options.name!r} raised {type(exc).__name__}: {exc}")
             # open a segment again before the exception unwinds the user's code: guards it
             # entered inside the segment (torch.inference_mode()) restore dispatch state that
             # includes the segment's dispatch mode, which must then still be there

@@ -264,9 +264,8 @@ def _refused(error: Exception) -> Exception:
     inside the capture block (a library's ``except RuntimeError`` fallback) would otherwise
     have its fallback captured, and every replay would silently differ from eager. With the
     mark, the capture raises when the block ends (as after an eager function that raised)."""
-    capture = state.capture
-    if capture is not None and capture.failure is None:
-        capture.failure = f"{type(error).__name__} refused an operation in a segment ({error})"
+    if state.capture is not None:
+        state.capture.fail(f"{type(error).__name__} refused an operation in a segment ({error})")
     return error
 
 

@@ -46,8 +46,26 @@ from typing import Any
 import torch
 
 import breakgraph
+from breakgraph.errors import InputError
 
-__all__ = ["CompiledForward"]
+__all__ = ["CompiledForward", "check_compile_option"]
+
+
+def check_compile_option(compile: Any, who: str) -> None:
+    """Refuse a ``compile=`` that is neither a bool nor a dict of ``torch.compile`` keyword
+    arguments (a truthy string would otherwise compile with the defaults).
+
+    Example::
+
+        >>> check_compile_option("yes", "demo")
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: demo: compile must be True, False or a dict of ...
+    """
+    if not isinstance(compile, (bool, dict)):
+        raise InputError(
+            f"{who}: compile must be True, False or a dict of torch.compile keyword arguments, "
+            f"got {compile!r}."
+        )
 
 
 class CompiledForward:

@@ -76,6 +76,7 @@ from breakgraph.patches import PatchSet, SharedPatches
 
 from . import block_table, compat, index_lists
 from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
+from .compiled import check_compile_option
 from .experts import EXPERTS_KEY, needs_experts_break
 from .experts import register as register_experts
 from .models import DEFAULT_MAX_BATCH_TOKENS, UnsupportedModelError, check_model
@@ -502,11 +503,7 @@ def enable_continuous_batching(
         query_buckets = tuple(validate_buckets(query_buckets, f"{_WHO}: query_buckets"))
     if not isinstance(decode_graphs, bool):
         raise InputError(f"{_WHO}: decode_graphs must be True or False, got {decode_graphs!r}.")
-    if not isinstance(compile, (bool, dict)):
-        raise InputError(
-            f"{_WHO}: compile must be True, False or a dict of torch.compile keyword arguments, "
-            f"got {compile!r}."
-        )
+    check_compile_option(compile, _WHO)
     debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too
     with _lock:
         if _handle_of(model) is not None:

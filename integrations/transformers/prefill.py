@@ -54,7 +54,7 @@ from breakgraph.runner import BucketedRunner
 
 from . import attention as _attention
 from . import compat
-from .compiled import CompiledForward
+from .compiled import CompiledForward, check_compile_option
 from .experts import PaddingRows, experts_for_prefill, padding_rows
 from .models import (
     SUPPORTED_MODEL_TYPES,
@@ -169,11 +169,7 @@ class PrefillRunner:
                 f"PrefillRunner: single_prompt_graphs must be None (the default: on with the "
                 f"CUDA backend in one process), True or False, got {single_prompt_graphs!r}."
             )
-        if not isinstance(compile, (bool, dict)):
-            raise InputError(
-                f"PrefillRunner: compile must be True, False or a dict of torch.compile keyword "
-                f"arguments, got {compile!r}."
-            )
+        check_compile_option(compile, "PrefillRunner")
         validate_count(max_prompts, 1, "PrefillRunner: max_prompts")
         validate_count(warmup, 0, "PrefillRunner: warmup")
         limit = getattr(model.config, "max_position_embeddings", None)
