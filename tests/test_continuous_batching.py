@@ -376,17 +376,19 @@ def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
     assert all(causal for window, causal in calls if window is not None)
 
 
-def stand_in_paged(calls: list):
+def stand_in_paged(calls: list, outs: list | None = None):
     """A stand-in for ``paged_decode`` on the CPU (the torch reference), checking what the
     kernel would read: one query row per sequence, contiguous rows, and a read index that
     holds every key ``cu_k`` counts (the kernel does not bound its reads). ``calls`` gets
-    ``(rows, splits)`` per call."""
+    ``(rows, splits)`` per call, and ``outs`` (if given) the ``out`` handed to the kernel."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
     def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None, splits=None):
         assert q.shape[0] == cu_k.shape[0] - 1 and keys.stride(-1) == 1
         assert read_index.shape[0] >= int(cu_k[-1]), "the kernel would read past the index"
         calls.append((q.shape[0], splits))
+        if outs is not None:
+            outs.append(out)
         return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out)
 
     return fake_paged
@@ -408,8 +410,8 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
     it must not take the path; the later steps do. The layouts looked up are held weakly."""
     from breakgraph.integrations.transformers import attention as bg_attention
 
-    flash_calls, paged_calls, updates = [], [], []
-    fake_paged = stand_in_paged(paged_calls)
+    flash_calls, paged_calls, updates, outs = [], [], [], []
+    fake_paged = stand_in_paged(paged_calls, outs)
 
     read_write = compat.cache_read_write
 
@@ -434,6 +436,10 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
     assert tokens == expected
     assert_logprobs_close(logprobs, ref_logprobs)
     assert paged_calls and False in updates  # decode steps read in place, writes only
+    # on every torch the kernel writes into the break's own buffer: nothing allocated or
+    # padded per layer, so the same few buffers (one per layer and bucket) come back each step
+    assert all(out is not None for out in outs)
+    assert len({out.data_ptr() for out in outs}) < len(outs)
     # short sequences: one program each (a split would cost a second launch per layer)
     assert {splits for _, splits in paged_calls} == {1}
     # no full-attention layer of a pure-decode step went through the gather and flash, but the

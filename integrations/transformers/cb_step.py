@@ -181,12 +181,12 @@ class PagedAttention:
     ``key``/``value`` ``[1, Hkv, B, D]`` (RoPE applied); calling it returns ``[B, Hq, D]``
     for the step in ``replay_context()``: rows of the step's ``n`` real tokens attend to
     their sequences' cached keys (the cache gets the new ones), rows past them are zero (where
-    the kernel writes in place, torch >= 2.12: finite values of earlier steps, never read
-    for a real token). A pure-decode step (one query per sequence) on a full-attention layer
-    reads the cache rows in place where Triton runs, :func:`.paged_decode.fits` its heads and
-    :func:`.compat.layer_kv_rows` finds them (:meth:`_paged`; not when nothing is cached yet:
-    a step of one-token prompts has an empty read index), else calls FlashAttention without
-    the causal mask (:meth:`_decode`).
+    a kernel writes in place, FlashAttention on torch >= 2.12 and the paged decode kernel on
+    any: finite values of earlier steps, never read for a real token). A pure-decode step (one
+    query per sequence) on a full-attention layer reads the cache rows in place where Triton
+    runs, :func:`.paged_decode.fits` its heads and :func:`.compat.layer_kv_rows` finds them
+    (:meth:`_paged`; not when nothing is cached yet: a step of one-token prompts has an empty
+    read index), else calls FlashAttention without the causal mask (:meth:`_decode`).
     """
 
     def __init__(self, layer: int, query, key, value, scaling: float, window, kernel: str):
@@ -205,6 +205,13 @@ class PagedAttention:
             kernel == "flash" and window is None and triton_available(self.q.device)
             and fits(self.q.shape[1], key.shape[1], self.q.shape[2])
         )  # fmt: skip
+        # the paged kernel writes in place on every torch: before 2.12 into a buffer of its
+        # own, so a decode break allocates and pads nothing per layer (copied back as before)
+        self.paged_out = self.out
+        if self.paged and self.out is None:
+            with torch.inference_mode(False):
+                self.paged_out = torch.zeros(self.q.shape, dtype=self.q.dtype,
+                                             device=self.q.device)  # fmt: skip
 
     def __call__(self) -> torch.Tensor:
         step: CBStep = breakgraph.replay_context()
@@ -269,13 +276,9 @@ class PagedAttention:
         )  # fmt: skip
         read_index = step.read_index[group]
         splits = break_splits(n, max_k, keys)
-        if self.out is not None:
-            paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling, self.out[:n],
-                         splits=splits)  # fmt: skip
-            return self.out
-        result = paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling,
-                              splits=splits)  # fmt: skip
-        return torch.nn.functional.pad(result, (0, 0, 0, 0, 0, self.q.shape[0] - n))
+        paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling,
+                     self.paged_out[:n], splits=splits)  # fmt: skip
+        return self.paged_out
 
     def _own_keys(self) -> torch.Tensor:
         """Warm-up and capture: causal attention over the bucket's own keys, as one sequence."""
