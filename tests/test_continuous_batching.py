@@ -302,10 +302,12 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
     assert {b.breaks for b in decode.buckets.values()} <= {eager_experts}
 
 
-def stand_in_flash(calls: list):
+def stand_in_flash(calls: list, in_place: bool = True):
     """A stand-in for ``flash_varlen`` on the CPU: computes from exactly what the real kernel
     gets (device ``cu_seqlens``, host maxima), leaves the rows it skips NaN, and records
-    ``(window, causal)`` of each call in ``calls``."""
+    ``(window, causal)`` of each call in ``calls``. Given an ``out``, it writes the real rows
+    there (``in_place``, torch >= 2.12) or copies its whole result there, NaN rows too (before
+    2.12, as ``flash_varlen`` does)."""
     from breakgraph.integrations.transformers import attention as bg_attention
 
     def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None, causal=True):
@@ -332,6 +334,8 @@ def stand_in_flash(calls: list):
         calls.append((window, causal))
         if out is None:
             return result
+        if not in_place:
+            return out.copy_(result)
         out[: cq[-1]] = result[: cq[-1]]  # the in-place kernel writes the real rows only
         return out
 
@@ -348,13 +352,15 @@ def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
     from breakgraph.integrations.transformers import attention as bg_attention
 
     calls = []
-    fake_flash = stand_in_flash(calls)
+    fake_flash = stand_in_flash(calls, in_place)
 
     original_call = cb_step.PagedAttention.__call__
 
     def checked_call(self):
         out = original_call(self)
         assert torch.isfinite(out).all(), "bucket padding rows must not stay uninitialised"
+        # on every torch the break returns the tensor the graph captured: no copy-back
+        assert out is self.out
         return out
 
     monkeypatch.setattr(cb_step.PagedAttention, "__call__", checked_call)
@@ -420,7 +426,7 @@ def test_paged_decode_path_on_cpu(monkeypatch, in_place, arch, lengths):
         return read_write(step, key, value, layer, layer_type, read)
 
     monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
-    monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls))
+    monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls, in_place))
     monkeypatch.setattr(cb_step, "FLASH_WRITES_IN_PLACE", in_place)
     monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
     monkeypatch.setattr(cb_step, "paged_decode", fake_paged)
@@ -498,7 +504,7 @@ def test_heads_the_kernel_cannot_tile_keep_the_folded_call(monkeypatch):
 
     flash_calls, paged_calls = [], []
     monkeypatch.setattr(bg_attention, "flash_available", lambda dtype, device: True)
-    monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls))
+    monkeypatch.setattr(cb_step, "flash_varlen", stand_in_flash(flash_calls, in_place=False))
     monkeypatch.setattr(cb_step, "FLASH_WRITES_IN_PLACE", False)
     monkeypatch.setattr(cb_step, "triton_available", lambda device: True)
     monkeypatch.setattr(cb_step, "paged_decode", stand_in_paged(paged_calls))

@@ -196,8 +196,11 @@ class PagedAttention:
         self.key, self.value = key, value
         self.scaling, self.window, self.kernel = scaling, window, kernel
         self.layer_type = _SLIDING if window is not None else _FULL
-        self.out = None  # with torch >= 2.12 the kernel writes here: no copy-back per replay
-        if kernel == "flash" and FLASH_WRITES_IN_PLACE:
+        # the kernels write here (FlashAttention in place on torch >= 2.12, else copied; the
+        # paged decode kernel on any torch), and the break returns this tensor, the one the
+        # graph captured: nothing is copied back or allocated per replay
+        self.out = None
+        if kernel == "flash":
             with torch.inference_mode(False):
                 self.out = torch.zeros(self.q.shape, dtype=self.q.dtype, device=self.q.device)
         # pure-decode steps of a full-attention layer read the cache in place (no gather)
@@ -205,13 +208,6 @@ class PagedAttention:
             kernel == "flash" and window is None and triton_available(self.q.device)
             and fits(self.q.shape[1], key.shape[1], self.q.shape[2])
         )  # fmt: skip
-        # the paged kernel writes in place on every torch: before 2.12 into a buffer of its
-        # own, so a decode break allocates and pads nothing per layer (copied back as before)
-        self.paged_out = self.out
-        if self.paged and self.out is None:
-            with torch.inference_mode(False):
-                self.paged_out = torch.zeros(self.q.shape, dtype=self.q.dtype,
-                                             device=self.q.device)  # fmt: skip
 
     def __call__(self) -> torch.Tensor:
         step: CBStep = breakgraph.replay_context()
@@ -237,8 +233,8 @@ class PagedAttention:
             self.q, k.contiguous(), v.contiguous(), step.cu_q, cu_k, step.max_q, max_k,
             self.scaling, self.window, self.out,
         )  # fmt: skip
-        if self.out is None:
-            out[n:].zero_()  # rows the kernel skipped: uninitialised
+        if not FLASH_WRITES_IN_PLACE:
+            out[n:].zero_()  # copied from the kernel's result: rows it skipped, uninitialised
         return out
 
     def _decode(self, k, v, cu_q, cu_k, max_k, n: int) -> torch.Tensor:
@@ -254,8 +250,6 @@ class PagedAttention:
             self.q[:n], k.contiguous(), v.contiguous(), cu_q, cu_k, 1, max_k,
             self.scaling, None, causal=False,
         )  # fmt: skip
-        if self.out is None:  # one call: the n rows, then zeros
-            return torch.nn.functional.pad(result, (0, 0, 0, 0, 0, self.q.shape[0] - n))
         self.out[:n].copy_(result)
         return self.out
 
@@ -277,8 +271,8 @@ class PagedAttention:
         read_index = step.read_index[group]
         splits = break_splits(n, max_k, keys)
         paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling,
-                     self.paged_out[:n], splits=splits)  # fmt: skip
-        return self.paged_out
+                     self.out[:n], splits=splits)  # fmt: skip
+        return self.out
 
     def _own_keys(self) -> torch.Tensor:
         """Warm-up and capture: causal attention over the bucket's own keys, as one sequence."""
