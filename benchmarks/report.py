@@ -364,6 +364,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         cb_run = report_held_out.break_split_section(served) if served is not None else ""
         if text := report_cb_decode.threshold_section(threshold, sweep, cb_run):
             blocks.append(text)
+    break_output = [(d, tree, turn) for name, tree, turn in report_decode_step.BREAK_OUTPUT_FILES
+                    if (d := load(name)) is not None]  # fmt: skip
+    if len(break_output) == len(report_decode_step.BREAK_OUTPUT_FILES):
+        blocks.append(report_decode_step.break_output_section(break_output))
     tp = loaded.get(tp_report.FILE)
     if tp is not None:
         blocks.append("\n".join(tp_report.tp_section(tp, loaded.get(tp_report.NO_MIXING_FILE))))

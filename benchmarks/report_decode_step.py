@@ -421,3 +421,74 @@ def split_pair_section(ab: dict, first_calls: list, first_calls_before: list, ru
         **{f"cb_{k}": v for k, v in _warm_cold(runs).items()},
         cb_first_model=runs[0]["models"][0]["model"],
     )
+
+
+#: ``bench_cb``'s ``breakgraph_breaks`` (every pure-decode layer an attention break) with the
+#: tree before (a9bb246: the break's output allocated by the kernel, padded to the bucket and
+#: copied back) and now (written into the tensor the graph captured), one process each, in
+#: turn: ``(file, tree, turn)``
+BREAK_OUTPUT_FILES = tuple(
+    (f"h100-cb-break-out-{tree}-{turn}-{release}.json", tree, turn)
+    for release, turns in (("5.17", (1, 2)), ("5.24", (1,)))
+    for turn in turns
+    for tree in ("before", "now")
+)
+
+
+def break_output_section(runs: list) -> str:
+    """Attention breaks that write into their captured output on every torch: the break path's
+    host time per pure-decode step, the step and tokens/s, before and now (``runs``:
+    ``(data, tree, turn)`` of :data:`BREAK_OUTPUT_FILES` loaded)."""
+    rows, host, break_host, step, rate, device = [], {}, {}, {}, {}, {}
+    layers = {}
+    for data, tree, turn in runs:
+        release = _release(data)
+        for m in data["models"]:
+            v = m["variants"]["breakgraph_breaks"]
+            key = (release, m["model"])
+            layers[m["model"]] = m["config"]["num_hidden_layers"]
+            for store, value in ((break_host, v["decode_break_host_ms"]),
+                                 (host, v["decode_forward_host_ms"]),
+                                 (step, v["decode_step_ms"]), (rate, v["tokens_per_s"]),
+                                 (device, v["decode_forward_device_ms"])):  # fmt: skip
+                store.setdefault(key, {}).setdefault(tree, []).append(value)
+            rows.append([release, m["model"], tree, turn, num(v["decode_break_host_ms"], 3),
+                         num(v["decode_forward_host_ms"], 3),
+                         num(v["decode_forward_device_ms"], 3), num(v["decode_step_ms"], 3),
+                         " / ".join(num(r, 0) for r in v["rounds_tokens_per_s"])])  # fmt: skip
+
+    def over(store: dict, key: tuple) -> float:
+        return statistics.median(store[key]["now"]) / statistics.median(store[key]["before"])
+
+    ratio_rows, ratios = [], {"break": [], "device": [], "step": [], "rate": [], "us": []}
+    for key in break_host:
+        release, model = key
+        saved = (statistics.median(break_host[key]["before"])
+                 - statistics.median(break_host[key]["now"])) / layers[model] * 1e3  # fmt: skip
+        values = {"break": over(break_host, key), "us": saved, "device": over(device, key),
+                  "step": over(step, key), "rate": over(rate, key)}  # fmt: skip
+        for name, value in values.items():
+            ratios[name].append(value)
+        ratio_rows.append([release, model, layers[model], num(values["break"], 2),
+                           num(saved, 1), num(values["device"], 2), num(values["step"], 2),
+                           num(values["rate"], 2)])  # fmt: skip
+    meta = runs[0][0]["meta"]
+    return fill(
+        "cb.break_output",
+        files=", ".join(f"`{name}`" for name, _, _ in BREAK_OUTPUT_FILES),
+        **_run_of(meta, "gpu"),
+        releases=" and ".join(sorted({_release(d) for d, _, _ in runs})),
+        workload=_workload(meta),
+        table=table(["transformers", "model", "tree", "turn", "decode breaks host ms",
+                     "decode forward host ms", "decode forward device ms",
+                     "pure-decode step ms", "tokens/s (rounds)"], rows),  # fmt: skip
+        ratio_table=table(["transformers", "model", "layers", "breaks host, now / before",
+                           "µs less per break", "device forward, now / before",
+                           "pure-decode step, now / before", "tokens/s, now / before"],
+                          ratio_rows),  # fmt: skip
+        break_ratio=span(ratios["break"], 2),
+        per_layer=span(ratios["us"], 0),
+        step_ratio=span(ratios["step"], 2),
+        device_ratio=span(ratios["device"], 2),
+        rate_ratio=span(ratios["rate"], 2),
+    )
