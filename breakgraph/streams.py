@@ -114,7 +114,9 @@ class StreamTracker:
                         f"stream forked from it) inside the captured region, or wait before "
                         f"capture starts."
                     )
-                if source != self.capture_stream and stream == self.capture_stream:
+                if stream != self.capture_stream:
+                    self._members[stream] = True  # forked (again, after the user joined it)
+                elif source != self.capture_stream:
                     self._members[source] = False  # joined by the user
             elif source_captured:
                 self._members[stream] = True  # forked from the capture
