@@ -170,8 +170,12 @@ class StaticInputs:
 
     def _copy_in(self, buffers: tuple, inputs: tuple, size: int) -> None:
         """:meth:`fill` without the checks: inputs that :meth:`size_of` validated (``size``)
-        and buffers of a bucket; the runner's per-call path."""
+        and buffers of a bucket; the runner's per-call path. An input that requires grad is
+        copied detached: autograd would otherwise record the copy in the buffer, which would
+        then require grad and keep every earlier call's input alive through its history."""
         for buffer, value, d, pad in zip(buffers, inputs, self.dims, self.pads):
+            if value.requires_grad:
+                value = value.detach()
             bucket = buffer.shape[d]
             buffer.narrow(d, 0, size).copy_(value)
             if size < bucket:

@@ -415,6 +415,25 @@ def test_pad_values_the_dtype_holds_are_written(dtype, pad):
     assert torch.equal(buffer, expected) or (buffer.isnan().all() and expected.isnan().all())
 
 
+def test_inputs_that_require_grad_leave_no_history_in_the_static_buffers(backend, device):
+    """The copy into a bucket's buffer was recorded by autograd: the buffer came to require
+    grad, and its history (one CopySlices per copy and tail fill) grew by every call and kept
+    every earlier call's input alive."""
+    import weakref
+
+    runner, model = make(device, backend)
+    inputs = []
+    for n in (3, 2, 4):
+        x = torch.randn(n, 8, device=device, requires_grad=True)
+        out = runner(x, context=n)
+        torch.testing.assert_close(out, eager(model, x.detach()), atol=1e-5, rtol=1e-5)
+        inputs.append(weakref.ref(x))
+        del x
+    (buffer,) = runner.static_inputs(4)
+    assert not buffer.requires_grad and buffer.grad_fn is None
+    assert all(ref() is None for ref in inputs)  # nothing keeps the inputs alive
+
+
 def test_a_dropped_runner_and_its_graphs_are_freed_at_del(backend, device):
     """``del`` alone (reference counting, the collector off) frees a runner and its graphs,
     eager breaks and capture contexts included, so their pool's memory goes back at once; so
