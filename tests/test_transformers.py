@@ -590,6 +590,15 @@ def test_unsupported_models():
     _assert_unsupported(softcapped, "attn_logit_softcapping")
 
 
+def test_bidirectional_attention_is_refused():
+    """Gemma's ``use_bidirectional_attention=True`` clears ``is_causal`` on its attention
+    modules: HF's own SDPA attention then attends to every token, and breakgraph's causal
+    attention silently computed other logits (0.003 apart on the tiny Gemma)."""
+    model = _tiny("GemmaConfig", **COMMON, head_dim=16, use_bidirectional_attention=True)
+    assert model.model.layers[0].self_attn.is_causal is False
+    _assert_unsupported(model, r"bidirectional \(is_causal=False on model.layers.0.self_attn")
+
+
 def test_a_tested_release_supports_every_feature_its_probes_decide():
     """The CB and serve tests skip where the library's probe says a feature is unsupported, so a
     probe that broke on a tested release would pass CI as skips. On a tested release every

@@ -173,6 +173,15 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
             f"{who}: the model is in training mode ({', '.join(training[:3])}"
             f"{', ...' if len(training) > 3 else ''}); call model.eval() first."
         )
+    # HF's attention reads `is_causal` off each attention module (Gemma's
+    # use_bidirectional_attention clears it); breakgraph's attention is always causal
+    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", 1) is False]
+    if bidirectional:
+        raise UnsupportedModelError(
+            f"{who}: the model's attention is bidirectional (is_causal=False on "
+            f"{bidirectional[0]}, as config.use_bidirectional_attention=True makes it), and "
+            f"breakgraph's attention is causal; load the model without bidirectional attention."
+        )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type not in _STATIC_ROPE_TYPES:
