@@ -366,7 +366,12 @@ class GraphLadder:
         """
         if self.closed:
             raise self._closed_error("decide")
-        agreed = size
+        try:
+            agreed = size = validate_count(size, 0, f"{self.who}.decide: size")
+        except InputError:
+            if self.ranks is not None:
+                self.ranks.report_failure()  # the other ranks raise instead of waiting
+            raise
         if self.ranks is not None:
             agreed = self.ranks.agree(size, fingerprint, what, fix)
         elif self.agree_size is not None:
@@ -389,7 +394,7 @@ class GraphLadder:
             raise self._closed_error("choose")
         return choose_bucket(
             self._sizes,
-            size,
+            validate_count(size, 0, f"{self.who}.choose: size"),
             max_padding_fraction=self.max_padding_fraction,
             can_capture=self._window_open,
             on_miss=self.on_miss,
@@ -400,10 +405,12 @@ class GraphLadder:
         """Replay ``bucket``'s graph with ``context`` as the replay context; returns the output
         its capture returned (it lives in graph memory). Counts a replay and, with ``size``
         (the live size), ``bucket - size`` padding elements."""
-        try:
-            rung = self._rungs[bucket]
-        except KeyError:
-            raise self._unknown(bucket, "replay") from None
+        rung = self._rung(bucket, "replay")
+        if size is not None and validate_count(size, 0, f"{self.who}.replay: size") > bucket:
+            raise InputError(
+                f"{self.who}.replay: size={size} is larger than bucket {bucket}; pass the live "
+                f"size, which the bucket holds (decide(size) chose it)."
+            )
         rung.graph.replay(context)
         stats = rung.stats
         stats.replays += 1
@@ -423,17 +430,11 @@ class GraphLadder:
     def graph(self, bucket: int, *, what: str = "graph") -> BreakableCUDAGraph:
         """The captured graph of ``bucket`` (``what`` names the caller's method in the error
         for a size that is not a bucket)."""
-        rung = self._rungs.get(bucket)
-        if rung is None:
-            raise self._unknown(bucket, what)
-        return rung.graph
+        return self._rung(bucket, what).graph
 
     def output(self, bucket: int) -> Any:
         """What ``record(bucket)`` returned at capture (graph memory, rewritten by replays)."""
-        rung = self._rungs.get(bucket)
-        if rung is None:
-            raise self._unknown(bucket, "output")
-        return rung.output
+        return self._rung(bucket, "output").output
 
     # -- tuning ------------------------------------------------------------------------------
     def tune(
@@ -559,10 +560,15 @@ class GraphLadder:
             f"build a new one."
         )
 
-    def _unknown(self, bucket: Any, what: str) -> Exception:
-        if self.closed:
-            return self._closed_error(what)
-        return InputError(f"{self.who}.{what}: no bucket {bucket!r}; captured: {self._sizes}.")
+    def _rung(self, bucket: Any, what: str) -> _Rung:
+        try:
+            return self._rungs[bucket]
+        except (KeyError, TypeError):  # TypeError: an unhashable bucket (a list)
+            if self.closed:
+                raise self._closed_error(what) from None
+            raise InputError(
+                f"{self.who}.{what}: no bucket {bucket!r}; captured: {self._sizes}."
+            ) from None
 
 
 def _name_the_sync(

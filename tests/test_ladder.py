@@ -276,6 +276,28 @@ def test_agree_size_and_padding(backend, device):
         bad.decide(3)
 
 
+@pytest.mark.parametrize("bad", ["3", None, -1, 3.5, True])
+def test_sizes_and_buckets_that_are_not_ints_are_refused(bad):
+    """decide("3") and decide(None) raised TypeErrors from the bucket search, decide(-1)
+    and decide(3.5) replayed bucket 4; replay(4, size=100) counted -96 padding elements and a
+    bucket that is not hashable ([4]) raised TypeError: each is an InputError naming the call."""
+    ladder, _ = make("emulated", "cpu")
+    with pytest.raises(InputError, match="GraphLadder.decide: size must be an int >= 0"):
+        ladder.decide(bad)
+    with pytest.raises(InputError, match="GraphLadder.choose: size must be an int >= 0"):
+        ladder.choose(bad)
+    if bad is not None:  # replay's size is optional
+        with pytest.raises(InputError, match="GraphLadder.replay: size must be an int >= 0"):
+            ladder.replay(4, 0, size=bad)
+    with pytest.raises(InputError, match="size=100 is larger than bucket 4"):
+        ladder.replay(4, 0, size=100)
+    for call in (ladder.replay, ladder.graph, ladder.output):
+        with pytest.raises(InputError, match=r"no bucket \[4\]"):
+            call([4])
+    assert ladder.stats.replays == 0 and ladder.stats.buckets[4].padded == 0
+    assert ladder.decide(0).bucket == 4 and ladder.replay(4, 0, size=4) is ladder.output(4)
+
+
 def test_stats_totals_views_and_table(backend, device):
     ladder, owner = make(backend, device)
     ladder.replay(16, 0, size=10)
