@@ -197,6 +197,45 @@ def test_user_dynamic_false_is_honoured(fresh_dynamo):
     assert half and counting.calls == counting.calls[:half] * 2, counting.calls
 
 
+def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
+    """``compile={}`` is a dict of ``torch.compile`` keyword arguments (none): it compiles, as
+    ``enable_continuous_batching(compile={})`` does; the runner took it for False and ran the
+    model uncompiled, silently. (``torch.compile`` is recorded here, not run: no Inductor.)"""
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    calls = []
+
+    def recording_compile(model, **options):
+        calls.append(options)
+        return model
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    runner = build(tiny_llama(), {}, token_buckets=(16,))
+    try:
+        assert isinstance(runner._forward_model, CompiledForward)
+        assert calls == [{"dynamic": True}]
+        runner.prefill([torch.randint(128, (5,))])
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"bogus": 1}, r"not torch.compile keyword arguments: 'bogus'; use some of .*dynamic"),
+    ({1: 2}, "not torch.compile keyword arguments: 1;"),
+    ({"fullgraph": True}, r"'fullgraph': True\} cannot work: attention .* eager break"),
+])  # fmt: skip
+def test_a_compile_dict_torch_would_refuse_is_an_input_error(bad, match):
+    """Keys ``torch.compile`` does not take were its raw ``TypeError`` from the constructor,
+    and ``fullgraph=True`` Dynamo's ``Unsupported`` at the first warm-up (the attention breaks
+    are Dynamo graph breaks): now an ``InputError`` before anything is built."""
+    from breakgraph.errors import InputError
+
+    model = tiny_llama()
+    with pytest.raises(InputError, match="PrefillRunner: compile.*" + match):
+        build(model, bad)
+    assert model.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.requires_cuda
 def test_inductor_compiled_runner_matches_the_uncompiled_one(fresh_dynamo):
     """``compile=True`` on the GPU (Inductor, fused kernels captured in the segments) computes

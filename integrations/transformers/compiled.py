@@ -41,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import torch
@@ -53,7 +54,9 @@ __all__ = ["CompiledForward", "check_compile_option"]
 
 def check_compile_option(compile: Any, who: str) -> None:
     """Refuse a ``compile=`` that is neither a bool nor a dict of ``torch.compile`` keyword
-    arguments (a truthy string would otherwise compile with the defaults).
+    arguments (a truthy string would otherwise compile with the defaults), a dict with other
+    keys, and ``fullgraph=True`` (the breaks are Dynamo graph breaks). An empty dict compiles
+    with torch's defaults, as ``True`` does.
 
     Example::
 
@@ -66,6 +69,21 @@ def check_compile_option(compile: Any, who: str) -> None:
             f"{who}: compile must be True, False or a dict of torch.compile keyword arguments, "
             f"got {compile!r}."
         )
+    if isinstance(compile, dict):  # refused here, not by torch.compile's TypeError later
+        known = [n for n, p in inspect.signature(torch.compile).parameters.items()
+                 if p.kind is p.KEYWORD_ONLY]  # fmt: skip
+        unknown = [k for k in compile if k not in known]
+        if unknown:
+            raise InputError(
+                f"{who}: compile has keys that are not torch.compile keyword arguments: "
+                f"{', '.join(map(repr, unknown))}; use some of {', '.join(known)}."
+            )
+        if compile.get("fullgraph"):
+            raise InputError(
+                f"{who}: compile={{'fullgraph': True}} cannot work: attention (and the MoE "
+                f"experts' eager loop) runs as an eager break, a Dynamo graph break; leave "
+                f"fullgraph out."
+            )
 
 
 class CompiledForward:

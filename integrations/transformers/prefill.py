@@ -200,7 +200,8 @@ class PrefillRunner:
                 f"pad token (config.pad_token_id None) can keep the default, 0."
             )
         self._forward_model = model
-        if compile:  # dynamic token dimension from the first compile: see .compiled
+        compiled = compile is not False  # True or a dict (an empty one: torch's defaults)
+        if compiled:  # dynamic token dimension from the first compile: see .compiled
             self._forward_model = CompiledForward(model, compile, backend_name)
         # MoE models: no router logits (their aux loss would sync; prefill does not need it)
         self._extra = (
@@ -212,7 +213,7 @@ class PrefillRunner:
         )
         # grouped_mm experts skip a bucket's padding rows (see .experts); not under
         # torch.compile, which would trace the mask's context variable
-        self._skip_padding = not compile and compat.experts_key(model) == "grouped_mm"
+        self._skip_padding = not compiled and compat.experts_key(model) == "grouped_mm"
         self._row_ids = torch.arange(longest, device=self.device) if self._skip_padding else None
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
         # (bucket, single prompt?) -> [(layer, key, value)] seen at capture
@@ -232,7 +233,7 @@ class PrefillRunner:
                     "token_buckets": token_buckets, "max_prompts": max_prompts,
                     "warmup": warmup, "pad_token_id": pad_token_id, "on_miss": on_miss,
                     "attention": self.attention, "tp_collectives": tp_collectives,
-                    "compile": bool(compile), "debug": self._check_ids, "backend": backend_name,
+                    "compile": compiled, "debug": self._check_ids, "backend": backend_name,
                     "model dtype": self.dtype,
                 })  # fmt: skip
                 self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
@@ -261,7 +262,7 @@ class PrefillRunner:
                 ranks=self.ranks,
                 slice_outputs=False,
                 warmup=warmup,
-                warmup_each=bool(compile),
+                warmup_each=compiled,
                 backend=backend,
                 capture_context=capture_batch,
                 debug=debug,
