@@ -116,11 +116,17 @@ def _attribute_names(value: Any) -> tuple | None:
 
 @functools.cache
 def _slot_names(cls: type) -> tuple:
+    """Every slot's attribute name; a private one (``__h``) as Python stores it (``_Cls__h``)."""
     names = []
     for klass in cls.__mro__:
         slots = vars(klass).get("__slots__", ())
         slots = (slots,) if isinstance(slots, str) else slots
-        names += [s for s in slots if s not in ("__dict__", "__weakref__")]
+        owner = klass.__name__.lstrip("_")
+        names += [
+            f"_{owner}{s}" if s.startswith("__") and not s.endswith("__") and owner else s
+            for s in slots
+            if s not in ("__dict__", "__weakref__")
+        ]
     return tuple(names)
 
 

@@ -153,6 +153,40 @@ def test_round_trip_through_replay(capture, device, kind):
         )
 
 
+class _PrivateSlots:
+    """A private slot (``__hidden``) is stored as ``_PrivateSlots__hidden``."""
+
+    __slots__ = ("__hidden", "count")
+
+    def __init__(self, hidden, count):
+        self.__hidden, self.count = hidden, count
+
+    @property
+    def hidden(self):
+        return self.__hidden
+
+
+def test_a_tensor_in_a_private_slot_is_copied_back(capture, device):
+    """The walker looked for a private slot under its written name (``__hidden``), found nothing
+    and left its tensor out: replays kept the capture-time values, silently."""
+
+    @eager_on_graph
+    def producer(x):
+        return _PrivateSlots(x * 2, 1)
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = producer(x * 1).hidden + 1
+    for _ in range(3):
+        fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(out, x * 2 + 1)
+    assert [path for path, _ in iter_tensors(_PrivateSlots(x, 1))] == [
+        "output._PrivateSlots__hidden"
+    ]
+
+
 # ---------------------------------------------------------------------------------------
 # Refusals
 # ---------------------------------------------------------------------------------------
