@@ -2059,6 +2059,26 @@ def test_serve_launcher_refuses_bad_query_buckets_before_loading(buckets, capsys
     assert "argument --query-buckets" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option, message", [
+    (["--bogus-option", "3"], "No such option '--bogus-option'"),
+    (["--port", "notanint"], "'notanint' is not a valid integer"),
+])  # fmt: skip
+def test_serve_launcher_reports_a_usage_error_of_transformers_serve(option, message, capsys):
+    """An option `transformers serve` refuses: its usage error and exit code 2, as `transformers
+    serve` itself reports it (the launcher ran it with standalone_mode=False and let click's
+    exception out: a traceback and exit code 1), and nothing left patched."""
+    if not compat.supported("serve"):
+        pytest.skip(f"pip install 'breakgraph[serve]': {compat.problems('serve')}")
+    from breakgraph.integrations.transformers import serve
+
+    manager_module, state_module, _ = compat.serving()
+    classes = manager_module.ModelManager, state_module.GenerationState
+    assert serve.main(["some/model", *option]) == 2
+    assert message in capsys.readouterr().err
+    assert (manager_module.ModelManager, state_module.GenerationState) == classes
+    assert serve._OPTIONS == {} and serve._HANDLES == []
+
+
 def test_serve_launcher_refuses_a_release_whose_serve_it_cannot_extend(monkeypatch, capsys):
     """A release whose server loads models where the launcher cannot reach them: the probe
     finds that, and the launcher says which transformers is installed, what is missing and

@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         app.main(args=["serve", *rest], prog_name="transformers", standalone_mode=False)
     except click.exceptions.Abort:
         pass  # Ctrl+C: uvicorn has shut the server down
+    except click.exceptions.ClickException as exc:  # a usage error: as `transformers serve`
+        exc.show()  # reports it (standalone_mode=False leaves it to us: it was a traceback)
+        return exc.exit_code
     finally:
         patches.restore()
         for state in states:
