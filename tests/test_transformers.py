@@ -391,7 +391,7 @@ def test_cache_is_invalidated_by_next_prefill(backend, closing):
         first.cache(2)
     with pytest.raises(InputError, match="out of range"):
         first.cache(-1)
-    for bad in (0.0, "0", True, torch.tensor([0])):
+    for bad in (0.0, "0", True, torch.tensor([0]), torch.tensor(True), torch.tensor(1 + 0j)):
         with pytest.raises(InputError, match="i must be a prompt's index"):
             first.cache(bad)
     assert first.cache(torch.tensor(1)).get_seq_length() == 7  # a 0-d integer tensor is an index

@@ -65,8 +65,9 @@ class PrefillOutput:
                 "overwritten it (or was started and failed); call cache(i) before the next prefill."
             )
         if isinstance(i, bool) or not isinstance(i, numbers.Integral | torch.Tensor) or (
-            isinstance(i, torch.Tensor) and (i.dim() or i.is_floating_point())
-        ):
+            isinstance(i, torch.Tensor)
+            and (i.dim() or i.is_floating_point() or i.is_complex() or i.dtype is torch.bool)
+        ):  # a bool tensor as True is refused: it indexed prompt 1, a complex one raised
             raise InputError(f"PrefillOutput.cache: i must be a prompt's index, an int; got {i!r}.")
         if not 0 <= i < len(self.bounds):
             raise InputError(
