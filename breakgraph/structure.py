@@ -95,10 +95,11 @@ def split(value: Any) -> Split | None:
     if isinstance(value, Mapping):  # before dataclasses: ModelOutput is both
         keys = tuple(value.keys())
         return Split("mapping", keys, tuple(value[k] for k in keys))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = tuple(f.name for f in dataclasses.fields(value))
-        return Split("attributes", names, tuple(getattr(value, n) for n in names))
     names = _attribute_names(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # the fields in their order, then what else the object holds (set in __post_init__)
+        fields = tuple(f.name for f in dataclasses.fields(value) if hasattr(value, f.name))
+        names = fields + tuple(n for n in names or () if n not in fields)
     if names is None:
         return None
     return Split("attributes", names, tuple(getattr(value, n) for n in names))

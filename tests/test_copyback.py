@@ -187,6 +187,36 @@ def test_a_tensor_in_a_private_slot_is_copied_back(capture, device):
     ]
 
 
+@dataclasses.dataclass
+class _Derived:
+    logits: torch.Tensor
+    note: str = dataclasses.field(init=False)  # never set
+
+    def __post_init__(self):
+        self.probs = self.logits.softmax(-1)  # an attribute that is not a field
+
+
+def test_a_dataclass_attribute_that_is_not_a_field_is_copied_back(capture, device):
+    """The walker took a dataclass's fields alone: a tensor set in ``__post_init__`` was left
+    out of copy-back and kept its capture-time values on every replay, silently (and a field
+    never set raised a raw AttributeError)."""
+
+    @eager_on_graph
+    def producer(x):
+        return _Derived(x * 2)
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = producer(x * 1).probs + 1
+    for _ in range(3):
+        fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(out, (x * 2).softmax(-1) + 1)
+    paths = [path for path, _ in iter_tensors(_Derived(x))]
+    assert paths == ["output.logits", "output.probs"]
+
+
 # ---------------------------------------------------------------------------------------
 # Refusals
 # ---------------------------------------------------------------------------------------
