@@ -22,6 +22,8 @@ the file fast on a small CPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -1157,6 +1159,25 @@ def test_bad_prefill_inputs_raise_input_errors(backend):
         runner.prefill(prompts_of([30, 30], device))  # 60 tokens > largest bucket 48
     assert "capture_window" not in str(info.value)
     assert "token_buckets" in str(info.value)
+
+
+def test_prompts_without_readable_ids_raise_input_errors():
+    """A prompt on the meta device (no data) or a sparse one passes the cheap checks (1-D,
+    int64, not empty): they were a raw NotImplementedError from the device-to-host copy (after
+    the bucket was decided) and numpy's TypeError; the eager path (a batch above every bucket)
+    the same. Now InputError naming the prompt, and the runner keeps working."""
+    model = model_for("llama", "emulated")
+    good = prompt(5, "cpu")
+    meta = torch.zeros(5, dtype=torch.long, device="meta")
+    sparse = torch.tensor([1, 0, 3]).to_sparse()
+    with contextlib.closing(make_runner(model, "emulated", on_miss="eager")) as runner:
+        for bad, what in ((meta, "meta device"), (sparse, "layout torch.sparse_coo")):
+            for batch in ([good, bad], [prompt(47, "cpu"), bad]):  # in a bucket, above all
+                with pytest.raises(InputError, match=f"prompt 1 is a tensor .*{what}.*dense"):
+                    runner.prefill(batch)
+        out = runner.prefill([good])
+        assert_logits_close(out.logits[0], eager_last_logits(model, good), "emulated", "after")
+        assert runner.stats.eager_fallbacks == {}
 
 
 def test_default_ladder_pads_at_most_7_tokens_below_256_and_an_eighth_above():

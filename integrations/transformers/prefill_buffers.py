@@ -198,6 +198,9 @@ class StepBuffers(StaticInputs):
         batch is longer than the buffer (an eager fallback builds its own tensors)."""
         total = sum(lengths)
         if total > self.max_tokens:
+            for prompt in prompts:
+                if prompt.is_meta or prompt.layout is not torch.strided:
+                    raise _unreadable_error(prompts, prompt)
             _check_vocabulary([p for p in prompts if p.is_cpu], vocab_size)
             return False
         if self.read is not None:
@@ -208,6 +211,8 @@ class StepBuffers(StaticInputs):
         on_device = False
         for prompt, n in zip(prompts, lengths):
             if not prompt.is_cpu:
+                if prompt.is_meta:  # no data (raised by the device-to-host copy after the decision)
+                    raise _unreadable_error(prompts, prompt)
                 on_device = True
             elif prompt.is_contiguous() and not prompt.is_neg():
                 # a plain memory copy: `ids[a:b] = prompt.numpy()` is two numpy calls, and the
@@ -215,6 +220,8 @@ class StepBuffers(StaticInputs):
                 # against 9-10 us for this (docs/results/h200-host-path-lines.json)
                 _memmove(address + 8 * start, prompt.data_ptr(), 8 * n)
             else:  # strided (or a negated view): numpy reads it element by element
+                if prompt.layout is not torch.strided:  # numpy's TypeError, not ours
+                    raise _unreadable_error(prompts, prompt)
                 view.ids[start : start + n] = prompt.resolve_neg().numpy()
             start += n
         if on_device:  # device prompts are not checked: it would cost a host sync
@@ -358,6 +365,15 @@ def _check_vocabulary(prompts: list, vocab_size: int) -> None:
     for p in prompts:
         if int(p.min()) < 0 or int(p.max()) >= vocab_size:
             raise _vocabulary_error(vocab_size)
+
+
+def _unreadable_error(prompts: list, prompt: torch.Tensor) -> InputError:
+    i = next(j for j, p in enumerate(prompts) if p is prompt)
+    what = "on the meta device (no data)" if prompt.is_meta else f"of layout {prompt.layout}"
+    return InputError(
+        f"PrefillRunner.prefill: prompt {i} is a tensor {what}; pass its token ids as a dense "
+        f"tensor with data (.to_dense(), or the ids on the CPU or the model's device)."
+    )
 
 
 def _vocabulary_error(vocab_size: int) -> InputError:
