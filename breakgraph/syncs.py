@@ -164,7 +164,8 @@ _HOST_DATA = (
     "capture; build the tensor before the capture"
 )
 
-_COPY_OPERATIONS = {aten._to_copy, aten.copy_}
+# under inference_mode `.cpu()`, `.to("cpu")` and `.tolist()` reach the mode whole, as aten.to
+_COPY_OPERATIONS = {aten._to_copy, aten.copy_, aten.to}
 # indexing with a boolean mask runs nonzero() inside: the result size depends on the data
 _MASK_INDEXING = {
     aten.index: "`x[mask]` (boolean-mask indexing: its output size depends on the data)",
@@ -242,19 +243,29 @@ def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
             return _MASK_INDEXING[packet]
         return None
     if packet in _COPY_OPERATIONS and not all_devices:
+        at = 3 if func is aten.to.device else 2  # copy_(self, src, non_blocking), to(self, x, nb)
         if kwargs.get("non_blocking", False) or (
-            packet is aten.copy_ and len(args) > 2 and args[2]
+            packet is not aten._to_copy and len(args) > at and args[at]
         ):
             return None
-        if packet is aten._to_copy:
-            source, target = args[0], kwargs.get("device")
-            target_is_cpu = target is not None and torch.device(target).type == "cpu"
-        else:
+        if packet is aten.copy_:
             target, source = args[0], args[1]
             target_is_cpu = isinstance(target, torch.Tensor) and target.device.type == "cpu"
+        else:
+            source, target = args[0], _copy_target(func, args, kwargs)
+            target_is_cpu = target is not None and torch.device(target).type == "cpu"
         if target_is_cpu and isinstance(source, torch.Tensor) and source.device.type != "cpu":
             return "a blocking device-to-host copy (`.cpu()`, `.tolist()`, `.numpy()`, `print(t)`)"
     return None
+
+
+def _copy_target(func, args: tuple, kwargs: dict) -> Any:
+    """The device ``_to_copy`` or ``to`` copies to, or None (it stays on the source's)."""
+    if func is aten.to.device:
+        return args[1]
+    if func is aten.to.other:
+        return args[1].device
+    return kwargs.get("device")
 
 
 def _refused(error: Exception) -> Exception:

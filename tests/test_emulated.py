@@ -174,6 +174,31 @@ def test_host_syncs_are_caught_under_every_grad_mode(op, grad_mode):
     assert_clean(g)
 
 
+DEVICE_TO_HOST = {
+    ".cpu()": lambda t: t.cpu(),
+    ".to('cpu')": lambda t: t.to("cpu"),
+    ".to('cpu', dtype)": lambda t: t.to("cpu", torch.float64),
+    ".to(cpu_tensor)": lambda t: t.to(torch.ones(1)),
+    ".tolist()": lambda t: t.tolist(),
+}
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("op", list(DEVICE_TO_HOST))
+def test_a_blocking_copy_to_the_host_is_named_under_every_grad_mode(op, grad_mode):
+    """The CUDA backend's check (all_devices=False; meta tensors stand for device tensors here):
+    under inference_mode `.cpu()`, `.to('cpu')` and `.tolist()` reach the mode whole as aten.to,
+    which the check did not know, so CUDA failed the capture later without naming the line."""
+    with grad_mode():
+        x = torch.ones(3, device="meta")
+        with pytest.raises(HostSyncError, match="device-to-host.*test_emulated.py"):
+            with syncs_module.SegmentMode(all_devices=False):
+                DEVICE_TO_HOST[op](x)
+        with syncs_module.SegmentMode(all_devices=False):  # no copy to the host: no sync
+            x.to(torch.float64), x.to("meta"), x.to(x), x.to(torch.float64, non_blocking=True)
+            torch.ones(2).to("cpu")  # a host tensor stays on the host
+
+
 def test_the_combinations_probe_answers_the_same_when_breakgraph_is_imported_in_inference_mode():
     """The probe runs at import; under inference_mode composites reach a dispatch mode whole, so
     a probe that did not leave the mode would see no sync and drop combinations silently."""
