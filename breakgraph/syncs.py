@@ -66,6 +66,8 @@ SYNC_OPERATIONS: dict = {
     aten.where.default: (  # where(cond, a, b), the other overloads, needs no sync
         "`torch.where(cond)` with one argument (nonzero: its output size depends on the data)"
     ),
+    aten.nonzero_numpy: "`nonzero(as_tuple=True)` (its output size depends on the data)",
+    aten.narrow.Tensor: "`narrow` with a tensor `start` (`.item()` of it inside)",
     aten.repeat_interleave.Tensor: _TENSOR_REPEATS,  # an int of repeats (self_int) is no sync
     aten.repeat_interleave.self_Tensor: _TENSOR_REPEATS,
     aten.repeat_interleave.Tensor_out: _TENSOR_REPEATS,
@@ -227,7 +229,8 @@ def sync_reason(func, args, kwargs, all_devices: bool) -> str | None:
     if reason is not None:
         if kwargs.get("output_size") is not None:  # repeat_interleave told its output size
             return None
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        read = args[2:3] if func is aten.narrow.Tensor else (args, kwargs)  # reads `start` only
+        tensors = [t for t in tree_leaves(read) if isinstance(t, torch.Tensor)]
         if all_devices or any(t.device.type != "cpu" for t in tensors):
             return reason
         return None

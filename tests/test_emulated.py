@@ -155,6 +155,8 @@ WHOLE_UNDER_INFERENCE = {
     "where, one argument": lambda x: torch.where(x > 0)[0],
     "argwhere": lambda x: torch.argwhere(x > 0),
     "combinations": lambda x: torch.combinations(x[:4]),
+    "nonzero, as_tuple": lambda x: torch.nonzero(x > 0, as_tuple=True)[0],  # nonzero_numpy
+    "narrow, a tensor start": lambda x: torch.narrow(x, 0, (x[0] > 0).long(), 2),
 }
 
 
@@ -162,7 +164,9 @@ WHOLE_UNDER_INFERENCE = {
 @pytest.mark.parametrize("op", list(SYNC_OPS) + list(WHOLE_UNDER_INFERENCE))
 def test_host_syncs_are_caught_under_every_grad_mode(op, grad_mode):
     """Under inference_mode composite ops reach the mode unexpanded: where(cond) captured there
-    once replayed its capture-time indices broadcast over the new ones, silently."""
+    once replayed its capture-time indices broadcast over the new ones, silently; so did
+    narrow with a tensor start (its capture-time start), and nonzero(as_tuple=True) raised a
+    raw RuntimeError on the first replay with another count."""
     sync = SYNC_OPS[op][0] if op in SYNC_OPS else WHOLE_UNDER_INFERENCE[op]
     if op == "combinations" and torch.ops.aten.combinations not in SYNC_OPERATIONS:
         pytest.skip("this torch builds combinations without a sync (next test)")
