@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .buckets import validate_callable, validate_count
 from .graph import BreakableCUDAGraph, capture
 from .state import context_scope
 from .structure import describe, map_tensors, split
@@ -50,8 +51,14 @@ def assert_replay_matches_eager(
     containers and objects field by field, other values with ``==``); ``equal_nan=True`` lets
     NaNs match. The first difference raises ``AssertionError`` naming the replay and its path
     (``output[1]['logits']``). Catches frozen host decisions, stale buffers that ``fn`` reads
-    besides its inputs, and unwritten outputs. Returns the graph.
+    besides its inputs, and unwritten outputs. Returns the graph. ``replays`` below 1 (a check
+    that compares nothing), a negative ``warmup`` or an ``fn``/``make_inputs`` that is not
+    callable raise ``InputError``.
     """
+    validate_callable(fn, "assert_replay_matches_eager: fn", optional=False)
+    validate_callable(make_inputs, "assert_replay_matches_eager: make_inputs", optional=False)
+    for name, value, least in (("replays", replays, 1), ("warmup", warmup, 0)):
+        validate_count(value, least, f"assert_replay_matches_eager: {name}")  # 0 replays: no check
     static = _static_copy(_as_tuple(make_inputs()))
     with context_scope(context):
         for _ in range(warmup):

@@ -12,6 +12,7 @@ from breakgraph import (
     BreakableCUDAGraph,
     BreakgraphWarning,
     HostSyncError,
+    InputError,
     StaleTensorError,
     eager_on_graph,
 )
@@ -306,6 +307,21 @@ def test_assert_replay_matches_eager_passes_on_good_code(backend, device):
         rtol=1e-4,
     )
     assert graph.num_breaks == 1
+
+
+@pytest.mark.parametrize(
+    "bad, phrase",
+    [(dict(replays=0), "replays must be an int >= 1"), (dict(replays="3"), "replays must be"),
+     (dict(warmup=-1), "warmup must be an int >= 0"), (dict(make_inputs=None), "make_inputs"),
+     (dict(fn=3), "fn")],
+)  # fmt: skip
+def test_assert_replay_matches_eager_refuses_bad_arguments(bad, phrase):
+    """replays=0 passed without comparing anything (a check that checks nothing), replays='3'
+    and an argument that is not callable raised raw TypeErrors, warmup=-1 was taken as 0."""
+    arguments = {"fn": lambda x: x * 2, "make_inputs": lambda: torch.randn(3), **bad}
+    with pytest.raises(InputError, match=f"assert_replay_matches_eager: {phrase}"):
+        assert_replay_matches_eager(arguments.pop("fn"), arguments.pop("make_inputs"),
+                                    backend="emulated", **arguments)  # fmt: skip
 
 
 def test_assert_replay_matches_eager_catches_a_stale_buffer(backend, device):
