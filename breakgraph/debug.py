@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .errors import BreakgraphWarning, StaleTensorError
+from .errors import BreakgraphWarning, InputError, StaleTensorError
 from .structure import describe, iter_tensors, reachable_tensors
 from .syncs import _user_frame
 
@@ -61,11 +61,32 @@ __all__ = ["debug_enabled", "InputWatch", "GraphReport"]
 logger = logging.getLogger("breakgraph")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def debug_enabled(flag: bool | None) -> bool:
-    """``flag`` if given, else the environment variable ``BREAKGRAPH_DEBUG``."""
+    """``flag`` if given (a bool), else the environment variable ``BREAKGRAPH_DEBUG``: on for
+    ``1``/``true``/``yes``/``on``, off when unset or ``0``/``false``/``no``/``off`` (any case).
+    Anything else is refused rather than guessed: ``debug="no"`` or ``BREAKGRAPH_DEBUG=of``
+    would otherwise turn the checks on (or off) against what was meant.
+
+    >>> debug_enabled(False), debug_enabled(True)
+    (False, True)
+    """
     if flag is not None:
-        return bool(flag)
-    return os.environ.get("BREAKGRAPH_DEBUG", "").lower() not in ("", "0", "false", "no")
+        if not isinstance(flag, bool):
+            raise InputError(
+                f"debug={flag!r}: it must be True, False or None (None reads the environment "
+                f"variable BREAKGRAPH_DEBUG)"
+            )
+        return flag
+    value = os.environ.get("BREAKGRAPH_DEBUG", "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise InputError(
+        f"BREAKGRAPH_DEBUG={os.environ['BREAKGRAPH_DEBUG']!r}: set it to 1, true, yes or on for "
+        f"debug mode, or 0, false, no, off (or unset it) for none"
+    )
 
 
 def _storage_ptr(t: torch.Tensor) -> int:

@@ -459,3 +459,35 @@ def test_runner_logs_captures_on_the_breakgraph_logger(caplog, backend, device):
     with caplog.at_level(logging.INFO, logger="breakgraph"):
         BucketedRunner(lambda x: x * 2, (4,), (torch.randn(1, device=device),), backend=backend)
     assert any("(size 4)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("ON", True), (" yes ", True), ("true", True),
+                                       ("", False), ("0", False), ("off", False), ("No", False)])
+def test_the_debug_variable_reads_the_usual_words(monkeypatch, value, on):
+    """``BREAKGRAPH_DEBUG=off`` turned debug mode on (only "", 0, false and no counted as off)."""
+    from breakgraph.debug import debug_enabled
+
+    monkeypatch.setenv("BREAKGRAPH_DEBUG", value)
+    assert debug_enabled(None) is on
+
+
+def test_debug_values_that_are_not_a_yes_or_no_are_refused(monkeypatch):
+    """``debug="no"`` turned debug mode on (``bool("no")``), and an unknown word in
+    ``BREAKGRAPH_DEBUG`` turned it on as well: both are refused, naming what to write."""
+    monkeypatch.setenv("BREAKGRAPH_DEBUG", "of")
+    with pytest.raises(breakgraph.InputError, match="BREAKGRAPH_DEBUG='of'.*1, true, yes or on"):
+        with breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="emulated"):
+            pass
+    monkeypatch.delenv("BREAKGRAPH_DEBUG")
+    for flag in ("no", 1, "False"):
+        with pytest.raises(breakgraph.InputError, match=r"debug=.*True, False or None"):
+            with breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="emulated",
+                                    debug=flag):  # fmt: skip
+                pass
+    x = torch.randn(3)
+    g = breakgraph.BreakableCUDAGraph()
+    with breakgraph.capture(g, backend="emulated", debug=False):  # the capture still works
+        y = x * 2
+    x.copy_(torch.randn(3))
+    g.replay()
+    assert torch.equal(y, x * 2)
