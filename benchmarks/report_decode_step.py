@@ -426,10 +426,11 @@ def split_pair_section(ab: dict, first_calls: list, first_calls_before: list, ru
 #: ``bench_cb``'s ``breakgraph_breaks`` (every pure-decode layer an attention break) with the
 #: tree before (a9bb246: the break's output allocated by the kernel, padded to the bucket and
 #: copied back) and now (written into the tensor the graph captured), one process each, in
-#: turn: ``(file, tree, turn)``
+#: turn: ``(file, tree, turn)``; the ``shapes-`` runs on mixtral-1k-8l and gemma-2b
 BREAK_OUTPUT_FILES = tuple(
-    (f"h100-cb-break-out-{tree}-{turn}-{release}.json", tree, turn)
-    for release, turns in (("5.17", (1, 2)), ("5.24", (1,)))
+    (f"h100-cb-break-out-{shapes}{tree}-{turn}-{release}.json", tree, turn)
+    for shapes, release, turns in (("", "5.17", (1, 2)), ("", "5.24", (1,)),
+                                   ("shapes-", "5.17", (1, 2)))  # fmt: skip
     for turn in turns
     for tree in ("before", "now")
 )
