@@ -166,22 +166,30 @@ class _PrivateSlots:
         return self.__hidden
 
 
-def test_a_tensor_in_a_private_slot_is_copied_back(capture, device):
-    """The walker looked for a private slot under its written name (``__hidden``), found nothing
-    and left its tensor out: replays kept the capture-time values, silently."""
+def _assert_replays_follow(capture, device, build, read, expect):
+    """Capture ``read(build(x * 2)) + 1`` with ``build`` as an eager break; every replay on
+    fresh ``x`` gives ``expect(x * 2) + 1`` (the break's output was copied back)."""
 
     @eager_on_graph
     def producer(x):
-        return _PrivateSlots(x * 2, 1)
+        return build(x * 2)
 
     x = torch.randn(4, device=device)
     g = BreakableCUDAGraph()
     with capture(g):
-        out = producer(x * 1).hidden + 1
+        out = read(producer(x * 1)) + 1
     for _ in range(3):
         fresh_into(x)
         g.replay()
-        torch.testing.assert_close(out, x * 2 + 1)
+        torch.testing.assert_close(out, expect(x * 2) + 1)
+    return x
+
+
+def test_a_tensor_in_a_private_slot_is_copied_back(capture, device):
+    """The walker looked for a private slot under its written name (``__hidden``), found nothing
+    and left its tensor out: replays kept the capture-time values, silently."""
+    x = _assert_replays_follow(capture, device, lambda y: _PrivateSlots(y, 1),
+                               lambda out: out.hidden, lambda y: y)  # fmt: skip
     assert [path for path, _ in iter_tensors(_PrivateSlots(x, 1))] == [
         "output._PrivateSlots__hidden"
     ]
@@ -200,19 +208,8 @@ def test_a_dataclass_attribute_that_is_not_a_field_is_copied_back(capture, devic
     """The walker took a dataclass's fields alone: a tensor set in ``__post_init__`` was left
     out of copy-back and kept its capture-time values on every replay, silently (and a field
     never set raised a raw AttributeError)."""
-
-    @eager_on_graph
-    def producer(x):
-        return _Derived(x * 2)
-
-    x = torch.randn(4, device=device)
-    g = BreakableCUDAGraph()
-    with capture(g):
-        out = producer(x * 1).probs + 1
-    for _ in range(3):
-        fresh_into(x)
-        g.replay()
-        torch.testing.assert_close(out, (x * 2).softmax(-1) + 1)
+    x = _assert_replays_follow(capture, device, _Derived, lambda out: out.probs,
+                               lambda y: y.softmax(-1))  # fmt: skip
     paths = [path for path, _ in iter_tensors(_Derived(x))]
     assert paths == ["output.logits", "output.probs"]
 
