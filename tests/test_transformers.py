@@ -645,8 +645,17 @@ def test_bad_runner_arguments():
             PrefillRunner(model, token_buckets=BUCKETS, pad_token_id=bad, backend="emulated")
     with pytest.raises(InputError, match="attention must be"):
         PrefillRunner(model, token_buckets=BUCKETS, attention="sdpa", backend="emulated")
-    with pytest.raises(InputError, match="on_miss"):
+    # named as PrefillRunner's (it was the inner BucketedRunner's name) and checked before any
+    # capture; the TP timeout and the two flags too, where the model is not tensor-parallel
+    # (they were taken silently there)
+    with pytest.raises(InputError, match="PrefillRunner: on_miss must be 'raise' or 'eager'"):
         PrefillRunner(model, token_buckets=BUCKETS, on_miss="pad", backend="emulated", warmup=1)
+    for bad in ("30", 0, -1.0, None, True):
+        with pytest.raises(InputError, match="PrefillRunner: tp_timeout must be"):
+            PrefillRunner(model, token_buckets=BUCKETS, tp_timeout=bad, backend="emulated")
+    for name in ("progress", "tune_buckets"):
+        with pytest.raises(InputError, match=f"PrefillRunner: {name} must be True or False"):
+            PrefillRunner(model, token_buckets=BUCKETS, backend="emulated", **{name: "no"})
     for bad in ("16", (2.5,), (True, 16), (0, 16), ()):  # validated as every runner's buckets
         with pytest.raises(InputError, match="PrefillRunner: token_buckets: bucket sizes must"):
             PrefillRunner(model, token_buckets=bad, backend="emulated", warmup=1)

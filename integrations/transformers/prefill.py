@@ -45,7 +45,13 @@ import torch
 
 import breakgraph
 from breakgraph import distributed
-from breakgraph.buckets import Action, expected_padding, validate_buckets, validate_count
+from breakgraph.buckets import (
+    Action,
+    expected_padding,
+    validate_buckets,
+    validate_count,
+    validate_real,
+)
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
 from breakgraph.ladder_stats import combined
@@ -170,6 +176,13 @@ class PrefillRunner:
                 f"CUDA backend in one process), True or False, got {single_prompt_graphs!r}."
             )
         check_compile_option(compile, "PrefillRunner")
+        if on_miss not in ("raise", "eager"):  # checked here: the ladder would name itself
+            raise InputError(f"PrefillRunner: on_miss must be 'raise' or 'eager', got {on_miss!r}.")
+        for name, flag in (("progress", progress), ("tune_buckets", tune_buckets)):
+            if not isinstance(flag, bool):
+                raise InputError(f"PrefillRunner: {name} must be True or False, got {flag!r}.")
+        if validate_real(tp_timeout, "PrefillRunner: tp_timeout") <= 0:  # TP or not: no surprise
+            raise InputError(f"PrefillRunner: tp_timeout must be positive, got {tp_timeout!r}.")
         validate_count(max_prompts, 1, "PrefillRunner: max_prompts")
         validate_count(warmup, 0, "PrefillRunner: warmup")
         limit = getattr(model.config, "max_position_embeddings", None)
