@@ -594,10 +594,22 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
     out["options_mismatch"] = error_of(
         lambda: enable_continuous_batching(sharded, backend=backend, query_buckets=buckets)
     )
-    # torch.compile under TP: refused on every rank before any process group is made
+    # torch.compile under TP: refused on every rank before anything is enabled
     out["compile_refused"] = error_text_of(
         lambda: enable_continuous_batching(sharded, backend=backend, compile=True)
     )
+    # one rank refuses its call (an invalid option there only): it tells the other, which
+    # raises at once instead of pairing its exchange with the refusing rank's next call
+    out["one_rank_refuses_enable"] = error_text_of(
+        lambda: enable_continuous_batching(
+            sharded, backend=backend, query_buckets=(0,) if rank == 0 else (8,), tp_timeout=30
+        )
+    )
+    with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,), tp_timeout=30):
+        out["one_rank_refuses_manager"] = error_text_of(
+            lambda: generate(sharded, use_cuda_graph="bad" if rank == 0 else None)
+        )
+        out["after_refusals"] = generate(sharded)  # the ranks are still in step
     out["restored"] = sharded.config._attn_implementation == "sdpa"
     return out
 
@@ -897,6 +909,16 @@ def test_continuous_batching_under_tp_refuses_different_settings_on_every_rank(c
         assert result["compile_refused"].startswith("InputError")
         assert "compile is not supported under tensor parallelism" in result["compile_refused"]
         assert result["restored"]
+        assert result["after_refusals"] == result["breakgraph_tp"]
+    # a call refused on rank 0 alone (before its exchange): rank 1 is told, and raises
+    refused, told = results[0], results[1]
+    assert refused["one_rank_refuses_enable"].startswith("InputError: enable_continuous_batching")
+    assert "query_buckets" in refused["one_rank_refuses_enable"]
+    assert refused["one_rank_refuses_manager"].startswith("InputError")
+    assert "use_cuda_graph" in refused["one_rank_refuses_manager"]
+    for name in ("one_rank_refuses_enable", "one_rank_refuses_manager"):
+        assert told[name].startswith("RankFailedError"), told[name]
+        assert "rank(s) [0] failed this call before it ran" in told[name]
 
 
 # -- in one process: the keep-alive after a failed NCCL capture ------------------------------------

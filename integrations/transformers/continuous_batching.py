@@ -352,6 +352,27 @@ class ContinuousBatchingHandle:
         ``max_batch_tokens`` no larger than the captured buckets), and whether its steps run
         as breakgraph's graphs, read from the config given or else the one in the generation
         config. Captures them first."""
+        try:
+            config, use_graphs = self._configure(given, generation_config)
+        except BaseException:
+            if self.ranks is not None:  # the others raise, not pair with this rank's next call
+                self.ranks.report_failure()
+            raise
+        if self.ranks is not None:  # every rank serves the same way, or all raise
+            settings = (use_graphs, config.max_batch_tokens, config.use_async_batching)
+            self.ranks.agree(
+                0,
+                distributed.fingerprint(repr(settings)),
+                "continuous-batching settings",
+                "pass the same ContinuousBatchingConfig and GenerationConfig on every rank",
+            )
+        if use_graphs:  # capture before serving, and compile the decode kernels
+            tables = self.runner.block_tables and config.max_blocks_per_request != 0
+            self.runner.plan(config.max_batch_tokens, _page_size(config) if tables else 0)
+        return config, use_graphs
+
+    def _configure(self, given, generation_config):
+        """The config for transformers and whether breakgraph's graphs serve it (no exchange)."""
         from transformers import ContinuousBatchingConfig
 
         if given is None:  # transformers' own default (a config in the generation config: legacy)
@@ -389,17 +410,6 @@ class ContinuousBatchingHandle:
                 validate_count(config.max_batch_tokens, 1,
                                f"{_WHO}: ContinuousBatchingConfig.max_batch_tokens")  # fmt: skip
             config.max_batch_tokens = config.max_batch_tokens or default
-        if self.ranks is not None:  # every rank serves the same way, or all raise
-            settings = (use_graphs, config.max_batch_tokens, config.use_async_batching)
-            self.ranks.agree(
-                0,
-                distributed.fingerprint(repr(settings)),
-                "continuous-batching settings",
-                "pass the same ContinuousBatchingConfig and GenerationConfig on every rank",
-            )
-        if use_graphs:  # capture before serving, and compile the decode kernels
-            tables = self.runner.block_tables and config.max_blocks_per_request != 0
-            self.runner.plan(config.max_batch_tokens, _page_size(config) if tables else 0)
         return config, use_graphs
 
     def _async_by_default(self, use_graphs: bool) -> bool:
@@ -493,6 +503,37 @@ def enable_continuous_batching(
         handle.disable()
     """
     check_model(model, _WHO)
+    with _lock:
+        group = distributed.tensor_parallel_group(model)
+        ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
+        try:
+            try:  # a rank that refuses tells the others (else they pair with its next call)
+                options = _options(model, backend, attention, query_buckets, decode_graphs,
+                                   compile, debug, tensor_parallel=group is not None)  # fmt: skip
+            except BaseException:
+                if ranks is not None:
+                    ranks.report_failure()
+                raise
+            if ranks is not None:  # every rank enables the same way (or all raise)
+                ranks.agree(
+                    0,
+                    distributed.fingerprint(repr(options)),
+                    f"{_WHO} options",
+                    f"call {_WHO} with the same arguments on every rank",
+                )
+            handle = ContinuousBatchingHandle(model, *options, ranks, decode_graphs=decode_graphs,
+                                              compile=compile)  # fmt: skip
+            handle._enable()
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+    return handle
+
+
+def _options(model, backend, attention, query_buckets, decode_graphs, compile, debug,
+             tensor_parallel: bool) -> tuple:  # fmt: skip
+    """``enable_continuous_batching``'s checks: (backend, kernel, query buckets, debug)."""
     compat.require("continuous_batching", _WHO)
     parameter = next(model.parameters())
     chosen = select_backend(backend).name
@@ -505,46 +546,27 @@ def enable_continuous_batching(
         raise InputError(f"{_WHO}: decode_graphs must be True or False, got {decode_graphs!r}.")
     check_compile_option(compile, _WHO)
     debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too
-    with _lock:
-        if _handle_of(model) is not None:
-            raise InputError(f"{_WHO}: continuous batching is already enabled for this model.")
-        if compat.cached_manager(model) is not None:
-            raise InputError(
-                f"{_WHO}: the model holds a persistent CB manager created without breakgraph; "
-                f"call model.destroy_cached_continuous_batching_manager() first."
-            )
-        key = compat.attention_key(model)
-        if isinstance(key, str) and key.startswith("paged|"):  # 5.17: set by a live manager
-            raise InputError(
-                f"{_WHO}: a CB manager created without breakgraph is live on this model (its "
-                f"attention implementation is {key!r}, and its stop() writes the one before "
-                f"back, which would take breakgraph's out while enabled); stop it first (a "
-                f"manager that never started restores nothing: start() it, then stop(block=True))."
-            )
-        group = distributed.tensor_parallel_group(model)
-        if group is not None and compile is not False:
-            raise InputError(
-                f"{_WHO}: compile is not supported under tensor parallelism (the ranks would "
-                f"have to agree on every compile); leave it False."
-            )
-        ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
-        try:
-            if ranks is not None:  # every rank enables the same way (or all raise)
-                ranks.agree(
-                    0,
-                    distributed.fingerprint(repr((chosen, kernel, query_buckets, debug))),
-                    f"{_WHO} options",
-                    f"call {_WHO} with the same arguments on every rank",
-                )
-            handle = ContinuousBatchingHandle(model, chosen, kernel, query_buckets, debug, ranks,
-                                              decode_graphs=decode_graphs,
-                                              compile=compile)  # fmt: skip
-            handle._enable()
-        except BaseException:
-            if ranks is not None:
-                ranks.close()
-            raise
-    return handle
+    if _handle_of(model) is not None:
+        raise InputError(f"{_WHO}: continuous batching is already enabled for this model.")
+    if compat.cached_manager(model) is not None:
+        raise InputError(
+            f"{_WHO}: the model holds a persistent CB manager created without breakgraph; "
+            f"call model.destroy_cached_continuous_batching_manager() first."
+        )
+    key = compat.attention_key(model)
+    if isinstance(key, str) and key.startswith("paged|"):  # 5.17: set by a live manager
+        raise InputError(
+            f"{_WHO}: a CB manager created without breakgraph is live on this model (its "
+            f"attention implementation is {key!r}, and its stop() writes the one before "
+            f"back, which would take breakgraph's out while enabled); stop it first (a "
+            f"manager that never started restores nothing: start() it, then stop(block=True))."
+        )
+    if tensor_parallel and compile is not False:
+        raise InputError(
+            f"{_WHO}: compile is not supported under tensor parallelism (the ranks would "
+            f"have to agree on every compile); leave it False."
+        )
+    return chosen, kernel, query_buckets, debug
 
 
 def _page_size(config: Any) -> int:
