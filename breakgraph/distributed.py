@@ -338,7 +338,11 @@ class RankGroup:
                 + ". The model's process group is no longer usable: end the processes.",
             )
             raise
-        _, same, failed = self._exchange(0, fingerprint(result) if fingerprint else 0, 0)
+        try:
+            _, same, failed = self._exchange(0, fingerprint(result) if fingerprint else 0, 0)
+        except RankFailedError:  # no answer (a peer exited): its collectives may never finish
+            self.keep_until_exit(keep)
+            raise
         if failed:
             self._broken = f"{what} failed on rank(s) {failed}"
             self.keep_until_exit(keep)

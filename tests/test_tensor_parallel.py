@@ -961,6 +961,38 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
         dist.destroy_process_group()
 
 
+def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monkeypatch):
+    """A step that succeeded here, then no answer at the status exchange (a peer exited
+    mid-capture): with NCCL this rank's captured collectives wait for that peer for ever, so
+    the step's graphs and buffers must be kept until exit, as after a failed step."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from breakgraph import distributed
+    from breakgraph.errors import RankFailedError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    kept = len(distributed._KEPT_UNTIL_EXIT)
+    try:
+        ranks = distributed.RankGroup(timeout=30)
+        monkeypatch.setattr(ranks, "nccl", True)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+
+        def peer_gone(*args, **kwargs):  # what gloo raises once the peer's process ended
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:12345")
+
+        monkeypatch.setattr(distributed_c10d, "all_reduce", peer_gone)
+        with pytest.raises(RankFailedError, match="no answer from every rank"):
+            ranks.capture_step("capture of bucket 4", lambda: "output", keep=("graph", "buffer"))
+        assert ranks.keeps_memory
+        assert distributed._KEPT_UNTIL_EXIT[kept:] == [("graph", "buffer")]
+        monkeypatch.undo()
+        ranks.close()
+    finally:
+        del distributed._KEPT_UNTIL_EXIT[kept:]
+        dist.destroy_process_group()
+
+
 def test_a_rank_that_dies_fails_the_launch_with_its_signal_and_stack(tmp_path):
     with pytest.raises(RankDied) as died:
         launch(("die",), "emulated", str(tmp_path))
