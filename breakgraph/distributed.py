@@ -188,12 +188,20 @@ class RankGroup:
         backend = str(dist.get_backend(self.group))
         self.nccl = "nccl" in backend
         self._host_blocking = backend == "gloo"  # a gloo collective blocks the calling thread
-        self._control = dist.new_group(
-            self.ranks,
-            backend="gloo",
-            timeout=timedelta(seconds=timeout),
-            use_local_synchronization=len(self.ranks) < dist.get_world_size(),
-        )
+        try:
+            self._control = dist.new_group(
+                self.ranks,
+                backend="gloo",
+                timeout=timedelta(seconds=timeout),
+                use_local_synchronization=len(self.ranks) < dist.get_world_size(),
+            )
+        except dist.DistError as exc:  # a peer that never builds its own (it raised or exited)
+            raise RankFailedError(
+                f"RankGroup: not every rank of {self.ranks} created its RankGroup within "
+                f"{timeout:g} s (rank {self._me} did): another rank raised before creating it "
+                f"(see its error, e.g. a runner's argument refused there), exited or is blocked. "
+                f"Build it on every rank at the same point; end the processes and restart."
+            ) from exc
         self._buffer = torch.zeros(3 + len(self.ranks), dtype=torch.int64)
         self._values = self._buffer.numpy()  # filled in place: no allocation per call
         self._broken: str | None = None

@@ -708,8 +708,22 @@ def scenario_die(rank: int, backend: str, path: str) -> dict:
     return {}
 
 
+def scenario_unbuilt(rank: int, backend: str, path: str) -> dict:
+    """Rank 1 never builds its RankGroup (a runner that refused an argument there raises
+    before it); rank 0, building its own, must raise breakgraph's error within the timeout."""
+    from breakgraph import distributed
+
+    if rank == 1:
+        time.sleep(4.0)  # alive (rank 0 holds the store) until rank 0 has given up
+        return {}
+    start = time.monotonic()
+    return {"error": error_text_of(lambda: distributed.RankGroup(timeout=2.0)),
+            "seconds": time.monotonic() - start}  # fmt: skip
+
+
 SCENARIOS = {
     "die": scenario_die,
+    "unbuilt": scenario_unbuilt,
     "bench": scenario_bench,
     "main": scenario_main,
     "cb": scenario_cb,
@@ -991,6 +1005,13 @@ def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monk
     finally:
         del distributed._KEPT_UNTIL_EXIT[kept:]
         dist.destroy_process_group()
+
+
+def test_a_rank_group_that_a_peer_never_builds_raises_rank_failed(tmp_path):
+    result = launch(("unbuilt",), "emulated", str(tmp_path))["unbuilt"][0]
+    assert result["error"].startswith("RankFailedError: RankGroup: not every rank"), result
+    assert "Build it on every rank at the same point" in result["error"]
+    assert result["seconds"] < 4.0
 
 
 def test_a_rank_that_dies_fails_the_launch_with_its_signal_and_stack(tmp_path):
