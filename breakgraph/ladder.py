@@ -366,12 +366,9 @@ class GraphLadder:
         """
         if self.closed:
             raise self._closed_error("decide")
-        try:
-            agreed = size = validate_count(size, 0, f"{self.who}.decide: size")
-        except InputError:
-            if self.ranks is not None:
-                self.ranks.report_failure()  # the other ranks raise instead of waiting
-            raise
+        if type(size) is not int or size < 0:  # per call: the message is built only here
+            size = self._checked_size(size, "decide", tell_ranks=True)
+        agreed = size
         if self.ranks is not None:
             agreed = self.ranks.agree(size, fingerprint, what, fix)
         elif self.agree_size is not None:
@@ -392,9 +389,11 @@ class GraphLadder:
         """The decision for ``size`` as given: no exchange, no ``agree_size``, no cache."""
         if self.closed:
             raise self._closed_error("choose")
+        if type(size) is not int or size < 0:
+            size = self._checked_size(size, "choose")
         return choose_bucket(
             self._sizes,
-            validate_count(size, 0, f"{self.who}.choose: size"),
+            size,
             max_padding_fraction=self.max_padding_fraction,
             can_capture=self._window_open,
             on_miss=self.on_miss,
@@ -406,11 +405,12 @@ class GraphLadder:
         its capture returned (it lives in graph memory). Counts a replay and, with ``size``
         (the live size), ``bucket - size`` padding elements."""
         rung = self._rung(bucket, "replay")
-        if size is not None and validate_count(size, 0, f"{self.who}.replay: size") > bucket:
-            raise InputError(
-                f"{self.who}.replay: size={size} is larger than bucket {bucket}; pass the live "
-                f"size, which the bucket holds (decide(size) chose it)."
-            )
+        if size is not None and (type(size) is not int or not 0 <= size <= bucket):
+            if self._checked_size(size, "replay") > bucket:
+                raise InputError(
+                    f"{self.who}.replay: size={size} is larger than bucket {bucket}; pass the "
+                    f"live size, which the bucket holds (decide(size) chose it)."
+                )
         rung.graph.replay(context)
         stats = rung.stats
         stats.replays += 1
@@ -559,6 +559,17 @@ class GraphLadder:
             f"{self.who}.{what}: closed by close(), which released its graphs for good; "
             f"build a new one."
         )
+
+    def _checked_size(self, size: Any, what: str, tell_ranks: bool = False) -> int:
+        """``size`` as an int >= 0 (numpy's ints too), else ``InputError`` naming ``what``;
+        with ``tell_ranks`` the other ranks raise too instead of waiting for this one. Called
+        only where the per-call check (a plain int >= 0) did not pass."""
+        try:
+            return validate_count(size, 0, f"{self.who}.{what}: size")
+        except InputError:
+            if tell_ranks and self.ranks is not None:
+                self.ranks.report_failure()
+            raise
 
     def _rung(self, bucket: Any, what: str) -> _Rung:
         try:
