@@ -356,6 +356,10 @@ def scenario_main(rank: int, backend: str, path: str) -> dict:
     # a batch that only rank 1 rejects (too many prompts): rank 0 must not wait for it
     too_many = prompts_for(7, (2,) * (3 if rank == 0 else 5))
     out["one_rank_invalid"] = error_of(lambda: runner.prefill(too_many))
+    # refused before the lengths are read: a bare tensor, owned= not a bool (rank 1 only)
+    one = prompts_for(7, (3,))
+    out["one_rank_tensor"] = error_of(lambda: runner.prefill(one[0] if rank else one))
+    out["one_rank_owned"] = error_of(lambda: runner.prefill(one, owned="yes" if rank else True))
     out["after_errors_diff"] = max_diff(runner, full, seed=8)
     out["calls"] = dict(runner.stats.calls)
     runner.close()
@@ -864,6 +868,8 @@ def test_a_call_rejected_on_one_rank_raises_on_the_other(main_run):
     _, results = main_run
     assert results[0]["one_rank_invalid"] == "RankFailedError"
     assert results[1]["one_rank_invalid"] == "InputError"
+    for call in ("one_rank_tensor", "one_rank_owned"):  # rank 0 used to wait for its timeout
+        assert (results[0][call], results[1][call]) == ("RankFailedError", "InputError"), call
     for result in results:
         assert result["after_errors_diff"] < tolerance(main_run[0])
         assert result["calls"] == results[0]["calls"]  # the same graphs replayed everywhere

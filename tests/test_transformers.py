@@ -470,6 +470,9 @@ def test_input_errors(backend, closing):
         runner.prefill([])
     with pytest.raises(InputError, match="non-empty list"):
         runner.prefill(prompt(5, device))  # a bare tensor, not a list
+    for owned in ("no", 0, None, torch.tensor(True)):  # "no" was truthy: an owned copy
+        with pytest.raises(InputError, match="owned must be True or False"):
+            runner.prefill([prompt(5, device)], owned=owned)
     bad = {
         "2-D": prompt(6, device)[None],
         "int32": prompt(6, device).int(),

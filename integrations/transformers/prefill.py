@@ -452,19 +452,14 @@ class PrefillRunner:
             raise ReplayError(
                 "PrefillRunner.prefill: the runner is closed; build a new PrefillRunner."
             )
-        if isinstance(prompts, torch.Tensor):
-            raise InputError(
-                "PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
-                "prompt), not one tensor; wrap a single prompt as [ids]."
-            )
-        if not isinstance(prompts, Iterable):
-            raise InputError(
-                f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
-                f"prompt), got {type(prompts).__name__}."
-            )
-        prompts = prompts if isinstance(prompts, list) else list(prompts)
         steps = self._steps
-        try:
+        try:  # under tensor parallelism a rank's bad input fails its peers too, in step
+            if owned is not True and owned is not False:
+                raise InputError(
+                    f"PrefillRunner.prefill: owned must be True or False, got {owned!r}."
+                )
+            if not isinstance(prompts, list):
+                prompts = self._as_list(prompts)
             lengths = self._validate(prompts)
             staged = steps.write_ids(prompts, lengths, self.vocab_size)
         except InputError:
@@ -536,6 +531,21 @@ class PrefillRunner:
         finally:
             self._steps.launched()
         return logits[0, : len(lengths)], bounds
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        """``prompts`` as a list; ``InputError`` for one tensor or what is not iterable."""
+        if isinstance(prompts, torch.Tensor):
+            raise InputError(
+                "PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
+                "prompt), not one tensor; wrap a single prompt as [ids]."
+            )
+        if not isinstance(prompts, Iterable):
+            raise InputError(
+                f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
+                f"prompt), got {type(prompts).__name__}."
+            )
+        return list(prompts)
 
     def _validate(self, prompts: list) -> list[int]:
         """The prompts' lengths; ``InputError`` unless ``prompts`` holds 1 to ``max_prompts``
