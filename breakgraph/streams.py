@@ -43,6 +43,7 @@ import torch
 
 from .errors import StreamError
 from .patches import patch_attribute
+from .syncs import _refused
 
 __all__ = ["StreamTracker"]
 
@@ -107,13 +108,14 @@ class StreamTracker:
             if self._part_of_capture(stream):
                 if not source_captured:
                     where = "outside this capture" if source is None else f"on {source}"
-                    raise StreamError(
+                    # the wait does not run: caught inside the block, the capture fails anyway
+                    raise _refused(StreamError(
                         f"{stream} (part of the breakgraph capture) waits on an event recorded "
                         f"{where}. That dependency cannot be recorded in a CUDA graph and would "
                         f"not hold on replay. Record the event on the capture stream (or on a "
                         f"stream forked from it) inside the captured region, or wait before "
                         f"capture starts."
-                    )
+                    ))
                 if stream != self.capture_stream:
                     self._members[stream] = True  # forked (again, after the user joined it)
                 elif source != self.capture_stream:

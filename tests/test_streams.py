@@ -9,6 +9,7 @@ import contextlib
 import pytest
 import torch
 
+import breakgraph
 from breakgraph import StreamError
 from breakgraph.streams import StreamTracker
 
@@ -63,3 +64,21 @@ def test_waiting_on_a_stream_outside_the_capture_raises(tracked):
     _, capture_stream, side = tracked
     with pytest.raises(StreamError, match="waits on an event recorded on side"):
         capture_stream.wait_stream(side)
+
+
+def test_a_stream_error_caught_inside_the_capture_block_fails_the_capture(tracked):
+    """The refused wait never ran, so the segment lacks that dependency: code that catches the
+    error (a library's ``except RuntimeError`` fallback) would get a graph that races on replay.
+    As after a refused host sync, the capture raises when the block ends and holds nothing."""
+    _, capture_stream, side = tracked
+    g = breakgraph.BreakableCUDAGraph()
+    with pytest.raises(breakgraph.CaptureError, match="StreamError refused"):
+        with breakgraph.capture(g, backend="emulated"):
+            try:
+                capture_stream.wait_stream(side)
+            except RuntimeError:
+                pass
+    assert g.num_segments == 0
+    with breakgraph.capture(g, backend="emulated"):  # the next capture is unaffected
+        pass
+    assert g.num_segments == 1
