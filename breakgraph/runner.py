@@ -228,9 +228,9 @@ class BucketedRunner:
 
     def _capture(self, sizes: Sequence[int]) -> None:
         """One capture phase: one warm-up (or one per bucket) and one gc pass in all."""
-        for size in sizes:  # before any capture: allocated inside one, they would be recorded
-            self._buffers_of(size)
         try:
+            for size in sizes:  # before any capture: allocated inside one, they'd be recorded
+                self._buffers_of(size)
             self.ladder.capture(
                 sizes,
                 self._record,
@@ -238,7 +238,8 @@ class BucketedRunner:
                 warm_up_each=self.warmup_each,
                 context=self._capture_context,
             )
-        finally:  # a failed bucket's buffers go, unless a failed NCCL step must keep them
+        finally:  # a failed bucket's buffers go (also those allocated before an allocation
+            # failed), unless a failed NCCL step must keep them
             if self.ranks is None or not self.ranks.keeps_memory:
                 for size in [s for s in self._buffers if s not in self.ladder.buckets]:
                     del self._buffers[size]

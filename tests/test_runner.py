@@ -3,6 +3,8 @@
 Every test runs on both backends through the ``backend``/``device`` fixtures.
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -506,3 +508,29 @@ def test_weak_method_takes_bound_methods_only_and_keeps_their_names():
 
     with pytest.raises(InputError, match=r"weak_method: .*Slotted.forward.*__weakref__"):
         weak_method(Slotted().forward)
+
+
+def test_add_buckets_whose_buffers_fail_to_allocate_keeps_none_of_them(backend, device):
+    """add_buckets allocates every new bucket's buffers before capturing; one that failed (out
+    of memory) left the buffers allocated before it in the runner, with no graph to read them:
+    held until the next capture phase, and memory is what just ran out."""
+    made = []
+
+    class Failing(breakgraph.runner.StaticInputs):
+        def allocate(self, size):
+            if size == 64:
+                raise torch.OutOfMemoryError("no memory for bucket 64")
+            buffers = super().allocate(size)
+            made.append((size, weakref.ref(buffers[0])))
+            return buffers
+
+    inputs = Failing((torch.zeros(1, 8, device=device),))
+    runner = BucketedRunner(lambda x: x * 2, (4,), backend=backend, static_inputs=inputs)
+    with pytest.raises(torch.OutOfMemoryError), runner.capture_window():
+        runner.add_buckets((16, 64))
+    assert runner.buckets == (4,)
+    assert [size for size, ref in made if ref() is not None] == [4]  # bucket 16's went
+    with runner.capture_window():  # the runner captures and serves as before
+        runner.add_buckets((16,))
+    x = torch.randn(9, 8, device=device)
+    assert torch.equal(runner(x), x * 2)
