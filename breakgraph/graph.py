@@ -439,9 +439,13 @@ class _Capture:
         self.breaks.append(Break(options.name, function, args, kwargs, output, replay))
         moot = function is None or torch.is_inference_mode_enabled()  # it replays in that mode
         self.grad_modes.append("" if moot else "grad" if torch.is_grad_enabled() else "no_grad")
-        if self.watch is not None:
-            self.watch.observe_break(options.name, args, kwargs, output)
-        self._begin_segment()
+        try:
+            if self.watch is not None:
+                self.watch.observe_break(options.name, args, kwargs, output)
+            self._begin_segment()
+        except BaseException as exc:  # no segment: what follows would run uncaptured
+            self.fail(f"beginning the segment after {options.name!r} raised {exc!r}")
+            raise
         return output
 
     @staticmethod

@@ -717,3 +717,31 @@ def test_failure_ending_a_segment_caught_inside_the_block_is_a_capture_error(cap
                 pass
             recording.session.end_segment = original
     assert_clean(g)
+
+
+def test_failure_beginning_the_segment_after_a_break_caught_inside_the_block(capture, device):
+    """As above, when the segment after a break cannot begin (CUDA's capture_begin out of
+    memory, say): nothing was marked, so the block's end tried to end a segment that never
+    began and raised a raw AttributeError ('NoneType' ...) instead of naming what failed."""
+
+    @breakgraph.eager_on_graph
+    def step(t):
+        return t * 2
+
+    g = breakgraph.BreakableCUDAGraph()
+    x = torch.randn(3, device=device)
+    with pytest.raises(CaptureError, match=r"beginning the segment after '.*step' raised"):
+        with capture(g):
+            recording = breakgraph.state.current_capture()
+            original = recording.session.begin_segment
+
+            def broken():
+                recording.session.begin_segment = original  # fails once
+                raise RuntimeError("the segment could not begin")
+
+            recording.session.begin_segment = broken
+            try:
+                step(x * 1)
+            except RuntimeError:
+                pass
+    assert_clean(g)
