@@ -266,6 +266,30 @@ def test_sliding_window_is_applied(arch, backend, closing):
             assert (full.float() - ref.float()).abs().max().item() > 2 * cuda_tolerance(ref)
 
 
+STATIC_ROPE = {
+    "linear": dict(factor=2.0),
+    "llama3": dict(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+    ),
+    "yarn": dict(factor=4.0, original_max_position_embeddings=16),
+    # computed once, like default RoPE (transformers' dynamic_rope_update passes it by): it was
+    # refused as if it recomputed its frequencies per sequence length
+    "proportional": dict(partial_rotary_factor=0.5),
+}
+
+
+@pytest.mark.parametrize("rope_type", list(STATIC_ROPE))
+def test_static_rope_types_match_the_eager_model(rope_type, backend, closing):
+    rope = dict(STATIC_ROPE[rope_type], rope_type=rope_type, rope_theta=10000.0)
+    model = model_for("llama", backend, rope_parameters=rope)
+    assert model.model.rotary_emb.rope_type == rope_type
+    runner = closing(make_runner(model, backend))
+    prompts = prompts_of([20, 1, 16], next(model.parameters()).device)
+    out = runner.prefill(prompts)
+    for i, p in enumerate(prompts):
+        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"prompt {i}")
+
+
 def test_two_runners_interleaved(backend, closing):
     """Runners of two models (and a second one of the same model) do not disturb each other."""
     llama, moe = model_for("llama", backend), model_for("qwen3_moe", backend)

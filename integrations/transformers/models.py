@@ -41,7 +41,8 @@ __all__ = [
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
-_STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
+# computed once; transformers' dynamic_rope_update recomputes "dynamic" and "longrope" per call
+_STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn", "proportional")
 
 #: Continuous batching: the query buckets grow by this factor from the first: 32, 128, 512,
 #: 2048. Coarse on purpose. The attention breaks run at the exact lengths, so padding costs
@@ -187,8 +188,9 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
     if rope_type not in _STATIC_ROPE_TYPES:
         static = ", ".join(map(str, _STATIC_ROPE_TYPES[1:]))
         raise UnsupportedModelError(
-            f"{who}: rope_type {rope_type!r} recomputes its frequencies from the live "
-            f"sequence length on the host; only static RoPE ({static}) can be captured."
+            f"{who}: rope_type {rope_type!r} is not static RoPE (dynamic and longrope "
+            f"recompute their frequencies from the live sequence length on the host); only "
+            f"static RoPE ({static}) can be captured."
         )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
