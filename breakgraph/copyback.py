@@ -187,7 +187,10 @@ class _Plan:
         function = self.function
         if isinstance(captured, torch.Tensor):
             key = storage_key(captured)
-            if key in self.arguments:
+            # a zero-size output is no memory at all: segments read nothing from it, so any
+            # empty tensor of its shape may replace it (a view of the argument at capture, a
+            # new one on replay); only shape, dtype and device are checked
+            if key in self.arguments and captured.numel():
                 return _same_memory_copier(captured, path, function, _ARGUMENT)
             if key in self.held and captured.numel():
                 return _same_memory_copier(captured, path, function, _HELD)

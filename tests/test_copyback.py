@@ -722,6 +722,31 @@ def test_in_place_function_returning_its_argument_and_a_view_of_it(capture, devi
         torch.testing.assert_close(y, (fresh + 1) * 2 + ((fresh[:2] + 1) * 2).sum())
 
 
+@pytest.mark.parametrize("cut", ["rows", "columns"])
+def test_a_zero_size_view_of_the_argument_may_become_a_new_zero_size_tensor(capture, device, cut):
+    """A zero-size output holds no memory for segments to read: a view of the argument at
+    capture (``h[:0]``, as a slice of an empty batch gives) and a new empty tensor on replay
+    are the same output. It raised CopyBackError ("a new tensor where it returned memory of
+    its own argument"), found by the fuzzer's break_returns_zero_size family."""
+    state = {"replay": False}
+
+    @eager_on_graph
+    def rows_left(h):
+        empty = h.new_zeros((0, 3)) if cut == "rows" else h.new_zeros((4, 0))
+        return h * 2, (empty if state["replay"] else h[:0] if cut == "rows" else h[:, :0])
+
+    x = torch.randn(4, 3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y, none = rows_left(x + 1)
+        out = torch.cat([none, y], 0 if cut == "rows" else 1) * 1
+    state["replay"] = True
+    for _ in range(2):
+        fresh = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(out, (fresh + 1) * 2)
+
+
 def test_persistent_tensor_at_replay_is_copied_from_not_into(capture, device):
     """Fresh at capture, a long-lived tensor on replay: the copy goes from the user's tensor
     into graph memory, which is always safe."""
