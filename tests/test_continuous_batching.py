@@ -1523,6 +1523,17 @@ def test_unsupported_models_and_arguments():
     assert not cb._enabled and not cb._shared.installed  # failed enables leave nothing
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2_hybrid"])
+def test_a_sliding_window_of_one_token_is_refused(arch):
+    """transformers' paged cache takes a window of 1 for its mark of a full-attention layer (it
+    reads every key) while its step metadata gives that layer one key per query: a model whose
+    window is one token got other tokens than generate() (stock CB too), silently."""
+    model = build_model(arch, sliding_window=1)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=1"):
+        enable_continuous_batching(model, backend="emulated")
+    assert not cb._enabled and not cb._shared.installed
+
+
 @needs_cb
 def test_unsupported_cb_configs_raise():
     model = build_model("llama")

@@ -79,7 +79,12 @@ from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
 from .compiled import check_compile_option
 from .experts import EXPERTS_KEY, needs_experts_break
 from .experts import register as register_experts
-from .models import DEFAULT_MAX_BATCH_TOKENS, UnsupportedModelError, check_model
+from .models import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    UnsupportedModelError,
+    check_model,
+    check_paged_window,
+)
 from .models import resolve_attention as _resolve_attention
 
 __all__ = [
@@ -503,6 +508,7 @@ def enable_continuous_batching(
         handle.disable()
     """
     check_model(model, _WHO)
+    check_paged_window(model.config, _WHO)
     with _lock:
         group = distributed.tensor_parallel_group(model)
         ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)

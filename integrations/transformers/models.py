@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_MAX_BATCH_TOKENS",
     "attention_heads",
     "layer_attention",
+    "check_paged_window",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
@@ -202,4 +203,16 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
         raise UnsupportedModelError(
             f"{who}: the parameters are on the meta device and hold no data (a model built "
             f"under torch.device('meta') or offloaded); load its weights onto a device first."
+        )
+
+
+def check_paged_window(config: Any, who: str) -> None:
+    """Refuse a one-token sliding window for continuous batching: transformers' paged cache
+    takes a window of 1 for its mark of a full-attention layer (it reads every key of such a
+    layer, while the step's lengths give it one key per query), so the keys would not match."""
+    if layer_attention(config) != "full" and getattr(config, "sliding_window", None) == 1:
+        raise UnsupportedModelError(
+            f"{who}: sliding_window=1 is transformers' paged cache's mark of a full-attention "
+            f"layer, so its continuous batching reads other keys than a one-token window "
+            f"(stock transformers too); PrefillRunner serves the model."
         )
