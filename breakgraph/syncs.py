@@ -27,14 +27,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 
 from ._layout import OWN_DIRS
 from .errors import CaptureError, HostSyncError
 from .state import state
 
-__all__ = ["SegmentMode", "CompileTransparentSegmentMode", "SYNC_OPERATIONS", "sync_reason"]
+__all__ = [
+    "SegmentMode",
+    "CompileTransparentSegmentMode",
+    "SYNC_OPERATIONS",
+    "sync_reason",
+    "exit_segment_mode",
+]
 
 aten = torch.ops.aten
 
@@ -351,3 +357,20 @@ class CompileTransparentSegmentMode(SegmentMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+
+def exit_segment_mode(mode: SegmentMode) -> None:
+    """Exit a segment's mode where the segment ends at a break. torch pops the *top* of the
+    dispatch mode stack, so a mode the user entered inside the segment and has not left would be
+    popped in its place: refused (the caller's ``abort`` still exits ``mode``)."""
+    top = _get_current_dispatch_mode()
+    if top is not mode:
+        raise CaptureError(
+            f"breakgraph.capture: a segment ends (at a break: an @eager_on_graph call or "
+            f"break_graph()) inside {type(top).__name__}, a TorchDispatchMode entered inside the "
+            f"capture block and not left yet. Each "
+            f"segment is captured under a dispatch mode of breakgraph's, which the break must "
+            f"leave, and torch leaves the newest mode first: yours. Enter your mode around the "
+            f"`with breakgraph.capture(...)` block, or leave it before the break."
+        )
+    mode.__exit__(None, None, None)

@@ -952,3 +952,34 @@ def test_the_capture_state_reset_runs_on_breakgraphs_own_stream(monkeypatch):
     session._invalidated, streams[:] = False, []
     cuda.CudaSession.close(session)  # a capture CUDA did not invalidate: no reset
     assert streams == []
+
+
+def test_a_break_inside_a_dispatch_mode_entered_in_the_capture_block_is_refused(capture, device):
+    """A break exits the segment's dispatch mode, and torch pops the top of the mode stack: with
+    a mode of the user's (FlopCounterMode, say) entered inside the block above it, the break
+    popped the user's mode instead, the eager function ran under the old segment's mode (its
+    host reads refused as syncs, its output taken for memory held elsewhere) and the user's mode
+    stopped seeing anything. Refused by name; entered around the capture block it works."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    @breakgraph.eager_on_graph
+    def double(t):
+        return t * 2
+
+    x = torch.ones(3, device=device)
+    g = breakgraph.BreakableCUDAGraph()
+    with pytest.raises(breakgraph.CaptureError, match="Counting.*around the"):
+        with capture(g):
+            with Counting():
+                double(x + 1)
+    assert _get_current_dispatch_mode() is None
+    assert_clean(g)
+    with Counting(), capture(g):  # around the block: the segments' modes stay above it
+        y = double(x + 1) + 1
+    x.fill_(2.0)
+    g.replay()
+    assert y.tolist() == [7.0] * 3

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import BreakgraphError, CaptureError
 from ..streams import StreamTracker
-from ..syncs import CompileTransparentSegmentMode, SegmentMode
+from ..syncs import CompileTransparentSegmentMode, SegmentMode, exit_segment_mode
 from .base import CaptureOptions, Observer, pool_handle, released_pool_error
 
 _capture_streams: dict = {}  # device -> breakgraph's capture stream
@@ -141,11 +141,11 @@ class CudaSession:
 
     def end_segment(self) -> CudaSegment:
         graph, mode = self._graph, self._mode
-        self._mode = None
         operations = None
         if mode is not None:
-            mode.__exit__(None, None, None)
+            exit_segment_mode(mode)  # may refuse: the mode is then abort()'s to exit
             operations = mode.operations
+        self._mode = None
         unjoined = self.tracker.join_all()
         with quiet_empty_graph(not operations):  # a break right after another
             graph.capture_end()

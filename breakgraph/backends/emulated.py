@@ -48,7 +48,7 @@ import torch
 
 from ..errors import CaptureError
 from ..patches import patch_attribute
-from ..syncs import SegmentMode, sync_reason
+from ..syncs import SegmentMode, exit_segment_mode, sync_reason
 from .base import CaptureOptions, Observer, pool_handle, released_pool_error
 
 aten = torch.ops.aten
@@ -314,9 +314,10 @@ class EmulatedSession:
         _capturing.active = True
 
     def end_segment(self) -> EmulatedSegment:
-        mode, self._mode = self._mode, None
+        mode = self._mode
+        exit_segment_mode(mode)  # may refuse: the mode is then abort()'s to exit
+        self._mode = None
         _capturing.active = False
-        mode.__exit__(None, None, None)
         if torch.default_generator.initial_seed() != self._seed:
             raise _reseeded_error()  # the CPU generator stands for the device's default one
         held, self._begun = self._counted if self._begun else None, False
