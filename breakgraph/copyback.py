@@ -216,7 +216,16 @@ class _Plan:
 
 
 def _writer(captured: torch.Tensor) -> Callable[[torch.Tensor], Any]:
-    """``captured.copy_``, entered into inference mode if ``captured`` was made under it."""
+    """``captured.copy_``, entered into inference mode if ``captured`` was made under it, and
+    under ``no_grad`` if it requires grad (captured with grad on): autograd would record every
+    replay's copy into it, its history growing without bound."""
+    if captured.requires_grad:
+
+        def copy_untracked(new: torch.Tensor, _copy=captured.copy_) -> None:
+            with torch.no_grad():
+                _copy(new)
+
+        return copy_untracked
     if not captured.is_inference():
         return captured.copy_
 

@@ -999,3 +999,27 @@ def test_output_autograd_saved_for_backward_is_held_elsewhere(capture, device):
     fresh = fresh_into(x)
     g2.replay()
     torch.testing.assert_close(y, torch.sigmoid(fresh * w.detach()) + 1)
+
+
+def test_copy_back_under_grad_mode_records_no_autograd_history(capture, device):
+    """A break captured with grad on whose output requires grad (it used a parameter): every
+    replay's copy into the captured output was recorded by autograd, so its history grew by a
+    copy node and the new result's own graph per replay, without bound (memory held for ever,
+    as the static inputs' copy did before it was detached). Replays write it untracked."""
+    w = torch.randn(3, device=device, requires_grad=True)
+
+    @eager_on_graph
+    def scale(t):
+        return t * w
+
+    x = torch.ones(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = scale(x + 1)
+        z = y + 1
+    history = y.grad_fn
+    for value in (2.0, 3.0):
+        x.fill_(value)
+        g.replay()
+        assert y.grad_fn is history
+        assert torch.allclose(z, (value + 1) * w.detach() + 1)
