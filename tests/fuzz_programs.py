@@ -6,8 +6,13 @@ fresh tensors, in-place metadata ops, ``out=`` ops, matmuls, ``break_graph()``) 
 calls to generated ``@breakgraph.eager_on_graph`` functions of many kinds (new
 tensors, their argument, views of it, nested containers, in-place mutation, host work
 with ``.item()`` and boolean masks, ``replay_context()``, ``capture_stub``s, long-lived
-tensors, outputs that share memory). It is emitted as readable Python source and that
-very source is what runs, so a failure prints a program that reproduces it.
+tensors, outputs that share memory; and, from :meth:`_Generator.rich_break`, trees of
+leaves two containers deep: bf16/fp16/fp64/int/bool and zero-size tensors, non-contiguous
+views of new tensors, the break's second argument, a tensor a segment computed, the same
+values with other strides on replay, parameters, Python values next to tensors), two
+breaks in a row, and parameters (``PARAMS``) that the oracle gives new values in place
+between replays. It is emitted as readable Python source and that very source is what
+runs, so a failure prints a program that reproduces it.
 
 The oracle (:func:`run_program`): capture the program once, then for several replays
 copy FRESH random inputs into the static ones, replay, run the same program eagerly
@@ -24,7 +29,9 @@ that partially overlaps its source, no in-place metadata change of a tensor a br
 holds, no write through a ``reshape`` (view or copy depends on strides), and no write
 after a break whose output aliases its argument on one side of capture/replay only.
 Programs that must fail (:func:`generate_raising`) are checked separately: a break
-that changes its output structure on replay must raise ``CopyBackError`` naming it,
+that changes its output structure, a shape (also from or to zero rows, or deep inside
+nested containers), a dtype (bf16, bool, int64) or a Python value on replay must raise
+``CopyBackError`` naming it,
 a host sync inside a segment must raise ``HostSyncError`` at capture.
 
 Command line (prints the program, runs it, optionally shrinks a failure)::
@@ -128,6 +135,26 @@ FAMILIES: dict[str, str] = {
     "break_mutates_inference_tensor": "a break mutating an inference tensor in place, replayed "
     "outside inference_mode (issue 11 item 14)",
     "replay_under_autocast": "replays run inside torch.autocast (a graph must ignore it)",
+    # break outputs of the second generation (rich_break): any mix of these leaves, nested
+    "break_nested_structure": "a break returning containers inside containers (tuples, lists, "
+    "dicts, namedtuples, dataclasses, objects two levels deep)",
+    "break_returns_other_dtype": "a break returning bf16/fp16/fp64/int64/int32/bool tensors",
+    "break_returns_zero_size": "a break returning zero-size tensors (new, views of new ones, "
+    "views of its argument, one kind at capture and another on replay)",
+    "break_returns_view_of_new": "a break returning a non-contiguous view of a tensor it made "
+    "(t(), slices, [..., ::2], diagonal())",
+    "break_returns_second_argument": "a break returning its second argument, or a view of it",
+    "break_returns_captured": "a break returning a tensor a segment computed, reached through a "
+    "dict/list/object the segment built and passed in",
+    "break_changes_strides": "a break returning the same values with other strides at capture "
+    "and on replay (transposed or gapped storage)",
+    "break_mixed_python_values": "floats, bools, NaN, torch.Size, dtypes and tuples next to "
+    "tensors in a break's output",
+    "break_bool_argument": "a bool tensor made in a segment passed to a break",
+    "consecutive_breaks": "two breaks in a row, the second on the first's output, with no "
+    "captured op (or only break_graph()) between them",
+    "params_mutated": "module-level parameters (nn.Parameter) read in segments and breaks, given "
+    "new values in place between replays by the oracle",
 }
 
 #: Families whose programs may raise the named error instead of matching eager (at capture or
@@ -155,6 +182,12 @@ BAD_BREAKS = (
     "sequence_type",
     "dataclass_type",
     "missing_attribute",
+    "dtype_bf16",
+    "bool_to_float",
+    "int_to_float",
+    "zero_size_to_rows",
+    "nested_shape",
+    "nested_value",
 )
 #: Host syncs inside a segment; each must raise HostSyncError at capture.
 HOST_SYNCS = (
@@ -255,6 +288,7 @@ class Program:
             f"# families: {', '.join(sorted(self.families))}",
             "import collections",
             "import dataclasses",
+            "import types",
             "",
             "import torch",
             "",
@@ -306,6 +340,7 @@ class _Var:
     writable: bool = True  # False for reshape (view or copy) and expand results
     pinned: bool = False  # held by a break: its metadata must not change afterwards
     inference: bool = False  # an inference tensor (created in a segment under inference mode)
+    special: bool = False  # not float32 or zero-size: an output, never an operand of statements
 
 
 @dataclass
@@ -420,6 +455,73 @@ PERSISTENT_HELPER = [
 ]
 
 
+#: The program's parameters (module level): the oracle writes new values into them in place
+#: before every replay, as an optimizer step or a weight reload would.
+PARAMS_HELPER = [
+    "PARAMS = {}  # parameters by key: new values are copied into them between replays",
+    "",
+    "",
+    "def param(key, shape, like):",
+    '    """Parameter ``key``: made once (outside any inference mode), then the same one."""',
+    "    if key not in PARAMS:",
+    "        with torch.inference_mode(False):",
+    "            generator = torch.Generator().manual_seed(key)",
+    "            made = torch.randn(shape, generator=generator).to(like.device, like.dtype)",
+    "            PARAMS[key] = torch.nn.Parameter(made)",
+    "    return PARAMS[key]",
+]
+RESTRIDED_HELPER = [
+    "def _restrided(y):",
+    '    """``y``\'s values in a tensor of other strides: transposed storage, or every other',
+    '    element of a buffer twice as long (same shape, dtype and device)."""',
+    "    if y.dim() >= 2:",
+    "        out = y.new_empty(tuple(reversed(y.shape))).permute(*reversed(range(y.dim())))",
+    "    else:",
+    "        out = y.new_empty(y.shape[:-1] + (2 * y.shape[-1],))[..., ::2]",
+    "    return out.copy_(y)",
+]
+#: Leaves of other dtypes a rich break makes from a float tensor ``{y}`` (expr, same shape).
+OTHER_DTYPES = (
+    "{y}.to(torch.bfloat16)",
+    "{y}.half()",
+    "{y}.double() * 2.0",
+    "{y} > 0",
+    "({y} * 4.0).round().long()",
+    "({y} * 4.0).to(torch.int32)",
+)
+#: Python values next to tensors in a rich break's output (``a`` is its argument).
+PY_VALUES = (
+    "3",
+    "2.5",
+    "True",
+    "None",
+    '"tag"',
+    'float("nan")',
+    "a.shape",
+    "a.dtype",
+    "(1, (2, 3))",
+    "a.dim()",
+)
+#: Containers of rich break outputs.
+CONTAINERS = ("tuple", "list", "dict", "namedtuple", "dataclass", "object")
+#: The rich break families and the leaf kind each one guarantees.
+RICH_KINDS = {
+    "break_nested_structure": "new",
+    "break_returns_other_dtype": "other_dtype",
+    "break_returns_zero_size": "zero_size",
+    "break_returns_view_of_new": "view_of_new",
+    "break_returns_second_argument": "second_arg",
+    "break_returns_captured": "captured",
+    "break_changes_strides": "restrided",
+    "break_mixed_python_values": "python",
+    "break_bool_argument": "masked",
+}
+LEAF_FAMILY = {kind: family for family, kind in RICH_KINDS.items()} | {
+    "new": "break_new",
+    "param": "params_mutated",
+}
+
+
 def _returned(structure: str, exprs: list[str]) -> str:
     """The return expression of ``exprs`` in a single/tuple/list/dict structure."""
     if structure == "single":
@@ -451,6 +553,10 @@ class _Generator:
         self.breaks: list[_BreakDef] = []
         self.counter = 0
         self.mode = "no_grad"
+        self.prefer_last = False
+        # a break output's strides differ between capture and eager runs (and so may those of
+        # what is computed from it): as_strided_, which reads the layout, would differ too
+        self.layout_varies = False
 
     # -- helpers ---------------------------------------------------------------------------------
     def allowed(self, family: str) -> bool:
@@ -466,6 +572,8 @@ class _Generator:
     def pick(self, candidates: list[_Var]) -> _Var | None:
         if not candidates:
             return None
+        if self.prefer_last:  # the second of two consecutive breaks: the first's output
+            return candidates[-1]
         # recent variables are likelier: programs become chains, not fans
         weights = [1.0 + i for i in range(len(candidates))]
         return self.rng.choices(candidates, weights)[0]
@@ -473,6 +581,8 @@ class _Generator:
     def tensors(self, **where) -> list[_Var]:
         out = []
         for v in self.vars.values():
+            if v.special:
+                continue
             if where.get("min_dim") is not None and len(v.shape) < where["min_dim"]:
                 continue
             if where.get("writable") and not (v.writable and v.root not in self.readonly_roots):
@@ -565,6 +675,8 @@ class _Generator:
             "out_op": 0.7,
             "break_graph": 0.3,
             "break": 2.0,
+            "consecutive_breaks": 0.4,
+            "params_mutated": 0.4,
         }
         for _ in range(20):
             names = [k for k in kinds if k in ("inplace", "break") or self.allowed(k)]
@@ -814,7 +926,7 @@ class _Generator:
             t = list(s)
             t[i], t[j] = t[j], t[i]
             options.append((f"{v.name}.transpose_({i}, {j})", tuple(t), False))
-        if v.origin == "op" and v.root == v.name and n >= 1:
+        if v.origin == "op" and v.root == v.name and n >= 1 and not self.layout_varies:
             numel = math.prod(s)
             options.append((f"{v.name}.as_strided_(({numel},), (1,))", (numel,), True))
             if n == 2:
@@ -893,6 +1005,7 @@ class _Generator:
             "break_aliased_then_independent": 0.2,
             "break_independent_then_aliased": 0.2,
         }
+        kinds.update({family: 0.3 for family in RICH_KINDS})
         return {k: w * self.boost(k) for k, w in kinds.items() if self.allowed(k)}
 
     def stmt_break(self) -> list[Stmt] | None:
@@ -946,6 +1059,7 @@ class _Generator:
             ("break_host_mask", 1.0),
             ("break_context", 0.8),
             ("nested_break", 0.4),
+            ("params_mutated", 0.3),
         ):
             if self.allowed(fam):
                 options.append(fam)
@@ -992,6 +1106,10 @@ class _Generator:
             )
             needs.append(inner)
             return f"{inner}(a) - 0.5"
+        if kind == "params_mutated":
+            self.definitions["param"] = (PARAMS_HELPER, ())
+            needs.append("param")
+            return f"a * param({self.new_name('')}, {tuple(a_shape)!r}, a)"
         if kind == "with_b":
             return rng.choice(("a + b", "a * b", "torch.maximum(a, b)", "torch.tanh(a) - b"))
         return rng.choice(NEW_IN_BREAK)
@@ -1004,6 +1122,8 @@ class _Generator:
             return self.persistent_break(kind)
         if kind in ALIASED_KINDS:
             return self.aliased_break(kind)
+        if kind in RICH_KINDS:
+            return self.rich_break(kind)
         mutates = kind == "break_mutates_argument"
         a, b = self.pick_args(need_writable=mutates)
         if a is None:
@@ -1336,6 +1456,293 @@ class _Generator:
         )  # fmt: skip
         return self.call_break(definition, a, None, frozenset(families))
 
+    def stmt_params_mutated(self) -> Stmt | None:
+        """A segment reading a parameter: elementwise, or as the right operand of a matmul."""
+        rng = self.rng
+        a = self.pick(self.tensors(min_dim=1))
+        if a is None:
+            return None
+        self.definitions["param"] = (PARAMS_HELPER, ())
+        key = self.new_name("")
+        if rng.random() < 0.5 and len(a.shape) <= 3:
+            m = rng.randint(2, 5)
+            out = self.fresh("m", a.shape[:-1] + (m,), True)
+            line = f"{out.name} = {a.name} @ param({key}, {(a.shape[-1], m)!r}, {a.name})"
+        else:
+            out = self.fresh("v", a.shape, a.contiguous)
+            line = f"{out.name} = {a.name} * param({key}, {tuple(a.shape)!r}, {a.name})"
+        return Stmt([line], frozenset({"params_mutated"}), ("param",))
+
+    def stmt_consecutive_breaks(self) -> list[Stmt] | None:
+        """Two breaks in a row, the second on the first's (last) output; perhaps an empty
+        segment (``break_graph()``) between them."""
+        first = self.stmt_break()
+        if first is None:
+            return None
+        between = []
+        if self.allowed("break_graph") and self.rng.random() < 0.3:
+            between = [self.stmt_break_graph()]
+        self.prefer_last = True
+        try:
+            second = self.stmt_break()
+        finally:
+            self.prefer_last = False
+        if second is None:
+            return first
+        tag = frozenset({"consecutive_breaks"})
+        return first + between + [dataclasses.replace(s, families=s.families | tag) for s in second]
+
+    def rich_break(self, kind: str) -> list[Stmt] | None:
+        """A break returning a random tree of leaves (:data:`RICH_KINDS`): new tensors, tensors
+        of other dtypes, zero-size ones, views of new ones, its second argument, a tensor a
+        segment computed (through a container argument), values with other strides on replay,
+        parameters, Python values; in containers up to two levels deep. Always one leaf of
+        ``kind``'s own sort; every such program is correct, so it must match eager."""
+        rng = self.rng
+        a, b = self.pick_args(need_writable=False)
+        if a is None:
+            return None
+        if kind == "break_returns_second_argument" and b is None:
+            b = self.pick([v for v in self.tensors() if v.name != a.name])
+            if b is None:
+                return None
+        name = self.new_name("brk")
+        families, needs, prelude = {kind}, [name], []
+        before: list[Stmt] = []
+        params, call_args = ["a"], [a.name]
+        if b is not None:
+            params.append("b=None")
+            call_args.append(f"b={b.name}")
+            b.pinned = True
+        box = None
+        if kind == "break_returns_captured" or (
+            self.allowed("break_returns_captured") and rng.random() < 0.1
+        ):
+            source = self.pick(self.tensors())
+            box_name = self.new_name("box")
+            form, access = rng.choice(
+                (
+                    ('{{"t": {c}}}', '["t"]'),
+                    ("[{c}]", "[0]"),
+                    ("types.SimpleNamespace(t={c})", ".t"),
+                )
+            )
+            before.append(Stmt([f"{box_name} = {form.format(c=source.name)}"], frozenset()))
+            params.append("box=None")
+            call_args.append(f"box={box_name}")
+            source.pinned = True
+            box = (source, access)
+        mask = None
+        if kind == "break_bool_argument" or (
+            self.allowed("break_bool_argument") and rng.random() < 0.1
+        ):
+            source = self.pick([v for v in self.tensors() if v.shape == a.shape]) or a
+            mask = self.new_name("mask")
+            before.append(Stmt([f"{mask} = {source.name} > 0.25"], frozenset()))
+            params.append("mask=None")
+            call_args.append(f"mask={mask}")
+            source.pinned = True
+        # the leaves: kind's own first, then a few others
+        sorts = ["new", "other_dtype", "view_of_new", "python", "restrided", "param"]
+        sorts += ["zero_size"] if a.shape else []
+        sorts += ["second_arg"] if b is not None else []
+        sorts += ["captured"] if box is not None else []
+        sorts += ["masked"] if mask is not None else []
+        sorts = [k for k in sorts if self.allowed(LEAF_FAMILY[k])]
+        first = RICH_KINDS[kind]
+        if first == "zero_size" and not a.shape:
+            return None
+        count = rng.randint(2, 5) if kind == "break_nested_structure" else rng.randint(1, 4)
+        chosen = [first] + [rng.choice(sorts) for _ in range(count - 1)] if sorts else [first]
+        rng.shuffle(chosen)
+        leaves = [
+            self.rich_leaf(sort, a, b, box, mask, prelude, families, needs) for sort in chosen
+        ]
+        leaves = [leaf for leaf in leaves if leaf is not None]
+        if not leaves:
+            return None
+        depth = 2 if kind == "break_nested_structure" else rng.choice((0, 1, 1, 2))
+        expr, paths = self.nest(leaves, depth, needs)
+        self.definitions[name] = (
+            ["@breakgraph.eager_on_graph", f"def {name}({', '.join(params)}):"]
+            + ["    " + line for line in prelude + [f"return {expr}"]],
+            tuple(n for n in needs if n != name),
+        )
+        result = self.new_name("r")
+        stmts = before + [Stmt([f"{result} = {name}({', '.join(call_args)})"], frozenset(families),
+                               tuple(needs))]  # fmt: skip
+        a.pinned = True
+        for i, (path, leaf) in enumerate(paths):
+            if leaf["sort"] == "python":
+                continue
+            var_name = f"{result}_{i}" if path else result
+            if path:
+                stmts.append(Stmt([f"{var_name} = {result}{path}"], frozenset()))
+            stmts += self.rich_leaf_var(var_name, leaf)
+        return stmts
+
+    def rich_leaf(self, sort, a, b, box, mask, prelude, families, needs) -> dict | None:
+        """One leaf: its expression in the function (after ``prelude``) and what the program
+        may do with it (``shape``, ``root``, ``special``, ``writable``, ``readonly``)."""
+        rng = self.rng
+        families.add(LEAF_FAMILY[sort])
+
+        def new() -> str:
+            n = self.new_name("y")
+            prelude.append(f"{n} = {self.new_expr(a.shape, False, prelude, families, needs)}")
+            return n
+
+        leaf = {"sort": sort, "shape": a.shape, "root": None, "special": False, "writable": True,
+                "readonly": False}  # fmt: skip
+        if sort in ("new", "masked"):
+            leaf["expr"] = new() if sort == "new" else "torch.where(mask, a, -a)"
+        elif sort == "other_dtype":
+            leaf["expr"] = rng.choice(OTHER_DTYPES).format(y=new())
+            leaf["special"] = True
+        elif sort == "zero_size":
+            dim = rng.choice((0, -1))
+            empty = "(0,) + tuple(a.shape[1:])" if dim == 0 else "tuple(a.shape[:-1]) + (0,)"
+            cut = "[:0]" if dim == 0 else "[..., :0]"
+            forms = [f"a.new_zeros({empty})", f"({new()}){cut}", f"a{cut}"]
+            capture, replay = rng.choice(forms), rng.choice(forms)
+            leaf["expr"] = (
+                capture
+                if capture == replay
+                else f'({capture} if breakgraph.replay_context()["phase"] == "capture" '
+                f"else {replay})"
+            )
+            shape = list(a.shape)
+            shape[dim] = 0
+            leaf.update(shape=tuple(shape), special=True, dim=dim, argument_shape=a.shape)
+        elif sort == "view_of_new":
+            y = new()
+            like = _Var(y, a.shape, y, a.contiguous, "op")  # new_expr keeps a's strides
+            options = [o for o in self.view_options(like, in_break=True) if ".expand(" not in o[0]]
+            if a.shape and a.shape[-1] >= 2:
+                last = -(-a.shape[-1] // 2)
+                options.append(("{a}[..., ::2]", a.shape[:-1] + (last,), False, True))
+            if not options:
+                leaf["expr"] = y
+            else:
+                expr, shape, _, writable = rng.choice(options)
+                leaf.update(expr=expr.format(a=y), shape=shape, writable=writable)
+        elif sort in ("second_arg", "captured"):
+            source, spelled = (b, "b") if sort == "second_arg" else (box[0], "box" + box[1])
+            options = [
+                o for o in self.view_options(source, in_break=True) if ".expand(" not in o[0]
+            ]
+            leaf.update(expr=spelled, shape=source.shape, root=source.root,
+                        writable=source.writable)  # fmt: skip
+            if options and rng.random() < 0.4:
+                expr, shape, _, writable = rng.choice(options)
+                leaf.update(expr=expr.format(a=spelled), shape=shape,
+                            writable=source.writable and writable)  # fmt: skip
+        elif sort == "restrided":
+            if not a.shape:
+                return None
+            self.definitions["_restrided"] = (RESTRIDED_HELPER, ())
+            self.layout_varies = True
+            needs.append("_restrided")
+            y = new()
+            first, second = rng.choice(((y, f"_restrided({y})"), (f"_restrided({y})", y)))
+            leaf["expr"] = (
+                f'({first} if breakgraph.replay_context()["phase"] == "capture" else {second})'
+            )
+        elif sort == "param":
+            self.definitions["param"] = (PARAMS_HELPER, ())
+            needs.append("param")
+            leaf.update(expr=f"param({self.new_name('')}, {tuple(a.shape)!r}, a)", readonly=True)
+        elif sort == "python":
+            leaf["expr"] = rng.choice(PY_VALUES)
+        else:
+            raise AssertionError(sort)
+        return leaf
+
+    def nest(self, leaves: list, depth: int, needs: list) -> tuple[str, list]:
+        """The expression of ``leaves`` in containers ``depth`` levels deep, and the access path
+        of each leaf (``[0]["k1"].f0``)."""
+        rng = self.rng
+        if depth == 0 or (len(leaves) == 1 and rng.random() < 0.5):
+            if len(leaves) == 1:
+                return leaves[0]["expr"], [("", leaves[0])]
+            depth = 1
+        groups = [[leaf] for leaf in leaves]
+        if depth >= 2 and len(leaves) >= 2:  # some neighbours share an inner container
+            groups = []
+            for leaf in leaves:
+                if groups and rng.random() < 0.5:
+                    groups[-1].append(leaf)
+                else:
+                    groups.append([leaf])
+        parts = []
+        for group in groups:
+            if depth >= 2 and (len(group) > 1 or rng.random() < 0.3):
+                parts.append(self.nest(group, depth - 1, needs))
+            else:
+                parts.append((group[0]["expr"], [("", group[0])]))
+                parts += [(leaf["expr"], [("", leaf)]) for leaf in group[1:]]
+        container = rng.choice(CONTAINERS)
+        fields = [f"f{i}" for i in range(len(parts))]
+        cls = None
+        if container in ("namedtuple", "dataclass", "object"):
+            cls = self.new_name({"namedtuple": "Nt", "dataclass": "Dc"}.get(container, "Obj"))
+            if container == "namedtuple":
+                lines = [f"{cls} = collections.namedtuple({cls!r}, {fields!r})"]
+            elif container == "dataclass":
+                lines = ["@dataclasses.dataclass", f"class {cls}:"]
+                lines += [f"    {f}: object" for f in fields]
+            else:
+                lines = [f"class {cls}:", "    def __init__(self, **fields):",
+                         "        self.__dict__.update(fields)"]  # fmt: skip
+            self.definitions[cls] = (lines, ())
+            needs.append(cls)
+        exprs = [expr for expr, _ in parts]
+        if container == "tuple":
+            expr = "(" + "".join(e + ", " for e in exprs) + ")"
+        elif container == "list":
+            expr = "[" + ", ".join(exprs) + "]"
+        elif container == "dict":
+            expr = "{" + ", ".join(f'"k{i}": {e}' for i, e in enumerate(exprs)) + "}"
+        elif container == "namedtuple":
+            expr = f"{cls}(" + ", ".join(exprs) + ")"
+        else:
+            expr = f"{cls}(" + ", ".join(f"f{i}={e}" for i, e in enumerate(exprs)) + ")"
+        paths = []
+        for i, (_, inner) in enumerate(parts):
+            access = {"tuple": f"[{i}]", "list": f"[{i}]", "dict": f'["k{i}"]'}.get(
+                container, f".f{i}"
+            )
+            paths += [(access + path, leaf) for path, leaf in inner]
+        return expr, paths
+
+    def rich_leaf_var(self, name: str, leaf: dict) -> list[Stmt]:
+        """Register a rich leaf as a variable; a special one (another dtype, zero-size) is only
+        an output, and a float32 tensor of the argument's shape is made from it."""
+        root = leaf["root"] or name
+        var = _Var(name, tuple(leaf["shape"]), root, False, "break", leaf["writable"])
+        var.pinned, var.inference, var.special = True, self.mode != "no_grad", leaf["special"]
+        self.vars[name] = var
+        if leaf["readonly"]:
+            self.readonly_roots.add(root)
+        if not leaf["special"]:
+            return []
+        out = self.new_name("v")
+        if "dim" in leaf:  # zero-size: concatenated with a tensor of the argument's shape
+            like = self.pick([v for v in self.tensors() if v.shape == self._grown(leaf)])
+            if like is None:
+                return []
+            line = f"{out} = torch.cat([{name}.float(), {like.name}], {leaf['dim']})"
+            self.add(_Var(out, like.shape, out, True, "op"))
+        else:
+            line = f"{out} = {name}.float() * 0.5"  # keeps the leaf's strides
+            self.add(_Var(out, var.shape, out, False, "op"))
+        return [Stmt([line], frozenset())]
+
+    @staticmethod
+    def _grown(leaf: dict) -> tuple:
+        """The shape a zero-size leaf was cut from (the argument's)."""
+        return tuple(leaf["argument_shape"])
+
     def caught_break(self) -> list[Stmt] | None:
         """A break that raises, caught by the program: eager takes the ``except`` branch."""
         a = self.pick(self.tensors())
@@ -1464,6 +1871,16 @@ class _Generator:
             "sequence_type": ("(a * 2.0, a + 1.0)", "[a * 2.0, a + 1.0]", "{r}[0]"),
             "dataclass_type": ("Pair(a * 2.0, a)", "OtherPair(a * 2.0, a)", "{r}.p"),
             "missing_attribute": ("Loose(p=a * 2.0, q=a)", "Loose(p=a * 2.0)", "{r}.q"),
+            "dtype_bf16": ("a * 2.0", "(a * 2.0).to(torch.bfloat16)", "{r}"),
+            "bool_to_float": ("a > 0", "(a > 0).float()", "{r}.float()"),
+            "int_to_float": ("(a * 4.0).round().long()", "(a * 4.0).round()", "{r}.float()"),
+            "zero_size_to_rows": ("a[:0] * 2.0", "a[:1] * 2.0", "torch.cat([{r}, {a}])"),
+            "nested_shape": (
+                '(a, {"k": [a * 2.0, 1]})',
+                '(a, {"k": [torch.cat([a, a]), 1]})',
+                '{r}[1]["k"][0]',
+            ),
+            "nested_value": ('{"k": (a * 2.0, 2.5)}', '{"k": (a * 2.0, 3.5)}', '{r}["k"][0]'),
         }[self.bad]
         classes = {
             "Pair": ["@dataclasses.dataclass", "class Pair:", "    p: object", "    q: object"],
@@ -1497,7 +1914,7 @@ class _Generator:
         out = self.fresh("v", a.shape, False)
         return [
             Stmt([f"{result} = {name}({a.name})"], frozenset({"bad_break"}), (name,)),
-            Stmt([f"{out.name} = {use.format(r=result)} + 1.0"], frozenset()),
+            Stmt([f"{out.name} = {use.format(r=result, a=a.name)} + 1.0"], frozenset()),
         ]
 
     def user_error(self) -> Stmt | None:
@@ -1680,6 +2097,9 @@ def _run_program(program: Program, backend: str, replays: int, dtype: torch.dtyp
             fresh = _draw(program.inputs, generator, device, dtype)
             for s, f in zip(static, fresh):
                 s.copy_(f)
+            with torch.no_grad():  # the parameters get new values in place, as after a step
+                for p in fn.__globals__.get("PARAMS", {}).values():
+                    p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
             context = replay_context_for(program.seed, replay)
             autocast = (
                 torch.autocast(device_type=device, dtype=torch.bfloat16)
@@ -1693,8 +2113,10 @@ def _run_program(program: Program, backend: str, replays: int, dtype: torch.dtyp
                     graph.replay(context=context)
             except Exception as exc:  # noqa: BLE001 (judged after the eager run, below)
                 failure = exc
-            # before the eager run, which may write the same long-lived tensors
-            got = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
+            # before the eager run, which may write the same long-lived tensors; under no_grad:
+            # a view made under no_grad of a parameter given new values is unreadable with grad
+            with torch.no_grad():
+                got = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
             after_replay = _snapshot(persistent)
             for key, value in before.items():  # eager runs from where the replay started
                 persistent[key].copy_(value)
@@ -1714,8 +2136,9 @@ def _run_program(program: Program, backend: str, replays: int, dtype: torch.dtyp
                 (f"input x{i}", s, e) for i, (s, e) in enumerate(zip(static, expected_inputs))
             ]
             for what, got, want in pairs:
-                try:
-                    torch.testing.assert_close(got, want, equal_nan=True, **tol)
+                try:  # values only: an eager output may carry autograd history (a parameter's
+                    # view, changed in place: grad_fn=<Invalid>), which assert_close refuses
+                    torch.testing.assert_close(got, want.detach(), equal_nan=True, **tol)
                 except AssertionError as exc:
                     return Outcome("mismatch", f"{stage}: {what} differs from eager: {exc}")
     except Exception as exc:  # noqa: BLE001
@@ -1794,6 +2217,11 @@ def _run_raising(program: Program, backend: str) -> Outcome:
     fn = program.compile()
     generator = torch.Generator().manual_seed(program.seed)
     static = _draw(program.inputs, generator, device, torch.float32)
+    # one eager run first, as a warm-up, so that the parameters (PARAMS) exist before the
+    # capture: made inside it, their random draw would be refused (and frozen)
+    with contextlib.suppress(Exception), _eager_mode(program.mode):
+        with breakgraph.context_scope(CAPTURE_CONTEXT):
+            fn(*[s.clone() for s in static])
     graph = breakgraph.BreakableCUDAGraph()
     try:
         with _eager_mode(program.mode):
