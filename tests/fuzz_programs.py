@@ -555,7 +555,8 @@ class _Generator:
         self.mode = "no_grad"
         self.prefer_last = False
         # a break output's strides differ between capture and eager runs (and so may those of
-        # what is computed from it): as_strided_, which reads the layout, would differ too
+        # what is computed from it): as_strided_, which reads the layout, would differ too, and
+        # reshape/flatten/contiguous would be a view in one run and a copy in the other
         self.layout_varies = False
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -830,9 +831,15 @@ class _Generator:
             spelled = ", ".join(map(str, target))
             if a.contiguous:
                 options.append((f"{{a}}.view({spelled})", target, True, True))
-            elif not in_break:  # a view or a copy, depending on strides: never written
+            elif not in_break and not self.layout_varies:  # a view or a copy, depending
+                # on strides (never written; so is its source, once strides vary per run)
                 options.append((f"{{a}}.reshape({spelled})", target, False, False))
-        if not a.contiguous and not in_break and self.allowed("reshape_copy"):
+        if (
+            not a.contiguous
+            and not in_break
+            and not self.layout_varies
+            and self.allowed("reshape_copy")
+        ):
             options.append(("{a}.contiguous()", s, True, False))  # a copy, or ``a`` itself
             if n >= 1:
                 options.append(("{a}.flatten()", (numel,), False, False))
