@@ -529,17 +529,25 @@ class _Capture:
         return steps
 
     def abort(self) -> None:
-        """Leave nothing behind: no half-built graph, no hook, the previous stream current."""
+        """Leave nothing behind: no half-built graph, no hook, the previous stream current.
+
+        Every step runs even where one before it raised (a segment's reset, the session's
+        abort): a failure must not leave the graph marked as capturing, the other segments
+        holding their pool or the hooks installed. The first error is raised at the end."""
         self.in_segment = False
-        try:
-            if not self._closed:  # closed: finish() raised while closing, after the session
-                self.session.abort()
-        finally:
-            for segment in self.segments:
-                segment.reset()
-            self.segments, self.breaks = [], []
-            self.graph._capturing = False
-            self._close()
+        segments, self.segments, self.breaks = self.segments, [], []
+        self.graph._capturing = False
+        steps = [segment.reset for segment in segments] + [self._close]
+        if not self._closed:  # closed: finish() raised while closing, after the session
+            steps.insert(0, self.session.abort)
+        first = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _close(self) -> None:
         if not self._closed:

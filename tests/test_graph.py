@@ -557,6 +557,54 @@ def test_failure_beginning_a_segment_leaves_nothing_behind(
     torch.testing.assert_close(y, new * 4 + 1)
 
 
+def _segment_class(backend):
+    if backend == "cuda":
+        from breakgraph.backends.cuda import CudaSegment
+
+        return CudaSegment
+    from breakgraph.backends.emulated import EmulatedSegment
+
+    return EmulatedSegment
+
+
+def test_a_segment_reset_failing_during_abort_still_cleans_up(
+    capture, backend, device, monkeypatch
+):
+    """The abort of a failed capture resets its segments in a loop: a reset that raised
+    skipped the other segments' resets and the session's close, so the graph stayed marked
+    as capturing (no new capture into it), the capture stayed current on the thread and the
+    hooks stayed installed. Every step now runs, then the first error is raised."""
+    segment_class = _segment_class(backend)
+    original_reset = segment_class.reset
+    resets = []
+
+    def failing_reset(self):
+        resets.append(self)
+        if len(resets) == 1:
+            raise InjectedFailure("segment reset failed")
+        original_reset(self)
+
+    monkeypatch.setattr(segment_class, "reset", failing_reset)
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with pytest.raises(InjectedFailure) as info:
+        with capture(g):
+            y = double_on_host(x * 2)
+            y = double_on_host(y + 1)  # two segments ended: two resets
+            raise UserFailure("raised in a segment")
+    monkeypatch.undo()
+    assert isinstance(info.value.__context__, UserFailure)
+    assert len(resets) == 2  # the one after the failing reset ran too
+    assert_clean(g)
+    assert not g._capturing
+
+    with capture(g):  # a new capture into the same graph works
+        y = double_on_host(x * 2) + 1
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 4 + 1)
+
+
 @pytest.mark.parametrize("bad", ["not a pool handle", (1, 2, 3), 5])
 def test_invalid_pool_leaves_nothing_behind(capture, device, bad):
     """A pool that is none is refused by name on both backends, before the body runs, and
