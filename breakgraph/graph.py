@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -185,13 +186,31 @@ class BreakableCUDAGraph:
 
     def reset(self) -> None:
         """Drop every segment and break and release what they held; the graph can be captured
-        again."""
+        again. Refused inside its own capture, and inside its own replay (called by one of its
+        eager functions)."""
         if self._capturing:
             raise CaptureError("BreakableCUDAGraph.reset() inside its own capture.")
+        if self._captured is not None and self._replaying():
+            raise ReplayError(
+                "BreakableCUDAGraph.reset() inside its own replay (an eager function of this "
+                "graph reset it): the rest of the replay would run segments that were reset (CUDA "
+                "raises there; the emulated backend would skip them, silently). Reset the graph "
+                "after replay() returns, from the code that called replay()."
+            )
         captured, self._captured = self._captured, None
         if captured is not None:
             for segment in captured.segments:
                 segment.reset()
+
+    def _replaying(self) -> bool:
+        """Whether this thread is inside this graph's :meth:`replay`: its frame is on the stack.
+        Looked up here, where it is rare, so that replay() keeps no flag of its own."""
+        frame = sys._getframe(1).f_back  # reset()'s caller
+        while frame is not None:
+            if frame.f_code is _REPLAY_CODE and frame.f_locals.get("self") is self:
+                return True
+            frame = frame.f_back
+        return False
 
     def report(self) -> _debug.GraphReport:
         """The coverage report: segments (aten ops each), breaks (names, host time per
@@ -232,6 +251,9 @@ class BreakableCUDAGraph:
             f"{name}(backend={self.backend!r}, segments={self.num_segments}, "
             f"breaks={self.num_breaks}: {' -> '.join(parts)})"
         )
+
+
+_REPLAY_CODE = BreakableCUDAGraph.replay.__code__
 
 
 @contextlib.contextmanager

@@ -348,6 +348,35 @@ def test_capture_into_captured_graph_raises_and_keeps_it(capture, device):
     torch.testing.assert_close(y, (new + 1) * 2)
 
 
+def test_reset_inside_its_own_replay_raises_and_keeps_the_graph(capture, device):
+    """An eager function that reset the graph replaying it: the rest of that replay ran
+    nothing on the emulated backend (its segments were emptied), silently, where CUDA raises
+    at the next segment. reset() now refuses by name; the graph keeps its capture."""
+    holder = {"reset": False}
+
+    @eager_on_graph
+    def resets_its_graph(t):
+        if holder["reset"]:
+            holder["graph"].reset()
+        return t * 2
+
+    x = torch.randn(5, device=device)
+    g = BreakableCUDAGraph()
+    holder["graph"] = g
+    with capture(g):
+        y = resets_its_graph(x + 1) + 1
+    holder["reset"] = True
+    with pytest.raises(ReplayError, match=r"reset\(\) inside its own replay"):
+        g.replay()
+    assert (g.num_segments, g.num_breaks) == (2, 1)
+    holder["reset"] = False
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, (new + 1) * 2 + 1)
+    g.reset()  # outside the replay: fine
+    assert_clean(g)
+
+
 def test_reset_then_capture_again(capture, device):
     x = torch.randn(5, device=device)
     g = BreakableCUDAGraph()
