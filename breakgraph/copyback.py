@@ -216,24 +216,35 @@ class _Plan:
 
 
 def _writer(captured: torch.Tensor) -> Callable[[torch.Tensor], Any]:
-    """``captured.copy_``, entered into inference mode if ``captured`` was made under it, and
-    under ``no_grad`` if it requires grad (captured with grad on): autograd would record every
-    replay's copy into it, its history growing without bound."""
-    if captured.requires_grad:
+    """``captured.copy_``, made so that autograd never records it.
 
-        def copy_untracked(new: torch.Tensor, _copy=captured.copy_) -> None:
-            with torch.no_grad():
+    A recorded copy would grow the captured output's history by a copy node and the new
+    result's graph on every replay, without bound. It is recorded when the output requires grad
+    (captured with grad on, from a parameter), or when a replay's result requires grad while
+    grad mode is on, even if the output did not at capture (a parameter set to require grad
+    after the capture). Breaks captured under ``no_grad`` replay under it (``graph.finish``), so
+    an output that does not require grad, made with grad mode off (the runners' case), keeps
+    the plain ``copy_``. Otherwise the copy goes into a detached alias of the output from a
+    detached result: nothing autograd tracks takes part (the version counter, which autograd
+    checks, is shared and still counts the write). Decided here, at capture: a replay pays at
+    most one ``requires_grad`` test. An output made under inference mode is written in it (it
+    is only writable there)."""
+    if captured.is_inference():
+
+        def copy_(new: torch.Tensor, _copy=captured.copy_) -> None:
+            with torch.inference_mode():
                 _copy(new)
 
-        return copy_untracked
-    if not captured.is_inference():
+        return copy_
+    if not captured.requires_grad and not torch.is_grad_enabled():
         return captured.copy_
 
-    def copy_(new: torch.Tensor, _copy=captured.copy_) -> None:  # only writable in that mode
-        with torch.inference_mode():
-            _copy(new)
+    untracked = captured.detach()
 
-    return copy_
+    def copy_untracked(new: torch.Tensor, _copy=untracked.copy_) -> None:
+        _copy(new.detach() if new.requires_grad else new)
+
+    return copy_untracked
 
 
 def _refuse_internal_overlap(captured: torch.Tensor, path: str, function: str) -> None:

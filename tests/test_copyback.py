@@ -1023,3 +1023,30 @@ def test_copy_back_under_grad_mode_records_no_autograd_history(capture, device):
         g.replay()
         assert y.grad_fn is history
         assert torch.allclose(z, (value + 1) * w.detach() + 1)
+
+
+def test_copy_back_of_a_result_that_requires_grad_only_on_replay_records_no_history(
+    capture, device
+):
+    """The rarer case of the test above: the output did not require grad at capture (its
+    parameter did not yet), but a replay's result does (the parameter was set to require grad
+    after the capture, and grad mode is on). The copy was recorded by autograd: the captured
+    output took a copy node and the new result's graph, one more per replay. Now untracked."""
+    w = torch.randn(3, device=device)
+
+    @eager_on_graph
+    def scale(t):
+        return t * w
+
+    x = torch.ones(3, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = scale(x + 1)
+        z = y + 1
+    assert not y.requires_grad
+    w.requires_grad_(True)
+    for value in (2.0, 3.0):
+        x.fill_(value)
+        g.replay()
+        assert y.grad_fn is None and not y.requires_grad
+        assert torch.allclose(z, (value + 1) * w.detach() + 1)
