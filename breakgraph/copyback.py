@@ -48,7 +48,7 @@ import torch
 
 from .errors import CopyBackError
 from .ownership import call_and_classify, storage_key, storages_of
-from .structure import Split, StructureError, describe, iter_tensors, split
+from .structure import Split, StructureError, describe, iter_tensors, sparse_parts, split
 
 # call_and_classify and storages_of live in breakgraph.ownership; re-exported here
 __all__ = ["build_copy_back", "call_and_classify", "storages_of"]
@@ -63,10 +63,24 @@ Copier = Callable[[Any], None]
 _EXACT_OVERLAP_LIMIT = 1 << 20  # elements; larger tensors whose spans meet count as overlapping
 
 
-def _overlap_groups(captured: Any, not_owned: frozenset) -> list:
-    """Lists of ``(path, tensor)`` of owned outputs whose memory overlaps, first seen first."""
+def _overlap_groups(captured: Any, not_owned: frozenset, function: str) -> list:
+    """Lists of ``(path, tensor)`` of owned outputs whose memory overlaps, first seen first.
+    The first walk over the outputs: a sparse one is refused here."""
     by_storage = collections.defaultdict(list)
     for path, tensor in iter_tensors(captured, "output"):
+        if sparse_parts(tensor):
+            raise CopyBackError(
+                function,
+                path,
+                f"a sparse tensor ({tensor.layout})",
+                describe(tensor),
+                "the same at capture",
+                "Copy-back writes each replay's result into the memory of the capture-time "
+                "output, which a sparse tensor does not keep (copy_ replaces its indices and "
+                "values, and their number may change), so later segments would read stale "
+                "memory. Return it densified (.to_dense()), or keep the sparse operation "
+                "inside the eager function and return its dense result.",
+            )
         if tensor.numel() and storage_key(tensor) not in not_owned:
             by_storage[storage_key(tensor)].append((path, tensor))
     groups = []
@@ -146,7 +160,7 @@ def build_copy_back(
     try:
         members = {}  # path -> (slots of its group, index in the group)
         finishers = []
-        for group in _overlap_groups(captured, arguments | held):
+        for group in _overlap_groups(captured, arguments | held, function):
             slots = [None] * len(group)
             members.update({path: (slots, i) for i, (path, _) in enumerate(group)})
             finishers.append(_overlap_finisher(group, slots, function))

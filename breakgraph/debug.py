@@ -53,7 +53,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .errors import BreakgraphWarning, InputError, StaleTensorError
-from .structure import describe, iter_tensors, reachable_tensors
+from .structure import describe, iter_tensors, reachable_tensors, sparse_parts
 from .syncs import _user_frame
 
 __all__ = ["debug_enabled", "InputWatch", "GraphReport"]
@@ -181,7 +181,10 @@ class InputWatch:
                 self._watch(t, f"{func} at {_user_frame()}")
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._produced.add(_storage_ptr(t))
+                storage = _storage_ptr(t)
+                self._produced.add(storage)
+                if storage == 0:  # a sparse tensor made here: its parts are the graph's
+                    self._produced.update(_storage_ptr(p) for p in sparse_parts(t))
 
     def observe_break(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
         """Watch what crosses a break; checked before the segment that precedes the break."""
@@ -201,8 +204,12 @@ class InputWatch:
         reader: str | None = None,
     ) -> None:
         storage = _storage_ptr(t)
+        if storage == 0:  # no storage of its own (no data_ptr either): a sparse tensor's memory
+            for part in sparse_parts(t):  # is its indices and values, watched as tensors that
+                self._watch(part.detach(), where, force, segment, reader)  # view nothing
+            return  # a wrapper subclass without one is not watched (its inner tensor is)
         key = (id(t), t.data_ptr())
-        if key in self._seen or (storage in self._produced and not force) or storage == 0:
+        if key in self._seen or (storage in self._produced and not force):
             return
         self._seen.add(key)
         description = f"{describe(t)} first read by {where}"

@@ -35,14 +35,19 @@ from typing import Any
 
 import torch
 
-from .structure import StructureError, reachable_tensors, split
+from .structure import StructureError, reachable_tensors, sparse_parts, split
 
 __all__ = ["call_and_classify", "storages_of", "storage_key"]
 
 
 def storages_of(*values: Any) -> frozenset:
-    """The storage addresses of every tensor inside ``values`` (an eager call's arguments)."""
-    return frozenset(storage_key(t) for t in reachable_tensors(values))
+    """The storage addresses of every tensor inside ``values`` (an eager call's arguments).
+    A sparse tensor, which has no storage of its own, counts by its indices and values: an
+    eager function may take one (it is passed as it is on every replay) and return a view of
+    its values, which is then its argument's memory."""
+    return frozenset(
+        storage_key(part) for t in reachable_tensors(values) for part in (sparse_parts(t) or (t,))
+    )
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -81,6 +86,10 @@ def call_and_classify(function: Callable, args: tuple, kwargs: dict) -> tuple[An
     try:
         held = _held_elsewhere(output)
     except StructureError:  # a reference cycle: build_copy_back names it
+        held = frozenset()
+    except NotImplementedError:  # a sparse output has no storage: build_copy_back refuses it
+        if not any(sparse_parts(t) for t in reachable_tensors(output)):
+            raise
         held = frozenset()
     return output, held
 
@@ -187,7 +196,10 @@ class _Census:
         for index in range(len(self.nodes)):
             node = self.nodes[index]
             base = node._base if isinstance(node, torch.Tensor) else None
-            if base is not None:  # a view holds its base
+            # a view holds its base; a sparse base (the values of a CSR tensor) is left out: it
+            # has no storage to count, and the tensor it holds over the view's storage (which
+            # no census sees) already makes that storage held elsewhere
+            if base is not None and not sparse_parts(base):
                 self.viewers[id(base)] += _holds_of(node, base)
                 self._add(base)
         with torch.inference_mode(False):  # views of inference tensors hold no base

@@ -44,6 +44,7 @@ __all__ = [
     "reachable_tensors",
     "is_leaf_value",
     "describe",
+    "sparse_parts",
 ]
 
 _LEAF_TYPES = (
@@ -229,10 +230,37 @@ class _entered:
         self.active.discard(self.key)
 
 
+def sparse_parts(tensor: torch.Tensor) -> tuple:
+    """The dense tensors that hold a sparse tensor's memory (indices and values); ``()`` for
+    any other tensor. A sparse tensor has no storage of its own, so whatever judges memory
+    (which storages an eager call's arguments hold, debug mode's watch) judges these.
+
+    Example::
+
+        >>> import torch
+        >>> [tuple(p.shape) for p in sparse_parts(torch.eye(3).to_sparse())]
+        [(2, 3), (3,)]
+    """
+    layout = tensor.layout
+    if layout is torch.strided:  # nearly every tensor
+        return ()
+    if layout is torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if layout is torch.sparse_csr or layout is torch.sparse_bsr:
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if layout is torch.sparse_csc or layout is torch.sparse_bsc:
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return ()
+
+
 def describe(value: Any) -> str:
     """A short description for error messages: shape/dtype/device of tensors, else a repr."""
     if isinstance(value, torch.Tensor):
-        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+        layout = "" if value.layout is torch.strided else f", layout={value.layout}"
+        return (
+            f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}"
+            f"{layout})"
+        )
     parts = split(value)
     if parts is not None and parts.kind == "mapping":
         return f"{type(value).__name__} with keys {list(parts.keys)}"

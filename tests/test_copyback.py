@@ -1050,3 +1050,59 @@ def test_copy_back_of_a_result_that_requires_grad_only_on_replay_records_no_hist
         g.replay()
         assert y.grad_fn is None and not y.requires_grad
         assert torch.allclose(z, (value + 1) * w.detach() + 1)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_sparse_argument_is_read_on_every_replay(capture, device, layout):
+    """A sparse tensor passed to an eager function failed the capture with torch's raw
+    NotImplementedError (no storage) from the arguments' bookkeeping. It has no storage of its
+    own: its indices and values count as the argument's memory, so the function gets the
+    sparse tensor on every replay (values updated in place are seen) and a view of its values
+    returned at capture must be that memory again."""
+    dense = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0], [4.0, 0.0, 0.0]], device=device)
+    adjacency = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    values = adjacency._values() if layout == "coo" else adjacency.values()
+
+    @eager_on_graph
+    def propagate(adj, h):
+        vals = adj._values() if layout == "coo" else adj.values()
+        return torch.sparse.mm(adj, h), vals  # a dense result, and the argument's memory
+
+    x = torch.randn(3, 2, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y, v = propagate(adjacency, x * 1)
+        z = y + v.sum()
+    for scale in (2.0, 0.5):
+        values.mul_(scale)  # the sparse argument, updated in place
+        new = fresh_into(x)
+        g.replay()
+        current = values.sum()
+        torch.testing.assert_close(z, torch.sparse.mm(adjacency, new) + current)
+    assert v.data_ptr() == values.data_ptr()
+
+
+def test_a_sparse_output_is_refused_by_name(capture, device):
+    """A sparse tensor returned by an eager function failed the capture with torch's raw
+    NotImplementedError from the ownership census. Copy-back cannot keep it at frozen
+    addresses (copy_ replaces its indices and values), so it is refused by name, with the
+    fix, and the graph is left clean."""
+
+    @eager_on_graph
+    def sparsify(h):
+        return h * 2, (h > 0).float().to_sparse()
+
+    x = torch.randn(3, 2, device=device)
+    g = BreakableCUDAGraph()
+    refused = r"sparsify' returned a sparse tensor .*output\[1\]"
+    with pytest.raises(CopyBackError, match=refused) as e:
+        with capture(g):
+            sparsify(x + 1)
+    assert ".to_dense()" in str(e.value) and "inside the eager function" in str(e.value)
+    assert g.num_segments == 0 and not breakgraph.is_capturing()
+    with capture(g):  # the graph takes a capture afterwards
+        y = (x + 1) * 2
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, (new + 1) * 2)

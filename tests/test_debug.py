@@ -16,6 +16,7 @@ from breakgraph import (
     StaleTensorError,
     eager_on_graph,
 )
+from breakgraph.debug import InputWatch
 from breakgraph.runner import BucketedRunner
 from breakgraph.testing import assert_replay_matches_eager
 from tests.helpers import fresh_into
@@ -89,6 +90,44 @@ def test_resized_break_argument_is_named(capture, device):
     x.resize_(2)
     with pytest.raises(StaleTensorError, match="host_scale"):
         g.replay()
+
+
+@eager_on_graph
+def sparse_propagate(adjacency, h):
+    return torch.sparse.mm(adjacency, h)
+
+
+def test_a_sparse_break_argument_is_watched_by_its_indices_and_values(capture, device):
+    """A sparse tensor has no storage (nor data_ptr): the watch of a break's arguments read
+    its data_ptr first and raised torch's raw RuntimeError. Its memory is its indices and
+    values, which are watched: refilled in place it replays, replaced it is named."""
+    adjacency = torch.eye(3, device=device).to_sparse()
+    x = torch.randn(3, 2, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g, debug=True):
+        y = sparse_propagate(adjacency, x * 1) + 1
+    adjacency._values().mul_(2)  # in place: fine
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 2 + 1)
+    adjacency.copy_(torch.eye(3, device=device).to_sparse() * 3)  # new indices and values
+    with pytest.raises(StaleTensorError, match="sparse_propagate"):
+        g.replay()
+
+
+def test_a_segment_reading_a_sparse_tensor_is_watched_by_its_parts():
+    """The CUDA path of debug mode (the emulated backend refuses sparse tensors in segments
+    before its watch sees them): a segment's sparse input made the watch raise torch's raw
+    RuntimeError (data_ptr of a tensor without storage). Its indices and values are watched."""
+    watch = InputWatch()
+    adjacency, x = torch.eye(3).to_sparse(), torch.randn(3, 2)
+    out = torch.sparse.mm(adjacency, x)
+    watch.observe(torch.ops.aten._sparse_mm.default, (adjacency, x), {}, out)
+    check = watch.checker(0)
+    check()
+    adjacency.copy_(torch.eye(3).to_sparse() * 2)  # its values replaced: the graph reads the old
+    with pytest.raises(StaleTensorError, match="segment 0 reads a tensor that was freed"):
+        check()
 
 
 def capture_over_a_temporary_view(capture, buf, w):

@@ -401,6 +401,33 @@ def test_in_place_out_and_views_replay():
         torch.testing.assert_close(buf.view(-1), expected[0])
 
 
+@pytest.mark.parametrize("where", ["read", "made"])
+def test_a_sparse_tensor_in_a_segment_is_refused_by_name(where):
+    """A segment reading or making a sparse tensor failed with torch's raw NotImplementedError
+    about as_strided (the recording takes strided aliases). The emulated backend cannot replay
+    it at frozen addresses: CaptureError naming the operation, the tensor and the fixes; the
+    capture fails even when the block catches it, and nothing is left behind."""
+    adjacency, x = torch.eye(3).to_sparse(), torch.randn(3, 2)
+    g = BreakableCUDAGraph()
+    with pytest.raises(breakgraph.CaptureError) as info:
+        with capture(g):
+            if where == "read":
+                torch.sparse.mm(adjacency, x * 1)
+            else:
+                (x > 0).float().to_sparse()
+    message = str(info.value)
+    assert "sparse tensor" in message and "torch.sparse_coo" in message
+    assert ("argument 1" if where == "read" else "its output") in message  # _sparse_addmm
+    assert ".to_dense()" in message and "@breakgraph.eager_on_graph" in message
+    assert "test_emulated.py" in message
+    assert_clean(g)
+    with pytest.raises(breakgraph.CaptureError, match="sparse tensor"):
+        with capture(g):
+            with contextlib.suppress(breakgraph.CaptureError):  # caught inside: still fails
+                torch.sparse.mm(adjacency, x * 1)
+    assert_clean(g)
+
+
 def test_random_ops_draw_fresh_numbers_each_replay():
     x = torch.randn(1000)
     dropout = nn.Dropout(p=0.5).train()

@@ -34,7 +34,8 @@ answers True on the capturing thread, so libraries take their capture-safe paths
 Limits: it cannot see streams, kernels launched outside the aten dispatcher (for
 example Triton kernels called directly), or the difference between host and device
 tensors (every CPU tensor counts as a device tensor, so ``.item()`` on any tensor
-inside a segment raises). Replay is slow: it is a testing and debugging tool.
+inside a segment raises). Sparse tensors in a segment are refused (``CaptureError``): they
+have no strided memory to alias. Replay is slow: it is a testing and debugging tool.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ import torch
 
 from ..errors import CaptureError
 from ..patches import patch_attribute
-from ..syncs import SegmentMode, exit_segment_mode, sync_reason
+from ..structure import sparse_parts
+from ..syncs import SegmentMode, _refused, _user_frame, exit_segment_mode, sync_reason
 from .base import CaptureOptions, Observer, pool_handle, released_pool_error
 
 aten = torch.ops.aten
@@ -236,6 +238,32 @@ class EmulatedSegment:
         self.reset()
 
 
+def _refuse_sparse(func, args: tuple, kwargs: dict, out: Any) -> None:
+    """Raise ``CaptureError`` naming the first sparse tensor ``func`` read or made, if any.
+
+    A segment is recorded with strided aliases of the tensors it reads, which a sparse tensor
+    cannot have (``as_strided`` is refused): its indices and values are no memory of its own
+    that a replay could read at a frozen address. Checked only once torch refused the
+    recording, so dense operations pay nothing."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"argument {k!r}", v) for k, v in kwargs.items()] + [("its output", out)]
+    for where, value in named:
+        many = isinstance(value, (list, tuple))
+        for j, t in enumerate(value if many else (value,)):
+            if isinstance(t, torch.Tensor) and sparse_parts(t):
+                path = f"{where}[{j}]" if many else where
+                raise _refused(CaptureError(
+                    f"breakgraph.capture: {func} at {_user_frame()} reads or makes a sparse "
+                    f"tensor ({path}, {t.layout}) inside a captured segment. The emulated "
+                    f"backend replays a segment on the memory its operations used at capture, "
+                    f"at frozen addresses, and a sparse tensor has none of its own (its indices "
+                    f"and values may be replaced, and their number change). Densify it with "
+                    f".to_dense() before the capture, or do the sparse operation inside a "
+                    f"function decorated with @breakgraph.eager_on_graph (a sparse argument is "
+                    f"passed to it as it is on every replay) and return a dense result."
+                ))  # fmt: skip
+
+
 def _reseeded_error() -> CaptureError:
     """torch refuses a new seed for a CUDA generator while a capture is running (the same seed
     is a no-op); the emulated backend sees the seed change when the segment ends."""
@@ -292,10 +320,14 @@ class EmulatedSession:
         patch_attribute(self._stack, torch.cuda.graphs, "is_current_stream_capturing", replacement)
 
     def _record(self, func, args, kwargs, out) -> None:
-        if not self.detect_syncs and sync_reason(func, args, kwargs, all_devices=True):
-            step = _frozen_step(func, args, kwargs, out)
-        else:
-            step = _replay_step(func, args, kwargs, out)
+        try:
+            if not self.detect_syncs and sync_reason(func, args, kwargs, all_devices=True):
+                step = _frozen_step(func, args, kwargs, out)
+            else:
+                step = _replay_step(func, args, kwargs, out)
+        except NotImplementedError:  # torch's, for a sparse tensor: refused by name
+            _refuse_sparse(func, args, kwargs, out)
+            raise
         if step is not None:
             self._steps.append(step)
         if self.observer is not None:
