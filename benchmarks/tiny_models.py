@@ -37,6 +37,29 @@ DENSE_FAMILIES = {
     "gemma": ("GemmaConfig", dict(head_dim=16)),
 }
 
+#: the dense families beyond the Llama-style five, each with its own features switched on
+#: (partial and interleaved RoPE, clip_qkv, qk-norm, Granite's four multipliers, biases,
+#: LayerNorm, parallel attention and MLP, a sliding window). The prefill and continuous-batching
+#: tests run them; the fuzzer and the benchmarks' smoke runs do not (CI time).
+OTHER_DENSE_FAMILIES = {
+    "phi3": ("Phi3Config", dict(
+        pad_token_id=None,  # its default (32000) is outside the tiny vocabularies, like GLM's
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    )),
+    "olmo": ("OlmoConfig", dict(clip_qkv=0.1, attention_bias=True)),
+    "olmo2": ("Olmo2Config", dict()),
+    "granite": ("GraniteConfig", dict(
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+        logits_scaling=4.0, attention_bias=True, mlp_bias=True,
+    )),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=8)),
+    "stablelm": ("StableLmConfig", dict(
+        qk_layernorm=True, use_parallel_residual=True, use_qkv_bias=True,
+    )),
+    "phi": ("PhiConfig", dict(qk_layernorm=True)),
+    "glm": ("GlmConfig", dict(head_dim=16, pad_token_id=None)),  # half-rotary, interleaved
+}  # fmt: skip
+
 #: the MoE families' extra kwargs (each test file adds the routing it needs)
 QWEN3_MOE = dict(num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
 MIXTRAL = dict(head_dim=16, num_local_experts=4)

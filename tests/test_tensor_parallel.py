@@ -36,7 +36,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from benchmarks.tiny_models import DENSE_FAMILIES, tiny_config
+from benchmarks.tiny_models import DENSE_FAMILIES, OTHER_DENSE_FAMILIES, tiny_config
 from tests.helpers import RankDiedWarning
 
 pytest.importorskip("transformers")
@@ -280,7 +280,7 @@ def load_models(
     transformers.utils.logging.disable_progress_bar()
     if rank == 0:
         torch.manual_seed(0)
-        class_name, extra = DENSE_FAMILIES[family]
+        class_name, extra = {**DENSE_FAMILIES, **OTHER_DENSE_FAMILIES}[family]
         config = tiny_config(class_name, vocab_size=VOCAB, max_position_embeddings=256, **extra)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     dist.barrier()
@@ -663,6 +663,51 @@ def scenario_gemma(rank: int, backend: str, path: str) -> dict:
     return out
 
 
+#: added families under TP: Phi-3's fused qkv_proj (gathered: every rank attends with every
+#: head), OLMo-2's gathered k_proj (continuous batching refused), Granite's multipliers
+TP_FAMILIES = ("phi3", "olmo2", "granite")
+
+
+def scenario_families(rank: int, backend: str, path: str) -> dict:
+    """Each of :data:`TP_FAMILIES` in fp32: prefill against the unsharded model, continuous
+    batching against transformers' own TP continuous batching (or refused)."""
+    from breakgraph.integrations.transformers import PrefillRunner, enable_continuous_batching
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    def generate(model) -> list:
+        outs = model.generate_batch(
+            [p.tolist() for p in prompts_for(7, (5, 19, 9))],
+            generation_config=GenerationConfig(
+                max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0
+            ),
+            continuous_batching_config=ContinuousBatchingConfig(
+                block_size=16, num_blocks=16, max_batch_tokens=16
+            ),
+            progress_bar=False,
+        )
+        return [(outs[key].error, outs[key].generated_tokens) for key in sorted(outs)]
+
+    out = {}
+    for family in TP_FAMILIES:
+        sharded, full = load_models(
+            rank, backend, os.path.join(path, family), dtype=torch.float32, family=family
+        )
+        runner = PrefillRunner(
+            sharded, token_buckets=(32,), max_prompts=4, backend=backend, warmup=1
+        )
+        result = {"detected": runner.ranks is not None, "diff": max_diff(runner, full, 1)}
+        runner.close()
+        result["cb_stock"] = generate(sharded) if family != "olmo2" else None
+        try:
+            with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,)):
+                result["cb_breakgraph"] = generate(sharded)
+        except Exception as exc:
+            result["cb_breakgraph"] = f"{type(exc).__name__}: {exc}"
+        out[family] = result
+    return out
+
+
 def scenario_settings(rank: int, backend: str, path: str) -> dict:
     """Ranks building PrefillRunner with different settings: RankMismatchError on every rank,
     naming the setting, before any collective; the ranks stay usable."""
@@ -733,6 +778,7 @@ SCENARIOS = {
     "cb": scenario_cb,
     "gemma": scenario_gemma,
     "settings": scenario_settings,
+    "families": scenario_families,
 }
 
 
@@ -746,12 +792,13 @@ def tp_runs(request, tmp_path_factory):
         # transformers' CB recommends NCCL_GRAPH_MIXING_SUPPORT=0 under TP (set before NCCL
         # starts), which the eager all-reduce breaks of `main` must not run under; breakgraph's
         # CB steps never issue an eager collective while a graph launch is in flight
-        results = launch_again_if_a_rank_dies(("settings", "gemma", "main"), backend, path)
+        scenarios = ("settings", "gemma", "families", "main")
+        results = launch_again_if_a_rank_dies(scenarios, backend, path)
         env = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
         cb_path = os.path.join(path, "cb-launch")
         results.update(launch_again_if_a_rank_dies(("cb",), backend, cb_path, env=env))
     else:
-        scenarios = ("settings", "bench", "cb", "gemma", "main")
+        scenarios = ("settings", "bench", "cb", "gemma", "families", "main")
         results = launch_again_if_a_rank_dies(scenarios, backend, path)
     return {name: (backend, by_rank) for name, by_rank in results.items()}
 
@@ -771,6 +818,11 @@ def main_run(tp_runs):
 @pytest.fixture
 def gemma_run(tp_runs):
     return scenario_run(tp_runs, "gemma")
+
+
+@pytest.fixture
+def families_run(tp_runs):
+    return scenario_run(tp_runs, "families")
 
 
 @pytest.fixture
@@ -839,6 +891,24 @@ def test_gemma_under_tp_matches_the_unsharded_model(gemma_run):
         assert result["stock_after_diff"] < tolerance(backend)
         assert all(error is None for error, _ in result["cb_stock"])
         assert result["cb_breakgraph"] == result["cb_stock"]  # CB failed every request
+
+
+def test_added_families_under_tp_match_or_are_refused(families_run):
+    """Phi-3, OLMo-2 and Granite sharded by transformers: prefill equals the unsharded model;
+    continuous batching gives transformers' own TP tokens, except OLMo-2's, refused (its
+    gathered k_proj gives every rank every key head, the paged cache holds a share: stock
+    continuous batching failed every request, breakgraph's with a raw index_copy_ error)."""
+    backend, results = families_run
+    for result in results:
+        for family in TP_FAMILIES:
+            got = result[family]
+            assert got["detected"] and got["diff"] < tolerance(backend), (family, got)
+            if family == "olmo2":
+                assert got["cb_breakgraph"].startswith("UnsupportedModelError: "), got
+                assert "gathers every head on every rank" in got["cb_breakgraph"], got
+                continue
+            assert all(error is None for error, _ in got["cb_stock"]), (family, got)
+            assert got["cb_breakgraph"] == got["cb_stock"], family
 
 
 def test_ranks_built_with_different_settings_raise_the_named_error_on_every_rank(settings_run):

@@ -39,7 +39,13 @@ from breakgraph.integrations.transformers import (  # noqa: E402
 )
 from breakgraph.integrations.transformers import attention as bg_attention  # noqa: E402
 
-from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, TINY_SHAPE  # noqa: E402
+from benchmarks.tiny_models import (  # noqa: E402
+    DENSE_FAMILIES,
+    MIXTRAL,
+    OTHER_DENSE_FAMILIES,
+    QWEN3_MOE,
+    TINY_SHAPE,
+)
 from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
@@ -59,6 +65,8 @@ COMMON = dict(TINY_SHAPE, vocab_size=VOCAB, max_position_embeddings=512)
 ARCHS = {name: (cls, extra, 0) for name, (cls, extra) in DENSE_FAMILIES.items()}
 ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", dict(QWEN3_MOE, num_experts_per_tok=2), 2)
 ARCHS["mixtral"] = ("MixtralConfig", dict(MIXTRAL, num_experts_per_tok=2), 2)
+# partial RoPE, clip_qkv, qk-norm, Granite's multipliers, biases, LayerNorm, parallel blocks
+ARCHS.update({name: (cls, extra, 0) for name, (cls, extra) in OTHER_DENSE_FAMILIES.items()})
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -362,13 +370,19 @@ def test_single_prompt_graphs_are_on_by_default_on_cuda_only(backend, closing):
 
 
 # -- 2. greedy continuation from the runner's KV cache ---------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", *OTHER_DENSE_FAMILIES])
 def test_generate_continues_from_prefill_cache(arch, backend, closing):
     # fp32 on both backends: greedy decoding must not depend on bf16 near-ties
     # (on CUDA fp32 the runner uses its reference attention, still inside CUDA graphs).
     device = "cuda" if backend == "cuda" else "cpu"
     model = build_model(arch, device, torch.float32)
-    runner = closing(make_runner(model, backend))
+    runner = closing(make_runner(model, backend, on_miss="eager"))
+    # a batch above the largest bucket: the eager fallback, the same logits
+    over = prompts_of([30, 25], device)
+    out = runner.prefill(over)
+    assert runner.stats.eager_fallbacks == {"larger than every bucket": 1}
+    for i, p in enumerate(over):
+        assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"eager {i}")
     prompts = prompts_of([6, 13, 3], device)
     out = runner.prefill(prompts)
     for i, p in enumerate(prompts):

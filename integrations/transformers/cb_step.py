@@ -357,6 +357,8 @@ class StepRunner:
         if self.compiled:
             self._forward = CompiledForward(self.decoder, compile, backend)
         self.lm_head = model.get_output_embeddings()
+        # what the causal LM does after lm_head (Granite divides by config.logits_scaling)
+        self.logits_scaling = getattr(model.config, "logits_scaling", None)
         self.names = compat.step_kwargs()
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -488,7 +490,11 @@ class StepRunner:
         self.inputs.hidden[:, :bucket].copy_(hidden)
 
     def _record_logits(self, rows: int) -> torch.Tensor:
-        return self.lm_head(self.inputs.hidden.index_select(1, self.inputs.rows[rows]))
+        return self._head(self.inputs.hidden.index_select(1, self.inputs.rows[rows]))
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return logits if self.logits_scaling is None else logits / self.logits_scaling
 
     # -- serving -------------------------------------------------------------------------------
     def graphs_off(self, manager) -> None:
@@ -546,7 +552,7 @@ class StepRunner:
             hidden = self._decoder(ids, positions)
         if isinstance(keep, torch.Tensor):
             hidden = hidden.index_select(1, keep.to(torch.long))
-        return self.lm_head(hidden)
+        return self._head(hidden)
 
     def _graphs_off(self, cache) -> bool:
         if not self._eager_managers:

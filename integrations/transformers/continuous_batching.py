@@ -83,6 +83,7 @@ from .models import (
     DEFAULT_MAX_BATCH_TOKENS,
     UnsupportedModelError,
     check_model,
+    check_paged_heads,
     check_paged_window,
 )
 from .models import resolve_attention as _resolve_attention
@@ -464,7 +465,8 @@ def enable_continuous_batching(
 
     Args:
         model: a transformers causal LM of a supported family (dense: llama, qwen2,
-            qwen3, mistral, gemma; MoE: qwen3_moe, mixtral) in eval mode.
+            qwen3, mistral, gemma, phi3, olmo, olmo2, granite, starcoder2, stablelm, phi,
+            glm; MoE: qwen3_moe, mixtral) in eval mode.
         backend: ``"cuda"`` or ``"emulated"`` (CPU), as for :func:`breakgraph.capture`.
         attention: ``"auto"`` (FlashAttention varlen inside ATen on CUDA in bf16/fp16,
             else the exact per-sequence reference), ``"flash"`` or ``"reference"``.
@@ -509,6 +511,7 @@ def enable_continuous_batching(
     """
     check_model(model, _WHO)
     check_paged_window(model.config, _WHO)
+    check_paged_heads(model, _WHO)
     with _lock:
         group = distributed.tensor_parallel_group(model)
         ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)

@@ -39,9 +39,13 @@ __all__ = [
     "attention_heads",
     "layer_attention",
     "check_paged_window",
+    "check_paged_heads",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral",
+    "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm",
+)  # fmt: skip
 # computed once; transformers' dynamic_rope_update recomputes "dynamic" and "longrope" per call
 _STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn", "proportional")
 
@@ -215,4 +219,25 @@ def check_paged_window(config: Any, who: str) -> None:
             f"{who}: sliding_window=1 is transformers' paged cache's mark of a full-attention "
             f"layer, so its continuous batching reads other keys than a one-token window "
             f"(stock transformers too); PrefillRunner serves the model."
+        )
+
+
+def check_paged_heads(model: Any, who: str) -> None:
+    """Refuse continuous batching of a tensor-parallel model whose key/value projections
+    gather their output: transformers' paged cache holds ``1/tp`` of the key heads per rank
+    whenever ``k_proj`` and ``v_proj`` are in the TP plan, while such a projection (OLMo-2's
+    ``colwise_gather_output``, for its qk-norm over all heads) gives every rank every head,
+    so no key fits the cache (stock continuous batching fails every request too)."""
+    from breakgraph.distributed import tensor_parallel_group
+
+    plan = getattr(model, "tp_plan", None) or {}
+    gathered = [key for key, style in plan.items() if key.endswith(("self_attn.k_proj",
+                "self_attn.v_proj")) and "gather_output" in str(style)]  # fmt: skip
+    if gathered and tensor_parallel_group(model) is not None:
+        raise UnsupportedModelError(
+            f"{who}: under tensor parallelism transformers' paged cache holds a share of the "
+            f"key heads on each rank, but this model's TP plan gathers every head on every rank "
+            f"({gathered[0]}: {plan[gathered[0]]!r}), so its keys do not fit the cache (stock "
+            f"continuous batching fails too). PrefillRunner serves it under TP; continuous "
+            f"batching serves it unsharded."
         )
