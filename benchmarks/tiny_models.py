@@ -39,7 +39,8 @@ DENSE_FAMILIES = {
 
 #: the dense families beyond the Llama-style five, each with its own features switched on
 #: (partial and interleaved RoPE, clip_qkv, qk-norm, Granite's four multipliers, biases,
-#: LayerNorm, parallel attention and MLP, a sliding window). The prefill and continuous-batching
+#: LayerNorm, parallel attention and MLP, a sliding window, Gemma 3's sliding and global
+#: layers, Cohere's logit_scale). The prefill and continuous-batching
 #: tests run them; the fuzzer and the benchmarks' smoke runs do not (CI time).
 OTHER_DENSE_FAMILIES = {
     "phi3": ("Phi3Config", dict(
@@ -58,6 +59,22 @@ OTHER_DENSE_FAMILIES = {
     )),
     "phi": ("PhiConfig", dict(qk_layernorm=True)),
     "glm": ("GlmConfig", dict(head_dim=16, pad_token_id=None)),  # half-rotary, interleaved
+    # a sliding and a global layer, each with its own RoPE (the global one scaled, as Gemma 3's
+    # larger checkpoints are), qk-norm, query_pre_attn_scalar, the embedding scale
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
+        ),
+    )),
+    # LayerNorm, attention and MLP in parallel, interleaved RoPE, qk-norm, and the logits
+    # multiplied by logit_scale after lm_head
+    "cohere": ("CohereConfig", dict(
+        use_qk_norm=True, logit_scale=0.25,
+        eos_token_id=None,  # its default (255001) is outside the tiny vocabularies
+    )),
 }  # fmt: skip
 
 #: the MoE families' extra kwargs (each test file adds the routing it needs)

@@ -642,6 +642,24 @@ def test_bidirectional_attention_is_refused():
     _assert_unsupported(model, r"bidirectional \(is_causal=False on model.layers.0.self_attn")
 
 
+def test_gemma3_refusals_read_its_per_layer_type_settings():
+    """Gemma 3 keeps a RoPE setting per layer type (``rope_parameters`` keyed by
+    ``sliding_attention``/``full_attention``): a dynamic RoPE on its global layers (recomputed
+    per call from the live length, which a graph would freeze) passed the check unrefused
+    while it read only a top-level ``rope_type``. Its softcapping and bidirectional attention
+    are refused like Gemma's and Gemma 2's."""
+    rope = make_config("gemma3_text").rope_parameters
+    dynamic = dict(rope, full_attention=dict(rope_type="dynamic", factor=2.0, rope_theta=1e6))
+    model = build_model("gemma3_text", "cpu", torch.float32, rope_parameters=dynamic)
+    assert model.model.rotary_emb.rope_type == {"sliding_attention": "default",
+                                                "full_attention": "dynamic"}  # fmt: skip
+    _assert_unsupported(model, "rope_type 'dynamic'")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        _assert_unsupported(build_model("gemma3_text", "cpu", torch.float32, **{name: 30.0}), name)
+    model = build_model("gemma3_text", "cpu", torch.float32, use_bidirectional_attention=True)
+    _assert_unsupported(model, r"bidirectional \(is_causal=False on model.layers.0.self_attn")
+
+
 def test_a_tested_release_supports_every_feature_its_probes_decide():
     """The CB and serve tests skip where the library's probe says a feature is unsupported, so a
     probe that broke on a tested release would pass CI as skips. On a tested release every

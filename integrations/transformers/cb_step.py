@@ -61,7 +61,13 @@ from .attention import (
 from .block_table import read_slots, write_slots
 from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
-from .models import UnsupportedModelError, attention_heads, default_query_buckets, layer_attention
+from .models import (
+    UnsupportedModelError,
+    attention_heads,
+    default_query_buckets,
+    layer_attention,
+    logits_after_head,
+)
 from .paged_decode import break_splits, fits, paged_decode, query_rows, triton_available, warm_up
 from .step_inputs import StepInputs
 from .tensor_parallel import graph_safe_tensor_parallel
@@ -357,8 +363,8 @@ class StepRunner:
         if self.compiled:
             self._forward = CompiledForward(self.decoder, compile, backend)
         self.lm_head = model.get_output_embeddings()
-        # what the causal LM does after lm_head (Granite divides by config.logits_scaling)
-        self.logits_scaling = getattr(model.config, "logits_scaling", None)
+        # what the causal LM does after lm_head (Granite divides, Cohere multiplies)
+        self.after_head = logits_after_head(model.config)
         self.names = compat.step_kwargs()
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -494,7 +500,9 @@ class StepRunner:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        return logits if self.logits_scaling is None else logits / self.logits_scaling
+        for op, value in self.after_head:
+            logits = op(logits, value)
+        return logits
 
     # -- serving -------------------------------------------------------------------------------
     def graphs_off(self, manager) -> None:

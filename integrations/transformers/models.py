@@ -40,11 +40,15 @@ __all__ = [
     "layer_attention",
     "check_paged_window",
     "check_paged_heads",
+    "check_head_norms",
+    "rope_types",
+    "logits_after_head",
 ]
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral",
-    "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm",
+    "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm", "gemma3_text",
+    "cohere",
 )  # fmt: skip
 # computed once; transformers' dynamic_rope_update recomputes "dynamic" and "longrope" per call
 _STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn", "proportional")
@@ -141,6 +145,49 @@ def resolve_attention(attention: str, dtype: torch.dtype, device: torch.device, 
     return attention
 
 
+def rope_types(config: Any) -> list:
+    """Every RoPE type a config sets, once each: in ``rope_parameters`` and ``rope_scaling`` (one
+    setting, or a dict of settings keyed by layer type, as Gemma 3's global and sliding layers
+    have), ``None`` for a setting that names none.
+
+    Example::
+
+        >>> from transformers import LlamaConfig
+        >>> rope_types(LlamaConfig(rope_parameters=dict(rope_type="dynamic", factor=2.0)))
+        ['dynamic']
+    """
+
+    def walk(setting: Any):
+        if not isinstance(setting, dict):
+            return
+        nested = [value for value in setting.values() if isinstance(value, dict)]
+        if not nested or "rope_type" in setting or "type" in setting:
+            yield setting.get("rope_type", setting.get("type"))
+        for value in nested:  # per layer type
+            yield from walk(value)
+
+    names = ("rope_parameters", "rope_scaling")  # one dict under two names in transformers 5
+    found = (t for name in names for t in walk(getattr(config, name, None)))
+    return list(dict.fromkeys(found)) or [None]
+
+
+def logits_after_head(config: Any) -> list:
+    """What the causal LM does to the logits after ``lm_head``, read from its config, as
+    ``(operation, value)`` pairs in order: Granite divides by ``logits_scaling``, Cohere
+    multiplies by ``logit_scale``. (Logit softcapping is refused by :func:`check_model`.)
+
+    Example::
+
+        >>> from transformers import CohereConfig
+        >>> after = logits_after_head(CohereConfig(logit_scale=0.25))
+        >>> [(op.__name__, value) for op, value in after]
+        [('mul', 0.25)]
+    """
+    ops = (("logits_scaling", torch.div), ("logit_scale", torch.mul))
+    return [(op, getattr(config, name)) for name, op in ops
+            if getattr(config, name, None) is not None]  # fmt: skip
+
+
 def check_model(model: Any, who: str = "PrefillRunner") -> None:
     """Reject models the graphs cannot serve correctly; ``who`` names the caller in messages.
 
@@ -188,9 +235,8 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
             f"{bidirectional[0]}, as config.use_bidirectional_attention=True makes it), and "
             f"breakgraph's attention is causal; load the model without bidirectional attention."
         )
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if rope_type not in _STATIC_ROPE_TYPES:
+    rope_type = next((t for t in rope_types(config) if t not in _STATIC_ROPE_TYPES), None)
+    if rope_type is not None:
         static = ", ".join(map(str, _STATIC_ROPE_TYPES[1:]))
         raise UnsupportedModelError(
             f"{who}: rope_type {rope_type!r} is not static RoPE (dynamic and longrope "
@@ -200,6 +246,7 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
             raise UnsupportedModelError(f"{who}: {name} is not supported.")
+    check_head_norms(model, who)
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1:
         raise UnsupportedModelError(f"{who}: all parameters must be on one device.")
@@ -208,6 +255,28 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
             f"{who}: the parameters are on the meta device and hold no data (a model built "
             f"under torch.device('meta') or offloaded); load its weights onto a device first."
         )
+
+
+def check_head_norms(model: Any, who: str) -> None:
+    """Refuse a tensor-parallel model whose qk-norm holds a weight row per head (Cohere's
+    ``use_qk_norm``: ``(heads, head_dim)``) that the TP plan leaves whole while it shards the
+    projections: each rank's share of the heads meets every head's weights, and the sharded
+    model's own forward fails (stock transformers too)."""
+    from breakgraph.distributed import tensor_parallel_group
+
+    if tensor_parallel_group(model) is None:
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None) if name.endswith((".q_norm", ".k_norm")) else None
+        if weight is not None and weight.ndim > 1 and not isinstance(weight, DTensor):
+            raise UnsupportedModelError(
+                f"{who}: under tensor parallelism each rank computes a share of the attention "
+                f"heads, but {name} normalizes with a weight row for every head "
+                f"({tuple(weight.shape)}, not sharded by the model's TP plan), so the sharded "
+                f"model's own forward fails (stock transformers too). Serve it unsharded."
+            )
 
 
 def check_paged_window(config: Any, who: str) -> None:
