@@ -618,13 +618,30 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
     return out
 
 
+def greedy_batch(model, seed: int) -> list:
+    """``model.generate_batch`` (continuous batching) of three prompts, 4 greedy tokens each:
+    ``(error, tokens)`` per request."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    outs = model.generate_batch(
+        [p.tolist() for p in prompts_for(seed, (5, 19, 9))],
+        generation_config=GenerationConfig(
+            max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0
+        ),
+        continuous_batching_config=ContinuousBatchingConfig(
+            block_size=16, num_blocks=16, max_batch_tokens=16
+        ),
+        progress_bar=False,
+    )
+    return [(outs[key].error, outs[key].generated_tokens) for key in sorted(outs)]
+
+
 def scenario_gemma(rank: int, backend: str, path: str) -> dict:
     """Gemma (tied embeddings: vocab-parallel on every transformers; its embedding scales the
     lookup): two runners in turn, collectives captured then as eager breaks, then continuous
     batching. fp32, so CB's greedy tokens can be compared exactly."""
     from breakgraph.integrations.transformers import PrefillRunner, enable_continuous_batching
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     sharded, full = load_models(rank, backend, path, dtype=torch.float32, family="gemma")
     out = embedding_under_capture(rank, backend, sharded, full)
@@ -644,22 +661,9 @@ def scenario_gemma(rank: int, backend: str, path: str) -> dict:
         stock = sharded(prompts[0][None].to(full.device), use_cache=False).logits[0, -1].float()
     out["stock_after_diff"] = (stock.cpu() - reference_logits(full, prompts)[0]).abs().max().item()
 
-    def generate() -> list:
-        outs = sharded.generate_batch(
-            [p.tolist() for p in prompts_for(6, (5, 19, 9))],
-            generation_config=GenerationConfig(
-                max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0
-            ),
-            continuous_batching_config=ContinuousBatchingConfig(
-                block_size=16, num_blocks=16, max_batch_tokens=16
-            ),
-            progress_bar=False,
-        )
-        return [(outs[key].error, outs[key].generated_tokens) for key in sorted(outs)]
-
-    out["cb_stock"] = generate()  # transformers' own TP continuous batching, eager
+    out["cb_stock"] = greedy_batch(sharded, 6)  # transformers' own TP continuous batching
     with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,)):
-        out["cb_breakgraph"] = generate()
+        out["cb_breakgraph"] = greedy_batch(sharded, 6)
     return out
 
 
@@ -677,21 +681,6 @@ def scenario_families(rank: int, backend: str, path: str) -> dict:
         UnsupportedModelError,
         enable_continuous_batching,
     )
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    def generate(model) -> list:
-        outs = model.generate_batch(
-            [p.tolist() for p in prompts_for(7, (5, 19, 9))],
-            generation_config=GenerationConfig(
-                max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0
-            ),
-            continuous_batching_config=ContinuousBatchingConfig(
-                block_size=16, num_blocks=16, max_batch_tokens=16
-            ),
-            progress_bar=False,
-        )
-        return [(outs[key].error, outs[key].generated_tokens) for key in sorted(outs)]
 
     out = {}
     for family in TP_FAMILIES:
@@ -710,10 +699,10 @@ def scenario_families(rank: int, backend: str, path: str) -> dict:
                 continue
         result = {"detected": runner.ranks is not None, "diff": max_diff(runner, full, 1)}
         runner.close()
-        result["cb_stock"] = generate(sharded) if family != "olmo2" else None
+        result["cb_stock"] = greedy_batch(sharded, 7) if family != "olmo2" else None
         try:
             with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,)):
-                result["cb_breakgraph"] = generate(sharded)
+                result["cb_breakgraph"] = greedy_batch(sharded, 7)
         except Exception as exc:
             result["cb_breakgraph"] = f"{type(exc).__name__}: {exc}"
         out[family] = result
