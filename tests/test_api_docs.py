@@ -71,10 +71,10 @@ def _real(obj) -> list[tuple]:
 
 def _signatures(page: str) -> list[tuple[str, str, str, object]]:
     """(where, name, params, owner class or None) for every signature ``page`` shows: the
-    fenced blocks without a language, and ``* `method(...)` `` bullets under a class's
-    heading."""
+    fenced blocks without a language, ``* `method(...)` `` bullets under a class's heading,
+    and a ``* `Class(...)` `` bullet with the ``  * `method(...)` `` bullets nested in it."""
     public = _public_names()
-    found, fence, block, owner = [], None, [], None
+    found, fence, block, owner, member_of = [], None, [], None, None
     with open(os.path.join(DOCS, page), encoding="utf-8") as f:
         lines = f.read().split("\n")
     for number, line in enumerate(lines, 1):
@@ -98,6 +98,14 @@ def _signatures(page: str) -> list[tuple[str, str, str, object]]:
         bullet = re.match(r"^\* `(\w+)\(([^`]*)\)(?: ->[^`]*)?`", line)
         if bullet and owner is not None:
             found.append((f"{page}:{number}", bullet.group(1), bullet.group(2), owner))
+        if heading or line.startswith("* "):  # a class bullet's members end at the next bullet
+            candidate = public.get(bullet.group(1)) if bullet and owner is None else None
+            member_of = candidate if inspect.isclass(candidate) else None
+            if member_of is not None:
+                found.append((f"{page}:{number}", bullet.group(1), bullet.group(2), None))
+        nested = re.match(r"^\s+\* `(\w+)\(([^`]*)\)(?: ->[^`]*)?`", line)
+        if nested and member_of is not None:
+            found.append((f"{page}:{number}", nested.group(1), nested.group(2), member_of))
     return found
 
 
