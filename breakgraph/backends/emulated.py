@@ -325,7 +325,8 @@ class EmulatedSession:
                 step = _frozen_step(func, args, kwargs, out)
             else:
                 step = _replay_step(func, args, kwargs, out)
-        except NotImplementedError:  # torch's, for a sparse tensor: refused by name
+        except RuntimeError:  # torch's for a sparse tensor (COO: NotImplementedError, no
+            # storage; CSR/CSC: RuntimeError, no strides): refused by name, else re-raised
             _refuse_sparse(func, args, kwargs, out)
             raise
         if step is not None:
