@@ -1001,12 +1001,16 @@ def test_output_autograd_saved_for_backward_is_held_elsewhere(capture, device):
     torch.testing.assert_close(y, torch.sigmoid(fresh * w.detach()) + 1)
 
 
-def test_copy_back_under_grad_mode_records_no_autograd_history(capture, device):
+@pytest.mark.parametrize("grad_at", ["capture", "replay only"])
+def test_copy_back_under_grad_mode_records_no_autograd_history(capture, device, grad_at):
     """A break captured with grad on whose output requires grad (it used a parameter): every
     replay's copy into the captured output was recorded by autograd, so its history grew by a
     copy node and the new result's own graph per replay, without bound (memory held for ever,
-    as the static inputs' copy did before it was detached). Replays write it untracked."""
-    w = torch.randn(3, device=device, requires_grad=True)
+    as the static inputs' copy did before it was detached). Replays write it untracked.
+    "replay only", the rarer case: the output did not require grad at capture (its parameter
+    did not yet), but a replay's result does (the parameter was set to require grad after the
+    capture, grad mode on): the captured output took a copy node per replay."""
+    w = torch.randn(3, device=device, requires_grad=grad_at == "capture")
 
     @eager_on_graph
     def scale(t):
@@ -1018,37 +1022,12 @@ def test_copy_back_under_grad_mode_records_no_autograd_history(capture, device):
         y = scale(x + 1)
         z = y + 1
     history = y.grad_fn
-    for value in (2.0, 3.0):
-        x.fill_(value)
-        g.replay()
-        assert y.grad_fn is history
-        assert torch.allclose(z, (value + 1) * w.detach() + 1)
-
-
-def test_copy_back_of_a_result_that_requires_grad_only_on_replay_records_no_history(
-    capture, device
-):
-    """The rarer case of the test above: the output did not require grad at capture (its
-    parameter did not yet), but a replay's result does (the parameter was set to require grad
-    after the capture, and grad mode is on). The copy was recorded by autograd: the captured
-    output took a copy node and the new result's graph, one more per replay. Now untracked."""
-    w = torch.randn(3, device=device)
-
-    @eager_on_graph
-    def scale(t):
-        return t * w
-
-    x = torch.ones(3, device=device)
-    g = BreakableCUDAGraph()
-    with capture(g):
-        y = scale(x + 1)
-        z = y + 1
-    assert not y.requires_grad
+    assert (history is not None) == (grad_at == "capture")
     w.requires_grad_(True)
     for value in (2.0, 3.0):
         x.fill_(value)
         g.replay()
-        assert y.grad_fn is None and not y.requires_grad
+        assert y.grad_fn is history and y.requires_grad == (grad_at == "capture")
         assert torch.allclose(z, (value + 1) * w.detach() + 1)
 
 
