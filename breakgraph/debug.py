@@ -206,7 +206,11 @@ class InputWatch:
         storage = _storage_ptr(t)
         if storage == 0:  # no storage of its own (no data_ptr either): a sparse tensor's memory
             for part in sparse_parts(t):  # is its indices and values, watched as tensors that
-                self._watch(part.detach(), where, force, segment, reader)  # view nothing
+                # view nothing; an eager function gets the sparse tensor itself on every
+                # replay, so parts replaced by copy_ (its usual update) are stale for it only
+                # where a segment writes them
+                if not force or _storage_ptr(part) in self._produced:
+                    self._watch(part.detach(), where, force, segment, reader)
             return  # a wrapper subclass without one is not watched (its inner tensor is)
         key = (id(t), t.data_ptr())
         if key in self._seen or (storage in self._produced and not force):
