@@ -1370,3 +1370,57 @@ def test_a_construction_that_fails_late_closes_what_it_captured(failing, monkeyp
         make_runner(model, "emulated", single_prompt_graphs=True, tune_buckets=True)
     assert built and all(r.ladder.closed for r in built), [r.ladder.closed for r in built]
     assert len(built) == (1 if failing == "single-prompt graphs" else 2)
+
+
+def _interrupted_at(line: int, functions: tuple, call) -> bool:
+    """Run ``call`` with KeyboardInterrupt raised at its ``line``-th line event inside the
+    prefill buffers' ``functions``; True if it was raised (the call had that many lines)."""
+    import sys
+
+    from breakgraph.integrations.transformers import prefill_buffers
+
+    seen = [0]
+
+    def trace(frame, event, arg):
+        code = frame.f_code
+        if code.co_filename != prefill_buffers.__file__ or code.co_name not in functions:
+            return None
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == line:
+                raise KeyboardInterrupt
+        return trace
+
+    sys.settrace(trace)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+def test_a_prefill_interrupted_while_staging_leaves_no_stale_positions_or_indices():
+    """``StepBuffers`` marked what a step changed (positions moved from their resting state,
+    last-token indices set) only after writing it: a KeyboardInterrupt between the two left
+    moved positions that the next one-prompt call took for resting ones (other logits,
+    silently, on every later call), or a last-token index past a smaller bucket (a raw
+    IndexError on every later call). Marked before the writes now; interrupted at each line of
+    the staging, the next prefills match the eager model."""
+    model = model_for("llama", "emulated")
+    generator = torch.Generator().manual_seed(3)
+    after = [prompts_of(lengths, "cpu", generator) for lengths in ([12], [5, 9])]
+    refs = [[eager_last_logits(model, p) for p in batch] for batch in after]
+    functions = ("commit", "commit_boundaries", "_clear_stale_last")
+    with contextlib.closing(make_runner(model, "emulated", on_miss="eager")) as runner:
+        for lengths in ([3, 30, 6], [20, 20, 20]):  # in bucket 48, above every bucket
+            batch = prompts_of(lengths, "cpu", generator)
+            line = 1
+            while _interrupted_at(line, functions, lambda: runner.prefill(batch)):
+                for prompts, ref in zip(after, refs):
+                    out = runner.prefill(prompts)
+                    for i, expected in enumerate(ref):
+                        assert_logits_close(out.logits[i], expected, "emulated", f"line {line}")
+                line += 1
+            assert line > 5, line

@@ -144,8 +144,10 @@ class StepBuffers(StaticInputs):
         self.id_views: dict[int, torch.Tensor] = {}  # at most one per length up to max_tokens
         self.host_address = self.host.data_ptr()  # host prompts' ids are copied here (memmove)
         # the positions [start, end) that differ from the resting state, and how many
-        # last-token indices the last step set
+        # last-token indices the last step set; both are marked before a write (a write cut
+        # short, by KeyboardInterrupt say, must leave nothing the next step would not undo)
         self.moved = (0, 0)
+        self.every_position = (1, max_tokens)  # `moved` while a step's positions are written
         self.last_set = 0
         # "the host buffer was read": recorded by the graphs (external event) or by the host
         # after each launch (torch.Event: its record() finds the current stream in C++, where
@@ -243,6 +245,9 @@ class StepBuffers(StaticInputs):
             positions[low:high] = self.arange[low:high]
             self.moved = (0, 0)
         n = len(lengths)
+        self._clear_stale_last(n)
+        if n > 1:
+            self.moved = self.every_position  # until the exact range is known (see __init__)
         if n == 1:  # the common case: the positions are in place
             total = lengths[0]
             view.last_memory[0] = total - 1
@@ -269,7 +274,6 @@ class StepBuffers(StaticInputs):
             bounds = list(zip(starts.tolist(), ends.tolist()))
         if n > 1:
             self.moved = (lengths[0], total)
-        self._clear_stale_last(n)
         tail = self.cu_tails.get(bucket)
         if tail is None:
             tail = self.cu_tails[bucket] = memoryview(
@@ -333,13 +337,15 @@ class StepBuffers(StaticInputs):
         view = self.view
         ends = np.cumsum(lengths)
         n = len(lengths)
+        self._clear_stale_last(n)  # before the writes: see __init__
         view.last[:n] = ends - 1
         view.cu[1 : n + 1] = ends
         view.cu[n + 1 :] = int(ends[-1])
-        self._clear_stale_last(n)
         return list(zip((ends - lengths).tolist(), ends.tolist()))
 
     def _clear_stale_last(self, n: int) -> None:
+        """Before a step writes ``n`` last-token indices: zero those a larger step left, and
+        count ``n`` as set (an index left past a smaller bucket failed every later call)."""
         if self.last_set > n:  # a larger batch's last-token indices (they could be past
             self.view.last[n : self.last_set] = 0  # this bucket: the graph gathers every entry)
         self.last_set = n
