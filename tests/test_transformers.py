@@ -1424,3 +1424,78 @@ def test_a_prefill_interrupted_while_staging_leaves_no_stale_positions_or_indice
                         assert_logits_close(out.logits[i], expected, "emulated", f"line {line}")
                 line += 1
             assert line > 5, line
+
+
+def test_a_moved_model_is_refused_and_weights_changed_in_place_are_seen():
+    """A graph reads the memory its weights had at capture: after ``model.double()``, or a
+    ``float()`` back (new memory again), or a parameter replaced, every prefill ran the old
+    weights, silently (on CUDA, memory given back). Now ReplayError naming the move and the
+    fix; weights copied in place are what the graphs read, in replays and eager fallbacks."""
+    model = model_for("llama", "emulated")
+    ps = prompts_of([5, 9], "cpu")
+    longer = prompts_of([20, 20, 20], "cpu")  # above every bucket: the eager fallback
+    with contextlib.closing(make_runner(model, "emulated", on_miss="eager")) as runner:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1.1)
+        for batch in (ps, longer):
+            out = runner.prefill(batch)
+            for i, p in enumerate(batch):
+                assert_logits_close(out.logits[i], eager_last_logits(model, p), "emulated")
+        embed = model.get_input_embeddings()
+        moves = [model.double, model.float,
+                 lambda: setattr(embed, "weight", torch.nn.Parameter(embed.weight.clone()))]
+        for move in moves:
+            move()
+            for batch in (ps, longer):
+                with pytest.raises(ReplayError, match="PrefillRunner.prefill: the model's weights "
+                                   "are no longer where its graphs read them.*Build a new runner"):
+                    runner.prefill(batch)
+    with contextlib.closing(make_runner(model, "emulated")) as runner:  # the model as it is now
+        out = runner.prefill(ps)
+        for i, p in enumerate(ps):
+            assert_logits_close(out.logits[i], eager_last_logits(model, p), "emulated")
+
+
+def test_two_threads_prefilling_on_one_runner_take_turns():
+    """Two threads calling ``prefill`` on one runner at once shared its staging buffers and
+    K/V: a thread's graph read the other's positions and boundaries halfway through its replay
+    (wrong logits, silently, or a raw IndexError). Calls take turns now (a lock, as continuous
+    batching's steps): thread A is held inside its first attention break while B calls."""
+    import threading
+
+    model = model_for("llama", "emulated")
+    a_prompts, b_prompts = prompts_of([5, 9], "cpu"), prompts_of([3, 4, 6], "cpu")
+    inside, b_done, results = threading.Event(), threading.Event(), {}
+    original = bg_attention.reference_attention
+
+    def attention(*args, **kwargs):
+        if threading.current_thread().name == "A" and not inside.is_set():
+            inside.set()
+            b_done.wait(timeout=0.3)  # without turns, B's whole prefill runs here
+        return original(*args, **kwargs)
+
+    def call(name, prompts):
+        if name == "B":
+            inside.wait(timeout=10)
+        results[name] = runner.prefill(prompts)
+        if name == "B":
+            b_done.set()
+
+    with contextlib.closing(make_runner(model, "emulated")) as runner:
+        bg_attention.reference_attention = attention
+        try:
+            threads = [threading.Thread(target=call, args=args, name=args[0])
+                       for args in (("A", a_prompts), ("B", b_prompts))]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=30)
+        finally:
+            bg_attention.reference_attention = original
+        for name, prompts in (("A", a_prompts), ("B", b_prompts)):
+            for i, p in enumerate(prompts):
+                assert_logits_close(results[name].logits[i], eager_last_logits(model, p),
+                                    "emulated", f"thread {name}, prompt {i}")  # fmt: skip
+        with pytest.raises(InputError, match="later prefill"):
+            results["A" if results["A"]._step < results["B"]._step else "B"].cache(0)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from breakgraph.buckets import default_token_buckets, geometric_buckets, validate_buckets
-from breakgraph.errors import InputError
+from breakgraph.errors import InputError, ReplayError
 
 from .compat import causal_lm_class_name
 from .errors import UnsupportedModelError
@@ -43,6 +43,8 @@ __all__ = [
     "check_head_norms",
     "rope_types",
     "logits_after_head",
+    "weights_anchor",
+    "moved_error",
 ]
 
 SUPPORTED_MODEL_TYPES = (
@@ -310,3 +312,31 @@ def check_paged_heads(model: Any, who: str) -> None:
             f"continuous batching fails too). PrefillRunner serves it under TP; continuous "
             f"batching serves it unsharded."
         )
+
+
+def weights_anchor(model: Any) -> tuple:
+    """``(parameters, name, address)``: the parameter dict of the module that holds the model's
+    first plain (not DTensor) parameter, its name there and its memory's address, for a runner
+    to compare on every call (``parameters[name].data_ptr() != address``: one dict read, one
+    C call). A graph reads the memory its weights had at capture, so a model moved since
+    (``to()``, ``half()``, ``cuda()``) or whose parameter was replaced ran the old weights,
+    silently (on CUDA, memory already given back). Looked up in the dict on every call, a
+    replaced ``Parameter`` object is seen too. Weights copied in place keep their memory."""
+    for name, parameter in model.named_parameters():
+        if type(parameter.data) is torch.Tensor:
+            owner, _, leaf = name.rpartition(".")
+            return model.get_submodule(owner)._parameters, leaf, parameter.data_ptr()
+    none = torch.empty(0)  # every parameter a shard (tensor parallelism): nothing to compare
+    return {"": none}, "", none.data_ptr()
+
+
+def moved_error(model: Any, dtype: torch.dtype, device: torch.device, who: str) -> ReplayError:
+    """The refusal of a call after :func:`weights_anchor` saw other memory."""
+    now = next(model.parameters())
+    return ReplayError(
+        f"{who}: the model's weights are no longer where its graphs read them: the model was "
+        f"moved since the runner was built (captured {dtype} on {device}, now {now.dtype} on "
+        f"{now.device}) or a parameter was replaced. Build a new runner for the model as it is "
+        f"now (close this one); to change weights under a runner, copy them in place "
+        f"(param.copy_(new), model.load_state_dict(...))."
+    )

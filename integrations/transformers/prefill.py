@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -66,10 +67,12 @@ from .models import (
     SUPPORTED_MODEL_TYPES,
     UnsupportedModelError,
     default_token_buckets,
+    moved_error,
     resolve_attention,
+    weights_anchor,
 )
 from .models import check_model as _check_model
-from .prefill_buffers import StepBuffers
+from .prefill_buffers import StepBuffers, as_prompt_list
 from .prefill_output import PrefillOutput
 from .tensor_parallel import graph_safe_tensor_parallel
 
@@ -234,6 +237,8 @@ class PrefillRunner:
         self._step = 0
         self._one_prompt_batches: dict = {}  # (tokens, bucket) -> its PackedBatch
         self._closed = False
+        self._lock = threading.Lock()  # held by a prefill, cache(i) and close()
+        self._weights = weights_anchor(model)  # the weights' memory the graphs read
         self._single: BucketedRunner | None = None  # single-prompt graphs (built below)
         # tensor parallelism: the ranks agree every capture step and every call
         self.tp_collectives = tp_collectives
@@ -446,12 +451,21 @@ class PrefillRunner:
         """Prefill ``prompts`` (1-D LongTensors) together; see :class:`PrefillOutput`.
 
         ``owned=False`` returns logits that live in graph memory (no copy), valid until the
-        next prefill.
+        next prefill. One call at a time: a call from another thread waits (the buckets share
+        the staging buffers and the K/V that ``cache(i)`` reads).
         """
-        if self._closed:
-            raise ReplayError(
-                "PrefillRunner.prefill: the runner is closed; build a new PrefillRunner."
-            )
+        with self._lock:
+            weights, name, address = self._weights  # see models.weights_anchor
+            if self._closed:
+                raise ReplayError(
+                    "PrefillRunner.prefill: the runner is closed; build a new PrefillRunner."
+                )
+            if weights[name].data_ptr() != address:
+                raise moved_error(self.model, self.dtype, self.device, "PrefillRunner.prefill")
+            return self._prefill(prompts, owned)
+
+    def _prefill(self, prompts: Iterable[torch.Tensor], owned: bool) -> PrefillOutput:
+        """:meth:`prefill`, under the lock, on a runner that can serve."""
         steps = self._steps
         try:  # under tensor parallelism a rank's bad input fails its peers too, in step
             if owned is not True and owned is not False:
@@ -459,7 +473,7 @@ class PrefillRunner:
                     f"PrefillRunner.prefill: owned must be True or False, got {owned!r}."
                 )
             if not isinstance(prompts, list):
-                prompts = self._as_list(prompts)
+                prompts = as_prompt_list(prompts)
             lengths = self._validate(prompts)
             staged = steps.write_ids(prompts, lengths, self.vocab_size)
         except InputError:
@@ -532,21 +546,6 @@ class PrefillRunner:
             self._steps.launched()
         return logits[0, : len(lengths)], bounds
 
-    @staticmethod
-    def _as_list(prompts) -> list:
-        """``prompts`` as a list; ``InputError`` for one tensor or what is not iterable."""
-        if isinstance(prompts, torch.Tensor):
-            raise InputError(
-                "PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
-                "prompt), not one tensor; wrap a single prompt as [ids]."
-            )
-        if not isinstance(prompts, Iterable):
-            raise InputError(
-                f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
-                f"prompt), got {type(prompts).__name__}."
-            )
-        return list(prompts)
-
     def _validate(self, prompts: list) -> list[int]:
         """The prompts' lengths; ``InputError`` unless ``prompts`` holds 1 to ``max_prompts``
         non-empty 1-D LongTensors."""
@@ -583,12 +582,14 @@ class PrefillRunner:
 
     def close(self) -> None:
         """Release graphs and buffers; the model is exactly as before. Outputs of earlier
-        prefills keep their logits; their ``cache(i)`` raises."""
-        self._closed = True
-        self._runner.close()
-        if self._single is not None:
-            self._single.close()
-        self._layers.clear()
-        self._outputs.clear()
-        if self.ranks is not None:
-            self.ranks.close()
+        prefills keep their logits; their ``cache(i)`` raises. Waits for a prefill running on
+        another thread."""
+        with self._lock:
+            self._closed = True
+            self._runner.close()
+            if self._single is not None:
+                self._single.close()
+            self._layers.clear()
+            self._outputs.clear()
+            if self.ranks is not None:
+                self.ranks.close()

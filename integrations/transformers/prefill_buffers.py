@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ import torch
 from breakgraph.errors import InputError
 from breakgraph.static_inputs import StaticInputs
 
-__all__ = ["StepBuffers"]
+__all__ = ["StepBuffers", "as_prompt_list"]
 
 
 _FEW_PROMPTS = 8  # up to this many prompts, a step is staged with scalar writes
@@ -388,3 +389,19 @@ def _vocabulary_error(vocab_size: int) -> InputError:
         f"PrefillRunner.prefill: a prompt holds token ids outside the vocabulary "
         f"(0..{vocab_size - 1})."
     )
+
+
+def as_prompt_list(prompts) -> list:
+    """``prompts`` (not a list: a list is taken as it is) as a list; ``InputError`` for one
+    tensor or what is not iterable."""
+    if isinstance(prompts, torch.Tensor):
+        raise InputError(
+            "PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
+            "prompt), not one tensor; wrap a single prompt as [ids]."
+        )
+    if not isinstance(prompts, Iterable):
+        raise InputError(
+            f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
+            f"prompt), got {type(prompts).__name__}."
+        )
+    return list(prompts)

@@ -49,14 +49,17 @@ class PrefillOutput:
             more = model.generate(torch.cat([ids, first[None]])[None],
                                   past_key_values=out.cache(0), max_new_tokens=8)
         """
+        runner = self._runner()
+        if runner is None:
+            raise self._gone()
+        with runner._lock:  # a prefill on another thread would overwrite the K/V it reads
+            return self._cache(runner, i)
+
+    def _cache(self, runner: Any, i: int):
         from transformers import DynamicCache
 
-        runner = self._runner()
-        if runner is None or runner._closed:
-            raise InputError(
-                "PrefillOutput.cache: the runner was closed or deleted; its graph memory is "
-                "gone. Call cache(i) while the runner lives, before the next prefill."
-            )
+        if runner._closed:
+            raise self._gone()
         if self._graph is None:
             raise InputError("PrefillOutput.cache: this prefill ran eagerly and kept no KV cache.")
         if runner._step != self._step:
@@ -78,3 +81,10 @@ class PrefillOutput:
         for layer, key, value in sorted(runner._layers[self._graph], key=lambda e: e[0]):
             cache.update(key[:, :, start:end].clone(), value[:, :, start:end].clone(), layer)
         return cache
+
+    @staticmethod
+    def _gone() -> InputError:
+        return InputError(
+            "PrefillOutput.cache: the runner was closed or deleted; its graph memory is "
+            "gone. Call cache(i) while the runner lives, before the next prefill."
+        )
