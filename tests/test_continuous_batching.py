@@ -1682,6 +1682,31 @@ def test_cuda_fp32_tokens_equal_generate(async_batching):
         assert handle.stats.replays > 0, arch
 
 
+@needs_cb
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("arch", list(OTHER_DENSE_FAMILIES))
+def test_cuda_added_families_agree_with_generate(arch):
+    """The families added later, on the GPU (the CPU runs them through the emulated backend
+    only): fp32 greedy tokens (the reference kernel) equal ``model.generate()`` per prompt, and
+    in bf16 (FlashAttention, the paged decode kernel) every step replays a graph and the
+    first tokens agree with bf16 ``generate()`` (a broken break agrees on ~1 in 128)."""
+    model = build_model(arch, device="cuda")
+    prompts = random_prompts(seed=21)
+    expected = generate_each(model, prompts)
+    with enable_continuous_batching(model, query_buckets=BUCKETS) as handle:
+        assert generate_batch(model, prompts, cbc=cb_config()) == expected
+    assert handle.kernel == "reference" and handle.stats.eager_steps == 0
+    assert handle.stats.replays > 0
+    model = model.to(torch.bfloat16)
+    expected = generate_each(model, prompts)
+    with enable_continuous_batching(model, query_buckets=BUCKETS) as handle:
+        got = generate_batch(model, prompts, cbc=cb_config())
+    first, whole = agreement(got, expected)
+    print(f"\n{arch} bf16: first tokens {first:.3f}, whole sequences {whole:.3f}")
+    assert handle.kernel == "flash" and handle.stats.eager_steps == 0
+    assert first >= 0.5, (first, whole)
+
+
 def test_an_enabled_models_manager_settles_after_creating_its_batch_processor(monkeypatch):
     """Each manager an enabled model creates gets its own ``_create_batch_processor``
     (contract item 17): the original, then ``_settle`` on the model's device, at every
