@@ -1499,3 +1499,53 @@ def test_two_threads_prefilling_on_one_runner_take_turns():
                                     "emulated", f"thread {name}, prompt {i}")  # fmt: skip
         with pytest.raises(InputError, match="later prefill"):
             results["A" if results["A"]._step < results["B"]._step else "B"].cache(0)
+
+
+def test_two_runners_eager_fallbacks_on_two_threads_take_turns_on_the_model():
+    """The attention implementation is a setting of the model: two runners of one model running
+    eager fallbacks on two threads, A entering first and leaving first, let A switch the model
+    back to SDPA in the middle of B's forward (B's packed prompts then attended to each other:
+    other logits, silently) and B restore "breakgraph" for good (the model's own calls raised
+    from then on). The runners' switches take turns per model now."""
+    import threading
+
+    model = model_for("llama", "emulated")
+    a_prompts, b_prompts = prompts_of([20, 20, 15], "cpu"), prompts_of([18, 22, 9], "cpu")
+    a_inside, b_inside, a_done = (threading.Event() for _ in range(3))
+    results = {}
+    original = bg_attention.reference_attention
+
+    def attention(*args, **kwargs):
+        if threading.current_thread().name == "A" and not a_inside.is_set():
+            a_inside.set()
+            b_inside.wait(timeout=0.3)  # without turns, B enters its forward here
+        elif threading.current_thread().name == "B" and not b_inside.is_set():
+            b_inside.set()
+            a_done.wait(timeout=0.3)  # ... and A leaves its forward here
+        return original(*args, **kwargs)
+
+    def call(name, runner, prompts):
+        if name == "B":
+            a_inside.wait(timeout=10)
+        results[name] = runner.prefill(prompts)  # above every bucket: an eager forward
+        if name == "A":
+            a_done.set()
+
+    runners = [make_runner(model, "emulated", on_miss="eager") for _ in range(2)]
+    bg_attention.reference_attention = attention
+    try:
+        threads = [threading.Thread(target=call, args=args, name=args[0])
+                   for args in (("A", runners[0], a_prompts), ("B", runners[1], b_prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        bg_attention.reference_attention = original
+        for runner in runners:
+            runner.close()
+    assert model.config._attn_implementation == "sdpa"
+    for name, prompts in (("A", a_prompts), ("B", b_prompts)):
+        for i, p in enumerate(prompts):
+            assert_logits_close(results[name].logits[i], eager_last_logits(model, p),
+                                "emulated", f"thread {name}, prompt {i}")  # fmt: skip

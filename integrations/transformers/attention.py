@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -331,6 +333,29 @@ def breakgraph_attention(
         state.calls.append(call)
     out = breakgraph.eager_on_graph(call)()
     return out.unsqueeze(0), None
+
+
+_switching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its RLock
+_switching_made = threading.Lock()
+
+
+@contextlib.contextmanager
+def switched(model: Any) -> Iterator[None]:
+    """``model`` on breakgraph's attention for the block, then back to what it had; one block
+    per model at a time (an RLock per model, re-entered by its thread). The implementation is a
+    setting of the model: two runners' eager fallbacks or captures on two threads, unordered,
+    let the first to finish switch the other's forward back to SDPA halfway (its packed prompts
+    then attended to each other, silently) and the last restore ``"breakgraph"`` for good (the
+    model's own calls then raised). Replays never switch, so they never wait here."""
+    with _switching_made:
+        lock = _switching.setdefault(model, threading.RLock())
+    with lock:
+        original = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_KEY)
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(original)
 
 
 def register() -> None:

@@ -387,17 +387,14 @@ class PrefillRunner:
         """Switch the model to breakgraph attention (and MoE experts, through transformers'
         ``ExpertsInterface``: the eager loop to eager breaks, ``grouped_mm`` to its version
         that skips padding rows, see :mod:`.experts`; a vocab-parallel embedding to its
-        graph-safe lookup, see :mod:`.tensor_parallel`) for the block, then back."""
-        original = self.model.config._attn_implementation
-        self.model.set_attn_implementation(_attention.ATTENTION_KEY)
-        try:
-            with (
-                experts_for_prefill(self.model, self._skip_padding),
-                graph_safe_tensor_parallel(self.model),
-            ):
-                yield
-        finally:
-            self.model.set_attn_implementation(original)
+        graph-safe lookup, see :mod:`.tensor_parallel`) for the block, then back; one runner's
+        block per model at a time (:func:`.attention.switched`)."""
+        with (
+            _attention.switched(self.model),
+            experts_for_prefill(self.model, self._skip_padding),
+            graph_safe_tensor_parallel(self.model),
+        ):
+            yield
 
     def _capture_batch(self, size: int) -> _attention.PackedBatch:
         """During capture of a bucket and before its timed replays (:meth:`tune`): one prompt
