@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -53,17 +54,7 @@ def patch_attribute(stack: contextlib.ExitStack, owner: Any, name: str, value: A
     """
     own = _own_value(owner, name)
     setattr(owner, name, value)
-
-    def restore() -> None:
-        if _own_value(owner, name) is not value:
-            _warn_replaced(owner, name)
-            return
-        if own is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, own)
-
-    stack.callback(restore)
+    stack.callback(_restore_attribute, owner, name, value, own)
 
 
 def patch_item(stack: contextlib.ExitStack, mapping: MutableMapping, key: Any, value: Any) -> None:
@@ -113,10 +104,23 @@ class PatchSet:
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
+        # owner -> [(name, weak reference to the value, the owner's own value)]: weak patches
+        self._weak: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def attribute(self, owner: Any, name: str, value: Any) -> None:
-        """``owner.name = value`` until :meth:`restore` (see :func:`patch_attribute`)."""
-        patch_attribute(self._stack, owner, name, value)
+    def attribute(self, owner: Any, name: str, value: Any, *, weak: bool = False) -> None:
+        """``owner.name = value`` until :meth:`restore` (see :func:`patch_attribute`).
+
+        ``weak``: the set keeps neither ``owner`` nor ``value`` alive, for objects made while
+        it lives (a manager per call of a long-lived handle): held strongly, each stayed in
+        memory until :meth:`restore`. A collected owner has nothing left to restore; one still
+        alive is restored as any other (after them). ``owner`` must be weak-referenceable.
+        """
+        if not weak:
+            patch_attribute(self._stack, owner, name, value)
+            return
+        own = _own_value(owner, name)
+        setattr(owner, name, value)
+        self._weak.setdefault(owner, []).append((name, weakref.ref(value), own))
 
     def item(self, mapping: MutableMapping, key: Any, value: Any) -> None:
         """``mapping[key] = value`` until :meth:`restore` (see :func:`patch_item`)."""
@@ -124,7 +128,13 @@ class PatchSet:
 
     def restore(self) -> None:
         """Undo every replacement, last first (idempotent)."""
-        self._stack.close()
+        try:
+            self._stack.close()
+        finally:
+            while self._weak:
+                owner, entries = self._weak.popitem()
+                for name, value, own in reversed(entries):
+                    _restore_attribute(owner, name, value(), own)
 
     def __enter__(self) -> PatchSet:
         return self
@@ -201,6 +211,17 @@ class SharedPatches:
         if self._users == 0 and self._patches is not None:
             patches, self._patches = self._patches, None
             patches.restore()
+
+
+def _restore_attribute(owner: Any, name: str, value: Any, own: Any) -> None:
+    """Put ``own`` back as ``owner.name`` (delete it where absent) if it still holds ``value``."""
+    if _own_value(owner, name) is not value:
+        _warn_replaced(owner, name)
+        return
+    if own is _ABSENT:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, own)
 
 
 def _own_value(owner: Any, name: str) -> Any:

@@ -1732,6 +1732,26 @@ def test_an_enabled_models_manager_settles_after_creating_its_batch_processor(mo
     assert "_create_batch_processor" not in vars(manager)  # restored by disable()
 
 
+
+@needs_cb
+def test_managers_made_while_enabled_are_freed_before_disable():
+    """Each manager an enabled model made got its ``_create_batch_processor`` through the
+    handle's patch set, which held the manager (its queues, router, logits processors) until
+    ``disable()``: one more in memory per ``generate_batch`` (33 kB each here), without bound.
+    The patch holds it weakly now; a manager still alive at ``disable()`` is restored."""
+    model = build_model("llama")
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        manager = model.init_continuous_batching(continuous_batching_config=cb_config())
+        made = weakref.ref(manager)
+        del manager
+        for _ in range(2):
+            generate_batch(model, random_prompts()[:2])
+        gc.collect()
+        assert made() is None and len(handle._managers) == 0
+        kept = model.init_continuous_batching(continuous_batching_config=cb_config())
+        assert "_create_batch_processor" in vars(kept)
+    assert "_create_batch_processor" not in vars(kept)
+
 @contextlib.contextmanager
 def slow_reset():
     """transformers' asynchronous IO reset queued behind a long sleep kernel on the current

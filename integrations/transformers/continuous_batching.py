@@ -338,19 +338,22 @@ class ContinuousBatchingHandle:
 
     def _settle_after_reset(self, manager) -> None:
         """``manager._create_batch_processor`` (contract item 17), for this manager only and
-        until ``disable()``: the original, then :func:`_settle` on the model's device."""
+        until ``disable()``: the original, then :func:`_settle` on the model's device. Weakly
+        (the patch and the wrapper hold no reference to the manager): held, every manager made
+        while enabled (one per ``generate_batch``) stayed in memory until ``disable()``."""
         create = compat.batch_processor_factory()
         if create is None:
             return
-        device = self.device
+        device, owner = self.device, weakref.ref(manager)
 
         def _create_batch_processor(*args, **kwargs):
-            processor = create(manager, *args, **kwargs)
+            processor = create(owner(), *args, **kwargs)
             _settle(device)
             return processor
 
         _create_batch_processor.__wrapped__ = create
-        self._patches.attribute(manager, "_create_batch_processor", _create_batch_processor)
+        self._patches.attribute(manager, "_create_batch_processor", _create_batch_processor,
+                                weak=True)  # fmt: skip
 
     def _prepare(self, given, generation_config):
         """A copy of the caller's CB config for transformers (its own graphs and padding off,
