@@ -946,6 +946,21 @@ def test_a_bad_max_batch_tokens_is_refused_by_name(bad):
 
 
 @needs_cb
+@pytest.mark.parametrize("bad", [-1, 1.5])
+def test_a_bad_max_blocks_per_request_is_refused_by_name(bad):
+    """transformers' decode fast-path gate turns a bad max_blocks_per_request off (stock CB
+    serves it); breakgraph keeps the value past that gate for its block-table steps, and torch
+    refused it from inside transformers' buffer setup (a raw RuntimeError or TypeError, after
+    the captures). Now refused by name; the next manager serves exact tokens."""
+    model, prompts = build_model("llama"), random_prompts(seed=5)[:3]
+    expected = generate_each(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        with pytest.raises(InputError, match=r"ContinuousBatchingConfig.max_blocks_per_request"):
+            generate_batch(model, prompts, cbc=cb_config(max_blocks_per_request=bad))
+        assert generate_batch(model, prompts, cbc=cb_config(max_blocks_per_request=2)) == expected
+
+
+@needs_cb
 def test_two_threads_share_one_enabled_model():
     """generate_batch from two threads at once (two managers of one model): captures happen
     once, steps take turns on the model's graphs, both get their own exact tokens."""

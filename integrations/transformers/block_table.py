@@ -46,7 +46,7 @@ from breakgraph.patches import PatchSet
 
 from . import compat
 
-__all__ = ["fill_block_table", "install", "install_fill", "read_slots", "write_slots"]
+__all__ = ["fill_block_table", "install", "install_fill", "page_size", "read_slots", "write_slots"]
 
 
 def write_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
@@ -201,3 +201,20 @@ def install_fill(patches: PatchSet) -> bool:
     filled.__name__ = filled.__qualname__ = "fill_block_table"
     patches.attribute(cache_class, "fill_block_table", filled)
     return True
+
+
+def page_size(config: Any) -> int:
+    """The tokens of one paged-cache block that ``config`` (a ``ContinuousBatchingConfig``)
+    asks for (:data:`.compat.CB_PAGE_FIELDS`), 0 where neither field holds a positive int.
+
+    >>> from types import SimpleNamespace
+    >>> page_size(SimpleNamespace(page_size=128, block_size=None))
+    128
+    >>> page_size(SimpleNamespace(block_size=256)), page_size(SimpleNamespace())
+    (256, 0)
+    """
+    for name in compat.CB_PAGE_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0

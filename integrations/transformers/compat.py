@@ -231,7 +231,7 @@ CB_CONFIG_FIELDS = (
 #: 5. Fields only some releases have; set when present.
 CB_OPTIONAL_FIELDS = ("auto_switch_to_flash",)
 #: 5. A block's tokens: ``page_size`` from 5.18 on (``block_size`` then a deprecated alias,
-#: None by default), ``block_size`` before (``continuous_batching._page_size`` reads them).
+#: None by default), ``block_size`` before (``block_table.page_size`` reads them).
 CB_PAGE_FIELDS = ("page_size", "block_size")
 
 

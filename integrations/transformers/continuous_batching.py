@@ -75,6 +75,7 @@ from breakgraph.ladder import BucketStats, LadderStats
 from breakgraph.patches import PatchSet, SharedPatches
 
 from . import block_table, compat, index_lists
+from .block_table import page_size
 from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
 from .compiled import check_compile_option
 from .experts import EXPERTS_KEY, needs_experts_break
@@ -377,7 +378,7 @@ class ContinuousBatchingHandle:
             )
         if use_graphs:  # capture before serving, and compile the decode kernels
             tables = self.runner.block_tables and config.max_blocks_per_request != 0
-            self.runner.plan(config.max_batch_tokens, _page_size(config) if tables else 0)
+            self.runner.plan(config.max_batch_tokens, page_size(config) if tables else 0)
         return config, use_graphs
 
     def _configure(self, given, generation_config):
@@ -407,6 +408,9 @@ class ContinuousBatchingHandle:
         config.use_cuda_graph = False  # transformers' whole-step graphs: never here
         if not (use_graphs and self.runner.block_tables):  # else as given (None: the default)
             config.max_blocks_per_request = 0  # every step with index lists
+        elif config.max_blocks_per_request is not None:  # kept past transformers' gate: checked
+            validate_count(config.max_blocks_per_request, 0,
+                           f"{_WHO}: ContinuousBatchingConfig.max_blocks_per_request")  # fmt: skip
         for name in compat.CB_OPTIONAL_FIELDS:  # auto_switch_to_flash: keep breakgraph's key
             if hasattr(config, name):
                 setattr(config, name, False)
@@ -579,20 +583,3 @@ def _options(model, backend, attention, query_buckets, decode_graphs, compile, d
             f"have to agree on every compile); leave it False."
         )
     return chosen, kernel, query_buckets, debug
-
-
-def _page_size(config: Any) -> int:
-    """The tokens of one paged-cache block that ``config`` (a ``ContinuousBatchingConfig``)
-    asks for (:data:`.compat.CB_PAGE_FIELDS`), 0 where neither field holds a positive int.
-
-    >>> from types import SimpleNamespace
-    >>> _page_size(SimpleNamespace(page_size=128, block_size=None))
-    128
-    >>> _page_size(SimpleNamespace(block_size=256)), _page_size(SimpleNamespace())
-    (256, 0)
-    """
-    for name in compat.CB_PAGE_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
