@@ -1549,3 +1549,15 @@ def test_two_runners_eager_fallbacks_on_two_threads_take_turns_on_the_model():
         for i, p in enumerate(prompts):
             assert_logits_close(results[name].logits[i], eager_last_logits(model, p),
                                 "emulated", f"thread {name}, prompt {i}")  # fmt: skip
+
+
+def test_graph_refusals_name_the_prefill_runner():
+    """``PrefillRunner.graph`` after ``close()`` or for a bucket it has not raised the inner
+    ladder's errors, naming ``BucketedRunner.graph`` (a class the caller never built)."""
+    runner = make_runner(model_for("llama", "emulated"), "emulated")
+    with pytest.raises(InputError, match=r"PrefillRunner.graph: no bucket 99; buckets: \(16, 48\)"):
+        runner.graph(99)
+    runner.close()
+    for single in (False, True):
+        with pytest.raises(ReplayError, match="PrefillRunner.graph: the runner is closed"):
+            runner.graph(16, single_prompt=single)

@@ -420,6 +420,12 @@ class PrefillRunner:
         """The breakable graph of ``bucket``: ``print(runner.graph(64).report())`` shows its
         segments and attention breaks (with host time per break when ``debug=True``);
         ``single_prompt=True``: the bucket's graph for one prompt (no attention break)."""
+        if self._closed:  # checked here: the ladder's errors would name the ladder
+            raise ReplayError("PrefillRunner.graph: the runner is closed; build a new one.")
+        if bucket not in self._token_buckets:
+            raise InputError(
+                f"PrefillRunner.graph: no bucket {bucket!r}; buckets: {self._token_buckets}."
+            )
         if single_prompt:
             if self._single is None:
                 raise InputError(
