@@ -1338,6 +1338,31 @@ def test_disable_restores_model_and_transformers(arch, experts):
 
 
 @needs_cb
+def test_weights_replaced_while_enabled_are_refused_at_the_next_manager():
+    """The graphs replay the weights' memory at capture: a parameter replaced while enabled
+    (``module.weight = Parameter(...)``, ``.data = ...``, ``model.double()``) was never read
+    again, so the next ``generate_batch`` gave other tokens than ``generate()``, silently.
+    The next manager now raises ``ReplayError`` naming the parameter and the fix; weights
+    copied in place are served, and enabling again serves the replaced ones."""
+    model, prompts = build_model("llama"), random_prompts(seed=23)[:3]
+    layer = model.model.layers[1].mlp.down_proj
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        generate_batch(model, prompts)
+        with torch.no_grad():
+            layer.weight.neg_()  # in place: the graphs read it
+        negated = generate_batch(model, prompts)
+        layer.weight = torch.nn.Parameter(-layer.weight.detach())
+        with pytest.raises(ReplayError, match=r"layers\.1\.mlp\.down_proj\.weight.*disable"):
+            model.generate_batch(prompts, generation_config=generation_config(),
+                                 continuous_batching_config=cb_config())  # fmt: skip
+    expected = generate_each(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        assert generate_batch(model, prompts) == expected
+    with torch.no_grad():
+        layer.weight.neg_()
+    assert negated == generate_each(model, prompts) != expected
+
+@needs_cb
 def test_a_stock_manager_made_before_enabling_cannot_take_the_key_back():
     """A manager created without breakgraph: on 5.17 it holds the model's attention key
     ("paged|sdpa") and its stop() writes the one before back, which took breakgraph's key out

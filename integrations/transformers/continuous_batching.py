@@ -86,6 +86,7 @@ from .models import (
     check_model,
     check_paged_heads,
     check_paged_window,
+    kept_weights,
 )
 from .models import resolve_attention as _resolve_attention
 
@@ -98,6 +99,7 @@ __all__ = [
 ]
 
 _WHO = "enable_continuous_batching"
+_REBUILD = "Call handle.disable() and enable_continuous_batching(model) again"
 
 #: The statistics of a handle: the one ladder stats type (per query bucket: captures, replays,
 #: padding, capture seconds, breaks; totals; eager steps by reason).
@@ -198,6 +200,7 @@ class ContinuousBatchingHandle:
                                  decode_graphs=decode_graphs, compile=compile)  # fmt: skip
         self._patches = PatchSet()
         self._managers: weakref.WeakSet = weakref.WeakSet()  # created while enabled
+        self._weights = None  # the weights' memory the graphs read (models.kept_weights)
         # held while a manager is created and by disable(): a manager made while another thread
         # disables is then either made stock (after) or retired by it (before), never left
         # configured for breakgraph's key on a model restored under it
@@ -319,6 +322,7 @@ class ContinuousBatchingHandle:
             with self._managing:
                 if self.enabled:
                     if compat.cached_manager(self.model) is not None:  # transformers returns it
+                        self._weights = kept_weights(self._weights, self.model, _WHO, _REBUILD)
                         return original(generation_config, continuous_batching_config, *args,
                                         **kwargs)  # fmt: skip
                     config, use_graphs = self._prepare(continuous_batching_config,
@@ -364,6 +368,9 @@ class ContinuousBatchingHandle:
         config. Captures them first."""
         try:
             config, use_graphs = self._configure(given, generation_config)
+            # graphs replay the weights' memory at capture: checked where captured, else taken
+            captured = self._weights if use_graphs and self.runner.buckets else None
+            self._weights = kept_weights(captured, self.model, _WHO, _REBUILD)
         except BaseException:
             if self.ranks is not None:  # the others raise, not pair with this rank's next call
                 self.ranks.report_failure()

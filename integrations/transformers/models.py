@@ -330,13 +330,32 @@ def weights_anchor(model: Any) -> tuple:
     return {"": none}, "", none.data_ptr()
 
 
-def moved_error(model: Any, dtype: torch.dtype, device: torch.device, who: str) -> ReplayError:
-    """The refusal of a call after :func:`weights_anchor` saw other memory."""
+def moved_error(model: Any, dtype: torch.dtype, device: torch.device, who: str,
+                rebuild: str = "Build a new runner for the model as it is now (close this one)",
+                ) -> ReplayError:  # fmt: skip
+    """The refusal of a call after :func:`weights_anchor` saw other memory; ``rebuild`` says
+    how to get graphs of the model as it is now."""
     now = next(model.parameters())
     return ReplayError(
         f"{who}: the model's weights are no longer where its graphs read them: the model was "
-        f"moved since the runner was built (captured {dtype} on {device}, now {now.dtype} on "
-        f"{now.device}) or a parameter was replaced. Build a new runner for the model as it is "
-        f"now (close this one); to change weights under a runner, copy them in place "
-        f"(param.copy_(new), model.load_state_dict(...))."
+        f"moved since the graphs were captured (captured {dtype} on {device}, now {now.dtype} "
+        f"on {now.device}) or a parameter was replaced. {rebuild}; to change weights under "
+        f"the graphs, copy them in place (param.copy_(new), model.load_state_dict(...))."
     )
+
+
+def kept_weights(anchor: tuple | None, model: Any, who: str, rebuild: str) -> tuple:
+    """``(addresses, dtype, device)``: every plain parameter's memory by name, as the graphs
+    read it. None (nothing captured yet) takes it; else ``anchor`` is checked against ``model``
+    (:func:`moved_error`, naming the first parameter moved or replaced). One read per
+    parameter: for rare points (a CB manager's creation), not per step."""
+    now = {name: parameter.data_ptr() for name, parameter in model.named_parameters()
+           if type(parameter.data) is torch.Tensor}  # fmt: skip
+    if anchor is None:
+        first = next(model.parameters())
+        return now, first.dtype, first.device
+    addresses, dtype, device = anchor
+    moved = next((name for name, address in addresses.items() if now.get(name) != address), None)
+    if moved is not None:
+        raise moved_error(model, dtype, device, who, f"The first: {moved}. {rebuild}")
+    return anchor
