@@ -1363,6 +1363,28 @@ def test_weights_replaced_while_enabled_are_refused_at_the_next_manager():
     assert negated == generate_each(model, prompts) != expected
 
 @needs_cb
+def test_an_attention_key_set_while_enabled_is_refused_by_captures_and_eager_steps():
+    """``set_attn_implementation("sdpa")`` while enabled: transformers' switch keeps an enabled
+    model's key, so the captures (and eager steps) ran plain SDPA over the step's own tokens,
+    without the paged cache: other tokens than generate(), silently. Now InputError naming the
+    key and the fix (replays of graphs captured before run breakgraph's breaks: exact); set
+    back, the model serves exact tokens."""
+    model, prompts = build_model("llama"), random_prompts(seed=24)[:3]
+    expected = generate_each(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(InputError, match="implementation is 'sdpa'.*set_attn_implementation"):
+            model.generate_batch(prompts, generation_config=generation_config(),
+                                 continuous_batching_config=cb_config())  # fmt: skip
+        outs = model.generate_batch(prompts, generation_config=generation_config(),
+                                    continuous_batching_config=cb_config(use_cuda_graph=False),
+                                    progress_bar=False)  # fmt: skip
+        assert all("implementation is 'sdpa'" in str(out.error) for out in outs.values())
+        model.set_attn_implementation(CB_ATTENTION_KEY)
+        assert generate_batch(model, prompts) == expected
+    assert compat.attention_key(model) == "sdpa"
+
+@needs_cb
 def test_a_stock_manager_made_before_enabling_cannot_take_the_key_back():
     """A manager created without breakgraph: on 5.17 it holds the model's attention key
     ("paged|sdpa") and its stop() writes the one before back, which took breakgraph's key out

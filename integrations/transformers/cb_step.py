@@ -65,6 +65,7 @@ from .models import (
     UnsupportedModelError,
     attention_heads,
     default_query_buckets,
+    key_changed,
     layer_attention,
     logits_after_head,
 )
@@ -486,6 +487,8 @@ class StepRunner:
         self.kernel_warm_up_s += time.perf_counter() - start
 
     def _decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if compat.attention_key(self.model) != CB_ATTENTION_KEY:  # captures, eager steps
+            raise key_changed(self.model, CB_ATTENTION_KEY, self.who)
         with graph_safe_tensor_parallel(self.model):
             out = self._forward(input_ids=ids, position_ids=positions, use_cache=False)
         return out.last_hidden_state

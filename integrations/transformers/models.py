@@ -314,6 +314,17 @@ def check_paged_heads(model: Any, who: str) -> None:
         )
 
 
+def key_changed(model: Any, key: str, who: str) -> InputError:
+    """The refusal of a capture or eager CB step whose model no longer holds ``key``, the
+    attention key continuous batching installed (set to another while enabled): that key's
+    attention would run without the paged cache, giving other tokens, silently."""
+    return InputError(
+        f"{who}: the model's attention implementation is {model.config._attn_implementation!r}, "
+        f"set while continuous batching was enabled; its steps need {key!r} (another key "
+        f"runs without the paged cache). Call model.set_attn_implementation({key!r}) to serve "
+        f"again, or handle.disable() first and set it then."
+    )
+
 def weights_anchor(model: Any) -> tuple:
     """``(parameters, name, address)``: the parameter dict of the module that holds the model's
     first plain (not DTensor) parameter, its name there and its memory's address, for a runner
