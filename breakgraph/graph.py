@@ -339,29 +339,29 @@ def capture(
             "captures are not supported, and CUDA allows one capture at a time). Finish it "
             "first, or call the function itself inside the outer capture."
         )
-    _capture_lock.acquire()  # a capture on another thread: wait for it to finish
-    recording = None
-    try:
-        _refuse_held(graph)  # again: another thread may have captured into it meanwhile
-        recording = _Capture(graph, chosen, options, context)
-        yield graph
-        recording.finish()
-    except BaseException as exc:
-        if recording is not None:
-            recording.abort()
-        if _is_cuda_capture_failure(exc, chosen.name):
-            raise HostSyncError(
-                f"the CUDA capture failed inside a segment ({exc}). This is usually a host "
-                f"synchronisation (.item(), nonzero, .cpu(), torch.cuda.synchronize()) in code "
-                f"breakgraph could not see; move it into a function decorated with "
-                f"@breakgraph.eager_on_graph. Or another thread used CUDA meanwhile (a sync, "
-                f"an allocation), which the global capture mode forbids everywhere in the "
-                f"process: capture_error_mode='thread_local' allows it. The graph was reset; a "
-                f"new capture will work."
-            ) from exc
-        raise
-    finally:
-        _capture_lock.release()
+    # a capture on another thread: wait for it to finish. `with`, not acquire() before a try:
+    # an interrupt between the two left the lock held, and every later capture waited for ever
+    with _capture_lock:
+        recording = None
+        try:
+            _refuse_held(graph)  # again: another thread may have captured into it meanwhile
+            recording = _Capture(graph, chosen, options, context)
+            yield graph
+            recording.finish()
+        except BaseException as exc:
+            if recording is not None:
+                recording.abort()
+            if _is_cuda_capture_failure(exc, chosen.name):
+                raise HostSyncError(
+                    f"the CUDA capture failed inside a segment ({exc}). This is usually a host "
+                    f"synchronisation (.item(), nonzero, .cpu(), torch.cuda.synchronize()) in code "
+                    f"breakgraph could not see; move it into a function decorated with "
+                    f"@breakgraph.eager_on_graph. Or another thread used CUDA meanwhile (a sync, "
+                    f"an allocation), which the global capture mode forbids everywhere in the "
+                    f"process: capture_error_mode='thread_local' allows it. The graph was reset; a "
+                    f"new capture will work."
+                ) from exc
+            raise
 
 
 def _refuse_held(graph: BreakableCUDAGraph) -> None:

@@ -229,3 +229,39 @@ def test_all_reduce_as_breaks_makes_breaks_only_inside_a_block(monkeypatch):
 
     run_threads(hold_a_block, both)
     assert breaks == {"outside": 0, "inside": 1}
+
+
+def test_an_interrupt_right_after_the_capture_lock_is_taken_releases_it():
+    """``capture`` took its process-wide lock with ``acquire()`` before its ``try``: a
+    KeyboardInterrupt between the two (Ctrl-C while waiting for another thread's capture) left
+    the lock held, and every later capture in the process waited for it for ever. The lock is
+    a ``with`` block now; an interrupt at its first statement releases it."""
+    import sys
+
+    from breakgraph import graph as graph_module
+
+    lock, raised = graph_module._capture_lock, []
+
+    def trace(frame, event, arg):
+        if frame.f_code is not graph_module.capture.__wrapped__.__code__:
+            return None
+        if event == "line" and lock.locked() and not raised:
+            raised.append(frame.f_lineno)
+            raise KeyboardInterrupt
+        return trace
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt), breakgraph.capture(
+            breakgraph.BreakableCUDAGraph(), backend="emulated"
+        ):
+            pass
+    finally:
+        sys.settrace(None)
+    assert raised and not lock.locked()
+    assert breakgraph.state.current_capture() is None
+    g, x = breakgraph.BreakableCUDAGraph(), torch.ones(2)
+    with breakgraph.capture(g, backend="emulated", context={"scale": 1.0}):  # no wait
+        y = scale_by_context(x)
+    g.replay(context={"scale": 3.0})
+    assert y.tolist() == [3.0, 3.0]
