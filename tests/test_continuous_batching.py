@@ -1385,6 +1385,28 @@ def test_an_attention_key_set_while_enabled_is_refused_by_captures_and_eager_ste
     assert compat.attention_key(model) == "sdpa"
 
 @needs_cb
+def test_disable_whose_restore_warns_as_an_error_still_disables():
+    """Under ``-W error``, disable() of a model whose ``forward`` other code replaced while
+    enabled raised the restore's BreakgraphWarning before its bookkeeping: the model was
+    restored but still listed as enabled (transformers' switch kept its key for CB, the
+    shared patches stayed installed) until a second disable(). Now it is disabled at once."""
+    import warnings
+
+    from breakgraph.errors import BreakgraphWarning
+
+    model = build_model("llama")
+    handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    ours = model.forward
+    model.forward = lambda *args, **kwargs: ours(*args, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BreakgraphWarning)
+        with pytest.raises(BreakgraphWarning, match="forward was replaced"):
+            handle.disable()
+    assert not handle.enabled and cb._handle_of(model) is None and not cb._shared.installed
+    assert compat.attention_key(model) == "sdpa"
+    del model.forward
+
+@needs_cb
 def test_a_stock_manager_made_before_enabling_cannot_take_the_key_back():
     """A manager created without breakgraph: on 5.17 it holds the model's attention key
     ("paged|sdpa") and its stop() writes the one before back, which took breakgraph's key out
@@ -1472,6 +1494,8 @@ def test_a_failed_nccl_capture_step_keeps_the_buffers_its_graphs_read(monkeypatc
         raise RuntimeError("NCCL error")
 
     monkeypatch.setattr(runner, "_record_logits", fail)
+    # a runner of a model never enabled (plain SDPA captured): past the key check
+    monkeypatch.setattr(compat, "attention_key", lambda model: CB_ATTENTION_KEY)
     try:
         with pytest.raises(RuntimeError, match="NCCL error"):
             runner.plan(BUCKETS[-1])

@@ -281,14 +281,16 @@ class ContinuousBatchingHandle:
                 manager.destroy()
                 manager.start = _retired_start  # its cache was built for breakgraph's key
             self.runner.close()
-            self._patches.restore()
-            with _registry:
-                del _enabled[self.model]
-            self._share.detach()
-            _shared.release()
-            self.enabled = False
-            if self.ranks is not None:
-                self.ranks.close()
+            try:  # a restore that warns (-W error: other code replaced a patch) still disables
+                self._patches.restore()
+            finally:
+                with _registry:
+                    del _enabled[self.model]
+                self._share.detach()
+                _shared.release()
+                self.enabled = False
+                if self.ranks is not None:
+                    self.ranks.close()
 
     def __enter__(self) -> ContinuousBatchingHandle:
         return self
