@@ -1457,6 +1457,23 @@ def test_a_moved_model_is_refused_and_weights_changed_in_place_are_seen():
             assert_logits_close(out.logits[i], eager_last_logits(model, p), "emulated")
 
 
+def run_named_threads(call, calls, attention) -> None:
+    """``call(*args)`` on a thread named ``args[0]`` for each ``args`` in ``calls``, all at
+    once, with breakgraph's reference attention replaced by ``attention`` meanwhile."""
+    import threading
+
+    original = bg_attention.reference_attention
+    bg_attention.reference_attention = attention
+    try:
+        threads = [threading.Thread(target=call, args=args, name=args[0]) for args in calls]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        bg_attention.reference_attention = original
+
+
 def test_two_threads_prefilling_on_one_runner_take_turns():
     """Two threads calling ``prefill`` on one runner at once shared its staging buffers and
     K/V: a thread's graph read the other's positions and boundaries halfway through its replay
@@ -1483,16 +1500,7 @@ def test_two_threads_prefilling_on_one_runner_take_turns():
             b_done.set()
 
     with contextlib.closing(make_runner(model, "emulated")) as runner:
-        bg_attention.reference_attention = attention
-        try:
-            threads = [threading.Thread(target=call, args=args, name=args[0])
-                       for args in (("A", a_prompts), ("B", b_prompts))]  # fmt: skip
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=30)
-        finally:
-            bg_attention.reference_attention = original
+        run_named_threads(call, (("A", a_prompts), ("B", b_prompts)), attention)
         for name, prompts in (("A", a_prompts), ("B", b_prompts)):
             for i, p in enumerate(prompts):
                 assert_logits_close(results[name].logits[i], eager_last_logits(model, p),
@@ -1532,16 +1540,10 @@ def test_two_runners_eager_fallbacks_on_two_threads_take_turns_on_the_model():
             a_done.set()
 
     runners = [make_runner(model, "emulated", on_miss="eager") for _ in range(2)]
-    bg_attention.reference_attention = attention
     try:
-        threads = [threading.Thread(target=call, args=args, name=args[0])
-                   for args in (("A", runners[0], a_prompts), ("B", runners[1], b_prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=30)
+        run_named_threads(call, (("A", runners[0], a_prompts), ("B", runners[1], b_prompts)),
+                          attention)  # fmt: skip
     finally:
-        bg_attention.reference_attention = original
         for runner in runners:
             runner.close()
     assert model.config._attn_implementation == "sdpa"
