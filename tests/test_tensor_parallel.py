@@ -699,6 +699,7 @@ def scenario_families(rank: int, backend: str, path: str) -> dict:
                 continue
         result = {"detected": runner.ranks is not None, "diff": max_diff(runner, full, 1)}
         runner.close()
+        result["cb_full"] = greedy_batch(full, 7)  # unsharded, stock continuous batching
         result["cb_stock"] = greedy_batch(sharded, 7) if family != "olmo2" else None
         try:
             with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,)):
@@ -896,7 +897,8 @@ def test_gemma_under_tp_matches_the_unsharded_model(gemma_run):
 
 def test_added_families_under_tp_match_or_are_refused(families_run):
     """Phi-3, OLMo-2, Granite and Gemma 3 sharded by transformers: prefill equals the
-    unsharded model; continuous batching gives transformers' own TP tokens, except OLMo-2's,
+    unsharded model; continuous batching gives the unsharded model's tokens and transformers'
+    own TP tokens (where its TP continuous batching runs), except OLMo-2's,
     refused (its gathered k_proj gives every rank every key head, the paged cache holds a
     share: stock continuous batching failed every request, breakgraph's with a raw
     index_copy_ error). Cohere with qk-norm is refused by both entry points: its
@@ -915,8 +917,15 @@ def test_added_families_under_tp_match_or_are_refused(families_run):
                 assert got["cb_breakgraph"].startswith("UnsupportedModelError: "), got
                 assert "gathers every head on every rank" in got["cb_breakgraph"], got
                 continue
-            assert all(error is None for error, _ in got["cb_stock"]), (family, got)
-            assert got["cb_breakgraph"] == got["cb_stock"], family
+            # the unsharded model's tokens; and transformers' own TP tokens where its TP
+            # continuous batching runs (Gemma 3's fails every request with an empty error on
+            # torch 2.10 and Python 3.10, CI's floor leg)
+            assert all(error is None for error, _ in got["cb_full"]), (family, got)
+            assert got["cb_breakgraph"] == got["cb_full"], (family, got)
+            if all(error is None for error, _ in got["cb_stock"]):
+                assert got["cb_breakgraph"] == got["cb_stock"], family
+            else:
+                assert family == "gemma3_text", (family, got)
 
 
 def test_ranks_built_with_different_settings_raise_the_named_error_on_every_rank(settings_run):
