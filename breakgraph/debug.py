@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_leaves
 
 from .errors import BreakgraphWarning, InputError, StaleTensorError
 from .structure import describe, iter_tensors, reachable_tensors, sparse_parts
-from .syncs import _user_frame
+from .syncs import user_frame
 
 __all__ = ["debug_enabled", "InputWatch", "GraphReport"]
 
@@ -178,7 +178,7 @@ class InputWatch:
         """The per-operation observer handed to the backend while a segment is captured."""
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._watch(t, f"{func} at {_user_frame()}")
+                self._watch(t, f"{func} at {user_frame()}")
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = _storage_ptr(t)

@@ -43,7 +43,7 @@ import torch
 
 from .errors import StreamError
 from .patches import patch_attribute
-from .syncs import _refused
+from .syncs import mark_capture_failed
 
 __all__ = ["StreamTracker"]
 
@@ -109,7 +109,7 @@ class StreamTracker:
                 if not source_captured:
                     where = "outside this capture" if source is None else f"on {source}"
                     # the wait does not run: caught inside the block, the capture fails anyway
-                    raise _refused(StreamError(
+                    raise mark_capture_failed(StreamError(
                         f"{stream} (part of the breakgraph capture) waits on an event recorded "
                         f"{where}. That dependency cannot be recorded in a CUDA graph and would "
                         f"not hold on replay. Record the event on the capture stream (or on a "

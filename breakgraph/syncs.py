@@ -40,6 +40,8 @@ __all__ = [
     "SYNC_OPERATIONS",
     "sync_reason",
     "exit_segment_mode",
+    "mark_capture_failed",
+    "user_frame",
 ]
 
 aten = torch.ops.aten
@@ -193,7 +195,7 @@ def _user_stack_frame():
     return None
 
 
-def _user_frame() -> str:
+def user_frame() -> str:
     frame = _user_stack_frame()
     if frame is None:
         return "<unknown location>"
@@ -277,7 +279,7 @@ def _copy_target(func, args: tuple, kwargs: dict) -> Any:
     return kwargs.get("device")
 
 
-def _refused(error: Exception) -> Exception:
+def mark_capture_failed(error: Exception) -> Exception:
     """Mark this thread's running capture as failed by ``error`` and return it to raise.
 
     The operation did not run, so the segment is missing it: code that catches the error
@@ -313,9 +315,9 @@ class SegmentMode(TorchDispatchMode):
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and own_generator(generator, self.all_devices):
-            raise _refused(CaptureError(  # checked or not: CUDA refuses it either way
+            raise mark_capture_failed(CaptureError(  # checked or not: CUDA refuses it either way
                 f"breakgraph.capture: {func} draws from a torch.Generator of your own at "
-                f"{_user_frame()}, inside a captured segment. A CUDA graph advances only the "
+                f"{user_frame()}, inside a captured segment. A CUDA graph advances only the "
                 f"generators registered with it, and each segment registers the default CUDA "
                 f'generator alone, so CUDA refuses this draw ("Attempt to increase offset for a '
                 f'CUDA generator not in capture mode"). Leave generator= out (seed the default '
@@ -327,9 +329,9 @@ class SegmentMode(TorchDispatchMode):
             if reason is not None:
                 frame = _user_stack_frame()
                 target = f"`{frame.name}`" if frame is not None else "the function that contains it"
-                raise _refused(HostSyncError(
+                raise mark_capture_failed(HostSyncError(
                     f"host synchronisation inside a captured segment: {func} ({reason}) at "
-                    f"{_user_frame()}. A CUDA graph runs no Python on replay, so this value would "
+                    f"{user_frame()}. A CUDA graph runs no Python on replay, so this value would "
                     f"be frozen at capture time (and CUDA invalidates the capture). Decorate "
                     f"{target} (or a smaller function holding this code) with "
                     f"@breakgraph.eager_on_graph so it runs eagerly on every replay, or keep it on "

@@ -50,7 +50,13 @@ import torch
 from ..errors import CaptureError
 from ..patches import patch_attribute
 from ..structure import sparse_parts
-from ..syncs import SegmentMode, _refused, _user_frame, exit_segment_mode, sync_reason
+from ..syncs import (
+    SegmentMode,
+    exit_segment_mode,
+    mark_capture_failed,
+    sync_reason,
+    user_frame,
+)
 from .base import CaptureOptions, Observer, pool_handle, released_pool_error
 
 aten = torch.ops.aten
@@ -252,8 +258,8 @@ def _refuse_sparse(func, args: tuple, kwargs: dict, out: Any) -> None:
         for j, t in enumerate(value if many else (value,)):
             if isinstance(t, torch.Tensor) and sparse_parts(t):
                 path = f"{where}[{j}]" if many else where
-                raise _refused(CaptureError(
-                    f"breakgraph.capture: {func} at {_user_frame()} reads or makes a sparse "
+                raise mark_capture_failed(CaptureError(
+                    f"breakgraph.capture: {func} at {user_frame()} reads or makes a sparse "
                     f"tensor ({path}, {t.layout}) inside a captured segment. The emulated "
                     f"backend replays a segment on the memory its operations used at capture, "
                     f"at frozen addresses, and a sparse tensor has none of its own (its indices "

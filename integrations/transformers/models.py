@@ -325,6 +325,7 @@ def key_changed(model: Any, key: str, who: str) -> InputError:
         f"again, or handle.disable() first and set it then."
     )
 
+
 def weights_anchor(model: Any) -> tuple:
     """``(parameters, name, address)``: the parameter dict of the module that holds the model's
     first plain (not DTensor) parameter, its name there and its memory's address, for a runner
