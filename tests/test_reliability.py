@@ -693,8 +693,21 @@ def test_copying_composites_under_inference_mode_are_replayed(capture, device):
             torch.testing.assert_close(c, x.t().flatten())
 
 
-def test_failure_ending_a_segment_caught_inside_the_block_is_a_capture_error(capture, device):
-    """Like item 9, when the segment before a break cannot be ended (a stream error, say)."""
+@pytest.mark.parametrize(
+    "method, match",
+    [
+        ("end_segment", "ending the segment"),
+        ("begin_segment", r"beginning the segment after '.*step' raised"),
+    ],
+    ids=["ending", "beginning"],
+)
+def test_a_segment_that_cannot_end_or_begin_caught_inside_the_block_fails_the_capture(
+    capture, device, method, match
+):
+    """Like item 9, when the segment before a break cannot be ended (a stream error, say), or
+    the one after it cannot begin (CUDA's capture_begin out of memory, say). The second was not
+    marked, so the block's end tried to end a segment that never began and raised a raw
+    AttributeError ('NoneType' ...) instead of naming what failed."""
 
     @breakgraph.eager_on_graph
     def step(t):
@@ -702,44 +715,16 @@ def test_failure_ending_a_segment_caught_inside_the_block_is_a_capture_error(cap
 
     g = breakgraph.BreakableCUDAGraph()
     x = torch.randn(3, device=device)
-    with pytest.raises(CaptureError, match="ending the segment"):
-        with capture(g) as graph:
-            recording = breakgraph.state.current_capture()
-            original = recording.session.end_segment
-
-            def broken():
-                raise RuntimeError("the segment could not be ended")
-
-            recording.session.end_segment = broken
-            try:
-                step(x * 1)
-            except RuntimeError:
-                pass
-            recording.session.end_segment = original
-    assert_clean(g)
-
-
-def test_failure_beginning_the_segment_after_a_break_caught_inside_the_block(capture, device):
-    """As above, when the segment after a break cannot begin (CUDA's capture_begin out of
-    memory, say): nothing was marked, so the block's end tried to end a segment that never
-    began and raised a raw AttributeError ('NoneType' ...) instead of naming what failed."""
-
-    @breakgraph.eager_on_graph
-    def step(t):
-        return t * 2
-
-    g = breakgraph.BreakableCUDAGraph()
-    x = torch.randn(3, device=device)
-    with pytest.raises(CaptureError, match=r"beginning the segment after '.*step' raised"):
+    with pytest.raises(CaptureError, match=match):
         with capture(g):
-            recording = breakgraph.state.current_capture()
-            original = recording.session.begin_segment
+            session = breakgraph.state.current_capture().session
+            original = getattr(session, method)
 
             def broken():
-                recording.session.begin_segment = original  # fails once
-                raise RuntimeError("the segment could not begin")
+                setattr(session, method, original)  # fails once
+                raise RuntimeError(f"the segment could not {method}")
 
-            recording.session.begin_segment = broken
+            setattr(session, method, broken)
             try:
                 step(x * 1)
             except RuntimeError:
