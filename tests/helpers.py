@@ -20,6 +20,11 @@ ORIGINAL_IS_CAPTURING = torch.cuda.is_current_stream_capturing
 ORIGINAL_GRAPHS_IS_CAPTURING = torch.cuda.graphs.is_current_stream_capturing
 ORIGINAL_EVENT_RECORD = torch.cuda.Event.record
 ORIGINAL_EVENT_WAIT = torch.cuda.Event.wait
+ORIGINAL_SEEDING = {  # two names of one function, until torch._dynamo wraps torch.manual_seed
+    (owner, name): getattr(owner, name)
+    for owner in (torch, torch.random)
+    for name in ("manual_seed", "seed")
+}
 
 
 def fresh_into(static):
@@ -36,6 +41,8 @@ def assert_clean(graph=None):
     assert torch.cuda.graphs.is_current_stream_capturing is ORIGINAL_GRAPHS_IS_CAPTURING
     assert torch.cuda.Event.record is ORIGINAL_EVENT_RECORD
     assert torch.cuda.Event.wait is ORIGINAL_EVENT_WAIT
+    for (owner, name), original in ORIGINAL_SEEDING.items():
+        assert getattr(owner, name) is original, name
     assert gc.isenabled()
     if HAS_CUDA:
         assert not torch.cuda.is_current_stream_capturing()

@@ -96,7 +96,7 @@ def test_a_generator_of_its_own_inside_a_segment_is_refused(capture, device):
 
 def test_a_new_seed_inside_a_segment_is_refused(capture, device):
     """torch refuses to give a CUDA generator a new seed during a capture (the same seed does
-    nothing); the emulated backend sees the seed change when the segment ends."""
+    nothing), at the call and before the seed changes; so does the emulated backend."""
     torch.manual_seed(7)
     x = torch.randn(4, device=device)
     g = BreakableCUDAGraph()
@@ -106,6 +106,7 @@ def test_a_new_seed_inside_a_segment_is_refused(capture, device):
             torch.manual_seed(8)
             y + 1
     assert_clean(g)
+    assert torch.initial_seed() == 7
     torch.manual_seed(7)
     with capture(g):
         y = x * 2

@@ -61,6 +61,59 @@ def test_is_current_stream_capturing_follows_segments():
 
 
 # ---------------------------------------------------------------------------------------
+# Seeds: CUDA refuses a new seed on the capturing thread only
+# ---------------------------------------------------------------------------------------
+
+
+def test_another_threads_seed_during_a_segment_is_not_the_captures():
+    """A second continuous-batching manager seeds the default generator when it starts
+    (transformers' ``set_tp_seed``), maybe while another thread captures. CUDA checks only
+    the capturing thread's stream, so the capture stands (it failed on CI: a false
+    CaptureError turned pure-decode graphs off)."""
+    import threading
+
+    x = torch.randn(4)
+    g = BreakableCUDAGraph()
+    seeded = threading.Event()
+    with capture(g):
+        y = x * 2
+        threading.Thread(target=lambda: (torch.manual_seed(1234), seeded.set())).start()
+        assert seeded.wait(60)
+        out = y + 1
+    assert torch.initial_seed() == 1234
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(out, new * 2 + 1)
+    assert_clean()
+
+
+@pytest.mark.parametrize(
+    "reseed, named",
+    [
+        (lambda: torch.seed(), "torch.seed"),
+        (lambda: torch.random.manual_seed(9), "torch.manual_seed"),
+        (lambda: torch.default_generator.manual_seed(9), "seen when the segment ended"),
+    ],
+    ids=["torch.seed", "torch.random.manual_seed", "generator.manual_seed"],
+)
+def test_a_new_seed_on_the_capturing_thread_is_refused(reseed, named):
+    """Every way to seed the default generator inside a segment fails the capture; through
+    torch's functions at the call, before the seed changes; directly on the generator (no
+    function to watch) when the segment ends."""
+    torch.manual_seed(7)
+    x = torch.randn(4)
+    g = BreakableCUDAGraph()
+    with pytest.raises(breakgraph.CaptureError, match=named):
+        with capture(g):
+            y = x * 2
+            reseed()
+            y + 1
+    assert_clean(g)
+    if named != "seen when the segment ended":
+        assert torch.initial_seed() == 7
+
+
+# ---------------------------------------------------------------------------------------
 # Host synchronisations
 # ---------------------------------------------------------------------------------------
 

@@ -270,17 +270,58 @@ def _refuse_sparse(func, args: tuple, kwargs: dict, out: Any) -> None:
                 ))  # fmt: skip
 
 
-def _reseeded_error() -> CaptureError:
+def _reseeded_error(seen: str) -> CaptureError:
     """torch refuses a new seed for a CUDA generator while a capture is running (the same seed
-    is a no-op); the emulated backend sees the seed change when the segment ends."""
+    is a no-op)."""
     return CaptureError(
-        "breakgraph.capture: the default random generator was given a new seed inside a captured "
-        "segment (torch.manual_seed or torch.seed, seen when the segment ended). torch refuses "
-        'that during a CUDA capture ("CUDAGeneratorImpl::set_current_seed can be called during '
-        'stream capture only if new seed is the same as the original seed"), and a graph '
-        "could not seed again on replay anyway. Seed before the capture, or inside a function "
-        "decorated with @breakgraph.eager_on_graph, which runs on every replay."
+        f"breakgraph.capture: the default random generator was given a new seed inside a "
+        f"captured segment ({seen}). torch refuses that during a CUDA capture "
+        f'("CUDAGeneratorImpl::set_current_seed can be called during stream capture only if new '
+        f'seed is the same as the original seed"), and a graph could not seed again on replay '
+        f"anyway. Seed before the capture, or inside a function decorated with "
+        f"@breakgraph.eager_on_graph, which runs on every replay."
     )
+
+
+class _OtherThreadSeeds:
+    """How often a thread with no segment open seeded through ``torch.manual_seed`` or
+    ``torch.seed`` while a session watched them. CUDA checks only the capturing thread (its
+    stream's capture status), so another thread's seed (a second continuous-batching manager
+    starting) is no capture's business: a segment that ends on a new seed it did not see
+    being given blames itself only if no other thread seeded meanwhile."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+
+
+_other_thread_seeds = _OtherThreadSeeds()
+
+
+def _watched_seeding(original: Callable) -> Callable:
+    """``torch.manual_seed``/``torch.seed`` that refuse a new seed on a thread inside a segment
+    at the call, before the generator changes (as CUDA's check does), and count the seeds of
+    every other thread. Nothing is read through the dispatcher: the segment records nothing."""
+
+    def seeding(*args: Any, **kwargs: Any) -> Any:
+        if not _capturing.active:
+            _other_thread_seeds.add()
+        elif original.__name__ == "seed" or _new_seed(*args, **kwargs):
+            raise _reseeded_error(f"torch.{original.__name__}")
+        return original(*args, **kwargs)
+
+    seeding.__wrapped__ = original
+    return seeding
+
+
+def _new_seed(seed: Any) -> bool:
+    """Whether ``torch.manual_seed(seed)`` changes the default generator's seed (a negative
+    seed is stored as its 64-bit two's complement; one out of range is torch's to refuse)."""
+    return int(seed) % 2**64 != torch.default_generator.initial_seed()
 
 
 class _CapturingFlag(threading.local):
@@ -317,6 +358,7 @@ class EmulatedSession:
         self._counted = self.pool if isinstance(self.pool, EmulatedPool) else None
         self._begun = False  # a segment took a count of the pool that no segment holds yet
         self._seed = 0  # the default generator's seed when the segment began
+        self._other_seeds = 0  # other threads' seeds counted when it began
         self.detect_syncs = options.detect_syncs
         self._mode: SegmentMode | None = None
         self._steps: list = []
@@ -324,6 +366,9 @@ class EmulatedSession:
         replacement = _patched_is_capturing(torch.cuda.is_current_stream_capturing)
         patch_attribute(self._stack, torch.cuda, "is_current_stream_capturing", replacement)
         patch_attribute(self._stack, torch.cuda.graphs, "is_current_stream_capturing", replacement)
+        for owner in (torch, torch.random):  # torch._dynamo wraps torch's own
+            for name in ("manual_seed", "seed"):
+                patch_attribute(self._stack, owner, name, _watched_seeding(getattr(owner, name)))
 
     def _record(self, func, args, kwargs, out) -> None:
         try:
@@ -345,6 +390,7 @@ class EmulatedSession:
             self._counted.take()
             self._begun = True
         self._seed = torch.default_generator.initial_seed()
+        self._other_seeds = _other_thread_seeds.count
         self._steps = []
         self._mode = SegmentMode(
             all_devices=True, on_operation=self._record, check_syncs=self.detect_syncs
@@ -357,8 +403,11 @@ class EmulatedSession:
         exit_segment_mode(mode)  # may refuse: the mode is then abort()'s to exit
         self._mode = None
         _capturing.active = False
-        if torch.default_generator.initial_seed() != self._seed:
-            raise _reseeded_error()  # the CPU generator stands for the device's default one
+        # the CPU generator stands for the device's default one; a seed given past the
+        # watched functions (torch.default_generator.manual_seed) is seen only here
+        reseeded = torch.default_generator.initial_seed() != self._seed
+        if reseeded and _other_thread_seeds.count == self._other_seeds:
+            raise _reseeded_error("seen when the segment ended")
         held, self._begun = self._counted if self._begun else None, False
         return EmulatedSegment(tuple(self._steps), mode.operations, held)
 
