@@ -87,6 +87,53 @@ def test_another_threads_seed_during_a_segment_is_not_the_captures():
     assert_clean()
 
 
+def test_a_seed_of_another_thread_under_way_when_a_segment_begins_is_not_the_captures(
+    monkeypatch,
+):
+    """Another thread's ``torch.manual_seed`` was counted before the seed changed: a segment
+    that began between the two (the count taken with it, the old seed) saw the new seed at its
+    end with no seed counted since, and blamed itself. The seeding thread is held between the
+    count and the seed, the segment begins there, then the seed goes on."""
+    import threading
+
+    real = torch.manual_seed
+    counted, began, seeded = threading.Event(), threading.Event(), threading.Event()
+
+    def manual_seed(seed):  # what the session's watcher calls: paused before seeding
+        counted.set()
+        assert began.wait(60)
+        return real(seed)
+
+    monkeypatch.setattr(torch, "manual_seed", manual_seed)
+    torch.random.manual_seed(7)
+    x = torch.randn(4)
+    g = BreakableCUDAGraph()
+
+    def seed_elsewhere():
+        torch.manual_seed(1234)
+        seeded.set()
+
+    worker = threading.Thread(target=seed_elsewhere)
+    try:
+        with capture(g):
+            worker.start()
+            y = x * 2
+            assert counted.wait(60)
+            breakgraph.break_graph()  # segment 1 begins with the seed under way
+            began.set()
+            assert seeded.wait(60)
+            out = y + 1
+    finally:
+        began.set()
+        worker.join(60)
+    assert torch.initial_seed() == 1234
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(out, new * 2 + 1)
+    monkeypatch.undo()
+    assert_clean()
+
+
 @pytest.mark.parametrize(
     "reseed, named",
     [

@@ -284,33 +284,47 @@ def _reseeded_error(seen: str) -> CaptureError:
 
 
 class _OtherThreadSeeds:
-    """How often a thread with no segment open seeded through ``torch.manual_seed`` or
-    ``torch.seed`` while a session watched them. CUDA checks only the capturing thread (its
-    stream's capture status), so another thread's seed (a second continuous-batching manager
-    starting) is no capture's business: a segment that ends on a new seed it did not see
-    being given blames itself only if no other thread seeded meanwhile."""
+    """Counts the seeds of threads with no segment open, given through ``torch.manual_seed`` or
+    ``torch.seed`` while a session watches them. CUDA checks only the capturing thread (its stream's
+    capture status), so another thread's seed (a second continuous-batching manager starting)
+    is no capture's business: a segment that ends on a new seed it did not see being given
+    blames itself only if no other thread's seed overlapped it.
+
+    Two counts, because the seed changes between them: ``started`` before the call, ``finished``
+    after it. A segment takes ``finished`` as it begins, before it reads the seed, and
+    ``started`` as it ends, after it reads the seed: a seed that changed between those two
+    reads was started before the second and finished after the first, so the two counts
+    differ. One count, taken before the call, was equal for a seed under way when the segment
+    began (counted, then the seed changed inside the segment): a false ``CaptureError``."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.started = 0
+        self.finished = 0
         self._lock = threading.Lock()
 
-    def add(self) -> None:
+    def seeding(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         with self._lock:
-            self.count += 1
+            self.started += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.finished += 1
 
 
 _other_thread_seeds = _OtherThreadSeeds()
 
 
-def _watched_seeding(original: Callable) -> Callable:
-    """``torch.manual_seed``/``torch.seed`` that refuse a new seed on a thread inside a segment
-    at the call, before the generator changes (as CUDA's check does), and count the seeds of
-    every other thread. Nothing is read through the dispatcher: the segment records nothing."""
+def _watched_seeding(original: Callable, is_new: Callable[..., bool] | None) -> Callable:
+    """``original`` (``torch.manual_seed``, ``torch.seed``) counted on every thread with no
+    segment open. On a thread inside a segment, a new seed (``is_new``) is refused at the call,
+    before the generator changes (as CUDA's check does). Nothing is read through the
+    dispatcher: the segment records nothing."""
 
     def seeding(*args: Any, **kwargs: Any) -> Any:
         if not _capturing.active:
-            _other_thread_seeds.add()
-        elif original.__name__ == "seed" or _new_seed(*args, **kwargs):
+            return _other_thread_seeds.seeding(original, args, kwargs)
+        if is_new is not None and is_new(*args, **kwargs):
             raise _reseeded_error(f"torch.{original.__name__}")
         return original(*args, **kwargs)
 
@@ -318,10 +332,19 @@ def _watched_seeding(original: Callable) -> Callable:
     return seeding
 
 
+def _always(*args: Any, **kwargs: Any) -> bool:
+    """``torch.seed()`` always draws a new seed."""
+    return True
+
+
 def _new_seed(seed: Any) -> bool:
     """Whether ``torch.manual_seed(seed)`` changes the default generator's seed (a negative
     seed is stored as its 64-bit two's complement; one out of range is torch's to refuse)."""
     return int(seed) % 2**64 != torch.default_generator.initial_seed()
+
+
+# the watched functions: name -> whether a call changes the seed (refused inside a segment)
+_SEEDING = {"manual_seed": _new_seed, "seed": _always}
 
 
 class _CapturingFlag(threading.local):
@@ -358,7 +381,7 @@ class EmulatedSession:
         self._counted = self.pool if isinstance(self.pool, EmulatedPool) else None
         self._begun = False  # a segment took a count of the pool that no segment holds yet
         self._seed = 0  # the default generator's seed when the segment began
-        self._other_seeds = 0  # other threads' seeds counted when it began
+        self._other_seeds = 0  # other threads' seeds finished when it began
         self.detect_syncs = options.detect_syncs
         self._mode: SegmentMode | None = None
         self._steps: list = []
@@ -367,8 +390,9 @@ class EmulatedSession:
         patch_attribute(self._stack, torch.cuda, "is_current_stream_capturing", replacement)
         patch_attribute(self._stack, torch.cuda.graphs, "is_current_stream_capturing", replacement)
         for owner in (torch, torch.random):  # torch._dynamo wraps torch's own
-            for name in ("manual_seed", "seed"):
-                patch_attribute(self._stack, owner, name, _watched_seeding(getattr(owner, name)))
+            for name, is_new in _SEEDING.items():
+                watched = _watched_seeding(getattr(owner, name), is_new)
+                patch_attribute(self._stack, owner, name, watched)
 
     def _record(self, func, args, kwargs, out) -> None:
         try:
@@ -389,8 +413,8 @@ class EmulatedSession:
         if self._counted is not None:
             self._counted.take()
             self._begun = True
+        self._other_seeds = _other_thread_seeds.finished  # first: see _OtherThreadSeeds
         self._seed = torch.default_generator.initial_seed()
-        self._other_seeds = _other_thread_seeds.count
         self._steps = []
         self._mode = SegmentMode(
             all_devices=True, on_operation=self._record, check_syncs=self.detect_syncs
@@ -406,7 +430,7 @@ class EmulatedSession:
         # the CPU generator stands for the device's default one; a seed given past the
         # watched functions (torch.default_generator.manual_seed) is seen only here
         reseeded = torch.default_generator.initial_seed() != self._seed
-        if reseeded and _other_thread_seeds.count == self._other_seeds:
+        if reseeded and _other_thread_seeds.started == self._other_seeds:  # the seed first
             raise _reseeded_error("seen when the segment ended")
         held, self._begun = self._counted if self._begun else None, False
         return EmulatedSegment(tuple(self._steps), mode.operations, held)
