@@ -23,7 +23,7 @@ ORIGINAL_EVENT_WAIT = torch.cuda.Event.wait
 ORIGINAL_SEEDING = {  # two names of one function, until torch._dynamo wraps torch.manual_seed
     (owner, name): getattr(owner, name)
     for owner in (torch, torch.random)
-    for name in ("manual_seed", "seed")
+    for name in ("manual_seed", "seed", "set_rng_state")
 }
 
 

@@ -87,6 +87,46 @@ def test_another_threads_seed_during_a_segment_is_not_the_captures():
     assert_clean()
 
 
+def test_another_threads_rng_state_restored_during_a_segment_is_not_the_captures():
+    """Another thread samples under ``torch.random.fork_rng()`` (a server's seeded request)
+    while a segment is being captured: its ``torch.manual_seed`` is counted, but the state
+    ``fork_rng`` puts back on exit (``torch.set_rng_state``) changed the seed uncounted, and
+    the capture failed with "seen when the segment ended". Only the capturing thread's seed is
+    the capture's (CUDA checks its stream alone)."""
+    import threading
+
+    torch.manual_seed(5)
+    x = torch.randn(4)
+    g = BreakableCUDAGraph()
+    forked, restore = threading.Event(), threading.Event()
+    restored = threading.Event()
+
+    def sample():
+        with torch.random.fork_rng():
+            torch.manual_seed(1234)
+            forked.set()
+            assert restore.wait(60)
+        restored.set()
+
+    worker = threading.Thread(target=sample)
+    worker.start()
+    try:
+        assert forked.wait(60)
+        with capture(g):  # its segment begins on seed 1234, the worker puts 5 back meanwhile
+            y = x * 2
+            restore.set()
+            assert restored.wait(60)
+            out = y + 1
+    finally:
+        restore.set()
+        worker.join(60)
+    assert torch.initial_seed() == 5
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(out, new * 2 + 1)
+    assert_clean()
+
+
 def test_a_seed_of_another_thread_under_way_when_a_segment_begins_is_not_the_captures(
     monkeypatch,
 ):

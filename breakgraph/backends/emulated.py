@@ -284,8 +284,9 @@ def _reseeded_error(seen: str) -> CaptureError:
 
 
 class _OtherThreadSeeds:
-    """Counts the seeds of threads with no segment open, given through ``torch.manual_seed`` or
-    ``torch.seed`` while a session watches them. CUDA checks only the capturing thread (its stream's
+    """Counts the seeds of threads with no segment open, given through ``torch.manual_seed``,
+    ``torch.seed`` or ``torch.set_rng_state`` (what ``torch.random.fork_rng`` puts back on
+    exit) while a session watches them. CUDA checks only the capturing thread (its stream's
     capture status), so another thread's seed (a second continuous-batching manager starting)
     is no capture's business: a segment that ends on a new seed it did not see being given
     blames itself only if no other thread's seed overlapped it.
@@ -316,10 +317,11 @@ _other_thread_seeds = _OtherThreadSeeds()
 
 
 def _watched_seeding(original: Callable, is_new: Callable[..., bool] | None) -> Callable:
-    """``original`` (``torch.manual_seed``, ``torch.seed``) counted on every thread with no
-    segment open. On a thread inside a segment, a new seed (``is_new``) is refused at the call,
-    before the generator changes (as CUDA's check does). Nothing is read through the
-    dispatcher: the segment records nothing."""
+    """``original`` (``torch.manual_seed``, ``torch.seed``, ``torch.set_rng_state``) counted on
+    every thread with no segment open. On a thread inside a segment, a new seed (``is_new``) is
+    refused at the call, before the generator changes (as CUDA's check does); a state set there
+    is seen when the segment ends. Nothing is read through the dispatcher: the segment records
+    nothing."""
 
     def seeding(*args: Any, **kwargs: Any) -> Any:
         if not _capturing.active:
@@ -344,7 +346,7 @@ def _new_seed(seed: Any) -> bool:
 
 
 # the watched functions: name -> whether a call changes the seed (refused inside a segment)
-_SEEDING = {"manual_seed": _new_seed, "seed": _always}
+_SEEDING = {"manual_seed": _new_seed, "seed": _always, "set_rng_state": None}
 
 
 class _CapturingFlag(threading.local):
