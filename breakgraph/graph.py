@@ -37,9 +37,9 @@ import torch
 from . import debug as _debug
 from .backends import select_backend
 from .backends.base import Backend, CaptureOptions, Segment, Session
-from .backends.cuda import is_capture_failure
+from .backends.cuda import capture_failure_error, is_capture_failure
 from .copyback import build_copy_back
-from .errors import CaptureError, HostSyncError, ReplayError
+from .errors import CaptureError, ReplayError
 from .ownership import call_and_classify, storages_of
 from .state import context_scope, is_capturing, replay_context, state
 
@@ -96,7 +96,8 @@ class BreakableCUDAGraph:
 
     Thread safety: a graph replays on the calling thread's current stream and reads
     and writes fixed memory, so one graph must not be replayed from two threads at
-    once; different graphs may, on different streams, if they share no pool.
+    once (a replay that begins while another thread replays it raises ``ReplayError``);
+    different graphs may, on different streams, if they share no pool.
 
     Example::
 
@@ -118,6 +119,9 @@ class BreakableCUDAGraph:
     def __init__(self) -> None:
         self._captured: Captured | None = None
         self._capturing = False
+        # a replay of it runs, on some thread: a second one (another thread's, or one of its
+        # eager functions') would overwrite the memory the first one reads, a reset free it
+        self._replaying = False
 
     @property
     def num_segments(self) -> int:
@@ -163,6 +167,8 @@ class BreakableCUDAGraph:
                 "BreakableCUDAGraph.replay(): nothing was captured. Capture first with "
                 "`with breakgraph.capture(g): ...`."
             )
+        if self._replaying:
+            raise self._refused("replay()")
         outer = state.capture
         if outer is not None and outer.in_segment:
             raise CaptureError(
@@ -177,40 +183,50 @@ class BreakableCUDAGraph:
         if grad_off:  # breaks captured under no_grad replay under it, whatever the caller's mode
             torch.set_grad_enabled(False)
         try:
+            self._replaying = True  # in the try: no interrupt can leave it set
             for step in captured.steps:
                 step()
         finally:
+            self._replaying = False
             state.context = previous
             if grad_off:
                 torch.set_grad_enabled(True)
 
     def reset(self) -> None:
         """Drop every segment and break and release what they held; the graph can be captured
-        again. Refused inside its own capture, and inside its own replay (called by one of its
-        eager functions)."""
+        again. Refused inside its own capture, and while it replays (called by one of its eager
+        functions, or on another thread)."""
         if self._capturing:
             raise CaptureError("BreakableCUDAGraph.reset() inside its own capture.")
-        if self._captured is not None and self._replaying():
-            raise ReplayError(
-                "BreakableCUDAGraph.reset() inside its own replay (an eager function of this "
-                "graph reset it): the rest of the replay would run segments that were reset (CUDA "
-                "raises there; the emulated backend would skip them, silently). Reset the graph "
-                "after replay() returns, from the code that called replay()."
-            )
+        if self._replaying:
+            raise self._refused("reset()")
         captured, self._captured = self._captured, None
         if captured is not None:
             for segment in captured.segments:
                 segment.reset()
 
-    def _replaying(self) -> bool:
-        """Whether this thread is inside this graph's :meth:`replay`: its frame is on the stack.
-        Looked up here, where it is rare, so that replay() keeps no flag of its own."""
-        frame = sys._getframe(1).f_back  # reset()'s caller
-        while frame is not None:
-            if frame.f_code is _REPLAY_CODE and frame.f_locals.get("self") is self:
-                return True
+    def _refused(self, what: str) -> ReplayError:
+        """``what`` (``replay()``, ``reset()``) while this graph replays: inside that replay (an
+        eager function of it: the replay's frame on this thread's stack, looked up only here)
+        or on another thread. A flag, not a lock: two replays that begin at once may both pass."""
+        frame = sys._getframe(2)  # the caller of replay() or reset()
+        while frame is not None and (frame.f_code is not _REPLAY_CODE
+                                     or frame.f_locals.get("self") is not self):  # fmt: skip
             frame = frame.f_back
-        return False
+        if frame is None:
+            return ReplayError(
+                f"BreakableCUDAGraph.{what} while another thread replays this graph: it reads "
+                f"and writes fixed memory (static inputs, outputs), so two replays at once give "
+                f"each thread the other's results, silently (on CUDA too), and a reset frees what "
+                f"the replay runs. Use a graph from one thread at a time (a lock around filling "
+                f"its inputs, replay() and reading its outputs), or one graph per thread."
+            )
+        return ReplayError(
+            f"BreakableCUDAGraph.{what} inside its own replay (an eager function of this graph "
+            f"called it): the rest of the replay would read outputs that a replay overwrote, or "
+            f"run segments that were reset (CUDA raises there; the emulated backend would skip "
+            f"them, silently). Call it after replay() returns, from the code that called replay()."
+        )
 
     def report(self) -> _debug.GraphReport:
         """The coverage report: segments (aten ops each), breaks (names, host time per
@@ -351,16 +367,8 @@ def capture(
         except BaseException as exc:
             if recording is not None:
                 recording.abort()
-            if _is_cuda_capture_failure(exc, chosen.name):
-                raise HostSyncError(
-                    f"the CUDA capture failed inside a segment ({exc}). This is usually a host "
-                    f"synchronisation (.item(), nonzero, .cpu(), torch.cuda.synchronize()) in code "
-                    f"breakgraph could not see; move it into a function decorated with "
-                    f"@breakgraph.eager_on_graph. Or another thread used CUDA meanwhile (a sync, "
-                    f"an allocation), which the global capture mode forbids everywhere in the "
-                    f"process: capture_error_mode='thread_local' allows it. The graph was reset; a "
-                    f"new capture will work."
-                ) from exc
+            if chosen.name == "cuda" and is_capture_failure(exc):  # not the user's own error
+                raise capture_failure_error(exc) from exc
             raise
 
 
@@ -370,11 +378,6 @@ def _refuse_held(graph: BreakableCUDAGraph) -> None:
             "breakgraph.capture: this graph already holds a capture; call g.reset() first "
             "or capture into a new BreakableCUDAGraph."
         )
-
-
-def _is_cuda_capture_failure(exc: BaseException, backend: str) -> bool:
-    """A real CUDA stream-capture failure (not the user's own error that mentions capture)."""
-    return backend == "cuda" and is_capture_failure(exc)
 
 
 class _Capture:

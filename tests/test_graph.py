@@ -979,16 +979,16 @@ def test_two_threads_capturing_into_one_graph_do_not_overwrite_each_other(captur
 def test_torch_refusing_a_host_copy_during_capture_is_named_a_host_sync():
     """torch's own refusal of an unpinned host copy inside a CUDA capture (e.g. fp32
     ``grouped_mm``'s fallback) becomes HostSyncError with the fix, like CUDA's capture errors."""
-    from breakgraph.graph import _is_cuda_capture_failure
+    from breakgraph.backends.cuda import capture_failure_error, is_capture_failure
 
     refusal = RuntimeError(
         "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
         "tensor is pinned. Please use tensor.pin_memory() or allocate the tensor with "
         "pin_memory=True."
     )
-    assert _is_cuda_capture_failure(refusal, "cuda")
-    assert not _is_cuda_capture_failure(refusal, "emulated")
-    assert not _is_cuda_capture_failure(RuntimeError("my own error about capture"), "cuda")
+    assert is_capture_failure(refusal)  # on the CUDA backend only (capture() checks it)
+    assert not is_capture_failure(RuntimeError("my own error about capture"))
+    assert isinstance(capture_failure_error(refusal), breakgraph.HostSyncError)
 
 
 def test_the_capture_state_reset_runs_on_breakgraphs_own_stream(monkeypatch):

@@ -265,3 +265,93 @@ def test_an_interrupt_right_after_the_capture_lock_is_taken_releases_it():
         y = scale_by_context(x)
     g.replay(context={"scale": 3.0})
     assert y.tolist() == [3.0, 3.0]
+
+
+def test_a_graph_replayed_from_two_threads_at_once_is_refused():
+    """One graph replayed by two threads at once: both write its static inputs and read its
+    outputs, its segments and breaks interleave (on CUDA too), and each thread's result could
+    be the other's, silently. The second replay raises ``ReplayError`` naming the cause; the
+    first one, held inside its eager break meanwhile, is right, and the graph serves again."""
+    inside, tried = threading.Event(), threading.Event()
+    holder = []
+
+    @breakgraph.eager_on_graph
+    def hold(h):
+        if threading.get_ident() in holder:
+            inside.set()
+            assert tried.wait(timeout=30)
+        return h * 2
+
+    x = torch.randn(4)
+    g = breakgraph.BreakableCUDAGraph()
+    with breakgraph.capture(g, backend="emulated"):
+        out = hold(x + 1) - 1
+    results = {}
+
+    def first():
+        holder.append(threading.get_ident())
+        new = torch.randn(4)
+        x.copy_(new)
+        g.replay()
+        results["first"] = (out.clone(), (new + 1) * 2 - 1)
+
+    def second():
+        assert inside.wait(timeout=30), "the first replay never reached its break"
+        try:
+            with pytest.raises(breakgraph.ReplayError, match="another thread"):
+                g.replay()
+        finally:
+            tried.set()
+
+    run_threads(first, second, timeout=60)
+    torch.testing.assert_close(*results["first"])
+    holder.clear()
+    new = torch.randn(4)
+    x.copy_(new)
+    g.replay()
+    torch.testing.assert_close(out, (new + 1) * 2 - 1)
+
+
+def test_a_graph_replayed_or_reset_inside_its_own_replay_is_refused():
+    """An eager function of a graph that replays that graph again overwrote the outputs the
+    outer replay's later segments read (a recursion, on CUDA too); one that resets it from
+    another thread freed what the replay still runs. Both raise ``ReplayError``."""
+    calls = []
+
+    @breakgraph.eager_on_graph
+    def again(h):
+        if not calls:
+            calls.append(1)
+            g.replay()
+        return h * 2
+
+    x = torch.randn(4)
+    g = breakgraph.BreakableCUDAGraph()
+    with breakgraph.capture(g, backend="emulated"):
+        calls.append(0)  # the capture's own call of `again` does not replay
+        out = again(x + 1)
+    calls.clear()
+    with pytest.raises(breakgraph.ReplayError, match="inside its own replay"):
+        g.replay()
+
+    reset_from = {}
+
+    @breakgraph.eager_on_graph
+    def reset_elsewhere(h):
+        if reset_from.get("armed"):
+            def reset():
+                with pytest.raises(breakgraph.ReplayError, match="another thread"):
+                    g2.reset()
+                reset_from["refused"] = True
+            run_threads(reset, timeout=60)
+        return h * 2
+
+    g2 = breakgraph.BreakableCUDAGraph()
+    with breakgraph.capture(g2, backend="emulated"):
+        out = reset_elsewhere(x + 1)
+    reset_from["armed"] = True
+    new = torch.randn(4)
+    x.copy_(new)
+    g2.replay()
+    assert reset_from["refused"]
+    torch.testing.assert_close(out, (new + 1) * 2)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BreakgraphError, CaptureError
+from ..errors import BreakgraphError, CaptureError, HostSyncError
 from ..streams import StreamTracker
 from ..syncs import CompileTransparentSegmentMode, SegmentMode, exit_segment_mode
 from .base import CaptureOptions, Observer, pool_handle, released_pool_error
@@ -234,6 +234,20 @@ def is_capture_failure(exc: BaseException) -> bool:
     cuda_error = getattr(torch, "AcceleratorError", ())
     from_cuda = isinstance(exc, cuda_error) or "CUDA error" in text or "cudaError" in text
     return from_cuda and ("captur" in text or "StreamCapture" in text)
+
+
+def capture_failure_error(exc: BaseException) -> HostSyncError:
+    """What ``breakgraph.capture`` raises for a CUDA capture failure (:func:`is_capture_failure`)
+    inside a segment."""
+    return HostSyncError(
+        f"the CUDA capture failed inside a segment ({exc}). This is usually a host "
+        f"synchronisation (.item(), nonzero, .cpu(), torch.cuda.synchronize()) in code "
+        f"breakgraph could not see; move it into a function decorated with "
+        f"@breakgraph.eager_on_graph. Or another thread used CUDA meanwhile (a sync, "
+        f"an allocation), which the global capture mode forbids everywhere in the "
+        f"process: capture_error_mode='thread_local' allows it. The graph was reset; a "
+        f"new capture will work."
+    )
 
 
 def _small_matmuls(device: int) -> None:
