@@ -17,9 +17,11 @@ corrupt, all refused:
   the same memory on every replay, never a different tensor.
   :func:`~breakgraph.ownership.call_and_classify` finds these outputs right after the
   capture-time call (see :mod:`breakgraph.ownership`).
-* **Outputs that overlap each other** (``(y, y)``, ``(y, y[:2])``) must overlap the same
-  way on every replay; two independent tensors copied into one memory would leave the last
-  copy in both.
+* **Outputs that overlap each other** (share a byte: ``(y, y)``, ``(y, y[:2])``,
+  ``(y, y.view(torch.int32))``) must overlap the same way on every replay; two independent
+  tensors copied into one memory would leave the last copy in both. Outputs that only
+  interleave (``y[0::2]``, ``y[1::2]``, or fields of two dtypes in one packed buffer) share
+  nothing and are copied each on its own.
 * **The output's elements overlap** (an ``expand()``-ed view): nothing can be copied
   into it. Refused at capture.
 
@@ -41,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,7 +63,8 @@ Copier = Callable[[Any], None]
 # Outputs that overlap each other (once, at capture)
 # ---------------------------------------------------------------------------------------
 
-_EXACT_OVERLAP_LIMIT = 1 << 20  # elements; larger tensors whose spans meet count as overlapping
+# pieces (elements, for one dtype); larger tensors whose spans meet count as overlapping
+_EXACT_OVERLAP_LIMIT = 1 << 20
 
 
 def _overlap_groups(captured: Any, not_owned: frozenset, function: str) -> list:
@@ -117,21 +121,38 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors over one storage share an element (conservative when large)."""
+    """Whether two tensors over one storage share a byte (conservative when large).
+
+    Sharing a byte is what makes two outputs one memory for copy-back: a copy into one then
+    changes the other. Outputs of different dtypes can interleave without sharing one (a
+    float32 and an int16 pair in each 8-byte record of one buffer): each can be copied alone,
+    as for outputs of one dtype whose spans interleave (``y[0::2]``, ``y[1::2]``). Compared in
+    units of the greatest common divisor of the two element sizes, at which every element of
+    both begins: one unit per element for one dtype, a few for two."""
     (a_start, a_end), (b_start, b_end) = _span(a), _span(b)
     if a_end <= b_start or b_end <= a_start:
         return False
-    length = max(a_end, b_end) // a.element_size()
+    unit = math.gcd(a.element_size(), b.element_size())
+    length = max(a_end, b_end) // unit
     if (
-        a.element_size() != b.element_size()
-        or a.numel() + b.numel() > _EXACT_OVERLAP_LIMIT
+        (a.numel() * a.element_size() + b.numel() * b.element_size()) // unit
+        > _EXACT_OVERLAP_LIMIT
         or length > 16 * _EXACT_OVERLAP_LIMIT
     ):
         return True
-    index = torch.arange(length, device="cpu")
     marks = torch.zeros(length, dtype=torch.bool, device="cpu")
-    marks[index.as_strided(a.shape, a.stride(), a.storage_offset())] = True
-    return bool(marks[index.as_strided(b.shape, b.stride(), b.storage_offset())].any())
+    marks[_units(a, unit)] = True
+    return bool(marks[_units(b, unit)].any())
+
+
+def _units(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """The indices of the ``unit``-byte pieces of its storage that ``t``'s elements cover."""
+    per = t.element_size() // unit
+    index = torch.arange(_span(t)[1] // t.element_size(), device="cpu")
+    elements = index.as_strided(t.shape, t.stride(), t.storage_offset())
+    if per == 1:  # one dtype: the elements themselves (a view, nothing copied)
+        return elements
+    return (elements.unsqueeze(-1) * per + torch.arange(per, device="cpu")).flatten()
 
 
 # ---------------------------------------------------------------------------------------

@@ -903,6 +903,60 @@ def test_chunks_of_one_tensor_may_become_independent_tensors(capture, device):
         torch.testing.assert_close(out, expected)
 
 
+def _records(x):
+    """One 8-byte record per row: a float32 at bytes 0-3, an int16 pair at bytes 4-7."""
+    raw = torch.empty(x.shape[0], 8, dtype=torch.uint8, device=x.device)
+    value, code = raw.view(torch.float32)[:, 0], raw.view(torch.int16)[:, 2:4]
+    value.copy_(x)
+    code.copy_((x * 10).to(torch.int16)[:, None].expand(-1, 2))
+    return value, code, raw.view(torch.int32)[:, 0]  # the third shares the floats' bytes
+
+
+def test_outputs_of_two_dtypes_interleaved_without_sharing_a_byte_may_become_independent(
+    capture, device
+):
+    """Outputs of different dtypes whose byte ranges interleave but share no byte (fields of
+    one packed record) were counted as overlapping (the exact check compared elements of one
+    size only), so a replay that returned them as separate tensors raised a false
+    CopyBackError. Only outputs that share a byte must keep sharing it: here the int32 view
+    of the floats' bytes must, and one that does not on replay is still refused."""
+    state = {"packed": True}
+
+    @eager_on_graph
+    def fields(h):
+        value, code, bits = _records(h)
+        if state["packed"]:
+            return value, code, bits
+        return value, code.clone(), bits  # the codes alone; the floats and their bits shared
+
+    x = torch.randn(5, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        value, code, bits = fields(x * 1)
+        out = value + code.sum(1), bits * 1
+    for packed in (True, False):
+        state["packed"] = packed
+        fresh = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(out[0], fresh + (fresh * 10).to(torch.int16).float() * 2)
+        torch.testing.assert_close(out[1], fresh.view(torch.int32))
+
+    @eager_on_graph
+    def apart(h):
+        value, code, bits = _records(h)
+        return value, code, bits if state["packed"] else bits.clone()
+
+    g = BreakableCUDAGraph()
+    state["packed"] = True
+    with capture(g):
+        outs = apart(x * 1)
+    state["packed"] = False
+    fresh_into(x)
+    shared = r"does not share memory with output\[0\] as at capture at output\[2\]"
+    with pytest.raises(CopyBackError, match=shared):
+        g.replay()
+
+
 # ---------------------------------------------------------------------------------------
 # Who holds an output: call_and_classify (issue 22, item 1)
 # ---------------------------------------------------------------------------------------
