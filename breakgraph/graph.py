@@ -419,9 +419,9 @@ class _Capture:
         self.session.begin_segment()
         self.in_segment = True
 
-    def _end_segment(self) -> None:
+    def _end_segment(self, before: str | None = None) -> None:
         self.in_segment = False
-        segment = self.session.end_segment()
+        segment = self.session.end_segment(before)
         self.segments.append(segment)
         if self.watch is not None:
             index = self.watch.segment
@@ -444,7 +444,7 @@ class _Capture:
         if not self.in_segment:  # an eager function called from inside another one
             return function(*args, **kwargs)
         try:
-            self._end_segment()
+            self._end_segment(options.name)
         except BaseException as exc:  # the segment is gone: nothing after this is captured
             self.fail(f"ending the segment before {options.name!r} raised {exc!r}")
             raise

@@ -361,18 +361,24 @@ class CompileTransparentSegmentMode(SegmentMode):
         return True
 
 
-def exit_segment_mode(mode: SegmentMode) -> None:
-    """Exit a segment's mode where the segment ends at a break. torch pops the *top* of the
-    dispatch mode stack, so a mode the user entered inside the segment and has not left would be
-    popped in its place: refused (the caller's ``abort`` still exits ``mode``)."""
+def exit_segment_mode(mode: SegmentMode, before: str | None = None) -> None:
+    """Exit a segment's mode where the segment ends at a break (named by ``before``: the eager
+    function, ``"break_graph"``) or at the end of the capture block (None). torch pops the *top*
+    of the dispatch mode stack, so a mode the user entered inside the segment and has not left
+    would be popped in its place: refused (the caller's ``abort`` still exits ``mode``)."""
     top = _get_current_dispatch_mode()
     if top is not mode:
+        where = (
+            f"at the break {before!r} (an @eager_on_graph call or break_graph())"
+            if before is not None
+            else "at the end of the capture block"
+        )
         raise CaptureError(
-            f"breakgraph.capture: a segment ends (at a break: an @eager_on_graph call or "
-            f"break_graph()) inside {type(top).__name__}, a TorchDispatchMode entered inside the "
-            f"capture block and not left yet. Each "
-            f"segment is captured under a dispatch mode of breakgraph's, which the break must "
-            f"leave, and torch leaves the newest mode first: yours. Enter your mode around the "
-            f"`with breakgraph.capture(...)` block, or leave it before the break."
+            f"breakgraph.capture: a segment ends {where} inside {type(top).__name__}, a "
+            f"TorchDispatchMode entered inside the capture block and not left yet. Each "
+            f"segment is captured under a dispatch mode of breakgraph's, which must be left "
+            f"where the segment ends, and torch leaves the newest mode first: yours. Enter your "
+            f"mode around the `with breakgraph.capture(...)` block, or leave it before "
+            f"{'the break' if before is not None else 'the block ends'}."
         )
     mode.__exit__(None, None, None)

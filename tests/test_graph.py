@@ -1033,7 +1033,8 @@ def test_a_break_inside_a_dispatch_mode_entered_in_the_capture_block_is_refused(
     a mode of the user's (FlopCounterMode, say) entered inside the block above it, the break
     popped the user's mode instead, the eager function ran under the old segment's mode (its
     host reads refused as syncs, its output taken for memory held elsewhere) and the user's mode
-    stopped seeing anything. Refused by name; entered around the capture block it works."""
+    stopped seeing anything. Refused naming the mode and the break (the eager function), or the
+    block's end; entered around the capture block it works."""
     from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
     class Counting(TorchDispatchMode):
@@ -1046,10 +1047,19 @@ def test_a_break_inside_a_dispatch_mode_entered_in_the_capture_block_is_refused(
 
     x = torch.ones(3, device=device)
     g = breakgraph.BreakableCUDAGraph()
-    with pytest.raises(breakgraph.CaptureError, match="Counting.*around the"):
+    named = r"at the break '.*double' .* inside Counting, a TorchDispatchMode.*around the"
+    with pytest.raises(breakgraph.CaptureError, match=named):
         with capture(g):
             with Counting():
                 double(x + 1)
+    assert _get_current_dispatch_mode() is None
+    assert_clean(g)
+    mode = Counting()
+    with pytest.raises(breakgraph.CaptureError, match="at the end of the capture block inside"):
+        with capture(g):
+            mode.__enter__()  # never left: the last segment ends under it
+            y = x + 1
+    mode.__exit__(None, None, None)
     assert _get_current_dispatch_mode() is None
     assert_clean(g)
     with Counting(), capture(g):  # around the block: the segments' modes stay above it

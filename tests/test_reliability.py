@@ -720,7 +720,7 @@ def test_a_segment_that_cannot_end_or_begin_caught_inside_the_block_fails_the_ca
             session = breakgraph.state.current_capture().session
             original = getattr(session, method)
 
-            def broken():
+            def broken(*args):
                 setattr(session, method, original)  # fails once
                 raise RuntimeError(f"the segment could not {method}")
 

@@ -76,8 +76,9 @@ class Session(Protocol):
 
     def begin_segment(self) -> None: ...
 
-    def end_segment(self) -> Segment:
-        """Finish the segment and replay it once, so eager code after it sees real values."""
+    def end_segment(self, before: str | None = None) -> Segment:
+        """Finish the segment and replay it once, so eager code after it sees real values.
+        ``before``: the break it ends at (None: the end of the capture block), for errors."""
         ...
 
     def abort(self) -> None:

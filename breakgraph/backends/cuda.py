@@ -139,11 +139,11 @@ class CudaSession:
             )
             self._mode.__enter__()
 
-    def end_segment(self) -> CudaSegment:
+    def end_segment(self, before: str | None = None) -> CudaSegment:
         graph, mode = self._graph, self._mode
         operations = None
         if mode is not None:
-            exit_segment_mode(mode)  # may refuse: the mode is then abort()'s to exit
+            exit_segment_mode(mode, before)  # may refuse: the mode is then abort()'s to exit
             operations = mode.operations
         self._mode = None
         unjoined = self.tracker.join_all()

@@ -424,9 +424,9 @@ class EmulatedSession:
         self._mode.__enter__()
         _capturing.active = True
 
-    def end_segment(self) -> EmulatedSegment:
+    def end_segment(self, before: str | None = None) -> EmulatedSegment:
         mode = self._mode
-        exit_segment_mode(mode)  # may refuse: the mode is then abort()'s to exit
+        exit_segment_mode(mode, before)  # may refuse: the mode is then abort()'s to exit
         self._mode = None
         _capturing.active = False
         # the CPU generator stands for the device's default one; a seed given past the
