@@ -412,7 +412,9 @@ _AUTOGRAD = (
 
 
 def _same_memory_copier(captured: torch.Tensor, path: str, function: str, why: tuple) -> Copier:
-    """The output is memory that something else holds: on replay it must be that memory."""
+    """The output is memory that something else holds: on replay it must be that memory.
+    Anything else that is not even a tensor of its shape and dtype (None, a container, a part
+    of it) is refused as a changed structure, shape or dtype, like any output's."""
     pointer, shape, stride, dtype = (
         captured.data_ptr(),
         captured.shape,
@@ -434,6 +436,13 @@ def _same_memory_copier(captured: torch.Tensor, path: str, function: str, why: t
             and new.dtype == dtype
         ):
             return
+        if (  # None, a container, another shape...: named as such, not as "a new tensor"
+            not isinstance(new, torch.Tensor)
+            or new.shape != shape
+            or new.dtype != dtype
+            or new.device != captured.device
+        ):
+            raise _mismatch(function, path, captured, new)
         raise CopyBackError(function, path, problem, describe(captured), describe(new), fix)
 
     return same_memory

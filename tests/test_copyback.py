@@ -485,6 +485,55 @@ def test_in_place_eager_function_replays(capture, device):
         torch.testing.assert_close(y, expected_h * expected_h.abs().max() * 2)
 
 
+# what an in-place function (or one returning a long-lived buffer) returns on a bad replay
+NOT_THAT_MEMORY = {
+    "None": (lambda t: None, "a changed structure"),
+    "a tuple": (lambda t: (t,), "a changed structure"),
+    "part of it": (lambda t: t[:2], "a tensor of another shape"),
+    "another dtype": (lambda t: t.view(torch.int32), "a tensor of another dtype"),
+    "a clone": (lambda t: t.clone(), "a new tensor where|a different tensor where"),
+}
+
+
+@pytest.mark.parametrize("returned", NOT_THAT_MEMORY, ids=NOT_THAT_MEMORY.keys())
+@pytest.mark.parametrize("memory", ["argument", "held"])
+def test_a_changed_structure_where_an_output_was_not_the_graphs_memory_is_named(
+    capture, device, returned, memory
+):
+    """An output in memory the graph does not own (the argument, a global buffer) must be
+    that memory on every replay. A replay returning None, a container or another shape there
+    was refused as "a new tensor where it returned (memory of) its own argument" (or "a
+    different tensor where ... memory it does not own"), and the fix told the user to return
+    the argument or a new tensor on every call, while the function had changed its
+    structure. Now named like any other output: a changed structure, another shape or
+    dtype."""
+    bad, problem = NOT_THAT_MEMORY[returned]
+    buffer = torch.zeros(4, device=device)
+    state = {"bad": False}
+
+    @eager_on_graph
+    def update(t):
+        target = t if memory == "argument" else buffer
+        target.copy_(t * 2)
+        return bad(target) if state["bad"] else target
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        y = update(x + 1) + 1
+    fresh = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, (fresh + 1) * 2 + 1)
+    state["bad"] = True
+    fresh_into(x)
+    with pytest.raises(CopyBackError, match=rf"'.*update' returned ({problem}).* at output: "):
+        g.replay()
+    state["bad"] = False
+    fresh = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, (fresh + 1) * 2 + 1)
+
+
 # ---------------------------------------------------------------------------------------
 # Memory the graph does not own (issue 22, item 1)
 # ---------------------------------------------------------------------------------------
