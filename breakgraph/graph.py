@@ -178,12 +178,13 @@ class BreakableCUDAGraph:
                 "function itself inside the capture."
             )
         previous = state.context
-        state.context = captured.context if context is _NO_CONTEXT else context
         grad_off = captured.without_grad and torch.is_grad_enabled()
-        if grad_off:  # breaks captured under no_grad replay under it, whatever the caller's mode
-            torch.set_grad_enabled(False)
+        # the thread's state is set inside the try: an interrupt (Ctrl-C) can leave none of it
         try:
-            self._replaying = True  # in the try: no interrupt can leave it set
+            self._replaying = True
+            state.context = captured.context if context is _NO_CONTEXT else context
+            if grad_off:  # breaks captured under no_grad replay under it, whatever the mode
+                torch.set_grad_enabled(False)
             for step in captured.steps:
                 step()
         finally:

@@ -790,6 +790,42 @@ def test_capture_under_no_grad_replays_breaks_without_autograd(capture, device):
         assert not (first.requires_grad or out.requires_grad)
 
 
+@pytest.mark.parametrize("at", ["is_grad_enabled", "set_grad_enabled"])
+def test_an_interrupt_as_replay_sets_up_restores_the_threads_state(
+    capture, device, monkeypatch, at
+):
+    """replay() set the replay context, read the grad mode and turned grad off (breaks captured
+    under no_grad) before its try: a KeyboardInterrupt delivered as one of those calls returned
+    (Ctrl-C: Python raises it at the end of a call) left the replay's context for the thread
+    (replay_context() outside any replay returned it instead of raising) and grad mode off for
+    the rest of the program. Both are restored now; the next replay is right."""
+
+    @eager_on_graph
+    def scale(h):
+        return h * breakgraph.replay_context()
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with torch.no_grad(), capture(g, context=2.0):
+        out = scale(x + 1) + 1
+    original = getattr(torch, at)
+
+    def interrupted(*args):
+        result = original(*args)
+        monkeypatch.setattr(torch, at, original)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, at, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        g.replay(context=3.0)
+    assert torch.is_grad_enabled()
+    with pytest.raises(breakgraph.ReplayError, match="no context is set"):
+        breakgraph.replay_context()
+    new = fresh_into(x)
+    g.replay(context=3.0)
+    torch.testing.assert_close(out, (new + 1) * 3 + 1)
+
+
 def test_breaks_captured_in_different_grad_modes_each_replay_in_their_own(capture, device):
     """One break captured under no_grad, one with grad that uses autograd: turning grad off for
     the whole replay broke the second (its autograd.grad found nothing requiring grad)."""
