@@ -153,7 +153,7 @@ class GraphLadder:
         self._pool = pool
         self._rungs: dict[int, _Rung] = {}
         self._sizes: tuple[int, ...] = ()
-        self._decisions: dict[int, Decision] = {}  # agreed size -> decision (no window open)
+        self._decisions: dict[int, Decision] = {}  # agreed size (-1: above all) -> decision
         self._faster: dict[int, int] = {}  # bucket -> a larger bucket measured faster (tune)
         self._window_open = False
 
@@ -220,8 +220,7 @@ class GraphLadder:
         must then keep its buffers too (``ranks.keeps_memory``).
 
         A bucket is registered only when its capture succeeded; on an exception the
-        buckets captured before it in this call stay.
-        """
+        buckets captured before it in this call stay."""
         self._check_open("capture")
         validate_callable(record, f"{self.who}.capture: record", optional=False)
         validate_callable(warm_up, f"{self.who}.capture: warm_up")
@@ -362,8 +361,7 @@ class GraphLadder:
         and ``fingerprint`` (:func:`breakgraph.distributed.fingerprint` of the call's
         inputs) must be equal on every rank (``what`` and ``fix`` word the error otherwise,
         see :meth:`RankGroup.agree <breakgraph.distributed.RankGroup.agree>`); else
-        ``agree_size(size)`` if given. Cached per agreed size outside capture windows.
-        """
+        ``agree_size(size)`` if given. Cached per agreed size outside capture windows."""
         if self.closed:
             raise self._closed_error("decide")
         if type(size) is not int or size < 0:  # per call: the message is built only here
@@ -379,10 +377,13 @@ class GraphLadder:
                     f"int no smaller than the size (the largest size over all ranks)."
                 )
         decision = self._decisions.get(agreed)
-        if decision is None:
-            decision = self.choose(agreed)
-            if not self._window_open:
-                self._decisions[agreed] = decision
+        if decision is None:  # the sizes above every bucket decide alike: one entry (-1) for
+            above = not self._sizes or agreed > self._sizes[-1]  # all, not one per size seen
+            decision = self._decisions.get(-1) if above else None
+            if decision is None:
+                decision = self.choose(agreed)
+                if not self._window_open:
+                    self._decisions[-1 if above else agreed] = decision
         return decision
 
     def choose(self, size: int) -> Decision:
@@ -521,8 +522,7 @@ class GraphLadder:
 
         After a failed multi-rank NCCL capture step the graphs are kept until the process
         exits instead (see :meth:`RankGroup.capture_step
-        <breakgraph.distributed.RankGroup.capture_step>`). Counters stay readable.
-        """
+        <breakgraph.distributed.RankGroup.capture_step>`). Counters stay readable."""
         if self.closed:
             return
         self.closed = True

@@ -265,6 +265,22 @@ def test_capture_window_and_decision_cache(backend, device):
     assert ladder.decide(3) is ladder.decide(3)  # cached outside windows
 
 
+def test_the_decision_cache_does_not_grow_with_sizes_above_every_bucket(backend, device):
+    """A server sees sizes without bound (prompt lengths above the largest bucket, run eagerly):
+    the cache held one decision per size ever seen, growing for the life of the process."""
+    ladder, _ = make(backend, device)
+    for size in range(1, 200):
+        ladder.decide(size)
+    cached = len(ladder._decisions)  # one per size a bucket holds, one for all the others
+    for size in range(200, 2200):
+        assert ladder.decide(size) == Decision(Action.EAGER, None, "larger than every bucket")
+    assert len(ladder._decisions) == cached == 64 + 1
+    assert ladder.decide(5000) is ladder.decide(65)
+    with ladder.capture_window():  # sizes above every bucket are captured: each its own
+        assert ladder.decide(2300) == Decision(Action.CAPTURE, 2300)
+    assert ladder.decide(2300).action is Action.EAGER
+
+
 def test_agree_size_and_padding(backend, device):
     seen = []
     ladder, _ = make(backend, device, agree_size=lambda size: seen.append(size) or 50,
