@@ -49,6 +49,7 @@ import hashlib
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -202,6 +203,12 @@ class RankGroup:
                 f"(see its error, e.g. a runner's argument refused there), exited or is blocked. "
                 f"Build it on every rank at the same point; end the processes and restart."
             ) from exc
+        # a RankGroup dropped without close() (its runner deleted, a CB model dropped while
+        # enabled) destroys its gloo group when collected: else the group, its connections to
+        # the other ranks and its threads stayed in torch.distributed's registry for good, one
+        # more per runner built and dropped. Not at exit (torch tears its groups down itself).
+        self._destroy = weakref.finalize(self, _destroy_group, self._control)
+        self._destroy.atexit = False
         self._buffer = torch.zeros(3 + len(self.ranks), dtype=torch.int64)
         self._values = self._buffer.numpy()  # filled in place: no allocation per call
         self._broken: str | None = None
@@ -386,13 +393,10 @@ class RankGroup:
             )
 
     def close(self) -> None:
-        """Destroy the gloo group this object created (the model's group is left alone)."""
-        import torch.distributed as dist
-
-        control, self._control = self._control, None
-        if control is not None and dist.is_initialized():
-            with contextlib.suppress(ValueError, RuntimeError):  # already destroyed with WORLD
-                dist.destroy_process_group(control)
+        """Destroy the gloo group this object created (the model's group is left alone); a
+        RankGroup collected without close() destroys it then."""
+        self._control = None
+        self._destroy()  # once: a second call does nothing
 
     # -- internals -------------------------------------------------------------------------
     def _exchange(self, size: int, digest: int, failed: int) -> tuple[int, bool, list[int]]:
@@ -518,6 +522,15 @@ class _BlockDepth(threading.local):
 
 
 _blocks = _BlockDepth()
+
+
+def _destroy_group(control: Any) -> None:
+    """Destroy a RankGroup's own gloo group (``close()``, or the RankGroup collected)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(ValueError, RuntimeError):  # already destroyed with WORLD
+            dist.destroy_process_group(control)
 
 
 def release_graphs(graphs: Iterable[Any], ranks: RankGroup | None) -> None:

@@ -1068,6 +1068,37 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
         dist.destroy_process_group()
 
 
+def test_a_rank_group_dropped_without_close_destroys_its_gloo_group():
+    """A runner (its RankGroup) deleted without close() left the gloo group the RankGroup
+    created in torch.distributed's registry for good, with its connections to the other ranks:
+    one more group per runner built and dropped. close() and collection both destroy it, once."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from breakgraph import distributed
+    from breakgraph.runner import BucketedRunner
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        groups = len(distributed_c10d._world.pg_map)
+        for _ in range(3):
+            ranks = distributed.RankGroup(timeout=30)
+            runner = BucketedRunner(
+                lambda x: x * 2, (4,), (torch.zeros(1, 3),), backend="emulated", ranks=ranks
+            )
+            fresh = torch.randn(3, 3)
+            assert torch.equal(runner(fresh), fresh * 2)
+            del ranks, runner
+        assert len(distributed_c10d._world.pg_map) == groups
+        closed = distributed.RankGroup(timeout=30)
+        closed.close()
+        closed.close()
+        assert len(distributed_c10d._world.pg_map) == groups
+        del closed  # its finalizer already ran: nothing is destroyed twice
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monkeypatch):
     """A step that succeeded here, then no answer at the status exchange (a peer exited
     mid-capture): with NCCL this rank's captured collectives wait for that peer for ever, so
