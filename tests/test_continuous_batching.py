@@ -52,6 +52,7 @@ from breakgraph.integrations.transformers.experts import EXPERTS_KEY  # noqa: E4
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
+import breakgraph  # noqa: E402
 from benchmarks.tiny_models import (  # noqa: E402
     DENSE_FAMILIES,
     MIXTRAL,
@@ -915,13 +916,17 @@ def test_disable_refuses_while_a_manager_runs():
 
 
 @needs_cb
-def test_use_cuda_graph_false_runs_eager_steps():
+def test_use_cuda_graph_false_runs_eager_steps(monkeypatch):
     model = build_model("llama")
     prompts = random_prompts(seed=5)
     expected = generate_batch(model, prompts)
+    decorated = []  # an eager step's attention is called, not decorated (7 us per layer)
+    original = breakgraph.eager_on_graph
+    monkeypatch.setattr(breakgraph, "eager_on_graph", lambda *a, **k: (
+        decorated.append(a), original(*a, **k))[1])  # fmt: skip
     with enable_continuous_batching(model, backend="emulated") as handle:
         assert generate_batch(model, prompts, cbc=cb_config(use_cuda_graph=False)) == expected
-        assert handle.stats.eager_steps > 0
+        assert handle.stats.eager_steps > 0 and not decorated
         assert handle.stats.captures == handle.stats.replays == 0
         # the same config the legacy way, inside the generation config, after a manager with
         # graphs: its steps replayed them (the choice read only a config passed on its own)

@@ -329,10 +329,10 @@ def breakgraph_attention(
     call.out = state.output_for(layer, call.q)
     if state.inline:  # a single-prompt graph: recorded, not a break
         return call.whole_row(call.out).unsqueeze(0), None
-    if capturing:
-        state.calls.append(call)
-    out = breakgraph.eager_on_graph(call)()
-    return out.unsqueeze(0), None
+    if not capturing:  # warm-up or eager fallback: a decoration per layer would cost 7 us
+        return call().unsqueeze(0), None
+    state.calls.append(call)
+    return breakgraph.eager_on_graph(call)().unsqueeze(0), None
 
 
 _switching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its RLock

@@ -323,7 +323,9 @@ def paged_attention(
         out = step.decode.attention(module.layer_idx, query, key, value, scale, sliding_window)
         return out.unsqueeze(0), None
     call = PagedAttention(module.layer_idx, query, key, value, scale, sliding_window, step.kernel)
-    return breakgraph.eager_on_graph(call)().unsqueeze(0), None
+    if breakgraph.is_capturing():  # a break; an eager step calls it (a decoration costs 7 us)
+        return breakgraph.eager_on_graph(call)().unsqueeze(0), None
+    return call().unsqueeze(0), None
 
 
 class StepOrder:
