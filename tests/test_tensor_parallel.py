@@ -360,6 +360,19 @@ def scenario_main(rank: int, backend: str, path: str) -> dict:
     one = prompts_for(7, (3,))
     out["one_rank_tensor"] = error_of(lambda: runner.prefill(one[0] if rank else one))
     out["one_rank_owned"] = error_of(lambda: runner.prefill(one, owned="yes" if rank else True))
+
+    def prompts_failing_on_rank_1():  # not breakgraph's error: the caller's own iterator
+        yield one[0]
+        if rank:
+            raise ValueError("tokenizer failed")
+
+    out["one_rank_iterator"] = error_of(lambda: runner.prefill(prompts_failing_on_rank_1()))
+    weights, name, _ = runner._weights  # rank 1's anchor weight replaced: the graphs refuse
+    kept = weights[name]
+    if rank:
+        weights[name] = torch.nn.Parameter(kept.detach().clone(), requires_grad=False)
+    out["one_rank_moved"] = error_of(lambda: runner.prefill(one))
+    weights[name] = kept
     out["after_errors_diff"] = max_diff(runner, full, seed=8)
     out["calls"] = dict(runner.stats.calls)
     runner.close()
@@ -957,6 +970,12 @@ def test_a_call_rejected_on_one_rank_raises_on_the_other(main_run):
     assert results[1]["one_rank_invalid"] == "InputError"
     for call in ("one_rank_tensor", "one_rank_owned"):  # rank 0 used to wait for its timeout
         assert (results[0][call], results[1][call]) == ("RankFailedError", "InputError"), call
+    # any error before the agreement, not only breakgraph's: rank 0's call ran with rank 1's
+    # NEXT call (and so on, every call off by one) when rank 1's iterator of prompts raised
+    assert (results[0]["one_rank_iterator"], results[1]["one_rank_iterator"]) == (
+        "RankFailedError", "ValueError")  # fmt: skip
+    assert (results[0]["one_rank_moved"], results[1]["one_rank_moved"]) == (
+        "RankFailedError", "ReplayError")  # fmt: skip
     for result in results:
         assert result["after_errors_diff"] < tolerance(main_run[0])
         assert result["calls"] == results[0]["calls"]  # the same graphs replayed everywhere

@@ -458,19 +458,21 @@ class PrefillRunner:
         the staging buffers and the K/V that ``cache(i)`` reads).
         """
         with self._lock:
-            weights, name, address = self._weights  # see models.weights_anchor
             if self._closed:
                 raise ReplayError(
                     "PrefillRunner.prefill: the runner is closed; build a new PrefillRunner."
                 )
-            if weights[name].data_ptr() != address:
-                raise moved_error(self.model, self.dtype, self.device, "PrefillRunner.prefill")
             return self._prefill(prompts, owned)
 
     def _prefill(self, prompts: Iterable[torch.Tensor], owned: bool) -> PrefillOutput:
-        """:meth:`prefill`, under the lock, on a runner that can serve."""
+        """:meth:`prefill`, under the lock, on a runner that is not closed."""
         steps = self._steps
-        try:  # under tensor parallelism a rank's bad input fails its peers too, in step
+        # under TP any failure before the agreement (the prompts' iterator raising, say) fails the
+        # peers too: a rank that raised unseen paired their calls with its next ones, off by one
+        try:
+            weights, name, address = self._weights  # see models.weights_anchor
+            if weights[name].data_ptr() != address:
+                raise moved_error(self.model, self.dtype, self.device, "PrefillRunner.prefill")
             if owned is not True and owned is not False:
                 raise InputError(
                     f"PrefillRunner.prefill: owned must be True or False, got {owned!r}."
@@ -479,16 +481,16 @@ class PrefillRunner:
                 prompts = as_prompt_list(prompts)
             lengths = self._validate(prompts)
             staged = steps.write_ids(prompts, lengths, self.vocab_size)
-        except InputError:
+            same_on_all_ranks = 0
+            if self.ranks is not None:  # lengths always (free); ids in debug mode (a host copy)
+                same_on_all_ranks = distributed.fingerprint(
+                    lengths, *(prompts if self._check_ids else ())
+                )
+        except BaseException:
             if self.ranks is not None:
                 self.ranks.report_failure()  # the other ranks raise instead of waiting
             raise
         total = sum(lengths)
-        same_on_all_ranks = 0
-        if self.ranks is not None:  # lengths always (free); ids in debug mode (a host copy)
-            same_on_all_ranks = distributed.fingerprint(
-                lengths, *(prompts if self._check_ids else ())
-            )
         decision = self._runner.decide(total, same_on_all_ranks)
         action = decision.action
         if action is Action.RAISE:
