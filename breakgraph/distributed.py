@@ -65,6 +65,7 @@ __all__ = [
     "RankGroup",
     "tensor_parallel_group",
     "fingerprint",
+    "validate_timeout",
     "all_reduce_as_breaks",
     "CAPTURE_ERROR_MODE",
 ]
@@ -77,6 +78,7 @@ __all__ = [
 CAPTURE_ERROR_MODE = "thread_local"
 
 _MASK = (1 << 62) - 1  # fingerprints stay positive and can be negated in int64
+_LONGEST_TIMEOUT = 1e9  # seconds: gloo's limit is 2**63 microseconds (see validate_timeout)
 _PRIMARY, _COLLATERAL = 2, 1  # failure flags: failed by itself, or cut off by another rank
 _KEPT_UNTIL_EXIT: list = []  # graphs and buffers of failed NCCL capture steps (capture_step)
 _TORCH_DISTRIBUTED_DIR = os.path.join(
@@ -112,6 +114,27 @@ def tensor_parallel_group(model: torch.nn.Module) -> Any:
                 )
             return mesh.get_group() if mesh.size() > 1 else None
     return None
+
+
+def validate_timeout(value: Any, what: str) -> float:
+    """``value`` as a float of seconds, else an ``InputError`` naming ``what``: a real number
+    above 0 and at most ``_LONGEST_TIMEOUT``. Checked here because the gloo group takes it as a
+    ``timedelta`` and then in microseconds in 64 bits: ``inf`` and ``nan`` raised a raw
+    ``OverflowError``/``ValueError`` from ``timedelta``, and 1e13 s gloo's "Invalid timeout".
+
+    Example::
+
+        >>> validate_timeout(float("inf"), "demo: timeout")
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: demo: timeout must be a number of seconds above 0 and ...
+    """
+    seconds = validate_real(value, what)
+    if not 0 < seconds <= _LONGEST_TIMEOUT:  # False for nan too
+        raise InputError(
+            f"{what} must be a number of seconds above 0 and at most {_LONGEST_TIMEOUT:g} "
+            f"(about 31 years: for no practical limit), got {value!r}."
+        )
+    return seconds
 
 
 def fingerprint(*parts: Any) -> int:
@@ -174,8 +197,7 @@ class RankGroup:
     def __init__(self, group: Any = None, *, timeout: float = 300.0):
         import torch.distributed as dist
 
-        if validate_real(timeout, "RankGroup: timeout") <= 0:
-            raise InputError(f"RankGroup: timeout must be positive, got {timeout}.")
+        timeout = validate_timeout(timeout, "RankGroup: timeout")
         if not (dist.is_available() and dist.is_initialized()):
             raise InputError(
                 "RankGroup: torch.distributed is not initialised; call "

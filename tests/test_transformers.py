@@ -715,7 +715,7 @@ def test_bad_runner_arguments():
     # (they were taken silently there)
     with pytest.raises(InputError, match="PrefillRunner: on_miss must be 'raise' or 'eager'"):
         PrefillRunner(model, token_buckets=BUCKETS, on_miss="pad", backend="emulated", warmup=1)
-    for bad in ("30", 0, -1.0, None, True):
+    for bad in ("30", 0, -1.0, None, True, float("inf"), float("nan")):  # inf: a raw error
         with pytest.raises(InputError, match="PrefillRunner: tp_timeout must be"):
             PrefillRunner(model, token_buckets=BUCKETS, tp_timeout=bad, backend="emulated")
     for name in ("progress", "tune_buckets"):

@@ -51,7 +51,6 @@ from breakgraph.buckets import (
     expected_padding,
     validate_buckets,
     validate_count,
-    validate_real,
 )
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
@@ -184,8 +183,7 @@ class PrefillRunner:
         for name, flag in (("progress", progress), ("tune_buckets", tune_buckets)):
             if not isinstance(flag, bool):
                 raise InputError(f"PrefillRunner: {name} must be True or False, got {flag!r}.")
-        if validate_real(tp_timeout, "PrefillRunner: tp_timeout") <= 0:  # TP or not: no surprise
-            raise InputError(f"PrefillRunner: tp_timeout must be positive, got {tp_timeout!r}.")
+        distributed.validate_timeout(tp_timeout, "PrefillRunner: tp_timeout")  # TP or not
         validate_count(max_prompts, 1, "PrefillRunner: max_prompts")
         validate_count(warmup, 0, "PrefillRunner: warmup")
         limit = getattr(model.config, "max_position_embeddings", None)
