@@ -775,6 +775,28 @@ def test_small_batch_after_big_batch_same_bucket(backend, closing):
         )
 
 
+def test_a_bucket_smaller_than_max_prompts_runs_lm_head_over_one_row_per_token(backend, closing):
+    """A bucket of ``b`` tokens holds at most ``b`` prompts, so its graph gathers
+    ``min(b, max_prompts)`` last hidden states for ``lm_head``: bucket 4 with max_prompts=16
+    ran ``lm_head`` over 16 rows on every call (12 of them a copy of the first token's; with a
+    large vocabulary the LM head is a large share of a small bucket's forward)."""
+    model = model_for("llama", backend)
+    device = next(model.parameters()).device
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    try:
+        runner = closing(make_runner(model, backend, token_buckets=(4, 32), max_prompts=16))
+    finally:
+        hook.remove()
+    assert sorted(set(rows)) == [4, 16], rows  # bucket 4's forwards: 4 rows; bucket 32's: 16
+    for lengths in ([1, 1, 1, 1], [2, 1], [4], [3, 5, 1, 2, 6, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1]):
+        prompts = prompts_of(lengths, device)
+        out = runner.prefill(prompts)
+        assert out.logits.shape == (len(lengths), VOCAB)
+        for i, p in enumerate(prompts):
+            assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
+
+
 # -- 7. attention kernels by backend ---------------------------------------------------------------
 def test_flash_attention_needs_the_cuda_backend(backend):
     """fp32 on the CPU has no FlashAttention, and on a GPU in bf16 the emulated backend still
