@@ -740,6 +740,10 @@ def scenario_settings(rank: int, backend: str, path: str) -> dict:
         "pad_token_id": error_text_of(lambda: build(pad_token_id=rank)),
         "token_buckets": error_text_of(lambda: build(token_buckets=(16, 32 + 16 * rank))),
         "debug": error_text_of(lambda: build(debug=rank == 1)),  # ids checked on one rank
+        # refused under TP, on rank 1 only: rank 0 went on to capture and met a closed group
+        "single_prompt_graphs": error_text_of(
+            lambda: build(single_prompt_graphs=True if rank else None)
+        ),
     }
     runner = build()
     out["after_diff"] = max_diff(runner, full, seed=1)
@@ -946,7 +950,8 @@ def test_ranks_built_with_different_settings_raise_the_named_error_on_every_rank
     different warm-ups timed out in a raw recv, a pad_token_id said 'different buckets'."""
     backend, results = settings_run
     for result in results:
-        for setting in ("max_prompts", "warmup", "pad_token_id", "token_buckets", "debug"):
+        for setting in ("max_prompts", "warmup", "pad_token_id", "token_buckets", "debug",
+                        "single_prompt_graphs"):  # fmt: skip
             message = result[setting]
             assert message.startswith("RankMismatchError: PrefillRunner"), message
             assert f"different {setting} (" in message, message

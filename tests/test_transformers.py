@@ -365,8 +365,9 @@ def test_single_prompt_graphs_are_on_by_default_on_cuda_only(backend, closing):
         with pytest.raises(InputError, match="single_prompt_graphs was off"):
             runner.graph(16, single_prompt=True)
         assert sorted(runner.graphs()) == [(b, False) for b in BUCKETS]
-    with pytest.raises(InputError, match="single_prompt_graphs must be None"):
-        make_runner(model, backend, single_prompt_graphs="yes")
+    for bad in ("yes", 1, 0):  # 1 and 0 passed as True and False (1 == True)
+        with pytest.raises(InputError, match="single_prompt_graphs must be None"):
+            make_runner(model, backend, single_prompt_graphs=bad)
 
 
 # -- 2. greedy continuation from the runner's KV cache ---------------------------------------------

@@ -172,7 +172,7 @@ class PrefillRunner:
                 f"PrefillRunner: tp_collectives must be 'captured' or 'eager', got "
                 f"{tp_collectives!r}."
             )
-        if single_prompt_graphs not in (None, True, False):
+        if single_prompt_graphs is not None and not isinstance(single_prompt_graphs, bool):
             raise InputError(
                 f"PrefillRunner: single_prompt_graphs must be None (the default: on with the "
                 f"CUDA backend in one process), True or False, got {single_prompt_graphs!r}."
@@ -250,7 +250,7 @@ class PrefillRunner:
                     "warmup": warmup, "pad_token_id": pad_token_id, "on_miss": on_miss,
                     "attention": self.attention, "tp_collectives": tp_collectives,
                     "compile": compiled, "debug": self._check_ids, "backend": backend_name,
-                    "model dtype": self.dtype,
+                    "model dtype": self.dtype, "single_prompt_graphs": single_prompt_graphs,
                 })  # fmt: skip
                 self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
             except BaseException:  # no one gets a runner whose constructor raised to close
