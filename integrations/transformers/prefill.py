@@ -71,7 +71,7 @@ from .models import (
     weights_anchor,
 )
 from .models import check_model as _check_model
-from .prefill_buffers import StepBuffers, as_prompt_list
+from .prefill_buffers import StepBuffers, as_prompt_list, prompt_lengths
 from .prefill_output import PrefillOutput
 from .tensor_parallel import graph_safe_tensor_parallel
 
@@ -552,38 +552,9 @@ class PrefillRunner:
         return logits[0, : len(lengths)], bounds
 
     def _validate(self, prompts: list) -> list[int]:
-        """The prompts' lengths; ``InputError`` unless ``prompts`` holds 1 to ``max_prompts``
-        non-empty 1-D LongTensors."""
-        if not prompts:
-            raise InputError("PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors.")
-        if len(prompts) > self.max_prompts:
-            raise InputError(
-                f"PrefillRunner.prefill: {len(prompts)} prompts exceed "
-                f"max_prompts={self.max_prompts}; split the batch or build the runner with a "
-                f"larger max_prompts."
-            )
-        long = torch.long
-        lengths = []
-        for p in prompts:  # the common case first: one pass of cheap attribute reads
-            if not isinstance(p, torch.Tensor) or p.ndim != 1 or p.dtype is not long:
-                break
-            n = p.numel()
-            if not n:
-                break
-            lengths.append(n)
-        else:
-            return lengths
-        i = len(lengths)  # the first bad prompt
-        p = prompts[i]
-        raise InputError(
-            f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of "
-            f"token ids, got {type(p).__name__}"
-            + (
-                f" of shape {tuple(p.shape)} and dtype {p.dtype}"
-                if isinstance(p, torch.Tensor)
-                else ""
-            )
-        )
+        """The prompts' lengths, or ``InputError`` (:func:`.prefill_buffers.prompt_lengths`); a
+        method of its own, which the host-path benchmarks time (``benchmarks/prefill_host_*``)."""
+        return prompt_lengths(prompts, self.max_prompts)
 
     def close(self) -> None:
         """Release graphs and buffers; the model is exactly as before. Outputs of earlier

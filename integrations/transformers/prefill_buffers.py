@@ -37,7 +37,7 @@ import torch
 from breakgraph.errors import InputError
 from breakgraph.static_inputs import StaticInputs
 
-__all__ = ["StepBuffers", "as_prompt_list"]
+__all__ = ["StepBuffers", "as_prompt_list", "prompt_lengths"]
 
 
 _FEW_PROMPTS = 8  # up to this many prompts, a step is staged with scalar writes
@@ -405,3 +405,33 @@ def as_prompt_list(prompts) -> list:
             f"prompt), got {type(prompts).__name__}."
         )
     return list(prompts)
+
+
+def prompt_lengths(prompts: list, max_prompts: int) -> list[int]:
+    """The prompts' lengths; ``InputError`` unless ``prompts`` holds 1 to ``max_prompts``
+    non-empty 1-D LongTensors (per call: the common case is one pass of attribute reads)."""
+    if not prompts:
+        raise InputError("PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors.")
+    if len(prompts) > max_prompts:
+        raise InputError(
+            f"PrefillRunner.prefill: {len(prompts)} prompts exceed max_prompts={max_prompts}; "
+            f"split the batch or build the runner with a larger max_prompts."
+        )
+    long = torch.long
+    lengths = []
+    for p in prompts:  # the common case first: one pass of cheap attribute reads
+        if not isinstance(p, torch.Tensor) or p.ndim != 1 or p.dtype is not long:
+            break
+        n = p.numel()
+        if not n:
+            break
+        lengths.append(n)
+    else:
+        return lengths
+    i = len(lengths)  # the first bad prompt
+    p = prompts[i]
+    raise InputError(
+        f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of token ids, "
+        f"got {type(p).__name__}"
+        + (f" of shape {tuple(p.shape)} and dtype {p.dtype}" if isinstance(p, torch.Tensor) else "")
+    )
