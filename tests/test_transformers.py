@@ -798,6 +798,28 @@ def test_a_bucket_smaller_than_max_prompts_runs_lm_head_over_one_row_per_token(b
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
 
 
+def test_autocast_around_the_runner_changes_nothing(backend, closing):
+    """The graphs compute in the model's dtype: a replay ignores the caller's autocast, so the
+    eager parts must too. Under ``torch.autocast`` the attention breaks ran in half precision
+    inside fp32 graphs, and the eager fallback returned bf16 logits where the graphs return
+    fp32; a runner built under autocast captured half-precision segments."""
+    model = model_for("llama", backend)
+    device = next(model.parameters()).device
+    kind = device.type
+    plain = closing(make_runner(model, backend, on_miss="eager"))
+    with torch.autocast(kind, dtype=torch.bfloat16):
+        built_under = closing(make_runner(model, backend, on_miss="eager"))
+    batches = (prompts_of([5, 9], device), prompts_of([30, 25], device))  # graph, eager
+    for prompts in batches:
+        expected = plain.prefill(prompts).logits
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            got = plain.prefill(prompts).logits
+        assert got.dtype == expected.dtype == model.dtype
+        exact = dict(atol=0, rtol=0) if backend == "emulated" else dict(atol=1e-2, rtol=0)
+        torch.testing.assert_close(got, expected, **exact)
+        torch.testing.assert_close(built_under.prefill(prompts).logits, expected, **exact)
+
+
 # -- 7. attention kernels by backend ---------------------------------------------------------------
 def test_flash_attention_needs_the_cuda_backend(backend):
     """fp32 on the CPU has no FlashAttention, and on a GPU in bf16 the emulated backend still
