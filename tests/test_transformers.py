@@ -528,6 +528,21 @@ def test_input_errors(backend, closing):
     for _what, p in bad.items():
         with pytest.raises(InputError, match="1-D LongTensor"):
             runner.prefill([prompt(3, device), p])
+    # what a tokenizer gives, or text: each refusal says what to pass (a tokenizer's output was
+    # read as a list of its keys: "prompt 0 must be a ... LongTensor, got str")
+    encoding = transformers.BatchEncoding({"input_ids": [[5, 6]], "attention_mask": [[1, 1]]})
+    advice = {
+        r"encoding\['input_ids'\]": encoding,
+        "not text": ["a prompt"],
+        r"pass ids\[0\]": [prompt(6, device)[None]],
+        r"ids.long\(\)": [prompt(6, device).int()],
+        r"torch.tensor\(ids\)": [[5, 6]],
+        r"\[torch.tensor\(ids\)\]": [5, 6],
+        r"list\(ids\)": torch.stack([prompt(6, device)] * 2),
+    }
+    for hint, prompts in advice.items():
+        with pytest.raises(InputError, match=hint):
+            runner.prefill(prompts)
     with pytest.raises(InputError, match="outside the vocabulary"):
         runner.prefill([torch.tensor([1, VOCAB, 2])])  # host prompts are checked for free
     with pytest.raises(InputError, match="pad_token_id"):

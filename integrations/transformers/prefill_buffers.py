@@ -29,7 +29,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -393,11 +393,19 @@ def _vocabulary_error(vocab_size: int) -> InputError:
 
 def as_prompt_list(prompts) -> list:
     """``prompts`` (not a list: a list is taken as it is) as a list; ``InputError`` for one
-    tensor or what is not iterable."""
+    tensor, a tokenizer's output, a string or what is not iterable (each with what to pass)."""
     if isinstance(prompts, torch.Tensor):
+        hint = "wrap a single prompt as [ids]"
+        if prompts.ndim == 2:  # a batch of rows: padded by a tokenizer, usually
+            hint = "pass its rows as a list (list(ids)), each prompt at its length (no padding)"
         raise InputError(
-            "PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
-            "prompt), not one tensor; wrap a single prompt as [ids]."
+            f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
+            f"prompt), not one tensor; {hint}."
+        )
+    if isinstance(prompts, Mapping | str):  # a mapping's keys, a string's characters: not ids
+        raise InputError(
+            f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
+            f"prompt), got {type(prompts).__name__}{_prompt_hint(prompts)}."
         )
     if not isinstance(prompts, Iterable):
         raise InputError(
@@ -405,6 +413,32 @@ def as_prompt_list(prompts) -> list:
             f"prompt), got {type(prompts).__name__}."
         )
     return list(prompts)
+
+
+def _prompt_hint(p) -> str:
+    """What to pass instead of ``p`` (a refused prompt, or batch), for the error's end."""
+    if isinstance(p, Mapping):  # transformers' BatchEncoding: a tokenizer's output
+        return (
+            f" (a tokenizer's output? keys {list(p)[:3]}): pass its token ids, one tensor per "
+            f"prompt, e.g. [torch.tensor(ids) for ids in encoding['input_ids']]"
+        )
+    if isinstance(p, str):
+        return ": pass token ids, not text (the tokenizer's input_ids)"
+    if isinstance(p, list | tuple):
+        return ": make each prompt a tensor, torch.tensor(ids)"
+    if isinstance(p, int):  # one prompt's ids as the batch
+        return ": pass a list of prompts, each a tensor, [torch.tensor(ids)]"
+    if isinstance(p, np.ndarray):
+        return ": make each prompt a tensor, torch.from_numpy(ids).long()"
+    if not isinstance(p, torch.Tensor):
+        return ""
+    if p.ndim == 2 and p.shape[0] == 1:
+        return ": a tokenizer's [1, n] row, pass ids[0]"
+    if p.ndim == 1 and p.numel() and not p.dtype.is_floating_point:
+        return ": convert it, ids.long()"
+    if p.ndim == 1 and not p.numel():
+        return ": an empty prompt has no last token to predict from"
+    return ""
 
 
 def prompt_lengths(prompts: list, max_prompts: int) -> list[int]:
@@ -434,4 +468,6 @@ def prompt_lengths(prompts: list, max_prompts: int) -> list[int]:
         f"PrefillRunner.prefill: prompt {i} must be a non-empty 1-D LongTensor of token ids, "
         f"got {type(p).__name__}"
         + (f" of shape {tuple(p.shape)} and dtype {p.dtype}" if isinstance(p, torch.Tensor) else "")
+        + _prompt_hint(p)
+        + "."
     )
