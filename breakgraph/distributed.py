@@ -117,10 +117,9 @@ def tensor_parallel_group(model: torch.nn.Module) -> Any:
 
 
 def validate_timeout(value: Any, what: str) -> float:
-    """``value`` as a float of seconds, else an ``InputError`` naming ``what``: a real number
-    above 0 and at most ``_LONGEST_TIMEOUT``. Checked here because the gloo group takes it as a
-    ``timedelta`` and then in microseconds in 64 bits: ``inf`` and ``nan`` raised a raw
-    ``OverflowError``/``ValueError`` from ``timedelta``, and 1e13 s gloo's "Invalid timeout".
+    """``value`` as a float of seconds in (0, ``_LONGEST_TIMEOUT``], else an ``InputError``
+    naming ``what``. gloo takes it as a ``timedelta``, then in microseconds in 64 bits: ``inf``
+    and ``nan`` raised a raw ``OverflowError``/``ValueError``, 1e13 s gloo's "Invalid timeout".
 
     Example::
 
