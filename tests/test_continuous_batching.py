@@ -880,6 +880,46 @@ def test_sampling_and_num_return_sequences():
 
 
 @needs_cb
+def test_forked_requests_keep_transformers_decode_fast_path_off():
+    """With ``num_return_sequences`` > 1, transformers' decode fast path (kept on by breakgraph
+    for its block-table decode steps) let a late one-token prompt, scheduled with no token
+    because it forks first, turn a step of unbudgeted decode reads into an index-list step
+    whose reads (children share their parent's blocks) passed the read-index storage: every
+    request failed ("The expanded size of the tensor (208) must match the existing size
+    (242)"), where stock CB on the CPU serves them. Such managers run without the path."""
+    model = build_model("llama")
+    prompts = random_prompts(seed=1, lengths=(40, 40, 1))
+    expected = generate_each(model, prompts)
+    forked = generation_config(do_sample=True, top_k=1, num_return_sequences=3)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=(8, 16)):
+        manager = model.init_continuous_batching(
+            generation_config=forked,
+            continuous_batching_config=cb_config(num_blocks=12, max_batch_tokens=16),
+        )
+        outs = {}
+        try:
+            manager.add_request(prompts[0], request_id="req_0", streaming=True)
+            manager.add_request(prompts[1], request_id="req_1", streaming=True)
+            manager.start()
+            late = False
+            while len(outs) < 9:
+                out = manager.get_result(timeout=60)
+                assert out is not None, f"no result within 60 s ({len(outs)} of 9)"
+                if not late and out.generated_tokens:  # both prompts decode (forked): now
+                    manager.add_request(prompts[2], request_id="req_2")
+                    late = True
+                if out.is_finished():
+                    outs[out.request_id] = out
+        finally:
+            manager.stop(block=True, timeout=60)
+            manager.destroy()
+    assert [o.error for o in outs.values()] == [None] * 9
+    for request_id, out in outs.items():
+        parent = int(request_id.split("__")[0].removeprefix("req_"))
+        assert out.generated_tokens == expected[parent], request_id
+
+
+@needs_cb
 def test_prefix_sharing_reads_shared_blocks(monkeypatch):
     """Prompts with a common 33-token prefix: later requests read the first one's cache blocks."""
     model = build_model("llama")

@@ -71,6 +71,28 @@ def read_slots(table: torch.Tensor, cu_k: torch.Tensor, page: int, rows: int) ->
     return torch.where(row < starts[n], entry * page + key % page, 0)
 
 
+def forks(generation_config: Any) -> bool:
+    """Whether a manager of ``generation_config`` forks its requests (``num_return_sequences``
+    above 1): breakgraph then turns transformers' decode fast path off for it, as transformers'
+    own gate does on a CPU or without flash_attn.
+
+    Why: transformers' scheduler lets a decode-eligible request (one query token) skip the read
+    budget of the step (a block-table step reads no index list), and decides whether the step
+    *is* a block-table step only after scheduling each request. A request with children whose
+    prompt has one token left (a shared prefix, or a chunk's remainder) is eligible, then
+    scheduled with no token (it is forked first): the step becomes an index-list step whose
+    reads were never budgeted. Forked children share their parent's blocks, so those reads pass
+    the read-index storage (``num_pages + max_batch_tokens``) and the step fails every request
+    ("The expanded size of the tensor ... must match the existing size"), where stock
+    transformers on the same device, without the fast path, serves them.
+
+    >>> from transformers import GenerationConfig
+    >>> forks(GenerationConfig(do_sample=True, num_return_sequences=3)), forks(GenerationConfig())
+    (True, False)
+    """
+    return (getattr(generation_config, "num_return_sequences", None) or 1) > 1
+
+
 def install(patches: PatchSet, wants_block_table) -> bool:
     """Replace transformers' decode-fast-path gate (until ``patches`` restores it): a config
     for which ``wants_block_table(config)`` is true keeps ``max_blocks_per_request`` as

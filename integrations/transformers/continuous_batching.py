@@ -415,7 +415,8 @@ class ContinuousBatchingHandle:
                 f"compile eager steps."
             )
         config.use_cuda_graph = False  # transformers' whole-step graphs: never here
-        if not (use_graphs and self.runner.block_tables):  # else as given (None: the default)
+        forks = block_table.forks(generation_config or self.model.generation_config)
+        if not (use_graphs and self.runner.block_tables) or forks:  # else as given (None: default)
             config.max_blocks_per_request = 0  # every step with index lists
         elif config.max_blocks_per_request is not None:  # kept past transformers' gate: checked
             validate_count(config.max_blocks_per_request, 0,
