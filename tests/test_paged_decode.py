@@ -86,12 +86,19 @@ def test_reference_is_attention_over_the_indexed_keys(heads):
 def test_dense_reads_the_whole_index_with_fixed_shapes(heads):
     """The emulated backend's decode-graph kernel: every row of an index longer than the
     step's keys (stale rows past ``cu_k[-1]``, as a static buffer holds) is read and masked
-    per sequence; padded sequences (no keys, as a bucket's tail) give zeros, not NaN."""
+    per sequence; padded sequences (no keys, as a bucket's tail) give zeros, not NaN. A stale
+    row may be one never written (``torch.empty``'s memory: NaN, inf): a zero weight times NaN
+    was NaN, the logits of a whole decode step (found by the CB fuzzer, seed 14004)."""
     q_heads, kv_heads, head_dim = heads
     q, k_cache, v_cache, read_index, cu_k = paged_case(
         1, q_heads, kv_heads, head_dim, [5, 1, 0, 33, 0, 0], torch.float32, "cpu"
     )
-    stale = torch.randint(0, k_cache.shape[0], (19,), dtype=read_index.dtype)
+    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    unused[read_index.long()] = False
+    unused = unused.nonzero().flatten()
+    k_cache[unused[::2]], v_cache[unused[::2]] = float("nan"), float("nan")
+    k_cache[unused[1::2]], v_cache[unused[1::2]] = float("inf"), float("-inf")
+    stale = unused[torch.randint(0, unused.numel(), (19,))].to(read_index.dtype)
     got = pd.paged_decode_dense(q, k_cache, v_cache, torch.cat([read_index, stale]).long(),
                                 cu_k, head_dim**-0.5)  # fmt: skip
     expected = dense_attention(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5)

@@ -116,13 +116,15 @@ def paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling: float
 def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float) -> torch.Tensor:
     """:func:`paged_decode_reference` with fixed shapes and no host sync: every row of
     ``read_index`` is read, and each sequence keeps its own range ``cu_k[i]:cu_k[i + 1]``
-    by a mask (rows past ``cu_k[-1]`` must still be valid cache rows). What a decode graph
-    captures on the emulated backend (:mod:`.decode_graph`); its cost grows with the whole
-    index, so it is not a CUDA kernel.
+    by a mask (rows past ``cu_k[-1]`` must still be valid cache rows, but may hold anything:
+    a row never written is ``torch.empty``'s memory, NaN maybe, and a zero weight times NaN is
+    NaN, so their values are zeroed). What a decode graph captures on the emulated backend
+    (:mod:`.decode_graph`); its cost grows with the whole index, so it is not a CUDA kernel.
 
     >>> q = torch.randn(2, 4, 8)
     >>> k_cache, v_cache = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
-    >>> read_index = torch.tensor([3, 7, 1, 0, 9, 0, 0])   # two stale rows at the end
+    >>> read_index = torch.tensor([3, 7, 1, 0, 9, 0, 6])   # two stale rows at the end
+    >>> v_cache[6] = float("nan")                         # one of them never written
     >>> cu_k = torch.tensor([0, 2, 5], dtype=torch.int32)
     >>> dense = paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, 8**-0.5)
     >>> exact = paged_decode_reference(q, k_cache, v_cache, read_index[:5], cu_k, 8**-0.5)
@@ -136,6 +138,7 @@ def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float) ->
     rows = torch.arange(read_index.shape[0], device=q.device)
     mine = (rows >= cu_k[:-1, None]) & (rows < cu_k[1:, None])  # [B, R]
     scores = scores.masked_fill(~mine[:, None, :], float("-inf"))
+    values = values.masked_fill((rows >= cu_k[-1])[:, None, None], 0.0)  # stale rows
     weights = scores.softmax(-1).nan_to_num(0.0)  # a sequence with no keys: zeros
     return torch.einsum("bhr,rhd->bhd", weights, values).to(q.dtype)
 
