@@ -1669,6 +1669,9 @@ def test_unsupported_models_and_arguments():
         enable_continuous_batching(model, backend="emulated", attention="sdpa")
     with pytest.raises(UnsupportedModelError, match="attention='flash'"):
         enable_continuous_batching(model, backend="emulated", attention="flash")
+    for bad in (float("inf"), float("nan"), None, -1):  # taken silently without TP
+        with pytest.raises(InputError, match="enable_continuous_batching: tp_timeout must be"):
+            enable_continuous_batching(model, backend="emulated", tp_timeout=bad)
     if SUPPORTED and not torch.cuda.is_available():
         with pytest.raises(BackendError, match="emulated"):
             enable_continuous_batching(model)

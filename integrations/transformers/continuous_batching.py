@@ -529,6 +529,7 @@ def enable_continuous_batching(
     check_model(model, _WHO)
     check_paged_window(model.config, _WHO)
     check_paged_heads(model, _WHO)
+    distributed.validate_timeout(tp_timeout, f"{_WHO}: tp_timeout")  # TP or not, as PrefillRunner
     with _lock:
         group = distributed.tensor_parallel_group(model)
         ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
