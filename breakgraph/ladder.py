@@ -377,8 +377,8 @@ class GraphLadder:
                     f"int no smaller than the size (the largest size over all ranks)."
                 )
         decision = self._decisions.get(agreed)
-        if decision is None:  # the sizes above every bucket decide alike: one entry (-1) for
-            above = not self._sizes or agreed > self._sizes[-1]  # all, not one per size seen
+        if decision is None:  # sizes above every bucket decide alike: one entry (-1) for all
+            above = not self._sizes or agreed > self._sizes[-1]
             decision = self._decisions.get(-1) if above else None
             if decision is None:
                 decision = self.choose(agreed)
