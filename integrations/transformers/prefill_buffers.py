@@ -402,15 +402,11 @@ def as_prompt_list(prompts) -> list:
             f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
             f"prompt), not one tensor; {hint}."
         )
-    if isinstance(prompts, Mapping | str):  # a mapping's keys, a string's characters: not ids
+    # a mapping iterates over its keys, a string over its characters: neither is ids
+    if isinstance(prompts, Mapping | str) or not isinstance(prompts, Iterable):
         raise InputError(
             f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
             f"prompt), got {type(prompts).__name__}{_prompt_hint(prompts)}."
-        )
-    if not isinstance(prompts, Iterable):
-        raise InputError(
-            f"PrefillRunner.prefill: pass a non-empty list of 1-D LongTensors (one per "
-            f"prompt), got {type(prompts).__name__}."
         )
     return list(prompts)
 
