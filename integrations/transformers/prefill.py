@@ -251,7 +251,8 @@ class PrefillRunner:
                     "warmup": warmup, "pad_token_id": pad_token_id, "on_miss": on_miss,
                     "attention": self.attention, "tp_collectives": tp_collectives,
                     "compile": compiled, "debug": self._check_ids, "backend": backend_name,
-                    "model dtype": self.dtype, "single_prompt_graphs": single_prompt_graphs,
+                    "model dtype": self.dtype,  # None is off under TP, as False: the same
+                    "single_prompt_graphs": single_prompt_graphs is True,
                 })  # fmt: skip
                 self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
             except BaseException:  # no one gets a runner whose constructor raised to close
