@@ -351,9 +351,9 @@ class BucketedRunner:
         """
         try:
             size = self.inputs.size_of(inputs)
-        except InputError:
-            if self.ranks is not None:
-                self.ranks.report_failure()  # the other ranks raise instead of waiting
+        except BaseException:  # an InputError, or an interrupt: before the call's exchange
+            if self.ranks is not None:  # the others raise, not pair it with this rank's next
+                self.ranks.report_failure()
             raise
         ladder = self.ladder
         decision = ladder.decide(size, fingerprint)

@@ -1124,6 +1124,41 @@ def test_a_rank_group_dropped_without_close_destroys_its_gloo_group():
         dist.destroy_process_group()
 
 
+def test_a_runner_call_interrupted_before_its_exchange_tells_the_other_ranks(monkeypatch):
+    """BucketedRunner told the other ranks of an InputError before the call's exchange, but not
+    of anything else (an interrupt while it read the inputs): the rank raised without taking
+    part, and the others paired the call with its next one, every later call off by one (as
+    PrefillRunner did; fixed there for any exception)."""
+    import torch.distributed as dist
+
+    from breakgraph import distributed
+    from breakgraph.runner import BucketedRunner
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = distributed.RankGroup(timeout=30)
+        runner = BucketedRunner(
+            lambda x: x * 2, (4,), (torch.zeros(1, 3),), backend="emulated", ranks=ranks
+        )
+        reported = []
+        monkeypatch.setattr(ranks, "report_failure", lambda: reported.append("failed"))
+
+        def interrupted(inputs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(runner.inputs, "size_of", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            runner(torch.randn(2, 3))
+        assert reported == ["failed"]
+        monkeypatch.undo()
+        fresh = torch.randn(2, 3)
+        assert torch.equal(runner(fresh), fresh * 2)
+        runner.close()
+        ranks.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monkeypatch):
     """A step that succeeded here, then no answer at the status exchange (a peer exited
     mid-capture): with NCCL this rank's captured collectives wait for that peer for ever, so
