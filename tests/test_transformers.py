@@ -811,6 +811,20 @@ def test_a_bucket_smaller_than_max_prompts_runs_lm_head_over_one_row_per_token(b
         assert out.logits.shape == (len(lengths), VOCAB)
         for i, p in enumerate(prompts):
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
+    # a single-prompt graph holds one prompt: one row (it ran min(bucket, max_prompts))
+    rows.clear()
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    try:
+        single = closing(make_runner(model, backend, token_buckets=(4, 32), max_prompts=16,
+                                     single_prompt_graphs=True))  # fmt: skip
+    finally:
+        hook.remove()
+    assert sorted(set(rows)) == [1, 4, 16], rows  # the packed ladder's as above, then ones
+    for n in (3, 20):
+        p = prompts_of([n], device)[0]
+        out = single.prefill([p])
+        assert_logits_close(out.logits[0], eager_last_logits(model, p), backend, "single")
+    assert single._single.stats.replays == 2 and single._runner.stats.replays == 0
 
 
 def test_autocast_around_the_runner_changes_nothing(backend, closing):

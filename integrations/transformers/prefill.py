@@ -6,7 +6,8 @@ whose tail is a dummy sequence. One breakable graph per bucket captures the whol
 forward except attention, which runs as an eager break per layer with the exact
 boundaries of the live batch (see :mod:`.attention`). Each prompt's last hidden
 state is gathered on the device (``logits_to_keep`` with an index tensor), so the
-graph produces ``[min(bucket, max_prompts), vocab]`` logits, not ``[tokens, vocab]``.
+graph produces ``[min(bucket, max_prompts), vocab]`` logits (a single-prompt graph
+``[1, vocab]``), not ``[tokens, vocab]``.
 
 The default bucket ladder is dense (:func:`default_token_buckets`: at most 7 tokens
 or 12.5 % of padding), and cheap: the model is warmed up once, buckets are captured
@@ -359,7 +360,7 @@ class PrefillRunner:
                 position_ids=position_ids,
                 use_cache=False,  # a bucket of n rows holds at most n prompts: n LM-head rows
                 logits_to_keep=(self._steps.last_index if last_index is None else last_index)[
-                    : input_ids.shape[1]
+                    : 1 if inline else input_ids.shape[1]  # a single-prompt graph: one
                 ],
                 **self._extra,
             ).logits
