@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -56,10 +55,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from .all_reduce_breaks import all_reduce_as_breaks
 from .buckets import validate_real
-from .eager import eager_on_graph
 from .errors import InputError, RankFailedError, RankMismatchError
-from .patches import PatchSet, SharedPatches
 
 __all__ = [
     "RankGroup",
@@ -210,6 +208,7 @@ class RankGroup:
         backend = str(dist.get_backend(self.group))
         self.nccl = "nccl" in backend
         self._host_blocking = backend == "gloo"  # a gloo collective blocks the calling thread
+        _destroy_dropped_groups()
         try:
             self._control = dist.new_group(
                 self.ranks,
@@ -225,10 +224,10 @@ class RankGroup:
                 f"Build it on every rank at the same point; end the processes and restart."
             ) from exc
         # a RankGroup dropped without close() (its runner deleted, a CB model dropped while
-        # enabled) destroys its gloo group when collected: else the group, its connections to
+        # enabled) hands its gloo group on when collected: else the group, its connections to
         # the other ranks and its threads stayed in torch.distributed's registry for good, one
         # more per runner built and dropped. Not at exit (torch tears its groups down itself).
-        self._destroy = weakref.finalize(self, _destroy_group, self._control)
+        self._destroy = weakref.finalize(self, _DROPPED_GROUPS.append, self._control)
         self._destroy.atexit = False
         self._buffer = torch.zeros(3 + len(self.ranks), dtype=torch.int64)
         self._values = self._buffer.numpy()  # filled in place: no allocation per call
@@ -414,10 +413,12 @@ class RankGroup:
             )
 
     def close(self) -> None:
-        """Destroy the gloo group this object created (the model's group is left alone); a
-        RankGroup collected without close() destroys it then."""
-        self._control = None
-        self._destroy()  # once: a second call does nothing
+        """Destroy the gloo group this object created (the model's group is left alone), and
+        those of RankGroups collected without close() (the next RankGroup made does too)."""
+        alive, self._control = self._destroy.detach(), None  # None once closed or collected
+        if alive is not None:
+            _destroy_group(alive[2][0])
+        _destroy_dropped_groups()
 
     # -- internals -------------------------------------------------------------------------
     def _exchange(self, size: int, digest: int, failed: int) -> tuple[int, bool, list[int]]:
@@ -480,73 +481,19 @@ class RankGroup:
             self.group.set_timeout(previous)
 
 
-@contextlib.contextmanager
-def all_reduce_as_breaks() -> Iterator[None]:
-    """Inside a capture, run every synchronous ``torch.distributed.all_reduce`` as an eager break.
-
-    This is SGLang's choice for its piecewise graphs: the collective runs outside the
-    graph on every replay, and the captured segments hold no communication. transformers'
-    row-parallel layers call ``torch.distributed.all_reduce`` (the module attribute) in
-    place, so swapping that attribute while the capture runs is the narrowest hook. It is
-    restored when the last block open in the process exits (one wrapper for every thread: it
-    makes breaks only on a thread inside a block and capturing, and blocks entered and left on
-    several threads in any order, two runners serving from two threads, restore the original),
-    and elsewhere the wrapper only calls the original function. Asynchronous calls
-    (``async_op=True``) and functional collectives (the ``lm_head`` all-gather of DTensor) are
-    left as they are.
-
-    Example::
-
-        >>> import torch.distributed as dist
-        >>> original = dist.all_reduce
-        >>> with all_reduce_as_breaks():
-        ...     dist.all_reduce is original
-        False
-        >>> dist.all_reduce is original
-        True
-    """
-    _all_reduce_breaks.acquire()
-    _blocks.depth += 1
-    try:
-        yield
-    finally:
-        _blocks.depth -= 1
-        _all_reduce_breaks.release()
+#: gloo groups of RankGroups collected without close(), destroyed by the next RankGroup made or
+#: closed: a collection runs on any thread at any allocation, maybe inside torch.distributed's
+#: code editing the registry that destroying a group edits
+_DROPPED_GROUPS: list = []
 
 
-def _install_all_reduce_breaks(patches: PatchSet) -> None:
-    import torch.distributed as dist
-
-    original = dist.all_reduce
-    as_break = eager_on_graph(original)
-
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if async_op or not _blocks.depth:  # a thread outside every block: as torch's
-            return original(tensor, op=op, group=group, async_op=async_op)
-        return as_break(tensor, op=op, group=group)
-
-    patches.attribute(dist, "all_reduce", all_reduce)
-
-
-# installed with the first all_reduce_as_breaks() block open and removed with the last: a
-# wrapper per block, restored as each block exits, left another thread's block without its
-# wrapper, or a wrapper installed for good when the blocks did not exit in reverse order
-_all_reduce_breaks = SharedPatches(_install_all_reduce_breaks)
-
-
-class _BlockDepth(threading.local):
-    """How many all_reduce_as_breaks() blocks this thread is inside: the one wrapper makes
-    breaks only for them (another thread's capture, outside every block, keeps its all-reduces
-    in its graph, as its ranks' fingerprints expect)."""
-
-    depth = 0
-
-
-_blocks = _BlockDepth()
+def _destroy_dropped_groups() -> None:
+    while _DROPPED_GROUPS:
+        _destroy_group(_DROPPED_GROUPS.pop())
 
 
 def _destroy_group(control: Any) -> None:
-    """Destroy a RankGroup's own gloo group (``close()``, or the RankGroup collected)."""
+    """Destroy a RankGroup's own gloo group."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -560,8 +507,14 @@ def release_graphs(graphs: Iterable[Any], ranks: RankGroup | None) -> None:
     if ranks is not None and ranks.keeps_memory:
         _KEPT_UNTIL_EXIT.append(tuple(graphs))
         return
+    refused = None  # every graph it can: one refused (replaying on another thread) stops none
     for graph in graphs:
-        graph.reset()
+        try:
+            graph.reset()
+        except Exception as exc:
+            refused = refused or exc
+    if refused is not None:
+        raise refused
 
 
 def _snapshot(keep: Any) -> Any:

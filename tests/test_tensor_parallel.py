@@ -1096,7 +1096,11 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
 def test_a_rank_group_dropped_without_close_destroys_its_gloo_group():
     """A runner (its RankGroup) deleted without close() left the gloo group the RankGroup
     created in torch.distributed's registry for good, with its connections to the other ranks:
-    one more group per runner built and dropped. close() and collection both destroy it, once."""
+    one more group per runner built and dropped. A collected RankGroup hands its group on (a
+    collection runs on any thread, maybe inside torch.distributed's own registry code), and the
+    next RankGroup made or closed destroys it; close() destroys its own, once."""
+    import gc
+
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -1114,8 +1118,11 @@ def test_a_rank_group_dropped_without_close_destroys_its_gloo_group():
             fresh = torch.randn(3, 3)
             assert torch.equal(runner(fresh), fresh * 2)
             del ranks, runner
-        assert len(distributed_c10d._world.pg_map) == groups
+            gc.collect()
+            assert len(distributed._DROPPED_GROUPS) == 1  # not destroyed by the collection
+        assert len(distributed_c10d._world.pg_map) == groups + 1
         closed = distributed.RankGroup(timeout=30)
+        assert not distributed._DROPPED_GROUPS
         closed.close()
         closed.close()
         assert len(distributed_c10d._world.pg_map) == groups

@@ -355,3 +355,40 @@ def test_a_graph_replayed_or_reset_inside_its_own_replay_is_refused():
     g2.replay()
     assert reset_from["refused"]
     torch.testing.assert_close(out, (new + 1) * 2)
+
+
+def test_a_runner_closed_while_another_thread_replays_releases_every_other_graph():
+    """close() while another thread replays one of the runner's graphs: that graph's reset is
+    refused (ReplayError), and the refusal stopped the release halfway, the graphs after it
+    never reset. Every other graph is released now; the replaying one goes when collected."""
+    inside, closed = threading.Event(), threading.Event()
+    holder = []
+
+    @breakgraph.eager_on_graph
+    def hold(h):
+        if threading.get_ident() in holder:
+            inside.set()
+            assert closed.wait(timeout=30)
+        return h * 2
+
+    runner = BucketedRunner(lambda x: hold(x + 1) - 1, (2, 4, 8), (torch.zeros(1, 3),),
+                            backend="emulated")  # fmt: skip
+    graphs = {size: runner.ladder.graph(size) for size in (2, 4, 8)}
+    got = {}
+
+    def serve():
+        holder.append(threading.get_ident())
+        x = torch.randn(3, 3)
+        got["out"], got["expected"] = runner(x, owned=True), (x + 1) * 2 - 1
+
+    def close():
+        assert inside.wait(timeout=30), "the replay never reached its break"
+        try:
+            with pytest.raises(breakgraph.ReplayError, match="another thread"):
+                runner.close()
+        finally:
+            closed.set()
+
+    run_threads(serve, close, timeout=60)
+    torch.testing.assert_close(got["out"], got["expected"])
+    assert [graphs[size].num_segments for size in (2, 4, 8)] == [0, 2, 0]
