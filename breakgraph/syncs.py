@@ -21,13 +21,18 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 from torch.utils._pytree import tree_leaves
 
 from ._layout import OWN_DIRS
@@ -382,3 +387,16 @@ def exit_segment_mode(mode: SegmentMode, before: str | None = None) -> None:
             f"{'the break' if before is not None else 'the block ends'}."
         )
     mode.__exit__(None, None, None)
+
+
+def leave_segment_mode(mode: SegmentMode) -> None:
+    """Take a failed segment's ``mode`` off the dispatch-mode stack (a backend's ``abort``),
+    leaving the modes above it, which the user entered inside the block and has not left, on
+    the stack in their order: torch pops the *top*, so exiting ``mode`` under a user's mode
+    popped the user's instead, and left breakgraph's on the stack for good (the user's own
+    ``__exit__`` then popped breakgraph's, and crashed the process on torch 2.10)."""
+    with contextlib.ExitStack() as above:  # pushed back, in order, once ``mode`` is gone
+        while (top := _get_current_dispatch_mode()) is not None and top is not mode:
+            above.enter_context(_pop_mode_temporarily())
+        if top is mode:
+            mode.__exit__(None, None, None)

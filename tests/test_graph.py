@@ -1071,7 +1071,11 @@ def test_a_break_inside_a_dispatch_mode_entered_in_the_capture_block_is_refused(
     host reads refused as syncs, its output taken for memory held elsewhere) and the user's mode
     stopped seeing anything. Refused naming the mode and the break (the eager function), or the
     block's end; entered around the capture block it works."""
-    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+    from torch.utils._python_dispatch import (
+        TorchDispatchMode,
+        _get_current_dispatch_mode,
+        _get_current_dispatch_mode_stack,
+    )
 
     class Counting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -1095,6 +1099,9 @@ def test_a_break_inside_a_dispatch_mode_entered_in_the_capture_block_is_refused(
         with capture(g):
             mode.__enter__()  # never left: the last segment ends under it
             y = x + 1
+    # the user's mode stays on the stack, alone (the abort popped it in place of breakgraph's,
+    # whose mode then stayed for good: on torch 2.10 the user's __exit__ crashed the process)
+    assert _get_current_dispatch_mode_stack() == [mode]
     mode.__exit__(None, None, None)
     assert _get_current_dispatch_mode() is None
     assert_clean(g)

@@ -30,7 +30,12 @@ import torch
 
 from ..errors import BreakgraphError, CaptureError, HostSyncError
 from ..streams import StreamTracker
-from ..syncs import CompileTransparentSegmentMode, SegmentMode, exit_segment_mode
+from ..syncs import (
+    CompileTransparentSegmentMode,
+    SegmentMode,
+    exit_segment_mode,
+    leave_segment_mode,
+)
 from .base import CaptureOptions, Observer, pool_handle, released_pool_error
 
 _capture_streams: dict = {}  # device -> breakgraph's capture stream
@@ -160,7 +165,7 @@ class CudaSession:
         graph, mode = self._graph, self._mode
         self._graph = self._mode = None
         if mode is not None:
-            mode.__exit__(None, None, None)
+            leave_segment_mode(mode)
         if graph is not None:
             self.tracker.active = False
             try:

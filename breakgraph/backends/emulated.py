@@ -53,6 +53,7 @@ from ..structure import sparse_parts
 from ..syncs import (
     SegmentMode,
     exit_segment_mode,
+    leave_segment_mode,
     mark_capture_failed,
     sync_reason,
     user_frame,
@@ -441,7 +442,7 @@ class EmulatedSession:
         mode, self._mode = self._mode, None
         _capturing.active = False
         if mode is not None:
-            mode.__exit__(None, None, None)
+            leave_segment_mode(mode)
         self._steps = []
         if self._begun:  # as CUDA's abort resets the graph it began
             self._begun = False
