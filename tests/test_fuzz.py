@@ -9,7 +9,8 @@ same program on the same inputs. A failure prints the seed, the program's source
 shrunk program with the same failure and the command that reproduces it.
 
 Scale: ``BREAKGRAPH_FUZZ_PROGRAMS`` (default 300, emulated backend, a few seconds) and
-``BREAKGRAPH_FUZZ_CUDA_PROGRAMS`` (default 2000, the GPU check). Seeds run in chunks of
+``BREAKGRAPH_FUZZ_CUDA_PROGRAMS`` (default 2000, the GPU check), from seed
+``BREAKGRAPH_FUZZ_START`` (default 0: fresh seeds for a long campaign). Seeds run in chunks of
 ``CHUNK`` so a failing test id names its seed range and its message the seed.
 """
 
@@ -43,6 +44,7 @@ SYMPTOM = {"break_raises_in_inference_mode": "error:LeftStateBehind"}
 
 PROGRAMS = int(os.environ.get("BREAKGRAPH_FUZZ_PROGRAMS", "300"))
 CUDA_PROGRAMS = int(os.environ.get("BREAKGRAPH_FUZZ_CUDA_PROGRAMS", "2000"))
+START = int(os.environ.get("BREAKGRAPH_FUZZ_START", "0"))  # the first seed of each run
 RAISING = max(20, PROGRAMS // 5)
 CUDA_RAISING = max(20, CUDA_PROGRAMS // 10)
 CHUNK = 50
@@ -56,12 +58,13 @@ def gated(backend: str) -> frozenset[str]:
 
 
 def chunks(total: int) -> list:
+    end = START + total
     return [
         pytest.param(
-            range(start, min(start + CHUNK, total)),
-            id=f"seeds{start}-{min(start + CHUNK, total) - 1}",
+            range(start, min(start + CHUNK, end)),
+            id=f"seeds{start}-{min(start + CHUNK, end) - 1}",
         )
-        for start in range(0, total, CHUNK)
+        for start in range(START, end, CHUNK)
     ]
 
 

@@ -15,6 +15,8 @@ batch must match the model's own ``past_key_values``.
 Scale: ``BREAKGRAPH_FUZZ_PREFILL_BATCHES`` batches per architecture on the emulated
 backend (default 100: 500 batches, ~10 s on 2 cores) and
 ``BREAKGRAPH_FUZZ_CUDA_PREFILL_BATCHES`` on CUDA in bf16 (default 400: 2,000 batches).
+``BREAKGRAPH_FUZZ_PREFILL_SEED`` (default 0) shifts every model's and runner's seed: other
+weights, runner buckets and batches for a long campaign.
 A failure names the architecture, the runner's buckets, the batch index and its prompt
 lengths; :func:`batch` rebuilds any batch from those.
 """
@@ -47,6 +49,7 @@ MOE = {
 }
 BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_PREFILL_BATCHES", "100"))
 CUDA_BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_CUDA_PREFILL_BATCHES", "400"))
+SEED = int(os.environ.get("BREAKGRAPH_FUZZ_PREFILL_SEED", "0"))
 KINDS = ("random", "random", "exact_bucket", "bucket_minus_one", "one_token", "full", "overflow")
 
 
@@ -145,7 +148,7 @@ def _fast():
 def fuzz_prefill(arch: str, backend: str, batches: int, runners: int = 2) -> None:
     """``batches`` random batches through each of ``runners`` runners of one model."""
     device, dtype = ("cuda", torch.bfloat16) if backend == "cuda" else ("cpu", torch.float32)
-    base = [*ARCHS, *MOE].index(arch) + (100 if backend == "cuda" else 0)
+    base = SEED + [*ARCHS, *MOE].index(arch) + (100 if backend == "cuda" else 0)
     model = build_model(arch, base, device, dtype)
     for seed in range(base, base + 10 * runners, 10):
         buckets, max_prompts = runner_config(seed)
