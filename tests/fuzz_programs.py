@@ -367,6 +367,7 @@ class _BreakDef:
     families: frozenset[str]
     needs: tuple[str, ...]
     reusable: bool
+    a_contiguous: bool = False  # its body views its argument as contiguous (``a.view(...)``)
 
 
 def _broadcast(a: tuple, b: tuple) -> tuple | None:
@@ -1364,6 +1365,7 @@ class _Generator:
             (name,),
             reusable=kind
             in ("break_new", "break_container", "break_mutates_argument", "break_returns_argument"),
+            a_contiguous=a.contiguous,
         )
         self.breaks.append(definition)
         return self.call_break(definition, a, b, frozenset(families))
@@ -1771,6 +1773,11 @@ class _Generator:
         candidates = self.tensors(writable=True) if definition.mutates else self.tensors()
         if definition.mutates and not self.allowed("break_mutates_inference_tensor"):
             candidates = [v for v in candidates if not self.mutates_inference(v)]
+        if any(leaf.kind == "view" for leaf in definition.leaves):
+            # its views of ``a`` were picked for the first call's argument: writable, and
+            # ``a.view(...)`` or a view called contiguous only if that one was contiguous
+            contiguous = definition.a_contiguous
+            candidates = [v for v in candidates if v.writable and (v.contiguous or not contiguous)]
         a = self.pick([v for v in candidates if v.shape == definition.a_shape])
         if a is None:
             return None

@@ -189,6 +189,14 @@ def test_programs_are_a_function_of_their_seed():
     assert fp.generate(1).source() != fp.generate(2).source()
 
 
+def test_a_reused_break_gets_an_argument_its_views_fit():
+    """A break whose body views its argument (``a.view(5, 4)``, picked for the first call's
+    contiguous argument) called again on a non-contiguous or expanded tensor made a program
+    that fails eagerly (seed 54755: the second call got ``mean(0).expand_as(a)``)."""
+    for seed in (54755,):
+        assert fp.run_program(fp.generate(seed)).kind != "invalid", seed
+
+
 def test_every_family_is_generated():
     """Every family in FAMILIES appears in some program (gated ones in focused programs)."""
     seen = set()
