@@ -7,7 +7,7 @@ forward except attention, which runs as an eager break per layer with the exact
 boundaries of the live batch (see :mod:`.attention`). Each prompt's last hidden
 state is gathered on the device (``logits_to_keep`` with an index tensor), so the
 graph produces ``[min(bucket, max_prompts), vocab]`` logits (a single-prompt graph
-``[1, vocab]``), not ``[tokens, vocab]``.
+``[1, vocab]`` when not compiled), not ``[tokens, vocab]``.
 
 The default bucket ladder is dense (:func:`default_token_buckets`: at most 7 tokens
 or 12.5 % of padding), and cheap: the model is warmed up once, buckets are captured
@@ -231,6 +231,9 @@ class PrefillRunner:
         # torch.compile, which would trace the mask's context variable
         self._skip_padding = not compiled and compat.experts_key(model) == "grouped_mm"
         self._row_ids = torch.arange(longest, device=self.device) if self._skip_padding else None
+        # a single-prompt graph's LM head: one row, but not under torch.compile, where a size
+        # of 1 is always specialised (one more frame compiled for a row of lm_head's input)
+        self._single_head_rows = not compiled
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
         # (bucket, single prompt?) -> [(layer, key, value)] seen at capture
         self._layers: dict = {}
@@ -360,7 +363,7 @@ class PrefillRunner:
                 position_ids=position_ids,
                 use_cache=False,  # a bucket of n rows holds at most n prompts: n LM-head rows
                 logits_to_keep=(self._steps.last_index if last_index is None else last_index)[
-                    : 1 if inline else input_ids.shape[1]  # a single-prompt graph: one
+                    : 1 if inline and self._single_head_rows else input_ids.shape[1]
                 ],
                 **self._extra,
             ).logits
