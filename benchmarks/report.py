@@ -177,7 +177,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
         + [report_held_out.CB_FILE, report_held_out.BREAK_SPLIT_FILE]
         + [*report_held_out.WHOLE_FILES, report_held_out.FLOOR_CARD_FILES[0]]
-        + [report_prefill.OTHER_CARD_FILE]
+        + [report_prefill.OTHER_CARD_FILE, report_prefill.LM_HEAD_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -228,6 +228,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     )
     blocks += report_prefill.other_card_section(
         loaded.get(report_prefill.OTHER_CARD_FILE), loaded.get(report_prefill.FILE)
+    )
+    blocks += report_prefill.lm_head_section(
+        loaded.get(report_prefill.LM_HEAD_FILE), loaded.get(report_prefill.OTHER_CARD_FILE)
     )
     if report_breaks.OVERHEAD_FILE in loaded:
         blocks += report_breaks.overhead_section(

@@ -39,6 +39,8 @@ COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile varian
 TRIED_FILE = "h200-prefill-baselines-5.25.json"  # a release outside the declared range, tried
 NEWEST_FILE = "h200-prefill-baselines-5.24.json"  # the same benchmark on the newest transformers
 OTHER_CARD_FILE = "h100-prefill-baselines.json"  # the same benchmark on an H100, four families
+#: two of those families again on an H100, after the LM head's rows were sliced per bucket
+LM_HEAD_FILE = "h100-prefill-lmhead.json"
 #: that run's illegal memory access again: its last five families, a device-wide sync per read
 REPRODUCED_FILE = "h200-prefill-baselines-5.24-b.json"
 TORCH_ISSUE = "pytorch/pytorch#193402"  # graphs on one stream share its cuBLAS workspace
@@ -549,6 +551,34 @@ def other_card_section(data: dict | None, main: dict | None) -> list[str]:
     return [fill("prefill.other_card", file=OTHER_CARD_FILE, main_file=FILE,
                  main_gpu=(main or {}).get("meta", {}).get("gpu") or "-",
                  **_beside(data, runs, lambda r: r["meta"].get("gpu") or "-"))]
+
+
+def lm_head_section(after: dict | None, before: dict | None) -> list[str]:
+    """The families of ``after`` (:data:`LM_HEAD_FILE`) beside the same families in ``before``
+    (:data:`OTHER_CARD_FILE`, the same card a day earlier): breakgraph's and the exact-length
+    graph's milliseconds per workload, and their ratio, before and after the LM head ran over
+    ``min(bucket, max_prompts)`` rows (one in a single-prompt graph) instead of
+    ``max_prompts``."""
+    if after is None or before is None:
+        return []
+    rows = []
+    for fam in after["families"]:
+        old = next((f for f in before["families"] if f["family"] == fam["family"]), None)
+        for new_row in fam["rows"]:
+            old_row = next((r for r in (old or {}).get("rows", [])
+                            if r["workload"] == new_row["workload"]), None)  # fmt: skip
+            cells = []
+            for row in (old_row, new_row):
+                ms = (row or {}).get("ms", {})
+                bg, exact = ms.get("breakgraph"), ms.get("hf_graph")
+                cells += ["-", "-", "-"] if bg is None or exact is None else [
+                    num(bg, 3), num(exact, 3), num(bg / exact, 3)]
+            rows.append([fam["family"], new_row["workload"], *cells])
+    header = ["family", "workload", "breakgraph ms, before", "exact graph ms, before",
+              "ratio, before", "breakgraph ms, after", "exact graph ms, after", "ratio, after"]
+    return [fill("prefill.lm_head", file=LM_HEAD_FILE, before_file=OTHER_CARD_FILE,
+                 before_date=before["meta"]["date"], **_run_fields(after["meta"]),
+                 table=table(header, rows))]  # fmt: skip
 
 
 def after_fixes(data: dict | None) -> str:
