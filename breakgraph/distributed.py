@@ -398,6 +398,29 @@ class RankGroup:
             torch.cuda.synchronize()  # every rank launched the step's collectives: they finish
         return result
 
+    def failed_mid_call(self, exc: BaseException, what: str) -> None:
+        """Call it where ``exc`` escaped ``what`` (a replay or an eager forward) after the ranks
+        agreed to run it, then re-raise: every later call raises ``RankFailedError`` at once.
+
+        This rank may have run fewer of the call's collectives than the others, which then wait
+        in the next one (with gloo until the model group's timeout, which closes its
+        connections; with NCCL for ever). Left usable, the group paired the next calls, and
+        every later call failed inside the model's collectives with raw gloo errors ("Connection
+        closed by peer"). A collective that failed here (timed out, lost its peer) means another
+        rank failed: this raises ``RankFailedError`` from ``exc``; else ``exc`` gets a note."""
+        collateral = _raised_by_a_collective(exc)
+        where = "another rank" if collateral else f"rank {self._me}"
+        self._broken = f"{what} failed mid-call on {where}"
+        advice = "The model's process group is no longer usable: end the processes and restart."
+        if collateral:
+            raise RankFailedError(
+                f"{what}: a collective failed on rank {self._me} of {self.ranks} "
+                f"({type(exc).__name__}): another rank failed during this call, after the ranks "
+                f"agreed to run it (see the error there). {advice}"
+            ) from exc
+        _add_note(exc, f"breakgraph: {what} failed on rank {self._me} of {self.ranks} mid-call; "
+                       f"the other ranks' collectives wait for it. {advice}")  # fmt: skip
+
     def check_graph_mixing(self, eager_collectives: bool) -> None:
         """Refuse eager collectives between captured ones when NCCL's graph mixing is off.
 

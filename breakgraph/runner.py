@@ -369,12 +369,17 @@ class BucketedRunner:
                 f"{ladder.buckets[-1]}; add a bucket (inside runner.capture_window()) or "
                 f"construct the runner with on_miss='eager'."
             )
-        if action is Action.EAGER:
-            output = self.run_eagerly(inputs, context, decision.reason)
-        else:
-            bucket = decision.bucket
-            self.inputs._copy_in(self._buffers[bucket], inputs, size)
-            output = self._slice(ladder.replay(bucket, context, size=size), size, bucket)
+        try:
+            if action is Action.EAGER:
+                output = self.run_eagerly(inputs, context, decision.reason)
+            else:
+                bucket = decision.bucket
+                self.inputs._copy_in(self._buffers[bucket], inputs, size)
+                output = self._slice(ladder.replay(bucket, context, size=size), size, bucket)
+        except BaseException as exc:  # the other ranks may wait in a collective for this one
+            if self.ranks is not None:
+                self.ranks.failed_mid_call(exc, "BucketedRunner")
+            raise
         return map_tensors(torch.Tensor.clone, output) if owned else output
 
     def replay(self, bucket: int, context: Any = None, size: int | None = None) -> Any:

@@ -790,7 +790,92 @@ def scenario_unbuilt(rank: int, backend: str, path: str) -> dict:
             "seconds": time.monotonic() - start}  # fmt: skip
 
 
+def one_rank_fails_mid_call(rank: int, call, inject, calls: int = 3) -> dict:
+    """``call()`` ``calls`` times (the model group's gloo timeout cut to 3 s); rank 1's second call
+    raises ``KeyboardInterrupt`` inside an attention break (``inject(arm)`` arms it), after
+    the ranks agreed to run the call: ``{"call <i>": "ErrorName: message" or "ok", ...}``,
+    with the notes of a call's error and its seconds."""
+    out = {}
+    for i in range(calls):
+        inject(rank == 1 and i == 1)
+        start = time.monotonic()
+        try:
+            call(i)
+            out[f"call {i}"] = "ok"
+        except BaseException as exc:  # KeyboardInterrupt too: the injected one
+            out[f"call {i}"] = f"{type(exc).__name__}: {exc}"
+            out[f"notes {i}"] = getattr(exc, "__notes__", [])
+        out[f"seconds {i}"] = time.monotonic() - start
+    return out
+
+
+def scenario_replay_failure(rank: int, backend: str, path: str) -> dict:
+    """Rank 1's attention break raises mid-replay, after the ranks agreed to run the prefill:
+    rank 0 waits in the o_proj all-reduce until the model group's timeout. That timeout closes
+    gloo's connections, so this scenario runs alone (the model group is unusable after it)."""
+    from breakgraph.integrations.transformers import PrefillRunner, attention
+
+    from breakgraph.distributed import tensor_parallel_group
+
+    sharded, full = load_models(rank, backend, path)
+    tensor_parallel_group(sharded).set_timeout(timedelta(seconds=3))
+    runner = PrefillRunner(
+        sharded, token_buckets=BUCKETS, max_prompts=4, backend=backend, warmup=1, tp_timeout=10
+    )
+    original, armed = attention.LayerAttention.__call__, [False]
+
+    def failing(self):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt("injected on rank 1")
+        return original(self)
+
+    attention.LayerAttention.__call__ = failing
+    try:
+        return one_rank_fails_mid_call(
+            rank,
+            lambda i: max_diff(runner, full, seed=i) < tolerance(backend) or 1 / 0,
+            lambda arm: armed.__setitem__(0, arm),
+        )
+    finally:
+        attention.LayerAttention.__call__ = original
+
+
+def scenario_cb_step_failure(rank: int, backend: str, path: str) -> dict:
+    """Continuous batching: rank 1's paged-attention break raises in a step (after the step's
+    agreement); transformers fails the requests, and the next manager is refused on both."""
+    from breakgraph.integrations.transformers import cb_step, enable_continuous_batching
+
+    import breakgraph
+    from breakgraph.distributed import tensor_parallel_group
+
+    sharded, full = load_models(rank, backend, path, dtype=torch.float32)
+    tensor_parallel_group(sharded).set_timeout(timedelta(seconds=3))
+    original, armed = cb_step.PagedAttention.__call__, [False]
+
+    def failing(self):
+        if armed[0] and not breakgraph.replay_context().warmup:
+            armed[0] = False
+            raise KeyboardInterrupt("injected on rank 1")
+        return original(self)
+
+    def generate(i):  # a failed step fails the requests (transformers' generation thread)
+        results = greedy_batch(sharded, seed=i)
+        if results != greedy_batch(full, seed=i):
+            raise AssertionError(f"not the unsharded model's tokens: {results}")
+
+    cb_step.PagedAttention.__call__ = failing
+    try:
+        with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,),
+                                        tp_timeout=10):  # fmt: skip
+            return one_rank_fails_mid_call(rank, generate, lambda arm: armed.__setitem__(0, arm))
+    finally:
+        cb_step.PagedAttention.__call__ = original
+
+
 SCENARIOS = {
+    "replay_failure": scenario_replay_failure,
+    "cb_step_failure": scenario_cb_step_failure,
     "die": scenario_die,
     "unbuilt": scenario_unbuilt,
     "bench": scenario_bench,
@@ -1166,6 +1251,49 @@ def test_a_runner_call_interrupted_before_its_exchange_tells_the_other_ranks(mon
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("size", [2, 6], ids=["replay", "eager"])
+def test_a_runner_call_that_fails_after_its_exchange_breaks_the_rank_group(size):
+    """A BucketedRunner call that raised after the ranks agreed to run it (a break of its replay,
+    or its eager forward) left the group usable: the ranks it left waiting in the call's
+    collectives paired their next calls with its own and failed with raw gloo errors. Now the
+    error has a note and every later call raises RankFailedError at once."""
+    import torch.distributed as dist
+
+    import breakgraph
+    from breakgraph import distributed
+    from breakgraph.errors import RankFailedError
+    from breakgraph.runner import BucketedRunner
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = distributed.RankGroup(timeout=30)
+        failing = [False]
+
+        @breakgraph.eager_on_graph
+        def interrupted(x):
+            if failing[0]:
+                raise KeyboardInterrupt("injected")
+            return x
+
+        runner = BucketedRunner(
+            lambda x: interrupted(x * 2) + 1, (4,), (torch.zeros(1, 3),), backend="emulated",
+            ranks=ranks,
+        )  # fmt: skip
+        fresh = torch.randn(size, 3)
+        assert torch.equal(runner(fresh), fresh * 2 + 1)
+        failing[0] = True
+        with pytest.raises(KeyboardInterrupt) as raised:
+            runner(torch.randn(size, 3))
+        assert "BucketedRunner failed on rank 0 of [0] mid-call" in raised.value.__notes__[0]
+        failing[0] = False
+        with pytest.raises(RankFailedError, match="BucketedRunner failed mid-call on rank 0"):
+            runner(torch.randn(size, 3))
+        runner.close()
+        ranks.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monkeypatch):
     """A step that succeeded here, then no answer at the status exchange (a peer exited
     mid-capture): with NCCL this rank's captured collectives wait for that peer for ever, so
@@ -1196,6 +1324,45 @@ def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monk
     finally:
         del distributed._KEPT_UNTIL_EXIT[kept:]
         dist.destroy_process_group()
+
+
+def test_a_prefill_that_fails_on_one_rank_mid_call_breaks_the_group_on_both(tmp_path):
+    """Rank 1 raised inside a replay, after the ranks agreed to run the call: rank 0 got gloo's
+    raw timeout from its replay, and every later call on both ranks paired in the agreement and
+    failed with raw gloo errors in the model's collectives ("Application timeout caused pair
+    closure", "Connection closed by peer"). Now the failing rank's error says what happened,
+    the other's is RankFailedError, and later calls raise RankFailedError at once."""
+    ranks = launch(("replay_failure",), "emulated", str(tmp_path))["replay_failure"]
+    check_one_rank_failed_mid_call(ranks, "PrefillRunner.prefill")
+
+
+def test_a_cb_step_that_fails_on_one_rank_breaks_the_group_on_both(tmp_path):
+    """The same in a continuous-batching step: the next manager is refused on both ranks (it
+    captured and served, every step failing with raw gloo errors)."""
+    ranks = launch(("cb_step_failure",), "emulated", str(tmp_path))["cb_step_failure"]
+    told, failed = ranks
+    assert told["call 0"] == "ok" and failed["call 0"] == "ok", ranks
+    for result in ranks:  # transformers fails the requests of the failed step (no raise)
+        assert result["seconds 1"] < 20, result
+        assert result["call 2"].startswith("RankFailedError: RankGroup: "), result
+        assert "failed mid-call on" in result["call 2"], result
+        assert result["seconds 2"] < 5, result  # refused at once, not after a timeout
+    assert "failed mid-call on rank 1" in failed["call 2"]
+    assert "failed mid-call on another rank" in told["call 2"]
+
+
+def check_one_rank_failed_mid_call(ranks: list, what: str) -> None:
+    told, failed = ranks
+    assert told["call 0"] == "ok" and failed["call 0"] == "ok", ranks
+    assert failed["call 1"] == "KeyboardInterrupt: injected on rank 1", failed
+    assert any(f"{what} failed on rank 1 of [0, 1] mid-call" in n for n in failed["notes 1"])
+    assert told["call 1"].startswith(f"RankFailedError: {what}: a collective failed on rank 0")
+    assert "another rank failed during this call" in told["call 1"], told
+    for result in ranks:
+        assert result["seconds 1"] < 20, result
+        assert result["call 2"].startswith("RankFailedError: RankGroup: "), result
+        assert "cannot be used any more" in result["call 2"], result
+        assert result["seconds 2"] < 5, result  # refused at once, not after a timeout
 
 
 def test_a_rank_group_that_a_peer_never_builds_raises_rank_failed(tmp_path):

@@ -197,9 +197,15 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None
     collective = func.namespace in _COLLECTIVE_NAMESPACES
 
     def step() -> None:
-        new = func(*args, **kwargs)
-        if collective:
-            _wait_collective(new)
+        try:
+            new = func(*args, **kwargs)
+            if collective:
+                _wait_collective(new)
+        except RuntimeError as exc:  # gloo raises a plain one (a timeout, a peer gone): as
+            # torch.distributed's error, which RankGroup.failed_mid_call tells from the rank's own
+            if collective and not isinstance(exc, torch.distributed.DistError):
+                raise torch.distributed.DistBackendError(f"{func}: {exc}") from exc
+            raise
         news = (new,) if single else new
         for index, j, recorded in fresh:
             value = news[index] if j is None else news[index][j]

@@ -70,7 +70,7 @@ from .models import (
     logits_after_head,
 )
 from .paged_decode import break_splits, fits, paged_decode, query_rows, triton_available, warm_up
-from .step_inputs import StepInputs
+from .step_inputs import StepInputs, StepOrder
 from .tensor_parallel import graph_safe_tensor_parallel
 
 logger = logging.getLogger("breakgraph")
@@ -328,25 +328,6 @@ def paged_attention(
     return call().unsqueeze(0), None
 
 
-class StepOrder:
-    """Orders the steps of managers that issue them on different CUDA streams: a step first
-    waits for the stream of the step before it, where that is another stream. One stream lookup
-    per step (an event waited on and recorded every step cost two more calls on the hot path);
-    steps on one stream are ordered by the stream itself."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last: torch.cuda.Stream | None = None  # the stream of the step before
-
-    def follow(self) -> None:
-        """Order the step about to be issued on the current stream after the one before."""
-        stream = torch.cuda.current_stream()
-        if self.last is not None and stream != self.last:
-            stream.wait_stream(self.last)  # everything issued there so far: the step before too
-        self.last = stream
-
-
 class StepRunner:
     """One model's continuous-batching steps: two graph ladders and their static buffers.
 
@@ -527,6 +508,7 @@ class StepRunner:
                 self._order.follow()
             step = self.step
             step.refill(kwargs, names, n)
+            decision = None  # set once the ranks agreed to run the step (tensor parallelism)
             try:
                 if self._graphs_off(step.cache):
                     self.tokens.record_eager("graphs off (use_cuda_graph=False)")
@@ -538,6 +520,10 @@ class StepRunner:
                     else:
                         self.tokens.record_eager(decision.reason)
                         logits = self._eager(ids, positions, keep, n)
+            except BaseException as exc:  # after the agreement, the others may wait for this one
+                if decision is not None and self.ranks is not None:
+                    self.ranks.failed_mid_call(exc, self.who)
+                raise
             finally:
                 step.release()
             # fresh fp32 memory (what transformers' .float() makes): the next step, maybe of

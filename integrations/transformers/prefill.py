@@ -520,25 +520,30 @@ class PrefillRunner:
             )
         self._step += 1  # outputs of earlier prefills are invalid from here on, even on failure
         n = len(lengths)
-        if action is Action.EAGER:
-            logits, bounds = self._prefill_eagerly(prompts, lengths, staged, decision.reason)
-            graph = None
-        else:
-            bucket = decision.bucket
-            bounds = steps.commit(prompts, lengths, bucket)
-            single = n == 1 and self._single is not None
-            if n == 1:  # the common case: one batch description per (length, bucket), made once
-                batch = self._one_prompt_batches.get((total, bucket))
-                if batch is None:
-                    batch = self._one_prompt_batches[total, bucket] = self._batch(bounds, 1)
+        try:
+            if action is Action.EAGER:
+                logits, bounds = self._prefill_eagerly(prompts, lengths, staged, decision.reason)
+                graph = None
             else:
-                batch = self._batch(bounds, n)
-            runner = self._single if single else self._runner  # the decision is the ladder's
-            try:
-                logits = runner.replay(bucket, batch, total)[0, :n]
-            finally:  # what was launched reads the staging buffer, even if a break raised
-                steps.launched()
-            graph = (bucket, single)
+                bucket = decision.bucket
+                bounds = steps.commit(prompts, lengths, bucket)
+                single = n == 1 and self._single is not None
+                if n == 1:  # the common case: one batch description per (length, bucket)
+                    batch = self._one_prompt_batches.get((total, bucket))
+                    if batch is None:
+                        batch = self._one_prompt_batches[total, bucket] = self._batch(bounds, 1)
+                else:
+                    batch = self._batch(bounds, n)
+                runner = self._single if single else self._runner  # the ladder's decision
+                try:
+                    logits = runner.replay(bucket, batch, total)[0, :n]
+                finally:  # what was launched reads the staging buffer, even if a break raised
+                    steps.launched()
+                graph = (bucket, single)
+        except BaseException as exc:  # under TP the others may wait in a collective: see there
+            if self.ranks is not None:
+                self.ranks.failed_mid_call(exc, "PrefillRunner.prefill")
+            raise
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
                              graph, owned)  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""A CB step's static inputs: what the step runner's graphs read, and each step's copy into it.
+"""A CB step's static inputs: what the step runner's graphs read, and each step's copy into it
+(and :class:`StepOrder`, which orders the steps of managers on different CUDA streams).
 
 The query-token graphs read ``[2, B]`` ids and positions per bucket ``B``, the logits graphs a
 ``[L]`` row index per bucket ``L`` (:mod:`.cb_step`). Every step copies its values in before
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StepInputs", "rows_of_one", "view"]
+__all__ = ["StepInputs", "StepOrder", "rows_of_one", "view"]
 
 #: most views a cache of :func:`view` keeps (then it starts again): each a few hundred bytes
 VIEWS_KEPT = 1024
@@ -151,3 +152,22 @@ def rows_of_one(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | Non
             or storage.nbytes() < (first.storage_offset() + apart + n) * first.element_size()):
         return None  # not one storage (two may start at one address), or not two whole rows
     return first.as_strided((2, n), (apart, 1))
+
+
+class StepOrder:
+    """Orders the steps of managers that issue them on different CUDA streams: a step first
+    waits for the stream of the step before it, where that is another stream. One stream lookup
+    per step (an event waited on and recorded every step cost two more calls on the hot path);
+    steps on one stream are ordered by the stream itself."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: torch.cuda.Stream | None = None  # the stream of the step before
+
+    def follow(self) -> None:
+        """Order the step about to be issued on the current stream after the one before."""
+        stream = torch.cuda.current_stream()
+        if self.last is not None and stream != self.last:
+            stream.wait_stream(self.last)  # everything issued there so far: the step before too
+        self.last = stream
