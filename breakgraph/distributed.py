@@ -76,6 +76,7 @@ __all__ = [
 CAPTURE_ERROR_MODE = "thread_local"
 
 _MASK = (1 << 62) - 1  # fingerprints stay positive and can be negated in int64
+_INT64 = 1 << 63  # sizes and fingerprints of an exchange lie strictly between -_INT64 and it
 _LONGEST_TIMEOUT = 1e9  # seconds: gloo's limit is 2**63 microseconds (see validate_timeout)
 _PRIMARY, _COLLATERAL = 2, 1  # failure flags: failed by itself, or cut off by another rank
 _KEPT_UNTIL_EXIT: list = []  # graphs and buffers of failed NCCL capture steps (capture_step)
@@ -247,7 +248,12 @@ class RankGroup:
         fingerprints differ (``what`` names them, ``fix`` says what to do; by default: give
         every rank the same prompts), and :class:`~breakgraph.RankFailedError` if another
         rank reported a failure (:meth:`report_failure`) or did not answer within ``timeout``.
+        ``size`` and ``fingerprint`` are ints of int64 (numpy's too); another value raises
+        ``InputError`` here and ``RankFailedError`` on the others.
         """
+        if not (type(size) is int and type(fingerprint) is int  # 0.1 us: the common case
+                and -_INT64 < size < _INT64 and -_INT64 < fingerprint < _INT64):  # fmt: skip
+            size, fingerprint = self._checked(size, fingerprint)
         agreed, same, failed = self._exchange(size, fingerprint, 0)
         if failed:
             raise RankFailedError(
@@ -444,6 +450,21 @@ class RankGroup:
         _destroy_dropped_groups()
 
     # -- internals -------------------------------------------------------------------------
+    def _checked(self, size: Any, fingerprint: Any) -> tuple[int, int]:
+        """``agree``'s arguments as ints, else tell the others and raise. Raised unseen (numpy's
+        OverflowError, a TypeError for None), this rank skipped the exchange and the others
+        paired their call with its next one: every later call off by one, with wrong results."""
+        for name, value in (("size", size), ("fingerprint", fingerprint)):
+            integral = hasattr(value, "__index__") and not isinstance(value, bool)
+            if not integral or not -_INT64 < int(value) < _INT64:
+                self.report_failure()
+                raise InputError(
+                    f"RankGroup.agree: {name} must be an int of int64 (a fingerprint as "
+                    f"breakgraph.distributed.fingerprint(...) makes), got {value!r}; the other "
+                    f"ranks raise RankFailedError, and nothing ran."
+                )
+        return int(size), int(fingerprint)
+
     def _exchange(self, size: int, digest: int, failed: int) -> tuple[int, bool, list[int]]:
         if self._broken is not None:
             raise RankFailedError(

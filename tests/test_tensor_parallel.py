@@ -1251,6 +1251,44 @@ def test_a_runner_call_interrupted_before_its_exchange_tells_the_other_ranks(mon
         dist.destroy_process_group()
 
 
+def test_a_fingerprint_that_is_not_an_int64_is_refused_on_every_rank(monkeypatch):
+    """BucketedRunner(ranks=...)(x, fingerprint=f) with ``f`` not an int64 on one rank (2**64,
+    None, a float) raised numpy's raw OverflowError or TypeError there before the call's
+    exchange, unseen by the others: on 2 ranks the other rank's call paired with this rank's
+    NEXT call and returned its all-reduce of other inputs (wrong results, every call after off
+    by one). Now InputError, after telling the others (RankFailedError there); numpy's ints
+    pass."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from breakgraph import distributed
+    from breakgraph.errors import InputError
+    from breakgraph.runner import BucketedRunner
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = distributed.RankGroup(timeout=30)
+        runner = BucketedRunner(
+            lambda x: x * 2, (4,), (torch.zeros(1, 3),), backend="emulated", ranks=ranks
+        )
+        reported = []
+        monkeypatch.setattr(ranks, "report_failure", lambda: reported.append("failed"))
+        for bad in (2**64, -(2**63), None, 1.5, "7", True):
+            with pytest.raises(InputError, match="fingerprint must be an int of int64"):
+                runner(torch.randn(2, 3), fingerprint=bad)
+        assert reported == ["failed"] * 6
+        with pytest.raises(InputError, match="size must be an int of int64"):
+            ranks.agree(2**63, 0)
+        monkeypatch.undo()
+        for good in (np.int64(5), 2**63 - 1, -(2**63) + 1):
+            fresh = torch.randn(2, 3)
+            assert torch.equal(runner(fresh, fingerprint=good), fresh * 2)
+        runner.close()
+        ranks.close()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("size", [2, 6], ids=["replay", "eager"])
 def test_a_runner_call_that_fails_after_its_exchange_breaks_the_rank_group(size):
     """A BucketedRunner call that raised after the ranks agreed to run it (a break of its replay,
