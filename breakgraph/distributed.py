@@ -358,7 +358,8 @@ class RankGroup:
         try:
             with self._model_collective_timeout(self.timeout / 2):
                 result = step()
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt too: unreported, a peer blocked in a
+            # collective with this rank raised gloo's raw error, its note blaming itself
             level = _COLLATERAL if _raised_by_a_collective(exc) else _PRIMARY
             try:
                 _, _, failed = self._exchange(0, 0, level)

@@ -1332,6 +1332,39 @@ def test_a_runner_call_that_fails_after_its_exchange_breaks_the_rank_group(size)
         dist.destroy_process_group()
 
 
+def test_a_capture_step_interrupted_on_one_rank_tells_the_others(monkeypatch):
+    """capture_step caught Exception only: a KeyboardInterrupt in a warm-up or capture left
+    without the failure flag, and a peer blocked in a collective with this rank (released by
+    the model group's timeout) found no answer at the status exchange and raised gloo's raw
+    'Connection closed by peer', its note blaming itself (2 ranks, by hand). Now the
+    interrupted rank reports the failure, like any error, with a note, and stays broken."""
+    import torch.distributed as dist
+
+    from breakgraph import distributed
+    from breakgraph.errors import RankFailedError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = distributed.RankGroup(timeout=30)
+        sent = []
+        exchange = ranks._exchange
+        monkeypatch.setattr(ranks, "_exchange", lambda *a: sent.append(a) or exchange(*a))
+
+        def interrupted():
+            raise KeyboardInterrupt("interrupted")
+
+        with pytest.raises(KeyboardInterrupt) as raised:
+            ranks.capture_step("capture of bucket 4", interrupted)
+        assert sent == [(0, 0, distributed._PRIMARY)]
+        assert "capture of bucket 4 failed on rank 0 of [0]" in raised.value.__notes__[0]
+        with pytest.raises(RankFailedError, match="capture of bucket 4 failed on rank"):
+            ranks.agree(1, 0)
+        monkeypatch.undo()
+        ranks.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monkeypatch):
     """A step that succeeded here, then no answer at the status exchange (a peer exited
     mid-capture): with NCCL this rank's captured collectives wait for that peer for ever, so
