@@ -749,7 +749,35 @@ def scenario_settings(rank: int, backend: str, path: str) -> dict:
     runner = build(single_prompt_graphs=False if rank else None)
     out["after_diff"] = max_diff(runner, full, seed=1)
     runner.close()
+    out["uneven_heads"] = uneven_heads(rank, backend, os.path.join(path, "uneven"))
     return out
+
+
+def uneven_heads(rank: int, backend: str, path: str) -> dict:
+    """A Llama with 3 KV heads (6 query heads) sharded over 2 ranks: both entry points refuse
+    it before anything runs (the prefill failed in its first warm-up with a raw view error)."""
+    import torch.distributed as dist
+    import transformers
+    from breakgraph.integrations.transformers import PrefillRunner, enable_continuous_batching
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    if rank == 0:
+        config = tiny_config("LlamaConfig", vocab_size=VOCAB, hidden_size=96, head_dim=16,
+                             num_attention_heads=6, num_key_value_heads=3)  # fmt: skip
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    dist.barrier()
+    sharded = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=WORLD)
+    ).eval()
+
+    def enable():
+        enable_continuous_batching(sharded, backend=backend, tp_timeout=30).disable()
+
+    return {
+        "prefill": error_text_of(lambda: PrefillRunner(
+            sharded, token_buckets=BUCKETS, backend=backend, warmup=1, tp_timeout=30)),
+        "cb": error_text_of(enable),
+    }  # fmt: skip
 
 
 def scenario_bench(rank: int, backend: str, path: str) -> dict:
@@ -1043,6 +1071,17 @@ def test_ranks_built_with_different_settings_raise_the_named_error_on_every_rank
             assert f"different {setting} (" in message, message
         assert "buckets" not in result["pad_token_id"]
         assert result["after_diff"] < tolerance(backend)  # nothing ran: the ranks are in step
+
+
+def test_heads_that_do_not_divide_by_the_tp_size_are_refused_up_front(settings_run):
+    """3 KV heads over 2 ranks: PrefillRunner failed in its first warm-up with a raw view error
+    ("shape '[1, 32, -1, 16]' is invalid"), which left the process group unusable, and
+    enable_continuous_batching accepted the model."""
+    for result in settings_run[1]:
+        for entry in ("prefill", "cb"):
+            message = result["uneven_heads"][entry]
+            assert message.startswith("UnsupportedModelError: "), message
+            assert "the model has 3 key/value heads, which do not divide by 2" in message
 
 
 def test_different_prompts_raise_the_named_error_on_every_rank(main_run):

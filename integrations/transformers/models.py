@@ -41,6 +41,7 @@ __all__ = [
     "check_paged_window",
     "check_paged_heads",
     "check_head_norms",
+    "check_tp_heads",
     "rope_types",
     "logits_after_head",
     "weights_anchor",
@@ -249,6 +250,7 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
         if getattr(config, name, None) is not None:
             raise UnsupportedModelError(f"{who}: {name} is not supported.")
     check_head_norms(model, who)
+    check_tp_heads(model, who)
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1:
         raise UnsupportedModelError(f"{who}: all parameters must be on one device.")
@@ -278,6 +280,33 @@ def check_head_norms(model: Any, who: str) -> None:
                 f"heads, but {name} normalizes with a weight row for every head "
                 f"({tuple(weight.shape)}, not sharded by the model's TP plan), so the sharded "
                 f"model's own forward fails (stock transformers too). Serve it unsharded."
+            )
+
+
+def check_tp_heads(model: Any, who: str) -> None:
+    """Refuse a tensor-parallel model whose TP plan splits the query, key or value projection
+    by rows (``"colwise"``, not gathered) while its heads do not divide by the TP size: each
+    rank then holds part of a head, and the sharded model's own forward fails (stock
+    transformers too). Under breakgraph that was a raw view error ("shape '[1, 32, -1, 16]' is
+    invalid") in the first warm-up, after which the model's process group was unusable; every
+    rank refuses alike here, before anything runs."""
+    heads = attention_heads(model.config)
+    if heads is None or not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    size = next((p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)), 1)
+    plan = getattr(model, "tp_plan", None) or {}
+    for name, count in (("q_proj", heads[0]), ("k_proj", heads[1]), ("v_proj", heads[1])):
+        split = [k for k, style in plan.items() if k.endswith(f"self_attn.{name}")
+                 and style == "colwise"]  # fmt: skip
+        if split and count % size:
+            raise UnsupportedModelError(
+                f"{who}: under tensor parallelism over {size} ranks the TP plan splits "
+                f"{split[0]} by rows, but the model has {count} "
+                f"{'query' if name == 'q_proj' else 'key/value'} heads, which do not divide by "
+                f"{size}: each rank would hold part of a head (the sharded model's own forward "
+                f"fails). Use a TP size that divides the heads."
             )
 
 
