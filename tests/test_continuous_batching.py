@@ -1690,6 +1690,19 @@ def test_a_sliding_window_of_one_token_is_refused(arch):
     assert not cb._enabled and not cb._shared.installed
 
 
+def test_a_head_wider_than_the_embedding_is_refused():
+    """An LM head that scores more tokens than the input embedding holds (a resized head, or
+    an embedding swapped for a smaller one) samples ids the next step cannot embed: every
+    request failed mid-generation with torch's raw IndexError (stock CB too). Refused when
+    enabled, naming both sizes and the fix."""
+    model = build_model("llama")
+    model.lm_head = torch.nn.Linear(TINY_SHAPE["hidden_size"], VOCAB + 8, bias=False).eval()
+    with pytest.raises(UnsupportedModelError, match=rf"scores {VOCAB + 8} tokens but the input "
+                       rf"embedding holds {VOCAB} rows .*resize_token_embeddings\({VOCAB + 8}\)"):
+        enable_continuous_batching(model, backend="emulated")
+    assert not cb._enabled and not cb._shared.installed
+
+
 @needs_cb
 def test_unsupported_cb_configs_raise():
     model = build_model("llama")

@@ -664,6 +664,28 @@ def test_bidirectional_attention_is_refused():
     _assert_unsupported(model, r"bidirectional \(is_causal=False on model.layers.0.self_attn")
 
 
+def test_an_embedding_with_fewer_rows_than_the_vocabulary_prefills_its_ids(closing):
+    """A model whose input embedding holds fewer rows than ``config.vocab_size`` (swapped or
+    resized without its config) failed ``PrefillRunner(model)`` with torch's raw
+    ``IndexError``: capture staged random ids from the whole config vocabulary. The runner's
+    vocabulary is now the ids the embedding holds: those prefill as the eager model does, the
+    others are refused by name. A wider LM head than the config says is served as is."""
+    model = _tiny("LlamaConfig", **COMMON)
+    model.model.embed_tokens = torch.nn.Embedding(VOCAB - 28, COMMON["hidden_size"])
+    model.lm_head = torch.nn.Linear(COMMON["hidden_size"], VOCAB + 8, bias=False)
+    model.eval()
+    runner = closing(make_runner(model, "emulated"))
+    assert runner.vocab_size == VOCAB - 28
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(VOCAB - 28, (n,), generator=generator) for n in (5, 11)]
+    out = runner.prefill(prompts)
+    assert out.logits.shape == (2, VOCAB + 8)
+    for got, p in zip(out.logits, prompts):
+        assert_logits_close(got, eager_last_logits(model, p), "emulated")
+    with pytest.raises(InputError, match=rf"outside the vocabulary \(0\.\.{VOCAB - 29}\)"):
+        runner.prefill([torch.tensor([1, VOCAB - 28])])
+
+
 def test_gemma3_refusals_read_its_per_layer_type_settings():
     """Gemma 3 keeps a RoPE setting per layer type (``rope_parameters`` keyed by
     ``sliding_attention``/``full_attention``): a dynamic RoPE on its global layers (recomputed

@@ -86,6 +86,7 @@ from .models import (
     check_model,
     check_paged_heads,
     check_paged_window,
+    check_sampled_tokens,
     kept_weights,
 )
 from .models import resolve_attention as _resolve_attention
@@ -529,6 +530,7 @@ def enable_continuous_batching(
     check_model(model, _WHO)
     check_paged_window(model.config, _WHO)
     check_paged_heads(model, _WHO)
+    check_sampled_tokens(model, _WHO)
     distributed.validate_timeout(tp_timeout, f"{_WHO}: tp_timeout")  # TP or not, as PrefillRunner
     with _lock:
         group = distributed.tensor_parallel_group(model)

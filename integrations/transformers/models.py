@@ -42,6 +42,8 @@ __all__ = [
     "check_paged_heads",
     "check_head_norms",
     "check_tp_heads",
+    "token_vocabulary",
+    "check_sampled_tokens",
     "rope_types",
     "logits_after_head",
     "weights_anchor",
@@ -308,6 +310,50 @@ def check_tp_heads(model: Any, who: str) -> None:
                 f"{size}: each rank would hold part of a head (the sharded model's own forward "
                 f"fails). Use a TP size that divides the heads."
             )
+
+
+def _rows(module: Any) -> int | None:
+    """Rows of a module's 2-D weight (an embedding's ids, a head's logits; the whole under
+    tensor parallelism: a DTensor's shape is global), None where it has none."""
+    weight = getattr(module, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.ndim == 2 else None
+
+
+def token_vocabulary(model: Any) -> int:
+    """The token ids a prefill of ``model`` can embed, ``0 .. n-1``: ``config.vocab_size``, or
+    the input embedding's rows where it has fewer (a model whose embedding was swapped or
+    resized without its config). Capture draws ids from this range and a prompt is checked
+    against it, so such a model prefills its embeddable ids and refuses the others by name,
+    instead of failing at construction with torch's raw ``IndexError``.
+
+    Example::
+
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=4)
+        >>> model = transformers.AutoModelForCausalLM.from_config(cfg)
+        >>> model.model.embed_tokens = torch.nn.Embedding(100, 64)
+        >>> token_vocabulary(model)
+        100
+    """
+    vocab = model.config.get_text_config().vocab_size
+    rows = _rows(model.get_input_embeddings())
+    return vocab if rows is None else min(vocab, rows)
+
+
+def check_sampled_tokens(model: Any, who: str) -> None:
+    """Refuse generation from a model whose LM head scores more tokens than its input
+    embedding holds: a sampled id past the embedding's rows is fed back as the next step's
+    input and fails the lookup (torch's ``IndexError`` in the middle of serving; stock
+    transformers too)."""
+    rows, logits = _rows(model.get_input_embeddings()), _rows(model.get_output_embeddings())
+    if rows is not None and logits is not None and logits > rows:
+        raise UnsupportedModelError(
+            f"{who}: the LM head scores {logits} tokens but the input embedding holds "
+            f"{rows} rows (config.vocab_size={model.config.get_text_config().vocab_size}), so "
+            f"a generated id from {rows} up cannot be fed back. Make them agree, e.g. "
+            f"model.resize_token_embeddings({logits})."
+        )
 
 
 def check_paged_window(config: Any, who: str) -> None:

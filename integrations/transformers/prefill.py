@@ -69,6 +69,7 @@ from .models import (
     default_token_buckets,
     moved_error,
     resolve_attention,
+    token_vocabulary,
     weights_anchor,
 )
 from .models import check_model as _check_model
@@ -206,7 +207,7 @@ class PrefillRunner:
             attention, self.dtype, self.device, "PrefillRunner", backend=backend_name
         )
         self.max_prompts = max_prompts
-        self.vocab_size = model.config.get_text_config().vocab_size
+        self.vocab_size = token_vocabulary(model)  # the ids its embedding holds
         if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral) or not (
             0 <= pad_token_id < self.vocab_size
         ):
