@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import numbers
 import os
 import warnings
 import weakref
@@ -179,6 +180,35 @@ def _digest_into(digest: Any, part: Any) -> None:
         digest.update(f"{repr(part)};".encode())
 
 
+def _plain_setting(value: Any) -> Any:
+    """``value`` as the plain Python value it equals, for :meth:`RankGroup.agree_settings`:
+    equal settings must agree whatever their type, and a fingerprint tells ``np.int64(16)``
+    from ``16`` (dtype and bytes) and ``(16, 32)`` from ``[16, 32]``. Numpy scalars become
+    Python's (``.item()``), ints ``int``, a float that holds an int that int (``16.0 == 16``),
+    bools stay bools (``True`` is a flag, not ``1``), sequences lists, dict values likewise.
+
+    Example::
+
+        >>> import numpy as np
+        >>> _plain_setting((np.int64(16), np.float32(0.5), np.bool_(True), 2.0))
+        [16, 0.5, True, 2]
+    """
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a numpy scalar: its Python number or bool
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return int(value) if value.is_integer() else value
+    if isinstance(value, (list, tuple)):
+        return [_plain_setting(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain_setting(item) for key, item in value.items()}
+    return value
+
+
 class RankGroup:
     """The ranks that replay the same graphs and what they agree on (see the module doc).
 
@@ -296,7 +326,7 @@ class RankGroup:
             f"{who} settings",
             "build the runner with the same code and options on every rank",
         )
-        digests = [fingerprint(settings[name]) for name in names]
+        digests = [fingerprint(_plain_setting(settings[name])) for name in names]
         values = torch.tensor(digests + [-d for d in digests], dtype=torch.int64)
         self._all_reduce_max(values)
         n = len(names)

@@ -33,6 +33,7 @@ import traceback
 import warnings
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 
@@ -749,6 +750,11 @@ def scenario_settings(rank: int, backend: str, path: str) -> dict:
     runner = build(single_prompt_graphs=False if rank else None)
     out["after_diff"] = max_diff(runner, full, seed=1)
     runner.close()
+    # equal settings of other types agree: a numpy int (its repr differed) and a list
+    runner = build(max_prompts=np.int64(4) if rank else 4, pad_token_id=np.int32(0) if rank else 0,
+                   token_buckets=list(BUCKETS) if rank else tuple(BUCKETS))  # fmt: skip
+    out["numpy_diff"] = max_diff(runner, full, seed=2)
+    runner.close()
     out["uneven_heads"] = uneven_heads(rank, backend, os.path.join(path, "uneven"))
     return out
 
@@ -1071,6 +1077,7 @@ def test_ranks_built_with_different_settings_raise_the_named_error_on_every_rank
             assert f"different {setting} (" in message, message
         assert "buckets" not in result["pad_token_id"]
         assert result["after_diff"] < tolerance(backend)  # nothing ran: the ranks are in step
+        assert result["numpy_diff"] < tolerance(backend)  # np.int64(4) on one rank, 4 on one
 
 
 def test_heads_that_do_not_divide_by_the_tp_size_are_refused_up_front(settings_run):
@@ -1214,6 +1221,58 @@ def test_close_keeps_the_graphs_of_a_failed_nccl_capture_until_exit(monkeypatch)
         ranks.close()
     finally:
         del distributed._KEPT_UNTIL_EXIT[kept:]
+        dist.destroy_process_group()
+
+
+def test_equal_settings_of_other_types_agree(monkeypatch):
+    """agree_settings fingerprinted each value as given, so a setting that was np.int64(16) on
+    one rank and 16 on another (or np.float32(0.5) and 0.5, np.bool_(True) and True, a list
+    and a tuple of them) raised RankMismatchError for equal settings. Another rank is
+    simulated by folding its exchanged values into this one's (the exchange is a MAX)."""
+    import torch.distributed as dist
+
+    from breakgraph import distributed
+    from breakgraph.errors import RankMismatchError
+
+    plain = {"max_prompts": 16, "scale": 0.5, "debug": True, "buckets": (16, 32), "timeout": 2.0,
+             "dtype": torch.float32, "nested": {"a": [1, 2.5]}}  # fmt: skip
+    numpy = {"max_prompts": np.int64(16), "scale": np.float32(0.5), "debug": np.bool_(True),
+             "buckets": [np.int32(16), np.uint8(32)], "timeout": 2, "dtype": torch.float32,
+             "nested": {"a": (np.int16(1), np.float64(2.5))}}  # fmt: skip
+    different = dict(plain, max_prompts=np.int64(17), debug=1, scale=np.float32(0.1))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = distributed.RankGroup(timeout=30)
+        sent = []
+        exchange = ranks._all_reduce_max
+
+        def record(values):
+            sent.append(values.clone())
+            exchange(values)
+
+        def with_the_other_rank(values):
+            record(values)
+            values.copy_(torch.maximum(values, other[len(sent) - 1]))
+
+        for here, there in ((plain, numpy), (numpy, plain)):
+            sent.clear()
+            monkeypatch.setattr(ranks, "_all_reduce_max", record)
+            ranks.agree_settings("Runner", there)
+            other = list(sent)
+            sent.clear()
+            monkeypatch.setattr(ranks, "_all_reduce_max", with_the_other_rank)
+            ranks.agree_settings("Runner", here)  # agrees
+        sent.clear()
+        monkeypatch.setattr(ranks, "_all_reduce_max", record)
+        ranks.agree_settings("Runner", different)
+        other = list(sent)
+        sent.clear()
+        monkeypatch.setattr(ranks, "_all_reduce_max", with_the_other_rank)
+        with pytest.raises(RankMismatchError, match="different debug, max_prompts, scale "):
+            ranks.agree_settings("Runner", numpy)
+        monkeypatch.undo()
+        ranks.close()
+    finally:
         dist.destroy_process_group()
 
 

@@ -186,8 +186,8 @@ class PrefillRunner:
             if not isinstance(flag, bool):
                 raise InputError(f"PrefillRunner: {name} must be True or False, got {flag!r}.")
         distributed.validate_timeout(tp_timeout, "PrefillRunner: tp_timeout")  # TP or not
-        validate_count(max_prompts, 1, "PrefillRunner: max_prompts")
-        validate_count(warmup, 0, "PrefillRunner: warmup")
+        max_prompts = validate_count(max_prompts, 1, "PrefillRunner: max_prompts")  # plain ints
+        warmup = validate_count(warmup, 0, "PrefillRunner: warmup")
         limit = getattr(model.config, "max_position_embeddings", None)
         if token_buckets is None:
             token_buckets = default_token_buckets(min(4096, limit or 4096))
