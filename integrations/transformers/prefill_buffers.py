@@ -163,7 +163,10 @@ class StepBuffers(StaticInputs):
         self.ids, self.positions = self.device_buffer[:t], self.device_buffer[t : 2 * t]
         self.last_index = self.device_buffer[2 * t : 2 * t + p]
         self.cu_seqlens = self.device_buffer[2 * t + p :].view(torch.int32)[: p + 2]
-        self.cu_views = [self.cu_seqlens[:k] for k in range(p + 3)]  # cu_views[k] = cu[:k]
+        # cu_views[k] = cu[:k], made once for every batch a graph serves (at most max_tokens
+        # prompts and a tail); an eager batch of more prompts slices its own (one view each
+        # for every count up to a huge max_prompts took seconds and hundreds of MB)
+        self.cu_views = [self.cu_seqlens[:k] for k in range(min(p, t) + 3)]
         self.arange = np.arange(max_tokens, dtype=np.int64)
         self.pad_ids = memoryview(np.full(max_tokens, pad_id, dtype=np.int64))  # a tail's ids
         self.cu_tails: dict = {}  # bucket -> memoryview of max_prompts + 1 int32 copies of it
