@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,13 +40,13 @@ from .backends.cuda import capture_failure_error, is_capture_failure
 from .copyback import build_copy_back
 from .errors import CaptureError, ReplayError
 from .ownership import call_and_classify, storages_of
-from .state import context_scope, is_capturing, replay_context, state
+from .state import capture_lock, capture_turn, context_scope, is_capturing, replay_context, state
 
 __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "context_scope"]
 
 # one capture at a time per process (CUDA allows one global-mode capture, and breakgraph patches
-# process-wide hooks while capturing): a capture started on another thread waits for it
-_capture_lock = threading.Lock()
+# process-wide hooks while capturing): a capture started on another thread waits for its turn
+_capture_lock = capture_lock  # (see state.capture_turn)
 _NO_CONTEXT = object()
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -354,11 +353,12 @@ def capture(
         raise CaptureError(
             "breakgraph.capture: a capture is already in progress on this thread (nested "
             "captures are not supported, and CUDA allows one capture at a time). Finish it "
-            "first, or call the function itself inside the outer capture."
+            "first, or call the function itself inside the outer capture (one left open in "
+            "a generator that yielded stays open until the generator is closed: gen.close())."
         )
-    # a capture on another thread: wait for it to finish. `with`, not acquire() before a try:
-    # an interrupt between the two left the lock held, and every later capture waited for ever
-    with _capture_lock:
+    # a capture on another thread: wait for it to finish (or refuse one whose thread ended).
+    # `with`, not acquire() before a try: an interrupt between the two left the lock held
+    with capture_turn(graph):
         recording = None
         try:
             _refuse_held(graph)  # again: another thread may have captured into it meanwhile

@@ -10,7 +10,9 @@ at a time and a server may run one graph per thread:
   :func:`context_scope`.
 
 Only one capture runs per process at a time (CUDA allows one global-mode capture, and
-breakgraph patches process-wide hooks while capturing); see ``graph.capture``.
+breakgraph patches process-wide hooks while capturing): :func:`capture_turn`, which
+``graph.capture`` holds, makes a capture started on another thread wait, and refuses to wait
+for a capture whose thread has ended (see there).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import ReplayError
+from .errors import CaptureError, ReplayError
 
-__all__ = ["is_capturing", "replay_context", "context_scope", "current_capture"]
+__all__ = ["is_capturing", "replay_context", "context_scope", "current_capture", "capture_turn"]
 
 
 class _ThreadState(threading.local):
@@ -104,3 +106,43 @@ def context_scope(context: Any) -> Iterator[None]:
         yield
     finally:
         state.context = previous
+
+
+capture_lock = threading.Lock()  # held by the capture in progress, whatever its thread
+_holder: list = [None]  # (thread, graph) of the capture holding capture_lock
+_POLL_S = 0.25  # how often a waiting capture looks whether the holder's thread still runs
+
+
+@contextlib.contextmanager
+def capture_turn(graph: Any) -> Iterator[None]:
+    """Hold the process's one capture turn for ``graph``; wait while another thread holds it.
+
+    A capture is tied to its thread (the capture in progress is per thread), so one whose
+    thread has ended can never be finished there: a ``with breakgraph.capture(g):`` inside a
+    generator (or coroutine) that yielded and was never resumed or closed. Every later capture
+    in the process waited for it for ever; it raises ``CaptureError`` now, naming the graph
+    and the fix. (A suspended capture on a thread that still runs cannot be told from a long
+    one: waiting for it is waiting for that thread.)
+
+    The waiting loop is inside the ``try``: an interrupt after the lock is taken releases it.
+    """
+    taken = False
+    try:
+        while not taken:
+            taken = capture_lock.acquire(timeout=_POLL_S)
+            holder = _holder[0]
+            if not taken and holder is not None and not holder[0].is_alive():
+                raise CaptureError(
+                    f"breakgraph.capture: a capture of {holder[1]!r}, started on thread "
+                    f"{holder[0].name!r}, which has ended, was never finished, so no other "
+                    f"capture can start (and its hooks stay installed, the garbage collector "
+                    f"off). A `with breakgraph.capture(...)` inside a generator or coroutine "
+                    f"that yielded and was never resumed does this: close it (gen.close() runs "
+                    f"the block's exit), or do not yield inside a capture."
+                )
+        _holder[0] = (threading.current_thread(), graph)
+        yield
+    finally:
+        if taken:
+            _holder[0] = None
+            capture_lock.release()

@@ -267,6 +267,52 @@ def test_an_interrupt_right_after_the_capture_lock_is_taken_releases_it():
     assert y.tolist() == [3.0, 3.0]
 
 
+def test_a_capture_left_open_by_a_thread_that_ended_is_refused_not_waited_for():
+    """A ``with breakgraph.capture(g):`` inside a generator that yielded on a thread that then
+    ended, the generator never resumed: the capture holds the process's capture turn for
+    ever, and every later capture waited for it (a hang). The capture is tied to its ended
+    thread and can never be finished there, so a later capture raises ``CaptureError`` naming
+    it and the fix; once the generator is closed, captures work again."""
+    import gc
+
+    x = torch.randn(3)
+    abandoned = breakgraph.BreakableCUDAGraph()
+
+    def steps():
+        with breakgraph.capture(abandoned, backend="emulated"):
+            yield x * 2
+
+    suspended = steps()
+    worker = threading.Thread(target=lambda: next(suspended), name="suspended-capture")
+    worker.start()
+    worker.join()
+    outcome = []
+
+    def capture_again():
+        try:
+            with breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="emulated"):
+                x.sin()
+            outcome.append("captured")
+        except breakgraph.CaptureError as exc:
+            outcome.append(str(exc))
+
+    try:
+        later = threading.Thread(target=capture_again, daemon=True)  # waited for ever
+        later.start()
+        later.join(timeout=60)
+        assert outcome, "the capture waited for the ended thread's capture"
+        assert "started on thread 'suspended-capture', which has ended" in outcome[0]
+        assert "gen.close()" in outcome[0]
+    finally:
+        suspended.close()  # the block's exit: the turn, the hooks and the collector come back
+    assert gc.isenabled() and not capturing_now()
+    g = breakgraph.BreakableCUDAGraph()
+    with breakgraph.capture(g, backend="emulated", context={"scale": 1.0}):
+        y = scale_by_context(x)
+    g.replay(context={"scale": 3.0})
+    assert torch.equal(y, x * 3)
+
+
 def test_a_graph_replayed_from_two_threads_at_once_is_refused():
     """One graph replayed by two threads at once: both write its static inputs and read its
     outputs, its segments and breaks interleave (on CUDA too), and each thread's result could
