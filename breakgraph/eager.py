@@ -91,6 +91,9 @@ def eager_on_graph(
     """
 
     validate_callable(capture_stub, "eager_on_graph: capture_stub")
+    for name, flag in (("enable", enable), ("check_values", check_values)):
+        if flag is not True and flag is not False:  # enable=None was off, enable="no" on
+            raise InputError(f"eager_on_graph: {name} must be True or False, got {flag!r}.")
 
     def decorate(wrapped: Callable):
         if not enable:

@@ -48,7 +48,6 @@ __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "c
 # process-wide hooks while capturing): a capture started on another thread waits for its turn
 _capture_lock = capture_lock  # (see state.capture_turn)
 _NO_CONTEXT = object()
-_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
 @dataclass(frozen=True)
@@ -335,13 +334,7 @@ def capture(
             f"breakgraph.capture: expected a BreakableCUDAGraph, got {type(graph).__name__}."
         )
     _refuse_held(graph)
-    if capture_error_mode not in _CAPTURE_ERROR_MODES:
-        raise CaptureError(
-            f"breakgraph.capture: capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, "
-            f"got {capture_error_mode!r}."
-        )
-    chosen = select_backend(backend)
-    options = CaptureOptions(
+    options = CaptureOptions(  # checks the arguments (see there)
         pool,
         stream,
         capture_error_mode,
@@ -349,6 +342,7 @@ def capture(
         _debug.debug_enabled(debug),
         collect_garbage,
     )
+    chosen = select_backend(backend)
     if state.capture is not None:  # this thread is capturing: waiting would never end
         raise CaptureError(
             "breakgraph.capture: a capture is already in progress on this thread (nested "

@@ -63,6 +63,17 @@ def test_enable_false_returns_the_same_function():
     assert eager_on_graph(scaled_sum, enable=False) is scaled_sum
 
 
+@pytest.mark.parametrize("option", ["enable", "check_values"])
+@pytest.mark.parametrize("bad", [None, 0, "no", 1])
+def test_flags_must_be_bools(option, bad):
+    """enable=None returned the function undecorated (no break at all), enable="no" decorated
+    it: a flag was taken for its truth value. Refused by name, decorated or bare."""
+    with pytest.raises(InputError, match=f"eager_on_graph: {option} must be True or False"):
+        eager_on_graph(**{option: bad})(scaled_sum)
+    with pytest.raises(InputError, match=f"eager_on_graph: {option} must be True or False"):
+        eager_on_graph(scaled_sum, **{option: bad})
+
+
 def test_non_callable_is_rejected():
     with pytest.raises(InputError, match="expected a callable"):
         eager_on_graph(42)

@@ -649,6 +649,33 @@ def test_invalid_pool_leaves_nothing_behind(capture, device, bad):
     torch.testing.assert_close(y, new * 4 + 1)
 
 
+@pytest.mark.parametrize(
+    "option, bad, match",
+    [
+        ("detect_syncs", "no", r"detect_syncs must be True or False, got 'no'"),
+        ("detect_syncs", None, r"detect_syncs must be True or False, got None"),
+        ("collect_garbage", 0, r"collect_garbage must be None, True or False, got 0"),
+        ("stream", "side", r"stream must be None .* or a torch.cuda.Stream, got 'side'"),
+        ("capture_error_mode", 1, r"capture_error_mode must be one of"),
+    ],
+)
+def test_bad_capture_options_are_refused_by_name(capture, device, option, bad, match):
+    """capture() took its flags for their truth value (detect_syncs="no" watched for syncs,
+    collect_garbage=0 skipped the collection) and a stream that is none failed inside CUDA's
+    stream switch (the emulated backend ignored it). Refused by name before the body runs."""
+    x = torch.randn(6, device=device)
+    g = BreakableCUDAGraph()
+    with pytest.raises(CaptureError, match=f"breakgraph.capture: {match}"):
+        with capture(g, **{option: bad}):
+            pytest.fail("the body must not run")  # pragma: no cover
+    assert_clean(g)
+    with capture(g):
+        y = double_on_host(x * 2) + 1
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 4 + 1)
+
+
 def test_gc_disabled_during_capture_only(capture, device):
     assert gc.isenabled()
     seen = []

@@ -38,6 +38,8 @@ __all__ = [
     "released_pool_error",
 ]
 
+#: what ``torch.cuda.CUDAGraph.capture_begin`` takes
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 #: ``(func, args, kwargs, out)`` after each aten operation of a segment (debug mode).
 Observer = Callable[[Any, tuple, dict, Any], None]
 
@@ -56,6 +58,30 @@ class CaptureOptions:
     # torch.cuda.graph: collect only with torch.compiler.config.force_cudagraph_gc, empty
     # the cache; False neither
     collect_garbage: bool | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a wrong argument of ``capture`` by name before anything starts: a flag given
+        as a string or an int (``detect_syncs="no"`` is true, ``collect_garbage=0`` false) was
+        taken for its truth value, and a stream that is none made CUDA fail inside."""
+        if self.capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise CaptureError(
+                f"breakgraph.capture: capture_error_mode must be one of {CAPTURE_ERROR_MODES}, "
+                f"got {self.capture_error_mode!r}."
+            )
+        flags = (("detect_syncs", self.detect_syncs, (True, False)),
+                 ("collect_garbage", self.collect_garbage, (None, True, False)))  # fmt: skip
+        for name, value, allowed in flags:
+            if not any(value is choice for choice in allowed):
+                choices = ", ".join(map(str, allowed[:-1]))
+                raise CaptureError(
+                    f"breakgraph.capture: {name} must be {choices} or False, got {value!r}."
+                )
+        streams = (torch.Stream, torch.cuda.Stream)  # not one class on every build
+        if self.stream is not None and not isinstance(self.stream, streams):
+            raise CaptureError(
+                f"breakgraph.capture: stream must be None (breakgraph's own capture stream) or a "
+                f"torch.cuda.Stream, got {self.stream!r}."
+            )
 
 
 class Segment(Protocol):
