@@ -296,10 +296,11 @@ def default_token_buckets(
         >>> len(default_token_buckets(4096))
         64
     """
-    if max_tokens < 1 or step < 1 or dense_until < 1:
-        raise InputError(
-            "default_token_buckets: max_tokens, step and dense_until must be positive."
-        )
+    # each by name: a string or None failed with Python's TypeError, a float or bool made
+    # buckets of it (2.5: (2.5,); step=1.5: 1.5, 3.0, ...), which every runner then refused
+    max_tokens = validate_count(max_tokens, 1, "default_token_buckets: max_tokens")
+    step = validate_count(step, 1, "default_token_buckets: step")
+    dense_until = validate_count(dense_until, 1, "default_token_buckets: dense_until")
     sizes, size = [], step
     while size < max_tokens:
         sizes.append(size)

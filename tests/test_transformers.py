@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -1395,6 +1396,14 @@ def test_default_ladder_pads_at_most_7_tokens_below_256_and_an_eighth_above():
     assert default_token_buckets(512, step=16, dense_until=128)[:3] == (16, 32, 48)
     with pytest.raises(InputError, match="default_token_buckets"):
         default_token_buckets(0)
+    # a string or None failed with Python's TypeError; a float or a bool made buckets of it
+    for bad in ("8", None, 2.5, True):
+        with pytest.raises(InputError, match=r"default_token_buckets: max_tokens must be an int"):
+            default_token_buckets(bad)
+    for name, bad in (("step", 1.5), ("step", True), ("dense_until", "64")):
+        with pytest.raises(InputError, match=rf"default_token_buckets: {name} must be an int"):
+            default_token_buckets(64, **{name: bad})
+    assert default_token_buckets(np.int64(64), step=np.int32(16)) == (16, 32, 48, 64)
 
 
 @pytest.mark.parametrize("failing", ["graph mixing", "packed graphs"])
