@@ -64,11 +64,12 @@ logger = logging.getLogger("breakgraph")
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def debug_enabled(flag: bool | None) -> bool:
+def debug_enabled(flag: bool | None, who: str = "breakgraph") -> bool:
     """``flag`` if given (a bool), else the environment variable ``BREAKGRAPH_DEBUG``: on for
     ``1``/``true``/``yes``/``on``, off when unset or ``0``/``false``/``no``/``off`` (any case).
     Anything else is refused rather than guessed: ``debug="no"`` or ``BREAKGRAPH_DEBUG=of``
-    would otherwise turn the checks on (or off) against what was meant.
+    would otherwise turn the checks on (or off) against what was meant. ``who`` (the caller)
+    starts the refusal's message.
 
     >>> debug_enabled(False), debug_enabled(True)
     (False, True)
@@ -76,16 +77,16 @@ def debug_enabled(flag: bool | None) -> bool:
     if flag is not None:
         if not isinstance(flag, bool):
             raise InputError(
-                f"debug={flag!r}: it must be True, False or None (None reads the environment "
-                f"variable BREAKGRAPH_DEBUG)"
+                f"{who}: debug must be True, False or None (None reads the environment "
+                f"variable BREAKGRAPH_DEBUG), got {flag!r}."
             )
         return flag
     value = os.environ.get("BREAKGRAPH_DEBUG", "").strip().lower()
     if value in _ON or value in _OFF:
         return value in _ON
     raise InputError(
-        f"BREAKGRAPH_DEBUG={os.environ['BREAKGRAPH_DEBUG']!r}: set it to 1, true, yes or on for "
-        f"debug mode, or 0, false, no, off (or unset it) for none"
+        f"{who}: BREAKGRAPH_DEBUG={os.environ['BREAKGRAPH_DEBUG']!r}: set it to 1, true, yes or "
+        f"on for debug mode, or 0, false, no, off (or unset it) for none"
     )
 
 

@@ -339,7 +339,7 @@ def capture(
         stream,
         capture_error_mode,
         detect_syncs,
-        _debug.debug_enabled(debug),
+        _debug.debug_enabled(debug, "breakgraph.capture"),
         collect_garbage,
     )
     chosen = select_backend(backend)

@@ -142,7 +142,7 @@ class GraphLadder:
         self._backend = select_backend(backend)
         self.backend: str = self._backend.name
         self.ranks = ranks
-        self.debug = debug_enabled(debug)
+        self.debug = debug_enabled(debug, who)
         self.on_miss = on_miss
         self.max_padding_fraction = max_padding_fraction
         self.agree_size = agree_size

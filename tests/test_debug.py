@@ -517,15 +517,20 @@ def test_debug_values_that_are_not_a_yes_or_no_are_refused(monkeypatch):
     """``debug="no"`` turned debug mode on (``bool("no")``), and an unknown word in
     ``BREAKGRAPH_DEBUG`` turned it on as well: both are refused, naming what to write."""
     monkeypatch.setenv("BREAKGRAPH_DEBUG", "of")
-    with pytest.raises(breakgraph.InputError, match="BREAKGRAPH_DEBUG='of'.*1, true, yes or on"):
+    match = "breakgraph.capture: BREAKGRAPH_DEBUG='of'.*1, true, yes or on"
+    with pytest.raises(breakgraph.InputError, match=match):
         with breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="emulated"):
             pass
     monkeypatch.delenv("BREAKGRAPH_DEBUG")
-    for flag in ("no", 1, "False"):
-        with pytest.raises(breakgraph.InputError, match=r"debug=.*True, False or None"):
+    for flag in ("no", 1, "False"):  # named by the function (it was "debug='no': ...")
+        with pytest.raises(breakgraph.InputError,
+                           match=rf"breakgraph.capture: debug must be True, False or None .*, "
+                                 rf"got {flag!r}"):  # fmt: skip
             with breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="emulated",
                                     debug=flag):  # fmt: skip
                 pass
+        with pytest.raises(breakgraph.InputError, match=r"BucketedRunner: debug must be"):
+            BucketedRunner(lambda x: x, (4,), (torch.zeros(1),), backend="emulated", debug=flag)
     x = torch.randn(3)
     g = breakgraph.BreakableCUDAGraph()
     with breakgraph.capture(g, backend="emulated", debug=False):  # the capture still works

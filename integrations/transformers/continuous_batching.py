@@ -574,7 +574,7 @@ def _options(model, backend, attention, query_buckets, decode_graphs, compile, d
     if not isinstance(decode_graphs, bool):
         raise InputError(f"{_WHO}: decode_graphs must be True or False, got {decode_graphs!r}.")
     check_compile_option(compile, _WHO)
-    debug = debug_enabled(debug)  # resolved once: the per-step TP check reads it too
+    debug = debug_enabled(debug, _WHO)  # resolved once: the per-step TP check reads it too
     if _handle_of(model) is not None:
         raise InputError(f"{_WHO}: continuous batching is already enabled for this model.")
     if compat.cached_manager(model) is not None:

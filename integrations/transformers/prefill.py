@@ -252,7 +252,7 @@ class PrefillRunner:
         self._single: BucketedRunner | None = None  # single-prompt graphs (built below)
         # tensor parallelism: the ranks agree every capture step and every call
         self.tp_collectives = tp_collectives
-        self._check_ids = debug_enabled(debug)
+        self._check_ids = debug_enabled(debug, "PrefillRunner")
         group = distributed.tensor_parallel_group(model)
         self.ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
         if self.ranks is not None:
