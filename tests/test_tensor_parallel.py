@@ -561,7 +561,7 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
 
     def generate(model, **config) -> list:  # max_batch_tokens 16: chunked prefill, mixed steps
         batching = ContinuousBatchingConfig(
-            block_size=16, num_blocks=32, max_batch_tokens=16, **config
+            **{**dict(block_size=16, num_blocks=32, max_batch_tokens=16), **config}
         )
         outs = model.generate_batch(
             prompts,
@@ -628,6 +628,10 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
             lambda: generate(sharded, use_cuda_graph="bad" if rank == 0 else None)
         )
         out["after_refusals"] = generate(sharded)  # the ranks are still in step
+        # an equal max_batch_tokens of another type: its repr differed (RankMismatchError)
+        out["numpy_max_batch_tokens"] = error_text_of(
+            lambda: generate(sharded, max_batch_tokens=np.int64(16) if rank else 16)
+        )
     out["restored"] = sharded.config._attn_implementation == "sdpa"
     return out
 
@@ -1173,6 +1177,7 @@ def test_continuous_batching_under_tp_refuses_different_settings_on_every_rank(c
         assert "compile is not supported under tensor parallelism" in result["compile_refused"]
         assert result["restored"]
         assert result["after_refusals"] == result["breakgraph_tp"]
+        assert result["numpy_max_batch_tokens"] == "no error"  # np.int64(16) on one rank
     # a call refused on rank 0 alone (before its exchange): rank 1 is told, and raises
     refused, told = results[0], results[1]
     assert refused["one_rank_refuses_enable"].startswith("InputError: enable_continuous_batching")

@@ -430,9 +430,11 @@ class ContinuousBatchingHandle:
         if use_graphs:
             planned = self.runner.buckets
             default = planned[-1] if planned else self._default_max_batch_tokens()
-            if config.max_batch_tokens is not None:  # transformers checks it only later
-                validate_count(config.max_batch_tokens, 1,
-                               f"{_WHO}: ContinuousBatchingConfig.max_batch_tokens")  # fmt: skip
+            if config.max_batch_tokens is not None:  # transformers checks it only later; an
+                # int: the ranks compare its repr (np.int64(16) on one rank, 16 on another)
+                config.max_batch_tokens = validate_count(config.max_batch_tokens, 1,
+                                                         f"{_WHO}: ContinuousBatchingConfig"
+                                                         ".max_batch_tokens")  # fmt: skip
             config.max_batch_tokens = config.max_batch_tokens or default
         return config, use_graphs
 
