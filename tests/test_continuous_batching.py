@@ -1701,6 +1701,13 @@ def test_a_head_wider_than_the_embedding_is_refused():
                        rf"embedding holds {VOCAB} rows .*resize_token_embeddings\({VOCAB + 8}\)"):
         enable_continuous_batching(model, backend="emulated")
     assert not cb._enabled and not cb._shared.installed
+    # the head's logical width, not its stored weight's rows (a 4-bit head packs them)
+    from breakgraph.integrations.transformers.models import check_sampled_tokens
+
+    packed = build_model("llama")
+    rows = VOCAB * TINY_SHAPE["hidden_size"] // 2
+    packed.lm_head.weight = torch.nn.Parameter(torch.zeros(rows, 1), requires_grad=False)
+    check_sampled_tokens(packed, "f")  # out_features: VOCAB, as many as the embedding holds
 
 
 @needs_cb

@@ -313,8 +313,14 @@ def check_tp_heads(model: Any, who: str) -> None:
 
 
 def _rows(module: Any) -> int | None:
-    """Rows of a module's 2-D weight (an embedding's ids, a head's logits; the whole under
-    tensor parallelism: a DTensor's shape is global), None where it has none."""
+    """An embedding's ids or a head's logits: ``num_embeddings`` or ``out_features`` where
+    the module has them (the logical size, also of a quantized or tensor-parallel weight,
+    whose stored shape may be packed or a shard), else the rows of its 2-D weight; None
+    where it has neither."""
+    for name in ("num_embeddings", "out_features"):
+        size = getattr(module, name, None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
     weight = getattr(module, "weight", None)
     return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.ndim == 2 else None
 
