@@ -662,8 +662,8 @@ def test_step_views_are_made_once_bounded_and_never_outlive_their_buffers(monkey
     other = torch.randint(100, 200, (2, 6))
     assert inputs.stage(8, other[0, :3][None], other[1, :3][None], 3)[:, :3].equal(other[:, :3])
     assert inputs.tokens[4][:, :3].equal(bulk[:, :3])
-    inputs.stage_rows(4, torch.tensor([2, 0, 1]), 3)
-    assert inputs.stage_rows(8, torch.tensor([1, 2, 0]), 3)[:3].tolist() == [1, 2, 0]
+    inputs.stage_rows(4, torch.tensor([2, 0, 1]), 3, 3)
+    assert inputs.stage_rows(8, torch.tensor([1, 2, 0]), 3, 3)[:3].tolist() == [1, 2, 0]
     assert inputs.rows[4][:3].tolist() == [2, 0, 1]
 
 
@@ -857,6 +857,50 @@ def test_manager_api_add_request_get_result():
         results = run_manager(model, prompts)
     assert list(results.values()) == expected
     assert handle.stats.captures > 0 and handle.stats.replays > 0  # captured at creation
+
+
+def served(model, prompts, cbc=None) -> list:
+    """``(tokens, error)`` of each prompt through one manager, every request queued before it
+    starts (so its first step holds them all), whether or not a request fails."""
+    manager = model.init_continuous_batching(
+        generation_config=generation_config(), continuous_batching_config=cbc or cb_config()
+    )
+    ids = [manager.add_request(p) for p in prompts]
+    manager.start()
+    try:
+        outs = {}
+        while len(outs) < len(ids):
+            out = manager.get_result(timeout=30)
+            assert out is not None, f"no result within 30 s ({len(outs)} of {len(ids)})"
+            if out.is_finished():
+                outs[out.request_id] = out
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    return [(outs[i].generated_tokens, outs[i].error) for i in ids]
+
+
+@needs_cb
+@pytest.mark.parametrize("graphs", [None, False])
+def test_an_empty_prompt_first_in_a_step_is_served_as_stock_serves_it(graphs):
+    """transformers keeps logits row -1 for a request whose prompt is empty and comes first in
+    its step, and the model's ``hidden_states[:, logits_to_keep]`` reads the step's last token
+    there (stock serves every request; the empty prompt's first token comes from another
+    request's logits: transformers' own quirk). breakgraph's row index copied -1 as it was, so
+    ``index_select`` failed the step, and every request of the manager ("INDICES element is
+    out of DATA bounds"; on CUDA a device-side assert). A lone empty prompt makes a step with no
+    query token: stock fails it in the model, breakgraph with its own ``InputError``, and the
+    model serves the next manager."""
+    model = build_model("llama")
+    prompts = [[]] + random_prompts(seed=3, lengths=(12, 30, 7))
+    expected = served(model, prompts)
+    assert [error for _, error in expected] == [None] * 4
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert served(model, prompts, cb_config(use_cuda_graph=graphs)) == expected
+        [(tokens, error)] = served(model, [[]], cb_config(use_cuda_graph=graphs))
+        assert tokens == [] and "step with no query token" in error, error
+        assert served(model, prompts[1:]) == expected[1:]
+    assert handle.stats.eager_steps > 0 if graphs is False else handle.stats.replays > 0
 
 
 @needs_cb

@@ -70,7 +70,7 @@ from .models import (
     logits_after_head,
 )
 from .paged_decode import break_splits, fits, paged_decode, query_rows, triton_available, warm_up
-from .step_inputs import StepInputs, StepOrder
+from .step_inputs import StepInputs, StepOrder, logits_rows
 from .tensor_parallel import graph_safe_tensor_parallel
 
 logger = logging.getLogger("breakgraph")
@@ -502,7 +502,7 @@ class StepRunner:
         ids, positions = kwargs[names.input_ids], kwargs[names.position_ids]
         n = ids.shape[-1]
         keep = kwargs.get(names.logits_to_keep)
-        rows = keep.numel() if isinstance(keep, torch.Tensor) else n
+        rows = logits_rows(keep, n, self.who)  # refuses a step with no query token
         with self._lock, torch.no_grad():
             if self._order is not None:  # after a step another manager issued on another stream
                 self._order.follow()
@@ -543,14 +543,14 @@ class StepRunner:
                 self.block_table_steps["break"] += 1
             self.tokens.replay(bucket, step, size=n)
         rows_bucket = self.logits.choose(rows).bucket
-        self.inputs.stage_rows(rows_bucket, keep, rows)
+        self.inputs.stage_rows(rows_bucket, keep, rows, n)
         return self.logits.replay(rows_bucket, None, size=rows)[:, :rows]
 
     def _eager(self, ids, positions, keep, n: int) -> torch.Tensor:
         with breakgraph.context_scope(self.step):
             hidden = self._decoder(ids, positions)
         if isinstance(keep, torch.Tensor):
-            hidden = hidden.index_select(1, keep.to(torch.long))
+            hidden = hidden[:, keep.to(torch.long)]  # as the model: -1 is the last token
         return self._head(hidden)
 
     def _graphs_off(self, cache) -> bool:

@@ -20,15 +20,19 @@ Example (a bulk tensor as transformers lays it out: ids, then positions)::
     >>> bulk = torch.arange(20).view(2, 10)
     >>> inputs.stage(8, bulk[0, :3][None], bulk[1, :3][None], 3).tolist()
     [[0, 1, 2, 0, 0, 0, 0, 0], [10, 11, 12, 0, 0, 0, 0, 0]]
-    >>> inputs.stage_rows(4, torch.tensor([2, 0]), 2).tolist()
+    >>> inputs.stage_rows(4, torch.tensor([2, 0]), 2, 3).tolist()
     [2, 0, 0, 0]
+    >>> inputs.stage_rows(4, torch.tensor([-1, 1]), 2, 3).tolist()   # -1: the step's last token
+    [2, 1, 0, 0]
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["StepInputs", "StepOrder", "rows_of_one", "view"]
+from breakgraph.errors import InputError
+
+__all__ = ["StepInputs", "StepOrder", "logits_rows", "rows_of_one", "view"]
 
 #: most views a cache of :func:`view` keeps (then it starts again): each a few hundred bytes
 VIEWS_KEPT = 1024
@@ -52,6 +56,29 @@ def view(cache: dict, key, make):
             cache.clear()
         found = cache[key] = make()
     return found
+
+
+def logits_rows(keep, tokens: int, who: str) -> int:
+    """The logits rows of a CB step of ``tokens`` query tokens: one per index of transformers'
+    ``logits_to_keep`` tensor ``keep``, else one per token.
+
+    Refuses a step with no query token (``InputError``). transformers schedules one for a lone
+    request whose prompt is empty, or with children and one prompt token left
+    (docs/continuous-batching.md, *Known problems*); stock continuous batching fails it in the
+    model. Replayed, its logits row ``-1`` failed ``index_select`` with a raw error (on CUDA a
+    device-side assert), and :meth:`StepInputs.stage_rows` wraps rows by the step's tokens.
+
+    >>> logits_rows(torch.tensor([4, 9]), 10, "f"), logits_rows(None, 10, "f")
+    (2, 10)
+    """
+    if tokens == 0:
+        raise InputError(
+            f"{who}: a continuous-batching step with no query token reached the model: "
+            f"transformers scheduled only requests with nothing to compute (an empty prompt, or "
+            f"a request with children and one prompt token left). Stock continuous batching "
+            f"fails such a step too; give every prompt at least one token."
+        )
+    return keep.numel() if isinstance(keep, torch.Tensor) else tokens
 
 
 class StepInputs:
@@ -93,13 +120,22 @@ class StepInputs:
             tokens[1, :n].copy_(positions[0])
         return tokens
 
-    def stage_rows(self, bucket: int, keep, rows: int) -> torch.Tensor:
+    def stage_rows(self, bucket: int, keep, rows: int, tokens: int) -> torch.Tensor:
         """The logits rows to keep (a tensor of ``rows`` indices, or None: the first ``rows``)
-        into ``bucket``'s row index, zeros after them; returns the index."""
+        of a step of ``tokens`` query tokens (at least one) into ``bucket``'s row index, zeros
+        after them; returns the index.
+
+        A negative row counts from the step's last token, as the model's own
+        ``hidden_states[:, logits_to_keep]`` reads it: transformers keeps row ``-1`` for a
+        request with an empty prompt that comes first in its step. Copied as it was, that row
+        failed ``index_select`` (every request of the manager failed; on CUDA a device-side
+        assert), where stock continuous batching served the step. The wrap is the staging
+        operation itself (one operation, as the copy was)."""
         index = self.rows[bucket]
         self._zero_tail(index, bucket, rows)
         if isinstance(keep, torch.Tensor):
-            view(self._views, ("rows", bucket, rows), lambda: index[:rows]).copy_(keep)
+            rows_view = view(self._views, ("rows", bucket, rows), lambda: index[:rows])
+            torch.remainder(keep, tokens, out=rows_view)
         else:
             torch.arange(rows, out=index[:rows])
         return index
