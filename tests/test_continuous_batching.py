@@ -1765,6 +1765,16 @@ def test_unsupported_cb_configs_raise():
             generate_batch(model, prompts, cbc=cb_config(use_async_batching=True))
         with pytest.raises(UnsupportedModelError, match="torch.compile"):
             generate_batch(model, prompts, cbc=cb_config(default_compile_level=1))
+    # transformers compiles the step with the model config's compile_config where the CB config
+    # names none: around breakgraph's graphs every request failed with an Inductor error
+    model.config.compile_config = transformers.CompileConfig(fullgraph=False)
+    with enable_continuous_batching(model, backend="emulated"):
+        with pytest.raises(UnsupportedModelError, match="model config's compile_config"):
+            generate_batch(model, prompts)
+        eager = model.init_continuous_batching(  # compiles eager steps, as stock does
+            generation_config(), cb_config(use_cuda_graph=False))
+        assert eager.continuous_batching_config.varlen_compile_config is not None
+        eager.destroy()
 
 
 def test_other_transformers_version_raises(monkeypatch):

@@ -407,13 +407,17 @@ class ContinuousBatchingHandle:
                 f"(transformers overlaps host and device work with CUDA streams); leave it "
                 f"unset or False here."
             )
-        compiled = config.varlen_compile_config or config.decode_compile_config
+        # transformers compiles the step with either config, else with the model config's
+        # compile_config (resolve_compile_configs): a compile around the graphs fails every step
+        fallback = getattr(self.model.config.get_text_config(), "compile_config", None)
+        compiled = config.varlen_compile_config or config.decode_compile_config or fallback
         if use_graphs and (compiled is not None or getattr(config, "default_compile_level", 0)):
             raise UnsupportedModelError(
-                f"{_WHO}: torch.compile of the CB step (compile configs) cannot be combined with "
-                f"breakgraph's graphs; pass enable_continuous_batching(model, compile=True) "
-                f"for compiled graphs, or ContinuousBatchingConfig(use_cuda_graph=False) to "
-                f"compile eager steps."
+                f"{_WHO}: torch.compile of the CB step (the ContinuousBatchingConfig's compile "
+                f"configs, or the model config's compile_config, which transformers falls back "
+                f"to) cannot be combined with breakgraph's graphs; pass enable_continuous_"
+                f"batching(model, compile=True) for compiled graphs, or ContinuousBatchingConfig("
+                f"use_cuda_graph=False) to compile eager steps."
             )
         config.use_cuda_graph = False  # transformers' whole-step graphs: never here
         forks = block_table.forks(generation_config or self.model.generation_config)
