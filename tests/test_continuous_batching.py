@@ -859,13 +859,16 @@ def test_manager_api_add_request_get_result():
     assert handle.stats.captures > 0 and handle.stats.replays > 0  # captured at creation
 
 
-def served(model, prompts, cbc=None) -> list:
+def served(model, prompts, cbc=None, gen=None, per_request=()) -> list:
     """``(tokens, error)`` of each prompt through one manager, every request queued before it
-    starts (so its first step holds them all), whether or not a request fails."""
+    starts (so its first step holds them all), whether or not a request fails; with
+    ``per_request`` (one dict per prompt), ``add_request``'s keyword arguments, and
+    ``(tokens, error, logprobs)``."""
     manager = model.init_continuous_batching(
-        generation_config=generation_config(), continuous_batching_config=cbc or cb_config()
+        generation_config=gen or generation_config(),
+        continuous_batching_config=cbc or cb_config(),
     )
-    ids = [manager.add_request(p) for p in prompts]
+    ids = [manager.add_request(p, **kw) for p, kw in zip(prompts, per_request or [{}] * 99)]
     manager.start()
     try:
         outs = {}
@@ -877,6 +880,8 @@ def served(model, prompts, cbc=None) -> list:
     finally:
         manager.stop(block=True)
         manager.destroy()
+    if per_request:
+        return [(outs[i].generated_tokens, outs[i].error, outs[i].logprobs) for i in ids]
     return [(outs[i].generated_tokens, outs[i].error) for i in ids]
 
 
@@ -1341,6 +1346,31 @@ def test_seeded_sampling_equals_stock_with_the_same_seed():
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
         assert generate_batch(model, prompts, gen=sampled, cbc=cb_config(seed=1234)) == expected
     assert expected != generate_batch(model, prompts)  # it did sample
+
+
+@needs_cb
+def test_generation_options_per_request_give_stock_tokens():
+    """transformers' logits processors run on the graphs' logits, so sampling options, per
+    request too (``per_request_processors``), eos lists and per-request lengths give stock
+    continuous batching's tokens with the same seed (and its logprobs; docs/continuous-batching.md,
+    *Known problems*, lists the options stock mishandles, the same here)."""
+    model = build_model("llama")
+    prompts = random_prompts(seed=3, lengths=(12, 30, 7, 1))
+    gen = generation_config(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02,
+                            eos_token_id=[62, 77], max_new_tokens=8)  # fmt: skip
+    per_request = [dict(temperature=0.3), dict(top_k=1, max_new_tokens=3),
+                   dict(top_p=0.5, eos_token_id=[67]), dict(temperature=2.0, max_new_tokens=1)]
+    cbc = dict(seed=7, per_request_processors=True, return_logprobs=True)
+    expected = served(model, prompts, cb_config(**cbc), gen, per_request)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        results = served(model, prompts, cb_config(**cbc), gen, per_request)
+    assert [r[:2] for r in results] == [e[:2] for e in expected]
+    assert all(error is None for _, error, _ in expected)
+    for (_, _, logprobs), (_, _, wanted) in zip(results, expected):
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(wanted), atol=1e-4,
+                                   rtol=0)  # fmt: skip
+    assert handle.stats.replays > 0 and handle.stats.eager_steps == 0
+    assert [len(t) for t, _, _ in expected] == [5, 3, 3, 1]  # eos lists, per request too
 
 
 @needs_cb
