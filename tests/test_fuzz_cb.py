@@ -18,6 +18,11 @@ The default suite runs a few fixed seeds; ``BREAKGRAPH_FUZZ_CB_SEEDS=N`` runs N 
 (``BREAKGRAPH_FUZZ_CB_START`` picks the first; ``BREAKGRAPH_FUZZ_CB_OPTIONS`` adds JSON keyword
 arguments to every ``enable_continuous_batching``, e.g. ``{"debug": true}``).
 ``python -m tests.test_fuzz_cb START COUNT`` prints each scenario and its verdict.
+
+Config variants: the prefill fuzzer's random configs of every supported family
+(``tests.test_fuzz_prefill.draw_config``), served by continuous batching: refused with
+``UnsupportedModelError`` where breakgraph cannot serve them, else tokens and logprobs equal
+``generate()``'s (half of ``BREAKGRAPH_FUZZ_CONFIGS``, default 4).
 """
 
 from __future__ import annotations
@@ -34,8 +39,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from breakgraph.integrations.transformers import (  # noqa: E402
+    UnsupportedModelError,
+    enable_continuous_batching,
+)
 from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
-from breakgraph.integrations.transformers import enable_continuous_batching  # noqa: E402
 
 from tests.test_continuous_batching import (  # noqa: E402
     ARCHS,
@@ -47,6 +55,7 @@ from tests.test_continuous_batching import (  # noqa: E402
     needs_cb,
     transformers_state,
 )
+from tests.test_fuzz_prefill import CONFIGS, SEED, build_variant, expected_refusal  # noqa: E402
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 
@@ -393,6 +402,52 @@ SEEDS = [0, 1, 2, 3, 14004]
 if os.environ.get("BREAKGRAPH_FUZZ_CB_SEEDS"):
     START = int(os.environ.get("BREAKGRAPH_FUZZ_CB_START", "1000"))
     SEEDS = list(range(START, START + int(os.environ["BREAKGRAPH_FUZZ_CB_SEEDS"])))
+
+
+@needs_cb
+@pytest.mark.parametrize("seed", range(SEED, SEED + CONFIGS // 2))
+def test_config_variants_equal_generate_or_are_refused(seed):
+    """A random config of one family (``test_fuzz_prefill.draw_config``): refused with
+    ``UnsupportedModelError`` exactly where breakgraph cannot serve it, else every request's
+    greedy tokens and logprobs equal ``generate()``'s on its prompt alone."""
+    model = build_variant(seed)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    refusal = expected_refusal(model.config, "enable_continuous_batching")
+    enable = lambda: enable_continuous_batching(  # noqa: E731
+        model, backend="emulated", query_buckets=(8, 16, 24), decode_graphs=rng.random() < 0.7
+    )
+    if refusal is not None:
+        with pytest.raises(UnsupportedModelError, match=refusal):
+            enable()
+        return
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+               for _ in range(rng.randint(2, 5))]  # fmt: skip
+    gen = generation_config(max_new_tokens=8, pad_token_id=vocab - 1)
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+            tokens = out.sequences[0, len(prompt):].tolist()
+            logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                        for step, t in zip(out.logits, tokens)]  # fmt: skip
+            expected.append((tokens, logprobs))
+    cbc = cb_config(block_size=rng.choice([4, 8, 16, 32]), num_blocks=128, return_logprobs=True,
+                    max_batch_tokens=rng.choice([8, 16, 24]),
+                    max_blocks_per_request=rng.choice([None, 0, 2, 8]))  # fmt: skip
+    with enable():
+        outs = model.generate_batch(prompts, generation_config=gen, progress_bar=False,
+                                    continuous_batching_config=cbc)  # fmt: skip
+    assert len(outs) == len(prompts)
+    for out in outs.values():
+        tokens, logprobs = expected[prompts.index(list(out.prompt_ids))]
+        where = f"seed {seed}: prompt of {len(out.prompt_ids)} tokens"
+        assert out.error is None and out.generated_tokens == tokens, (where, out.error)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64),
+                                   torch.tensor(logprobs, dtype=torch.float64), atol=2e-5,
+                                   rtol=0, msg=lambda m: f"{where}: logprobs {m}")  # fmt: skip
 
 
 @needs_cb

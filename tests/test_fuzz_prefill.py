@@ -19,11 +19,25 @@ backend (default 100: 500 batches, ~10 s on 2 cores) and
 weights, runner buckets and batches for a long campaign.
 A failure names the architecture, the runner's buckets, the batch index and its prompt
 lengths; :func:`batch` rebuilds any batch from those.
+
+Config variants (:func:`draw_config`): the fixed tiny configs above are one point per family;
+real checkpoints turn many more knobs. Each seed takes the next family of
+``SUPPORTED_MODEL_TYPES`` with random knobs: RoPE types (linear, dynamic, yarn, llama3,
+longrope, proportional), partial rotary, head sizes unlike ``hidden / heads``, MHA, GQA and
+MQA, odd head counts, tied embeddings, biases, qk-norms, Granite's multipliers, Cohere's
+logit scale, Gemma 3's layer patterns, windows and scalar, softcapping, sliding windows shorter
+and longer than the prompts, MoE routing (``norm_topk_prob``, top-k up to every expert, dense
+layers among sparse ones), activations, pad and bos ids and vocabulary sizes. A runner must
+refuse exactly the knobs breakgraph cannot serve (:func:`expected_refusal`) with
+``UnsupportedModelError``, and serve every other draw exactly (logits and cache).
+``BREAKGRAPH_FUZZ_CONFIGS`` draws (default 8, from ``BREAKGRAPH_FUZZ_PREFILL_SEED``); the
+continuous-batching fuzzer serves the same draws (``tests/test_fuzz_cb.py``).
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import random
 
@@ -32,7 +46,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from breakgraph.integrations.transformers import PrefillRunner  # noqa: E402
+from breakgraph.integrations.transformers import (  # noqa: E402
+    SUPPORTED_MODEL_TYPES,
+    PrefillRunner,
+    UnsupportedModelError,
+)
 
 from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, tiny_config  # noqa: E402
 from breakgraph.errors import InputError  # noqa: E402
@@ -50,6 +68,7 @@ MOE = {
 BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_PREFILL_BATCHES", "100"))
 CUDA_BATCHES = int(os.environ.get("BREAKGRAPH_FUZZ_CUDA_PREFILL_BATCHES", "400"))
 SEED = int(os.environ.get("BREAKGRAPH_FUZZ_PREFILL_SEED", "0"))
+CONFIGS = int(os.environ.get("BREAKGRAPH_FUZZ_CONFIGS", "8"))
 KINDS = ("random", "random", "exact_bucket", "bucket_minus_one", "one_token", "full", "overflow")
 
 
@@ -238,3 +257,165 @@ def test_batches_cover_every_kind():
             assert sum(lengths) > max(buckets)
         if kind == "full":
             assert len(lengths) == max_prompts
+
+
+# -- config variants ------------------------------------------------------------------------------
+_PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm")  # the families that read the factor
+
+
+def _rope(rng: random.Random, head_dim: int, partial: float, family: str) -> dict:
+    """A random RoPE setting that transformers accepts for a head of ``head_dim``."""
+    kinds = ["default"] * 3 + ["linear", "dynamic", "yarn", "llama3", "longrope"]
+    if partial == 1.0:  # transformers 5.17's proportional RoPE fails with partial rotary
+        kinds.append("proportional")
+    kind = rng.choice(["default", "longrope"] if family == "phi3" else kinds)
+    rope = dict(rope_type=kind, rope_theta=rng.choice([100.0, 10000.0, 500000.0]))
+    if kind in ("linear", "dynamic", "yarn", "llama3", "proportional"):
+        rope["factor"] = rng.choice([0.5, 2.0, 8.0] if kind == "linear" else [2.0, 4.0, 8.0])
+    if kind in ("yarn", "llama3", "longrope"):
+        rope["original_max_position_embeddings"] = rng.choice([16, 32, 64])
+    if kind == "yarn" and rng.random() < 0.5:
+        rope["attention_factor"] = rng.choice([0.5, 1.3])
+    if kind == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    if kind == "longrope":
+        half = int(head_dim * partial) // 2
+        rope.update(short_factor=[1 + i / 10 for i in range(half)],
+                    long_factor=[2 + i / 10 for i in range(half)])  # fmt: skip
+    if family in _PARTIAL_ROTARY:
+        rope["partial_rotary_factor"] = partial
+    return rope
+
+
+def draw_config(seed: int) -> tuple[str, dict, str | None]:
+    """``(model_type, config kwargs, experts implementation)``: the family ``seed`` picks
+    (consecutive seeds go through ``SUPPORTED_MODEL_TYPES``) with random knobs of real
+    checkpoints on a tiny shape (hidden 48-96, 1-4 layers, vocabulary <= 256)."""
+    rng = random.Random(seed)
+    family = SUPPORTED_MODEL_TYPES[seed % len(SUPPORTED_MODEL_TYPES)]
+    config_class = type(transformers.AutoConfig.for_model(family))
+    knobs = set(inspect.signature(config_class.__init__).parameters)
+    hidden = rng.choice([48, 64, 64, 80, 96])
+    heads = rng.choice([h for h in (2, 3, 4, 5, 6, 8) if hidden % (2 * h) == 0])
+    head_dim = hidden // heads
+    kw = dict(hidden_size=hidden, intermediate_size=rng.choice([64, 72, 128]),
+              num_hidden_layers=rng.choice([1, 2, 3, 4]), vocab_size=rng.choice([64, 100, 256]),
+              max_position_embeddings=rng.choice([128, 256]), num_attention_heads=heads,
+              bos_token_id=rng.choice([None, 1]), eos_token_id=None)  # fmt: skip
+    if "head_dim" in knobs:  # always set: some families' default is 128 or 256
+        if rng.random() < 0.5:  # a head unlike hidden / heads, maybe an odd count of heads
+            head_dim = rng.choice([8, 12, 16, 20, 32, 40])
+            heads = rng.choice([heads, heads] + [h for h in (3, 5, 6, 7) if hidden % h == 0])
+        kw.update(head_dim=head_dim, num_attention_heads=heads)
+    kw["num_key_value_heads"] = rng.choice([k for k in (1, 2, 3, 4, heads) if heads % k == 0])
+    kw["pad_token_id"] = rng.choice([None, 0, kw["vocab_size"] - 1])
+    # rotary sizes transformers takes: even, and above 2 (dynamic RoPE divides by dim - 2)
+    rotary = {f: int(head_dim * f) for f in (0.25, 0.4, 0.5, 1.0)}
+    even = [f for f, dim in rotary.items() if dim % 2 == 0 and dim > 2]
+    partial = rng.choice(even) if family in _PARTIAL_ROTARY else 1.0
+    if family == "gemma3_text":  # a setting per layer type
+        kw["rope_parameters"] = {kind: _rope(rng, head_dim, 1.0, family)
+                                 for kind in ("sliding_attention", "full_attention")}  # fmt: skip
+    elif family in _PARTIAL_ROTARY or rng.random() < 0.6:  # their defaults are partial
+        kw["rope_parameters"] = _rope(rng, head_dim, partial, family)
+    for knob in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_qkv_bias", "use_bias",
+                 "qk_layernorm", "use_qk_norm", "use_parallel_residual"):  # fmt: skip
+        if knob in knobs and rng.random() < 0.7:
+            kw[knob] = rng.random() < 0.5
+    if "hidden_act" in knobs and rng.random() < 0.3:
+        kw["hidden_act"] = rng.choice(["silu", "gelu", "gelu_pytorch_tanh", "relu"])
+    if family == "olmo" and rng.random() < 0.5:
+        kw["clip_qkv"] = rng.choice([0.05, 1.0, 8.0])
+    if family == "granite":
+        for knob in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                     "logits_scaling"):  # fmt: skip
+            kw[knob] = rng.choice([0.1, 0.5, 2.0, 12.0])
+    if family == "cohere":
+        kw["logit_scale"] = rng.choice([0.0625, 0.5, 3.0])
+    windows = [None, 1, 2, 5, 8, 16, 300]  # 1: refused by continuous batching
+    if "sliding_window" in knobs and family != "gemma3_text" and rng.random() < 0.6:
+        kw["sliding_window"] = rng.choice(windows)
+        if "use_sliding_window" in knobs:
+            kw["use_sliding_window"] = rng.random() < 0.7
+        if "max_window_layers" in knobs:
+            kw["max_window_layers"] = rng.choice([0, 1, 2, 28])
+    if family == "gemma3_text":
+        kw.update(sliding_window=rng.choice([1, 3, 8, 64]),
+                  query_pre_attn_scalar=rng.choice([16, 256, head_dim]),
+                  layer_types=[rng.choice(["sliding_attention", "full_attention"])
+                               for _ in range(kw["num_hidden_layers"])])  # fmt: skip
+        for knob, cap in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0)):
+            if rng.random() < 0.15:
+                kw[knob] = cap
+    experts = None
+    if family in ("qwen3_moe", "mixtral"):
+        count = rng.choice([2, 4, 8])
+        kw["num_experts_per_tok"] = rng.randint(1, count)
+        experts = rng.choice([None, "eager", "grouped_mm"])
+    if family == "qwen3_moe":
+        kw.update(num_experts=count, moe_intermediate_size=rng.choice([32, 64]),
+                  norm_topk_prob=rng.random() < 0.5, decoder_sparse_step=rng.choice([1, 2, 3]),
+                  mlp_only_layers=rng.choice([[], [0], [1], [0, 1]]))  # fmt: skip
+    if family == "mixtral":
+        kw.update(num_local_experts=count, router_jitter_noise=rng.choice([0.0, 0.1]))
+    return family, kw, experts
+
+
+def expected_refusal(config, who: str = "PrefillRunner") -> str | None:
+    """What breakgraph must refuse in a drawn config (a pattern of its message), or None."""
+    from breakgraph.integrations.transformers.models import layer_attention, rope_types
+
+    if {"dynamic", "longrope"} & set(rope_types(config)):
+        return "is not static RoPE"
+    for knob in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, knob, None) is not None:
+            return "softcapping is not supported"
+    windowed = layer_attention(config) != "full"
+    if who != "PrefillRunner" and windowed and getattr(config, "sliding_window", None) == 1:
+        return "sliding_window=1"
+    return None
+
+
+def build_variant(seed: int, dtype: torch.dtype = torch.float32):
+    """The model of :func:`draw_config`'s draw (random weights from ``seed``)."""
+    family, kw, experts = draw_config(seed)
+    config = transformers.AutoConfig.for_model(family, **kw)
+    torch.manual_seed(seed)
+    options = {"experts_implementation": experts} if experts else {}
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=dtype, **options
+    )
+    return model.eval()
+
+
+@pytest.mark.parametrize("seed", range(SEED, SEED + CONFIGS))
+def test_config_variants_are_served_exactly_or_refused(seed):
+    """A random config of one family: ``UnsupportedModelError`` at construction for exactly
+    the knobs breakgraph cannot serve; else packed batches, one-prompt batches and the eager
+    fallback give the model's own logits, and a prompt's cache the model's own cache."""
+    model = build_variant(seed)
+    where = f"seed {seed}: {draw_config(seed)}"
+    refusal = expected_refusal(model.config)
+    make = lambda: PrefillRunner(model, (16, 48), 4, backend="emulated", on_miss="eager",  # noqa: E731
+                                 warmup=1, single_prompt_graphs=seed % 2 == 0)  # fmt: skip
+    if refusal is not None:
+        with pytest.raises(UnsupportedModelError, match=refusal):
+            make()
+        return
+    runner = make()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        for lengths in ([5, 17, 9], [1], [30], [13, 1, 20, 8], [40, 30]):  # the last: eager
+            prompts = [torch.randint(vocab, (n,), generator=generator) for n in lengths]
+            out = runner.prefill(prompts)
+            for i, prompt in enumerate(prompts):
+                with torch.no_grad():
+                    own = model(prompt[None], use_cache=True)
+                what = f"{where} lengths {lengths} prompt {i}"
+                assert_close_logits(out.logits[i], own.logits[0, -1], "emulated", what)
+                if i == len(prompts) - 1 and sum(lengths) <= 48:
+                    cache = out.cache(i)
+                    assert_close_cache(cache, own.past_key_values, "emulated", what)
+    finally:
+        runner.close()
