@@ -87,6 +87,7 @@ from .models import (
     check_paged_heads,
     check_paged_window,
     check_sampled_tokens,
+    check_step_compile,
     kept_weights,
 )
 from .models import resolve_attention as _resolve_attention
@@ -407,18 +408,8 @@ class ContinuousBatchingHandle:
                 f"(transformers overlaps host and device work with CUDA streams); leave it "
                 f"unset or False here."
             )
-        # transformers compiles the step with either config, else with the model config's
-        # compile_config (resolve_compile_configs): a compile around the graphs fails every step
-        fallback = getattr(self.model.config.get_text_config(), "compile_config", None)
-        compiled = config.varlen_compile_config or config.decode_compile_config or fallback
-        if use_graphs and (compiled is not None or getattr(config, "default_compile_level", 0)):
-            raise UnsupportedModelError(
-                f"{_WHO}: torch.compile of the CB step (the ContinuousBatchingConfig's compile "
-                f"configs, or the model config's compile_config, which transformers falls back "
-                f"to) cannot be combined with breakgraph's graphs; pass enable_continuous_"
-                f"batching(model, compile=True) for compiled graphs, or ContinuousBatchingConfig("
-                f"use_cuda_graph=False) to compile eager steps."
-            )
+        if use_graphs:
+            check_step_compile(self.model, config, _WHO)
         config.use_cuda_graph = False  # transformers' whole-step graphs: never here
         forks = block_table.forks(generation_config or self.model.generation_config)
         if not (use_graphs and self.runner.block_tables) or forks:  # else as given (None: default)

@@ -44,6 +44,7 @@ __all__ = [
     "check_tp_heads",
     "token_vocabulary",
     "check_sampled_tokens",
+    "check_step_compile",
     "rope_types",
     "logits_after_head",
     "weights_anchor",
@@ -359,6 +360,24 @@ def check_sampled_tokens(model: Any, who: str) -> None:
             f"{rows} rows (config.vocab_size={model.config.get_text_config().vocab_size}), so "
             f"a generated id from {rows} up cannot be fed back. Make them agree, e.g. "
             f"model.resize_token_embeddings({logits})."
+        )
+
+
+def check_step_compile(model: Any, config: Any, who: str) -> None:
+    """Refuse a continuous-batching config that would make transformers ``torch.compile`` its
+    step around breakgraph's graph replays: every request would fail in Inductor. transformers
+    compiles with the CB config's ``varlen_compile_config`` or ``decode_compile_config``, else
+    with the model config's ``compile_config`` (its fallback), or at a
+    ``default_compile_level``."""
+    fallback = getattr(model.config.get_text_config(), "compile_config", None)
+    compiled = config.varlen_compile_config or config.decode_compile_config or fallback
+    if compiled is not None or getattr(config, "default_compile_level", 0):
+        raise UnsupportedModelError(
+            f"{who}: torch.compile of the CB step (the ContinuousBatchingConfig's compile "
+            f"configs, or the model config's compile_config, which transformers falls back "
+            f"to) cannot be combined with breakgraph's graphs; pass enable_continuous_"
+            f"batching(model, compile=True) for compiled graphs, or ContinuousBatchingConfig("
+            f"use_cuda_graph=False) to compile eager steps."
         )
 
 

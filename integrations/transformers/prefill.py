@@ -227,9 +227,8 @@ class PrefillRunner:
             {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
         )
         self._borrow = backend_name == "cuda"
-        # a batch a graph serves holds at most `longest` prompts (each has a token); with
-        # on_miss="raise" no other batch runs, so room for more would only cost construction
-        # time, memory and a per-call copy (max_prompts=10**6: 4.6 s, 600 MB, for nothing)
+        # a graph's batch holds at most `longest` prompts; with on_miss="raise" no other batch
+        # runs, and room for more costs time and memory for nothing (10**6: 4.6 s, 600 MB)
         capacity = max_prompts if on_miss == "eager" else min(max_prompts, longest)
         self._steps = StepBuffers(
             longest, capacity, self.device, pad_token_id, marks_in_graph=backend_name == "cuda"
@@ -238,9 +237,7 @@ class PrefillRunner:
         # torch.compile, which would trace the mask's context variable
         self._skip_padding = not compiled and compat.experts_key(model) == "grouped_mm"
         self._row_ids = torch.arange(longest, device=self.device) if self._skip_padding else None
-        # a single-prompt graph's LM head: one row, but not under torch.compile, where a size
-        # of 1 is always specialised (one more frame compiled for a row of lm_head's input)
-        self._single_head_rows = not compiled
+        self._single_head_rows = not compiled  # compiled, a size of 1 compiles a frame again
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
         # (bucket, single prompt?) -> [(layer, key, value)] seen at capture
         self._layers: dict = {}
@@ -370,7 +367,7 @@ class PrefillRunner:
                 position_ids=position_ids,
                 use_cache=False,  # a bucket of n rows holds at most n prompts: n LM-head rows
                 logits_to_keep=(self._steps.last_index if last_index is None else last_index)[
-                    : 1 if inline and self._single_head_rows else input_ids.shape[1]
+                    : 1 if inline and self._single_head_rows else input_ids.shape[1]  # single: 1
                 ],
                 **self._extra,
             ).logits
