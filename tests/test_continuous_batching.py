@@ -1482,6 +1482,26 @@ def test_weights_replaced_while_enabled_are_refused_at_the_next_manager():
         layer.weight.neg_()
     assert negated == generate_each(model, prompts) != expected
 
+
+@needs_cb
+def test_an_eager_manager_between_does_not_hide_weights_replaced_since_the_capture():
+    """A manager with ``use_cuda_graph=False`` took the weights' memory as the one the graphs
+    read (it checks nothing: its steps are eager): a parameter replaced after the capture,
+    then an eager ``generate_batch``, and the next manager with graphs passed the check and
+    replayed the old weights, silently (other tokens than ``generate()``). The eager manager
+    now leaves the capture's record alone: it serves the new weights, and the next manager
+    with graphs raises ``ReplayError``."""
+    model, prompts = build_model("llama"), random_prompts(seed=29)[:3]
+    layer = model.model.layers[1].mlp.down_proj
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        generate_batch(model, prompts)
+        layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) / 4)
+        eager = generate_batch(model, prompts, cbc=cb_config(use_cuda_graph=False))
+        with pytest.raises(ReplayError, match=r"layers\.1\.mlp\.down_proj\.weight.*disable"):
+            model.generate_batch(prompts, generation_config=generation_config(),
+                                 continuous_batching_config=cb_config())  # fmt: skip
+    assert eager == generate_each(model, prompts)
+
 @needs_cb
 def test_an_attention_key_set_while_enabled_is_refused_by_captures_and_eager_steps():
     """``set_attn_implementation("sdpa")`` while enabled: transformers' switch keeps an enabled

@@ -372,9 +372,11 @@ class ContinuousBatchingHandle:
         config. Captures them first."""
         try:
             config, use_graphs = self._configure(given, generation_config)
-            # graphs replay the weights' memory at capture: checked where captured, else taken
-            captured = self._weights if use_graphs and self.runner.buckets else None
-            self._weights = kept_weights(captured, self.model, _WHO, _REBUILD)
+            # graphs replay the weights' memory at capture: checked where captured, else taken;
+            # an eager manager neither (taken there, it hid weights replaced since the capture)
+            if use_graphs:
+                captured = self._weights if self.runner.buckets else None
+                self._weights = kept_weights(captured, self.model, _WHO, _REBUILD)
         except BaseException:
             if self.ranks is not None:  # the others raise, not pair with this rank's next call
                 self.ranks.report_failure()
