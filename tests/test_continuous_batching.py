@@ -1502,6 +1502,51 @@ def test_an_eager_manager_between_does_not_hide_weights_replaced_since_the_captu
                                  continuous_batching_config=cb_config())  # fmt: skip
     assert eager == generate_each(model, prompts)
 
+
+def _results(manager, prompts) -> list:
+    """Every request's final output, in the order of ``prompts``, from a started manager."""
+    ids, outs = manager.add_requests(prompts), {}
+    while len(outs) < len(ids):
+        out = manager.get_result(timeout=30)
+        assert out is not None, "the manager produced no result"
+        if out.is_finished() or out.error is not None:
+            outs[out.request_id] = out
+    return [outs[i] for i in ids]
+
+
+@needs_cb
+def test_weights_replaced_during_a_pause_are_refused_not_served():
+    """``manager.pause()`` (transformers 5.18 on) holds the generation loop so that the caller
+    can change the model; the graphs read the weights' memory at capture, so a parameter
+    replaced during the pause was never read again: every later step replayed the old
+    weights, silently (other tokens than ``generate()``). Leaving the pause now raises
+    ``ReplayError`` naming the parameter, the steps after it fail their requests with it, and
+    once the parameter is back the manager serves exact tokens again."""
+    if not callable(getattr(compat.manager_class(), "pause", None)):
+        pytest.skip("ContinuousBatchingManager.pause() arrived in transformers 5.18")
+    model, prompts = build_model("llama"), random_prompts(seed=31)[:3]
+    layer = model.model.layers[1].mlp.down_proj
+    original, expected = layer.weight, generate_each(model, prompts)
+    moved = r"layers\.1\.mlp\.down_proj\.weight.*in place"
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        gen, cbc = generation_config(), cb_config()
+        manager = model.init_continuous_batching(gen, continuous_batching_config=cbc)
+        manager.start()
+        try:
+            assert [o.generated_tokens for o in _results(manager, prompts)] == expected
+            with pytest.raises(ReplayError, match=moved), manager.pause():
+                layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) / 4)
+            refused = _results(manager, prompts)
+            manager.stop(block=True, timeout=60)  # transformers' loop stops at a step that raises
+            layer.weight = original
+            manager.start()
+            served = [o.generated_tokens for o in _results(manager, prompts)]
+        finally:
+            manager.stop(block=True, timeout=60)
+            manager.destroy()
+    assert all(re.search(moved, str(o.error)) for o in refused), [o.error for o in refused]
+    assert served == expected
+
 @needs_cb
 def test_an_attention_key_set_while_enabled_is_refused_by_captures_and_eager_steps():
     """``set_attn_implementation("sdpa")`` while enabled: transformers' switch keeps an enabled

@@ -36,7 +36,8 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
   8. I ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` (replaced for enabled models
      through ``breakgraph.patches``: from 5.19 it refuses any attention key but its own).
   9. I ``model._cached_continuous_batching_manager`` with P
-     ``destroy_cached_continuous_batching_manager`` and P ``manager.is_running``.
+     ``destroy_cached_continuous_batching_manager``, P ``manager.is_running`` and P
+     ``manager.pause`` (5.18 on; wrapped per manager where present, :mod:`.managers`).
  10. I ``manager.batch_processor.cache`` (which paged cache a manager steps with; read only
      for managers whose graphs are off).
  12. I the module global ``torch`` of ``transformers.generation.continuous_batching.
@@ -302,9 +303,8 @@ def cache_read_write(step: Any, key: torch.Tensor, value: torch.Tensor, layer: i
             "write_index": step.write_index,
         }
         k, v = step.cache.update(key, value, layer, kwargs=kwargs)
-        return k[0].transpose(0, 1), v[0].transpose(0, 1), kwargs["cu_seq_lens_k"], kwargs[
-            STEP_KWARGS.max_k
-        ]
+        cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs[STEP_KWARGS.max_k]
+        return k[0].transpose(0, 1), v[0].transpose(0, 1), cu_k, max_k
     k, v = step.cache.update(key, value, layer, reads, step.write_index)
     cu_k, max_k = step.cu_k, step.max_k
     if isinstance(cu_k, dict):

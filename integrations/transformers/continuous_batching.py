@@ -25,8 +25,9 @@ name it reads, next to its probe):
   index lists convert through numpy (:mod:`.index_lists`: transformers' ``input_outputs``
   module sees a view of torch whose ``tensor`` reads lists with numpy; equal tensors, for
   every CB manager of the process, in less than half the time);
-* on each manager an enabled model creates: ``_create_batch_processor``, after which the
-  manager waits until the buffer reset it issued has run (:func:`_settle`).
+* on each manager an enabled model creates (:mod:`.managers`): ``_create_batch_processor``,
+  after which the manager waits until the buffer reset it issued has run (:func:`_settle`),
+  and ``pause`` (5.18 on), whose end checks that the weights are where the graphs read them.
 
 The eager experts loop's ``ExpertsInterface`` key is registered for good, as ``PrefillRunner``
 registers it (removed with the last handle, it could be pulled from under a runner's forward
@@ -70,7 +71,7 @@ from breakgraph import distributed
 from breakgraph.backends import select_backend
 from breakgraph.buckets import validate_count
 from breakgraph.debug import debug_enabled
-from breakgraph.errors import InputError, ReplayError
+from breakgraph.errors import InputError
 from breakgraph.ladder import BucketStats, LadderStats
 from breakgraph.patches import PatchSet, SharedPatches
 
@@ -80,6 +81,7 @@ from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
 from .compiled import check_compile_option
 from .experts import EXPERTS_KEY, needs_experts_break
 from .experts import register as register_experts
+from .managers import PauseWatch, retired_start, settle_after_reset, watch_pause
 from .models import (
     DEFAULT_MAX_BATCH_TOKENS,
     UnsupportedModelError,
@@ -203,6 +205,7 @@ class ContinuousBatchingHandle:
         self._patches = PatchSet()
         self._managers: weakref.WeakSet = weakref.WeakSet()  # created while enabled
         self._weights = None  # the weights' memory the graphs read (models.kept_weights)
+        self._pauses = PauseWatch(self._check_weights)  # manager.pause(): see .managers
         # held while a manager is created and by disable(): a manager made while another thread
         # disables is then either made stock (after) or retired by it (before), never left
         # configured for breakgraph's key on a model restored under it
@@ -281,7 +284,7 @@ class ContinuousBatchingHandle:
                 self.model.destroy_cached_continuous_batching_manager()
             for manager in managers:
                 manager.destroy()
-                manager.start = _retired_start  # its cache was built for breakgraph's key
+                manager.start = retired_start  # its cache was built for breakgraph's key
             self.runner.close()
             try:  # a restore that warns (-W error: other code replaced a patch) still disables
                 self._patches.restore()
@@ -310,10 +313,13 @@ class ContinuousBatchingHandle:
 
     # -- the two instance methods --------------------------------------------------------------
     def _forward(self, original):
-        runner, cache_key = self.runner, compat.step_kwargs().read_index
+        runner, cache_key, pauses = self.runner, compat.step_kwargs().read_index, self._pauses
+        cache = compat.step_kwargs().cache
 
         def forward(*args, **kwargs):
             if cache_key in kwargs and not args:  # a continuous-batching step
+                if pauses.moved is not None:  # a pause saw a weight replaced: graphs refuse
+                    pauses.refuse(lambda: runner._graphs_off(kwargs[cache]))
                 return runner.forward(**kwargs)
             return original(*args, **kwargs)
 
@@ -333,7 +339,8 @@ class ContinuousBatchingHandle:
                                                        generation_config)  # fmt: skip
                     manager = original(generation_config, config, *args, **kwargs)
                     self._managers.add(manager)
-                    self._settle_after_reset(manager)
+                    settle_after_reset(self._patches, manager, self.device, _settle)
+                    watch_pause(self._patches, manager, self._pauses.leave)
                     if not use_graphs:
                         self.runner.graphs_off(manager)
                     return manager
@@ -345,24 +352,10 @@ class ContinuousBatchingHandle:
         init_continuous_batching.__wrapped__ = original
         return init_continuous_batching
 
-    def _settle_after_reset(self, manager) -> None:
-        """``manager._create_batch_processor`` (contract item 17), for this manager only and
-        until ``disable()``: the original, then :func:`_settle` on the model's device. Weakly
-        (the patch and the wrapper hold no reference to the manager): held, every manager made
-        while enabled (one per ``generate_batch``) stayed in memory until ``disable()``."""
-        create = compat.batch_processor_factory()
-        if create is None:
-            return
-        device, owner = self.device, weakref.ref(manager)
-
-        def _create_batch_processor(*args, **kwargs):
-            processor = create(owner(), *args, **kwargs)
-            _settle(device)
-            return processor
-
-        _create_batch_processor.__wrapped__ = create
-        self._patches.attribute(manager, "_create_batch_processor", _create_batch_processor,
-                                weak=True)  # fmt: skip
+    def _check_weights(self) -> None:
+        """Raise ``ReplayError`` where a weight is no longer where the graphs read it."""
+        if self._weights is not None and self.runner.buckets:
+            kept_weights(self._weights, self.model, _WHO, _REBUILD)
 
     def _prepare(self, given, generation_config):
         """A copy of the caller's CB config for transformers (its own graphs and padding off,
@@ -457,14 +450,6 @@ class ContinuousBatchingHandle:
             f"{_WHO}: ContinuousBatchingConfig.use_cuda_graph must be None, a bool or a "
             f"(varlen, decode) pair, got {choice!r}."
         )
-
-
-def _retired_start(*args: Any, **kwargs: Any) -> None:
-    raise ReplayError(
-        "this continuous-batching manager was created while breakgraph's continuous batching "
-        "was enabled and was destroyed by handle.disable(); create a new manager with "
-        "model.init_continuous_batching()."
-    )
 
 
 def enable_continuous_batching(
