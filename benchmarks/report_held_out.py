@@ -35,6 +35,8 @@ KEY_DEVICE = "decode_forward_device_ms"  # a pure-decode forward's device span (
 #: carried)
 WHOLE_FILES = ("h100-cb-llama3-8b.json", "h100-cb-llama3-8b-32.json",
                "h100-cb-llama3-8b-5.24.json", "h100-cb-llama3-8b-32-5.24.json")  # fmt: skip
+#: the same two runs on transformers 5.17.0 on an H200, the card issue 23's targets name
+WHOLE_H200_FILES = ("h200-cb-llama3-8b.json", "h200-cb-llama3-8b-32.json")
 
 
 def held_out_cb_section(data: dict) -> list[str]:
@@ -95,7 +97,7 @@ def break_split_section(data: dict) -> str:
 
 
 
-def whole_model_section(runs: list[tuple[str, dict]]) -> str:
+def whole_model_section(runs: list[tuple[str, dict]], fragment: str = "cb.whole_model") -> str:
     """The whole Llama-3-8B, ``runs`` of ``(file, data)`` (the first: the default workload
     with stock): one row per run and variant (tokens/s and its rounds, the pure-decode step
     against its floor, the step's forward on the host and on the device), then issue 23's
@@ -126,7 +128,7 @@ def whole_model_section(runs: list[tuple[str, dict]]) -> str:
     closest = min(best, default=None)
     bg = m["variants"].get("breakgraph", {})
     return fill(
-        "cb.whole_model", model=m["model"], shape=m["shape"], params=f"{m['params_m']:.0f}",
+        fragment, model=m["model"], shape=m["shape"], params=f"{m['params_m']:.0f}",
         files=", ".join(f"`{name}`" for name, _ in runs), device=meta["device"],
         torch=meta["torch"], releases=" and ".join(dict.fromkeys(
             d["meta"]["transformers"] for _, d in runs)), date=meta["date"],

@@ -112,6 +112,20 @@ def test_the_whole_model_prints_both_runs_and_the_closest_decoder_to_its_floor()
     alone = R.whole_model_section([("a.json", served)])
     assert "\n| 5.17.0 | 32 |" not in alone
     assert "came to its floor: 2.40× (at 100 prompts, transformers 5.17.0)." in alone
+    # the same runs on another card: their own section, with the same table and targets
+    h200 = R.whole_model_section([("a.json", served), ("b.json", few)], "cb.whole_model_h200")
+    assert "### The whole Llama-3-8B on an H200" in h200 and "held out" not in h200
+    assert "| 5.17.0 | 32 | `breakgraph_compiled` | 600 (590–610) | 32 | 6.00 | 1.80× |" in h200
+    assert "came to its floor: 1.80× (at 32 prompts, transformers 5.17.0)." in h200
+
+
+def test_the_page_carries_the_whole_model_on_the_h200():
+    """The committed H200 runs of the whole Llama-3-8B (issue 23's card) are on the page."""
+    from benchmarks import report
+
+    text = report.render()
+    assert "### The whole Llama-3-8B on an H200" in text
+    assert "`h200-cb-llama3-8b.json`, `h200-cb-llama3-8b-32.json`: NVIDIA H200" in text
 
 
 def test_the_floor_on_another_card_counts_the_steps_within_twice_their_floor():
