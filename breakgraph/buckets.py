@@ -242,6 +242,25 @@ def validate_count(value: Any, least: int, what: str) -> int:
     return int(value)
 
 
+def validate_flag(value: Any, what: str) -> bool:
+    """``value`` if it is True or False, else an ``InputError`` naming ``what`` (the caller and
+    the argument): a flag taken for its truth value would accept ``"no"`` as on, ``None`` and
+    ``0`` as off, without a word.
+
+    Example::
+
+        >>> from breakgraph.buckets import validate_flag
+        >>> validate_flag(True, "demo: debug")
+        True
+        >>> validate_flag("yes", "demo: debug")
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: demo: debug must be True or False, got 'yes'.
+    """
+    if value is not True and value is not False:
+        raise InputError(f"{what} must be True or False, got {value!r}.")
+    return value
+
+
 def validate_callable(value: Any, what: str, optional: bool = True) -> Any:
     """``value`` if it is callable (or None, when ``optional``), else an ``InputError`` naming
     ``what``: a wrong argument fails where it is given, not at the first call that uses it.

@@ -1695,10 +1695,14 @@ def test_two_runners_eager_fallbacks_on_two_threads_take_turns_on_the_model():
 
 def test_graph_refusals_name_the_prefill_runner():
     """``PrefillRunner.graph`` after ``close()`` or for a bucket it has not raised the inner
-    ladder's errors, naming ``BucketedRunner.graph`` (a class the caller never built)."""
+    ladder's errors, naming ``BucketedRunner.graph`` (a class the caller never built); its
+    ``single_prompt`` is refused unless True or False, as the constructor's flags are."""
     runner = make_runner(model_for("llama", "emulated"), "emulated")
     with pytest.raises(InputError, match=r"PrefillRunner.graph: no bucket 99; buckets: \(16, 48\)"):
         runner.graph(99)
+    for bad in ("yes", None, 0, 1):  # taken for their truth value, None and 0 served silently
+        with pytest.raises(InputError, match="PrefillRunner.graph: single_prompt must be True "):
+            runner.graph(16, single_prompt=bad)
     runner.close()
     for single in (False, True):
         with pytest.raises(ReplayError, match="PrefillRunner.graph: the runner is closed"):

@@ -52,6 +52,7 @@ from breakgraph.buckets import (
     expected_padding,
     validate_buckets,
     validate_count,
+    validate_flag,
 )
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
@@ -184,9 +185,8 @@ class PrefillRunner:
         check_compile_option(compile, "PrefillRunner")
         if on_miss not in ("raise", "eager"):  # checked here: the ladder would name itself
             raise InputError(f"PrefillRunner: on_miss must be 'raise' or 'eager', got {on_miss!r}.")
-        for name, flag in (("progress", progress), ("tune_buckets", tune_buckets)):
-            if not isinstance(flag, bool):
-                raise InputError(f"PrefillRunner: {name} must be True or False, got {flag!r}.")
+        validate_flag(progress, "PrefillRunner: progress")
+        validate_flag(tune_buckets, "PrefillRunner: tune_buckets")
         distributed.validate_timeout(tp_timeout, "PrefillRunner: tp_timeout")  # TP or not
         max_prompts = validate_count(max_prompts, 1, "PrefillRunner: max_prompts")  # plain ints
         warmup = validate_count(warmup, 0, "PrefillRunner: warmup")
@@ -437,7 +437,7 @@ class PrefillRunner:
             raise InputError(
                 f"PrefillRunner.graph: no bucket {bucket!r}; buckets: {self._token_buckets}."
             )
-        if single_prompt:
+        if validate_flag(single_prompt, "PrefillRunner.graph: single_prompt"):
             if self._single is None:
                 raise InputError(
                     "PrefillRunner.graph: this runner has no single-prompt graphs "
