@@ -1388,6 +1388,25 @@ def test_manager_started_after_disable_raises():
 
 
 @needs_cb
+def test_with_a_disabled_handle_is_refused():
+    """``with handle:`` after ``disable()`` entered silently, and the block generated with
+    stock transformers, no graphs and no word; it raises, naming the way to enable again."""
+    model = build_model("llama")
+    handle = enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    with handle:
+        pass
+    for _ in range(2):  # after a `with` block, and after disable() (idempotent)
+        with pytest.raises(ReplayError, match=r"after handle.disable\(\).*stock transformers"
+                           r".*enable_continuous_batching\(model"):  # fmt: skip
+            with handle:
+                pytest.fail("entered")
+        handle.disable()
+    assert not handle.enabled and not cb._enabled
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as again:
+        assert again.enabled  # the way the message names works
+
+
+@needs_cb
 def test_query_buckets_are_validated():
     """Like token_buckets: positive ints only, no strings, floats, bools, zero or negatives."""
     model = build_model("llama")

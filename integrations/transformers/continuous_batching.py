@@ -71,7 +71,7 @@ from breakgraph import distributed
 from breakgraph.backends import select_backend
 from breakgraph.buckets import validate_count
 from breakgraph.debug import debug_enabled
-from breakgraph.errors import InputError
+from breakgraph.errors import InputError, ReplayError
 from breakgraph.ladder import BucketStats, LadderStats
 from breakgraph.patches import PatchSet, SharedPatches
 
@@ -298,6 +298,15 @@ class ContinuousBatchingHandle:
                     self.ranks.close()
 
     def __enter__(self) -> ContinuousBatchingHandle:
+        """Refused once disabled: the block would generate with stock transformers (the
+        graphs were released with ``disable()``, which is final), silently."""
+        if not self.enabled:
+            raise ReplayError(
+                f"ContinuousBatchingHandle: `with handle:` after handle.disable(); the "
+                f"{type(self.model).__name__} runs stock transformers now (no graphs), and a "
+                f"disabled handle stays so: enable again with `with "
+                f"enable_continuous_batching(model, ...) as handle:` (a new handle)."
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
