@@ -1468,6 +1468,45 @@ def test_a_capture_step_interrupted_on_one_rank_tells_the_others(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_an_exchange_that_lost_its_peer_says_so_not_no_answer_within_the_timeout(monkeypatch):
+    """A RankFailedError raised at once because the peer closed its group (gloo's "Connection
+    closed by peer") said "no answer from every rank within 30 s". It now says the exchange
+    failed before the timeout, in gloo's words, and that the peer closed its RankGroup or
+    exited; a failure at the timeout keeps "no answer", and later calls repeat the reason."""
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from breakgraph import distributed
+    from breakgraph.errors import RankFailedError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for took, expected in ((0.0, r"failed after 0.0 s, before the 30 s timeout \(\[pair.cc"
+                                r":553\] Connection closed by peer \[127.0.0.1\]:12345\).*"
+                                r"another rank closed its RankGroup"),
+                               (30.0, r"no answer from every rank within 30 s")):  # fmt: skip
+            ranks = distributed.RankGroup(timeout=30)
+            clock = iter((100.0, 100.0 + took))
+            monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=lambda: next(
+                clock)))  # fmt: skip
+
+            def peer_gone(*args, **kwargs):  # gloo's words (torch 2.11) once the peer closed
+                raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:12345. "
+                                   "This is typically caused by a remote worker crashing.")
+
+            monkeypatch.setattr(distributed_c10d, "all_reduce", peer_gone)
+            with pytest.raises(RankFailedError, match=expected):
+                ranks.agree(4)
+            monkeypatch.undo()
+            with pytest.raises(RankFailedError, match=expected.split(".*")[0] + " earlier;"):
+                ranks.agree(4)  # broken: the same reason, at once
+            ranks.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monkeypatch):
     """A step that succeeded here, then no answer at the status exchange (a peer exited
     mid-capture): with NCCL this rank's captured collectives wait for that peer for ever, so
@@ -1489,7 +1528,7 @@ def test_a_capture_step_whose_peer_never_answers_keeps_its_graphs_with_nccl(monk
             raise RuntimeError("Connection closed by peer [127.0.0.1]:12345")
 
         monkeypatch.setattr(distributed_c10d, "all_reduce", peer_gone)
-        with pytest.raises(RankFailedError, match="no answer from every rank"):
+        with pytest.raises(RankFailedError, match=r"before the 30 s timeout \(Connection clo"):
             ranks.capture_step("capture of bucket 4", lambda: "output", keep=("graph", "buffer"))
         assert ranks.keeps_memory
         assert distributed._KEPT_UNTIL_EXIT[kept:] == [("graph", "buffer")]
