@@ -1030,6 +1030,33 @@ def test_use_cuda_graph_false_runs_eager_steps(monkeypatch):
 
 
 @needs_cb
+def test_use_cuda_graph_pairs_turn_graphs_off_for_the_steps_they_name():
+    """transformers' ``use_cuda_graph=(varlen, decode)``: ``(False, True)`` (graphs for decode
+    steps only) gave no graphs at all, read as its first flag alone. Now pure-decode steps
+    replay graphs and every other step runs eagerly; ``(True, False)`` the other way round;
+    a pair of non-bools is refused by name."""
+    model = build_model("llama")
+    prompts = random_prompts(seed=5)
+    expected = generate_batch(model, prompts)
+    with enable_continuous_batching(model, backend="emulated") as handle:
+        for pair, eager_reason, graph_steps in (
+            ((False, True), "graphs off for mixed steps (use_cuda_graph=(False, True))", "decode"),
+            ((True, False), "graphs off for pure-decode steps (use_cuda_graph=(True, False))",
+             "mixed"),
+        ):  # fmt: skip
+            stats, decode = handle.stats, handle.decode_graphs.stats
+            eager, replays, decodes = stats.eager_fallbacks.get(eager_reason, 0), \
+                stats.replays, decode.replays  # fmt: skip
+            assert generate_batch(model, prompts, cbc=cb_config(use_cuda_graph=pair)) == expected
+            assert handle.stats.eager_fallbacks.get(eager_reason, 0) > eager, pair
+            assert handle.stats.replays > replays, pair  # the other steps: graphs
+            assert (handle.decode_graphs.stats.replays > decodes) == (graph_steps == "decode")
+        for bad in (("yes", True), (True,), (1, 0)):
+            with pytest.raises(InputError, match="use_cuda_graph must be None, a bool or a "):
+                generate_batch(model, prompts, cbc=cb_config(use_cuda_graph=bad))
+
+
+@needs_cb
 @pytest.mark.parametrize("bad", [-1, 7.5, "16", True])
 def test_a_bad_max_batch_tokens_is_refused_by_name(bad):
     """transformers checks max_batch_tokens when its manager starts; breakgraph plans its

@@ -88,6 +88,13 @@ _STEPS = (  # what the ranks must agree on for each step, and how to fix a misma
     "requests of TP rank 0 on all ranks",
 )
 
+#: a manager's eager-step reason by the steps its use_cuda_graph turns graphs off for
+#: (:func:`.models.eager_steps`); the one that keeps them for a mixed, a pure-decode step
+_GRAPHS_OFF = {"all": "graphs off (use_cuda_graph=False)",
+               "mixed": "graphs off for mixed steps (use_cuda_graph=(False, True))",
+               "decode": "graphs off for pure-decode steps (use_cuda_graph=(True, False))"}
+_KEEPS_GRAPHS = ("decode", "mixed")  # [step.pure_decode]
+
 
 class CBStep:
     """Host description of the step being run: everything an attention break reads.
@@ -365,8 +372,9 @@ class StepRunner:
         self.inputs = StepInputs(self.device)
         self._lock = threading.Lock()
         self._order = StepOrder() if self.tokens.backend == "cuda" else None
-        self._eager_managers: weakref.WeakSet = weakref.WeakSet()  # graphs off for these
-        self._eager_caches: weakref.WeakSet = weakref.WeakSet()
+        self._eager_managers: weakref.WeakSet = weakref.WeakSet()  # graphs off for (some) steps
+        self._eager_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._eager_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # pure-decode steps as graphs without attention breaks (not under tensor parallelism;
         # on CUDA the in-place kernel needs the flash setting: bf16/fp16)
         self.decode: DecodeGraphs | None = None
@@ -491,9 +499,10 @@ class StepRunner:
         return logits
 
     # -- serving -------------------------------------------------------------------------------
-    def graphs_off(self, manager) -> None:
-        """``manager`` (its config says ``use_cuda_graph=False``) runs eager steps."""
+    def graphs_off(self, manager, steps: str = "all") -> None:
+        """``manager`` runs eager steps: ``steps`` says which (:func:`.models.eager_steps`)."""
         with self._lock:  # the steps of other managers loop over the set under it
+            self._eager_steps[manager] = steps
             self._eager_managers.add(manager)
 
     def forward(self, **kwargs: Any) -> Any:
@@ -510,8 +519,9 @@ class StepRunner:
             step.refill(kwargs, names, n)
             decision = None  # set once the ranks agreed to run the step (tensor parallelism)
             try:
-                if self._graphs_off(step.cache):
-                    self.tokens.record_eager("graphs off (use_cuda_graph=False)")
+                eager = self._eager_kind(step.cache)  # graphs off for its manager's steps?
+                if eager is not None and eager != _KEEPS_GRAPHS[step.pure_decode]:
+                    self.tokens.record_eager(_GRAPHS_OFF[eager])
                     logits = self._eager(ids, positions, keep, n)
                 else:
                     decision = self.tokens.decide(n, self._fingerprint(n, rows, ids), *_STEPS)
@@ -554,15 +564,19 @@ class StepRunner:
         return self._head(hidden)
 
     def _graphs_off(self, cache) -> bool:
+        return self._eager_kind(cache) == "all"
+
+    def _eager_kind(self, cache) -> str | None:
+        """Which steps of the manager of ``cache`` run eagerly (None: none)."""
         if not self._eager_managers:
-            return False
-        if cache in self._eager_caches:
-            return True
-        for manager in list(self._eager_managers):
-            if compat.manager_cache(manager) is cache:
-                self._eager_caches.add(cache)
-                return True
-        return False
+            return None
+        kind = self._eager_caches.get(cache)
+        if kind is None:
+            for manager in list(self._eager_managers):
+                if compat.manager_cache(manager) is cache:
+                    kind = self._eager_caches[cache] = self._eager_steps[manager]
+                    break
+        return kind
 
     def _fingerprint(self, n: int, rows: int, ids: torch.Tensor) -> int:
         """What every rank must agree on for this step (tensor parallelism only): its sizes;

@@ -90,6 +90,7 @@ from .models import (
     check_paged_window,
     check_sampled_tokens,
     check_step_compile,
+    eager_steps,
     kept_weights,
 )
 from .models import resolve_attention as _resolve_attention
@@ -344,14 +345,14 @@ class ContinuousBatchingHandle:
                         self._weights = kept_weights(self._weights, self.model, _WHO, _REBUILD)
                         return original(generation_config, continuous_batching_config, *args,
                                         **kwargs)  # fmt: skip
-                    config, use_graphs = self._prepare(continuous_batching_config,
-                                                       generation_config)  # fmt: skip
+                    config, eager = self._prepare(continuous_batching_config,
+                                                  generation_config)  # fmt: skip
                     manager = original(generation_config, config, *args, **kwargs)
                     self._managers.add(manager)
                     settle_after_reset(self._patches, manager, self.device, _settle)
                     watch_pause(self._patches, manager, self._pauses.leave)
-                    if not use_graphs:
-                        self.runner.graphs_off(manager)
+                    if eager is not None:  # graphs off for all its steps, or for some
+                        self.runner.graphs_off(manager, eager)
                     return manager
             # disabled on another thread since this call began: what the model has now (stock,
             # or a later handle's wrapper), outside this handle's lock
@@ -369,11 +370,12 @@ class ContinuousBatchingHandle:
     def _prepare(self, given, generation_config):
         """A copy of the caller's CB config for transformers (its own graphs and padding off,
         asynchronous steps on a single CUDA model unless the caller decided, and
-        ``max_batch_tokens`` no larger than the captured buckets), and whether its steps run
-        as breakgraph's graphs, read from the config given or else the one in the generation
-        config. Captures them first."""
+        ``max_batch_tokens`` no larger than the captured buckets), and which of its steps run
+        eagerly (:func:`.models.eager_steps`: None, or all, the mixed or the pure-decode ones),
+        read from the config given or else the one in the generation config. Captures first."""
         try:
-            config, use_graphs = self._configure(given, generation_config)
+            config, eager = self._configure(given, generation_config)
+            use_graphs = eager != "all"
             # graphs replay the weights' memory at capture: checked where captured, else taken;
             # an eager manager neither (taken there, it hid weights replaced since the capture)
             if use_graphs:
@@ -384,7 +386,7 @@ class ContinuousBatchingHandle:
                 self.ranks.report_failure()
             raise
         if self.ranks is not None:  # every rank serves the same way, or all raise
-            settings = (use_graphs, config.max_batch_tokens, config.use_async_batching)
+            settings = (eager, config.max_batch_tokens, config.use_async_batching)
             self.ranks.agree(
                 0,
                 distributed.fingerprint(repr(settings)),
@@ -394,10 +396,10 @@ class ContinuousBatchingHandle:
         if use_graphs:  # capture before serving, and compile the decode kernels
             tables = self.runner.block_tables and config.max_blocks_per_request != 0
             self.runner.plan(config.max_batch_tokens, page_size(config) if tables else 0)
-        return config, use_graphs
+        return config, eager
 
     def _configure(self, given, generation_config):
-        """The config for transformers and whether breakgraph's graphs serve it (no exchange)."""
+        """The config for transformers and which of its steps run eagerly (no exchange)."""
         from transformers import ContinuousBatchingConfig
 
         if given is None:  # transformers' own default (a config in the generation config: legacy)
@@ -405,7 +407,8 @@ class ContinuousBatchingHandle:
                              "continuous_batching_config", None)  # fmt: skip
             given = legacy if isinstance(legacy, ContinuousBatchingConfig) else None
         config = copy.copy(given) if given is not None else ContinuousBatchingConfig()
-        use_graphs = self._graphs_wanted(config)
+        eager = eager_steps(config, _WHO)
+        use_graphs = eager != "all"
         if config.use_async_batching and self.device.type != "cuda":
             raise UnsupportedModelError(
                 f"{_WHO}: asynchronous batching (use_async_batching=True) needs a CUDA model "
@@ -416,7 +419,8 @@ class ContinuousBatchingHandle:
             check_step_compile(self.model, config, _WHO)
         config.use_cuda_graph = False  # transformers' whole-step graphs: never here
         forks = block_table.forks(generation_config or self.model.generation_config)
-        if not (use_graphs and self.runner.block_tables) or forks:  # else as given (None: default)
+        # block tables serve the decode graphs only: none where pure-decode steps run eagerly
+        if eager in ("all", "decode") or not self.runner.block_tables or forks:  # else as given
             config.max_blocks_per_request = 0  # every step with index lists
         elif config.max_blocks_per_request is not None:  # kept past transformers' gate: checked
             validate_count(config.max_blocks_per_request, 0,
@@ -435,7 +439,7 @@ class ContinuousBatchingHandle:
                                                          f"{_WHO}: ContinuousBatchingConfig"
                                                          ".max_batch_tokens")  # fmt: skip
             config.max_batch_tokens = config.max_batch_tokens or default
-        return config, use_graphs
+        return config, eager
 
     def _async_by_default(self, use_graphs: bool) -> bool:
         """``use_async_batching`` when the caller left it unset: transformers' own rule for its
@@ -445,20 +449,6 @@ class ContinuousBatchingHandle:
 
     def _default_max_batch_tokens(self) -> int:
         return max(self.query_buckets) if self.query_buckets else DEFAULT_MAX_BATCH_TOKENS
-
-    @staticmethod
-    def _graphs_wanted(config) -> bool:
-        choice = None if config is None else config.use_cuda_graph
-        if choice is None:
-            return True
-        if isinstance(choice, bool):
-            return choice
-        if isinstance(choice, (tuple, list)) and len(choice) == 2:
-            return bool(choice[0])  # (varlen, decode): every step here is a varlen step
-        raise InputError(
-            f"{_WHO}: ContinuousBatchingConfig.use_cuda_graph must be None, a bool or a "
-            f"(varlen, decode) pair, got {choice!r}."
-        )
 
 
 def enable_continuous_batching(

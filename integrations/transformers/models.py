@@ -45,6 +45,7 @@ __all__ = [
     "token_vocabulary",
     "check_sampled_tokens",
     "check_step_compile",
+    "eager_steps",
     "rope_types",
     "logits_after_head",
     "weights_anchor",
@@ -379,6 +380,34 @@ def check_step_compile(model: Any, config: Any, who: str) -> None:
             f"batching(model, compile=True) for compiled graphs, or ContinuousBatchingConfig("
             f"use_cuda_graph=False) to compile eager steps."
         )
+
+
+def eager_steps(config: Any, who: str) -> str | None:
+    """Which steps of a CB manager run eagerly, from its ``ContinuousBatchingConfig``'s
+    ``use_cuda_graph`` (transformers' ``(varlen, decode)`` pair: graphs for its varlen path,
+    graphs for its decode fast path; a bool is both): None (graphs for every step: None, True),
+    ``"all"`` (False), ``"mixed"`` (``(False, True)``: graphs for pure-decode steps only, every
+    step with a longer query eager) or ``"decode"`` (``(True, False)``: pure-decode steps
+    eager). Read before as its first flag alone, ``(False, True)`` gave no graphs at all.
+
+    Example::
+
+        >>> from types import SimpleNamespace as config
+        >>> [eager_steps(config(use_cuda_graph=c), "f") for c in (None, False, (False, True))]
+        [None, 'all', 'mixed']
+    """
+    choice = None if config is None else config.use_cuda_graph
+    if isinstance(choice, (tuple, list)) and len(choice) == 2 and all(
+        c is True or c is False for c in choice
+    ):
+        return {(True, True): None, (False, False): "all", (False, True): "mixed",
+                (True, False): "decode"}[tuple(choice)]  # fmt: skip
+    if choice is None or choice is True or choice is False:
+        return "all" if choice is False else None
+    raise InputError(
+        f"{who}: ContinuousBatchingConfig.use_cuda_graph must be None, a bool or a "
+        f"(varlen, decode) pair of bools, got {choice!r}."
+    )
 
 
 def check_paged_window(config: Any, who: str) -> None:
