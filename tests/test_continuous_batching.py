@@ -1594,6 +1594,38 @@ def test_weights_replaced_during_a_pause_are_refused_not_served():
     assert served == expected
 
 @needs_cb
+def test_a_parameter_replaced_in_an_eager_managers_pause_is_served_not_refused(monkeypatch):
+    """The pause of a manager with ``use_cuda_graph=False`` raised ``ReplayError`` when a
+    parameter was replaced in it, though that manager's steps are eager and serve the new
+    weights (its creation checks nothing, as docs/continuous-batching.md says). It raises
+    nothing now; the next manager with graphs still refuses the moved weights. Before 5.18 a
+    stand-in ``pause`` (a plain context manager) takes the place of transformers' own."""
+    cls = compat.manager_class()
+    if not callable(getattr(cls, "pause", None)):
+        monkeypatch.setattr(cls, "pause", contextlib.contextmanager(lambda self: (yield)),
+                            raising=False)  # fmt: skip
+    model, prompts = build_model("llama"), random_prompts(seed=33)[:3]
+    layer = model.model.layers[1].mlp.down_proj
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        generate_batch(model, prompts)  # captures the graphs
+        manager = model.init_continuous_batching(
+            generation_config(), continuous_batching_config=cb_config(use_cuda_graph=False)
+        )
+        manager.start()
+        try:
+            with manager.pause():  # raised ReplayError here
+                layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) / 4)
+            served = [o.generated_tokens for o in _results(manager, prompts)]
+        finally:
+            manager.stop(block=True, timeout=60)
+            manager.destroy()
+        with pytest.raises(ReplayError, match=r"layers\.1\.mlp\.down_proj\.weight"):
+            model.generate_batch(prompts, generation_config=generation_config(),
+                                 continuous_batching_config=cb_config())  # fmt: skip
+    assert served == generate_each(model, prompts)
+
+
+@needs_cb
 def test_an_attention_key_set_while_enabled_is_refused_by_captures_and_eager_steps():
     """``set_attn_implementation("sdpa")`` while enabled: transformers' switch keeps an enabled
     model's key, so the captures (and eager steps) ran plain SDPA over the step's own tokens,

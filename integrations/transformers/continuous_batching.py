@@ -350,7 +350,9 @@ class ContinuousBatchingHandle:
                     manager = original(generation_config, config, *args, **kwargs)
                     self._managers.add(manager)
                     settle_after_reset(self._patches, manager, self.device, _settle)
-                    watch_pause(self._patches, manager, self._pauses.leave)
+                    pauses = self._pauses  # an eager manager's pause raises nothing
+                    watch_pause(self._patches, manager,
+                                pauses.note if eager == "all" else pauses.leave)  # fmt: skip
                     if eager is not None:  # graphs off for all its steps, or for some
                         self.runner.graphs_off(manager, eager)
                     return manager

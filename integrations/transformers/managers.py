@@ -19,13 +19,14 @@ leaving a pause, before the loop goes on, the weights are now compared with the 
 (:class:`PauseWatch`: one read per parameter, once per pause, never per step). Where one
 moved, the pause raises ``ReplayError`` naming it, and from then on the model's steps with
 graphs raise it too (their requests fail with it) until the weights are back where the
-graphs read them; steps of managers without graphs go on.
+graphs read them; steps of managers without graphs go on, and the pause of such a manager
+raises nothing (its steps serve the new weights: :meth:`PauseWatch.note`).
 
 Example (what the handle does for each manager it creates)::
 
     settle_after_reset(patches, manager, device, settle)
     watch = PauseWatch(handle._check_weights)    # raises ReplayError where a weight moved
-    watch_pause(patches, manager, watch.leave)
+    watch_pause(patches, manager, watch.leave if graphs else watch.note)  # eager: no raise
     if watch.moved is not None:                  # per step: one attribute read
         watch.refuse(step_is_eager)
 """
@@ -97,6 +98,13 @@ class PauseWatch:
             return error
         self.moved = None
         return None
+
+    def note(self) -> None:
+        """On leaving the pause of a manager without graphs (``use_cuda_graph=False``): the
+        weights checked as :meth:`leave` does, for the model's steps with graphs (``moved``),
+        and nothing raised. That manager's own steps are eager and serve the new weights, as
+        its creation checks nothing; its pause raised ``ReplayError`` for a sound change."""
+        self.leave()
 
     def refuse(self, eager: Callable[[], bool]) -> None:
         """A step after a pause that saw a weight moved (the caller read ``moved``): raises,
