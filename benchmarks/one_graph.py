@@ -2,8 +2,9 @@
 
 ``OneGraphPrefillRunner`` is a ``PrefillRunner`` whose attention is recorded *inside* the
 bucket's graph instead of running as an eager break: FlashAttention varlen over the
-runner's static ``cu_seqlens`` buffer (``max_prompts + 2`` boundaries; the entries after
-the live ones repeat the end, so they are zero-length sequences), with the bucket size as
+runner's static ``cu_seqlens`` buffer (``max_prompts + 2`` boundaries, no more than the
+largest bucket + 2 with ``on_miss="raise"``; the entries after the live ones repeat the
+end, so they are zero-length sequences), with the bucket size as
 ``max_seqlen``, an upper bound. One CUDA graph per bucket and not one break: the same packed
 forward as breakgraph's, so the difference between the two is what the per-layer attention
 breaks cost. The benchmarks measure breakgraph against it (``bench_prefill``'s
