@@ -1549,6 +1549,31 @@ def test_an_eager_manager_between_does_not_hide_weights_replaced_since_the_captu
     assert eager == generate_each(model, prompts)
 
 
+@needs_cb
+def test_a_persistent_eager_manager_serves_weights_replaced_since_the_capture():
+    """``generate_batch(..., persistent_manager=True)`` with ``use_cuda_graph=False`` keeps an
+    eager manager that transformers hands back on the next call. Handing it back checked the
+    weights against the graphs' capture, so a parameter replaced meanwhile raised
+    ``ReplayError``, though the manager's steps are eager and serve the new weights (a new
+    eager manager does, as the test before shows). Now it serves them; a manager with graphs
+    still refuses."""
+    model, prompts = build_model("llama"), random_prompts(seed=35)[:3]
+    layer = model.model.layers[1].mlp.down_proj
+    eager = cb_config(use_cuda_graph=False)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+        generate_batch(model, prompts)  # captures the graphs
+        try:
+            generate_batch(model, prompts, cbc=eager, persistent_manager=True)
+            layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) / 4)
+            served = generate_batch(model, prompts, cbc=eager, persistent_manager=True)
+        finally:
+            model.destroy_cached_continuous_batching_manager()
+        with pytest.raises(ReplayError, match=r"layers\.1\.mlp\.down_proj\.weight"):
+            model.generate_batch(prompts, generation_config=generation_config(),
+                                 continuous_batching_config=cb_config())  # fmt: skip
+    assert served == generate_each(model, prompts)
+
+
 def _results(manager, prompts) -> list:
     """Every request's final output, in the order of ``prompts``, from a started manager."""
     ids, outs = manager.add_requests(prompts), {}

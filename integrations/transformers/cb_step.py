@@ -505,6 +505,10 @@ class StepRunner:
             self._eager_steps[manager] = steps
             self._eager_managers.add(manager)
 
+    def serves_eagerly(self, manager) -> bool:
+        """Whether ``manager`` runs eager steps (:meth:`graphs_off`)."""
+        return manager in self._eager_managers  # a WeakSet's `in`: no lock needed
+
     def forward(self, **kwargs: Any) -> Any:
         """One CB step: logits ``[1, rows, vocab]`` (fp32) for ``logits_to_keep``."""
         names = self.names

@@ -341,8 +341,12 @@ class ContinuousBatchingHandle:
                                      *args, **kwargs):  # fmt: skip
             with self._managing:
                 if self.enabled:
-                    if compat.cached_manager(self.model) is not None:  # transformers returns it
-                        self._weights = kept_weights(self._weights, self.model, _WHO, _REBUILD)
+                    cached = compat.cached_manager(self.model)
+                    if cached is not None:  # transformers returns it: one with graphs checks the
+                        # weights; an eager one serves replaced ones (as when it was created)
+                        if not self.runner.serves_eagerly(cached):
+                            self._weights = kept_weights(self._weights, self.model, _WHO,
+                                                         _REBUILD)  # fmt: skip
                         return original(generation_config, continuous_batching_config, *args,
                                         **kwargs)  # fmt: skip
                     config, eager = self._prepare(continuous_batching_config,
