@@ -1235,9 +1235,9 @@ def test_a_step_while_another_thread_creates_a_manager_without_graphs():
     expected = generate_batch(model, prompts)
     listing, created = threading.Event(), threading.Event()
 
-    class PausedListing(weakref.WeakSet):
-        def __iter__(self):
-            return _paused_after_first(super().__iter__(), listing, created)
+    class PausedListing(weakref.WeakKeyDictionary):  # manager -> its eager steps
+        def items(self):
+            return _paused_after_first(super().items(), listing, created)
 
     eager, results = [], []
     eagerly = dict(generation_config=generation_config(),
@@ -1254,8 +1254,8 @@ def test_a_step_while_another_thread_creates_a_manager_without_graphs():
             created.set()
 
     with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
-        handle.runner._eager_managers = PausedListing()
-        eager.append(model.init_continuous_batching(**eagerly))  # the set is not empty
+        handle.runner._eager_steps = PausedListing()
+        eager.append(model.init_continuous_batching(**eagerly))  # the mapping is not empty
         run_threads(serve, create_meanwhile)
     assert results == [expected]
 

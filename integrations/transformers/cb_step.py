@@ -88,12 +88,11 @@ _STEPS = (  # what the ranks must agree on for each step, and how to fix a misma
     "requests of TP rank 0 on all ranks",
 )
 
-#: a manager's eager-step reason by the steps its use_cuda_graph turns graphs off for
-#: (:func:`.models.eager_steps`); the one that keeps them for a mixed, a pure-decode step
+#: eager-step reasons by the steps use_cuda_graph turns graphs off for (models.eager_steps)
 _GRAPHS_OFF = {"all": "graphs off (use_cuda_graph=False)",
                "mixed": "graphs off for mixed steps (use_cuda_graph=(False, True))",
                "decode": "graphs off for pure-decode steps (use_cuda_graph=(True, False))"}
-_KEEPS_GRAPHS = ("decode", "mixed")  # [step.pure_decode]
+_KEEPS_GRAPHS = ("decode", "mixed")  # [step.pure_decode]: the kind that keeps that step's graphs
 
 
 class CBStep:
@@ -372,7 +371,7 @@ class StepRunner:
         self.inputs = StepInputs(self.device)
         self._lock = threading.Lock()
         self._order = StepOrder() if self.tokens.backend == "cuda" else None
-        self._eager_managers: weakref.WeakSet = weakref.WeakSet()  # graphs off for (some) steps
+        # manager -> which of its steps run eagerly (graphs off for them: models.eager_steps)
         self._eager_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._eager_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # pure-decode steps as graphs without attention breaks (not under tensor parallelism;
@@ -501,13 +500,13 @@ class StepRunner:
     # -- serving -------------------------------------------------------------------------------
     def graphs_off(self, manager, steps: str = "all") -> None:
         """``manager`` runs eager steps: ``steps`` says which (:func:`.models.eager_steps`)."""
-        with self._lock:  # the steps of other managers loop over the set under it
+        with self._lock:  # the steps of other managers loop over the mapping under it
             self._eager_steps[manager] = steps
-            self._eager_managers.add(manager)
 
-    def serves_eagerly(self, manager) -> bool:
-        """Whether ``manager`` runs eager steps (:meth:`graphs_off`)."""
-        return manager in self._eager_managers  # a WeakSet's `in`: no lock needed
+    def serves_eagerly(self, manager=None, cache=None) -> bool:
+        """Whether every step of ``manager`` (or of the manager of ``cache``) runs eagerly."""
+        kind = self._eager_kind(cache) if manager is None else self._eager_steps.get(manager)
+        return kind == "all"
 
     def forward(self, **kwargs: Any) -> Any:
         """One CB step: logits ``[1, rows, vocab]`` (fp32) for ``logits_to_keep``."""
@@ -567,18 +566,15 @@ class StepRunner:
             hidden = hidden[:, keep.to(torch.long)]  # as the model: -1 is the last token
         return self._head(hidden)
 
-    def _graphs_off(self, cache) -> bool:
-        return self._eager_kind(cache) == "all"
-
     def _eager_kind(self, cache) -> str | None:
         """Which steps of the manager of ``cache`` run eagerly (None: none)."""
-        if not self._eager_managers:
+        if not self._eager_steps:
             return None
         kind = self._eager_caches.get(cache)
         if kind is None:
-            for manager in list(self._eager_managers):
+            for manager, steps in list(self._eager_steps.items()):
                 if compat.manager_cache(manager) is cache:
-                    kind = self._eager_caches[cache] = self._eager_steps[manager]
+                    kind = self._eager_caches[cache] = steps
                     break
         return kind
 

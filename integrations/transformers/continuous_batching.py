@@ -329,7 +329,7 @@ class ContinuousBatchingHandle:
         def forward(*args, **kwargs):
             if cache_key in kwargs and not args:  # a continuous-batching step
                 if pauses.moved is not None:  # a pause saw a weight replaced: graphs refuse
-                    pauses.refuse(lambda: runner._graphs_off(kwargs[cache]))
+                    pauses.refuse(lambda: runner.serves_eagerly(cache=kwargs[cache]))
                 return runner.forward(**kwargs)
             return original(*args, **kwargs)
 
