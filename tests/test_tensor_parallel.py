@@ -632,6 +632,9 @@ def scenario_cb(rank: int, backend: str, path: str) -> dict:
         out["numpy_max_batch_tokens"] = error_text_of(
             lambda: generate(sharded, max_batch_tokens=np.int64(16) if rank else 16)
         )
+        out["numpy_async"] = error_text_of(  # so did np.False_ against False
+            lambda: generate(sharded, use_async_batching=np.False_ if rank else False)
+        )
     out["restored"] = sharded.config._attn_implementation == "sdpa"
     return out
 
@@ -1178,6 +1181,7 @@ def test_continuous_batching_under_tp_refuses_different_settings_on_every_rank(c
         assert result["restored"]
         assert result["after_refusals"] == result["breakgraph_tp"]
         assert result["numpy_max_batch_tokens"] == "no error"  # np.int64(16) on one rank
+        assert result["numpy_async"] == "no error"  # np.False_ on one rank, False on the other
     # a call refused on rank 0 alone (before its exchange): rank 1 is told, and raises
     refused, told = results[0], results[1]
     assert refused["one_rank_refuses_enable"].startswith("InputError: enable_continuous_batching")

@@ -72,6 +72,7 @@ from breakgraph.backends import select_backend
 from breakgraph.buckets import validate_count
 from breakgraph.debug import debug_enabled
 from breakgraph.errors import InputError, ReplayError
+from breakgraph.fingerprints import plain_setting
 from breakgraph.ladder import BucketStats, LadderStats
 from breakgraph.patches import PatchSet, SharedPatches
 
@@ -395,7 +396,7 @@ class ContinuousBatchingHandle:
             settings = (eager, config.max_batch_tokens, config.use_async_batching)
             self.ranks.agree(
                 0,
-                distributed.fingerprint(repr(settings)),
+                distributed.fingerprint(repr(plain_setting(settings))),  # np.False_ == False
                 "continuous-batching settings",
                 "pass the same ContinuousBatchingConfig and GenerationConfig on every rank",
             )
