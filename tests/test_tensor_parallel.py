@@ -1323,11 +1323,11 @@ def test_a_rank_group_dropped_without_close_destroys_its_gloo_group():
         dist.destroy_process_group()
 
 
-def test_a_runner_call_interrupted_before_its_exchange_tells_the_other_ranks(monkeypatch):
-    """BucketedRunner told the other ranks of an InputError before the call's exchange, but not
-    of anything else (an interrupt while it read the inputs): the rank raised without taking
-    part, and the others paired the call with its next one, every later call off by one (as
-    PrefillRunner did; fixed there for any exception)."""
+@contextlib.contextmanager
+def one_rank_doubler(monkeypatch):
+    """A one-rank gloo group and a ``BucketedRunner`` of ``x * 2`` (bucket 4) with ranks,
+    whose failure reports to the other ranks are recorded: yields ``(ranks, runner,
+    reported)``; everything is closed and the process group destroyed afterwards."""
     import torch.distributed as dist
 
     from breakgraph import distributed
@@ -1341,10 +1341,23 @@ def test_a_runner_call_interrupted_before_its_exchange_tells_the_other_ranks(mon
         )
         reported = []
         monkeypatch.setattr(ranks, "report_failure", lambda: reported.append("failed"))
+        yield ranks, runner, reported
+        runner.close()
+        ranks.close()
+    finally:
+        dist.destroy_process_group()
 
-        def interrupted(inputs):
-            raise KeyboardInterrupt
 
+def test_a_runner_call_interrupted_before_its_exchange_tells_the_other_ranks(monkeypatch):
+    """BucketedRunner told the other ranks of an InputError before the call's exchange, but not
+    of anything else (an interrupt while it read the inputs): the rank raised without taking
+    part, and the others paired the call with its next one, every later call off by one (as
+    PrefillRunner did; fixed there for any exception)."""
+
+    def interrupted(inputs):
+        raise KeyboardInterrupt
+
+    with one_rank_doubler(monkeypatch) as (_, runner, reported):
         monkeypatch.setattr(runner.inputs, "size_of", interrupted)
         with pytest.raises(KeyboardInterrupt):
             runner(torch.randn(2, 3))
@@ -1352,10 +1365,6 @@ def test_a_runner_call_interrupted_before_its_exchange_tells_the_other_ranks(mon
         monkeypatch.undo()
         fresh = torch.randn(2, 3)
         assert torch.equal(runner(fresh), fresh * 2)
-        runner.close()
-        ranks.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_fingerprint_that_is_not_an_int64_is_refused_on_every_rank(monkeypatch):
@@ -1366,20 +1375,10 @@ def test_a_fingerprint_that_is_not_an_int64_is_refused_on_every_rank(monkeypatch
     by one). Now InputError, after telling the others (RankFailedError there); numpy's ints
     pass."""
     import numpy as np
-    import torch.distributed as dist
 
-    from breakgraph import distributed
     from breakgraph.errors import InputError
-    from breakgraph.runner import BucketedRunner
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        ranks = distributed.RankGroup(timeout=30)
-        runner = BucketedRunner(
-            lambda x: x * 2, (4,), (torch.zeros(1, 3),), backend="emulated", ranks=ranks
-        )
-        reported = []
-        monkeypatch.setattr(ranks, "report_failure", lambda: reported.append("failed"))
+    with one_rank_doubler(monkeypatch) as (ranks, runner, reported):
         for bad in (2**64, -(2**63), None, 1.5, "7", True):
             with pytest.raises(InputError, match="fingerprint must be an int of int64"):
                 runner(torch.randn(2, 3), fingerprint=bad)
@@ -1390,10 +1389,6 @@ def test_a_fingerprint_that_is_not_an_int64_is_refused_on_every_rank(monkeypatch
         for good in (np.int64(5), 2**63 - 1, -(2**63) + 1):
             fresh = torch.randn(2, 3)
             assert torch.equal(runner(fresh, fingerprint=good), fresh * 2)
-        runner.close()
-        ranks.close()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("size", [2, 6], ids=["replay", "eager"])
