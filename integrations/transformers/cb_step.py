@@ -371,8 +371,7 @@ class StepRunner:
         self.inputs = StepInputs(self.device)
         self._lock = threading.Lock()
         self._order = StepOrder() if self.tokens.backend == "cuda" else None
-        # manager -> which of its steps run eagerly (graphs off for them: models.eager_steps)
-        self._eager_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._eager_steps: dict = weakref.WeakKeyDictionary()  # manager -> models.eager_steps
         self._eager_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # pure-decode steps as graphs without attention breaks (not under tensor parallelism;
         # on CUDA the in-place kernel needs the flash setting: bf16/fp16)
@@ -505,7 +504,8 @@ class StepRunner:
 
     def serves_eagerly(self, manager=None, cache=None) -> bool:
         """Whether every step of ``manager`` (or of the manager of ``cache``) runs eagerly."""
-        kind = self._eager_kind(cache) if manager is None else self._eager_steps.get(manager)
+        with self._lock:  # graphs_off may add a manager meanwhile (the listing would fail)
+            kind = self._eager_kind(cache) if manager is None else self._eager_steps.get(manager)
         return kind == "all"
 
     def forward(self, **kwargs: Any) -> Any:
