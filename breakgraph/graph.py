@@ -40,13 +40,12 @@ from .backends.cuda import capture_failure_error, is_capture_failure
 from .copyback import build_copy_back
 from .errors import CaptureError, ReplayError
 from .ownership import call_and_classify, storages_of
-from .state import capture_lock, capture_turn, context_scope, is_capturing, replay_context, state
+from .state import capture_turn, context_scope, is_capturing, replay_context, state
 
 __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "context_scope"]
 
-# one capture at a time per process (CUDA allows one global-mode capture, and breakgraph patches
-# process-wide hooks while capturing): a capture started on another thread waits for its turn
-_capture_lock = capture_lock  # (see state.capture_turn)
+# one capture at a time per process: a capture started on another thread waits for its turn
+# (state.capture_turn, held around every capture below)
 _NO_CONTEXT = object()
 
 

@@ -239,8 +239,9 @@ def test_an_interrupt_right_after_the_capture_lock_is_taken_releases_it():
     import sys
 
     from breakgraph import graph as graph_module
+    from breakgraph.state import capture_lock
 
-    lock, raised = graph_module._capture_lock, []
+    lock, raised = capture_lock, []
 
     def trace(frame, event, arg):
         if frame.f_code is not graph_module.capture.__wrapped__.__code__:
