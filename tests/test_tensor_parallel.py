@@ -1252,7 +1252,7 @@ def test_equal_settings_of_other_types_agree(monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ranks = distributed.RankGroup(timeout=30)
-        sent = []
+        sent, other = [], []
         exchange = ranks._all_reduce_max
 
         def record(values):
@@ -1263,22 +1263,20 @@ def test_equal_settings_of_other_types_agree(monkeypatch):
             record(values)
             values.copy_(torch.maximum(values, other[len(sent) - 1]))
 
-        for here, there in ((plain, numpy), (numpy, plain)):
+        def agree(here, there):
+            """``here`` on this rank, against what ``there`` sends from the other one."""
             sent.clear()
             monkeypatch.setattr(ranks, "_all_reduce_max", record)
             ranks.agree_settings("Runner", there)
-            other = list(sent)
+            other[:] = sent
             sent.clear()
             monkeypatch.setattr(ranks, "_all_reduce_max", with_the_other_rank)
-            ranks.agree_settings("Runner", here)  # agrees
-        sent.clear()
-        monkeypatch.setattr(ranks, "_all_reduce_max", record)
-        ranks.agree_settings("Runner", different)
-        other = list(sent)
-        sent.clear()
-        monkeypatch.setattr(ranks, "_all_reduce_max", with_the_other_rank)
+            ranks.agree_settings("Runner", here)
+
+        agree(plain, numpy)  # agrees, both ways
+        agree(numpy, plain)
         with pytest.raises(RankMismatchError, match="different debug, max_prompts, scale "):
-            ranks.agree_settings("Runner", numpy)
+            agree(numpy, different)
         monkeypatch.undo()
         ranks.close()
     finally:
