@@ -223,6 +223,9 @@ MODELS = {
     "gemma-2b": CBModel(FAMILIES["gemma-2b"], CONTINUITY_VARIANTS),
     # held out: the whole Llama-3-8B (32 layers) that llama3-8b-4l cuts to four
     "llama3-8b": CBModel(CB_FAMILIES["llama3-8b"], NEW_SHAPE_VARIANTS),
+    # held out: the whole Qwen2.5-3B (36 layers) and a whole many-expert MoE (Qwen3-30B-A3B)
+    "qwen2.5-3b": CBModel(CB_FAMILIES["qwen2.5-3b"], NEW_SHAPE_VARIANTS),
+    "qwen3-30b-a3b": CBModel(CB_FAMILIES["qwen3-30b-a3b"], NEW_SHAPE_VARIANTS),
     **{n: CBModel(f, SMOKE_VARIANTS) for n, f in SMOKE_FAMILIES.items()},
 }
 DEFAULT_MODELS = ("qwen2.5-3b-12l", "llama3-8b-4l", "mixtral-1k-8l", "llama-1b", "qwen3-0.6b",

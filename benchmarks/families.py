@@ -165,6 +165,18 @@ FAMILIES: dict[str, Family] = {
 LLAMA3_8B = dict(_7B_4L, vocab_size=128256, num_hidden_layers=32,
                  max_position_embeddings=8192, rope_theta=500000.0)  # fmt: skip
 
+#: Qwen2.5-3B's config, all 36 layers (the CB shape ``qwen2.5-3b-12l`` cuts it to twelve)
+QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                 num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                 max_position_embeddings=32768, rope_theta=1e6,
+                 tie_word_embeddings=True)  # fmt: skip
+#: Qwen3-30B-A3B's config, all 48 layers (``qwen3-moe-8l`` in ``FAMILIES`` cuts it to eight)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                     decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+                     rope_theta=1e6)  # fmt: skip
+
 #: The continuous-batching benchmark's own shapes (``benchmarks/bench_cb.py``), kept apart from
 #: ``FAMILIES`` so that the prefill benchmark's default (every family) does not grow. The first
 #: three are the shapes issue 23 asks for, none of them tuned on; ``qwen3-moe`` is the small MoE
@@ -196,6 +208,16 @@ CB_FAMILIES: dict[str, Family] = {
             "llama3-8b",
             lambda: _tf().LlamaConfig(**LLAMA3_8B),
             "Llama-3-8B, all 32 layers: hidden 4096, GQA 32/8, vocab 128256",
+        ),
+        Family(  # held out: the whole model qwen2.5-3b-12l cuts to twelve layers (6 GB in bf16)
+            "qwen2.5-3b",
+            lambda: _tf().Qwen2Config(**QWEN25_3B),
+            "Qwen2.5-3B, all 36 layers: hidden 2048, GQA 16/2, vocab 151936, tied embeddings",
+        ),
+        Family(  # held out: a whole many-expert MoE (61 GB in bf16; qwen3-moe-8l cuts it to 8)
+            "qwen3-30b-a3b",
+            lambda: _tf().Qwen3MoeConfig(**QWEN3_30B_A3B),
+            "Qwen3-30B-A3B, all 48 layers: 128 experts top-8, hidden 2048, GQA 32/4",
         ),
         Family(
             "mixtral-1k-8l",
