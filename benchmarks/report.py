@@ -177,7 +177,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*cb_report.TRIED_PREP_FILES, *cb_report.SERVE_FILES]
         + [report_held_out.CB_FILE, report_held_out.BREAK_SPLIT_FILE]
         + [*report_held_out.WHOLE_FILES, report_held_out.FLOOR_CARD_FILES[0]]
-        + [*report_held_out.WHOLE_H200_FILES]
+        + [*report_held_out.WHOLE_H200_FILES, *report_held_out.WHOLE_MOE_FILES]
         + [report_prefill.OTHER_CARD_FILE, report_prefill.LM_HEAD_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
@@ -263,9 +263,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     whole = [(n, d) for n in report_held_out.WHOLE_FILES if (d := load(n)) is not None]
     if whole and whole[0][0] == report_held_out.WHOLE_FILES[0]:
         blocks.append(report_held_out.whole_model_section(whole))
-    whole = [(n, d) for n in report_held_out.WHOLE_H200_FILES if (d := load(n)) is not None]
-    if whole and whole[0][0] == report_held_out.WHOLE_H200_FILES[0]:
-        blocks.append(report_held_out.whole_model_section(whole, "cb.whole_model_h200"))
+    for files, fragment in ((report_held_out.WHOLE_H200_FILES, "cb.whole_model_h200"),
+                            (report_held_out.WHOLE_MOE_FILES, "cb.whole_moe")):  # fmt: skip
+        whole = [(n, d) for n in files if (d := load(n)) is not None]
+        if whole and whole[0][0] == files[0]:
+            blocks.append(report_held_out.whole_model_section(whole, fragment))
     if (card := load(report_held_out.FLOOR_CARD_FILES[0])) is not None:
         other = load(report_held_out.FLOOR_CARD_FILES[1])
         blocks.append(report_held_out.floor_on_card_section(card, other))

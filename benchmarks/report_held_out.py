@@ -37,6 +37,9 @@ WHOLE_FILES = ("h100-cb-llama3-8b.json", "h100-cb-llama3-8b-32.json",
                "h100-cb-llama3-8b-5.24.json", "h100-cb-llama3-8b-32-5.24.json")  # fmt: skip
 #: the same two runs on transformers 5.17.0 on an H200, the card issue 23's targets name
 WHOLE_H200_FILES = ("h200-cb-llama3-8b.json", "h200-cb-llama3-8b-32.json")
+#: ``gpu_check.sh RUN_HELD_OUT_MOE``: ``bench_cb --models qwen3-30b-a3b``, the same two runs
+#: (a whole many-expert MoE, which no CB shape is)
+WHOLE_MOE_FILES = ("h100-cb-qwen3-30b-a3b.json", "h100-cb-qwen3-30b-a3b-32.json")
 
 
 def held_out_cb_section(data: dict) -> list[str]:
@@ -98,7 +101,8 @@ def break_split_section(data: dict) -> str:
 
 
 def whole_model_section(runs: list[tuple[str, dict]], fragment: str = "cb.whole_model") -> str:
-    """The whole Llama-3-8B, ``runs`` of ``(file, data)`` (the first: the default workload
+    """A whole model (Llama-3-8B, Qwen3-30B-A3B: ``fragment`` says which), ``runs`` of
+    ``(file, data)`` (the first: the default workload
     with stock): one row per run and variant (tokens/s and its rounds, the pure-decode step
     against its floor, the step's forward on the host and on the device), then issue 23's
     targets as the CB tables state them (:func:`benchmarks.cb_report.target_lines`)."""

@@ -129,7 +129,8 @@
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
 # RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
-# RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_RELEASES 1 per wheel (skip other sections
+# RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_HELD_OUT_MOE 2,
+# RUN_RELEASES 1 per wheel (skip other sections
 # to make room).
 # RUN_HELD_OUT=1 (continuous batching on the whole Llama-3-8B, 32 layers, a shape no CB default
 # was tuned on: bench_cb's default workload with stock_sdpa, stock_graphs and breakgraph, then 32
@@ -137,6 +138,9 @@
 # an H100), ~4.5 min; copy cb-llama3-8b.json and cb-llama3-8b-32.json to
 # docs/results/<card>-cb-llama3-8b*.json, with .whl holding the 5.24 wheel to
 # <card>-cb-llama3-8b-5.24.json and -32-5.24.json, see report_held_out.WHOLE_FILES),
+# RUN_HELD_OUT_MOE=1 (the same two runs on the whole Qwen3-30B-A3B, 48 layers, 128 experts
+# top-8, 61 GB in bf16, ~4 min; copy cb-qwen3-30b-a3b*.json to docs/results/<card>-cb-qwen3-30b-a3b*.json,
+# see report_held_out.WHOLE_MOE_FILES),
 # RUN_SPLIT_THRESHOLD=1 (the break path's split threshold on a finer grid, picked and held-out
 # shapes: decode_attention --threshold-only, ~45 s; copy decode-attention-threshold.json to
 # docs/results/h200-decode-attention-threshold.json, see report_cb_decode.THRESHOLD_FILE),
@@ -306,6 +310,18 @@ if [ -n "${RUN_HELD_OUT:-}" ]; then  # CB on the whole Llama-3-8B, held out (~4.
     --variants $v,stock_graphs --repeat $v --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
     --out "$OUT/cb-llama3-8b-32.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[held out: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_HELD_OUT_MOE:-}" ]; then  # CB on the whole Qwen3-30B-A3B, held out (~4 min)
+  t=$SECONDS  # 61 GB of weights: 384 blocks of KV cache keep it within an 80 GB card
+  tbs=4.8; case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35 ;; esac
+  timeout 270 python3 -m benchmarks.bench_cb --models qwen3-30b-a3b --num-blocks 384 \
+    --variants breakgraph,stock_sdpa,stock_graphs --repeat breakgraph --rounds 3 --budget-s 0 \
+    --keep-going --hbm-tbs $tbs --out "$OUT/cb-qwen3-30b-a3b.json" 2>&1 | tee -a "$LOG" || status=1
+  v=breakgraph,breakgraph_compiled
+  timeout 270 python3 -m benchmarks.bench_cb --models qwen3-30b-a3b --num-blocks 384 --prompts 32 \
+    --variants $v,stock_graphs --repeat $v --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
+    --out "$OUT/cb-qwen3-30b-a3b-32.json" 2>&1 | tee -a "$LOG" || status=1
+  echo "[held out, MoE: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_RELEASES:-}" ]; then  # the CUDA transformers tests on each release's wheel
   for wheel in "$RUN_RELEASES"/transformers-*.whl; do

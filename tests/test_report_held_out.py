@@ -128,6 +128,18 @@ def test_the_page_carries_the_whole_model_on_the_h200():
     assert "`h200-cb-llama3-8b.json`, `h200-cb-llama3-8b-32.json`: NVIDIA H200" in text
 
 
+def test_the_page_carries_the_whole_moe():
+    """The committed runs of the whole Qwen3-30B-A3B (a many-expert MoE no CB shape is) are on
+    the page, under their own heading, with their targets."""
+    from benchmarks import report
+
+    text = report.render()
+    section = text.split("### A whole many-expert MoE, held out")[1].split("\n### ")[0]
+    assert "`h100-cb-qwen3-30b-a3b.json`, `h100-cb-qwen3-30b-a3b-32.json`" in section
+    assert "| 5.17.0 | 32 | `breakgraph_compiled` |" in section
+    assert "100 prompts, `breakgraph` against `stock_sdpa`" in section
+
+
 def test_the_floor_on_another_card_counts_the_steps_within_twice_their_floor():
     """Each decoder's step on this card beside its ratio on the other (``-`` where the other
     did not serve the shape); the count within twice the floor follows the JSON."""
