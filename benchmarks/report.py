@@ -178,6 +178,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_held_out.CB_FILE, report_held_out.BREAK_SPLIT_FILE]
         + [*report_held_out.WHOLE_FILES, report_held_out.FLOOR_CARD_FILES[0]]
         + [*report_held_out.WHOLE_H200_FILES, *report_held_out.WHOLE_MOE_FILES]
+        + [report_held_out.MOE_TRACE_SUMMARY]
         + [report_prefill.OTHER_CARD_FILE, report_prefill.LM_HEAD_FILE]
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
@@ -268,6 +269,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         whole = [(n, d) for n in files if (d := load(n)) is not None]
         if whole and whole[0][0] == files[0]:
             blocks.append(report_held_out.whole_model_section(whole, fragment))
+    if (moe_trace := load(report_held_out.MOE_TRACE_SUMMARY)) is not None:
+        blocks.append(report_held_out.moe_trace_block(moe_trace, results, load))
     if (card := load(report_held_out.FLOOR_CARD_FILES[0])) is not None:
         other = load(report_held_out.FLOOR_CARD_FILES[1])
         blocks.append(report_held_out.floor_on_card_section(card, other))

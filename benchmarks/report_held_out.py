@@ -39,7 +39,14 @@ WHOLE_FILES = ("h100-cb-llama3-8b.json", "h100-cb-llama3-8b-32.json",
 WHOLE_H200_FILES = ("h200-cb-llama3-8b.json", "h200-cb-llama3-8b-32.json")
 #: ``gpu_check.sh RUN_HELD_OUT_MOE``: ``bench_cb --models qwen3-30b-a3b``, the same two runs
 #: (a whole many-expert MoE, which no CB shape is)
-WHOLE_MOE_FILES = ("h100-cb-qwen3-30b-a3b.json", "h100-cb-qwen3-30b-a3b-32.json")
+WHOLE_MOE_FILES = ("h100-cb-qwen3-30b-a3b.json", "h100-cb-qwen3-30b-a3b-32.json",
+                   "h100-cb-qwen3-30b-a3b-5.24.json", "h100-cb-qwen3-30b-a3b-32-5.24.json")
+#: ``cb_trace --model qwen3-30b-a3b --skip 3 --steps 12``: the default workload's first steps
+#: (prefill chunks of 2048 tokens beside the decoding requests), on transformers 5.17.0
+MOE_TRACE = "h100-cb-trace-qwen3-30b-a3b-5.17"
+MOE_TRACE_SUMMARY = f"{MOE_TRACE}/summary.json"
+#: the kernel transformers 5.17's ``grouped_mm`` zeroes expert parallelism's sentinel rows with
+MASKED_FILL = "masked_fill"
 
 
 def held_out_cb_section(data: dict) -> list[str]:
@@ -193,3 +200,57 @@ def _times(entry: dict, key: str) -> str:
     """A ratio of ``entry`` printed with its "×", or "-" where the run has none."""
     cell = _cell(entry, key, ".2f")
     return cell if cell == "-" else cell + "×"
+
+
+def moe_trace_section(summary: dict, kernels: list[dict], tokens_per_s: dict, layers: int) -> str:
+    """Where a prefill-heavy step of the whole MoE goes on the device: device ms per step by
+    kind of kernel, the largest kernels, the share of ``masked_fill`` (transformers 5.17's
+    sentinel masks in ``grouped_mm``), and the default workload's tokens/s per release
+    (``tokens_per_s``: release -> breakgraph's median; ``layers``: the model's)."""
+    from .report_decode_kernels import _short
+
+    v = summary["variants"]["breakgraph"]
+    kinds = sorted(v["device_ms_per_step_by_kind"].items(), key=lambda kv: -kv[1])
+    device = sum(ms for _, ms in kinds)
+    masked = sum(k["ms_per_step"] for k in kernels if MASKED_FILL in k["name"])
+    masked_launches = sum(k["launches_per_step"] for k in kernels if MASKED_FILL in k["name"])
+    releases = sorted(tokens_per_s)
+    meta = summary["meta"]
+    return fill(
+        "cb.whole_moe_trace", file=MOE_TRACE, model=meta["model"], device=meta["device"],
+        torch=meta["torch"],
+        transformers=meta["transformers"], date=meta["date"], steps=v["steps"],
+        step_ms=num(v["step_ms_per_step"], 1), busy=f"{100 * v['step_device_busy_fraction']:.0f}%",
+        kinds=table(["device ms per step", "ms", "share"],
+                    [[kind, num(ms, 1), f"{100 * ms / device:.0f}%"] for kind, ms in kinds]),
+        top=table(["ms per step", "launches per step", "kind", "kernel"],
+                  [[num(k["ms_per_step"], 2), num(k["launches_per_step"], 1), k["kind"],
+                    f"`{_short(k['name'])}`"] for k in kernels[:8]]),
+        masked=num(masked, 1), masked_share=f"{100 * masked / device:.0f}%",
+        masked_per_layer=num(masked_launches / layers, 0),
+        old=releases[0], new=releases[-1],
+        gain=num(tokens_per_s[releases[-1]] / tokens_per_s[releases[0]], 3),
+    )  # fmt: skip
+
+
+def moe_trace_block(summary: dict, results: str, load) -> str:
+    """:func:`moe_trace_section` from the committed trace (its kernels read from the chrome
+    trace beside ``summary``) and the whole MoE's default-workload runs (``load``: the page's
+    loader of a results file); empty when a run is missing."""
+    import os
+
+    from .report_decode_kernels import _trace_kernels
+
+    runs = [d for name in WHOLE_MOE_FILES if (d := load(name)) is not None]
+    served = {d["meta"]["transformers"]: d["models"][0]["variants"]["breakgraph"]["tokens_per_s"]
+              for d in runs if d["meta"]["args"]["prompts"] == 100}  # fmt: skip
+    if not served:
+        return ""
+    trace = os.path.basename(summary["variants"]["breakgraph"]["trace"])  # the device's path
+    path = os.path.realpath(os.path.join(results, MOE_TRACE, trace))
+    stat = os.stat(path)
+    kernels = _trace_kernels(path, summary["meta"]["args"]["settle"], stat.st_mtime_ns,
+                             stat.st_size)  # fmt: skip
+    layers = runs[0]["models"][0]["config"]["num_hidden_layers"]
+    return moe_trace_section(summary, [dict(k) for k in kernels], served, layers)
+
