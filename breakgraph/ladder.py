@@ -57,6 +57,7 @@ from .buckets import (
     validate_buckets,
     validate_callable,
     validate_count,
+    validate_flag,
     validate_real,
 )
 from .debug import debug_enabled
@@ -146,7 +147,7 @@ class GraphLadder:
         self.on_miss = on_miss
         self.max_padding_fraction = max_padding_fraction
         self.agree_size = agree_size
-        self.progress = progress
+        self.progress = validate_flag(progress, f"{who}: progress")
         self.who = who
         self.stats = LadderStats()
         self.closed = False
@@ -393,13 +394,9 @@ class GraphLadder:
         if type(size) is not int or size < 0:
             size = self._checked_size(size, "choose")
         return choose_bucket(
-            self._sizes,
-            size,
-            max_padding_fraction=self.max_padding_fraction,
-            can_capture=self._window_open,
-            on_miss=self.on_miss,
-            faster=self._faster,
-        )
+            self._sizes, size, max_padding_fraction=self.max_padding_fraction,
+            can_capture=self._window_open, on_miss=self.on_miss, faster=self._faster,
+        )  # fmt: skip
 
     def replay(self, bucket: int, context: Any = None, *, size: int | None = None) -> Any:
         """Replay ``bucket``'s graph with ``context`` as the replay context; returns the output

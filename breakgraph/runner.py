@@ -62,6 +62,7 @@ from .buckets import (
     validate_buckets,
     validate_callable,
     validate_count,
+    validate_flag,
 )
 from .eager import eager_on_graph
 from .errors import CaptureError, InputError
@@ -159,6 +160,12 @@ class BucketedRunner:
         sizes = validate_buckets(buckets, "BucketedRunner")
         validate_callable(fn, "BucketedRunner: fn", optional=False)
         validate_callable(capture_context, "BucketedRunner: capture_context")
+        for flag, value in (
+            ("warmup_each", warmup_each), ("eager_region", eager_region), ("progress", progress)
+        ):  # a flag taken for its truth value would read "no" as on, 0 as off
+            validate_flag(value, f"BucketedRunner: {flag}")
+        if not callable(slice_outputs):  # 0 or None would trim, as True does: say so here
+            validate_flag(slice_outputs, "BucketedRunner: slice_outputs (or a callable)")
         warmup = validate_count(warmup, 0, "BucketedRunner: warmup")
         if ranks is not None and warmup < 1:
             raise InputError(

@@ -652,3 +652,10 @@ def test_cudas_own_error_stands_when_the_eager_run_shows_no_sync(monkeypatch):
     with pytest.raises(breakgraph.HostSyncError, match="the CUDA capture failed") as info:
         ladder.capture((8, 16, 32), lambda size: x[:size] * 2)
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("value", [None, 0, "no"])
+def test_progress_that_is_not_a_bool_is_refused(value):
+    """A flag taken for its truth value read ``"no"`` as on (a line per bucket on stderr)."""
+    with pytest.raises(InputError, match="GraphLadder: progress must be True or False"):
+        GraphLadder(backend="emulated", progress=value)

@@ -534,3 +534,27 @@ def test_add_buckets_whose_buffers_fail_to_allocate_keeps_none_of_them(backend, 
         runner.add_buckets((16,))
     x = torch.randn(9, 8, device=device)
     assert torch.equal(runner(x), x * 2)
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [("slice_outputs", 0), ("slice_outputs", None), ("slice_outputs", "no"),
+     ("warmup_each", "no"), ("eager_region", 1), ("progress", None)],
+)  # fmt: skip
+def test_flags_that_are_not_bools_are_refused(argument, value):
+    """docs/api.md: invalid constructor arguments raise InputError. Taken for its truth value,
+    ``slice_outputs=0`` or ``None`` trimmed the outputs as True does (and ``eager_region="no"``
+    ran the whole function eagerly), without a word."""
+    with pytest.raises(InputError, match=f"BucketedRunner: {argument}"):
+        BucketedRunner(lambda x: x * 2, (4,), (torch.zeros(1, 2),), backend="emulated",
+                       **{argument: value})  # fmt: skip
+
+
+def test_slice_outputs_takes_a_callable_and_false():
+    whole = BucketedRunner(lambda x: x * 2, (4,), (torch.zeros(1, 2),), backend="emulated",
+                           slice_outputs=False)  # fmt: skip
+    first_row = BucketedRunner(lambda x: x * 2, (4,), (torch.zeros(1, 2),), backend="emulated",
+                               slice_outputs=lambda out, size: out[:1])  # fmt: skip
+    x = torch.randn(3, 2)
+    assert whole(x).shape == (4, 2)
+    assert torch.equal(first_row(x), x[:1] * 2)
