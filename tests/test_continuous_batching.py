@@ -1296,6 +1296,24 @@ def test_disabling_the_last_model_leaves_a_prefill_runner_its_experts_key(monkey
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@needs_cb
+def test_the_handles_runner_has_what_the_docs_name():
+    """docs/api.md and continuous-batching.md named ``handle.runner.graphs`` (bucket -> graph),
+    which the step runner (two ladders: query tokens, lm_head rows) never had. The docs name
+    what it has: ``buckets``, ``tokens.graph(bucket)``, ``logits``; ``runners`` is ``[runner]``
+    while enabled, ``[]`` after."""
+    model = build_model("llama")
+    with enable_continuous_batching(model, backend="emulated") as handle:
+        assert generate_batch(model, random_prompts()[:2])
+        runner = handle.runner
+        assert handle.runners == [runner] and runner.buckets == runner.tokens.buckets
+        assert runner.buckets and runner.logits.buckets
+        for bucket in runner.buckets:
+            graph = runner.tokens.graph(bucket)
+            assert isinstance(graph, breakgraph.BreakableCUDAGraph) and graph.report()
+    assert handle.runners == []
+
+
 def test_step_stats_without_decode_graphs_are_a_copy():
     """Without decode graphs (``decode_graphs=False``, tensor parallelism) ``StepRunner.stats``
     returned the query-token ladder's live stats, whose dicts a step on another thread grows

@@ -227,8 +227,8 @@ class ContinuousBatchingHandle:
 
     @property
     def runners(self) -> list:
-        """The step runner (``.graphs``: bucket -> ``BreakableCUDAGraph``, ``.buckets``), as a
-        one-element list: every manager of the model shares it."""
+        """The step runner (``.buckets``; ``.tokens.graph(bucket)``: a ``BreakableCUDAGraph``),
+        as a one-element list: every manager of the model shares it."""
         return [self.runner] if self.enabled else []
 
     # -- enable / disable ----------------------------------------------------------------------
