@@ -97,13 +97,15 @@ class StaticInputs:
         """Validate live inputs against the spec; their size along the bucketed dimension."""
         if len(inputs) != len(self.specs):
             raise InputError(
-                f"BucketedRunner: expected {len(self.specs)} inputs, got {len(inputs)}."
+                f"BucketedRunner: expected {len(self.specs)} inputs, got {len(inputs)}. "
+                "Nothing was copied."
             )
         size = None
         for i, (value, (dtype, device, shape), d) in enumerate(zip(inputs, self.specs, self.dims)):
             if not isinstance(value, torch.Tensor):
                 raise InputError(
-                    f"BucketedRunner: input {i} must be a tensor, got {type(value).__name__}."
+                    f"BucketedRunner: input {i} must be a tensor, got {type(value).__name__}. "
+                    "Nothing was copied."
                 )
             problem = None
             if value.dim() != len(shape):
@@ -124,7 +126,9 @@ class StaticInputs:
                 raise InputError(f"BucketedRunner: input {i} has {problem}. Nothing was copied.")
             size = value.shape[d]
         if size == 0:
-            raise InputError("BucketedRunner: inputs are empty along the bucketed dimension.")
+            raise InputError(
+                "BucketedRunner: inputs are empty along the bucketed dimension. Nothing was copied."
+            )
         return size
 
     def fill(self, buffers: tuple, inputs: tuple, size: int) -> None:

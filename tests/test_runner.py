@@ -558,3 +558,20 @@ def test_slice_outputs_takes_a_callable_and_false():
     x = torch.randn(3, 2)
     assert whole(x).shape == (4, 2)
     assert torch.equal(first_row(x), x[:1] * 2)
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [(torch.zeros(2, 2),), (torch.zeros(2, 2), 3), (torch.zeros(2, 2), torch.zeros(2, 2, 1)),
+     (torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.float64)),
+     (torch.zeros(2, 2), torch.zeros(2, 3)), (torch.zeros(2, 2), torch.zeros(3, 2)),
+     (torch.zeros(0, 2), torch.zeros(0, 2))],
+    ids=["count", "not a tensor", "dims", "dtype", "shape", "sizes disagree", "empty"],
+)  # fmt: skip
+def test_every_refused_input_says_nothing_was_copied(inputs):
+    """docs/runner.md: each validation failure raises InputError and says "Nothing was
+    copied."; a wrong count, a non-tensor and an empty input did not say it."""
+    runner = BucketedRunner(lambda x, y: x * 2 + y, (4,), (torch.zeros(1, 2), torch.zeros(1, 2)),
+                            backend="emulated")  # fmt: skip
+    with pytest.raises(InputError, match="Nothing was copied"):
+        runner(*inputs)
