@@ -31,19 +31,38 @@ class BreakgraphError(RuntimeError):
 
     Example::
 
-        try:
-            g.replay()
-        except breakgraph.BreakgraphError as e:
-            print("breakgraph refused:", e)
+        >>> import breakgraph
+        >>> try:
+        ...     breakgraph.BreakableCUDAGraph().replay()  # nothing captured
+        ... except breakgraph.BreakgraphError as e:
+        ...     print(type(e).__name__, isinstance(e, RuntimeError))
+        ReplayError True
     """
 
 
 class BackendError(BreakgraphError):
-    """No usable backend: no GPU and no ``backend="emulated"`` / ``BREAKGRAPH_BACKEND``."""
+    """No usable backend: no GPU and no ``backend="emulated"`` / ``BREAKGRAPH_BACKEND``, or an
+    unknown backend name.
+
+    Example::
+
+        >>> import breakgraph
+        >>> breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="tpu").__enter__()
+        Traceback (most recent call last):
+        breakgraph.errors.BackendError: ...
+    """
 
 
 class CaptureError(BreakgraphError):
-    """A capture could not start or could not be completed (nested, already captured, ...)."""
+    """A capture could not start or could not be completed (nested, already captured, ...).
+
+    Example::
+
+        >>> import breakgraph
+        >>> breakgraph.BreakableCUDAGraph().pool()  # no capture yet: no pool
+        Traceback (most recent call last):
+        breakgraph.errors.CaptureError: ...
+    """
 
 
 class HostSyncError(CaptureError):
@@ -52,21 +71,64 @@ class HostSyncError(CaptureError):
     A CUDA graph runs no Python on replay, so ``.item()``, ``nonzero``, ``if tensor:``
     and friends cannot be recorded. Move that code into a function decorated with
     :func:`breakgraph.eager_on_graph`.
+
+    Example::
+
+        >>> import torch, breakgraph
+        >>> x = torch.randn(4)
+        >>> with breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="emulated"):
+        ...     n = int((x > 0).sum())  # a device value read on the host
+        Traceback (most recent call last):
+        breakgraph.errors.HostSyncError: ...
     """
 
 
 class StreamError(CaptureError):
-    """A stream dependency that a captured segment cannot express (never dropped silently)."""
+    """A stream dependency that a captured segment cannot express (never dropped silently):
+    on CUDA, a stream in the capture waiting on work recorded outside it.
+
+    Example::
+
+        >>> import breakgraph
+        >>> issubclass(breakgraph.StreamError, breakgraph.CaptureError)
+        True
+    """
 
 
 class ReplayError(BreakgraphError):
-    """``replay()`` was called on a graph that holds no capture."""
+    """A graph (or a runner) cannot replay now: it holds no capture, it is replaying already,
+    it was closed, its model moved, or ``replay_context()`` has no context set.
+
+    Example::
+
+        >>> import breakgraph
+        >>> breakgraph.replay_context()  # outside any replay or context_scope
+        Traceback (most recent call last):
+        breakgraph.errors.ReplayError: ...
+    """
 
 
 class CopyBackError(BreakgraphError, TypeError):
     """An eager function returned something that cannot be copied into its capture-time output.
 
     Attributes ``function``, ``path``, ``captured`` and ``got`` describe the mismatch.
+
+    Example::
+
+        >>> import torch, breakgraph
+        >>> rows = {"n": 2}
+        >>> @breakgraph.eager_on_graph
+        ... def head(h):
+        ...     return h[: rows["n"]] * 2  # a shape from host state
+        >>> g = breakgraph.BreakableCUDAGraph()
+        >>> with breakgraph.capture(g, backend="emulated"):
+        ...     y = head(torch.randn(4) + 1)
+        >>> rows["n"] = 3
+        >>> try:
+        ...     g.replay()
+        ... except breakgraph.CopyBackError as e:
+        ...     print(e.function, e.path)
+        head output
     """
 
     def __init__(
@@ -85,7 +147,16 @@ class CopyBackError(BreakgraphError, TypeError):
 
 
 class InputError(BreakgraphError, ValueError):
-    """An input cannot be placed into a static buffer (rank, dtype, device or size)."""
+    """An argument or input is invalid: a bad option, or an input that cannot be placed into a
+    static buffer (rank, dtype, device or size). Also a ``ValueError``.
+
+    Example::
+
+        >>> import breakgraph
+        >>> breakgraph.eager_on_graph(3)
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: ...
+    """
 
 
 class StaleTensorError(ReplayError):
@@ -93,6 +164,18 @@ class StaleTensorError(ReplayError):
 
     Captured kernels read it at its capture-time address; keep it alive and refill it
     in place (``copy_``) instead of replacing it.
+
+    Example::
+
+        >>> import torch, breakgraph
+        >>> x = torch.randn(4)
+        >>> g = breakgraph.BreakableCUDAGraph()
+        >>> with breakgraph.capture(g, backend="emulated", debug=True):
+        ...     y = x * 2
+        >>> _ = x.resize_(64)  # new memory: the graph would read the old
+        >>> g.replay()
+        Traceback (most recent call last):
+        breakgraph.errors.StaleTensorError: ...
     """
 
 
@@ -103,6 +186,12 @@ class RankMismatchError(BreakgraphError):
     (prompts, buckets, options); otherwise the sharded model computes silently wrong
     results or the ranks wait on each other forever. Raised on every rank, before any
     graph runs (see :mod:`breakgraph.distributed`).
+
+    Example::
+
+        >>> import breakgraph
+        >>> issubclass(breakgraph.RankMismatchError, breakgraph.BreakgraphError)
+        True
     """
 
 
@@ -112,8 +201,25 @@ class RankFailedError(BreakgraphError):
     Raised on the ranks that did *not* fail; the failing rank raises its own error.
     After a failure during capture the model's process group has seen different
     collectives on different ranks and cannot be trusted: end the processes and restart.
+
+    Example::
+
+        >>> import breakgraph
+        >>> issubclass(breakgraph.RankFailedError, breakgraph.BreakgraphError)
+        True
     """
 
 
 class BreakgraphWarning(UserWarning):
-    """Something breakgraph fixed for you but you may want to know (debug mode)."""
+    """Something breakgraph fixed for you but you may want to know (debug mode: unjoined side
+    streams; also an attribute breakgraph patched that other code replaced meanwhile).
+
+    Example::
+
+        >>> import warnings, breakgraph
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warnings.warn("demo", breakgraph.BreakgraphWarning)
+        >>> seen[0].category.__name__, issubclass(breakgraph.BreakgraphWarning, UserWarning)
+        ('BreakgraphWarning', True)
+    """

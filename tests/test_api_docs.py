@@ -141,3 +141,32 @@ def test_the_module_table_names_what_each_module_exports():
         listed = [n for n in listed if re.fullmatch(r"[A-Za-z_]\w*", n)]  # not prose, not ...
         missing = [n for n in listed if not hasattr(loaded, n)]
         assert not missing, f"{module} does not have {missing}"
+
+
+@pytest.mark.parametrize("module", ["breakgraph", "breakgraph.integrations.transformers"])
+def test_every_exported_name_is_documented_with_a_runnable_example(module):
+    """Every name of the two public packages' ``__all__`` is named on the API page, and every
+    class and function among them has a doctest (run by tests/test_doctests.py) in its own
+    docstring or, where the module's docstring shows it, one there that uses the name."""
+    import doctest
+
+    if module.endswith("transformers"):
+        pytest.importorskip("transformers")
+    loaded = importlib.import_module(module)
+    with open(API_MD, encoding="utf-8") as f:
+        page = f.read()
+    parser = doctest.DocTestParser()
+    undocumented, no_example = [], []
+    for name in loaded.__all__:
+        obj = getattr(loaded, name)
+        if not re.search(rf"`(?:[\w.]+\.)?{name}\b", page):
+            undocumented.append(name)
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue  # a constant (a key, a tuple of model types): the page names it
+        if parser.get_examples(inspect.getdoc(obj) or ""):
+            continue
+        examples = parser.get_examples(importlib.import_module(obj.__module__).__doc__ or "")
+        if not any(name in example.source + example.want for example in examples):
+            no_example.append(name)
+    assert not undocumented, f"docs/api.md does not name {undocumented} of {module}"
+    assert not no_example, f"no runnable example in the docstrings of {no_example}"

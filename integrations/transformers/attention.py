@@ -72,6 +72,15 @@ class PackedBatch:
     from row 0 (and maybe a padding tail), so causal attention over the whole row
     is exact for the prompt's rows. ``live_tokens``: the rows the prompts fill (the padding
     tail after them); eager MoE experts run on these rows only (see :mod:`.experts`).
+
+    Example (two prompts of 3 and 2 tokens in a bucket of 8)::
+
+        >>> import torch
+        >>> from breakgraph.integrations.transformers import PackedBatch
+        >>> batch = PackedBatch([(0, 3), (3, 5), (5, 8)],
+        ...                     torch.tensor([0, 3, 5, 8], dtype=torch.int32), 3, live_tokens=5)
+        >>> batch.bounds[-1], batch.one_prompt  # the padding tail is the last "sequence"
+        ((5, 8), False)
     """
 
     bounds: list
@@ -139,6 +148,20 @@ class LayerAttention:
     ``breakgraph.replay_context()``. ``window`` is the sliding window (a token sees
     itself and ``window - 1`` tokens before it) or None. :meth:`whole_row` is the same
     attention for one prompt from row 0, with no host input: it is recorded in the graph.
+
+    Example (the reference kernel: two sequences, rows 0-2 and 3-7)::
+
+        >>> import torch, breakgraph
+        >>> from breakgraph.integrations.transformers import LayerAttention, PackedBatch
+        >>> q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+        >>> attend = LayerAttention(0, q, k, v, 16**-0.5, None, "reference", torch.empty(8, 4, 16))
+        >>> batch = PackedBatch([(0, 3), (3, 8)], torch.tensor([0, 3, 8], dtype=torch.int32), 5)
+        >>> with breakgraph.context_scope(batch):  # what a replay's context holds
+        ...     out = attend()
+        >>> second = torch.nn.functional.scaled_dot_product_attention(
+        ...     q[:, :, 3:], k[:, :, 3:], v[:, :, 3:], is_causal=True, enable_gqa=True)
+        >>> attend.__name__, torch.allclose(out[3:], second[0].transpose(0, 1), atol=1e-5)
+        ('attention[layer 0]', True)
     """
 
     def __init__(
@@ -309,7 +332,18 @@ def breakgraph_attention(
     softcap: float | None = None,
     **kwargs: Any,
 ):
-    """The function registered as ``AttentionInterface["breakgraph"]``."""
+    """The function registered as ``AttentionInterface["breakgraph"]``: each layer's attention
+    as a :class:`LayerAttention` break, only inside a :class:`~.prefill.PrefillRunner`'s forwards.
+
+    Example::
+
+        >>> import torch
+        >>> from breakgraph.integrations.transformers import breakgraph_attention
+        >>> q = torch.randn(1, 2, 4, 8)
+        >>> breakgraph_attention(None, q, q, q, None)  # no runner is running
+        Traceback (most recent call last):
+        breakgraph.errors.CaptureError: ...
+    """
     state = _running.get()
     if state is None:
         raise breakgraph.CaptureError(

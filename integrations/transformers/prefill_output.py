@@ -28,6 +28,22 @@ class PrefillOutput:
     ``logits`` is ``[num_prompts, vocab]``: owned (it survives the next prefill) unless
     the prefill was called with ``owned=False``. ``cache(i)`` is prompt ``i``'s KV cache,
     valid until the next prefill (it lives in graph memory) and while the runner lives.
+
+    Example::
+
+        >>> import torch, transformers
+        >>> from breakgraph.integrations.transformers import PrefillRunner
+        >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        >>> runner = PrefillRunner(model, token_buckets=(16,), max_prompts=2, backend="emulated")
+        >>> out = runner.prefill([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+        >>> type(out).__name__, out.logits.shape, out.bounds, out.cache(1).get_seq_length()
+        ('PrefillOutput', torch.Size([2, 128]), [(0, 3), (3, 5)], 2)
+        >>> runner.prefill([torch.tensor([6])]) and out.cache(1)  # read it before the next one
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: ...
+        >>> runner.close()
     """
 
     def __init__(self, runner: Any, logits: torch.Tensor, bounds: list, step: int,
