@@ -1248,6 +1248,29 @@ def test_cache_of_an_earlier_prefill_is_refused_after_a_failed_prefill(backend):
         first.cache(0)
 
 
+def test_a_prefill_refused_before_it_runs_leaves_earlier_caches_valid(backend):
+    """docs/api.md said cache(i) raises after any later prefill, "even a failed one". A prefill
+    refused before anything runs (an id outside the vocabulary, too many prompts or tokens, the
+    prompts' iterator raising) writes no K/V: earlier outputs stay valid, their cache the same."""
+    device, _ = device_dtype(backend)
+    runner = make_runner(model_for("llama", backend), backend)
+    first = runner.prefill(prompts_of([5, 7], device))
+    before = first.cache(1)
+
+    def raising():
+        yield prompts_of([3], device)[0]
+        raise KeyError("the caller's iterator")
+
+    refused = [[torch.tensor([10**6], device=device)], prompts_of([1] * 99, device),
+               prompts_of([999], device), raising()]  # fmt: skip
+    for prompts in refused:
+        with pytest.raises((InputError, KeyError)):
+            runner.prefill(prompts)
+        after = first.cache(1)
+        for layer in range(len(before.layers)):
+            assert torch.equal(before.layers[layer].keys, after.layers[layer].keys)
+
+
 def test_output_after_close_keeps_no_graph_memory(backend):
     device, _ = device_dtype(backend)
     runner = make_runner(model_for("llama", backend), backend)
