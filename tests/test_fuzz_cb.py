@@ -14,9 +14,9 @@ its logprobs the log-softmax of ``generate()``'s logits (fp32, emulated backend)
 must replay a graph unless its manager turned graphs off, and ``disable()`` must leave the
 model and transformers as they were.
 
-The default suite runs a few fixed seeds; ``BREAKGRAPH_FUZZ_CB_SEEDS=N`` runs N more
-(``BREAKGRAPH_FUZZ_CB_START`` picks the first; ``BREAKGRAPH_FUZZ_CB_OPTIONS`` adds JSON keyword
-arguments to every ``enable_continuous_batching``, e.g. ``{"debug": true}``).
+The default suite runs a few fixed seeds; ``BREAKGRAPH_FUZZ_CB_SEEDS=N`` runs N others instead
+(``BREAKGRAPH_FUZZ_CB_START``, default 1000, picks the first; ``BREAKGRAPH_FUZZ_CB_OPTIONS``
+adds JSON keyword arguments to every ``enable_continuous_batching``, e.g. ``{"debug": true}``).
 ``python -m tests.test_fuzz_cb START COUNT`` prints each scenario and its verdict.
 
 Config variants: the prefill fuzzer's random configs of every supported family
