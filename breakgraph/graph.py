@@ -39,7 +39,7 @@ from .backends.base import Backend, CaptureOptions, Segment, Session
 from .backends.cuda import capture_failure_error, is_capture_failure
 from .copyback import build_copy_back
 from .errors import CaptureError, ReplayError
-from .ownership import call_and_classify, storages_of
+from .ownership import call_and_classify, refuse_one_shot_iterators, storages_of
 from .state import capture_turn, context_scope, is_capturing, replay_context, state
 
 __all__ = ["BreakableCUDAGraph", "capture", "is_capturing", "replay_context", "context_scope"]
@@ -471,6 +471,7 @@ class _Capture:
     def _run_eagerly(
         function: Callable, options: BreakOptions, args: tuple, kwargs: dict
     ) -> tuple[Any, Callable[[], None]]:
+        refuse_one_shot_iterators(options.name, args, kwargs)  # drained by the capture pass
         arguments = storages_of(args, kwargs)
         # a stub that returns its argument stands for an in-place function: like any output in
         # memory that something else holds (an argument, a long-lived tensor), the real

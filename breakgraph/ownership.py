@@ -29,15 +29,45 @@ Example::
 from __future__ import annotations
 
 import collections
+import itertools
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .errors import CaptureError
 from .structure import StructureError, reachable_tensors, sparse_parts, split
 
-__all__ = ["call_and_classify", "storages_of", "storage_key"]
+__all__ = ["call_and_classify", "refuse_one_shot_iterators", "storages_of", "storage_key"]
+
+#: iterators that the capture pass drains for good: a generator, ``map``, ``zip``, ``iter()``
+#: of a container... (not files, ``itertools.count`` or other iterators meant to be read live)
+ONE_SHOT_ITERATORS = (
+    types.GeneratorType, map, filter, zip, enumerate, reversed, itertools.chain,
+    itertools.islice, *{type(iter(c)) for c in ([], (), range(0), "", b"", set(), {})},
+    type(iter({}.values())), type(iter({}.items())), type(reversed([])),
+)  # fmt: skip
+
+
+def refuse_one_shot_iterators(name: str, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`~breakgraph.CaptureError` for an argument of eager function ``name`` that is
+    a one-shot iterator (:data:`ONE_SHOT_ITERATORS`). Replays call the function with its
+    capture-time arguments, the very objects: the capture pass consumes such an iterator, and
+    every replay then gets it exhausted. ``total(h for h in hs)`` replayed ``total`` of nothing,
+    a silently different result (or a :class:`~breakgraph.CopyBackError` naming no cause).
+    Checked at capture only, on the arguments as given (not inside containers)."""
+    for where, value in (*enumerate(args), *kwargs.items()):
+        if isinstance(value, ONE_SHOT_ITERATORS):
+            what = f"argument {where}" if isinstance(where, int) else f"argument {where!r}"
+            raise CaptureError(
+                f"eager function {name!r}: {what} is a one-shot iterator "
+                f"({type(value).__name__}). Replays call {name!r} with its capture-time "
+                f"arguments, and the capture pass consumes the iterator, so every replay would "
+                f"get it exhausted. Pass a list or tuple (list(...)), or build the iterator "
+                f"inside the function."
+            )
 
 
 def storages_of(*values: Any) -> frozenset:

@@ -239,6 +239,36 @@ def test_changed_python_value_is_rejected_by_default(capture, device):
     assert captured_count != 0
 
 
+@pytest.mark.parametrize(
+    "make", [lambda hs: (h for h in hs), iter, lambda hs: map(torch.neg, hs)],
+    ids=["generator", "iter", "map"],
+)
+def test_one_shot_iterator_argument_is_refused_at_capture(capture, device, make):
+    """Replays call the function with the capture-time objects: a generator consumed by the
+    capture pass is empty on every replay. ``total`` then replayed a sum of nothing (zeros):
+    a silently wrong answer, with no error."""
+
+    @eager_on_graph
+    def total(hs):
+        out = torch.zeros(3, device=device)
+        for h in hs:
+            out += h
+        return out
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    with pytest.raises(breakgraph.CaptureError, match=r"'.*total'.*argument 0 is a one-shot"):
+        with capture(g):
+            h = x * 1
+            total(make([h, h * 2]))
+    assert g.num_segments == 0 and not breakgraph.is_capturing()
+    with capture(g):  # a list is read again on every replay: the fix the message names
+        y = total([x * 1, x * 2]) + 1
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 3 + 1)
+
+
 def test_capture_stub_runs_at_capture_real_function_on_replay(capture, device):
     calls = {"real": 0, "stub": 0}
 
