@@ -258,12 +258,19 @@ class BucketedRunner:
         return buffers
 
     def _record(self, size: int) -> Any:
-        return self._captured_fn(*self._buffers[size])
+        """The capture, under ``no_grad``: replays run no autograd, and captured in the
+        caller's grad mode (the default) an ``nn.Module`` with trainable weights handed out
+        outputs carrying a stale capture-time ``grad_fn``, and an eager break whose result
+        autograd saved (``sigmoid``, ``softmax``) failed the first call with ``CopyBackError``
+        (its output was held by autograd, not by the graph)."""
+        with torch.no_grad():
+            return self._captured_fn(*self._buffers[size])
 
     def _warm_up(self, size: int) -> None:
         inputs = self._buffers[size]
-        for _ in range(self.warmup):
-            self.fn(*inputs)
+        with torch.no_grad():  # as the capture (a compiled fn must not compile again there)
+            for _ in range(self.warmup):
+                self.fn(*inputs)
 
     def _capture_context(self, size: int) -> Any:
         return self.capture_context(size) if self.capture_context else self.context

@@ -436,6 +436,33 @@ def test_inputs_that_require_grad_leave_no_history_in_the_static_buffers(backend
     assert all(ref() is None for ref in inputs)  # nothing keeps the inputs alive
 
 
+def test_a_runner_built_in_grad_mode_captures_without_autograd(backend, device):
+    """Built in the default grad mode over a module with trainable weights: the capture ran
+    with grad, so the eager break's ``sigmoid`` output was saved by autograd (memory the graph
+    did not own) and the first call raised CopyBackError; outputs carried a stale capture-time
+    ``grad_fn``. The runner captures under ``no_grad``, as the docs say the runners do."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).to(device)  # requires_grad weights
+
+    @breakgraph.eager_on_graph
+    def gate(h):
+        return torch.sigmoid(h)
+
+    def model(x):
+        return lin(gate(lin(x)))
+
+    assert torch.is_grad_enabled()
+    runner = BucketedRunner(model, (4, 16), (torch.randn(1, 8, device=device),),
+                            backend=backend, warmup=1)  # fmt: skip
+    for n in (3, 9, 4):
+        x = torch.randn(n, 8, device=device)
+        out = runner(x)
+        assert not out.requires_grad and out.grad_fn is None
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    runner.close()
+
+
 def test_a_dropped_runner_and_its_graphs_are_freed_at_del(backend, device):
     """``del`` alone (reference counting, the collector off) frees a runner and its graphs,
     eager breaks and capture contexts included, so their pool's memory goes back at once; so
