@@ -28,7 +28,7 @@ import contextlib
 import gc
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from .backends.base import Backend, CaptureOptions, Segment, Session
 from .backends.cuda import capture_failure_error, is_capture_failure
 from .copyback import build_copy_back
 from .errors import CaptureError, ReplayError
+from .modes import any_autocast, autocast_as, break_modes, pin_modes
 from .ownership import call_and_classify, refuse_one_shot_iterators, storages_of
 from .state import capture_turn, context_scope, is_capturing, replay_context, state
 
@@ -83,6 +84,7 @@ class Captured:
     timers: tuple | None = None  # debug mode: host time of each break
     unjoined: dict | None = None  # debug mode: segment -> side streams breakgraph joined
     without_grad: bool = False  # every break was captured under no_grad: replays run under it
+    autocast_off: bool = False  # every break was captured without autocast: replays run so
 
 
 class BreakableCUDAGraph:
@@ -176,12 +178,16 @@ class BreakableCUDAGraph:
             )
         previous = state.context
         grad_off = captured.without_grad and torch.is_grad_enabled()
+        cast = captured.autocast_off and any_autocast()  # the caller's autocast is on
+        restore = None
         # the thread's state is set inside the try: an interrupt (Ctrl-C) can leave none of it
         try:
             self._replaying = True
             state.context = captured.context if context is _NO_CONTEXT else context
             if grad_off:  # breaks captured under no_grad replay under it, whatever the mode
                 torch.set_grad_enabled(False)
+            if cast:  # breaks replay under their capture's autocast, here none (.modes)
+                restore = autocast_as(None)
             for step in captured.steps:
                 step()
         finally:
@@ -189,6 +195,8 @@ class BreakableCUDAGraph:
             state.context = previous
             if grad_off:
                 torch.set_grad_enabled(True)
+            if restore is not None:
+                restore.close()
 
     def reset(self) -> None:
         """Drop every segment and break and release what they held; the graph can be captured
@@ -385,7 +393,7 @@ class _Capture:
         self.failure: str | None = None  # why the capture cannot be completed
         self.segments: list[Segment] = []
         self.breaks: list[Break] = []
-        self.grad_modes: list[str] = []  # per break: "no_grad", "grad" or "" (the mode is moot)
+        self.modes: list[tuple] = []  # per break: its grad mode and autocast (.modes)
         self.unjoined: dict = {}
         self._closed = False
         self.watch = _debug.InputWatch() if options.debug else None
@@ -456,8 +464,7 @@ class _Capture:
                 self._begin_segment()
             raise
         self.breaks.append(Break(options.name, function, args, kwargs, output, replay))
-        moot = function is None or torch.is_inference_mode_enabled()  # it replays in that mode
-        self.grad_modes.append("" if moot else "grad" if torch.is_grad_enabled() else "no_grad")
+        self.modes.append(break_modes(function))  # what it replays under (.modes)
         try:
             if self.watch is not None:
                 self.watch.observe_break(options.name, args, kwargs, output)
@@ -501,12 +508,9 @@ class _Capture:
                 f"`with breakgraph.capture(...)` block, or catch it inside the eager function."
             )
         self._end_segment()
-        # breaks captured under no_grad replay under it: the whole replay turns grad off (one
-        # check per replay), or, in a graph that has breaks captured with grad too, each alone
-        without_grad = "no_grad" in self.grad_modes and "grad" not in self.grad_modes
-        if "no_grad" in self.grad_modes and not without_grad:
-            self.breaks = [replace(brk, replay=_under_no_grad(brk.replay)) if mode == "no_grad"
-                           else brk for brk, mode in zip(self.breaks, self.grad_modes)]  # fmt: skip
+        # breaks replay under their capture's grad mode and autocast: the whole replay turns
+        # grad off / the caller's autocast off (one check each), or each break alone (.modes)
+        self.breaks, without_grad, autocast_off = pin_modes(self.breaks, self.modes)
         timers = None
         if self.watch is None:
             steps = [self.segments[0].replay]
@@ -527,6 +531,7 @@ class _Capture:
             timers,
             self.unjoined,
             without_grad,
+            autocast_off,
         )
         self._close()  # first: where closing raises (a restore that warns, under -W error),
         # the graph holds nothing and abort() drops the segments
@@ -581,14 +586,3 @@ class _Capture:
         state.capture, state.context = None, self._previous_context
         if self._gc_was_enabled:
             gc.enable()
-
-
-def _under_no_grad(replay: Callable[[], None]) -> Callable[[], None]:
-    """``replay`` under ``torch.no_grad()`` (a break captured under it, in a graph that also
-    has breaks captured with grad)."""
-
-    def step() -> None:
-        with torch.no_grad():
-            replay()
-
-    return step

@@ -880,6 +880,64 @@ def test_breaks_captured_in_different_grad_modes_each_replay_in_their_own(captur
         assert not doubled.requires_grad
 
 
+def test_breaks_replay_under_their_capture_autocast_not_the_callers(capture, device):
+    """A graph captured in fp32 and replayed inside ``torch.autocast`` (an inference server's
+    usual wrapper) ran its breaks in bf16: the replay raised CopyBackError for a dtype the
+    function never chose, and a break that cast back (``.float()``) silently computed in bf16.
+    Each break replays under the autocast it was captured under (segments never see any)."""
+    kind = torch.device(device).type
+    w = torch.randn(8, 8, device=device)
+
+    @eager_on_graph
+    def project(h):
+        return h @ w  # fp32 at capture; bf16 under the caller's autocast
+
+    @eager_on_graph
+    def project_back(h):
+        return (h @ w).float()  # fp32 either way: the precision would change silently
+
+    @eager_on_graph
+    def own_autocast(h):  # an autocast the break enters itself still applies
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            return h @ w
+
+    x = torch.randn(4, 8, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        a = project(x * 1)
+        b = project_back(x * 1)
+        c = own_autocast(x * 1)
+    for _ in range(2):
+        new = fresh_into(x)
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            g.replay()
+            assert torch.is_autocast_enabled(kind)  # the caller's mode is back
+        torch.testing.assert_close(a, new @ w)
+        assert torch.equal(b, new @ w)  # bit for bit: computed in fp32 as at capture
+        assert c.dtype == torch.bfloat16
+
+    cast = BreakableCUDAGraph()  # captured under autocast: replayed under it, also outside
+    with torch.autocast(kind, dtype=torch.bfloat16), capture(cast):
+        d = project_back(x * 1)
+        e = project(x * 2)
+    with torch.autocast(kind, dtype=torch.bfloat16):
+        plain = project(x * 1)
+        with capture(mixed := BreakableCUDAGraph()):
+            f = project(x * 1)
+            with torch.autocast(kind, enabled=False):
+                h = project(x * 1)
+    for _ in range(2):
+        new = fresh_into(x)
+        cast.replay()
+        mixed.replay()
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            expected = (new @ w).float(), new * 2 @ w, new @ w
+        assert torch.equal(d, expected[0]) and torch.equal(e, expected[1])
+        assert torch.equal(f, expected[2]) and f.dtype == plain.dtype == torch.bfloat16
+        torch.testing.assert_close(h, new @ w)  # its break captured with autocast off
+        assert h.dtype == torch.float32
+
+
 # ---------------------------------------------------------------------------------------
 # Graph bugs stay visible (both backends give the same wrong answer)
 # ---------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ NAMES = {
     "torch._C._storage_Use_Count": ("ownership._holders", False),
     "torch._C._construct_storage_from_data_pointer": ("memory.borrowed", False),
     "torch._C._DisableAutocast": ("backends.emulated", False),
+    "torch._C._is_any_autocast_enabled": ("modes.any_autocast", False),
     "torch._debug_has_internal_overlap": ("copyback", False),
     "torch.utils._python_dispatch._get_current_dispatch_mode": ("syncs.exit_segment_mode", False),
     "torch._dynamo.mark_dynamic": ("integrations.transformers.compiled", False),

@@ -1,0 +1,108 @@
+"""The modes an eager break replays under: its capture's grad mode and autocast, not the caller's.
+
+A captured segment replays the kernels it recorded, whatever modes the caller has. An eager break
+runs Python again on every replay, so the modes active then decide what it computes. Its
+capture-time result fixed the dtypes and the autograd state that later segments read, so each
+break replays under the modes it was captured under:
+
+* **grad mode**: a break captured under ``no_grad`` replays under it (a break captured under
+  ``inference_mode`` replays under that, see :meth:`graph._Capture._run_eagerly`); one
+  captured with grad on runs in the caller's mode (its copy-back is never recorded);
+* **autocast**: a break captured without autocast replays without it, and one captured under
+  ``torch.autocast`` replays under the same autocast. Before, a graph captured in fp32 and
+  replayed inside ``torch.autocast("cuda", torch.bfloat16)`` (an inference server's usual
+  wrapper) had its breaks return bf16, and the replay raised ``CopyBackError`` for a dtype the
+  function never chose; a break that cast its result back (``.float()``) silently computed in
+  bf16 where the capture computed in fp32.
+
+The common graph, every break captured with grad off and autocast off, pays one check of each
+per replay (:meth:`graph.BreakableCUDAGraph.replay`); other graphs wrap their breaks one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+__all__ = ["any_autocast", "autocast_as", "break_modes", "pin_modes"]
+
+#: the devices whose autocast a break's modes record (breakgraph runs on CUDA and, emulated, CPU)
+AUTOCAST_DEVICES = ("cuda", "cpu")
+
+#: one C call (about 0.1 us): is any device's autocast on?
+any_autocast = torch._C._is_any_autocast_enabled
+
+
+def break_modes(function: Callable | None) -> tuple[str, tuple | None]:
+    """A break's modes as its capture-time call ran: its grad mode (``"no_grad"``, ``"grad"``, or
+    ``""`` where it is moot: an empty break, or one under ``inference_mode``, which replays
+    under that) and its autocast (None when off; else ``((device, dtype), ...)``)."""
+    moot = function is None or torch.is_inference_mode_enabled()
+    grad = "" if moot else "grad" if torch.is_grad_enabled() else "no_grad"
+    return grad, (_autocast_now() if function is not None and any_autocast() else None)
+
+
+def _autocast_now() -> tuple:
+    return tuple((device, torch.get_autocast_dtype(device))
+                 for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device))  # fmt: skip
+
+
+def autocast_as(captured: tuple | None) -> contextlib.ExitStack:
+    """A context with autocast as ``captured`` (None: off) on :data:`AUTOCAST_DEVICES`.
+    ``torch.autocast(enabled=False)``, not ``torch._C._DisableAutocast``: that one hides
+    autocast from the dispatcher, so an autocast that the break itself enters would not apply."""
+    stack = contextlib.ExitStack()
+    wanted = dict(captured or ())
+    for device in AUTOCAST_DEVICES:
+        if device in wanted:
+            stack.enter_context(torch.autocast(device, dtype=wanted[device]))
+        elif torch.is_autocast_enabled(device):  # the caller's: off for the break
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
+def pin_modes(breaks: Sequence[Any], modes: Sequence[tuple]) -> tuple[list, bool, bool]:
+    """``breaks`` (``graph.Break``) with their replays pinned to their capture-time ``modes``
+    (:func:`break_modes`), and two flags for the whole replay to apply instead of wrappers:
+    ``without_grad`` (every break that cares was captured under no_grad: the replay turns
+    grad off, one check) and ``autocast_off`` (every break was captured without autocast: the
+    replay turns the caller's off, one check). Other breaks are wrapped one by one."""
+    grads = [grad for grad, _ in modes]
+    without_grad = "no_grad" in grads and "grad" not in grads
+    casts = [cast for (_, cast), brk in zip(modes, breaks) if brk.replay is not None]
+    autocast_off = bool(casts) and all(cast is None for cast in casts)
+    pinned = []
+    for brk, (grad, cast) in zip(breaks, modes):
+        step = brk.replay
+        if step is not None and grad == "no_grad" and not without_grad:
+            step = _under_no_grad(step)
+        if step is not None and casts and not autocast_off:
+            step = _under_autocast(step, cast)
+        pinned.append(brk if step is brk.replay else replace(brk, replay=step))
+    return pinned, without_grad, autocast_off
+
+
+def _under_no_grad(replay: Callable[[], None]) -> Callable[[], None]:
+    """``replay`` under ``torch.no_grad()`` (a break captured under it, in a graph that also
+    has breaks captured with grad)."""
+
+    def step() -> None:
+        with torch.no_grad():
+            replay()
+
+    return step
+
+
+def _under_autocast(replay: Callable[[], None], captured: tuple | None) -> Callable[[], None]:
+    """``replay`` under its capture's autocast (a graph some of whose breaks were captured
+    under ``torch.autocast``)."""
+
+    def step() -> None:
+        with autocast_as(captured):
+            replay()
+
+    return step
