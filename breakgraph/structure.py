@@ -52,6 +52,9 @@ _LEAF_TYPES = (
 )  # fmt: skip
 
 
+_PLAIN_SEQUENCES = (list, tuple)
+
+
 class StructureError(BreakgraphError, ValueError):
     """A structure breakgraph cannot walk (a reference cycle); ``path`` says where."""
 
@@ -137,7 +140,10 @@ def rebuild(value: Any, parts: Split, values: list) -> Any:
     if parts.kind == "namedtuple":
         return type(value)(*values)
     if parts.kind == "sequence":
-        return type(value)(values)
+        new = type(value)(values)
+        if type(value) not in _PLAIN_SEQUENCES and hasattr(value, "__dict__"):
+            new.__dict__.update(vars(value))  # a subclass's own attributes: dropped before
+        return new
     new = copy.copy(value)
     if parts.kind == "mapping":
         for key, item in zip(parts.keys, values):
@@ -163,7 +169,15 @@ def _map(fn: Callable, value: Any, path: str, active: set) -> Any:
         values = [
             _map(fn, v, parts.label(path, k), active) for k, v in zip(parts.keys, parts.values)
         ]
-    return rebuild(value, parts, values)
+    try:
+        return rebuild(value, parts, values)
+    except Exception as exc:  # a constructor that takes more than the items, a read-only mapping
+        raise StructureError(
+            path,
+            f"a {type(value).__name__} cannot be rebuilt to hold the new tensors "
+            f"({type(exc).__name__}: {exc}); return a plain tuple, list, dict or dataclass "
+            f"instead (a runner rebuilds nothing with slice_outputs=False and owned=False), found",
+        ) from exc
 
 
 def iter_tensors(value: Any, path: str = "output") -> Iterator[tuple[str, torch.Tensor]]:

@@ -86,6 +86,40 @@ def test_outputs_live_in_graph_memory_unless_owned(backend, device):
     torch.testing.assert_close(owned, eager(model, x1), atol=1e-5, rtol=1e-5)  # kept
 
 
+class Tagged(list):
+    """A list subclass with an attribute of its own (set after construction)."""
+
+
+class Batch(list):
+    """A list subclass whose constructor takes more than its items."""
+
+    def __init__(self, items, meta):
+        super().__init__(items)
+        self.meta = meta
+
+
+def test_list_subclass_outputs_keep_their_attributes_or_are_refused_by_name(backend, device):
+    """Trimming and ``owned=True`` rebuild every container: a list subclass came back without
+    the attributes it held (``out.lengths`` raised AttributeError on the new one), and one whose
+    constructor takes more than its items raised the constructor's raw TypeError."""
+
+    def tagged(x):
+        out = Tagged([x * 2])
+        out.lengths = "per-row"
+        return out
+
+    runner = BucketedRunner(tagged, (8,), (torch.randn(1, 3, device=device),), backend=backend)
+    x = torch.randn(5, 3, device=device)
+    for out in (runner(x), runner(x, owned=True)):
+        assert type(out) is Tagged and out.lengths == "per-row"
+        torch.testing.assert_close(out[0], x * 2)  # trimmed to the 5 rows
+    runner = BucketedRunner(lambda x: Batch([x * 2], "m"), (8,),
+                            (torch.randn(1, 3, device=device),), backend=backend)  # fmt: skip
+    with pytest.raises(breakgraph.structure.StructureError, match=r"a Batch cannot be rebuilt.*"
+                       r"slice_outputs=False and owned=False.* at output$"):  # fmt: skip
+        runner(x)
+
+
 @pytest.mark.parametrize(
     "bad, phrase",
     [
