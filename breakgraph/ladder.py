@@ -140,7 +140,7 @@ class GraphLadder:
             raise InputError(
                 f"{who}: with ranks=, the ranks agree the size themselves; drop agree_size."
             )
-        self._backend = select_backend(backend)
+        self._backend = select_backend(backend, who)
         self.backend: str = self._backend.name
         self.ranks = ranks
         self.debug = debug_enabled(debug, who)

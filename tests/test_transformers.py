@@ -797,6 +797,29 @@ def test_bad_runner_arguments():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_no_gpu_and_no_backend_names_the_runner_to_pass_it_to(monkeypatch):
+    """The README's ``PrefillRunner(model, ...)`` on a machine without a GPU said
+    ``breakgraph.capture: ... pass backend='emulated' to capture()``: a function the user never
+    called. The error names the runner it came from, and where ``backend=`` goes."""
+    from breakgraph.errors import BackendError
+    from breakgraph.runner import BucketedRunner
+
+    monkeypatch.delenv("BREAKGRAPH_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = _tiny("LlamaConfig", **COMMON)
+    with pytest.raises(BackendError, match=r"^PrefillRunner: no CUDA .* backend='emulated' to "
+                       r"PrefillRunner \(or set .*BREAKGRAPH_BACKEND=emulated\)"):  # fmt: skip
+        PrefillRunner(model, token_buckets=BUCKETS)
+    with pytest.raises(BackendError, match=r"^BucketedRunner: .* backend='emulated' to Bucketed"):
+        BucketedRunner(lambda x: x * 2, (4,), (torch.ones(1),))
+    with pytest.raises(BackendError, match=r"^BucketedRunner: backend 'cuda' was requested"):
+        BucketedRunner(lambda x: x * 2, (4,), (torch.ones(1),), backend="cuda")
+    with pytest.raises(BackendError, match=r"^breakgraph.capture: .* to capture\(\)"):
+        with breakgraph.capture(breakgraph.BreakableCUDAGraph()):
+            pass  # pragma: no cover
+    assert model.config._attn_implementation == "sdpa"
+
+
 # -- 6. padding hygiene ----------------------------------------------------------------------------
 PAD_ID = 7
 

@@ -35,21 +35,24 @@ __all__ = ["select_backend", "BACKENDS"]
 BACKENDS = ("cuda", "emulated")
 
 
-def select_backend(name: str | None = None) -> Backend:
-    """Return the backend object for ``name`` (or the environment's / the default one)."""
+def select_backend(name: str | None = None, who: str = "breakgraph.capture") -> Backend:
+    """Return the backend object for ``name`` (or the environment's / the default one).
+    ``who`` is the caller the errors name, and where they say to pass ``backend=``: a
+    ``PrefillRunner`` built without a GPU told its user to pass it to ``capture()``."""
     chosen = name if name is not None else os.environ.get("BREAKGRAPH_BACKEND") or None
     if chosen is None:
         if not torch.cuda.is_available():
+            call = "capture()" if who == "breakgraph.capture" else who
             raise BackendError(
-                "breakgraph.capture: no CUDA device is available. To run the same graph "
-                "semantics on the CPU, pass backend='emulated' to capture() (or set the "
+                f"{who}: no CUDA device is available. To run the same graph "
+                f"semantics on the CPU, pass backend='emulated' to {call} (or set the "
                 "environment variable BREAKGRAPH_BACKEND=emulated)."
             )
         chosen = "cuda"
     if chosen == "cuda":
         if not torch.cuda.is_available():
             raise BackendError(
-                "breakgraph: backend 'cuda' was requested but no CUDA device is available; "
+                f"{who}: backend 'cuda' was requested but no CUDA device is available; "
                 "use backend='emulated' (or BREAKGRAPH_BACKEND=emulated) on machines without a GPU."
             )
         from .cuda import CUDA_BACKEND
@@ -59,4 +62,4 @@ def select_backend(name: str | None = None) -> Backend:
         from .emulated import EMULATED_BACKEND
 
         return EMULATED_BACKEND
-    raise BackendError(f"breakgraph: unknown backend {chosen!r}; choose one of {BACKENDS}.")
+    raise BackendError(f"{who}: unknown backend {chosen!r}; choose one of {BACKENDS}.")

@@ -555,7 +555,7 @@ def _options(model, backend, attention, query_buckets, decode_graphs, compile, d
     """``enable_continuous_batching``'s checks: (backend, kernel, query buckets, debug)."""
     compat.require("continuous_batching", _WHO)
     parameter = next(model.parameters())
-    chosen = select_backend(backend).name
+    chosen = select_backend(backend, _WHO).name
     kernel = _resolve_attention(attention, parameter.dtype, parameter.device, _WHO)
     if query_buckets is not None:
         from breakgraph.buckets import validate_buckets

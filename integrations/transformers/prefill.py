@@ -204,7 +204,7 @@ class PrefillRunner:
         self.model = model
         self.device, self.dtype = parameter.device, parameter.dtype
         self._device_type = self.device.type  # read per call (see _no_autocast)
-        backend_name = breakgraph.backends.select_backend(backend).name
+        backend_name = breakgraph.backends.select_backend(backend, "PrefillRunner").name
         self.attention = resolve_attention(
             attention, self.dtype, self.device, "PrefillRunner", backend=backend_name
         )
