@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["any_autocast", "autocast_as", "break_modes", "pin_modes"]
+__all__ = ["any_autocast", "autocast_as", "autocast_now", "break_modes", "pin_modes"]
 
 #: the devices whose autocast a break's modes record (breakgraph runs on CUDA and, emulated, CPU)
 AUTOCAST_DEVICES = ("cuda", "cpu")
@@ -43,10 +43,14 @@ def break_modes(function: Callable | None) -> tuple[str, tuple | None]:
     under that) and its autocast (None when off; else ``((device, dtype), ...)``)."""
     moot = function is None or torch.is_inference_mode_enabled()
     grad = "" if moot else "grad" if torch.is_grad_enabled() else "no_grad"
-    return grad, (_autocast_now() if function is not None and any_autocast() else None)
+    return grad, (autocast_now() if function is not None and any_autocast() else None)
 
 
-def _autocast_now() -> tuple:
+def autocast_now() -> tuple | None:
+    """The autocast on now, as :func:`autocast_as` takes it: ``((device, dtype), ...)`` over
+    :data:`AUTOCAST_DEVICES`, or None when none is on."""
+    if not any_autocast():
+        return None
     return tuple((device, torch.get_autocast_dtype(device))
                  for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device))  # fmt: skip
 

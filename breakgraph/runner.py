@@ -68,6 +68,8 @@ from .eager import eager_on_graph
 from .errors import CaptureError, InputError
 from .graph import BreakableCUDAGraph
 from .ladder import GraphLadder, LadderStats
+from .modes import any_autocast, autocast_as
+from .modes import autocast_now as _autocast_now
 from .state import context_scope
 from .static_inputs import StaticInputs
 from .structure import map_tensors
@@ -197,6 +199,7 @@ class BucketedRunner:
         self.backend = self.ladder.backend
         self.context = context
         self.capture_context = capture_context
+        self._autocast = _autocast_now()  # the graphs' autocast: the eager fallback's too
         self._buffers: dict[int, tuple] = {}  # bucket -> its static input buffers
         if ranks is not None:  # the same buckets, captured alike, and the same decisions
             shapes = [(dtype, device.type, shape) for dtype, device, shape in self.inputs.specs]
@@ -364,6 +367,8 @@ class BucketedRunner:
         rank (see :meth:`decide`).
         """
         try:
+            if owned is not True and owned is not False:  # "no" would copy, as True does
+                validate_flag(owned, "BucketedRunner: owned")
             size = self.inputs.size_of(inputs)
         except BaseException:  # an InputError, or an interrupt: before the call's exchange
             if self.ranks is not None:  # the others raise, not pair it with this rank's next
@@ -405,9 +410,21 @@ class BucketedRunner:
         return self.ladder.replay(bucket, self.context if context is None else context, size=size)
 
     def run_eagerly(self, inputs: tuple, context: Any, reason: str) -> Any:
-        """Run ``fn`` on the live inputs (counted as an eager fallback for ``reason``)."""
+        """Run ``fn`` on the live inputs (a tuple; counted as an eager fallback for
+        ``reason``), under the autocast the graphs were captured under (none, unless the runner
+        was built inside ``torch.autocast``): an input longer than every bucket gets the dtypes
+        a bucket's graph would have given, whatever autocast the caller has on."""
+        if not isinstance(inputs, tuple):  # a tensor would be unpacked into its rows
+            raise InputError(
+                f"BucketedRunner.run_eagerly: inputs must be a tuple of the inputs, got "
+                f"{type(inputs).__name__}; pass (x,) for one input."
+            )
         self.ladder.record_eager(reason)
-        with context_scope(self.context if context is None else context):
+        context = self.context if context is None else context
+        if self._autocast is None and not any_autocast():  # the common case: nothing to pin
+            with context_scope(context):
+                return self.fn(*inputs)
+        with context_scope(context), autocast_as(self._autocast):
             return self.fn(*inputs)
 
     def _slice(self, output: Any, size: int, bucket_size: int) -> Any:

@@ -636,3 +636,42 @@ def test_every_refused_input_says_nothing_was_copied(inputs):
                             backend="emulated")  # fmt: skip
     with pytest.raises(InputError, match="Nothing was copied"):
         runner(*inputs)
+
+
+def test_owned_that_is_not_a_bool_is_refused():
+    """``owned="no"`` copied the output, as True does (taken for its truth value)."""
+    runner = BucketedRunner(lambda x: x * 2, (4,), (torch.zeros(1, 2),), backend="emulated")
+    with pytest.raises(InputError, match="BucketedRunner: owned must be True or False"):
+        runner(torch.randn(3, 2), owned="no")
+    assert runner.stats.replays == 0
+
+
+def test_run_eagerly_refuses_a_bare_tensor():
+    """``run_eagerly(x, ...)`` unpacked the tensor's rows as separate inputs (a raw
+    TypeError from ``fn``); it takes a tuple of the inputs."""
+    runner = BucketedRunner(lambda x: x * 2, (4,), (torch.zeros(1, 2),), backend="emulated")
+    x = torch.randn(3, 2)
+    with pytest.raises(InputError, match=r"run_eagerly: inputs must be a tuple.*\(x,\)"):
+        runner.run_eagerly(x, None, "test")
+    assert torch.equal(runner.run_eagerly((x,), None, "test"), x * 2)
+
+
+def test_eager_fallback_runs_under_the_graphs_autocast_not_the_callers():
+    """Under the caller's ``torch.autocast``, a size that fits a bucket came back in fp32 (the
+    graph, captured without autocast) and a size above every bucket in bf16 (the fallback ran
+    in the caller's modes): the dtype depended on the size. The fallback now runs under the
+    autocast the runner was built under."""
+    w = torch.randn(4, 4)
+    runner = BucketedRunner(lambda x: (x * 1) @ w + 1, (4, 8), (torch.randn(1, 4),),
+                            backend="emulated")  # fmt: skip
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        small, large = torch.randn(3, 4), torch.randn(30, 4)
+        assert runner(small).dtype == torch.float32
+        out = runner(large)
+        assert out.dtype == torch.float32  # was bfloat16
+        assert torch.is_autocast_enabled("cpu")  # the caller's autocast is back
+    torch.testing.assert_close(out, large @ w + 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        built = BucketedRunner(lambda x: (x * 1) @ w + 1, (4,), (torch.randn(1, 4),),
+                               backend="emulated")  # fmt: skip
+    assert built(torch.randn(9, 4)).dtype == torch.bfloat16  # built under it: kept
