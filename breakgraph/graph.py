@@ -442,9 +442,9 @@ class _Capture:
     def run_break(
         self, function: Callable | None, options: BreakOptions, args: tuple, kwargs: dict
     ) -> Any:
-        """End the segment, run ``function`` eagerly, register its replay, begin a new segment."""
-        if not self.in_segment:  # an eager function called from inside another one
-            return function(*args, **kwargs)
+        """End the segment, run ``function`` eagerly, register its replay, begin a new segment.
+        Called only inside a segment (``eager_on_graph``'s wrapper and ``break_graph`` check
+        ``in_segment``: an eager function called from inside another one runs plainly)."""
         try:
             self._end_segment(options.name)
         except BaseException as exc:  # the segment is gone: nothing after this is captured
