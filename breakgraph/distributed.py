@@ -292,7 +292,8 @@ class RankGroup:
 
         If the step fails here, this rank tells the others and re-raises its own error. If it
         failed elsewhere, this rank raises :class:`~breakgraph.RankFailedError`. Either way the
-        group is then broken, because the ranks' collective sequences have diverged. A rank
+        group is then broken, because the ranks' collective sequences have diverged: a later
+        step (or a step on a closed group) raises ``RankFailedError`` without running. A rank
         blocked inside one of the model's gloo collectives is released within ``timeout / 2``:
         during the step the model group's own timeout is lowered to that and restored
         afterwards. NCCL collectives never block the host during capture, so no rank waits
@@ -309,6 +310,8 @@ class RankGroup:
         buffers) is kept alive until the process exits: this rank raises at once and the
         process must end, which ``torchrun`` does when a rank raises.
         """
+        if self._broken is not None or self._control is None:  # before the step, not after:
+            raise self._unusable()  # it ran its collectives, and a failure blamed this rank
         if self.nccl:
             torch.cuda.synchronize()
         try:
@@ -423,13 +426,8 @@ class RankGroup:
         return int(size), int(fingerprint)
 
     def _exchange(self, size: int, digest: int, failed: int) -> tuple[int, bool, list[int]]:
-        if self._broken is not None:
-            raise RankFailedError(
-                f"RankGroup: {self._broken} earlier; the ranks' collective sequences have "
-                f"diverged, so this group cannot be used any more. End the processes and restart."
-            )
-        if self._control is None:
-            raise RankFailedError("RankGroup: closed.")
+        if self._broken is not None or self._control is None:
+            raise self._unusable()
         values = self._values
         values[:] = 0
         values[0], values[1], values[2] = size, digest, -digest
@@ -439,6 +437,15 @@ class RankGroup:
         worst = flags.max()
         failed_ranks = [r for r, flag in zip(self.ranks, flags) if worst and flag == worst]
         return int(values[0]), bool(values[1] == -values[2]), failed_ranks
+
+    def _unusable(self) -> RankFailedError:
+        """The error of a group that a failure broke, or that was closed."""
+        if self._broken is not None:
+            return RankFailedError(
+                f"RankGroup: {self._broken} earlier; the ranks' collective sequences have "
+                f"diverged, so this group cannot be used any more. End the processes and restart."
+            )
+        return RankFailedError("RankGroup: closed by close(); build a new RankGroup.")
 
     def _all_reduce_max(self, buffer: torch.Tensor) -> None:
         """``buffer`` (int64, on the host) becomes its element-wise maximum over the ranks."""

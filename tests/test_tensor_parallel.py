@@ -1283,6 +1283,49 @@ def test_equal_settings_of_other_types_agree(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_a_capture_step_on_a_broken_or_closed_group_does_not_run():
+    """After a failed capture step, the next step ran (a warm-up or capture, with the model's
+    collectives) before the exchange refused it; one that failed too replaced the first cause
+    with its own and blamed this rank. On a closed group the whole step ran before "closed"."""
+    import torch.distributed as dist
+
+    from breakgraph import distributed
+    from breakgraph.errors import RankFailedError
+
+    ran = []
+
+    def step(fail: bool):
+        def run():
+            ran.append(fail)
+            if fail:
+                raise ValueError("the first failure")
+            return 3
+        return run
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = distributed.RankGroup(timeout=30)
+        assert repr(ranks) == "RankGroup(rank 0 of [0], timeout=30 s)"
+        assert ranks.capture_step("warm-up of bucket 4", step(False)) == 3
+        with pytest.raises(ValueError, match="the first failure"):
+            ranks.capture_step("warm-up of bucket 8", step(True))
+        for fail in (False, True):
+            with pytest.raises(RankFailedError, match="warm-up of bucket 8 failed on rank"):
+                ranks.capture_step("capture of bucket 4", step(fail))
+        assert ran == [False, True]
+        assert "broken: warm-up of bucket 8 failed" in repr(ranks)
+        ranks.close()
+        closed = distributed.RankGroup(timeout=30)
+        closed.close()
+        with pytest.raises(RankFailedError, match="closed by close"):
+            closed.capture_step("capture of bucket 4", step(False))
+        with pytest.raises(RankFailedError, match="closed by close"):
+            closed.agree(4)
+        assert ran == [False, True]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_rank_group_dropped_without_close_destroys_its_gloo_group():
     """A runner (its RankGroup) deleted without close() left the gloo group the RankGroup
     created in torch.distributed's registry for good, with its connections to the other ranks:
