@@ -399,12 +399,12 @@ class GraphLadder:
         )  # fmt: skip
 
     def replay(self, bucket: int, context: Any = None, *, size: int | None = None) -> Any:
-        """Replay ``bucket``'s graph with ``context`` as the replay context; returns the output
-        its capture returned (it lives in graph memory). Counts a replay and, with ``size``
-        (the live size), ``bucket - size`` padding elements."""
+        """Replay ``bucket``'s graph with ``context`` as the replay context; its capture's output
+        (in graph memory). Counts a replay and, with ``size`` (live), ``bucket - size`` padding."""
         rung = self._rung(bucket, "replay")
         if size is not None and (type(size) is not int or not 0 <= size <= bucket):
-            if self._checked_size(size, "replay") > bucket:
+            size = self._checked_size(size, "replay")  # numpy's int64 made the counter one
+            if size > bucket:
                 raise InputError(
                     f"{self.who}.replay: size={size} is larger than bucket {bucket}; pass the "
                     f"live size, which the bucket holds (decide(size) chose it)."

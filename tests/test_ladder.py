@@ -314,6 +314,21 @@ def test_sizes_and_buckets_that_are_not_ints_are_refused(bad):
     assert ladder.decide(0).bucket == 4 and ladder.replay(4, 0, size=4) is ladder.output(4)
 
 
+def test_a_numpy_size_keeps_the_counters_plain_ints():
+    """replay(4, size=np.int64(3)) is accepted (decide takes numpy's ints too), but the padding
+    counter became a numpy.int64, which json.dumps of the stats refused."""
+    import json
+
+    np = pytest.importorskip("numpy")
+    ladder, _ = make("emulated", "cpu")
+    ladder.replay(4, 0, size=np.int64(3))
+    ladder.replay(4, 0, size=np.uint8(2))
+    stats = ladder.stats.buckets[4]
+    assert stats.padded == 3 and type(stats.padded) is int
+    json.dumps({"padded": stats.padded, "total": ladder.stats.padded_elements[4]})
+    ladder.close()
+
+
 def test_stats_totals_views_and_table(backend, device):
     ladder, owner = make(backend, device)
     ladder.replay(16, 0, size=10)
