@@ -1,0 +1,99 @@
+"""breakgraph.patches: every replacement is undone exactly, on every path, and a value that other
+code put in meanwhile is left in place with a warning (the module's contract, docs/design.md)."""
+
+import contextlib
+import types
+
+import pytest
+
+from breakgraph.errors import BreakgraphWarning
+from breakgraph.patches import PatchSet, SharedPatches, patch_attribute, patch_item
+
+
+def test_an_item_is_restored_to_its_previous_value_or_removed():
+    registry = {"kept": 1}
+    with contextlib.ExitStack() as stack:
+        patch_item(stack, registry, "kept", 2)
+        patch_item(stack, registry, "new", 3)
+        assert registry == {"kept": 2, "new": 3}
+    assert registry == {"kept": 1}
+
+
+def test_an_item_replaced_by_other_code_is_left_with_a_warning():
+    registry = {"key": 1}
+    with pytest.warns(BreakgraphWarning, match="'key' was replaced by other code"):
+        with contextlib.ExitStack() as stack:
+            patch_item(stack, registry, "key", 2)
+            registry["key"] = 3
+    assert registry == {"key": 3}
+
+
+def test_an_attribute_replaced_by_other_code_is_left_with_a_warning():
+    box = types.SimpleNamespace(f=len)
+    with pytest.warns(BreakgraphWarning, match=r"\.f was replaced by other code"):
+        with PatchSet() as patches:
+            patches.attribute(box, "f", abs)
+            box.f = min
+    assert box.f is min
+
+
+def test_an_inherited_method_is_deleted_again_not_copied_onto_the_subclass():
+    class Base:
+        def method(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    with PatchSet() as patches:
+        patches.attribute(Child, "method", lambda self: "patched")
+        assert Child().method() == "patched"
+    assert "method" not in Child.__dict__ and Child().method() == "base"
+
+
+def test_a_slots_attribute_is_restored():
+    class Slotted:
+        __slots__ = ("value",)
+
+    owner = Slotted()
+    owner.value = 1
+    with contextlib.ExitStack() as stack:
+        patch_attribute(stack, owner, "value", 2)
+        assert owner.value == 2
+    assert owner.value == 1
+
+
+def test_weak_patches_of_a_collected_owner_restore_nothing_and_others_as_usual():
+    class Owner:
+        pass
+
+    gone, kept = Owner(), Owner()
+    patches = PatchSet()
+    patches.attribute(gone, "f", abs, weak=True)
+    patches.attribute(kept, "f", abs, weak=True)
+    del gone
+    patches.restore()
+    assert not hasattr(kept, "f")
+    patches.restore()  # idempotent
+
+
+def test_a_shared_install_that_raises_leaves_nothing_installed():
+    """The first acquire's install raised after one replacement: that one is undone, nobody
+    holds the set, and a later release does not go below zero users."""
+    box = types.SimpleNamespace(f=len, g=len)
+
+    def install(patches):
+        patches.attribute(box, "f", abs)
+        raise RuntimeError("install failed")
+
+    shared = SharedPatches(install)
+    with pytest.raises(RuntimeError, match="install failed"):
+        shared.acquire()
+    assert box.f is len and not shared.installed
+    shared.release()  # no user: nothing to do
+    shared.release_later()
+    ok = SharedPatches(lambda patches: patches.attribute(box, "g", abs))
+    ok.acquire()
+    ok.release_later()  # a user collected without releasing: counted at the next call
+    ok.release()  # an extra release: still only the one user goes
+    assert box.g is len and not ok.installed
