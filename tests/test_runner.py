@@ -220,6 +220,7 @@ def test_all_buckets_share_one_pool(backend, device):
         (dict(warmup=-1), "warmup must be an int >= 0"),
         (dict(warmup=1.5), "warmup must be an int >= 0"),
         (dict(pad_values=(0, 1)), "pad_values"),
+        (dict(ranks=object(), warmup=0), r"with ranks=, collectives must run eagerly"),
     ],
 )
 def test_bad_configuration(backend, device, kwargs, phrase):
@@ -413,6 +414,50 @@ def test_static_inputs_fill_never_broadcasts_or_casts(device, bad, phrase):
         spec.fill((torch.zeros(4, 2, device=device, dtype=torch.float16),), (x,), 3)
     spec.fill(buffers, (x,), 3)
     assert torch.equal(buffers[0][:3], x) and (buffers[0][3:] == -1).all()
+
+
+def test_inputs_of_several_tensors_are_checked_together(backend, device):
+    """A count that differs from the spec's, and bucketed sizes that differ between inputs,
+    are refused by number before anything is copied (the runner's call and StaticInputs.fill)."""
+    runner = BucketedRunner(
+        lambda h, w: h * w[:, None], (4, 8),
+        (torch.zeros(1, 2, device=device), torch.zeros(1, device=device)),
+        backend=backend, warmup=1,
+    )  # fmt: skip
+    h, w = torch.randn(3, 2, device=device), torch.randn(3, device=device)
+    with pytest.raises(InputError, match="expected 2 inputs, got 1"):
+        runner(h)
+    with pytest.raises(InputError, match="input 1 has bucketed size 2, but input 0 has 3"):
+        runner(h, w[:2])
+    spec = runner.inputs
+    assert spec.device == torch.device(device)
+    with pytest.raises(InputError, match="StaticInputs.fill: 1 buffers for 2 inputs"):
+        spec.fill(spec.allocate(4)[:1], (h, w), 3)
+    assert sum(runner.stats.calls.values()) == 0
+    torch.testing.assert_close(runner(h, w), h * w[:, None])
+
+
+def test_a_slice_outputs_callable_trims_padded_calls(backend, device):
+    """``slice_outputs=callable`` trims a padded call its own way (here the second output, a
+    ``[1, N]`` row that the default would leave whole); a call at the bucket size is returned
+    as replayed."""
+    trimmed = []
+
+    def trim(output, size):
+        trimmed.append(size)
+        return output[0][:size], output[1][:, :size]
+
+    runner = BucketedRunner(
+        lambda x: (x * 2, x.sum(1)[None]), (4, 8), (torch.zeros(1, 3, device=device),),
+        backend=backend, warmup=1, slice_outputs=trim,
+    )  # fmt: skip
+    for n in (3, 8, 5):
+        x = torch.randn(n, 3, device=device)
+        doubled, row = runner(x)
+        torch.testing.assert_close(doubled, x * 2)
+        torch.testing.assert_close(row, x.sum(1)[None])
+    assert trimmed == [3, 5]
+    assert (runner.on_miss, runner.max_padding_fraction, runner.agree_size) == ("eager", None, None)
 
 
 @pytest.mark.parametrize(
