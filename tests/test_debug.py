@@ -421,6 +421,46 @@ def test_assert_replay_matches_eager_names_a_changed_input_structure(second):
         assert_replay_matches_eager(lambda v: v, lambda: next(draws), backend="emulated")
 
 
+def test_assert_replay_matches_eager_names_a_changed_shape_and_a_changed_output():
+    """A draw of another shape is named as the input that changed; an output whose type or
+    Python value the frozen graph cannot follow is named by its path and both values."""
+    draws = iter([torch.randn(3), torch.randn(4)])
+    with pytest.raises(AssertionError, match=r"make_inputs\(\) changed input\[0\]: .*same shapes"):
+        assert_replay_matches_eager(lambda x: x * 2, lambda: next(draws), backend="emulated")
+    calls = {"n": 0}
+
+    def counted(x):  # a Python value decided at capture: the replay keeps the capture's
+        calls["n"] += 1
+        return x * 2, calls["n"]
+
+    with pytest.raises(AssertionError, match=r"replay 0: output\[1\]: replay gave 2, eager 3"):
+        assert_replay_matches_eager(counted, lambda: torch.randn(3), backend="emulated")
+
+    def shaped(x):  # the output's container decided at capture
+        calls["n"] += 1
+        return (x * 2,) if calls["n"] <= 2 else [x * 2]
+
+    calls["n"] = 0
+    with pytest.raises(AssertionError, match="output: replay gave tuple of length 1, eager list"):
+        assert_replay_matches_eager(shaped, lambda: torch.randn(3), backend="emulated")
+
+    def dropped(x):  # a tensor at capture, None later
+        calls["n"] += 1
+        return x * 2 if calls["n"] <= 2 else None
+
+    calls["n"] = 0
+    with pytest.raises(AssertionError, match="output: replay gave tensor"):
+        assert_replay_matches_eager(dropped, lambda: torch.randn(3), backend="emulated")
+
+    def appeared(x):  # None at capture, a tensor later
+        calls["n"] += 1
+        return None if calls["n"] <= 2 else x * 2
+
+    calls["n"] = 0
+    with pytest.raises(AssertionError, match="output: replay gave NoneType None, eager a tensor"):
+        assert_replay_matches_eager(appeared, lambda: torch.randn(3), backend="emulated")
+
+
 def test_assert_replay_matches_eager_takes_expanded_inputs():
     """The first draw is copied into dense static inputs: an expanded draw (stride 0) cannot be
     written into, and the caller's tensors are left as they were."""
