@@ -930,6 +930,34 @@ def test_outputs_distinct_at_capture_may_alias_at_replay(capture, device, shape)
             torch.testing.assert_close(out, expected)
 
 
+def test_an_overlapping_output_of_another_shape_or_type_on_replay_raises(capture, device):
+    """An output that overlaps another is checked with its group before anything of the group
+    is copied: another shape or a value that is no tensor names its path, and the shared
+    memory keeps the last replay's values."""
+    state = {"second": lambda y: y[:2]}
+
+    @eager_on_graph
+    def pair(h):
+        y = h * 2
+        return y, state["second"](y)
+
+    x = torch.randn(4, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        first, second = pair(x + 1)
+    fresh = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(second, ((fresh + 1) * 2)[:2])
+    kept = first.clone()
+    for changed, phrase in ((lambda y: y[:3], "another shape"), (lambda y: "oops", "structure")):
+        state["second"] = changed
+        fresh_into(x)
+        with pytest.raises(CopyBackError, match=f"pair' returned a .*{phrase}") as info:
+            g.replay()
+        assert info.value.path == "output[1]"
+        assert torch.equal(first, kept)
+
+
 def test_chunks_of_one_tensor_may_become_independent_tensors(capture, device):
     """Outputs that share a storage without overlapping (q, k, v chunks, interleaved too)
     need no aliasing on replay: each is copied on its own."""
