@@ -1712,6 +1712,29 @@ def test_disable_whose_restore_warns_as_an_error_still_disables():
     assert compat.attention_key(model) == "sdpa"
     del model.forward
 
+def test_an_enable_that_fails_midway_leaves_nothing_behind(monkeypatch):
+    """enable_continuous_batching raising after the private config went in (here in
+    set_attn_implementation): every module holds the model's own config again, no forward is
+    replaced, the shared patches are released and the model is not listed; it enables later."""
+    model = build_model("llama")
+    config = model.config
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("no such attention")
+
+    monkeypatch.setattr(type(model), "set_attn_implementation", refuse)
+    with pytest.raises(RuntimeError, match="no such attention"):
+        enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    monkeypatch.undo()
+    assert all(m.config is config for m in model.modules() if "config" in m.__dict__)
+    assert "forward" not in model.__dict__ and "init_continuous_batching" not in model.__dict__
+    assert cb._handle_of(model) is None and not cb._shared.installed
+    assert compat.attention_key(model) == "sdpa"
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert handle.enabled and model.config is not config
+    assert model.config is config and not cb._shared.installed
+
+
 @needs_cb
 def test_a_stock_manager_made_before_enabling_cannot_take_the_key_back():
     """A manager created without breakgraph: on 5.17 it holds the model's attention key
