@@ -320,7 +320,8 @@ class BucketedRunner:
             >>> r.decide(5).bucket
             16
         """
-        size = validate_count(size, 0, "BucketedRunner.decide: size")
+        # the ladder validates the size (as "BucketedRunner.decide") and, with ranks, tells the
+        # others first: refused here, they waited and paired this call with the next one
         return self.ladder.decide(size, fingerprint)
 
     def bucket_for(self, size: int) -> int | None:

@@ -1408,6 +1408,23 @@ def test_a_runner_call_interrupted_before_its_exchange_tells_the_other_ranks(mon
         assert torch.equal(runner(fresh), fresh * 2)
 
 
+def test_a_decide_of_a_size_that_is_not_a_size_tells_the_other_ranks(monkeypatch):
+    """runner.decide("3") (or a negative size) with ranks: refused here, and the other ranks
+    told (they raise RankFailedError) instead of waiting for this call's exchange; a bad
+    owned= is told too, before the size is read."""
+    from breakgraph.errors import InputError
+
+    with one_rank_doubler(monkeypatch) as (_, runner, reported):
+        for bad in ("3", -1):
+            with pytest.raises(InputError, match="BucketedRunner.decide: size must be an int"):
+                runner.decide(bad)
+        with pytest.raises(InputError, match="owned must be True or False"):
+            runner(torch.randn(2, 3), owned="no")
+        assert reported == ["failed"] * 3
+        fresh = torch.randn(2, 3)
+        assert torch.equal(runner(fresh), fresh * 2)
+
+
 def test_a_fingerprint_that_is_not_an_int64_is_refused_on_every_rank(monkeypatch):
     """BucketedRunner(ranks=...)(x, fingerprint=f) with ``f`` not an int64 on one rank (2**64,
     None, a float) raised numpy's raw OverflowError or TypeError there before the call's
