@@ -396,6 +396,27 @@ def test_reset_then_capture_again(capture, device):
         torch.testing.assert_close(z, new * 3 + 1 - new)
 
 
+def test_reset_inside_its_own_capture_or_a_capture_of_no_graph_raises(capture, device):
+    """reset() of the graph being captured, and capture() of what is not a
+    BreakableCUDAGraph, raise CaptureError by name; the graph is captured again afterwards."""
+    x = torch.randn(5, device=device)
+    g = BreakableCUDAGraph()
+    with pytest.raises(CaptureError, match=r"reset\(\) inside its own capture"):
+        with capture(g):
+            y = x * 2
+            g.reset()
+    assert_clean(g)
+    for wrong in (None, torch.zeros(1), "g"):
+        with pytest.raises(CaptureError, match="expected a BreakableCUDAGraph, got"):
+            with capture(wrong):
+                pass
+    with capture(g):
+        y = double_on_host(x + 1)
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, (new + 1) * 2)
+
+
 @pytest.mark.parametrize("target", ["other graph", "same graph"])
 def test_nested_capture_raises_and_outer_capture_completes(capture, device, target):
     x = torch.randn(6, device=device)
