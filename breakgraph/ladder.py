@@ -226,6 +226,7 @@ class GraphLadder:
         validate_callable(record, f"{self.who}.capture: record", optional=False)
         validate_callable(warm_up, f"{self.who}.capture: warm_up")
         validate_callable(context, f"{self.who}.capture: context (size -> context)")
+        validate_flag(warm_up_each, f"{self.who}.capture: warm_up_each")  # "no" warmed up all
         ordered = [
             s
             for s in reversed(validate_buckets(sizes, f"{self.who}.capture", allow_empty=True))

@@ -513,6 +513,28 @@ def test_capture_refuses_arguments_that_are_not_callable(backend, device, argume
     ladder.close()
 
 
+def test_progress_prints_each_capture_and_repr_says_closed(backend, device, capsys):
+    ladder, _ = make(backend, device, sizes=(4, 16), progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" in ")[0] for line in lines] == [
+        "breakgraph: captured bucket 1/2 (size 16)", "breakgraph: captured bucket 2/2 (size 4)",
+    ]
+    assert repr(ladder) == f"GraphLadder(backend={backend!r}, buckets=(4, 16))"
+    ladder.close()
+    assert repr(ladder) == f"GraphLadder(backend={backend!r}, buckets=(), closed)"
+
+
+def test_warm_up_each_that_is_not_a_flag_is_refused(backend, device):
+    """``warm_up_each="no"`` warmed up every bucket: read for its truth value. Refused by
+    name, before anything is captured."""
+    owner = Owner(device, (4,))
+    ladder = GraphLadder(backend=backend)
+    with pytest.raises(InputError, match="GraphLadder.capture: warm_up_each must be True or"):
+        ladder.capture((4,), owner.record, warm_up_each=None)
+    assert ladder.buckets == ()
+    ladder.close()
+
+
 def test_discard_of_a_ladder_given_a_fresh_pool_captures_again(backend, device):
     """A ladder given a pool of its own (``torch.cuda.graph_pool_handle()``) held that pool's
     only graphs: discarding them gave the pool up, and going back to it failed the next
