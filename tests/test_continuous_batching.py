@@ -667,6 +667,23 @@ def test_step_views_are_made_once_bounded_and_never_outlive_their_buffers(monkey
     assert inputs.rows[4][:3].tolist() == [2, 0, 1]
 
 
+def test_ids_and_positions_of_separate_tensors_and_all_rows_are_staged():
+    """Where transformers keeps ids and positions in two tensors (not rows of one: the staging's
+    two-copy path) each goes to its row of the bucket's buffer, and a shorter step after a
+    longer one leaves zeros after it; without a row index (``logits_to_keep`` None) the first
+    ``rows`` rows are kept."""
+    inputs = step_inputs.StepInputs(torch.device("cpu"))
+    inputs.allocate([8])
+    for n in (6, 3):
+        ids, positions = torch.randint(1, 100, (1, n)), torch.randint(1, 100, (1, n))
+        assert step_inputs.rows_of_one(ids, positions) is None
+        staged = inputs.stage(8, ids, positions, n)
+        assert staged[0, :n].equal(ids[0]) and staged[1, :n].equal(positions[0])
+        assert not staged[:, n:].any()
+    inputs.stage_rows(8, torch.tensor([5, 1, 4, 0, 2]), 5, 6)
+    assert inputs.stage_rows(8, None, 3, 3).tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+
+
 @needs_cb
 def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
     """``compile=...``: the decoder's Dynamo frames compile once, at the largest bucket's
