@@ -429,10 +429,12 @@ class BucketedRunner:
             return self.fn(*inputs)
 
     def _slice(self, output: Any, size: int, bucket_size: int) -> Any:
-        if self.slice_outputs is False or size == bucket_size:
+        if self.slice_outputs is False:
             return output
-        if callable(self.slice_outputs):
-            return self.slice_outputs(output, size)
+        if self.slice_outputs is not True:  # a callable: at an exact size too, so that one
+            return self.slice_outputs(output, size)  # that reshapes gives one type always
+        if size == bucket_size:
+            return output
         d = self.inputs.dims[0]  # the first input's bucketed dimension, counted from the start
 
         def trim(t: torch.Tensor) -> torch.Tensor:

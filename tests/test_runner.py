@@ -439,8 +439,8 @@ def test_inputs_of_several_tensors_are_checked_together(backend, device):
 
 def test_a_slice_outputs_callable_trims_padded_calls(backend, device):
     """``slice_outputs=callable`` trims a padded call its own way (here the second output, a
-    ``[1, N]`` row that the default would leave whole); a call at the bucket size is returned
-    as replayed."""
+    ``[1, N]`` row that the default would leave whole); a call at the bucket size goes
+    through it too, so that the output's structure never depends on the size."""
     trimmed = []
 
     def trim(output, size):
@@ -456,7 +456,7 @@ def test_a_slice_outputs_callable_trims_padded_calls(backend, device):
         doubled, row = runner(x)
         torch.testing.assert_close(doubled, x * 2)
         torch.testing.assert_close(row, x.sum(1)[None])
-    assert trimmed == [3, 5]
+    assert trimmed == [3, 8, 5]
     assert (runner.on_miss, runner.max_padding_fraction, runner.agree_size) == ("eager", None, None)
 
 
@@ -720,3 +720,15 @@ def test_eager_fallback_runs_under_the_graphs_autocast_not_the_callers():
         built = BucketedRunner(lambda x: (x * 1) @ w + 1, (4,), (torch.randn(1, 4),),
                                backend="emulated")  # fmt: skip
     assert built(torch.randn(9, 4)).dtype == torch.bfloat16  # built under it: kept
+
+
+def test_a_slice_outputs_callable_runs_at_an_exact_bucket_size_too():
+    """The callable was skipped when the size equalled the bucket: one that reshapes the
+    output returned a tensor for 3 rows and the whole tuple for 4."""
+    runner = BucketedRunner(lambda a: (a * 2, a.sum()), (4, 8), (torch.zeros(1, 2),),
+                            backend="emulated", slice_outputs=lambda o, n: o[0][:n])  # fmt: skip
+    for rows in (3, 4, 8):
+        x = torch.randn(rows, 2)
+        out = runner(x)
+        assert isinstance(out, torch.Tensor)
+        assert torch.equal(out, x * 2)

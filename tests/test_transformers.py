@@ -1746,6 +1746,9 @@ def test_graph_refusals_name_the_prefill_runner():
     runner = make_runner(model_for("llama", "emulated"), "emulated")
     with pytest.raises(InputError, match=r"PrefillRunner.graph: no bucket 99; buckets: \(16, 48\)"):
         runner.graph(99)
+    with pytest.raises(InputError, match=r"PrefillRunner.graph: no bucket tensor\(16\)"):
+        runner.graph(torch.tensor(16))  # compared equal to 16, then named BucketedRunner.graph
+    assert runner.graph(np.int64(16)) is runner.graph(16)
     for bad in ("yes", None, 0, 1):  # taken for their truth value, None and 0 served silently
         with pytest.raises(InputError, match="PrefillRunner.graph: single_prompt must be True "):
             runner.graph(16, single_prompt=bad)

@@ -433,10 +433,10 @@ class PrefillRunner:
         ``single_prompt=True``: the bucket's graph for one prompt (no attention break)."""
         if self._closed:  # checked here: the ladder's errors would name the ladder
             raise ReplayError("PrefillRunner.graph: the runner is closed; build a new one.")
-        if bucket not in self._token_buckets:
-            raise InputError(
-                f"PrefillRunner.graph: no bucket {bucket!r}; buckets: {self._token_buckets}."
-            )
+        if not isinstance(bucket, numbers.Integral) or bucket not in self._token_buckets:
+            raise InputError(f"PrefillRunner.graph: no bucket {bucket!r}; buckets: "  # tensor(16)
+                             f"{self._token_buckets}.")  # fmt: skip
+        bucket = int(bucket)
         if validate_flag(single_prompt, "PrefillRunner.graph: single_prompt"):
             if self._single is None:
                 raise InputError(
