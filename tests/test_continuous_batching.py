@@ -1331,6 +1331,60 @@ def test_the_handles_runner_has_what_the_docs_name():
     assert handle.runners == []
 
 
+@needs_cb
+@pytest.mark.parametrize("meanwhile", ["enable", "disable"])
+def test_enabling_or_disabling_waits_for_a_prefill_runners_attention_switch(meanwhile):
+    """A PrefillRunner's capture or eager forward switches the model's attention key to its own
+    and back (``attention.switched``); continuous batching swaps the model's config for a private
+    copy when enabled and back when disabled. A swap on another thread in the middle of the
+    runner's block split it between the two configs: enabled meanwhile, the runner's forward
+    failed halfway (the CB key), its restore of SDPA went to the private copy (the enabled model
+    then refused to serve) and the original config kept ``"breakgraph"`` for good (every plain
+    forward after ``disable()`` raised); disabled meanwhile, the runner's restore of the removed
+    CB key raised transformers' ValueError. Enabling and disabling now take the model's
+    attention lock, so they wait for the runner's block."""
+    from breakgraph.integrations.transformers import PrefillRunner
+
+    model = build_model("llama")
+    prompt = torch.tensor(random_prompts(seed=17, lengths=(20,))[0])
+    with torch.no_grad():
+        expected = model(prompt[None], use_cache=False).logits[0, -1]
+    runner = PrefillRunner(model, token_buckets=(8,), max_prompts=2, warmup=1, on_miss="eager",
+                           tune_buckets=False, backend="emulated")  # fmt: skip
+    handles = []
+    if meanwhile == "disable":
+        handles.append(enable_continuous_batching(model, backend="emulated",
+                                                  query_buckets=BUCKETS))  # fmt: skip
+    other = threading.Thread(target=lambda: handles.append(enable_continuous_batching(
+        model, backend="emulated", query_buckets=BUCKETS)) if meanwhile == "enable"
+        else handles[0].disable())  # fmt: skip
+    mlp = model.model.layers[0].mlp
+
+    def forward_with_the_other_thread(*args, **kwargs):  # inside the runner's switch
+        if not other.is_alive() and other.ident is None:
+            other.start()
+            other.join(timeout=0.5)  # done at once without the lock; with it, waits for us
+        return type(mlp).forward(mlp, *args, **kwargs)
+
+    mlp.forward = forward_with_the_other_thread
+    try:
+        logits = runner.prefill([prompt]).logits[0]  # longer than every bucket: eager
+    finally:
+        del mlp.forward
+        other.join(timeout=60)
+        runner.close()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    if meanwhile == "enable":
+        assert model.config._attn_implementation == CB_ATTENTION_KEY
+        assert generate_batch(model, random_prompts()[:2])  # served (the key was refused)
+        assert handles[0].stats.replays > 0
+        handles[0].disable()
+    assert not handles[0].enabled
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():  # the model's own forward works again
+        torch.testing.assert_close(model(prompt[None], use_cache=False).logits[0, -1], expected)
+
+
 def test_step_stats_without_decode_graphs_are_a_copy():
     """Without decode graphs (``decode_graphs=False``, tensor parallelism) ``StepRunner.stats``
     returned the query-token ladder's live stats, whose dicts a step on another thread grows

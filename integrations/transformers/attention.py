@@ -373,17 +373,26 @@ _switching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 
 _switching_made = threading.Lock()
 
 
+def switching(model: Any) -> threading.RLock:
+    """The lock of ``model``'s attention setting: held by :func:`switched` and by continuous
+    batching while it swaps the model's config (``enable_continuous_batching``, ``disable()``).
+    Unheld there, a swap in the middle of a runner's block split the block between two configs:
+    the runner's restore went to the other config (enabled meanwhile: the original config kept
+    ``"breakgraph"`` for good and the enabled model got SDPA back; disabled meanwhile: the
+    restore of the removed CB key raised), and its forward changed attention halfway."""
+    with _switching_made:
+        return _switching.setdefault(model, threading.RLock())
+
+
 @contextlib.contextmanager
 def switched(model: Any) -> Iterator[None]:
     """``model`` on breakgraph's attention for the block, then back to what it had; one block
-    per model at a time (an RLock per model, re-entered by its thread). The implementation is a
+    per model at a time (:func:`switching`, re-entered by its thread). The implementation is a
     setting of the model: two runners' eager fallbacks or captures on two threads, unordered,
     let the first to finish switch the other's forward back to SDPA halfway (its packed prompts
     then attended to each other, silently) and the last restore ``"breakgraph"`` for good (the
     model's own calls then raised). Replays never switch, so they never wait here."""
-    with _switching_made:
-        lock = _switching.setdefault(model, threading.RLock())
-    with lock:
+    with switching(model):
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_KEY)
         try:

@@ -77,6 +77,7 @@ from breakgraph.ladder import BucketStats, LadderStats
 from breakgraph.patches import PatchSet, SharedPatches
 
 from . import block_table, compat, index_lists
+from .attention import switching
 from .block_table import page_size
 from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
 from .compiled import check_compile_option
@@ -212,6 +213,7 @@ class ContinuousBatchingHandle:
         # disables is then either made stock (after) or retired by it (before), never left
         # configured for breakgraph's key on a model restored under it
         self._managing = threading.RLock()
+        self._switch = switching(model)  # the model's attention setting (attention.switching)
 
     @property
     def stats(self) -> ContinuousBatchingStats:
@@ -233,7 +235,18 @@ class ContinuousBatchingHandle:
 
     # -- enable / disable ----------------------------------------------------------------------
     def _enable(self) -> None:
-        """Install everything; on any failure, nothing stays."""
+        """Install everything; on any failure, nothing stays. Under the model's attention
+        lock: not in the middle of a runner's attention switch (see ``attention.switching``)."""
+        with self._switch:
+            self._install()
+        with _registry:
+            _enabled[self.model] = weakref.ref(self)
+        # collected while enabled (the model dropped without disable()): its share of the
+        # shared replacements is given back, at the next enable or disable
+        self._share = weakref.finalize(self, _shared.release_later)
+        self.enabled = True
+
+    def _install(self) -> None:
         model = self.model
         _shared.acquire()
         try:
@@ -256,12 +269,6 @@ class ContinuousBatchingHandle:
             self._patches.restore()
             _shared.release()
             raise
-        with _registry:
-            _enabled[model] = weakref.ref(self)
-        # collected while enabled (the model dropped without disable()): its share of the
-        # shared replacements is given back, at the next enable or disable
-        self._share = weakref.finalize(self, _shared.release_later)
-        self.enabled = True
 
     def disable(self) -> None:
         """Restore the model and transformers exactly as before (idempotent; transformers'
@@ -289,7 +296,8 @@ class ContinuousBatchingHandle:
                 manager.start = retired_start  # its cache was built for breakgraph's key
             self.runner.close()
             try:  # a restore that warns (-W error: other code replaced a patch) still disables
-                self._patches.restore()
+                with self._switch:  # not in the middle of a runner's attention switch
+                    self._patches.restore()
             finally:
                 with _registry:
                     del _enabled[self.model]
