@@ -1695,15 +1695,20 @@ def test_two_threads_prefilling_on_one_runner_take_turns():
             results["A" if results["A"]._step < results["B"]._step else "B"].cache(0)
 
 
-def test_two_runners_eager_fallbacks_on_two_threads_take_turns_on_the_model():
-    """The attention implementation is a setting of the model: two runners of one model running
-    eager fallbacks on two threads, A entering first and leaving first, let A switch the model
-    back to SDPA in the middle of B's forward (B's packed prompts then attended to each other:
-    other logits, silently) and B restore "breakgraph" for good (the model's own calls raised
-    from then on). The runners' switches take turns per model now."""
+@pytest.mark.parametrize("shared", ["one model", "two models of one config"])
+def test_two_runners_eager_fallbacks_on_two_threads_take_turns_on_the_model(shared):
+    """The attention implementation is a setting of the model's config: two runners of one model
+    running eager fallbacks on two threads, A entering first and leaving first, let A switch the
+    model back to SDPA in the middle of B's forward (B's packed prompts then attended to each
+    other: other logits, silently) and B restore "breakgraph" for good (the model's own calls
+    raised from then on). The runners' switches take turns per model now, and per config: two
+    models built from one config object (``from_config(cfg)`` twice) share it, and their runners
+    did the same to each other with a lock per model."""
     import threading
 
     model = model_for("llama", "emulated")
+    other = model if shared == "one model" else type(model)(model.config).eval()
+    assert other.config is model.config
     a_prompts, b_prompts = prompts_of([20, 20, 15], "cpu"), prompts_of([18, 22, 9], "cpu")
     a_inside, b_inside, a_done = (threading.Event() for _ in range(3))
     results = {}
@@ -1725,7 +1730,7 @@ def test_two_runners_eager_fallbacks_on_two_threads_take_turns_on_the_model():
         if name == "A":
             a_done.set()
 
-    runners = [make_runner(model, "emulated", on_miss="eager") for _ in range(2)]
+    runners = [make_runner(m, "emulated", on_miss="eager") for m in (model, other)]
     try:
         run_named_threads(call, (("A", runners[0], a_prompts), ("B", runners[1], b_prompts)),
                           attention)  # fmt: skip
@@ -1733,9 +1738,9 @@ def test_two_runners_eager_fallbacks_on_two_threads_take_turns_on_the_model():
         for runner in runners:
             runner.close()
     assert model.config._attn_implementation == "sdpa"
-    for name, prompts in (("A", a_prompts), ("B", b_prompts)):
+    for name, m, prompts in (("A", model, a_prompts), ("B", other, b_prompts)):
         for i, p in enumerate(prompts):
-            assert_logits_close(results[name].logits[i], eager_last_logits(model, p),
+            assert_logits_close(results[name].logits[i], eager_last_logits(m, p),
                                 "emulated", f"thread {name}, prompt {i}")  # fmt: skip
 
 

@@ -369,29 +369,48 @@ def breakgraph_attention(
     return breakgraph.eager_on_graph(call)().unsqueeze(0), None
 
 
-_switching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its RLock
+# id(config) -> (a weak reference to the config, its RLock); by id: configs are unhashable
+_switching: dict = {}
 _switching_made = threading.Lock()
 
 
-def switching(model: Any) -> threading.RLock:
-    """The lock of ``model``'s attention setting: held by :func:`switched` and by continuous
-    batching while it swaps the model's config (``enable_continuous_batching``, ``disable()``).
-    Unheld there, a swap in the middle of a runner's block split the block between two configs:
-    the runner's restore went to the other config (enabled meanwhile: the original config kept
-    ``"breakgraph"`` for good and the enabled model got SDPA back; disabled meanwhile: the
-    restore of the removed CB key raised), and its forward changed attention halfway."""
-    with _switching_made:
-        return _switching.setdefault(model, threading.RLock())
+@contextlib.contextmanager
+def switching(model: Any) -> Iterator[None]:
+    """Hold the lock of ``model``'s attention setting for the block: held by :func:`switched`
+    and by continuous batching while it swaps the model's config (``enable_continuous_batching``,
+    ``disable()``). Unheld there, a swap in the middle of a runner's block split the block
+    between two configs: the runner's restore went to the other config (enabled meanwhile: the
+    original config kept ``"breakgraph"`` for good and the enabled model got SDPA back; disabled
+    meanwhile: the restore of the removed CB key raised), and its forward changed attention
+    halfway.
+
+    The lock belongs to the config object, not the model: the key is a setting of the config,
+    and models built from one config object share it (``from_config(cfg)`` twice). With a lock
+    per model, two runners of two such models on two threads switched each other's forward
+    back to SDPA halfway (wrong logits, silently) and left ``"breakgraph"`` for good. A config
+    swapped while this waited (continuous batching) is looked up again."""
+    while True:
+        config = model.config
+        with _switching_made:
+            entry = _switching.get(id(config))
+            if entry is None or entry[0]() is not config:  # new: the collected configs' go
+                for key in [key for key, (ref, _) in _switching.items() if ref() is None]:
+                    del _switching[key]
+                entry = _switching[id(config)] = (weakref.ref(config), threading.RLock())
+        with entry[1]:
+            if model.config is config:
+                yield
+                return
 
 
 @contextlib.contextmanager
 def switched(model: Any) -> Iterator[None]:
     """``model`` on breakgraph's attention for the block, then back to what it had; one block
-    per model at a time (:func:`switching`, re-entered by its thread). The implementation is a
-    setting of the model: two runners' eager fallbacks or captures on two threads, unordered,
-    let the first to finish switch the other's forward back to SDPA halfway (its packed prompts
-    then attended to each other, silently) and the last restore ``"breakgraph"`` for good (the
-    model's own calls then raised). Replays never switch, so they never wait here."""
+    per config at a time (:func:`switching`, re-entered by its thread). The implementation is a
+    setting of the model's config: two runners' eager fallbacks or captures on two threads,
+    unordered, let the first to finish switch the other's forward back to SDPA halfway (its
+    packed prompts then attended to each other, silently) and the last restore ``"breakgraph"``
+    for good (the model's own calls then raised). Replays never switch, so they never wait here."""
     with switching(model):
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_KEY)

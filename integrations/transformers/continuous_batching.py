@@ -213,7 +213,6 @@ class ContinuousBatchingHandle:
         # disables is then either made stock (after) or retired by it (before), never left
         # configured for breakgraph's key on a model restored under it
         self._managing = threading.RLock()
-        self._switch = switching(model)  # the model's attention setting (attention.switching)
 
     @property
     def stats(self) -> ContinuousBatchingStats:
@@ -237,7 +236,7 @@ class ContinuousBatchingHandle:
     def _enable(self) -> None:
         """Install everything; on any failure, nothing stays. Under the model's attention
         lock: not in the middle of a runner's attention switch (see ``attention.switching``)."""
-        with self._switch:
+        with switching(self.model):
             self._install()
         with _registry:
             _enabled[self.model] = weakref.ref(self)
@@ -296,7 +295,7 @@ class ContinuousBatchingHandle:
                 manager.start = retired_start  # its cache was built for breakgraph's key
             self.runner.close()
             try:  # a restore that warns (-W error: other code replaced a patch) still disables
-                with self._switch:  # not in the middle of a runner's attention switch
+                with switching(self.model):  # not in a runner's attention switch
                     self._patches.restore()
             finally:
                 with _registry:
