@@ -60,6 +60,38 @@ def test_is_current_stream_capturing_follows_segments():
             torch.cuda.is_current_stream_capturing()
 
 
+def test_an_interrupt_while_the_session_patches_torch_leaves_no_patch(monkeypatch):
+    """The emulated session replaces ``is_current_stream_capturing`` and the seeding functions
+    when a capture opens. An interrupt (Ctrl-C) between two of those replacements left the ones
+    made so far installed for good (nobody got the session to close): every later capture
+    wrapped them again. The session now undoes them, as the CUDA session its hooks."""
+    from breakgraph.backends import emulated
+
+    watched = emulated._watched_seeding
+    calls = []
+
+    def interrupted(*args):
+        calls.append(args)
+        if len(calls) == 3:  # is_current_stream_capturing and two seeding functions patched
+            raise KeyboardInterrupt
+        return watched(*args)
+
+    monkeypatch.setattr(emulated, "_watched_seeding", interrupted)
+    g = BreakableCUDAGraph()
+    with pytest.raises(KeyboardInterrupt):
+        with capture(g):
+            torch.randn(2) * 2
+    assert_clean(g)
+    monkeypatch.setattr(emulated, "_watched_seeding", watched)
+    x = torch.randn(3)
+    with capture(g):  # a capture works afterwards
+        y = x * 2
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 2)
+    assert_clean()
+
+
 # ---------------------------------------------------------------------------------------
 # Seeds: CUDA refuses a new seed on the capturing thread only
 # ---------------------------------------------------------------------------------------

@@ -395,13 +395,20 @@ class EmulatedSession:
         self._mode: SegmentMode | None = None
         self._steps: list = []
         self._stack = contextlib.ExitStack()
-        replacement = _patched_is_capturing(torch.cuda.is_current_stream_capturing)
-        patch_attribute(self._stack, torch.cuda, "is_current_stream_capturing", replacement)
-        patch_attribute(self._stack, torch.cuda.graphs, "is_current_stream_capturing", replacement)
-        for owner in (torch, torch.random):  # torch._dynamo wraps torch's own
-            for name, is_new in _SEEDING.items():
-                watched = _watched_seeding(getattr(owner, name), is_new)
-                patch_attribute(self._stack, owner, name, watched)
+        # an interrupt halfway (Ctrl-C) left the patches made so far for good: nobody gets this
+        # session to close (as CudaSession's hooks)
+        try:
+            replacement = _patched_is_capturing(torch.cuda.is_current_stream_capturing)
+            patch_attribute(self._stack, torch.cuda, "is_current_stream_capturing", replacement)
+            patch_attribute(self._stack, torch.cuda.graphs, "is_current_stream_capturing",
+                            replacement)  # fmt: skip
+            for owner in (torch, torch.random):  # torch._dynamo wraps torch's own
+                for name, is_new in _SEEDING.items():
+                    watched = _watched_seeding(getattr(owner, name), is_new)
+                    patch_attribute(self._stack, owner, name, watched)
+        except BaseException:
+            self._stack.close()
+            raise
 
     def _record(self, func, args, kwargs, out) -> None:
         try:
