@@ -402,16 +402,16 @@ class _Capture:
         # no collection inside the capture: finalizers would run their tensor operations (and
         # CUDA frees or syncs) inside a segment. A collection before it, which hands device
         # memory held by dead cycles back (collect_garbage), is the CUDA backend's.
-        gc.disable()
-        try:
+        try:  # an interrupt anywhere from here on leaves none of it (gc off, the session's hooks)
+            gc.disable()
             observer = self.watch.observe if self.watch is not None else None
             self.session: Session = backend.open(options, observer)
         except BaseException:
             self._restore()
             raise
-        graph._capturing = True
-        state.capture, state.context = self, context
         try:
+            graph._capturing = True
+            state.capture, state.context = self, context
             self._begin_segment()
         except BaseException:  # capture() holds no recording to abort yet: clean up here
             self.abort()
@@ -562,7 +562,8 @@ class _Capture:
         self.in_segment = False
         segments, self.segments, self.breaks = self.segments, [], []
         self.graph._capturing = False
-        steps = [segment.reset for segment in segments] + [self._close]
+        # _restore again: _close may have been interrupted after marking itself closed
+        steps = [segment.reset for segment in segments] + [self._close, self._restore]
         if not self._closed:  # closed: finish() raised while closing, after the session
             steps.insert(0, self.session.abort)
         first = None

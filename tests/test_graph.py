@@ -874,6 +874,42 @@ def test_an_interrupt_as_replay_sets_up_restores_the_threads_state(
     torch.testing.assert_close(out, (new + 1) * 3 + 1)
 
 
+@pytest.mark.parametrize("at", ["gc.disable", "_Capture._restore"])
+def test_an_interrupt_as_a_capture_opens_or_closes_leaves_nothing_behind(
+    capture, device, monkeypatch, at
+):
+    """Found by injecting an exception at random lines of a PrefillRunner's life: a
+    KeyboardInterrupt as ``gc.disable()`` returned (before the capture's try) left the collector
+    off for good; one at the start of the restore of the thread's state, after the session had
+    closed (``_close`` marks itself closed first, so ``abort`` skipped it), left the capture as
+    this thread's for good: every later capture on it raised "a capture is already in progress
+    on this thread", and the collector stayed off. Both are undone now."""
+    from breakgraph import graph as graph_module
+
+    owner, name = (gc, "disable") if at == "gc.disable" else (graph_module._Capture, "_restore")
+    original = getattr(owner, name)
+
+    def interrupted(*args):
+        monkeypatch.setattr(owner, name, original)  # once
+        if owner is gc:
+            original(*args)  # Ctrl-C: raised as the call returns
+        raise KeyboardInterrupt
+
+    x = torch.randn(3, device=device)
+    g = BreakableCUDAGraph()
+    monkeypatch.setattr(owner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with capture(g):
+            y = x * 2
+    assert_clean(g)
+    with capture(g):  # a capture works afterwards, on this thread
+        y = x * 2
+    new = fresh_into(x)
+    g.replay()
+    torch.testing.assert_close(y, new * 2)
+    assert_clean()
+
+
 def test_breaks_captured_in_different_grad_modes_each_replay_in_their_own(capture, device):
     """One break captured under no_grad, one with grad that uses autograd: turning grad off for
     the whole replay broke the second (its autograd.grad found nothing requiring grad)."""
