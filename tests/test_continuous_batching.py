@@ -710,6 +710,7 @@ def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
                 assert generate_batch(model, prompts) == expected, layers
             assert handle.runner.compiled and handle.stats.eager_steps == 0
             assert handle.decode_graphs.stats.replays > 0
+            assert "_is_torch_compile" not in vars(model.get_decoder())  # disabled: as it was
             graphs[layers] = len(counting.calls)
     finally:
         torch._dynamo.reset()

@@ -193,7 +193,11 @@ def test_user_dynamic_false_is_honoured(fresh_dynamo):
     repeat the first's, run for run (a dynamic compile would serve both buckets with one set
     of graphs, each run twice as often)."""
     counting = CountingBackend()
-    build(tiny_llama(), {"backend": counting, "dynamic": False}, token_buckets=(40, 64)).close()
+    model = tiny_llama()
+    runner = build(model, {"backend": counting, "dynamic": False}, token_buckets=(40, 64))
+    assert model._is_torch_compile  # torch.compile's mark, set through its wrapper
+    runner.close()
+    assert "_is_torch_compile" not in vars(model)  # closed: the model as it was
     half = len(counting.calls) // 2
     assert half and counting.calls == counting.calls[:half] * 2, counting.calls
 

@@ -346,12 +346,10 @@ class StepRunner:
                  who: str, decode_graphs: bool = True, compile: Any = False) -> None:  # fmt: skip
         self.model, self.who, self.query_buckets = model, who, query_buckets
         self.decoder = model.get_decoder()
-        # the decoder under torch.compile (fused kernels inside every segment and decode graph;
-        # attention stays a Dynamo graph break): compiled once, at the largest bucket's warm-up
+        # the decoder under torch.compile (attention a Dynamo graph break), at the first warm-up
         self.compiled = compile is not False  # True or a dict (an empty one: the defaults)
-        self._forward = self.decoder
-        if self.compiled:
-            self._forward = CompiledForward(self.decoder, compile, backend)
+        self._forward = self.decoder if not self.compiled else CompiledForward(
+            self.decoder, compile, backend)  # fmt: skip
         self.lm_head = model.get_output_embeddings()
         # what the causal LM does after lm_head (Granite divides, Cohere multiplies)
         self.after_head = logits_after_head(model.config)
@@ -595,6 +593,8 @@ class StepRunner:
             self.logits.close()
             if self.decode is not None:
                 self.decode.close()
+            if self.compiled:  # torch.compile's mark off the decoder
+                self._forward.close()
             self.inputs.clear(self.ranks)  # kept with the graphs after a failed NCCL step
 
 

@@ -48,6 +48,7 @@ import torch
 
 import breakgraph
 from breakgraph.errors import InputError
+from breakgraph.patches import PatchSet
 
 __all__ = ["CompiledForward", "check_compile_option"]
 
@@ -98,8 +99,18 @@ class CompiledForward:
         options = dict(compile) if isinstance(compile, dict) else {}
         options.setdefault("dynamic", True)
         self.options = options
+        # torch.compile marks the module it wraps (``_is_torch_compile``, set through the
+        # wrapper onto the model): ours until close(), so that the model ends as it was
+        self._patches = PatchSet()
+        if isinstance(model, torch.nn.Module):
+            self._patches.attribute(model, "_is_torch_compile", True)
         self.fn = torch.compile(model, **options)
         self.emulated = backend != "cuda"
+
+    def close(self) -> None:
+        """Take torch.compile's mark off the model (idempotent); the compiled code stays
+        cached in torch, as any compile's does."""
+        self._patches.restore()
 
     def __call__(self, **kwargs: Any) -> Any:
         if self.emulated and breakgraph.is_capturing():

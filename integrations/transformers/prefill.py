@@ -218,14 +218,11 @@ class PrefillRunner:
                 f"(an int in 0..{self.vocab_size - 1}), got {pad_token_id!r}; a model without a "
                 f"pad token (config.pad_token_id None) can keep the default, 0."
             )
-        self._forward_model = model
         compiled = compile is not False  # True or a dict (an empty one: torch's defaults)
-        if compiled:  # dynamic token dimension from the first compile: see .compiled
-            self._forward_model = CompiledForward(model, compile, backend_name)
-        # MoE models: no router logits (their aux loss would sync; prefill does not need it)
-        self._extra = (
-            {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
-        )
+        # dynamic token dimension from the first compile: see .compiled
+        self._forward_model = CompiledForward(model, compile, backend_name) if compiled else model
+        moe = hasattr(model.config, "output_router_logits")  # no router logits for MoE models
+        self._extra = {"output_router_logits": False} if moe else {}  # (their aux loss syncs)
         self._borrow = backend_name == "cuda"
         # a graph's batch holds at most `longest` prompts; with on_miss="raise" no other batch
         # runs, and room for more costs time and memory for nothing (10**6: 4.6 s, 600 MB)
@@ -594,6 +591,8 @@ class PrefillRunner:
             self._runner.close()
             if self._single is not None:
                 self._single.close()
+            if isinstance(self._forward_model, CompiledForward):
+                self._forward_model.close()  # torch.compile's mark off the model
             self._layers.clear()
             self._outputs.clear()
             if self.ranks is not None:
