@@ -178,6 +178,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_held_out.CB_FILE, report_held_out.BREAK_SPLIT_FILE]
         + [*report_held_out.WHOLE_FILES, report_held_out.FLOOR_CARD_FILES[0]]
         + [*report_held_out.WHOLE_H200_FILES, *report_held_out.WHOLE_MOE_FILES]
+        + [*report_held_out.WHOLE_3B_FILES]
         + [report_held_out.MOE_TRACE_SUMMARY]
         + [report_prefill.OTHER_CARD_FILE, report_prefill.LM_HEAD_FILE]
     )
@@ -265,6 +266,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if whole and whole[0][0] == report_held_out.WHOLE_FILES[0]:
         blocks.append(report_held_out.whole_model_section(whole))
     for files, fragment in ((report_held_out.WHOLE_H200_FILES, "cb.whole_model_h200"),
+                            (report_held_out.WHOLE_3B_FILES, "cb.whole_3b"),
                             (report_held_out.WHOLE_MOE_FILES, "cb.whole_moe")):  # fmt: skip
         whole = [(n, d) for n in files if (d := load(n)) is not None]
         if whole and whole[0][0] == files[0]:

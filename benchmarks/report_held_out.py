@@ -41,6 +41,8 @@ WHOLE_H200_FILES = ("h200-cb-llama3-8b.json", "h200-cb-llama3-8b-32.json")
 #: (a whole many-expert MoE, which no CB shape is)
 WHOLE_MOE_FILES = ("h100-cb-qwen3-30b-a3b.json", "h100-cb-qwen3-30b-a3b-32.json",
                    "h100-cb-qwen3-30b-a3b-5.24.json", "h100-cb-qwen3-30b-a3b-32-5.24.json")
+#: ``bench_cb --models qwen2.5-3b``, the same two runs: the whole model ``qwen2.5-3b-12l`` cuts
+WHOLE_3B_FILES = ("h100-cb-qwen2.5-3b.json", "h100-cb-qwen2.5-3b-32.json")
 #: ``cb_trace --model qwen3-30b-a3b --skip 3 --steps 12``: the default workload's first steps
 #: (prefill chunks of 2048 tokens beside the decoding requests), on transformers 5.17.0
 MOE_TRACE = "h100-cb-trace-qwen3-30b-a3b-5.17"
@@ -108,7 +110,7 @@ def break_split_section(data: dict) -> str:
 
 
 def whole_model_section(runs: list[tuple[str, dict]], fragment: str = "cb.whole_model") -> str:
-    """A whole model (Llama-3-8B, Qwen3-30B-A3B: ``fragment`` says which), ``runs`` of
+    """A whole model (Llama-3-8B, Qwen2.5-3B, Qwen3-30B-A3B: ``fragment`` says which), ``runs`` of
     ``(file, data)`` (the first: the default workload
     with stock): one row per run and variant (tokens/s and its rounds, the pure-decode step
     against its floor, the step's forward on the host and on the device), then issue 23's

@@ -144,6 +144,16 @@ def test_the_page_carries_the_whole_moe():
     assert "tokens/s on 5.24.0 that it served on 5.17.0" in trace
 
 
+def test_the_page_carries_the_whole_qwen25_3b():
+    """The committed runs of the whole Qwen2.5-3B (36 layers; the bench cuts it to 12)."""
+    from benchmarks import report
+
+    text = report.render()
+    section = text.split("### The whole Qwen2.5-3B, held out")[1].split("\n### ")[0]
+    assert "`h100-cb-qwen2.5-3b.json`, `h100-cb-qwen2.5-3b-32.json`" in section
+    assert "| 5.17.0 | 32 | `breakgraph_compiled` |" in section
+
+
 def test_the_floor_on_another_card_counts_the_steps_within_twice_their_floor():
     """Each decoder's step on this card beside its ratio on the other (``-`` where the other
     did not serve the shape); the count within twice the floor follows the JSON."""
