@@ -174,6 +174,15 @@ class BucketedRunner:
                 "BucketedRunner: with ranks=, collectives must run eagerly before capture "
                 "(warmup >= 1)."
             )
+        # duck types would fail later as a bare AttributeError ('str' has no 'agree_settings')
+        for name, value, kind in (
+            ("ranks", ranks, distributed.RankGroup), ("static_inputs", static_inputs, StaticInputs)
+        ):
+            if value is not None and not isinstance(value, kind):
+                raise InputError(
+                    f"BucketedRunner: {name} must be a {kind.__module__}.{kind.__name__} or "
+                    f"None, got {type(value).__name__}."
+                )
         self.ladder = GraphLadder(
             backend=backend,
             pool=pool,

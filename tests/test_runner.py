@@ -221,6 +221,9 @@ def test_all_buckets_share_one_pool(backend, device):
         (dict(warmup=1.5), "warmup must be an int >= 0"),
         (dict(pad_values=(0, 1)), "pad_values"),
         (dict(ranks=object(), warmup=0), r"with ranks=, collectives must run eagerly"),
+        # not a bare AttributeError ('str' object has no attribute 'agree_settings')
+        (dict(ranks="nccl"), r"BucketedRunner: ranks must be a breakgraph\.distributed\.RankGroup"),
+        (dict(static_inputs=[torch.zeros(1, 8)]), r"BucketedRunner: static_inputs must be a .*Sta"),
     ],
 )
 def test_bad_configuration(backend, device, kwargs, phrase):
