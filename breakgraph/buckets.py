@@ -278,9 +278,9 @@ def validate_callable(value: Any, what: str, optional: bool = True) -> Any:
     raise InputError(f"{what} must be {expected}, got {value!r}.")
 
 
-def validate_real(value: Any, what: str) -> float:
-    """``value`` as a float if it is a real number (bools and strings refused), else an
-    ``InputError`` naming ``what``.
+def validate_real(value: Any, what: str, least: float | None = None) -> float:
+    """``value`` as a float if it is a real number (bools and strings refused) and, with
+    ``least``, at least ``least`` (NaN refused), else an ``InputError`` naming ``what``.
 
     Example::
 
@@ -291,6 +291,8 @@ def validate_real(value: Any, what: str) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InputError(f"{what} must be a real number, got {value!r}.")
+    if least is not None and not value >= least:  # NaN too: every comparison with it is False
+        raise InputError(f"{what} must be a real number >= {least}, got {value!r}.")
     return float(value)
 
 

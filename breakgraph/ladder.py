@@ -472,6 +472,8 @@ class GraphLadder:
         self._check_open("tune")
         for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
             validate_count(value, least, f"{self.who}.tune: {name}")
+        validate_callable(context, f"{self.who}.tune: context")  # here, not after the timings
+        margin = validate_real(margin, f"{self.who}.tune: margin", least=0.0)
         if self.backend != "cuda" or not self._sizes:
             return {}
 
@@ -498,7 +500,7 @@ class GraphLadder:
         bucket: :meth:`tune` measures them, or pass a profile's) say is faster by more than
         ``margin`` (:func:`faster_buckets`). Fills ``stats.routed`` and ``replay_ms``."""
         self._check_open("route")
-        margin = validate_real(margin, f"{self.who}.route: margin")
+        margin = validate_real(margin, f"{self.who}.route: margin", least=0.0)  # < 0: slower
         if not isinstance(times, Mapping):
             raise InputError(f"{self.who}.route: times must map buckets to ms, got {times!r}.")
         for size, ms in times.items():

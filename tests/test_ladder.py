@@ -380,6 +380,26 @@ def test_tune_refuses_bad_counts(bad):
         ladder.tune(**bad)
 
 
+@pytest.mark.parametrize(
+    "bad, phrase",
+    [
+        (dict(margin="2%"), r"GraphLadder.tune: margin must be a real number, got '2%'"),
+        (dict(margin=-0.5), r"GraphLadder.tune: margin must be a real number >= 0.0"),
+        (dict(margin=float("nan")), r"GraphLadder.tune: margin must be a real number >= 0.0"),
+        (dict(context="size"), r"GraphLadder.tune: context must be callable or None"),
+    ],
+)
+def test_tune_refuses_a_bad_margin_or_context_before_timing(bad, phrase):
+    """Checked before any timing, so on every backend: on CUDA a string margin was a bare
+    TypeError after every bucket was timed, and a negative one routed calls to slower
+    buckets."""
+    ladder, _ = make("emulated", "cpu")
+    with pytest.raises(InputError, match=phrase):
+        ladder.tune(**bad)
+    with pytest.raises(InputError, match=r"GraphLadder.route: margin must be a real number >="):
+        ladder.route({}, -0.5)
+
+
 @pytest.mark.requires_cuda
 def test_tune_times_every_bucket_on_cuda():
     ladder, owner = make("cuda", "cuda")
