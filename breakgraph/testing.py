@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .buckets import validate_callable, validate_count
+from .buckets import validate_callable, validate_count, validate_flag, validate_real
 from .graph import BreakableCUDAGraph, capture
 from .state import context_scope
 from .structure import describe, map_tensors, split
@@ -52,13 +52,19 @@ def assert_replay_matches_eager(
     NaNs match. The first difference raises ``AssertionError`` naming the replay and its path
     (``output[1]['logits']``). Catches frozen host decisions, stale buffers that ``fn`` reads
     besides its inputs, and unwritten outputs. Returns the graph. ``replays`` below 1 (a check
-    that compares nothing), a negative ``warmup`` or an ``fn``/``make_inputs`` that is not
-    callable raise ``InputError``.
+    that compares nothing), a negative ``warmup``, an ``fn``/``make_inputs`` that is not
+    callable, an ``atol``/``rtol`` that is not a real number >= 0 or an ``equal_nan`` other
+    than True or False raise ``InputError``, before anything runs.
     """
     validate_callable(fn, "assert_replay_matches_eager: fn", optional=False)
     validate_callable(make_inputs, "assert_replay_matches_eager: make_inputs", optional=False)
     for name, value, least in (("replays", replays, 1), ("warmup", warmup, 0)):
         validate_count(value, least, f"assert_replay_matches_eager: {name}")  # 0 replays: no check
+    # here, not as torch's error mid-comparison after the capture (or never: outputs that
+    # hold no tensor are compared with ==, and a wrong tolerance went unnoticed)
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        validate_real(value, f"assert_replay_matches_eager: {name}", least=0.0)
+    validate_flag(equal_nan, "assert_replay_matches_eager: equal_nan")
     static = _static_copy(_as_tuple(make_inputs()))
     with context_scope(context):
         for _ in range(warmup):

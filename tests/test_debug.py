@@ -355,7 +355,9 @@ def test_assert_replay_matches_eager_passes_on_good_code(backend, device):
     "bad, phrase",
     [(dict(replays=0), "replays must be an int >= 1"), (dict(replays="3"), "replays must be"),
      (dict(warmup=-1), "warmup must be an int >= 0"), (dict(make_inputs=None), "make_inputs"),
-     (dict(fn=3), "fn")],
+     (dict(fn=3), "fn"), (dict(atol="1e-3"), "atol must be a real number"),
+     (dict(rtol=-1e-3), r"rtol must be a real number >= 0"),
+     (dict(equal_nan="yes"), "equal_nan must be True or False")],
 )  # fmt: skip
 def test_assert_replay_matches_eager_refuses_bad_arguments(bad, phrase):
     """replays=0 passed without comparing anything (a check that checks nothing), replays='3'
