@@ -45,7 +45,20 @@ __all__ = ["borrowed", "weak_method"]
 
 
 def borrowed(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``tensor``'s memory (same shape, strides, offset) that does not own it."""
+    """A tensor over ``tensor``'s memory (same shape, strides, offset) that does not own it.
+
+    Only a dense tensor with data has memory to borrow: anything else is an ``InputError``
+    here (torch's own errors would be an ``AttributeError``, "Cannot access storage of
+    SparseTensorImpl" or, for a meta tensor, "Trying to resize storage").
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.is_meta:
+        what = type(tensor).__name__
+        if isinstance(tensor, torch.Tensor):
+            what = "a meta tensor" if tensor.is_meta else f"a {tensor.layout} tensor"
+        raise InputError(
+            f"borrowed: expected a dense tensor with data (torch.strided, not on the meta "
+            f"device), got {what}; borrow the dense tensor that owns the memory."
+        )
     storage = tensor.untyped_storage()
     alias_storage = torch._C._construct_storage_from_data_pointer(
         storage.data_ptr(), tensor.device, storage.nbytes()

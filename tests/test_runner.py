@@ -591,6 +591,21 @@ def test_a_dropped_runner_and_its_graphs_are_freed_at_del(backend, device):
         forward(x)
 
 
+def test_borrowed_refuses_what_has_no_dense_memory_to_borrow():
+    """``borrowed`` of a non-tensor was a bare ``AttributeError``, of a sparse tensor torch's
+    ``NotImplementedError``, of a meta tensor "Trying to resize storage"."""
+    from breakgraph.memory import borrowed
+
+    bads = [[1.0], torch.randn(3).to_sparse(), torch.empty(3, device="meta")]
+    for bad, what in zip(bads, ("got list", "got a torch.sparse_coo tensor", "got a meta tensor")):
+        with pytest.raises(InputError, match=f"borrowed: expected a dense tensor .*{what}"):
+            borrowed(bad)
+    owner = torch.randn(4, 3)[1:]
+    alias = borrowed(owner)
+    owner.add_(torch.randn(3, 3))
+    assert torch.equal(alias, owner) and alias.stride() == owner.stride()
+
+
 def test_weak_method_takes_bound_methods_only_and_keeps_their_names():
     """``weak_method`` of a plain function or a builtin raised a bare ``AttributeError``; the
     callable it returns carries the method's name and module (break names, pickling errors)."""
