@@ -86,7 +86,7 @@ _TORCH_DISTRIBUTED_DIR = os.path.join(
 T = TypeVar("T")
 
 
-def tensor_parallel_group(model: torch.nn.Module) -> Any:
+def tensor_parallel_group(model: torch.nn.Module, who: str = "tensor_parallel_group") -> Any:
     """The process group of a tensor-parallel model (parameters are ``DTensor``), else None.
 
     transformers' ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))``
@@ -98,7 +98,12 @@ def tensor_parallel_group(model: torch.nn.Module) -> Any:
         >>> import torch
         >>> tensor_parallel_group(torch.nn.Linear(2, 2)) is None
         True
+
+    ``who`` names the caller in errors (``PrefillRunner``): a model that is not a
+    ``torch.nn.Module``, or one sharded on a mesh of more than one dimension.
     """
+    if not isinstance(model, torch.nn.Module):  # not a bare AttributeError on .parameters
+        raise InputError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}.")
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor
@@ -108,8 +113,9 @@ def tensor_parallel_group(model: torch.nn.Module) -> Any:
             mesh = parameter.device_mesh
             if mesh.ndim != 1:
                 raise InputError(
-                    f"breakgraph: parameters are sharded on a {mesh.ndim}-D device mesh; only "
-                    f"tensor parallelism on a 1-D mesh is supported."
+                    f"{who}: parameters are sharded on a {mesh.ndim}-D device mesh; only "
+                    f"tensor parallelism on a 1-D mesh is supported (shard the model for "
+                    f"tensor parallelism alone: no FSDP or data-parallel mesh dimension)."
                 )
             return mesh.get_group() if mesh.size() > 1 else None
     return None

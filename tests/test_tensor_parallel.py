@@ -1700,3 +1700,27 @@ def test_bench_tp_smoke_writes_every_variant(tp_runs):
     assert len(data["summary"]["table"]) == len(rows) and data["summary"]["targets"] == {}
     assert "max |logits - TP eager|" in results[0]["printed"]
     assert results[1]["data"] is None  # rank 1 returns nothing, writes nothing
+
+
+def test_tensor_parallel_group_names_its_caller_and_refuses_what_is_not_a_module(monkeypatch):
+    """``tensor_parallel_group("model")`` was a bare ``AttributeError`` ('str' object has no
+    attribute 'parameters'), and a model sharded on a 2-D mesh raised "breakgraph: ...",
+    naming no function the user called (PrefillRunner, enable_continuous_batching)."""
+    from torch.distributed import tensor as dtensor
+
+    from breakgraph import InputError
+    from breakgraph.distributed import tensor_parallel_group
+
+    with pytest.raises(InputError, match="tensor_parallel_group: model must be a torch.nn.Mod"):
+        tensor_parallel_group("model")
+
+    class Sharded:  # a DTensor parameter on a 2-D mesh (FSDP x TP), without a process group
+        device_mesh = type("Mesh", (), {"ndim": 2})()
+
+    class Model(torch.nn.Module):
+        def parameters(self, recurse=True):
+            return iter([Sharded()])
+
+    monkeypatch.setattr(dtensor, "DTensor", Sharded)
+    with pytest.raises(InputError, match=r"PrefillRunner: parameters are sharded on a 2-D dev"):
+        tensor_parallel_group(Model(), "PrefillRunner")

@@ -1481,7 +1481,7 @@ def test_a_tensor_parallel_construction_that_fails_closes_its_rank_group(failing
         def close(self):
             self.closed = True
 
-    monkeypatch.setattr(distributed, "tensor_parallel_group", lambda model: object())
+    monkeypatch.setattr(distributed, "tensor_parallel_group", lambda model, who=None: object())
     monkeypatch.setattr(distributed, "RankGroup", Group)
     with pytest.raises((RankMismatchError, InputError)):
         make_runner(model_for("llama", "emulated"), "emulated")
@@ -1522,7 +1522,7 @@ def test_a_failed_nccl_capture_step_keeps_the_runner_until_exit(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(distributed, "tensor_parallel_group", lambda model: object())
+    monkeypatch.setattr(distributed, "tensor_parallel_group", lambda model, who=None: object())
     monkeypatch.setattr(distributed, "RankGroup", Group)
     try:
         with pytest.raises(RuntimeError, match="NCCL error"):

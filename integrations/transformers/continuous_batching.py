@@ -530,7 +530,7 @@ def enable_continuous_batching(
     check_sampled_tokens(model, _WHO)
     distributed.validate_timeout(tp_timeout, f"{_WHO}: tp_timeout")  # TP or not, as PrefillRunner
     with _lock:
-        group = distributed.tensor_parallel_group(model)
+        group = distributed.tensor_parallel_group(model, _WHO)
         ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
         try:
             try:  # a rank that refuses tells the others (else they pair with its next call)

@@ -272,7 +272,7 @@ def check_head_norms(model: Any, who: str) -> None:
     model's own forward fails (stock transformers too)."""
     from breakgraph.distributed import tensor_parallel_group
 
-    if tensor_parallel_group(model) is None:
+    if tensor_parallel_group(model, who) is None:
         return
     from torch.distributed.tensor import DTensor
 
@@ -433,7 +433,7 @@ def check_paged_heads(model: Any, who: str) -> None:
     plan = getattr(model, "tp_plan", None) or {}
     gathered = [key for key, style in plan.items() if key.endswith(("self_attn.k_proj",
                 "self_attn.v_proj")) and "gather_output" in str(style)]  # fmt: skip
-    if gathered and tensor_parallel_group(model) is not None:
+    if gathered and tensor_parallel_group(model, who) is not None:
         raise UnsupportedModelError(
             f"{who}: under tensor parallelism transformers' paged cache holds a share of the "
             f"key heads on each rank, but this model's TP plan gathers every head on every rank "

@@ -247,7 +247,7 @@ class PrefillRunner:
         # tensor parallelism: the ranks agree every capture step and every call
         self.tp_collectives = tp_collectives
         self._check_ids = debug_enabled(debug, "PrefillRunner")
-        group = distributed.tensor_parallel_group(model)
+        group = distributed.tensor_parallel_group(model, "PrefillRunner")
         self.ranks = None if group is None else distributed.RankGroup(group, timeout=tp_timeout)
         if self.ranks is not None:
             try:  # before any collective: the settings decide their sizes and number
