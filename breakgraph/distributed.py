@@ -393,16 +393,19 @@ class RankGroup:
         _add_note(exc, f"breakgraph: {what} failed on rank {self._me} of {self.ranks} mid-call; "
                        f"the other ranks' collectives wait for it. {advice}")  # fmt: skip
 
-    def check_graph_mixing(self, eager_collectives: bool) -> None:
+    def check_graph_mixing(
+        self, eager_collectives: bool, who: str = "RankGroup.check_graph_mixing"
+    ) -> None:
         """Refuse eager collectives between captured ones when NCCL's graph mixing is off.
 
         ``NCCL_GRAPH_MIXING_SUPPORT=0`` (transformers' continuous batching sets it) is only
         correct if no eager NCCL call is issued while a graph launch with NCCL work is
-        outstanding. Breaking at every all-reduce does exactly that.
+        outstanding. Breaking at every all-reduce does exactly that. ``who`` names the caller
+        and its setting in the error (``PrefillRunner(tp_collectives='eager')``).
         """
         if self.nccl and eager_collectives and os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0":
             raise InputError(
-                "breakgraph: eager collectives between captured segments need NCCL's graph "
+                f"{who}: eager collectives between captured segments need NCCL's graph "
                 "mixing support, but NCCL_GRAPH_MIXING_SUPPORT=0. Unset it before "
                 "init_process_group, or keep the collectives captured."
             )

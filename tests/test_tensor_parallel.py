@@ -1724,3 +1724,20 @@ def test_tensor_parallel_group_names_its_caller_and_refuses_what_is_not_a_module
     monkeypatch.setattr(dtensor, "DTensor", Sharded)
     with pytest.raises(InputError, match=r"PrefillRunner: parameters are sharded on a 2-D dev"):
         tensor_parallel_group(Model(), "PrefillRunner")
+
+
+def test_the_graph_mixing_refusal_names_the_runner_and_its_setting(monkeypatch):
+    """With ``NCCL_GRAPH_MIXING_SUPPORT=0``, ``PrefillRunner(tp_collectives='eager')`` was
+    refused with "breakgraph: eager collectives ...", naming neither the runner nor the
+    setting to change."""
+    from types import SimpleNamespace
+
+    from breakgraph import InputError
+    from breakgraph.distributed import RankGroup
+
+    monkeypatch.setenv("NCCL_GRAPH_MIXING_SUPPORT", "0")
+    nccl = SimpleNamespace(nccl=True)  # the check reads only whether the group is NCCL's
+    RankGroup.check_graph_mixing(nccl, False)  # captured collectives: nothing to refuse
+    who = "PrefillRunner(tp_collectives='eager')"
+    with pytest.raises(InputError, match=r"^PrefillRunner\(tp_collectives='eager'\): eager col"):
+        RankGroup.check_graph_mixing(nccl, True, who)

@@ -1474,7 +1474,7 @@ def test_a_tensor_parallel_construction_that_fails_closes_its_rank_group(failing
             if failing == "packed graphs" and who == "BucketedRunner":
                 raise RankMismatchError("BucketedRunner: rank 1 was built with other buckets")
 
-        def check_graph_mixing(self, eager_collectives):
+        def check_graph_mixing(self, eager_collectives, who=None):
             if failing == "graph mixing":
                 raise InputError("NCCL_GRAPH_MIXING_SUPPORT=0")
 
@@ -1507,7 +1507,7 @@ def test_a_failed_nccl_capture_step_keeps_the_runner_until_exit(monkeypatch):
         def agree_settings(self, who, settings):
             pass
 
-        def check_graph_mixing(self, eager_collectives):
+        def check_graph_mixing(self, eager_collectives, who=None):
             pass
 
         def capture_step(self, what, step, fingerprint=None, keep=None):

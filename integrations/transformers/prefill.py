@@ -259,7 +259,8 @@ class PrefillRunner:
                     "model dtype": self.dtype,  # None is off under TP, as False: the same
                     "single_prompt_graphs": single_prompt_graphs is True,
                 })  # fmt: skip
-                self.ranks.check_graph_mixing(eager_collectives=tp_collectives == "eager")
+                self.ranks.check_graph_mixing(tp_collectives == "eager",
+                                              "PrefillRunner(tp_collectives='eager')")
             except BaseException:  # no one gets a runner whose constructor raised to close
                 self.ranks.close()
                 raise
