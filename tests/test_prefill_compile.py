@@ -299,3 +299,34 @@ def test_the_fallback_benchmark_puts_the_separate_inputs_back_for_its_process(mo
     ids, positions, last = steps.wide_inputs([torch.arange(5), torch.arange(7)], [5, 7])
     assert ids._base is not positions._base and last is None  # each a tensor of its own
     assert positions[0].tolist() == [*range(5), *range(7)]
+
+
+@pytest.mark.parametrize("failing", ["capture", "tune"])
+def test_a_compiled_runner_whose_constructor_fails_leaves_the_model_unmarked(monkeypatch, failing):
+    """torch.compile's ``_is_torch_compile`` mark was taken off only by ``close()``: a
+    constructor that raised (a capture, the tuning, a rank-group refusal) left it on the
+    model, which no one could close. (``torch.compile`` is recorded here, not run.)"""
+    from breakgraph.runner import BucketedRunner
+
+    monkeypatch.setattr(torch, "compile", lambda model, **options: model)
+    model = tiny_llama()
+    mlp = model.model.layers[1].mlp
+
+    def failing_above_16_tokens(x):
+        return 1 / 0 if x.shape[1] > 16 else type(mlp).forward(mlp, x)
+
+    if failing == "capture":  # the largest bucket's warm-up fails
+        monkeypatch.setattr(mlp, "forward", failing_above_16_tokens)
+    else:
+        monkeypatch.setattr(BucketedRunner, "tune", lambda self, *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        PrefillRunner(model, token_buckets=(16, 32), max_prompts=2, warmup=1, compile=True,
+                      backend="emulated", tune_buckets=True)  # fmt: skip
+    assert "_is_torch_compile" not in vars(model)
+    monkeypatch.undo()
+    runner = build(model, False, token_buckets=(16,))  # the model serves as before
+    prompt = torch.randint(128, (5,))
+    with torch.no_grad():
+        expected = model(prompt[None]).logits[0, -1]
+    torch.testing.assert_close(runner.prefill([prompt]).logits[0], expected, atol=1e-4, rtol=1e-4)
+    runner.close()

@@ -219,8 +219,7 @@ class PrefillRunner:
                 f"pad token (config.pad_token_id None) can keep the default, 0."
             )
         compiled = compile is not False  # True or a dict (an empty one: torch's defaults)
-        # dynamic token dimension from the first compile: see .compiled
-        self._forward_model = CompiledForward(model, compile, backend_name) if compiled else model
+        self._forward_model = model  # compiled below, once nothing but a capture can fail
         moe = hasattr(model.config, "output_router_logits")  # no router logits for MoE models
         self._extra = {"output_router_logits": False} if moe else {}  # (their aux loss syncs)
         self._borrow = backend_name == "cuda"
@@ -273,6 +272,8 @@ class PrefillRunner:
                 "parallelism; leave it at None (off there)."
             )
         _attention.register()
+        if compiled:  # dynamic tokens (see .compiled); its mark on the model goes in close()
+            self._forward_model = CompiledForward(model, compile, backend_name)  # or _abandon()
         # the runners hold this one's methods weakly: bound, they would make a reference cycle
         # (self -> runner -> method -> self) that keeps a dropped runner's graphs and their
         # pool memory until Python's cyclic collector runs (see breakgraph.memory)
@@ -292,20 +293,10 @@ class PrefillRunner:
                 debug=debug,
                 progress=progress,
             )
-        except BaseException:  # it closed itself; the rank group's gloo group goes too
-            if self.ranks is not None:
-                if self.ranks.keeps_memory:  # a failed NCCL step: its graphs stay until exit,
-                    # with what they read; the ladder keeps the runner's methods, which hold
-                    # this one only weakly, so its buffers and model are kept here
-                    self.ranks.keep_until_exit(self)
-                self.ranks.close()
-            raise
-        if single_prompt_graphs:  # same buckets, same inputs, the same pool (on the emulated
-            # backend too, whose pools count their graphs as torch does: the CPU tests check the
-            # sharing); after the packed ladder, whose capture built every bucket's attention
-            # plan outside a capture
-            pool = self._runner.graph(token_buckets[-1]).pool()
-            try:
+            if single_prompt_graphs:  # same buckets, same inputs, the same pool (on the
+                # emulated backend too, whose pools count their graphs as torch does: the CPU
+                # tests check the sharing); after the packed ladder, whose capture built every
+                # bucket's attention plan outside a capture
                 self._single = BucketedRunner(
                     functools.partial(forward, inline=True),
                     token_buckets,
@@ -314,22 +305,31 @@ class PrefillRunner:
                     slice_outputs=False,
                     warmup=1,
                     backend=backend,
-                    pool=pool,
+                    pool=self._runner.graph(token_buckets[-1]).pool(),
                     capture_context=capture_batch,
                     debug=debug,
                     progress=progress,
                 )
-            except BaseException:
-                self._runner.close()
-                raise
-        if tune_buckets and self.ranks is None:
-            try:
+            if tune_buckets and self.ranks is None:
                 self._runner.tune()
-            except BaseException:  # the graphs hold pool memory: nothing is left half-built
-                self._runner.close()
-                if self._single is not None:
-                    self._single.close()
-                raise
+        except BaseException:  # no one gets this runner to close: nothing is left half-built
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Undo a failed constructor: graphs (pool memory), torch.compile's mark on the model
+        (it must end as it was), the rank group's gloo group."""
+        for runner in (getattr(self, "_runner", None), self._single):
+            if runner is not None:
+                runner.close()
+        if isinstance(self._forward_model, CompiledForward):
+            self._forward_model.close()
+        if self.ranks is not None:
+            if self.ranks.keeps_memory:  # a failed NCCL step: its graphs stay until exit, with
+                # what they read; the ladder keeps the runner's methods, which hold this one
+                # only weakly, so its buffers and model are kept here
+                self.ranks.keep_until_exit(self)
+            self.ranks.close()
 
     # -- the captured forward ------------------------------------------------------------
     def _forward(
