@@ -685,6 +685,24 @@ def test_ids_and_positions_of_separate_tensors_and_all_rows_are_staged():
 
 
 @needs_cb
+def test_an_enable_that_fails_with_compile_leaves_the_decoder_unmarked(monkeypatch):
+    """``enable_continuous_batching(compile=...)`` builds its step runner (and with it
+    torch.compile's ``_is_torch_compile`` mark on the decoder) before it installs; an install
+    that raised restored the model's patches but left the mark, with no handle to disable.
+    (``torch.compile`` is recorded here, not run.)"""
+    monkeypatch.setattr(torch, "compile", lambda model, **options: model)
+    model = build_model("llama")
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("attention refused")
+
+    monkeypatch.setattr(model, "set_attn_implementation", refused)
+    with pytest.raises(RuntimeError, match="attention refused"):
+        enable_continuous_batching(model, backend="emulated", compile=True)
+    assert "_is_torch_compile" not in vars(model.get_decoder())
+    assert "_is_torch_compile" not in vars(model)
+
+
 def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
     """``compile=...``: the decoder's Dynamo frames compile once, at the largest bucket's
     warm-up, and serve every layer (a frame per layer would hit Dynamo's recompile limit and

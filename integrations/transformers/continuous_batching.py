@@ -267,6 +267,7 @@ class ContinuousBatchingHandle:
         except BaseException:
             self._patches.restore()
             _shared.release()
+            self.runner.close()  # nothing captured yet; torch.compile's mark off the decoder
             raise
 
     def disable(self) -> None:
