@@ -11,6 +11,7 @@ methods, classmethods, staticmethods and ``nn.Module.forward`` behave as usual.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +99,7 @@ def eager_on_graph(
     def decorate(wrapped: Callable):
         if not enable:
             return wrapped
+        _refuse_lazy(wrapped)
         options = BreakOptions(_name_of(wrapped), capture_stub, check_values)
 
         @wrapt.decorator
@@ -115,6 +117,25 @@ def eager_on_graph(
             raise InputError(f"eager_on_graph: expected a callable, got {function!r}.")
         return decorate(function)
     return decorate
+
+
+def _refuse_lazy(function: Any) -> None:
+    """A generator or ``async`` function returns before its body runs: the body would run
+    where its result is consumed, after the break, inside the captured segment (so never
+    eagerly on replay), and replays would hand back a new generator each time (refused then
+    as a changed value, or, with ``check_values=False``, replaced by the capture-time one)."""
+    target = getattr(function, "__func__", function)  # a classmethod or staticmethod object
+    for kind, test in (
+        ("a generator function", inspect.isgeneratorfunction),
+        ("an async function", inspect.iscoroutinefunction),
+        ("an async generator function", inspect.isasyncgenfunction),
+    ):
+        if test(target):
+            raise InputError(
+                f"eager_on_graph: {_name_of(function)!r} is {kind}; its body would run only "
+                f"when its result is consumed, inside the captured segment, not eagerly. "
+                f"Return the values themselves (a list or tuple of tensors)."
+            )
 
 
 def break_graph() -> None:

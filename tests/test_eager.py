@@ -79,6 +79,35 @@ def test_non_callable_is_rejected():
         eager_on_graph(42)
 
 
+def doubled_lazily(t):
+    yield t * 2
+
+
+async def doubled_later(t):
+    return t * 2
+
+
+async def doubled_lazily_later(t):
+    yield t * 2
+
+
+@pytest.mark.parametrize(
+    "function, kind",
+    [(doubled_lazily, "a generator function"), (doubled_later, "an async function"),
+     (doubled_lazily_later, "an async generator function"),
+     (staticmethod(doubled_lazily), "a generator function")],
+)  # fmt: skip
+def test_generator_and_async_functions_are_refused_at_decoration(function, kind):
+    """Their body runs only where the result is consumed: after the break, inside the
+    captured segment, never eagerly. Decorated, such a function was accepted and failed at
+    the first replay as a "changed Python value" (a new generator each call), or with
+    ``check_values=False`` its body was captured as graph code without a word."""
+    for check_values in (True, False):
+        with pytest.raises(InputError, match=rf"eager_on_graph: 'doubled_\w+' is {kind};"):
+            eager_on_graph(function, check_values=check_values)
+    assert eager_on_graph(function, enable=False) is function  # off: left as it is
+
+
 # ---------------------------------------------------------------------------------------
 # Inside a capture: a break, on every kind of callable
 # ---------------------------------------------------------------------------------------
