@@ -110,6 +110,9 @@ def choose_bucket(
     """
     index = bisect.bisect_left(buckets, size)
     if index == len(buckets):
+        if on_miss not in ("eager", "raise"):  # "Raise" would run eagerly, silently; checked
+            # only here, where it decides (a ladder checked it once, and a step pays nothing)
+            raise InputError(f"choose_bucket: on_miss must be 'eager' or 'raise', got {on_miss!r}.")
         if can_capture:
             return Decision(Action.CAPTURE, size)
         if on_miss == "raise":

@@ -74,6 +74,14 @@ def test_decisions_are_an_enum_that_still_equals_strings():
         Decision("maybe")
 
 
+def test_choose_bucket_refuses_an_on_miss_it_does_not_know():
+    """``on_miss="Raise"`` (or any other string) decided ``Action.EAGER`` for a size above
+    every bucket, silently, where the caller asked for a refusal."""
+    for bad in ("Raise", "raise ", None, True):
+        with pytest.raises(InputError, match="choose_bucket: on_miss must be 'eager' or 'raise'"):
+            choose_bucket((4, 16), 20, on_miss=bad)
+
+
 def test_bucket_lists():
     assert validate_buckets((64, 8, 8), "here") == [8, 64]
     assert validate_buckets((), "here", allow_empty=True) == []
