@@ -33,6 +33,10 @@ __all__ = ["any_autocast", "autocast_as", "autocast_now", "break_modes", "pin_mo
 #: the devices whose autocast a break's modes record (breakgraph runs on CUDA and, emulated, CPU)
 AUTOCAST_DEVICES = ("cuda", "cpu")
 
+#: torch's default autocast dtype of each device: the one a break captured without autocast saw
+#: (unless the process changed it), which ``torch.autocast(device)`` without a dtype takes
+DEFAULT_DTYPES = {"cuda": torch.float16, "cpu": torch.bfloat16}
+
 #: one C call (about 0.1 us): is any device's autocast on?
 any_autocast = torch._C._is_any_autocast_enabled
 
@@ -58,14 +62,20 @@ def autocast_now() -> tuple | None:
 def autocast_as(captured: tuple | None) -> contextlib.ExitStack:
     """A context with autocast as ``captured`` (None: off) on :data:`AUTOCAST_DEVICES`.
     ``torch.autocast(enabled=False)``, not ``torch._C._DisableAutocast``: that one hides
-    autocast from the dispatcher, so an autocast that the break itself enters would not apply."""
+    autocast from the dispatcher, so an autocast that the break itself enters would not apply.
+    The caller's autocast is turned off with the device's default dtype, not the caller's: with
+    ``enabled=False`` alone ``torch.get_autocast_dtype`` kept the caller's, so a break entering
+    ``torch.autocast("cpu")`` without a dtype computed in the caller's fp16, not its capture's
+    bf16 (silently, where it cast its result back)."""
     stack = contextlib.ExitStack()
     wanted = dict(captured or ())
     for device in AUTOCAST_DEVICES:
         if device in wanted:
             stack.enter_context(torch.autocast(device, dtype=wanted[device]))
         elif torch.is_autocast_enabled(device):  # the caller's: off for the break
-            stack.enter_context(torch.autocast(device, enabled=False))
+            stack.enter_context(
+                torch.autocast(device, dtype=DEFAULT_DTYPES[device], enabled=False)
+            )
     return stack
 
 

@@ -995,6 +995,32 @@ def test_breaks_replay_under_their_capture_autocast_not_the_callers(capture, dev
         assert h.dtype == torch.float32
 
 
+def test_a_break_entering_autocast_without_a_dtype_gets_its_captures_dtype(capture, device):
+    """The caller's autocast was turned off for a break with ``enabled=False`` only, which kept
+    the caller's dtype: a break entering ``torch.autocast(device)`` without a dtype computed in
+    the caller's fp16 on replay, not the default bf16 (CUDA: fp16, the caller's bf16) it
+    captured in, silently where it cast back (found by the modes fuzzer)."""
+    kind = torch.device(device).type
+    other = torch.float16 if kind == "cpu" else torch.bfloat16
+    w = torch.randn(8, 8, device=device)
+
+    @eager_on_graph
+    def project(h):
+        with torch.autocast(kind):  # the dtype is whatever autocast's dtype is now
+            return (h @ w).float()
+
+    x = torch.randn(4, 8, device=device)
+    g = BreakableCUDAGraph()
+    with capture(g):
+        out = project(x * 1)
+    for _ in range(2):
+        new = fresh_into(x)
+        with torch.autocast(kind, dtype=other):
+            g.replay()
+            assert torch.get_autocast_dtype(kind) == other  # the caller's, back
+        assert torch.equal(out, project(new * 1))
+
+
 # ---------------------------------------------------------------------------------------
 # Graph bugs stay visible (both backends give the same wrong answer)
 # ---------------------------------------------------------------------------------------
