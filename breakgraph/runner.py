@@ -274,13 +274,17 @@ class BucketedRunner:
         caller's grad mode (the default) an ``nn.Module`` with trainable weights handed out
         outputs carrying a stale capture-time ``grad_fn``, and an eager break whose result
         autograd saved (``sigmoid``, ``softmax``) failed the first call with ``CopyBackError``
-        (its output was held by autograd, not by the graph)."""
-        with torch.no_grad():
+        (its output was held by autograd, not by the graph). And under the autocast the runner
+        was built under, as its eager fallback: a bucket added later (``add_buckets``, a call
+        above every bucket inside ``capture_window()``) under another autocast (the caller's)
+        gave its sizes other dtypes than the other buckets' and the fallback's."""
+        with torch.no_grad(), autocast_as(self._autocast):
             return self._captured_fn(*self._buffers[size])
 
     def _warm_up(self, size: int) -> None:
         inputs = self._buffers[size]
-        with torch.no_grad():  # as the capture (a compiled fn must not compile again there)
+        # as the capture (a compiled fn must not compile again there)
+        with torch.no_grad(), autocast_as(self._autocast):
             for _ in range(self.warmup):
                 self.fn(*inputs)
 

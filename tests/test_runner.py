@@ -740,6 +740,38 @@ def test_eager_fallback_runs_under_the_graphs_autocast_not_the_callers():
     assert built(torch.randn(9, 4)).dtype == torch.bfloat16  # built under it: kept
 
 
+@pytest.mark.parametrize("built", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_bucket_added_under_another_autocast_is_captured_under_the_runners(built):
+    """``add_buckets`` (or a call above every bucket inside ``capture_window()``) captured the
+    new bucket under the caller's autocast: sizes it served came back in another dtype than
+    the other buckets' and the eager fallback's. Every bucket is captured (and warmed up)
+    under the autocast the runner was built under; the caller's is back afterwards."""
+    w = torch.randn(4, 4)
+
+    def fn(x):
+        return (x * 1) @ w + 1
+
+    def autocast(dtype):
+        return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
+
+    with autocast(built):
+        runner = BucketedRunner(fn, (4,), (torch.randn(1, 4),), backend="emulated")
+    expected = torch.bfloat16 if built else torch.float32
+    other = None if built else torch.float16
+    with runner.capture_window(), autocast(other):
+        runner.add_buckets([8])
+        runner(torch.randn(12, 4))  # above every bucket, inside the window: captured
+        assert torch.is_autocast_enabled("cpu") == (other is not None)
+    assert runner.buckets == (4, 8, 12)
+    for rows, caller in [(3, None), (6, other), (10, torch.bfloat16), (30, other)]:
+        x = torch.randn(rows, 4)
+        with autocast(caller):
+            out = runner(x)
+        assert out.dtype == expected, (rows, caller)
+        with autocast(built):
+            torch.testing.assert_close(out, fn(x))
+
+
 def test_a_slice_outputs_callable_runs_at_an_exact_bucket_size_too():
     """The callable was skipped when the size equalled the bucket: one that reshapes the
     output returned a tensor for 3 rows and the whole tuple for 4."""
