@@ -18,6 +18,8 @@ break replays under the modes it was captured under:
 
 The common graph, every break captured with grad off and autocast off, pays one check of each
 per replay (:meth:`graph.BreakableCUDAGraph.replay`); other graphs wrap their breaks one by one.
+(That one check is whether any autocast is on: a caller with every autocast off but a dtype set
+other than the default, ``torch.set_autocast_dtype``, leaves its dtype to such a graph's breaks.)
 """
 
 from __future__ import annotations
@@ -52,36 +54,42 @@ any_autocast = torch._C._is_any_autocast_enabled
 def break_modes(function: Callable | None) -> tuple[str, tuple | None]:
     """A break's modes as its capture-time call ran: its grad mode (``"no_grad"``, ``"grad"``, or
     ``""`` where it is moot: an empty break, or one under ``inference_mode``, which replays
-    under that) and its autocast (None when off; else ``((device, dtype), ...)``)."""
+    under that) and its autocast (:func:`autocast_now`)."""
     moot = function is None or torch.is_inference_mode_enabled()
     grad = "" if moot else "grad" if torch.is_grad_enabled() else "no_grad"
-    return grad, (autocast_now() if function is not None and any_autocast() else None)
+    return grad, (autocast_now() if function is not None else None)
 
 
 def autocast_now() -> tuple | None:
-    """The autocast on now, as :func:`autocast_as` takes it: ``((device, dtype), ...)`` over
-    :data:`AUTOCAST_DEVICES`, or None when none is on."""
-    if not any_autocast():
-        return None
-    return tuple((device, torch.get_autocast_dtype(device))
-                 for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device))  # fmt: skip
+    """The autocast state now, as :func:`autocast_as` takes it: None when every device of
+    :data:`AUTOCAST_DEVICES` has autocast off with its default dtype (the common case), else
+    ``((device, enabled, dtype), ...)`` over them. The dtype counts also where autocast is off:
+    a break that enters ``torch.autocast(device)`` without a dtype takes it (a model that turns
+    autocast off with ``torch.autocast(enabled=False)`` inside an fp16 autocast keeps fp16)."""
+    states = tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                   for device in AUTOCAST_DEVICES)  # fmt: skip
+    if any(enabled or dtype != DEFAULT_DTYPES[device] for device, enabled, dtype in states):
+        return states
+    return None
+
+
+#: :func:`autocast_now` when it returns None: every device off, with its default dtype
+AUTOCAST_OFF = tuple((device, False, DEFAULT_DTYPES[device]) for device in AUTOCAST_DEVICES)
 
 
 def autocast_as(captured: tuple | None) -> contextlib.ExitStack:
-    """A context with autocast as ``captured`` (None: off) on :data:`AUTOCAST_DEVICES`.
-    ``torch.autocast(enabled=False)``, not ``torch._C._DisableAutocast``: that one hides
-    autocast from the dispatcher, so an autocast that the break itself enters would not apply.
-    The caller's autocast is turned off with the device's default dtype, not the caller's: with
-    ``enabled=False`` alone ``torch.get_autocast_dtype`` kept the caller's, so a break entering
-    ``torch.autocast("cpu")`` without a dtype computed in the caller's fp16, not its capture's
-    bf16 (silently, where it cast its result back)."""
+    """A context with autocast as ``captured`` (:func:`autocast_now`; None: off) on
+    :data:`AUTOCAST_DEVICES`, each device's dtype included. ``torch.autocast(enabled=False)``,
+    not ``torch._C._DisableAutocast``: that one hides autocast from the dispatcher, so an
+    autocast that the break itself enters would not apply. The dtype is set also where autocast
+    is off: with ``enabled=False`` alone ``torch.get_autocast_dtype`` kept the caller's, so a
+    break entering ``torch.autocast("cpu")`` without a dtype computed in the caller's fp16, not
+    its capture's bf16 (silently, where it cast its result back)."""
     stack = contextlib.ExitStack()
-    wanted = dict(captured or ())
-    for device in AUTOCAST_DEVICES:
-        if device in wanted:
-            stack.enter_context(torch.autocast(device, dtype=wanted[device]))
-        elif torch.is_autocast_enabled(device):  # the caller's: off for the break
-            stack.enter_context(torch.autocast(device, dtype=DEFAULT_DTYPES[device], enabled=False))
+    for device, enabled, dtype in captured or AUTOCAST_OFF:
+        now = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        if now != (enabled, dtype):
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
     return stack
 
 

@@ -1061,6 +1061,35 @@ def test_a_break_entering_autocast_without_a_dtype_gets_its_captures_dtype(captu
         assert torch.equal(out, project(new * 1))
 
 
+def test_a_break_captured_with_autocast_off_keeps_the_dtype_autocast_had(capture, device):
+    """A break captured inside ``torch.autocast(enabled=False)`` within an autocast of another
+    dtype than the default (a model turning autocast off for one part) was recorded as "no
+    autocast" and replayed with the default dtype: one re-entering ``torch.autocast(device)``
+    without a dtype computed in bf16 on replay where it computed in fp16 at capture (CUDA: the
+    reverse), silently where it cast back. Each break records its dtypes also where autocast
+    is off (found by the modes fuzzer)."""
+    kind = torch.device(device).type
+    other = torch.float16 if kind == "cpu" else torch.bfloat16
+    w = torch.randn(8, 8, device=device)
+
+    @eager_on_graph
+    def project(h):
+        with torch.autocast(kind):  # re-enabled, in the dtype autocast has now
+            return (h @ w).float()
+
+    x = torch.randn(4, 8, device=device)
+    g = BreakableCUDAGraph()
+    with torch.autocast(kind, dtype=other), capture(g):
+        with torch.autocast(kind, enabled=False):
+            out = project(x * 1)
+    for caller in (None, torch.bfloat16, torch.float16):
+        new = fresh_into(x)
+        with torch.autocast(kind, dtype=caller or other, enabled=caller is not None):
+            g.replay()
+        with torch.autocast(kind, dtype=other):
+            assert torch.equal(out, project(new * 1)), caller
+
+
 # ---------------------------------------------------------------------------------------
 # Graph bugs stay visible (both backends give the same wrong answer)
 # ---------------------------------------------------------------------------------------
