@@ -16,11 +16,17 @@ Scale: ``BREAKGRAPH_FUZZ_PROGRAMS`` (default 300, emulated backend, a few second
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import linecache
 import os
+import random
 
 import pytest
 import torch
+
+import breakgraph
+from breakgraph.runner import BucketedRunner
 
 try:  # tests/ as a package (tests.helpers) or as a directory on sys.path
     from tests import fuzz_programs as fp
@@ -278,3 +284,267 @@ def test_the_oracle_catches_writes_into_user_memory_and_shared_outputs(
         pytest.fail(f"no {family} program failed with {disable} disabled")
     if family == "break_returns_persistent_by_context":
         assert "wrote into the long-lived tensor" in outcome.detail
+
+
+# -- modes: eager breaks replay under their capture's grad mode and autocast -----------------------
+MODES_PROGRAMS = int(os.environ.get("BREAKGRAPH_FUZZ_MODES_PROGRAMS", "300"))
+#: bodies of generated breaks (``a``: the argument, ``W``: a module weight, ``RAISE``: a flag the
+#: oracle sets for one replay); each computes something that depends on the modes it runs under
+MODE_BREAKS = {
+    "plain": ["return torch.sin(a @ W.to(a.dtype)) + 1"],
+    "enters_autocast": [
+        'with torch.autocast("cpu", dtype=torch.bfloat16):',
+        "    y = a @ W.to(a.dtype)",
+        "return y * 2",
+    ],
+    "enters_autocast_fp16": [
+        'with torch.autocast("cpu", dtype=torch.float16):',
+        "    return torch.sin(a @ W.to(a.dtype))",
+    ],
+    "enters_default_autocast": [  # the dtype autocast has now: torch's default, or the capture's
+        'with torch.autocast("cpu"):',
+        "    return torch.sin(a.float() @ W).float()",
+    ],
+    "disables_autocast": [
+        'with torch.autocast("cpu", enabled=False):',
+        "    return torch.sin(a.float() @ W)",
+    ],
+    "casts_float": ["return torch.sin(a @ W.to(a.dtype)).float() + 1"],
+    "casts_bf16": ["return a.to(torch.bfloat16) * 2"],
+    "reads_modes": [
+        'flags = 2 * torch.is_autocast_enabled("cpu")',
+        "flags += INFERENCE * torch.is_inference_mode_enabled()",
+        'flags += 8 * (torch.get_autocast_dtype("cpu") == torch.float16)',
+        'flags += 16 * torch.is_autocast_enabled("cuda") + GRAD * torch.is_grad_enabled()',
+        "return a * 2 + float(flags)",
+    ],
+    "may_raise": ["if RAISE[0]:", '    raise ValueError("boom")', "return a.sin() + 1"],
+}
+MODE_SEGMENT_OPS = (
+    "h = torch.sin(h @ W.to(h.dtype))",
+    "h = h + x",
+    "h = torch.softmax(h, -1) * 3",
+    "h = h.cos() * 0.5",
+    "breakgraph.break_graph()",
+)
+CAPTURE_GRAD = ("grad", "no_grad", "inference_mode")
+CAPTURE_AUTOCAST = (None, torch.bfloat16, torch.float16)
+REPLAY_AUTOCAST = (None, ("cpu", torch.bfloat16), ("cpu", torch.float16), ("cuda", torch.float16))
+
+
+def _grad_mode(mode: str):
+    if mode == "inference_mode":
+        return torch.inference_mode()
+    return torch.enable_grad() if mode == "grad" else torch.no_grad()
+
+
+@contextlib.contextmanager
+def _autocast_on(spec):
+    """Autocast on ``spec`` = (device, dtype), or none. CUDA's through the thread state (this
+    machine has no GPU, where ``torch.autocast("cuda")`` disables itself): a device the capture
+    did not use, on, as an inference server's wrapper leaves it."""
+    if spec is None:
+        yield
+    elif spec[0] == "cpu":
+        with torch.autocast("cpu", dtype=spec[1]):
+            yield
+    else:
+        torch.set_autocast_enabled("cuda", True)
+        torch.autocast_increment_nesting()
+        try:
+            yield
+        finally:
+            torch.set_autocast_enabled("cuda", False)
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+
+
+def _modes_now() -> tuple:
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+    )
+
+
+#: what a program may wrap one break call in (inside the capture): its break's modes differ
+#: from the other breaks' (each break is then pinned alone)
+MODE_WRAPPERS = (
+    None,
+    None,
+    'torch.autocast("cpu", dtype=torch.bfloat16)',
+    'torch.autocast("cpu", enabled=False)',
+    "torch.no_grad()",
+    "torch.enable_grad()",
+)
+
+
+def generate_modes_program(seed: int, runner: bool = False) -> tuple[str, dict]:
+    """A program's source (a function of ``seed``) and the modes it is captured/replayed under.
+    ``runner``: for a ``BucketedRunner``, whose eager fallback runs in the caller's grad mode
+    (documented): its breaks read only the autocast."""
+    rng = random.Random(seed)
+    grad = rng.choice(CAPTURE_GRAD)
+    autocast = rng.choice(CAPTURE_AUTOCAST)
+    lines = [
+        f"# modes program seed={seed}: capture grad={grad} autocast={autocast}",
+        "import torch, breakgraph",
+        "RAISE = [False]",
+    ]
+    body = ["def program(x):", "    h = x"]
+    kinds = list(MODE_BREAKS)
+    for index in range(rng.randint(1, 5)):
+        for _ in range(rng.randint(0, 2)):
+            body.append("    " + rng.choice(MODE_SEGMENT_OPS))
+        kind = rng.choice(kinds)
+        wrapper = rng.choice(MODE_WRAPPERS)
+        pinned = grad
+        if grad != "inference_mode" and wrapper in ("torch.no_grad()", "torch.enable_grad()"):
+            pinned = "no_grad" if wrapper == "torch.no_grad()" else "grad"
+        # a break captured with grad on runs in the caller's grad mode (also inference_mode,
+        # documented): only the pinned modes are compared
+        # and one captured under enable_grad inside inference_mode replays under inference_mode
+        # with grad off (autograd records nothing there either way): its grad mode is moot
+        weights = (0, 0) if pinned == "grad" or runner else (32, 4)
+        if grad == "inference_mode" and wrapper == "torch.enable_grad()" and not runner:
+            weights = (0, 4)
+        lines += ["@breakgraph.eager_on_graph", f"def b{index}(a):  # {kind}"]
+        lines += [f"    GRAD, INFERENCE = {weights}"] * (kind == "reads_modes")
+        lines += ["    " + line for line in MODE_BREAKS[kind]]
+        if wrapper is None:
+            body.append(f"    h = b{index}(h)")
+        else:
+            body += [f"    with {wrapper}:", f"        h = b{index}(h)"]
+    body.append("    " + rng.choice(MODE_SEGMENT_OPS[:4]))
+    body.append("    return h, h.float().sum(-1)")
+    replays = [(rng.choice(CAPTURE_GRAD), rng.choice(REPLAY_AUTOCAST)) for _ in range(3)]
+    return "\n".join(lines + body) + "\n", {"grad": grad, "autocast": autocast, "replays": replays}
+
+
+def run_modes_program(seed: int) -> str | None:
+    """Capture, replay under other modes on fresh inputs, compare with eager under the
+    capture's modes; the caller's modes must be exactly restored (also when a break raises).
+    Returns a failure's description, or None."""
+    source, modes = generate_modes_program(seed)
+    namespace: dict = {}
+    filename = f"<modes program {seed}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    generator = torch.Generator().manual_seed(seed)
+    namespace["W"] = torch.randn(4, 4, generator=generator) * 0.5
+    program = namespace["program"]
+    cast = modes["autocast"]
+
+    def capture_modes():
+        stack = contextlib.ExitStack()
+        stack.enter_context(_grad_mode(modes["grad"]))
+        stack.enter_context(_autocast_on(("cpu", cast) if cast else None))
+        return stack
+
+    static = torch.randn(3, 4, generator=generator)
+    graph = breakgraph.BreakableCUDAGraph()
+    with capture_modes(), breakgraph.capture(graph, backend="emulated"):
+        outputs = program(static)
+    raising = "may_raise" in source
+    plan = list(modes["replays"]) + ([(modes["replays"][0][0], REPLAY_AUTOCAST[1])] * raising)
+    for replay, (grad, autocast) in enumerate(plan):
+        fresh = torch.randn(3, 4, generator=generator)
+        static.copy_(fresh)
+        namespace["RAISE"][0] = raise_now = raising and replay == len(plan) - 1
+        where = f"replay {replay} under grad={grad} autocast={autocast}"
+        with _grad_mode(grad), _autocast_on(autocast):
+            before = _modes_now()
+            try:
+                graph.replay()
+            except ValueError:
+                if not raise_now:
+                    raise
+            else:
+                if raise_now:
+                    return f"{where}: the break's ValueError did not propagate"
+            after = _modes_now()
+        if before != after:
+            return f"{where}: the caller's modes {before} became {after}"
+        if raise_now:
+            continue
+        got = [o.clone() for o in outputs]
+        with capture_modes():
+            expected = program(fresh.clone())
+        for i, (g, e) in enumerate(zip(got, expected)):
+            if g.dtype != e.dtype:
+                return f"{where}: output {i} is {g.dtype}, eager (capture's modes) {e.dtype}"
+            try:
+                torch.testing.assert_close(g, e)
+            except AssertionError as exc:
+                return f"{where}: output {i} differs: {str(exc).splitlines()[:3]}"
+    return None
+
+
+def run_modes_runner(seed: int) -> str | None:
+    """A ``BucketedRunner`` of a generated program, built under an autocast (or none), a bucket
+    added under another one, called at bucket sizes, between them and above every bucket (the
+    eager fallback) under the caller's modes: every output has the dtypes and values of the
+    program run eagerly under no_grad and the runner's autocast."""
+    source, _ = generate_modes_program(seed, runner=True)
+    rng = random.Random(-seed)
+    namespace: dict = {}
+    exec(compile(source, f"<modes runner program {seed}>", "exec"), namespace)
+    generator = torch.Generator().manual_seed(seed)
+    namespace["W"] = torch.randn(4, 4, generator=generator) * 0.5
+    program = namespace["program"]
+    built = rng.choice(REPLAY_AUTOCAST[:3])
+    with _autocast_on(built):
+        runner = BucketedRunner(program, (4, 8), (torch.randn(1, 4),), backend="emulated")
+    try:
+        with runner.capture_window(), _autocast_on(rng.choice(REPLAY_AUTOCAST)):
+            runner.add_buckets([16])
+        for rows in (3, 8, 12, 30):
+            grad, autocast = rng.choice(CAPTURE_GRAD), rng.choice(REPLAY_AUTOCAST)
+            x = torch.randn(rows, 4, generator=generator)
+            with _grad_mode(grad), _autocast_on(autocast):
+                before = _modes_now()
+                got = runner(x, owned=True)
+                if _modes_now() != before:
+                    return f"{rows} rows under {grad} {autocast}: the caller's modes changed"
+            with torch.no_grad(), _autocast_on(built):
+                expected = program(x.clone())
+            for i, (g, e) in enumerate(zip(got, expected)):
+                if g.dtype != e.dtype:
+                    return f"runner built under {built}, {rows} rows under {autocast}: output {i} "\
+                        f"is {g.dtype}, eager {e.dtype}"
+                try:
+                    torch.testing.assert_close(g, e)
+                except AssertionError as exc:
+                    return f"runner built under {built}, {rows} rows under {autocast}: output "\
+                        f"{i} differs: {str(exc).splitlines()[:3]}"
+    finally:
+        runner.close()
+    return None
+
+
+def test_breaks_replay_under_their_capture_modes():
+    """Generated programs (breaks that read the modes, enter or disable autocast, cast) captured
+    under grad / no_grad / inference_mode and optionally ``torch.autocast("cpu")``, replayed
+    under other grad modes and autocasts (also CUDA's, which the capture never used): each
+    replay equals an eager run under the CAPTURE's modes, and leaves the caller's modes as they
+    were, also when a break raises. A sixth of them also run through a ``BucketedRunner`` built
+    under an autocast, with a bucket added under another (:func:`run_modes_runner`).
+    ``BREAKGRAPH_FUZZ_MODES_PROGRAMS`` programs (default 300) from ``BREAKGRAPH_FUZZ_START``."""
+    failures = []
+    for seed in range(START, START + MODES_PROGRAMS):
+        problem = run_modes_program(seed)
+        if problem is None and seed % 6 == 0:  # a sixth also through a BucketedRunner
+            problem = run_modes_runner(seed)
+        if problem is not None:
+            failures.append((seed, problem))
+    if failures:
+        seed, problem = failures[0]
+        pytest.fail(
+            f"{len(failures)} of {MODES_PROGRAMS} mode programs failed (seeds "
+            f"{[s for s, _ in failures][:20]}); seed {seed}: {problem}\n"
+            + generate_modes_program(seed)[0],
+            pytrace=False,
+        )
