@@ -86,11 +86,23 @@ def autocast_as(captured: tuple | None) -> contextlib.ExitStack:
     break entering ``torch.autocast("cpu")`` without a dtype computed in the caller's fp16, not
     its capture's bf16 (silently, where it cast its result back)."""
     stack = contextlib.ExitStack()
+    cache = False if any_autocast() else None  # see below
     for device, enabled, dtype in captured or AUTOCAST_OFF:
         now = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
         if now != (enabled, dtype):
-            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            pinned = torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+            stack.enter_context(pinned)
     return stack
+
+
+# Why a pinned autocast inside the caller's does not cache weight casts (``cache_enabled=False``,
+# which an autocast the break enters itself inherits): autocast caches the cast of a weight (a
+# leaf that requires grad: an ``nn.Parameter``, also under no_grad) by tensor, not by dtype,
+# until the outermost autocast exits. A break replayed in bf16 inside the caller's fp16 autocast
+# left its bf16 weights to the caller's next fp16 matmul, or took the caller's fp16 ones (also
+# in an fp16 autocast of its own, under the caller's bf16), and one of them raised ``expected m1
+# and m2 to have the same dtype``. Without the caller's autocast, the break's is the outermost:
+# its cache goes when it exits.
 
 
 def pin_modes(breaks: Sequence[Any], modes: Sequence[tuple]) -> tuple[list, bool, bool]:

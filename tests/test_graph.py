@@ -1090,6 +1090,45 @@ def test_a_break_captured_with_autocast_off_keeps_the_dtype_autocast_had(capture
             assert torch.equal(out, project(new * 1)), caller
 
 
+def test_a_break_pinned_to_another_autocast_shares_no_weight_casts_with_the_caller(capture):
+    """Autocast caches a weight's cast (a Parameter, under no_grad too) by tensor, not dtype,
+    until the outermost autocast exits: a break captured under bf16 autocast and replayed
+    inside the caller's fp16 autocast left its bf16 weight to the caller's next fp16 matmul,
+    or took the caller's fp16 one, and one of them raised ``expected m1 and m2 to have the same
+    dtype``; also a break entering an fp16 autocast of its own under the caller's bf16. A
+    pinned autocast inside the caller's caches nothing (found by the modes fuzzer)."""
+    w = torch.nn.Parameter(torch.randn(8, 8))
+
+    @eager_on_graph
+    def project(h):
+        return (h @ w).float()
+
+    @eager_on_graph
+    def own(h):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return (h @ w).float()
+
+    x = torch.randn(4, 8)
+    g = BreakableCUDAGraph()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(g):
+        out = project(x * 1)
+    plain = BreakableCUDAGraph()
+    with torch.no_grad(), capture(plain):
+        mine = own(x * 1)
+    for caller, graph, result, captured in (
+        (torch.float16, g, out, torch.bfloat16),
+        (torch.bfloat16, plain, mine, None),
+    ):
+        new = fresh_into(x)
+        with torch.no_grad(), torch.autocast("cpu", dtype=caller):
+            before = new @ w  # the caller's cast of w, cached
+            graph.replay()
+            after = new @ w
+        assert before.dtype == after.dtype == caller
+        with torch.no_grad(), torch.autocast("cpu", dtype=captured, enabled=bool(captured)):
+            assert torch.equal(result, (project if captured else own)(new * 1))
+
+
 # ---------------------------------------------------------------------------------------
 # Graph bugs stay visible (both backends give the same wrong answer)
 # ---------------------------------------------------------------------------------------
