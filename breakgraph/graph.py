@@ -84,7 +84,7 @@ class Captured:
     timers: tuple | None = None  # debug mode: host time of each break
     unjoined: dict | None = None  # debug mode: segment -> side streams breakgraph joined
     without_grad: bool = False  # every break was captured under no_grad: replays run under it
-    autocast_off: bool = False  # every break was captured without autocast: replays run so
+    autocast: Any = False  # every break's autocast (None: off), replays run so; False: mixed
 
 
 class BreakableCUDAGraph:
@@ -181,7 +181,7 @@ class BreakableCUDAGraph:
         # the caller's inference_mode: breaks captured under no_grad replay outside it (.modes)
         leave = captured.without_grad and not grad_off and torch.is_inference_mode_enabled()
         left = None
-        cast = captured.autocast_off and any_autocast()  # the caller's autocast is on
+        cast = captured.autocast is not False and (captured.autocast or any_autocast())
         restore = None
         # the thread's state is set inside the try: an interrupt (Ctrl-C) can leave none of it
         try:
@@ -191,8 +191,8 @@ class BreakableCUDAGraph:
                 torch.set_grad_enabled(False)
             if leave:
                 left = outside_inference_mode()
-            if cast:  # breaks replay under their capture's autocast, here none (.modes)
-                restore = autocast_as(None)
+            if cast:  # breaks replay under their capture's autocast, here one for all (.modes)
+                restore = autocast_as(captured.autocast)
             for step in captured.steps:
                 step()
         finally:
@@ -517,7 +517,7 @@ class _Capture:
         self._end_segment()
         # breaks replay under their capture's grad mode and autocast: the whole replay turns
         # grad off / the caller's autocast off (one check each), or each break alone (.modes)
-        self.breaks, without_grad, autocast_off = pin_modes(self.breaks, self.modes)
+        self.breaks, without_grad, autocast = pin_modes(self.breaks, self.modes)
         timers = None
         if self.watch is None:
             steps = [self.segments[0].replay]
@@ -538,7 +538,7 @@ class _Capture:
             timers,
             self.unjoined,
             without_grad,
-            autocast_off,
+            autocast,
         )
         self._close()  # first: where closing raises (a restore that warns, under -W error),
         # the graph holds nothing and abort() drops the segments
