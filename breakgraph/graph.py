@@ -39,7 +39,7 @@ from .backends.base import Backend, CaptureOptions, Segment, Session
 from .backends.cuda import capture_failure_error, is_capture_failure
 from .copyback import build_copy_back
 from .errors import CaptureError, ReplayError
-from .modes import any_autocast, autocast_as, break_modes, outside_inference_mode, pin_modes
+from .modes import any_autocast, autocast_as, break_modes, pin_modes
 from .ownership import call_and_classify, refuse_one_shot_iterators, storages_of
 from .state import capture_turn, context_scope, is_capturing, replay_context, state
 
@@ -178,9 +178,6 @@ class BreakableCUDAGraph:
             )
         previous = state.context
         grad_off = captured.without_grad and torch.is_grad_enabled()
-        # the caller's inference_mode: breaks captured under no_grad replay outside it (.modes)
-        leave = captured.without_grad and not grad_off and torch.is_inference_mode_enabled()
-        left = None
         cast = captured.autocast is not False and (captured.autocast or any_autocast())
         restore = None
         # the thread's state is set inside the try: an interrupt (Ctrl-C) can leave none of it
@@ -189,8 +186,6 @@ class BreakableCUDAGraph:
             state.context = captured.context if context is _NO_CONTEXT else context
             if grad_off:  # breaks captured under no_grad replay under it, whatever the mode
                 torch.set_grad_enabled(False)
-            if leave:
-                left = outside_inference_mode()
             if cast:  # breaks replay under their capture's autocast, here one for all (.modes)
                 restore = autocast_as(captured.autocast)
             for step in captured.steps:
@@ -202,8 +197,6 @@ class BreakableCUDAGraph:
                 torch.set_grad_enabled(True)
             if restore is not None:
                 restore.close()
-            if left is not None:
-                left.close()
 
     def reset(self) -> None:
         """Drop every segment and break and release what they held; the graph can be captured

@@ -5,8 +5,7 @@ runs Python again on every replay, so the modes active then decide what it compu
 capture-time result fixed the dtypes and the autograd state that later segments read, so each
 break replays under the modes it was captured under:
 
-* **grad mode**: a break captured under ``no_grad`` replays under it, also outside the caller's
-  ``inference_mode`` (a break captured under
+* **grad mode**: a break captured under ``no_grad`` replays under it (a break captured under
   ``inference_mode`` replays under that, see :meth:`graph._Capture._run_eagerly`); one
   captured with grad on runs in the caller's mode (its copy-back is never recorded);
 * **autocast**: a break captured without autocast replays without it, and one captured under
@@ -32,14 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "any_autocast",
-    "autocast_as",
-    "autocast_now",
-    "break_modes",
-    "outside_inference_mode",
-    "pin_modes",
-]
+__all__ = ["any_autocast", "autocast_as", "autocast_now", "break_modes", "pin_modes"]
 
 #: the devices whose autocast a break's modes record (breakgraph runs on CUDA and, emulated, CPU)
 AUTOCAST_DEVICES = ("cuda", "cpu")
@@ -139,30 +131,13 @@ def pin_modes(breaks: Sequence[Any], modes: Sequence[tuple]) -> tuple[list, bool
     return pinned, without_grad, (casts[0] if shared else False)
 
 
-def outside_inference_mode() -> contextlib.ExitStack:
-    """``torch.inference_mode(False)`` and ``no_grad``: a break captured under ``no_grad`` and
-    replayed inside the caller's ``inference_mode`` runs as captured. Under the caller's
-    inference_mode the tensors it kept (a cache it replaced) were inference tensors, and its
-    next in-place update of them outside inference_mode (the next replay, under ``no_grad``)
-    raised ``RuntimeError: Inplace update to inference tensor``; and it saw
-    ``torch.is_inference_mode_enabled()`` differ from its capture."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))  # turns grad on: off again after it
-    stack.enter_context(torch.no_grad())
-    return stack
-
-
 def _under_no_grad(replay: Callable[[], None]) -> Callable[[], None]:
     """``replay`` under ``torch.no_grad()`` (a break captured under it, in a graph that also
-    has breaks captured with grad), outside the caller's ``inference_mode``."""
+    has breaks captured with grad)."""
 
     def step() -> None:
-        if torch.is_inference_mode_enabled():
-            with outside_inference_mode():
-                replay()
-        else:
-            with torch.no_grad():
-                replay()
+        with torch.no_grad():
+            replay()
 
     return step
 

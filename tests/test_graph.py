@@ -995,46 +995,6 @@ def test_breaks_replay_under_their_capture_autocast_not_the_callers(capture, dev
         assert h.dtype == torch.float32
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["no_grad_only", "with_a_grad_break"])
-def test_a_no_grad_break_replays_outside_the_callers_inference_mode(capture, device, mixed):
-    """A break captured under no_grad ran inside the caller's ``inference_mode`` on replay: the
-    cache it replaced became an inference tensor, and the next replay (under no_grad, as
-    captured) raised ``Inplace update to inference tensor outside InferenceMode`` on its
-    in-place update; it also saw ``is_inference_mode_enabled()`` differ from its capture. The
-    whole replay leaves inference_mode (or, next to a break captured with grad, the break
-    alone), and the caller's mode is back after it (found by the modes fuzzer)."""
-    cache = {"t": torch.zeros(4, 8, device=device)}
-
-    @eager_on_graph
-    def step(a):
-        cache["t"].add_(1)
-        cache["t"] = cache["t"] * 1  # replaced, as a growing KV cache is
-        return a + cache["t"] + 100 * torch.is_inference_mode_enabled()
-
-    @eager_on_graph
-    def other(a):
-        return a * 2
-
-    x = torch.randn(4, 8, device=device)
-    g = BreakableCUDAGraph()
-    with capture(g):
-        if mixed:
-            x2 = other(x * 1)  # captured with grad on: runs in the caller's mode
-        with torch.no_grad():
-            out = step(x * 1) * 1
-    for replay in range(4):
-        new = fresh_into(x)
-        mode = torch.inference_mode() if replay % 2 == 0 else torch.no_grad()
-        with mode:
-            g.replay()
-            assert torch.is_inference_mode_enabled() == (replay % 2 == 0)
-            assert not torch.is_grad_enabled()
-        assert not cache["t"].is_inference()
-        torch.testing.assert_close(out, new + replay + 2)
-        if mixed:
-            torch.testing.assert_close(x2, new * 2)
-
-
 def test_a_break_entering_autocast_without_a_dtype_gets_its_captures_dtype(capture, device):
     """The caller's autocast was turned off for a break with ``enabled=False`` only, which kept
     the caller's dtype: a break entering ``torch.autocast(device)`` without a dtype computed in
