@@ -409,6 +409,8 @@ def generate_modes_program(seed: int, runner: bool = False) -> tuple[str, dict]:
         # and one captured under enable_grad inside inference_mode replays under inference_mode
         # with grad off (autograd records nothing there either way): its grad mode is moot
         weights = (0, 0) if pinned == "grad" or runner else (32, 4)
+        if pinned == "no_grad":  # replayed inside the caller's inference_mode it stays inside
+            weights = (weights[0], 0)  # it (documented in concepts.md): only grad is pinned
         if grad == "inference_mode" and wrapper == "torch.enable_grad()" and not runner:
             weights = (0, 4)
         lines += ["@breakgraph.eager_on_graph", f"def b{index}(a):  # {kind}"]
