@@ -68,8 +68,7 @@ from .eager import eager_on_graph
 from .errors import CaptureError, InputError
 from .graph import BreakableCUDAGraph
 from .ladder import GraphLadder, LadderStats
-from .modes import any_autocast, autocast_as
-from .modes import autocast_now as _autocast_now
+from .modes import any_autocast, autocast_as, autocast_now
 from .state import context_scope
 from .static_inputs import StaticInputs
 from .structure import map_tensors
@@ -208,7 +207,7 @@ class BucketedRunner:
         self.backend = self.ladder.backend
         self.context = context
         self.capture_context = capture_context
-        self._autocast = _autocast_now()  # the graphs' autocast: the eager fallback's too
+        self._autocast = autocast_now()  # the graphs' autocast: the eager fallback's too
         self._buffers: dict[int, tuple] = {}  # bucket -> its static input buffers
         if ranks is not None:  # the same buckets, captured alike, and the same decisions
             shapes = [(dtype, device.type, shape) for dtype, device, shape in self.inputs.specs]
