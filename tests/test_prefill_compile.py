@@ -228,11 +228,16 @@ def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
     ({"bogus": 1}, r"not torch.compile keyword arguments: 'bogus'; use some of .*dynamic"),
     ({1: 2}, "not torch.compile keyword arguments: 1;"),
     ({"fullgraph": True}, r"'fullgraph': True\} cannot work: attention .* eager break"),
+    ({"mode": "reduce-overhead"}, r"Inductor capture CUDA graphs of its own.*'default'"),
+    ({"mode": "max-autotune"}, "max-autotune-no-cudagraphs"),
+    ({"options": {"triton.cudagraphs": True}}, "without 'triton.cudagraphs'"),
 ])  # fmt: skip
 def test_a_compile_dict_torch_would_refuse_is_an_input_error(bad, match):
     """Keys ``torch.compile`` does not take were its raw ``TypeError`` from the constructor,
     and ``fullgraph=True`` Dynamo's ``Unsupported`` at the first warm-up (the attention breaks
-    are Dynamo graph breaks): now an ``InputError`` before anything is built."""
+    are Dynamo graph breaks): now an ``InputError`` before anything is built. So are the modes
+    that turn on Inductor's own CUDA graphs: their first recording synchronises the device inside
+    breakgraph's capture."""
     from breakgraph.errors import InputError
 
     model = tiny_llama()

@@ -53,10 +53,15 @@ from breakgraph.patches import PatchSet
 __all__ = ["CompiledForward", "check_compile_option"]
 
 
+# torch.compile's modes that turn on Inductor's CUDA graphs (CUDA graph trees)
+_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def check_compile_option(compile: Any, who: str) -> None:
     """Refuse a ``compile=`` that is neither a bool nor a dict of ``torch.compile`` keyword
     arguments (a truthy string would otherwise compile with the defaults), a dict with other
-    keys, and ``fullgraph=True`` (the breaks are Dynamo graph breaks). An empty dict compiles
+    keys, ``fullgraph=True`` (the breaks are Dynamo graph breaks), and a mode or option that
+    turns on Inductor's own CUDA graphs (captured inside breakgraph's). An empty dict compiles
     with torch's defaults, as ``True`` does.
 
     Example::
@@ -78,6 +83,17 @@ def check_compile_option(compile: Any, who: str) -> None:
             raise InputError(
                 f"{who}: compile has keys that are not torch.compile keyword arguments: "
                 f"{', '.join(map(repr, unknown))}; use some of {', '.join(known)}."
+            )
+        cudagraphs = compile.get("mode") in _CUDAGRAPH_MODES or (
+            isinstance(compile.get("options"), dict)
+            and compile["options"].get("triton.cudagraphs")
+        )
+        if cudagraphs:  # Inductor would begin a capture of its own inside breakgraph's
+            raise InputError(
+                f"{who}: compile={compile!r} makes Inductor capture CUDA graphs of its own, "
+                f"inside breakgraph's captures; breakgraph's graphs already take the launches "
+                f"away: use mode 'default' or 'max-autotune-no-cudagraphs' (or options "
+                f"without 'triton.cudagraphs')."
             )
         if compile.get("fullgraph"):
             raise InputError(
