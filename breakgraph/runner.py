@@ -196,7 +196,7 @@ class BucketedRunner:
         self.inputs = (
             static_inputs
             if static_inputs is not None
-            else StaticInputs(example_inputs, dims, pad_values)
+            else StaticInputs(example_inputs, dims, pad_values, who="BucketedRunner")
         )
         self.fn = fn
         self._captured_fn = eager_on_graph(fn) if eager_region else fn

@@ -36,7 +36,8 @@ class StaticInputs:
     makes the buffers of a bucket; ``size_of(inputs)`` validates live inputs and returns
     their size along the bucketed dimension; ``fill(buffers, inputs, size)`` validates the
     same way (a wrong shape never broadcasts, a wrong dtype is never cast), then copies
-    them in and writes the tail.
+    them in and writes the tail. Errors start with ``who``: the runner that holds the spec
+    (``BucketedRunner`` passes its name), or ``StaticInputs`` for one built by hand.
 
     Example::
 
@@ -55,29 +56,29 @@ class StaticInputs:
         example_inputs: Sequence[torch.Tensor],
         dims: int | Sequence[int] = 0,
         pad_values: float | Sequence[float] = 0,
+        *,
+        who: str = "StaticInputs",
     ):
+        self.who = who  # what errors name: the runner that holds the spec, or this class
         if isinstance(example_inputs, torch.Tensor) or not isinstance(
             example_inputs, (tuple, list)
         ):
             raise InputError(
-                "BucketedRunner: example_inputs must be a tuple or list of tensors (one per "
-                f"input of fn), got {type(example_inputs).__name__}; wrap one tensor as (t,)."
+                f"{who}: example_inputs must be a tuple or list of tensors (one per input of "
+                f"the captured function), got {type(example_inputs).__name__}; wrap one tensor "
+                f"as (t,)."
             )
         examples = tuple(example_inputs)
         if not examples or not all(isinstance(t, torch.Tensor) for t in examples):
-            raise InputError(
-                "BucketedRunner: example_inputs must be a non-empty sequence of tensors."
-            )
+            raise InputError(f"{who}: example_inputs must be a non-empty sequence of tensors.")
         n = len(examples)
-        dims = _per_input(dims, n, "dims")
-        self.pads = _per_input(pad_values, n, "pad_values")
+        dims = _per_input(dims, n, "dims", who)
+        self.pads = _per_input(pad_values, n, "pad_values", who)
         for i, (t, d) in enumerate(zip(examples, dims)):
             if isinstance(d, bool) or not isinstance(d, int) or not -t.dim() <= d < t.dim():
-                raise InputError(
-                    f"BucketedRunner: dims[{i}]={d!r} is out of range for a {t.dim()}-D input."
-                )
+                raise InputError(f"{who}: dims[{i}]={d!r} is out of range for a {t.dim()}-D input.")
         for i, (t, pad) in enumerate(zip(examples, self.pads)):
-            _check_pad_value(pad, t.dtype, f"BucketedRunner: pad_values[{i}]")
+            _check_pad_value(pad, t.dtype, f"{who}: pad_values[{i}]")
         self.dims = tuple(d % t.dim() for t, d in zip(examples, dims))
         self.specs = tuple((t.dtype, t.device, tuple(t.shape)) for t in examples)
 
@@ -97,14 +98,14 @@ class StaticInputs:
         """Validate live inputs against the spec; their size along the bucketed dimension."""
         if len(inputs) != len(self.specs):
             raise InputError(
-                f"BucketedRunner: expected {len(self.specs)} inputs, got {len(inputs)}. "
+                f"{self.who}: expected {len(self.specs)} inputs, got {len(inputs)}. "
                 "Nothing was copied."
             )
         size = None
         for i, (value, (dtype, device, shape), d) in enumerate(zip(inputs, self.specs, self.dims)):
             if not isinstance(value, torch.Tensor):
                 raise InputError(
-                    f"BucketedRunner: input {i} must be a tensor, got {type(value).__name__}. "
+                    f"{self.who}: input {i} must be a tensor, got {type(value).__name__}. "
                     "Nothing was copied."
                 )
             problem = None
@@ -123,11 +124,11 @@ class StaticInputs:
             elif size is not None and value.shape[d] != size:
                 problem = f"bucketed size {value.shape[d]}, but input 0 has {size}"
             if problem is not None:
-                raise InputError(f"BucketedRunner: input {i} has {problem}. Nothing was copied.")
+                raise InputError(f"{self.who}: input {i} has {problem}. Nothing was copied.")
             size = value.shape[d]
         if size == 0:
             raise InputError(
-                "BucketedRunner: inputs are empty along the bucketed dimension. Nothing was copied."
+                f"{self.who}: inputs are empty along the bucketed dimension. Nothing was copied."
             )
         return size
 
@@ -186,10 +187,10 @@ class StaticInputs:
                 buffer.narrow(d, size, bucket - size).fill_(pad)
 
 
-def _per_input(value: Any, n: int, name: str) -> tuple:
+def _per_input(value: Any, n: int, name: str, who: str) -> tuple:
     if isinstance(value, (list, tuple)):
         if len(value) != n:
-            raise InputError(f"BucketedRunner: {name} has {len(value)} entries for {n} inputs.")
+            raise InputError(f"{who}: {name} has {len(value)} entries for {n} inputs.")
         return tuple(value)
     return (value,) * n
 

@@ -419,6 +419,24 @@ def test_static_inputs_fill_never_broadcasts_or_casts(device, bad, phrase):
     assert torch.equal(buffers[0][:3], x) and (buffers[0][3:] == -1).all()
 
 
+def test_static_inputs_errors_name_who_holds_the_spec():
+    """A spec built by hand named ``BucketedRunner`` in its errors, which the user never
+    built; it names itself now, and a runner's spec still names the runner."""
+    from breakgraph.runner import BucketedRunner, StaticInputs
+
+    with pytest.raises(InputError, match=r"^StaticInputs: example_inputs must be a tuple"):
+        StaticInputs(torch.zeros(2))
+    with pytest.raises(InputError, match=r"^StaticInputs: dims has 2 entries for 1 inputs"):
+        StaticInputs((torch.zeros(2),), dims=(0, 0))
+    spec = StaticInputs((torch.zeros(1, 2),))
+    with pytest.raises(InputError, match=r"^StaticInputs: input 0 has dtype torch.float64"):
+        spec.size_of((torch.zeros(3, 2, dtype=torch.float64),))
+    with pytest.raises(InputError, match=r"^BucketedRunner: input 0 has dtype torch.float64"):
+        BucketedRunner(torch.neg, (4,), (torch.zeros(1, 2),), backend="emulated")(
+            torch.zeros(3, 2, dtype=torch.float64)
+        )
+
+
 def test_inputs_of_several_tensors_are_checked_together(backend, device):
     """A count that differs from the spec's, and bucketed sizes that differ between inputs,
     are refused by number before anything is copied (the runner's call and StaticInputs.fill)."""

@@ -127,7 +127,7 @@ class StepBuffers(StaticInputs):
         marks_in_graph: bool = False,
     ):
         example = torch.zeros(1, 1, dtype=torch.long, device=device)
-        super().__init__((example, example), dims=1, pad_values=(pad_id, 0))
+        super().__init__((example, example), dims=1, pad_values=(pad_id, 0), who="PrefillRunner")
         self.max_tokens, self.max_prompts, self.pad_id = max_tokens, max_prompts, pad_id
         cu_words = (max_prompts + 3) // 2
         self.words = 2 * max_tokens + max_prompts + cu_words
