@@ -17,7 +17,9 @@ model and transformers as they were.
 The default suite runs a few fixed seeds; ``BREAKGRAPH_FUZZ_CB_SEEDS=N`` runs N others instead
 (``BREAKGRAPH_FUZZ_CB_START``, default 1000, picks the first; ``BREAKGRAPH_FUZZ_CB_OPTIONS``
 adds JSON keyword arguments to every ``enable_continuous_batching``, e.g. ``{"debug": true}``).
-``python -m tests.test_fuzz_cb START COUNT`` prints each scenario and its verdict.
+``python -m tests.test_fuzz_cb START COUNT`` prints each scenario and its verdict (on the GPU with
+``BREAKGRAPH_FUZZ_CB_DEVICE=cuda``). A test marked ``requires_cuda`` serves the same seeds on the
+GPU: real captures, the Triton decode kernel, fp32 against ``generate()`` there.
 
 Config variants: the prefill fuzzer's random configs of every supported family
 (``tests.test_fuzz_prefill.draw_config``), served by continuous batching: refused with
@@ -60,26 +62,32 @@ from tests.test_fuzz_prefill import CONFIGS, SEED, build_variant, expected_refus
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("one_cpu_thread")]
 
 MAX_NEW = 20
+#: where ``main`` and ``BREAKGRAPH_FUZZ_CB_SEEDS`` serve: ``cpu`` (the emulated backend) or
+#: ``cuda`` (real CUDA graphs and the Triton decode kernel, fp32, against generate() there)
+DEVICE = os.environ.get("BREAKGRAPH_FUZZ_CB_DEVICE", "cpu")
+#: a logprob's distance from generate()'s: on the GPU cuBLAS picks other kernels (other
+#: reduction orders) for a step's many rows than for generate()'s one
+LOGPROB_ATOL = {"cpu": 2e-5, "cuda": 1e-4}
 FAMILIES = list(ARCHS) + ["qwen3_moe-eager", "mixtral-eager"]  # compared with generate() only
 _models: dict = {}
 _references: dict = {}
 
 
-def model_of(family: str):
-    if family not in _models:
+def model_of(family: str, device: str = "cpu"):
+    if (family, device) not in _models:
         arch, _, experts = family.partition("-")
-        _models[family] = build_model(arch, experts or None)
-    return _models[family]
+        _models[family, device] = build_model(arch, experts or None, device=device)
+    return _models[family, device]
 
 
 @torch.no_grad()
-def reference(family: str, prompt: tuple) -> tuple[list[int], list[float]]:
+def reference(family: str, prompt: tuple, device: str = "cpu") -> tuple[list[int], list[float]]:
     """Greedy tokens of ``generate()`` on the prompt alone (no eos, ``MAX_NEW`` of them) and the
-    log-softmax of each chosen token; truncated per request by :func:`expected`."""
-    key = (family, prompt)
+    log-softmax of each chosen token, on ``device``; truncated per request by :func:`expected`."""
+    key = (family, device, prompt)
     if key not in _references:
-        model = model_of(family)
-        ids = torch.tensor([prompt])
+        model = model_of(family, device)
+        ids = torch.tensor([prompt], device=device)
         gen = generation_config(max_new_tokens=MAX_NEW, output_logits=True,
                                 return_dict_in_generate=True)  # fmt: skip
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
@@ -90,8 +98,8 @@ def reference(family: str, prompt: tuple) -> tuple[list[int], list[float]]:
     return _references[key]
 
 
-def expected(family, prompt, max_new, eos):
-    tokens, logprobs = reference(family, tuple(prompt))
+def expected(family, prompt, max_new, eos, device="cpu"):
+    tokens, logprobs = reference(family, tuple(prompt), device)
     tokens, logprobs = tokens[:max_new], logprobs[:max_new]
     stops = [eos] if isinstance(eos, int) else eos or []
     ends = [i for i, t in enumerate(tokens) if t in stops]
@@ -100,8 +108,8 @@ def expected(family, prompt, max_new, eos):
     return tokens, logprobs
 
 
-def draw(seed: int) -> dict:
-    """A scenario: plain data, printed when a seed fails."""
+def draw(seed: int, device: str = DEVICE) -> dict:
+    """A scenario: plain data, printed when a seed fails; served on ``device`` (not drawn)."""
     rng = random.Random(seed)
     family = rng.choice(FAMILIES)
     block_size = rng.choice([4, 8, 16, 32])
@@ -138,7 +146,7 @@ def draw(seed: int) -> dict:
     per_request = -(-longest // block_size)
     num_blocks = per_request + rng.choice([0, 1, 2, 4, 16, 64])
     scenario = dict(
-        seed=seed, family=family, mode=mode, calls=calls, block_size=block_size,
+        seed=seed, device=device, family=family, mode=mode, calls=calls, block_size=block_size,
         num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, buckets=buckets,
         decode_graphs=rng.random() < 0.7, logprobs=rng.random() < 0.5,
         max_new=rng.randint(1, MAX_NEW), eos=rng.random() < 0.4, eos_pick=rng.random(),
@@ -175,7 +183,8 @@ def pick_eos(s: dict) -> int | None:
     """A token that some request of the first call generates (so it stops early), or None."""
     if not s["eos"]:
         return None
-    seen = [t for p in s["calls"][0] for t in reference(s["family"], tuple(p))[0][: s["max_new"]]]
+    seen = [t for p in s["calls"][0]
+            for t in reference(s["family"], tuple(p), s["device"])[0][: s["max_new"]]]  # fmt: skip
     if not seen:
         return None
     eos = seen[int(s["eos_pick"] * len(seen))]
@@ -192,14 +201,15 @@ def check(s, prompt, out, max_new, eos, where) -> None:
     if out.error == GIVES_UP:
         GAVE_UP.append(s["seed"])
         return
-    tokens, logprobs = expected(s["family"], prompt, max_new, eos)
+    tokens, logprobs = expected(s["family"], prompt, max_new, eos, s["device"])
     assert out.error is None, f"{where}: error {out.error}"
     assert out.generated_tokens == tokens, (
         f"{where}: tokens {out.generated_tokens} != generate() {tokens} (prompt len {len(prompt)})")
     if s["logprobs"] and not (s["copies"] > 1 and s["mode"] in ("batch", "reenable")):
         got = torch.tensor(out.logprobs, dtype=torch.float64)
         torch.testing.assert_close(got, torch.tensor(logprobs, dtype=torch.float64),
-                                   atol=2e-5, rtol=0, msg=lambda m: f"{where}: logprobs {m}")
+                                   atol=LOGPROB_ATOL[s["device"]], rtol=0,
+                                   msg=lambda m: f"{where}: logprobs {m}")  # fmt: skip
 
 
 def configs(s, eos, call=0):
@@ -246,7 +256,8 @@ def enable(model, s, call=0):
     options = s["options"][call - 1] if call else dict(buckets=s["buckets"],
                                                        decode_graphs=s["decode_graphs"])
     extra = json.loads(os.environ.get("BREAKGRAPH_FUZZ_CB_OPTIONS", "{}"))  # e.g. debug, compile
-    return enable_continuous_batching(model, backend="emulated", query_buckets=options["buckets"],
+    backend = "cuda" if s["device"] == "cuda" else "emulated"
+    return enable_continuous_batching(model, backend=backend, query_buckets=options["buckets"],
                                       decode_graphs=options["decode_graphs"], **extra)  # fmt: skip
 
 
@@ -317,7 +328,7 @@ class Fed:
 
     def want(self, rid):
         return expected(self.s["family"], self.prompts[self.ids[rid]], self.maxes[rid],
-                        self.eos)[0]  # fmt: skip
+                        self.eos, self.s["device"])[0]  # fmt: skip
 
     def check(self, name):
         for rid, out in self.done.items():
@@ -369,9 +380,9 @@ def serve_managers(model, s, eos, count):
 
 
 def run_scenario(s: dict) -> dict:
-    model = model_of(s["family"])
+    model = model_of(s["family"], s["device"])
     for prompt in (p for c in s["calls"] for p in c):  # generate() refuses while enabled
-        reference(s["family"], tuple(prompt))
+        reference(s["family"], tuple(prompt), s["device"])
     eos = pick_eos(s)
     before = transformers_state(model)
     if s["mode"] in ("manager", "two"):
@@ -453,7 +464,16 @@ def test_config_variants_equal_generate_or_are_refused(seed):
 @needs_cb
 @pytest.mark.parametrize("seed", SEEDS)
 def test_cb_scenario_equals_generate(seed):
-    run_scenario(draw(seed))
+    run_scenario(draw(seed, "cpu"))
+
+
+@needs_cb
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("seed", SEEDS)
+def test_cb_scenario_equals_generate_cuda(seed):
+    """The same scenarios on the GPU: real captures and replays, the Triton decode kernel,
+    transformers' CUDA streams, in fp32 against ``generate()`` on the GPU."""
+    run_scenario(draw(seed, "cuda"))
 
 
 def main(start: int, count: int) -> int:
