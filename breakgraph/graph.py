@@ -398,12 +398,17 @@ class _Capture:
         self._closed = False
         self.watch = _debug.InputWatch() if options.debug else None
         self._gc_was_enabled = gc.isenabled()
+        self._autocast_cached = torch.is_autocast_cache_enabled()
         self._previous_context = state.context
         # no collection inside the capture: finalizers would run their tensor operations (and
         # CUDA frees or syncs) inside a segment. A collection before it, which hands device
         # memory held by dead cycles back (collect_garbage), is the CUDA backend's.
+        # no autocast cache inside the capture: a weight's cast cached before it (a warm-up in
+        # the same autocast region) is memory the cache frees when the region ends, which the
+        # graph would go on reading; each cast is captured as a kernel instead (pytorch#71631)
         try:  # an interrupt anywhere from here on leaves none of it (gc off, the session's hooks)
             gc.disable()
+            torch.set_autocast_cache_enabled(False)
             observer = self.watch.observe if self.watch is not None else None
             self.session: Session = backend.open(options, observer)
         except BaseException:
@@ -585,5 +590,6 @@ class _Capture:
 
     def _restore(self) -> None:
         state.capture, state.context = None, self._previous_context
+        torch.set_autocast_cache_enabled(self._autocast_cached)
         if self._gc_was_enabled:
             gc.enable()

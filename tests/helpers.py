@@ -44,6 +44,7 @@ def assert_clean(graph=None):
     for (owner, name), original in ORIGINAL_SEEDING.items():
         assert getattr(owner, name) is original, name
     assert gc.isenabled()
+    assert torch.is_autocast_cache_enabled()  # off only inside a capture
     if HAS_CUDA:
         assert not torch.cuda.is_current_stream_capturing()
         assert torch.cuda.current_stream() == torch.cuda.default_stream()

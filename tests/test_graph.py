@@ -995,6 +995,51 @@ def test_breaks_replay_under_their_capture_autocast_not_the_callers(capture, dev
         assert h.dtype == torch.float32
 
 
+def test_a_capture_reads_no_cast_the_autocast_cache_frees_later(capture, device):
+    """A weight's cast that autocast cached before the capture (a warm-up in the same autocast
+    region, as the docs advise) is memory the cache frees when the region ends: the graph went
+    on reading it, and on CUDA its replays computed with whatever the allocator put there next
+    (pytorch#71631). Captures now run with autocast's cache off, so each cast is a kernel of
+    its segment. (The emulated backend holds every tensor it read: there the cache's state is
+    what fails.)"""
+    kind = torch.device(device).type
+    lin = nn.Linear(64, 64, device=device)  # a leaf that requires grad: autocast caches its cast
+    cached = []
+
+    @eager_on_graph
+    def shift(h):
+        cached.append(torch.is_autocast_cache_enabled())
+        return h + 1
+
+    def f(x):
+        return lin(shift(lin(x)))
+
+    x = torch.randn(16, 64, device=device)
+    g = BreakableCUDAGraph()
+    with torch.no_grad():
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            f(x)  # the warm-up caches the weight's bf16 cast
+            with capture(g):
+                out = f(x)
+            assert torch.is_autocast_cache_enabled()  # the caller's, back
+        assert cached == [True, False]
+        # the region's end freed the cached cast: fill the memory it held
+        junk = [torch.full((64, 64), float("nan"), dtype=torch.bfloat16, device=device)
+                for _ in range(16)]  # fmt: skip
+        for _ in range(2):
+            new = fresh_into(x)
+            g.replay()
+            with torch.autocast(kind, dtype=torch.bfloat16):
+                expected = f(new)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out, expected)
+    del junk
+    with pytest.raises(ValueError), capture(BreakableCUDAGraph()):  # restored after a failure
+        assert not torch.is_autocast_cache_enabled()
+        raise ValueError("boom")
+    assert_clean()
+
+
 def test_a_break_entering_autocast_without_a_dtype_gets_its_captures_dtype(capture, device):
     """The caller's autocast was turned off for a break with ``enabled=False`` only, which kept
     the caller's dtype: a break entering ``torch.autocast(device)`` without a dtype computed in
