@@ -67,6 +67,9 @@
 # other order, so that neither always goes first; session 30's runs are
 # docs/results/h200-cb-floor-32-rerun-*.json, see report_decode_forward.FLOOR_RERUN_FILES and
 # the page's "The flagged slowdown, run again"),
+# RUN_FUZZ_CB=N (the continuous-batching differential fuzzer on the GPU: N scenarios from
+# FUZZ_CB_START, default 2000, in 4 processes, each stopped after FUZZ_CB_TIMEOUT s, default
+# 300; fp32 against generate() there; writes fuzz-cb.log, every scenario and its verdict),
 # RUN_CUDNN_RAGGED=1 (cuDNN's plans keyed on rounded lengths, TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1,
 # against the default: benchmarks/capture_time.py's cudnn_ragged variant, two turns ABBA, then
 # bench_prefill on mistral-7b-4l and mixtral-1k-4l with the variable unset, set, set, unset, one
@@ -129,7 +132,7 @@
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
 # RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
-# RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_HELD_OUT_MOE 2,
+# RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_HELD_OUT_MOE 2, RUN_FUZZ_CB 1,
 # RUN_RELEASES 1 per wheel (skip other sections
 # to make room).
 # RUN_HELD_OUT=1 (continuous batching on the whole Llama-3-8B, 32 layers, a shape no CB default
@@ -424,6 +427,19 @@ if [ -n "${RUN_STRESS:-}" ]; then  # the CUDA tests under a busy GPU (docs/testi
     python3 -m pytest -q -rfEsxX -p pytest_timing -p no:cacheprovider ${STRESS_ARGS:--n 4 -m requires_cuda tests} \
     > "$OUT/stress.log" 2>&1 || status=1
   echo "[stress: $((SECONDS - t)) s] $(tail -1 "$OUT/stress.log")" | tee -a "$LOG"
+fi
+if [ -n "${RUN_FUZZ_CB:-}" ]; then  # the CB differential fuzzer on the GPU: N seeds in 4 processes
+  t=$SECONDS
+  per=$(( (RUN_FUZZ_CB + 3) / 4 ))
+  for k in 0 1 2 3; do
+    BREAKGRAPH_FUZZ_CB_DEVICE=cuda timeout -k 10 "${FUZZ_CB_TIMEOUT:-300}" \
+      python3 -m tests.test_fuzz_cb $(( ${FUZZ_CB_START:-2000} + k * per )) "$per" \
+      > "$OUT/fuzz-cb-$k.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/fuzz-cb-?.log > "$OUT/fuzz-cb.log" && rm -f "$OUT"/fuzz-cb-?.log
+  grep -q "^seed.*FAIL" "$OUT/fuzz-cb.log" && status=1
+  echo "[fuzz cb: $((SECONDS - t)) s] $(grep -c '^seed' "$OUT/fuzz-cb.log") seeds, $(grep -c '^seed.*FAIL' "$OUT/fuzz-cb.log") failed" | tee -a "$LOG"
 fi
 if [ -n "${RUN_FORWARD_PARTS:-}" ]; then  # the decode forward's host parts, REV against this tree
   before=/tmp/breakgraph-before-forward
