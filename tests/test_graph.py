@@ -1095,14 +1095,16 @@ def test_a_break_captured_with_autocast_off_keeps_the_dtype_autocast_had(capture
             assert torch.equal(out, project(new * 1)), caller
 
 
-def test_a_break_pinned_to_another_autocast_shares_no_weight_casts_with_the_caller(capture):
+def test_a_break_pinned_to_another_autocast_shares_no_weight_casts_with_the_caller(capture, device):
     """Autocast caches a weight's cast (a Parameter, under no_grad too) by tensor, not dtype,
     until the outermost autocast exits: a break captured under bf16 autocast and replayed
     inside the caller's fp16 autocast left its bf16 weight to the caller's next fp16 matmul,
     or took the caller's fp16 one, and one of them raised ``expected m1 and m2 to have the same
     dtype``; also a break entering an fp16 autocast of its own under the caller's bf16. A
-    pinned autocast inside the caller's caches nothing (found by the modes fuzzer)."""
-    w = torch.nn.Parameter(torch.randn(8, 8))
+    pinned autocast inside the caller's caches nothing (found by the modes fuzzer). On the
+    device under test: CPU operations in a CUDA capture are not replayed."""
+    kind = torch.device(device).type
+    w = torch.nn.Parameter(torch.randn(8, 8, device=device))
 
     @eager_on_graph
     def project(h):
@@ -1110,12 +1112,12 @@ def test_a_break_pinned_to_another_autocast_shares_no_weight_casts_with_the_call
 
     @eager_on_graph
     def own(h):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(kind, dtype=torch.float16):
             return (h @ w).float()
 
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, device=device)
     g = BreakableCUDAGraph()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(g):
+    with torch.no_grad(), torch.autocast(kind, dtype=torch.bfloat16), capture(g):
         out = project(x * 1)
     plain = BreakableCUDAGraph()
     with torch.no_grad(), capture(plain):
@@ -1125,12 +1127,12 @@ def test_a_break_pinned_to_another_autocast_shares_no_weight_casts_with_the_call
         (torch.bfloat16, plain, mine, None),
     ):
         new = fresh_into(x)
-        with torch.no_grad(), torch.autocast("cpu", dtype=caller):
+        with torch.no_grad(), torch.autocast(kind, dtype=caller):
             before = new @ w  # the caller's cast of w, cached
             graph.replay()
             after = new @ w
         assert before.dtype == after.dtype == caller
-        with torch.no_grad(), torch.autocast("cpu", dtype=captured, enabled=bool(captured)):
+        with torch.no_grad(), torch.autocast(kind, dtype=captured, enabled=bool(captured)):
             assert torch.equal(result, (project if captured else own)(new * 1))
 
 
