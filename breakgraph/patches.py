@@ -229,6 +229,11 @@ def _own_value(owner: Any, name: str) -> Any:
     namespace = getattr(owner, "__dict__", None)
     if namespace is None:  # __slots__ objects: no inherited lookup to tell apart
         return getattr(owner, name, _ABSENT)
+    if name not in namespace:  # an nn.Module holds its buffers, parameters and submodules apart
+        for registry in ("_buffers", "_parameters", "_modules"):  # (setattr writes them there)
+            held = namespace.get(registry)
+            if isinstance(held, dict) and name in held:
+                return held[name]
     return namespace.get(name, _ABSENT)
 
 

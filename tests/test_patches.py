@@ -51,6 +51,28 @@ def test_an_inherited_method_is_deleted_again_not_copied_onto_the_subclass():
     assert "method" not in Child.__dict__ and Child().method() == "base"
 
 
+def test_a_module_buffer_is_restored_in_its_registry():
+    """An ``nn.Module`` keeps its buffers in ``_buffers``, not its ``__dict__``, where the
+    restore looked: a patched buffer (``setattr`` writes ``_buffers``) was taken for one that
+    other code replaced, left patched with a warning. Now restored, and nothing lands in
+    ``__dict__`` (an attribute there would shadow nothing and leave the buffer registered)."""
+    import warnings
+
+    import torch
+
+    module, kept = torch.nn.Module(), torch.zeros(2)
+    module.register_buffer("freq", kept, persistent=False)
+    weight = module.weight = torch.nn.Parameter(torch.zeros(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with PatchSet() as patches:
+            patches.attribute(module, "freq", torch.ones(2))
+            patches.attribute(module, "weight", torch.nn.Parameter(torch.ones(1)))
+            assert module.freq.sum() == 2 and module.weight.item() == 1
+    assert module._buffers["freq"] is kept and module.weight is weight
+    assert "freq" not in vars(module) and "weight" not in vars(module)
+
+
 def test_a_slots_attribute_is_restored():
     class Slotted:
         __slots__ = ("value",)
