@@ -1,0 +1,115 @@
+"""Where transformers' paged cache keeps a layer's rows and a request's block table: items 13,
+15 and 16 of the transformers contract, whose list is :mod:`.compat`'s docstring (the single
+list of every transformers name breakgraph reads). These probes read a paged cache's layout
+(5.17's, and the allocators of later releases) and answer None where it is neither known one;
+:mod:`.compat` re-exports them, and the rest of the integration calls them through it.
+
+Example::
+
+    >>> from breakgraph.integrations.transformers.compat import layer_kv_rows
+    >>> layer_kv_rows(object(), 0) is None  # no known layout: read through update() instead
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["layer_kv_rows", "block_table_page", "block_table_filler", "block_table_writers"]
+
+
+def layer_kv_rows(cache: Any, layer: int) -> tuple | None:
+    """13. ``(group, keys, values)`` of one full-attention layer of transformers' paged cache:
+    ``keys``/``values`` are ``[rows, Hkv, D]`` tensors (each row contiguous) whose rows the
+    step's ``read_index[group]`` and ``write_index[group]`` number; None where the cache has
+    neither known layout or the layer is not a full-attention one."""
+    allocators = getattr(cache, "layer_to_allocator", None)
+    if isinstance(allocators, dict):  # after 5.17: one allocator per attention type
+        allocator = allocators.get(layer)
+        views = getattr(allocator, "_kv_token_views", None)
+        by_type = getattr(cache, "cache_allocators", None)  # 5.18's allocators: no layer_type
+        full = isinstance(by_type, dict) and by_type.get("full_attention") is allocator
+        if not full or not isinstance(views, dict):
+            return None
+        found = (getattr(allocator, "index", None), *views.get(layer, (None, None)))
+    else:  # 5.17: one cache tensor per layer of a group
+        groups = getattr(cache, "layer_index_to_group_indices", None)
+        windows = getattr(cache, "sliding_windows", None)
+        keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+        if not isinstance(groups, dict) or layer not in groups or None in (windows, keys, values):
+            return None
+        if windows[layer] != 1:  # transformers' mark of a full-attention layer
+            return None
+        group, index = groups[layer]
+        found = (group, keys[index], values[index])
+    group, keys, values = found
+    if not isinstance(group, int) or not all(_rows(t) for t in (keys, values)):
+        return None
+    return found
+
+
+def _rows(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 3 and t.stride(-1) == 1 and (
+        t.stride(1) == t.shape[2]
+    )
+
+
+def block_table_page(cache: Any) -> int | None:
+    """15. ``P``: tokens per block-table entry of the full-attention layers (None: unknown)."""
+    allocators = getattr(cache, "cache_allocators", None)
+    if isinstance(allocators, dict):  # after 5.17: keyed by attention type
+        ca = allocators.get("full_attention")  # transformers names its allocators `ca`
+        page, stride = getattr(ca, "tokens_per_page", 0), getattr(ca, "block_physical_stride", 0)
+        known = isinstance(page, int) and isinstance(stride, int) and page > 0
+        return page if known and stride % page == 0 else None
+    page = getattr(cache, "block_size", None)  # 5.17
+    return page if isinstance(page, int) and page > 0 else None
+
+
+def block_table_filler() -> Any:
+    """16. The paged cache class whose ``fill_block_table`` has the known signature, or None."""
+    try:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    except ImportError:
+        return None
+    method = PagedAttentionCache.__dict__.get("fill_block_table")
+    try:
+        parameters = list(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return None
+    known = ["self", "request_id", "past_length", "query_length", "block_table"]
+    return PagedAttentionCache if parameters == known else None
+
+
+def block_table_writers(cache: Any) -> list[tuple[int, Any, int, int]] | None:
+    """16. What ``cache.fill_block_table`` writes, as ``(row, owner, page, scale)`` per layer
+    group: row ``row`` of a request's table view gets ``owner.block_table[request_id]`` (its
+    first ``ceil(keys / page)`` ids where ``page`` > 0, else all of them) times ``scale``.
+    None where the layout is not one of the two known, or a group is not full attention."""
+    writers = []
+    allocators = getattr(cache, "cache_allocators", None)
+    if isinstance(allocators, dict):  # after 5.17
+        for kind, allocator in allocators.items():  # keyed by attention type
+            row = getattr(allocator, "index", None)
+            page = getattr(allocator, "tokens_per_page", None)
+            stride = getattr(allocator, "block_physical_stride", None)
+            ids = getattr(allocator, "block_table", None)
+            if (kind != "full_attention"
+                    or not all(isinstance(v, int) for v in (row, page, stride)) or page <= 0
+                    or stride % page or not isinstance(ids, dict)):  # fmt: skip
+                return None
+            writers.append((row, allocator, 0, stride // page))
+        return writers or None
+    managers = getattr(cache, "group_cache_managers", None)  # 5.17
+    if not isinstance(managers, list):
+        return None
+    for row, manager in enumerate(managers):
+        page = getattr(manager, "block_size", None)
+        if (hasattr(manager, "sliding_window") or not isinstance(page, int) or page <= 0
+                or not isinstance(getattr(manager, "block_table", None), dict)):  # fmt: skip
+            return None
+        writers.append((row, manager, page, 1))
+    return writers or None
