@@ -82,7 +82,7 @@ def one_prompt_lines(runner, prompt: torch.Tensor, *, ids_by: str = "memmove") -
     t.append(clock())
     batch = runner._one_prompt_batches.get((total, bucket))
     if batch is None:
-        batch = runner._one_prompt_batches[total, bucket] = runner._batch(bounds, 1)
+        batch = runner._one_prompt_batches[total, bucket] = steps.packed_batch(bounds, 1)
     t.append(clock())
     ladder = runner._single if runner._single is not None else runner._runner
     logits = ladder.replay(bucket, batch, total)[0, :1]

@@ -409,7 +409,7 @@ class PrefillRunner:
         """During capture of a bucket and before its timed replays (:meth:`tune`): one prompt
         of random ids filling it (:meth:`StepBuffers.stage_capture`). One prompt: the
         single-prompt kernel's plan (cuDNN) is built at capture, not at first use."""
-        return self._batch(self._steps.stage_capture(size, self.vocab_size), 1)
+        return self._steps.packed_batch(self._steps.stage_capture(size, self.vocab_size), 1)
 
     # -- serving ---------------------------------------------------------------------------
     @property
@@ -533,9 +533,10 @@ class PrefillRunner:
                 if n == 1:  # the common case: one batch description per (length, bucket)
                     batch = self._one_prompt_batches.get((total, bucket))
                     if batch is None:
-                        batch = self._one_prompt_batches[total, bucket] = self._batch(bounds, 1)
+                        batch = steps.packed_batch(bounds, 1)
+                        self._one_prompt_batches[total, bucket] = batch
                 else:
-                    batch = self._batch(bounds, n)
+                    batch = steps.packed_batch(bounds, n)
                 runner = self._single if single else self._runner  # the ladder's decision
                 try:
                     logits = runner.replay(bucket, batch, total)[0, :n]
@@ -549,19 +550,6 @@ class PrefillRunner:
         return PrefillOutput(self, logits.clone() if owned else logits, bounds[:n], self._step,
                              graph, owned)  # fmt: skip
 
-    def _batch(self, bounds: list, prompts: int) -> _attention.PackedBatch:
-        """What the attention breaks read about a staged batch of ``prompts`` prompts: its
-        bounds (the padding tail's last, if any)."""
-        longest = max(b - a for a, b in bounds)  # a prompt or the tail
-        views, count = self._steps.cu_views, len(bounds) + 1
-        return _attention.PackedBatch(
-            bounds,  # more prompts than a bucket has tokens: an eager batch (see StepBuffers)
-            views[count] if count < len(views) else self._steps.cu_seqlens[:count],
-            longest,
-            one_prompt=prompts == 1,
-            live_tokens=bounds[prompts - 1][1],
-        )
-
     def _prefill_eagerly(self, prompts: list, lengths: list, staged: bool, reason: str) -> tuple:
         """A batch no bucket serves: the same forward, without a graph."""
         total = sum(lengths)
@@ -571,7 +559,7 @@ class PrefillRunner:
         else:  # its own ids and positions; the boundaries still go through the step buffers
             inputs = self._steps.wide_inputs(prompts, lengths)
             bounds = self._steps.commit_boundaries(lengths)
-        batch = self._batch(bounds, len(lengths))
+        batch = self._steps.packed_batch(bounds, len(lengths))
         try:
             logits = self._runner.run_eagerly(inputs, batch, reason)
         finally:

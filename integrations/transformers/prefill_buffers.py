@@ -37,6 +37,8 @@ import torch
 from breakgraph.errors import InputError
 from breakgraph.static_inputs import StaticInputs
 
+from .attention import PackedBatch
+
 __all__ = ["StepBuffers", "as_prompt_list", "prompt_lengths"]
 
 
@@ -346,6 +348,19 @@ class StepBuffers(StaticInputs):
         view.cu[1 : n + 1] = ends
         view.cu[n + 1 :] = int(ends[-1])
         return list(zip((ends - lengths).tolist(), ends.tolist()))
+
+    def packed_batch(self, bounds: list, prompts: int) -> PackedBatch:
+        """What the attention breaks read about a staged batch of ``prompts`` prompts: its
+        bounds (the padding tail's last, if any)."""
+        longest = max(b - a for a, b in bounds)  # a prompt or the tail
+        views, count = self.cu_views, len(bounds) + 1
+        return PackedBatch(
+            bounds,  # more prompts than a bucket has tokens: an eager batch (see StepBuffers)
+            views[count] if count < len(views) else self.cu_seqlens[:count],
+            longest,
+            one_prompt=prompts == 1,
+            live_tokens=bounds[prompts - 1][1],
+        )
 
     def _clear_stale_last(self, n: int) -> None:
         """Before a step writes ``n`` last-token indices: zero those a larger step left, and
