@@ -29,7 +29,8 @@ logit scale, Gemma 3's layer patterns, windows and scalar, softcapping, sliding 
 and longer than the prompts, MoE routing (``norm_topk_prob``, top-k up to every expert, dense
 layers among sparse ones), activations, pad and bos ids and vocabulary sizes. A runner must
 refuse exactly the knobs breakgraph cannot serve (:func:`expected_refusal`) with
-``UnsupportedModelError``, and serve every other draw exactly (logits and cache).
+``UnsupportedModelError``, and serve every other draw exactly (logits and cache); dynamic and
+longrope RoPE up to their original length, a longer prompt refused with ``InputError``.
 ``BREAKGRAPH_FUZZ_CONFIGS`` draws (default 8, from ``BREAKGRAPH_FUZZ_PREFILL_SEED``); the
 continuous-batching fuzzer serves the same draws (``tests/test_fuzz_cb.py``).
 """
@@ -51,6 +52,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     PrefillRunner,
     UnsupportedModelError,
 )
+from breakgraph.integrations.transformers.rope import rope_position_limit  # noqa: E402
 
 from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, tiny_config  # noqa: E402
 from breakgraph.errors import InputError  # noqa: E402
@@ -365,8 +367,8 @@ def expected_refusal(config, who: str = "PrefillRunner") -> str | None:
     """What breakgraph must refuse in a drawn config (a pattern of its message), or None."""
     from breakgraph.integrations.transformers.models import layer_attention, rope_types
 
-    if {"dynamic", "longrope"} & set(rope_types(config)):
-        return "is not static RoPE"
+    if {"dynamic", "longrope"} & set(rope_types(config)) and who != "PrefillRunner":
+        return "keeps its frequencies only up to|is not static RoPE"  # PrefillRunner: served
     for knob in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, knob, None) is not None:
             return "softcapping is not supported"
@@ -403,11 +405,16 @@ def test_config_variants_are_served_exactly_or_refused(seed):
             make()
         return
     runner = make()
+    limit = rope_position_limit(model)  # dynamic and longrope RoPE: the longest prompt served
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(seed)
     try:
         for lengths in ([5, 17, 9], [1], [30], [13, 1, 20, 8], [40, 30]):  # the last: eager
             prompts = [torch.randint(vocab, (n,), generator=generator) for n in lengths]
+            if limit is not None and max(lengths) > limit:  # dynamic/longrope past its original
+                with pytest.raises(InputError, match=f"more than {limit}, the longest"):
+                    runner.prefill(prompts)
+                continue
             out = runner.prefill(prompts)
             for i, prompt in enumerate(prompts):
                 with torch.no_grad():

@@ -39,6 +39,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     compat,  # noqa: E402
 )
 from breakgraph.integrations.transformers import attention as bg_attention  # noqa: E402
+from breakgraph.integrations.transformers.models import check_model  # noqa: E402
 
 from benchmarks.tiny_models import (  # noqa: E402
     DENSE_FAMILIES,
@@ -651,7 +652,11 @@ def test_unsupported_models():
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     )
     assert dynamic.config.rope_parameters["rope_type"] == "dynamic"
-    _assert_unsupported(dynamic, "rope_type 'dynamic'")
+    # PrefillRunner serves it up to its original length (tests/test_rope.py), not CB
+    with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic' keeps its frequencies"):
+        check_model(dynamic, "enable_continuous_batching")
+    dynamic.model.rotary_emb.rope_type = "dynamic_v2"  # a switched type breakgraph knows not
+    _assert_unsupported(dynamic, "rope_type 'dynamic' is not static RoPE")
 
     training = _tiny("LlamaConfig", **COMMON).train()
     _assert_unsupported(training, "training mode")
@@ -719,14 +724,16 @@ def test_gemma3_refusals_read_its_per_layer_type_settings():
     """Gemma 3 keeps a RoPE setting per layer type (``rope_parameters`` keyed by
     ``sliding_attention``/``full_attention``): a dynamic RoPE on its global layers (recomputed
     per call from the live length, which a graph would freeze) passed the check unrefused
-    while it read only a top-level ``rope_type``. Its softcapping and bidirectional attention
-    are refused like Gemma's and Gemma 2's."""
+    while it read only a top-level ``rope_type``; continuous batching refuses it (PrefillRunner
+    serves it up to its original length: tests/test_rope.py). Its softcapping and
+    bidirectional attention are refused like Gemma's and Gemma 2's."""
     rope = make_config("gemma3_text").rope_parameters
     dynamic = dict(rope, full_attention=dict(rope_type="dynamic", factor=2.0, rope_theta=1e6))
     model = build_model("gemma3_text", "cpu", torch.float32, rope_parameters=dynamic)
     assert model.model.rotary_emb.rope_type == {"sliding_attention": "default",
                                                 "full_attention": "dynamic"}  # fmt: skip
-    _assert_unsupported(model, "rope_type 'dynamic'")
+    with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic' keeps its frequencies"):
+        check_model(model, "enable_continuous_batching")
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         _assert_unsupported(build_model("gemma3_text", "cpu", torch.float32, **{name: 30.0}), name)
     model = build_model("gemma3_text", "cpu", torch.float32, use_bidirectional_attention=True)

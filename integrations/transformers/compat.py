@@ -23,6 +23,15 @@ prefill
      capture (an index out of range); one that clamped it would route padding to the last
      expert (slower, still exact).
   4. I ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (which class is the causal LM of a model type).
+ 18. I RoPE that ``dynamic_rope_update`` switches per call (``"dynamic"``, ``"longrope"``;
+     :func:`switched_rope`, for :mod:`.rope`): the rotary module's ``rope_type`` (a str, or a
+     dict by layer type), its ``inv_freq`` buffer (``{layer_type}_inv_freq``) and
+     ``original_inv_freq`` (``{layer_type}_original_inv_freq``), dynamic's
+     ``original_max_seq_len`` and longrope's ``config.rope_parameters[...]
+     ["original_max_position_embeddings"]`` (by layer type where keyed so); and that the
+     decorator, found on the module's ``forward`` (through ``__wrapped__``), reads
+     ``self.rope_type`` at each call and switches nothing for ``"default"``. Where any of it is
+     not found, PrefillRunner refuses the model as it refuses any RoPE it cannot capture.
 
 continuous batching (transformers keeps its scheduler, paged cache, sampling and request
 lifecycle; breakgraph takes over the model's forward for the CB steps only)
@@ -207,6 +216,60 @@ def causal_lm_class_name(model_type: str) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+#: 18. The RoPE types transformers' ``dynamic_rope_update`` switches per call.
+SWITCHED_ROPE_TYPES = ("dynamic", "longrope")
+
+
+@functools.cache
+def _rope_update_code() -> Any:
+    """18. The code of ``dynamic_rope_update``'s wrapper, where it reads ``rope_type``; else
+    None."""
+    try:
+        from transformers.modeling_rope_utils import dynamic_rope_update
+    except ImportError:
+        return None
+    code = dynamic_rope_update(lambda self, x, position_ids: None).__code__
+    return code if "rope_type" in code.co_names else None
+
+
+def switched_rope(module: Any) -> list[tuple] | None:
+    """18. What a rotary module whose frequencies ``dynamic_rope_update`` switches holds, per
+    switched RoPE: ``(layer type or None, its inv_freq buffer's name, original frequencies,
+    longest sequence that keeps them)``; ``[]`` for a module without one (no ``rope_type``, or
+    only static types); None where the layout is not the known one (a type that merely
+    contains ``"dynamic"`` among them: transformers switches it, breakgraph knows it not)."""
+    rope_type = getattr(module, "rope_type", None)
+    types = rope_type.items() if isinstance(rope_type, dict) else [(None, rope_type)]
+    types = [(k, t) for k, t in types if isinstance(t, str) and ("dynamic" in t or t == "longrope")]
+    if not types:
+        return []
+    forward, code = type(module).forward, _rope_update_code()
+    while forward is not None and getattr(forward, "__code__", None) is not code:
+        forward = getattr(forward, "__wrapped__", None)
+    if forward is None or code is None:
+        return None
+    found = []
+    for layer_type, kind in types:
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        current = getattr(module, "_buffers", {}).get(f"{prefix}inv_freq")
+        original = getattr(module, f"{prefix}original_inv_freq", None)
+        if kind == "dynamic":
+            limit = getattr(module, "original_max_seq_len", None)
+        else:
+            settings = getattr(getattr(module, "config", None), "rope_parameters", None)
+            if layer_type is not None and isinstance(settings, dict):
+                settings = settings.get(layer_type)
+            limit = settings.get("original_max_position_embeddings") if isinstance(
+                settings, dict) else None  # fmt: skip
+        if kind not in SWITCHED_ROPE_TYPES or isinstance(limit, bool) or not (
+            isinstance(limit, int) and limit > 0 and isinstance(current, torch.Tensor)
+            and isinstance(original, torch.Tensor) and current.shape == original.shape
+        ):  # fmt: skip
+            return None
+        found.append((layer_type, f"{prefix}inv_freq", original, limit))
+    return found
 
 
 def _probe_prefill() -> list[str]:
@@ -498,7 +561,7 @@ def unsupported_message(feature: str, who: str, found: tuple[str, ...]) -> str:
 
 def clear_probes() -> None:
     """Forget the cached probe results (tests that swap a transformers name at run time)."""
-    for probe in (problems, _step_kwargs_problem, _update_takes_kwargs):
+    for probe in (problems, _step_kwargs_problem, _update_takes_kwargs, _rope_update_code):
         probe.cache_clear()
 
 

@@ -25,7 +25,7 @@ import torch
 from breakgraph.buckets import default_token_buckets, geometric_buckets, validate_buckets
 from breakgraph.errors import InputError, ReplayError
 
-from .compat import causal_lm_class_name
+from .compat import SWITCHED_ROPE_TYPES, causal_lm_class_name
 from .errors import UnsupportedModelError
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "check_step_compile",
     "eager_steps",
     "rope_types",
+    "check_rope",
     "logits_after_head",
     "weights_anchor",
     "moved_error",
@@ -57,7 +58,8 @@ SUPPORTED_MODEL_TYPES = (
     "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm", "gemma3_text",
     "cohere",
 )  # fmt: skip
-# computed once; transformers' dynamic_rope_update recomputes "dynamic" and "longrope" per call
+# computed once; transformers' dynamic_rope_update switches "dynamic" and "longrope" per call
+# (served by PrefillRunner up to their original length: check_rope)
 _STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn", "proportional")
 
 #: Continuous batching: the query buckets grow by this factor from the first: 32, 128, 512,
@@ -178,6 +180,54 @@ def rope_types(config: Any) -> list:
     return list(dict.fromkeys(found)) or [None]
 
 
+def check_rope(model: Any, who: str) -> None:
+    """Refuse RoPE the graphs cannot hold: static RoPE passes; ``dynamic`` and ``longrope``
+    (which transformers switches per call from the longest sequence, on the host) pass for
+    PrefillRunner, whose prompts each start at position 0, so that up to their original length
+    (:func:`.rope.rope_position_limit`, longer prompts refused per call) they are static, where
+    contract item 18 finds their modules (:func:`.rope.switched_rope_modules`); continuous
+    batching refuses them, as any other type.
+
+    Example::
+
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=64,
+        ...     rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0))
+        >>> model = transformers.AutoModelForCausalLM.from_config(cfg)
+        >>> check_rope(model, "PrefillRunner")  # served for prompts up to 64 tokens
+        >>> check_rope(model, "f")
+        Traceback (most recent call last):
+        breakgraph.integrations.transformers.errors.UnsupportedModelError: f: rope_type ...
+    """
+    from .rope import rope_position_limit, switched_rope_modules
+
+    kinds = [t for t in rope_types(model.config) if t not in _STATIC_ROPE_TYPES]
+    if not kinds:
+        return
+    switched = all(t in SWITCHED_ROPE_TYPES for t in kinds)
+    if switched and who == "PrefillRunner":
+        found = switched_rope_modules(model)  # None: a module not laid out as the contract says
+        held = any(isinstance(getattr(m, "rope_type", None), (str, dict)) for m in model.modules())
+        if found or (found == [] and held):  # []: rotary modules that switch nothing (Gemma 3
+            return  # without full-attention layers holds no RoPE of their type)
+    if switched and who != "PrefillRunner" and rope_position_limit(model) is not None:
+        raise UnsupportedModelError(
+            f"{who}: rope_type {kinds[0]!r} keeps its frequencies only up to "
+            f"{rope_position_limit(model)} positions, and a request's positions grow past that "
+            f"as it decodes, where transformers switches them on the host per call; only static "
+            f"RoPE ({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) can be captured for it. "
+            f"PrefillRunner serves this model for prompts up to that length."
+        )
+    unknown = next((t for t in kinds if t not in SWITCHED_ROPE_TYPES), kinds[0])
+    raise UnsupportedModelError(
+        f"{who}: rope_type {unknown!r} is not static RoPE (dynamic and longrope recompute their "
+        f"frequencies from the live sequence length on the host; PrefillRunner serves them "
+        f"up to their original length where it finds transformers' rotary modules as it knows "
+        f"them); only static RoPE ({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) can be captured."
+    )
+
+
 def logits_after_head(config: Any) -> list:
     """What the causal LM does to the logits after ``lm_head``, read from its config, as
     ``(operation, value)`` pairs in order: Granite divides by ``logits_scaling``, Cohere
@@ -242,14 +292,7 @@ def check_model(model: Any, who: str = "PrefillRunner") -> None:
             f"{bidirectional[0]}, as config.use_bidirectional_attention=True makes it), and "
             f"breakgraph's attention is causal; load the model without bidirectional attention."
         )
-    rope_type = next((t for t in rope_types(config) if t not in _STATIC_ROPE_TYPES), None)
-    if rope_type is not None:
-        static = ", ".join(map(str, _STATIC_ROPE_TYPES[1:]))
-        raise UnsupportedModelError(
-            f"{who}: rope_type {rope_type!r} is not static RoPE (dynamic and longrope "
-            f"recompute their frequencies from the live sequence length on the host); only "
-            f"static RoPE ({static}) can be captured."
-        )
+    check_rope(model, who)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
             raise UnsupportedModelError(f"{who}: {name} is not supported.")

@@ -76,6 +76,7 @@ from .models import (
 from .models import check_model as _check_model
 from .prefill_buffers import StepBuffers, as_prompt_list, prompt_lengths
 from .prefill_output import PrefillOutput
+from .rope import StaticRope
 from .tensor_parallel import graph_safe_tensor_parallel
 
 __all__ = [
@@ -242,6 +243,10 @@ class PrefillRunner:
         self._closed = False
         self._lock = threading.Lock()  # held by a prefill, cache(i) and close()
         self._weights = weights_anchor(model)  # the weights' memory the graphs read
+        # dynamic/longrope RoPE held static (its original frequencies, copied once: the
+        # graphs read them for life); a longer prompt is refused per call (_validate)
+        self._rope = StaticRope(model, self.device)
+        self._rope_limit = self._rope.limit  # None: every length is served
         self._single: BucketedRunner | None = None  # single-prompt graphs (built below)
         # tensor parallelism: the ranks agree every capture step and every call
         self.tp_collectives = tp_collectives
@@ -396,10 +401,12 @@ class PrefillRunner:
         """Switch the model to breakgraph attention (and MoE experts, through transformers'
         ``ExpertsInterface``: the eager loop to eager breaks, ``grouped_mm`` to its version
         that skips padding rows, see :mod:`.experts`; a vocab-parallel embedding to its
-        graph-safe lookup, see :mod:`.tensor_parallel`) for the block, then back; one runner's
-        block per model at a time (:func:`.attention.switched`)."""
+        graph-safe lookup, see :mod:`.tensor_parallel`; dynamic and longrope RoPE to static,
+        see :mod:`.rope`) for the block, then back; one runner's block per model at a time
+        (:func:`.attention.switched`)."""
         with (
             _attention.switched(self.model),
+            self._rope.held(),
             experts_for_prefill(self.model, self._skip_padding),
             graph_safe_tensor_parallel(self.model),
         ):
@@ -569,7 +576,10 @@ class PrefillRunner:
     def _validate(self, prompts: list) -> list[int]:
         """The prompts' lengths, or ``InputError`` (:func:`.prefill_buffers.prompt_lengths`); a
         method of its own, which the host-path benchmarks time (``benchmarks/prefill_host_*``)."""
-        return prompt_lengths(prompts, self.max_prompts)
+        lengths = prompt_lengths(prompts, self.max_prompts)
+        if self._rope_limit is not None and max(lengths) > self._rope_limit:  # see .rope
+            raise self._rope.too_long(lengths)
+        return lengths
 
     def close(self) -> None:
         """Release graphs and buffers; the model is exactly as before. Outputs of earlier
