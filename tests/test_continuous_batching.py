@@ -1297,6 +1297,25 @@ def test_a_step_while_another_thread_creates_a_manager_without_graphs():
 
 
 @needs_cb
+def test_grouped_mm_experts_that_cannot_be_captured_run_as_breaks(monkeypatch):
+    """Where transformers' grouped_mm experts cannot be captured (fp32 on CUDA: the CB fuzzer's
+    seeds raised ``HostSyncError`` at the first capture there), the model's eager experts loop
+    runs as breaks (``experts.grouped_mm_captures``, made to say no here), and tokens still
+    equal generate()'s; disable() gives the model its grouped_mm back."""
+    from breakgraph.integrations.transformers import experts
+
+    monkeypatch.setattr(experts, "grouped_mm_captures", lambda model: False)
+    model = build_model("qwen3_moe", "grouped_mm")
+    prompts = random_prompts()
+    expected = generate_each(model, prompts)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert model.config._experts_implementation == EXPERTS_KEY
+        assert generate_batch(model, prompts) == expected
+    assert not handle.stats.eager_fallbacks  # every step replayed a graph
+    assert model.config._experts_implementation == "grouped_mm"
+
+
+@needs_cb
 def test_disabling_the_last_model_leaves_a_prefill_runner_its_experts_key(monkeypatch):
     """The eager experts key is shared with PrefillRunner, which registers it before each of
     its forwards. Continuous batching removed it with the last disable() when it was absent at

@@ -207,6 +207,35 @@ def test_grouped_mm_experts_are_captured_not_broken(backend, closing):
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"prompt {i}")
 
 
+def test_grouped_mm_experts_that_cannot_be_captured_run_as_breaks(backend, closing, monkeypatch):
+    """Where transformers' grouped_mm experts cannot be captured (fp32 or fp16 weights on CUDA,
+    an A100: torch and transformers copy the experts' offsets to the host there), the runner
+    kept them in its segments and the first capture raised ``HostSyncError`` (found by the CB
+    fuzzer on the GPU, fp32). ``grouped_mm_captures`` probes it when the runner is built, and
+    the eager loop then runs as breaks. On the GPU the model is fp32 and the probe answers
+    itself; on the CPU, where there is nothing to probe, it is made to say no."""
+    from breakgraph.integrations.transformers import experts
+
+    model = model_for("qwen3_moe", backend, experts_implementation="grouped_mm")
+    if backend == "cuda":
+        model.float()
+    else:
+        monkeypatch.setattr(experts, "grouped_mm_captures", lambda model: False)
+    device = next(model.parameters()).device
+    runner = closing(make_runner(model, backend))
+    layers = model.config.num_hidden_layers
+    breaks = layers if experts.grouped_mm_captures(model) else 2 * layers
+    for bucket in runner.buckets:
+        assert runner.graph(bucket).num_breaks == breaks
+    generator = torch.Generator().manual_seed(8)
+    for lengths in ([5, 11], [30, 2, 9]):
+        prompts = prompts_of(lengths, device, generator)
+        out = runner.prefill(prompts)
+        for i, p in enumerate(prompts):
+            assert_logits_close(out.logits[i], eager_last_logits(model, p), "emulated", f"{i}")
+    assert model.config._experts_implementation == "grouped_mm"  # restored after each forward
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_prefill_matches_eager_per_prompt(arch, backend, closing):
     model = model_for(arch, backend)

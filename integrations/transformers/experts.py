@@ -44,8 +44,8 @@ from .models import UnsupportedModelError
 
 __all__ = [
     "EXPERTS_KEY", "GROUPED_KEY", "experts_as_breaks", "experts_for_prefill",
-    "PaddingRows", "grouped_skipping_padding", "needs_experts_break", "padding_rows",
-    "worth_skipping",
+    "PaddingRows", "grouped_mm_captures", "grouped_skipping_padding", "needs_experts_break",
+    "padding_rows", "worth_skipping",
 ]  # fmt: skip
 
 EXPERTS_KEY = "breakgraph_eager_loop"
@@ -193,8 +193,69 @@ def grouped_skipping_padding(module: Any, hidden: torch.Tensor, index: torch.Ten
 
 
 def needs_experts_break(model: Any) -> bool:
-    """True when the model's experts run transformers' eager loop (``nonzero``: not capturable)."""
-    return compat.experts_key(model) in ("eager", EXPERTS_KEY)
+    """True when the model's experts run transformers' eager loop (``nonzero``: not capturable),
+    or ``grouped_mm`` where it cannot be captured (:func:`grouped_mm_captures`): the eager loop
+    then runs as breaks instead (the same experts, per-expert GEMMs)."""
+    key = compat.experts_key(model)
+    return key in ("eager", EXPERTS_KEY) or (key == "grouped_mm" and not grouped_mm_captures(model))
+
+
+#: (device, dtype) -> whether transformers' ``grouped_mm`` experts capture there
+_grouped_captures: dict = {}
+
+
+def grouped_mm_captures(model: Any) -> bool:
+    """Whether the model's ``grouped_mm`` experts can be captured on its device and dtype.
+
+    torch's grouped GEMM kernel serves bf16 on some GPUs only (torch 2.10-2.11: compute
+    capability 9 and 10); elsewhere (fp32 or fp16 weights, an A100) transformers and torch
+    fall back to code that copies the experts' token offsets to the host, which a capture
+    refuses (``HostSyncError`` at the first capture: found by the CB fuzzer on the GPU, fp32).
+    Probed, not assumed, once per device and dtype: one experts call on two tokens is captured
+    (a breakgraph capture, reset when it fails). Off CUDA there is nothing to probe: True. The
+    runners ask when they are built, never inside a capture of their own.
+
+    Example::
+
+        >>> grouped_mm_captures(torch.nn.Linear(2, 2))  # on the CPU: nothing to probe
+        True
+    """
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cuda":
+        return True
+    key = (parameter.device, parameter.dtype)
+    if key not in _grouped_captures:
+        if breakgraph.is_capturing():
+            raise breakgraph.CaptureError(
+                "breakgraph: the grouped_mm experts probe cannot run inside a capture; build "
+                "the runner (or enable continuous batching) before capturing."
+            )
+        _grouped_captures[key] = _capture_grouped_experts(model, parameter.dtype)
+    return _grouped_captures[key]
+
+
+def _capture_grouped_experts(model: Any, dtype: torch.dtype) -> bool:
+    """Capture one call of transformers' ``grouped_mm`` experts function on the model's first
+    experts module (two tokens routed to expert 0); False when the capture fails."""
+    module = next((m for m in model.modules() if compat.experts_shape(m) is not None), None)
+    config = getattr(model, "config", None)
+    hidden_size = getattr(config, "hidden_size", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if module is None or not isinstance(hidden_size, int) or not isinstance(top_k, int):
+        return True  # nothing this probe knows how to call: served as before
+    device = next(module.parameters()).device
+    hidden = torch.randn(2, hidden_size, device=device, dtype=dtype)
+    index = torch.zeros(2, top_k, device=device, dtype=torch.long)
+    weights = torch.full((2, top_k), 1.0 / top_k, device=device, dtype=dtype)
+    grouped = compat.grouped_experts()
+    with torch.no_grad():
+        grouped(module, hidden, index, weights)  # warm up, as before any capture
+        try:
+            with breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="cuda"):
+                grouped(module, hidden, index, weights)
+        except breakgraph.CaptureError:
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -63,7 +63,7 @@ from breakgraph.runner import BucketedRunner
 from . import attention as _attention
 from . import compat
 from .compiled import CompiledForward, check_compile_option
-from .experts import PaddingRows, experts_for_prefill, padding_rows
+from .experts import PaddingRows, experts_for_prefill, needs_experts_break, padding_rows
 from .models import (
     SUPPORTED_MODEL_TYPES,
     UnsupportedModelError,
@@ -231,8 +231,10 @@ class PrefillRunner:
             longest, capacity, self.device, pad_token_id, marks_in_graph=backend_name == "cuda"
         )
         # grouped_mm experts skip a bucket's padding rows (see .experts); not under
-        # torch.compile, which would trace the mask's context variable
-        self._skip_padding = not compiled and compat.experts_key(model) == "grouped_mm"
+        # torch.compile, which would trace the mask's context variable, nor where grouped_mm
+        # cannot be captured (the eager loop runs as breaks then: needs_experts_break)
+        grouped = compat.experts_key(model) == "grouped_mm" and not needs_experts_break(model)
+        self._skip_padding = not compiled and grouped
         self._row_ids = torch.arange(longest, device=self.device) if self._skip_padding else None
         self._single_head_rows = not compiled  # compiled, a size of 1 compiles a frame again
         self._outputs: dict = {}  # layer -> shared attention output buffer (all buckets)
