@@ -235,3 +235,32 @@ def test_a_switched_type_no_rotary_module_holds_is_served_whole():
         runner.close()
     with pytest.raises(UnsupportedModelError, match="rope_type 'longrope' is not static RoPE"):
         check_model(model, "enable_continuous_batching")
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("kind", ("phi3_longrope", "llama_dynamic"))
+def test_cuda_graphs_read_the_runners_copy_of_the_frequencies(kind):
+    """On the GPU the captured graphs read the frequencies' memory, not the module's attribute:
+    the runner's own copy of the original frequencies, so a long eager forward of the model,
+    which re-registers its ``inv_freq`` (and could free what the graphs read), changes nothing
+    in what they compute."""
+    model = build(kind).cuda()
+    fresh = copy.deepcopy(model)
+    runner = runner_for(model, backend="cuda")
+
+    def check(lengths, seed):
+        batch = prompts(lengths, seed)
+        out = runner.prefill(batch)
+        for i, ids in enumerate(batch):
+            torch.testing.assert_close(out.logits[i], own_logits(fresh, ids.cuda()), atol=1e-4,
+                                       rtol=1e-4, msg=lambda m: f"{lengths} {i}: {m}")  # noqa: B023
+
+    try:
+        check([LIMIT, 9], 0)
+        with torch.no_grad():
+            model(prompts([3 * LIMIT // 2], 3)[0].cuda()[None])
+        torch.cuda.empty_cache()
+        check([LIMIT, 9], 1)
+        check([LIMIT, LIMIT, 5], 2)
+    finally:
+        runner.close()
