@@ -13,8 +13,10 @@ prompt, so that longest sequence is the longest prompt.
 eagerly: each switched module's ``rope_type`` reads ``"default"`` (per layer type where it is
 a dict), so the decorator passes by, and its ``inv_freq`` buffers are the original
 frequencies, copied once onto the model's device. The graphs read that copy for their whole
-life, whatever transformers registers later (a long eager forward of the model switches its
-buffer to the long frequencies). The runner refuses a longer prompt
+life, whatever transformers does later (a long eager forward of the model switches its
+buffer to the long frequencies: another tensor up to 5.22; from 5.23 longrope writes them into
+the same one in place, with no host sync, but for the whole packed batch at once, where each
+prompt alone would have had its own). The runner refuses a longer prompt
 (:meth:`StaticRope.too_long`), which transformers would run with other frequencies.
 Continuous batching refuses these types: a request's positions grow past the limit as it
 decodes. What is read of transformers is item 18 of the contract in :mod:`.compat`.
