@@ -212,7 +212,8 @@ def grouped_mm_captures(model: Any) -> bool:
     fall back to code that copies the experts' token offsets to the host, which a capture
     refuses (``HostSyncError`` at the first capture: found by the CB fuzzer on the GPU, fp32).
     Probed, not assumed, once per device and dtype: one experts call on two tokens is captured
-    (a breakgraph capture, reset when it fails). Off CUDA there is nothing to probe: True. The
+    (a breakgraph capture, reset when it fails; in CUDA's thread-local mode, so that another
+    thread's CUDA work cannot fail it). Off CUDA there is nothing to probe: True. The
     runners ask when they are built, never inside a capture of their own.
 
     Example::
@@ -251,7 +252,8 @@ def _capture_grouped_experts(model: Any, dtype: torch.dtype) -> bool:
     with torch.no_grad():
         grouped(module, hidden, index, weights)  # warm up, as before any capture
         try:
-            with breakgraph.capture(breakgraph.BreakableCUDAGraph(), backend="cuda"):
+            graph = breakgraph.BreakableCUDAGraph()  # thread_local: another thread's CUDA
+            with breakgraph.capture(graph, backend="cuda", capture_error_mode="thread_local"):
                 grouped(module, hidden, index, weights)
         except breakgraph.CaptureError:
             return False
