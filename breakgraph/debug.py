@@ -9,7 +9,7 @@ Turn it on per capture with ``capture(g, debug=True)`` or for the process with
    parameters, break arguments) and, before each segment of every replay, checks that
    the *memory* it reads is still alive at its captured address: a tensor whose storage
    was replaced (``.set_()``, ``resize_``, ``model.half()`` after capture), or memory
-   freed (CUDA) raises :class:`~breakgraph.StaleTensorError` naming its shape, dtype and
+   freed raises :class:`~breakgraph.StaleTensorError` naming its shape, dtype and
    the line that first read it. A temporary view of a live buffer (continuous batching
    hands the model a fresh one every step) may die: its memory is what counts
    (:class:`InputWatch` lists what is and is not seen);
@@ -113,8 +113,9 @@ class _Watched:
       have none). Once a temporary view died, its base is the user's buffer: its storage must
       still be the captured one (``buf.set_(other)`` after the view died);
     * ``storage``: the memory itself. Once no watched object lives, the storage must still be
-      alive (someone outside the graph holds it; on the emulated backend the graph holds it
-      too, see :class:`InputWatch`) at the captured address, with the captured size.
+      alive (someone outside the graph holds it; the emulated backend's debug replays hold it
+      weakly, see :mod:`breakgraph.backends.weak_inputs`) at the captured address, with the
+      captured size.
     """
 
     tensor: Any  # weakref to the tensor the graph was handed
@@ -159,14 +160,14 @@ class InputWatch:
     Seen on both backends: the tensor the graph was handed still lives and its storage was
     replaced, reallocated or shrunk, or its shape or strides changed; it died (a temporary
     view) and the tensor it viewed, still alive, had its storage replaced; nothing watched
-    lives and the storage itself was reallocated or shrunk. Seen on CUDA only: the memory was
-    freed (the emulated graph's recorded operations hold what they read, so it never frees
-    there, and reading it stays harmless). Not seen: a name rebound to a new tensor while the
-    old one lives; a live view whose base's storage was replaced (refills through the view
-    still reach the graph). A buffer whose storage was replaced behind a dead view that has no
-    recorded base (views of inference tensors) leaves only the old storage to judge: on CUDA
-    it is reported as freed unless something else (a break's arguments) still holds it; on
-    the emulated backend, whose graph holds it, it is not seen.
+    lives and the storage itself was reallocated or shrunk, or freed (the emulated backend's
+    debug replays hold what they did not make weakly, :mod:`breakgraph.backends.weak_inputs`;
+    0-dim tensors and subclasses stay held there, so their freeing is seen on CUDA only).
+    Not seen: a name rebound to a new tensor while the old one lives; a live view whose
+    base's storage was replaced (refills through the view still reach the graph). A buffer
+    whose storage was replaced behind a dead view that has no recorded base (views of
+    inference tensors) leaves only the old storage to judge: it is reported as freed unless
+    something else (a break's arguments) still holds it.
     """
 
     def __init__(self) -> None:

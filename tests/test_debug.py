@@ -1,6 +1,5 @@
 """Debug mode, the coverage report, testing helpers, the pytest plugin and logging."""
 
-import functools
 import logging
 import warnings
 
@@ -186,33 +185,128 @@ def test_reallocated_buffer_behind_a_dead_inference_view_is_named(capture, devic
     assert "moved to new memory" in message and "shape=(4, 8)" in message
 
 
-@pytest.mark.requires_cuda
+def synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
-def test_freed_buffer_behind_a_dead_view_is_named_on_cuda(inference):
-    """On CUDA nothing but the user holds the memory a graph reads: freeing it is seen."""
+def test_freed_buffer_behind_a_dead_view_is_named(capture, device, inference):
+    """Nothing but the user holds the memory a graph reads (the emulated backend holds what it
+    did not make weakly in debug mode, .backends.weak_inputs): freeing it is seen."""
     with torch.inference_mode(inference):
-        buf, w = torch.randn(16, 8, device="cuda"), torch.randn(8, 8, device="cuda")
-        g, _ = capture_over_a_temporary_view(
-            functools.partial(breakgraph.capture, backend="cuda"), buf, w
-        )
+        buf, w = torch.randn(16, 8, device=device), torch.randn(8, 8, device=device)
+        g, _ = capture_over_a_temporary_view(capture, buf, w)
         g.replay()
         del buf
-        torch.cuda.synchronize()
+        synchronize(device)
         with pytest.raises(StaleTensorError, match=r"was freed.*shape=\(4, 8\)"):
             g.replay()
 
 
-@pytest.mark.requires_cuda
-def test_freed_input_is_named_on_cuda():
-    w = torch.randn(8, 8, device="cuda")
-    x = torch.randn(4, 8, device="cuda")
+def test_freed_input_is_named(capture, device):
+    w = torch.randn(8, 8, device=device)
+    x = torch.randn(4, 8, device=device)
     g = BreakableCUDAGraph()
-    with breakgraph.capture(g, backend="cuda", debug=True):
+    with capture(g, debug=True):
         y = torch.relu(x @ w)
     del x  # the graph does not own its inputs: the memory is free for anyone now
-    torch.cuda.synchronize()
+    synchronize(device)
     with pytest.raises(StaleTensorError, match="was freed"):
         g.replay()
+
+
+def test_a_dropped_static_input_is_named_in_debug_mode_only():
+    """Without debug mode the emulated graph keeps reading the input's last values (on CUDA:
+    whatever the allocator put there); in debug mode it holds the input weakly, so the drop
+    is seen before the segment that reads it."""
+    results = {}
+    for debug in (False, True):
+        x, w = torch.randn(4, 8), torch.randn(8, 8)
+        g = BreakableCUDAGraph()
+        with breakgraph.capture(g, backend="emulated", debug=debug):
+            y = torch.relu(x @ w) + x.sum(0)
+        new = fresh_into(x)
+        g.replay()
+        torch.testing.assert_close(y, torch.relu(new @ w) + new.sum(0))
+        del w  # the planted bug: only the graph reads the weight now
+        try:
+            g.replay()
+            results[debug] = "replayed"
+        except StaleTensorError as exc:
+            results[debug] = str(exc)
+    assert results[False] == "replayed"
+    assert "segment 0 reads a tensor that was freed" in results[True]
+    assert "shape=(8, 8)" in results[True] and "test_debug.py" in results[True]
+
+
+def test_a_break_that_stores_a_new_tensor_the_next_segment_reads_is_named():
+    """A break that puts a new tensor in a global on every replay frees the one captured: the
+    next segment reads freed memory on CUDA. Debug mode names it on the emulated backend too."""
+    store = {}
+
+    @eager_on_graph
+    def publish(x):
+        store["scaled"] = x * 2  # a new tensor each call: the captured one is freed on replay
+
+    x = torch.randn(4)
+    g = BreakableCUDAGraph()
+    with breakgraph.capture(g, backend="emulated", debug=True):
+        publish(x)
+        y = store["scaled"] + 1
+    fresh_into(x)
+    with pytest.raises(StaleTensorError, match="segment 1 reads a tensor that was freed"):
+        g.replay()
+
+
+def test_a_cast_the_autocast_cache_freed_is_named(monkeypatch):
+    """With the capture's own fix undone (autocast's cache left on), the segment reads the
+    weight's cast that the cache cached in the warm-up and frees when the region ends (a CUDA
+    graph then reads whatever the allocator put there): debug mode names it on the emulated
+    backend too."""
+    lin = torch.nn.Linear(16, 16)  # a leaf that requires grad: autocast caches its cast
+    x = torch.randn(4, 16)
+    g = BreakableCUDAGraph()
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x)  # the warm-up caches the cast
+            monkeypatch.setattr(torch, "set_autocast_cache_enabled", lambda enabled: None)
+            with breakgraph.capture(g, backend="emulated", debug=True):
+                lin(x)
+            monkeypatch.undo()
+        fresh_into(x)
+        with pytest.raises(StaleTensorError, match=r"was freed.*bfloat16"):
+            g.replay()
+
+
+def test_debug_mode_writes_into_memory_it_holds_weakly_and_keeps_scalars():
+    """A segment writing a cache it did not make writes the same memory on every debug replay;
+    a Python number torch made into a tensor only the operation holds is kept."""
+    cache, step, dest = torch.zeros(4, 8), torch.tensor(0.5), torch.zeros(8)
+    x = torch.randn(4, 8)
+    g = BreakableCUDAGraph()
+    with breakgraph.capture(g, backend="emulated", debug=True):
+        cache[1:3].add_(torch.where(x[1:3] > 0, x[1:3], 0.0) * step)
+        torch.mul(cache[2], 3, out=dest)
+    for _ in range(2):
+        before, new = cache.clone(), fresh_into(x)
+        g.replay()
+        expected = before.clone()
+        expected[1:3] += torch.where(new[1:3] > 0, new[1:3], 0.0) * 0.5
+        torch.testing.assert_close(cache, expected)
+        torch.testing.assert_close(dest, expected[2] * 3)
+
+
+def test_a_weak_alias_names_its_operation_once_the_memory_is_freed():
+    """What the input check did not see first: the replay step itself refuses freed memory."""
+    from breakgraph.backends.weak_inputs import WeakAlias
+
+    x = torch.randn(4, 8)
+    alias = WeakAlias(x[1:3], torch.ops.aten.mm.default)
+    assert alias.tensor().data_ptr() == x[1:3].data_ptr() and alias.tensor().shape == (2, 8)
+    del x
+    with pytest.raises(StaleTensorError, match=r"aten.mm.default in a replayed segment.*freed"):
+        alias.tensor()
 
 
 def test_debug_off_pays_nothing(capture, device):

@@ -1173,6 +1173,9 @@ def test_stale_input_buffer_is_read_on_replay(capture, device):
     at_capture = out.clone()
 
     new = torch.randn(4, 3, device=device)
+    # the old buffer stays alive (a second name): freed, its memory would be anyone's on CUDA,
+    # and debug mode (BREAKGRAPH_DEBUG=1) would rightly report it as freed on both backends
+    old = static  # noqa: F841
     static = new  # the bug: rebinding the name instead of static.copy_(new)
     g.replay()
     torch.testing.assert_close(out, at_capture)  # still computed from the old buffer

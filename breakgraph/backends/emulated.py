@@ -26,6 +26,10 @@ same objects:
   waited for before anything reads their result: a CUDA graph orders them on the
   stream, but on the host they complete asynchronously (gloo's worker threads).
 
+In debug mode the steps hold what the graph read but did not make (static inputs, parameters,
+caches) weakly and make their aliases again on every replay, so memory that nothing outside
+the graph holds is freed as on a GPU and reported (:mod:`.weak_inputs`).
+
 No Python from the user's model runs on replay (only the eager breaks), so frozen
 Python decisions, stale input buffers and frozen host ints give the same wrong
 answers as on a GPU. During a segment ``torch.cuda.is_current_stream_capturing()``
@@ -59,6 +63,7 @@ from ..syncs import (
     user_frame,
 )
 from .base import CaptureOptions, Observer, pool_handle, released_pool_error
+from .weak_inputs import ExternalInputs
 
 aten = torch.ops.aten
 
@@ -147,18 +152,24 @@ def _restore(tensors: list) -> Callable[[], None] | None:
     return restore
 
 
-def _frozen_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
+def _frozen_step(
+    func, args: tuple, kwargs: dict, out: Any, hold: Callable | None = None
+) -> Callable[[], None] | None:
     """A host sync let through (``detect_syncs=False``): its results keep their capture-time
     values, written again on every replay (the segment may update them in place; a Python
     value, ``.item()``, is frozen into the operations that used it); one that writes its
     argument (``x[mask] = v``) runs again like any in-place operation."""
     if _writes_an_argument(func):
-        return _replay_step(func, args, kwargs, out)
+        return _replay_step(func, args, kwargs, out, hold)
     return _restore(list(out) if isinstance(out, (list, tuple)) else [out])
 
 
-def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None] | None:
-    """Compile one recorded operation into a replay closure (None when nothing must run)."""
+def _replay_step(
+    func, args: tuple, kwargs: dict, out: Any, hold: Callable | None = None
+) -> Callable[[], None] | None:
+    """Compile one recorded operation into a replay closure (None when nothing must run).
+    ``hold`` (debug mode, :class:`~.weak_inputs.ExternalInputs`) holds the arguments the
+    graph did not make weakly and gives what the step calls instead of ``func``."""
     if func.overloadpacket is aten.lift_fresh:  # a tensor made from host data
         if not out.untyped_storage().resizable():  # over the caller's memory (from_numpy,
             return None  # as_tensor of an array): replays read that memory as it is then
@@ -192,13 +203,16 @@ def _replay_step(func, args: tuple, kwargs: dict, out: Any) -> Callable[[], None
     if not fresh and not mutates:
         return None
     single = len(schema.returns) <= 1
-    args = _frozen(args)
-    kwargs = {k: _frozen(v) for k, v in kwargs.items()}
+    if hold is None:
+        args, call = _frozen(args), func
+        kwargs = {k: _frozen(v) for k, v in kwargs.items()}
+    else:
+        args, kwargs, call = hold(func, args, kwargs)
     collective = func.namespace in _COLLECTIVE_NAMESPACES
 
     def step() -> None:
         try:
-            new = func(*args, **kwargs)
+            new = call(*args, **kwargs)
             if collective:
                 _wait_collective(new)
         except RuntimeError as exc:  # gloo raises a plain one (a timeout, a peer gone): as
@@ -392,6 +406,9 @@ class EmulatedSession:
         self._seed = 0  # the default generator's seed when the segment began
         self._other_seeds = 0  # other threads' seeds finished when it began
         self.detect_syncs = options.detect_syncs
+        # debug mode: what the graph reads but did not make is held weakly (.weak_inputs)
+        self._external = ExternalInputs(_frozen) if options.debug else None
+        self._hold = self._external.hold if self._external is not None else None
         self._mode: SegmentMode | None = None
         self._steps: list = []
         self._stack = contextlib.ExitStack()
@@ -413,15 +430,17 @@ class EmulatedSession:
     def _record(self, func, args, kwargs, out) -> None:
         try:
             if not self.detect_syncs and sync_reason(func, args, kwargs, all_devices=True):
-                step = _frozen_step(func, args, kwargs, out)
+                step = _frozen_step(func, args, kwargs, out, self._hold)
             else:
-                step = _replay_step(func, args, kwargs, out)
+                step = _replay_step(func, args, kwargs, out, self._hold)
         except RuntimeError:  # torch's for a sparse tensor (COO: NotImplementedError, no
             # storage; CSR/CSC: RuntimeError, no strides): refused by name, else re-raised
             _refuse_sparse(func, args, kwargs, out)
             raise
         if step is not None:
             self._steps.append(step)
+        if self._external is not None:
+            self._external.record(func, args, kwargs, out)
         if self.observer is not None:
             self.observer(func, args, kwargs, out)
 
