@@ -53,7 +53,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .errors import BreakgraphWarning, InputError, StaleTensorError
-from .structure import describe, iter_tensors, reachable_tensors, sparse_parts
+from .structure import describe, iter_tensors, reachable_tensors, sparse_parts, storage_address
 from .syncs import user_frame
 
 __all__ = ["debug_enabled", "InputWatch", "GraphReport"]
@@ -90,15 +90,6 @@ def debug_enabled(flag: bool | None, who: str = "breakgraph") -> bool:
     )
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    """The tensor's storage address; 0 (never watched) for wrapper subclasses without one,
-    e.g. the ``AsyncCollectiveTensor`` of a functional collective (its inner tensor is seen)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return 0
-
-
 @dataclass
 class _Watched:
     """One tensor a graph reads without producing it, and the memory behind it.
@@ -132,7 +123,7 @@ class _Watched:
     def problem(self) -> str | None:
         t = self.tensor()
         if t is not None:
-            if t.data_ptr() != self.ptr or _storage_ptr(t) != self.storage_ptr:
+            if t.data_ptr() != self.ptr or storage_address(t) != self.storage_ptr:
                 return "was moved to new memory (its storage was replaced)"
             if t.untyped_storage().nbytes() < self.nbytes:
                 return "was resized smaller"
@@ -183,10 +174,10 @@ class InputWatch:
                 self._watch(t, f"{func} at {user_frame()}")
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                storage = _storage_ptr(t)
+                storage = storage_address(t)
                 self._produced.add(storage)
                 if storage == 0:  # a sparse tensor made here: its parts are the graph's
-                    self._produced.update(_storage_ptr(p) for p in sparse_parts(t))
+                    self._produced.update(storage_address(p) for p in sparse_parts(t))
 
     def observe_break(self, name: str, args: tuple, kwargs: dict, output: Any) -> None:
         """Watch what crosses a break; checked before the segment that precedes the break."""
@@ -194,7 +185,7 @@ class InputWatch:
         for t in reachable_tensors((args, kwargs)):
             self._watch(t, f"the arguments of {reader}", True, segment, reader)
         for _, t in iter_tensors(output):
-            self._produced.add(_storage_ptr(t))
+            self._produced.add(storage_address(t))
             self._watch(t, f"the output of {reader}", True, segment, reader)
 
     def _watch(
@@ -205,13 +196,13 @@ class InputWatch:
         segment: int | None = None,
         reader: str | None = None,
     ) -> None:
-        storage = _storage_ptr(t)
+        storage = storage_address(t)
         if storage == 0:  # no storage of its own (no data_ptr either): a sparse tensor's memory
             for part in sparse_parts(t):  # is its indices and values, watched as tensors that
                 # view nothing; an eager function gets the sparse tensor itself on every
                 # replay, so parts replaced by copy_ (its usual update) are stale for it only
                 # where a segment writes them
-                if not force or _storage_ptr(part) in self._produced:
+                if not force or storage_address(part) in self._produced:
                     self._watch(part.detach(), where, force, segment, reader)
             return  # a wrapper subclass without one is not watched (its inner tensor is)
         key = (id(t), t.data_ptr())

@@ -53,7 +53,7 @@ import torch
 
 from ..errors import CaptureError
 from ..patches import patch_attribute
-from ..structure import sparse_parts
+from ..structure import sparse_parts, storage_address
 from ..syncs import (
     SegmentMode,
     exit_segment_mode,
@@ -117,20 +117,13 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def _storage(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # wrapper subclasses without a storage
-        return 0
-
-
 def _storages(args: tuple, kwargs: dict) -> set:
     values = list(args) + list(kwargs.values())
     found = set()
     for v in values:
         for t in v if isinstance(v, (list, tuple)) else (v,):
             if isinstance(t, torch.Tensor):
-                found.add(_storage(t))
+                found.add(storage_address(t))
     return found
 
 
@@ -192,7 +185,7 @@ def _replay_step(
             # are annotated as views but copy when they must
             if read is None:
                 read = _storages(args, kwargs)
-            if not isinstance(value, torch.Tensor) or _storage(value) in read:
+            if not isinstance(value, torch.Tensor) or storage_address(value) in read:
                 continue
         if isinstance(value, torch.Tensor):
             fresh.append((index, None, _frozen(value)))

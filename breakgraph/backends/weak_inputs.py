@@ -29,19 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..errors import StaleTensorError
+from ..structure import storage_address
 
 __all__ = ["WeakAlias", "ExternalInputs"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # wrapper subclasses, sparse tensors
-        return 0
 
 
 class WeakAlias:
@@ -92,12 +87,12 @@ class ExternalInputs:
         """Count the storages ``func`` made: those of its outputs it did not read (not a view,
         not the argument it wrote). A tensor torch made from host data (``lift_fresh``) is the
         graph's too: its replay step writes its value again every time."""
-        read = {_storage_ptr(t) for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        read = {storage_address(t) for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         fresh = func.overloadpacket is torch.ops.aten.lift_fresh
         for t in _leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
-            ptr = _storage_ptr(t)
+            ptr = storage_address(t)
             if ptr != 0 and (fresh or ptr not in read):
                 self._made[ptr] = weakref.ref(t.untyped_storage())
 
@@ -106,7 +101,7 @@ class ExternalInputs:
             return False
         if t.is_quantized or t.is_conj() or t.is_neg() or t.device.type == "meta":
             return False
-        ptr = _storage_ptr(t)
+        ptr = storage_address(t)
         if ptr == 0:
             return False
         made = self._made.get(ptr)
@@ -135,10 +130,5 @@ class ExternalInputs:
 
 
 def _leaves(value: Any) -> list:
-    """The tensors (and weak aliases) of an operation's arguments or outputs: nested
-    tuples, lists and dicts."""
-    if isinstance(value, dict):
-        value = tuple(value.values())
-    if isinstance(value, (list, tuple)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value] if isinstance(value, (torch.Tensor, WeakAlias)) else []
+    """The tensors (and weak aliases) of an operation's arguments or outputs."""
+    return [v for v in tree_leaves(value) if isinstance(v, (torch.Tensor, WeakAlias))]
