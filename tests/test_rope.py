@@ -110,7 +110,7 @@ def test_prompts_up_to_the_original_length_match_their_own_forward(kind):
     model = build(kind)
     runner = runner_for(model)
     try:
-        assert runner._rope_limit == LIMIT
+        assert runner._rope.limit == LIMIT
         batches = [[LIMIT], [LIMIT, 3, 40], [5, 9], [1], [30, 2, 7, 11], [LIMIT] * 3 + [20]]
         check_batches(runner, model, batches)
         eager = [b for b in batches if sum(b) > runner.buckets[-1]]  # the last one at least
@@ -232,7 +232,7 @@ def test_a_switched_type_no_rotary_module_holds_is_served_whole():
     assert model.model.rotary_emb.rope_type == {"sliding_attention": "default"}
     runner = runner_for(model)
     try:
-        assert runner._rope_limit is None
+        assert runner._rope.limit is None
         check_batches(runner, model, [[40, 3], [100]])
     finally:
         runner.close()

@@ -247,8 +247,7 @@ class PrefillRunner:
         self._weights = weights_anchor(model)  # the weights' memory the graphs read
         # dynamic/longrope RoPE held static (its original frequencies, copied once: the
         # graphs read them for life); a longer prompt is refused per call (_validate)
-        self._rope = StaticRope(model, self.device)
-        self._rope_limit = self._rope.limit  # None: every length is served
+        self._rope = StaticRope(model, self.device)  # .limit None: every length is served
         self._single: BucketedRunner | None = None  # single-prompt graphs (built below)
         # tensor parallelism: the ranks agree every capture step and every call
         self.tp_collectives = tp_collectives
@@ -579,7 +578,8 @@ class PrefillRunner:
         """The prompts' lengths, or ``InputError`` (:func:`.prefill_buffers.prompt_lengths`); a
         method of its own, which the host-path benchmarks time (``benchmarks/prefill_host_*``)."""
         lengths = prompt_lengths(prompts, self.max_prompts)
-        if self._rope_limit is not None and max(lengths) > self._rope_limit:  # see .rope
+        limit = self._rope.limit
+        if limit is not None and max(lengths) > limit:  # see .rope
             raise self._rope.too_long(lengths)
         return lengths
 

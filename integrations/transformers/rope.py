@@ -85,8 +85,7 @@ def rope_position_limit(model: Any) -> int | None:
         >>> rope_position_limit(transformers.AutoModelForCausalLM.from_config(cfg))
         64
     """
-    limits = [entry[3] for _, entries in switched_rope_modules(model) or () for entry in entries]
-    return min(limits) if limits else None
+    return _least_limit(switched_rope_modules(model) or [])
 
 
 class StaticRope:
@@ -111,7 +110,7 @@ class StaticRope:
     def __init__(self, model: Any, device: torch.device) -> None:
         modules = switched_rope_modules(model) or []
         #: the longest prompt served (None: nothing switched, every length is)
-        self.limit = min((e[3] for _, entries in modules for e in entries), default=None)
+        self.limit = _least_limit(modules)
         self.kinds = sorted({t for m, _ in modules for t in _types(m.rope_type)
                              if "dynamic" in t or t == "longrope"})  # fmt: skip
         # (module, its rope_type with every switched type "default", [(buffer, frequencies)])
@@ -150,6 +149,10 @@ class StaticRope:
             f"frequencies, which the graphs do not hold. Run that prompt through the model "
             f"itself (model(ids[None])). Nothing was copied."
         )
+
+
+def _least_limit(modules: list) -> int | None:
+    return min((entry[3] for _, entries in modules for entry in entries), default=None)
 
 
 def _types(rope_type: Any) -> list:
