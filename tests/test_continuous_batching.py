@@ -965,6 +965,31 @@ def test_sampling_and_num_return_sequences():
 
 
 @needs_cb
+def test_forking_managers_are_synchronous(monkeypatch):
+    """Asynchronous batching schedules step N+1 before step N's update forks a request, so a
+    request with children can be alone in a step with no query token (found by the CB fuzzer on
+    a GPU: 19 of 121 forking scenarios failed every request in flight). transformers' own
+    graphs pad such a step; breakgraph's do not. A forking manager is synchronous by default,
+    and asking for asynchronous steps is refused, naming the fix."""
+    model = build_model("llama")
+    forked = generation_config(do_sample=True, top_k=1, num_return_sequences=2)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=(8, 16)) as handle:
+        monkeypatch.setattr(handle, "_async_by_default", lambda use_graphs: True)  # as on CUDA
+        for gen, want in ((forked, False), (generation_config(), True)):
+            manager = model.init_continuous_batching(
+                generation_config=gen, continuous_batching_config=cb_config()
+            )
+            assert manager.continuous_batching_config.use_async_batching is want
+            manager.destroy()
+        with pytest.raises(UnsupportedModelError, match="num_return_sequences above 1") as e:
+            model.init_continuous_batching(
+                generation_config=forked,
+                continuous_batching_config=cb_config(use_async_batching=True),
+            )
+        assert "use_async_batching unset" in str(e.value)
+
+
+@needs_cb
 def test_forked_requests_keep_transformers_decode_fast_path_off():
     """With ``num_return_sequences`` > 1, transformers' decode fast path (kept on by breakgraph
     for its block-table decode steps) let a late one-token prompt, scheduled with no token

@@ -86,7 +86,7 @@ from .experts import register as register_experts
 from .managers import PauseWatch, retired_start, settle_after_reset, watch_pause
 from .models import (
     DEFAULT_MAX_BATCH_TOKENS,
-    UnsupportedModelError,
+    check_async_batching,
     check_model,
     check_paged_heads,
     check_paged_window,
@@ -424,16 +424,11 @@ class ContinuousBatchingHandle:
         config = copy.copy(given) if given is not None else ContinuousBatchingConfig()
         eager = eager_steps(config, _WHO)
         use_graphs = eager != "all"
-        if config.use_async_batching and self.device.type != "cuda":
-            raise UnsupportedModelError(
-                f"{_WHO}: asynchronous batching (use_async_batching=True) needs a CUDA model "
-                f"(transformers overlaps host and device work with CUDA streams); leave it "
-                f"unset or False here."
-            )
+        forks = block_table.forks(generation_config or self.model.generation_config)
+        check_async_batching(config.use_async_batching, self.device, forks, _WHO)
         if use_graphs:
             check_step_compile(self.model, config, _WHO)
         config.use_cuda_graph = False  # transformers' whole-step graphs: never here
-        forks = block_table.forks(generation_config or self.model.generation_config)
         # block tables serve the decode graphs only: none where pure-decode steps run eagerly
         if eager in ("all", "decode") or not self.runner.block_tables or forks:  # else as given
             config.max_blocks_per_request = 0  # every step with index lists
@@ -444,7 +439,7 @@ class ContinuousBatchingHandle:
             if hasattr(config, name):
                 setattr(config, name, False)
         if config.use_async_batching is None:
-            config.use_async_batching = self._async_by_default(use_graphs)
+            config.use_async_batching = self._async_by_default(use_graphs) and not forks
         if use_graphs:
             planned = self.runner.buckets
             default = planned[-1] if planned else self._default_max_batch_tokens()
@@ -459,7 +454,8 @@ class ContinuousBatchingHandle:
     def _async_by_default(self, use_graphs: bool) -> bool:
         """``use_async_batching`` when the caller left it unset: transformers' own rule for its
         graphs (on with graphs and no attention mask), applied to breakgraph's graphs. Under
-        tensor parallelism it stays off (not run on GPUs there yet)."""
+        tensor parallelism it stays off (not run on GPUs there yet), and so it does for a
+        manager that forks its requests (:meth:`_configure` says why)."""
         return use_graphs and self.device.type == "cuda" and self.ranks is None
 
     def _default_max_batch_tokens(self) -> int:

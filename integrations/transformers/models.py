@@ -45,6 +45,7 @@ __all__ = [
     "token_vocabulary",
     "check_sampled_tokens",
     "check_step_compile",
+    "check_async_batching",
     "eager_steps",
     "rope_types",
     "check_rope",
@@ -422,6 +423,35 @@ def check_step_compile(model: Any, config: Any, who: str) -> None:
             f"to) cannot be combined with breakgraph's graphs; pass enable_continuous_"
             f"batching(model, compile=True) for compiled graphs, or ContinuousBatchingConfig("
             f"use_cuda_graph=False) to compile eager steps."
+        )
+
+
+def check_async_batching(asked: Any, device: torch.device, forks: bool, who: str) -> None:
+    """Refuse ``use_async_batching=True`` where breakgraph cannot serve it: on a CPU model
+    (transformers overlaps host and device work with CUDA streams), and for a manager that
+    forks its requests (``num_return_sequences`` above 1). Asynchronous batching schedules step
+    N+1 before step N's update forks a request, so a request with children and one prompt token
+    left can be alone in a step with no query token: transformers' own graphs pad such a step,
+    breakgraph's steps are not padded, and transformers' sampling then indexes a token of an
+    empty step (on a GPU, 19 of 121 forking scenarios of the CB fuzzer failed every request in
+    flight). Left unset, such a manager's steps are synchronous.
+
+    >>> check_async_batching(None, torch.device("cpu"), True, "f")  # unset: decided later
+    """
+    if asked and forks:
+        raise UnsupportedModelError(
+            f"{who}: asynchronous batching (use_async_batching=True) with "
+            f"num_return_sequences above 1: transformers schedules the next step before it "
+            f"forks a request, so a request with children can be alone in a step with no query "
+            f"token, which transformers' own graphs pad and breakgraph's steps do not. Leave "
+            f"use_async_batching unset (such a manager's steps are then synchronous) or pass "
+            f"False."
+        )
+    if asked and device.type != "cuda":
+        raise UnsupportedModelError(
+            f"{who}: asynchronous batching (use_async_batching=True) needs a CUDA model "
+            f"(transformers overlaps host and device work with CUDA streams); leave it "
+            f"unset or False here."
         )
 
 
