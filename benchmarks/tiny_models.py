@@ -75,6 +75,38 @@ OTHER_DENSE_FAMILIES = {
         use_qk_norm=True, logit_scale=0.25,
         eos_token_id=None,  # its default (255001) is outside the tiny vocabularies
     )),
+    # NoPE: the second layer without RoPE (SmolLM3 leaves out every fourth)
+    "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0], pad_token_id=None)),
+    # a sliding and a full layer, qk-norm
+    "olmo3": ("Olmo3Config", dict(
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], pad_token_id=None,
+    )),
+    "ministral": ("MinistralConfig", dict(
+        head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+    )),
+    # a sliding layer with RoPE and a full one without, qk-norm, norms after the blocks
+    "exaone4": ("Exaone4Config", dict(
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], pad_token_id=None,
+    )),
+    # Cohere's parallel block and logit_scale, a sliding layer with RoPE and a full one without
+    "cohere2": ("Cohere2Config", dict(
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], logit_scale=0.25,
+        pad_token_id=None, eos_token_id=None,
+    )),
+    # norms after attention and MLP, half-rotary interleaved RoPE, biases
+    "glm4": ("Glm4Config", dict(head_dim=16, attention_bias=True, pad_token_id=None)),
+    "helium": ("HeliumConfig", dict(head_dim=16, attention_bias=True, mlp_bias=True)),
+    "seed_oss": ("SeedOssConfig", dict(
+        head_dim=16, attention_bias=True, attention_out_bias=True, pad_token_id=None,
+    )),
+    "ernie4_5": ("Ernie4_5Config", dict(head_dim=16, use_bias=True, pad_token_id=None)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(head_dim=16, pad_token_id=None)),
+    # xIELU activation, qk-norm
+    "apertus": ("ApertusConfig", dict(pad_token_id=None)),
+    # a gateless MLP (ReLU squared)
+    "arcee": ("ArceeConfig", dict(head_dim=16, pad_token_id=None)),
+    # LayerNorm1P, ReLU squared, half-rotary RoPE
+    "nemotron": ("NemotronConfig", dict(head_dim=16, pad_token_id=None, eos_token_id=None)),
 }  # fmt: skip
 
 #: the MoE families' extra kwargs (each test file adds the routing it needs)

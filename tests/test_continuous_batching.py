@@ -44,6 +44,7 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     decode_graph,
     enable_continuous_batching,
     index_lists,
+    models,
     step_inputs,
 )
 from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
@@ -100,10 +101,10 @@ ARCHS["qwen2_hybrid"] = (
 ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", dict(MOE, **QWEN3_MOE))
 ARCHS["mixtral"] = ("MixtralConfig", dict(MOE, **MIXTRAL))
 ARCHS.update(OTHER_DENSE_FAMILIES)  # Starcoder2's window is shorter than the prompts too
-#: families whose stock continuous batching fails every request: StableLM's decoder layer
-#: drops the attention kwargs, so ``paged|sdpa`` gets no cache (breakgraph's attention reads
+#: families whose stock continuous batching fails every request: StableLM's and Nemotron's layers
+#: drop the attention kwargs, so ``paged|sdpa`` gets no cache (breakgraph's attention reads
 #: the step from its replay context instead); compared with generate() only
-STOCK_CB_FAILS = ("stablelm",)
+STOCK_CB_FAILS = ("stablelm", "nemotron")
 # (arch, experts implementation): MoE families with transformers' default captured experts
 # (grouped_mm) and with the eager loop, which must become an eager break
 CASES = [(arch, None) for arch in ARCHS] + [("qwen3_moe", "eager"), ("mixtral", "eager")]
@@ -307,8 +308,8 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
     # model with sliding-window layers keeps the breaks)
     assert stats.replays + decode.replays == len(log.steps)
     assert handle.stats.replays == len(log.steps)  # the handle counts both
-    windowed = ("mistral", "qwen2_hybrid", "starcoder2", "gemma3_text")
-    assert (decode.replays > 0) == (arch not in windowed)
+    windowed = models.layer_attention(model.config) != "full"
+    assert (decode.replays > 0) == (not windowed)
     assert log.mixed > 0 and max(sum(q) for q in log.steps) == 24  # mixed steps, full steps
     eager_experts = model.config.num_hidden_layers if experts == "eager" else 0
     assert {b.breaks for b in stats.buckets.values()} == {

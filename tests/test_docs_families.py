@@ -9,8 +9,10 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
-WORDS = {word: n for n, word in enumerate(NUMBERS.split())}
+NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+           "fourteen fifteen sixteen seventeen eighteen nineteen").split()
+WORDS = {word: n for n, word in enumerate(NUMBERS)}
+WORDS.update({f"twenty-{word}": 20 + n for n, word in enumerate(NUMBERS[1:10], 1)}, twenty=20)
 
 
 def _read(*path: str) -> str:
@@ -32,7 +34,7 @@ def _assigned(source: str, name: str) -> tuple:
 SUPPORTED = _assigned(_read("integrations", "transformers", "models.py"), "SUPPORTED_MODEL_TYPES")
 ADDED = _assigned(_read("benchmarks", "tiny_models.py"), "OTHER_DENSE_FAMILIES")
 #: "The last ten run unmodified", "the ten families added later"
-COUNT = r"(?:[Tt]he last|the) (\w+)\s+(?:run unmodified|families added later)"
+COUNT = r"(?:[Tt]he last|the) ([\w-]+)\s+(?:run unmodified|families added later)"
 
 
 def test_the_supported_tuple_shown_is_the_codes():

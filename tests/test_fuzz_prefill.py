@@ -262,7 +262,10 @@ def test_batches_cover_every_kind():
 
 
 # -- config variants ------------------------------------------------------------------------------
-_PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm")  # the families that read the factor
+_PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm", "glm4", "nemotron")  # read the factor
+_KEYED_ROPE = ("gemma3_text", "olmo3")  # RoPE settings keyed by layer type
+_SLIDING_LAYERS = ("olmo3", "ministral", "exaone4", "cohere2")  # sliding layer_types: a window
+_HIDDEN_HEADS = ("helium",)  # o_proj maps hidden_size to hidden_size: head_dim = hidden / heads
 
 
 def _rope(rng: random.Random, head_dim: int, partial: float, family: str) -> dict:
@@ -305,7 +308,8 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
               max_position_embeddings=rng.choice([128, 256]), num_attention_heads=heads,
               bos_token_id=rng.choice([None, 1]), eos_token_id=None)  # fmt: skip
     if "head_dim" in knobs:  # always set: some families' default is 128 or 256
-        if rng.random() < 0.5:  # a head unlike hidden / heads, maybe an odd count of heads
+        # a head unlike hidden / heads, maybe an odd count of heads
+        if rng.random() < 0.5 and family not in _HIDDEN_HEADS:
             head_dim = rng.choice([8, 12, 16, 20, 32, 40])
             heads = rng.choice([heads, heads] + [h for h in (3, 5, 6, 7) if hidden % h == 0])
         kw.update(head_dim=head_dim, num_attention_heads=heads)
@@ -315,7 +319,7 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
     rotary = {f: int(head_dim * f) for f in (0.25, 0.4, 0.5, 1.0)}
     even = [f for f, dim in rotary.items() if dim % 2 == 0 and dim > 2]
     partial = rng.choice(even) if family in _PARTIAL_ROTARY else 1.0
-    if family == "gemma3_text":  # a setting per layer type
+    if family in _KEYED_ROPE:  # a setting per layer type
         kw["rope_parameters"] = {kind: _rope(rng, head_dim, 1.0, family)
                                  for kind in ("sliding_attention", "full_attention")}  # fmt: skip
     elif family in _PARTIAL_ROTARY or rng.random() < 0.6:  # their defaults are partial
@@ -336,7 +340,7 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
         kw["logit_scale"] = rng.choice([0.0625, 0.5, 3.0])
     windows = [None, 1, 2, 5, 8, 16, 300]  # 1: refused by continuous batching
     if "sliding_window" in knobs and family != "gemma3_text" and rng.random() < 0.6:
-        kw["sliding_window"] = rng.choice(windows)
+        kw["sliding_window"] = rng.choice(windows[family in _SLIDING_LAYERS :])
         if "use_sliding_window" in knobs:
             kw["use_sliding_window"] = rng.random() < 0.7
         if "max_window_layers" in knobs:

@@ -689,9 +689,12 @@ def scenario_gemma(rank: int, backend: str, path: str) -> dict:
 
 
 #: added families under TP: Phi-3's fused qkv_proj (gathered: every rank attends with every
-#: head), OLMo-2's gathered k_proj (continuous batching refused), Granite's multipliers,
-#: Gemma 3's sliding and global layers, Cohere's per-head qk-norm (refused)
-TP_FAMILIES = ("phi3", "olmo2", "granite", "gemma3_text", "cohere")
+#: head), OLMo-2's and OLMo-3's gathered k_proj (continuous batching refused), Granite's
+#: multipliers, Gemma 3's sliding and global layers, Cohere's per-head qk-norm (refused),
+#: EXAONE 4's and Command R7B's sliding layers with RoPE and full ones without
+TP_FAMILIES = ("phi3", "olmo2", "granite", "gemma3_text", "cohere", "olmo3", "exaone4", "cohere2")
+#: the families whose TP plan gathers k_proj: continuous batching refused
+GATHERS_KEYS = ("olmo2", "olmo3")
 
 
 def scenario_families(rank: int, backend: str, path: str) -> dict:
@@ -721,7 +724,7 @@ def scenario_families(rank: int, backend: str, path: str) -> dict:
         result = {"detected": runner.ranks is not None, "diff": max_diff(runner, full, 1)}
         runner.close()
         result["cb_full"] = greedy_batch(full, 7)  # unsharded, stock continuous batching
-        result["cb_stock"] = greedy_batch(sharded, 7) if family != "olmo2" else None
+        result["cb_stock"] = greedy_batch(sharded, 7) if family not in GATHERS_KEYS else None
         try:
             with enable_continuous_batching(sharded, backend=backend, query_buckets=(8,)):
                 result["cb_breakgraph"] = greedy_batch(sharded, 7)
@@ -1040,14 +1043,14 @@ def test_gemma_under_tp_matches_the_unsharded_model(gemma_run):
 
 
 def test_added_families_under_tp_match_or_are_refused(families_run):
-    """Phi-3, OLMo-2, Granite and Gemma 3 sharded by transformers: prefill equals the
-    unsharded model; continuous batching gives the unsharded model's tokens and transformers'
-    own TP tokens (where its TP continuous batching runs), except OLMo-2's,
-    refused (its gathered k_proj gives every rank every key head, the paged cache holds a
-    share: stock continuous batching failed every request, breakgraph's with a raw
-    index_copy_ error). Cohere with qk-norm is refused by both entry points: its
-    ``(heads, head_dim)`` norm weights stay whole while the heads are sharded, so the model's
-    own forward failed (a raw size mismatch, stock continuous batching too)."""
+    """Phi-3, OLMo-2, Granite, Gemma 3, OLMo-3, EXAONE 4 and Command R7B sharded by
+    transformers: prefill equals the unsharded model; continuous batching gives the unsharded
+    model's tokens and transformers' own TP tokens (where its TP continuous batching runs),
+    except OLMo-2's and OLMo-3's, refused (their gathered k_proj gives every rank every key
+    head, the paged cache holds a share: stock continuous batching failed every request,
+    breakgraph's with a raw index_copy_ error). Cohere with qk-norm is refused by both entry
+    points: its ``(heads, head_dim)`` norm weights stay whole while the heads are sharded, so
+    the model's own forward failed (a raw size mismatch, stock continuous batching too)."""
     backend, results = families_run
     for result in results:
         for family in TP_FAMILIES:
@@ -1057,7 +1060,7 @@ def test_added_families_under_tp_match_or_are_refused(families_run):
                     assert "q_norm normalizes with a weight row for every head" in got[key], got
                 continue
             assert got["detected"] and got["diff"] < tolerance(backend), (family, got)
-            if family == "olmo2":
+            if family in GATHERS_KEYS:
                 assert got["cb_breakgraph"].startswith("UnsupportedModelError: "), got
                 assert "gathers every head on every rank" in got["cb_breakgraph"], got
                 continue

@@ -57,7 +57,8 @@ __all__ = [
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral",
     "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm", "gemma3_text",
-    "cohere",
+    "cohere", "smollm3", "olmo3", "ministral", "exaone4", "cohere2", "glm4", "helium", "seed_oss",
+    "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee", "nemotron",
 )  # fmt: skip
 # computed once; transformers' dynamic_rope_update switches "dynamic" and "longrope" per call
 # (served by PrefillRunner up to their original length: check_rope)
