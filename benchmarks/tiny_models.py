@@ -112,6 +112,10 @@ OTHER_DENSE_FAMILIES = {
 #: the MoE families' extra kwargs (each test file adds the routing it needs)
 QWEN3_MOE = dict(num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
 MIXTRAL = dict(head_dim=16, num_local_experts=4)
+#: Qwen2-MoE's shared expert and its gate beside the routed ones; OLMoE's qk-norm
+QWEN2_MOE = dict(num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                 decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+OLMOE = dict(num_experts=4, intermediate_size=64, pad_token_id=None)
 
 
 def tiny_config(class_name: str, **kwargs):

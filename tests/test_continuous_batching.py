@@ -57,7 +57,9 @@ import breakgraph  # noqa: E402
 from benchmarks.tiny_models import (  # noqa: E402
     DENSE_FAMILIES,
     MIXTRAL,
+    OLMOE,
     OTHER_DENSE_FAMILIES,
+    QWEN2_MOE,
     QWEN3_MOE,
     TINY_SHAPE,
 )
@@ -100,6 +102,13 @@ ARCHS["qwen2_hybrid"] = (
 )
 ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", dict(MOE, **QWEN3_MOE))
 ARCHS["mixtral"] = ("MixtralConfig", dict(MOE, **MIXTRAL))
+ARCHS["qwen2_moe"] = ("Qwen2MoeConfig", dict(MOE, **QWEN2_MOE))
+ARCHS["olmoe"] = ("OlmoeConfig", dict(MOE, **OLMOE))
+# Qwen2-MoE's sliding layers (0 and 2) keep their window on the module and pass none: it was lost
+ARCHS["qwen2_moe_hybrid"] = ("Qwen2MoeConfig", dict(
+    MOE, **QWEN2_MOE, use_sliding_window=True, sliding_window=4, max_window_layers=3,
+    num_hidden_layers=3,
+))  # fmt: skip
 ARCHS.update(OTHER_DENSE_FAMILIES)  # Starcoder2's window is shorter than the prompts too
 #: families whose stock continuous batching fails every request: StableLM's and Nemotron's layers
 #: drop the attention kwargs, so ``paged|sdpa`` gets no cache (breakgraph's attention reads
@@ -107,7 +116,9 @@ ARCHS.update(OTHER_DENSE_FAMILIES)  # Starcoder2's window is shorter than the pr
 STOCK_CB_FAILS = ("stablelm", "nemotron")
 # (arch, experts implementation): MoE families with transformers' default captured experts
 # (grouped_mm) and with the eager loop, which must become an eager break
-CASES = [(arch, None) for arch in ARCHS] + [("qwen3_moe", "eager"), ("mixtral", "eager")]
+CASES = [(arch, None) for arch in ARCHS] + [
+    (arch, "eager") for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+]
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ STOCK = os.environ.get("BREAKGRAPH_FUZZ_CB_STOCK")  # triage: None, "graphs" or 
 #: a logprob's distance from generate()'s: on the GPU cuBLAS picks other kernels (other
 #: reduction orders) for a step's many rows than for generate()'s one
 LOGPROB_ATOL = {"cpu": 2e-5, "cuda": 1e-4}
-FAMILIES = list(ARCHS) + ["qwen3_moe-eager", "mixtral-eager"]  # compared with generate() only
+FAMILIES = list(ARCHS) + ["qwen3_moe-eager", "mixtral-eager", "qwen2_moe-eager", "olmoe-eager"]
 _models: dict = {}
 _references: dict = {}
 

@@ -354,14 +354,19 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
             if rng.random() < 0.15:
                 kw[knob] = cap
     experts = None
-    if family in ("qwen3_moe", "mixtral"):
+    if family in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe"):
         count = rng.choice([2, 4, 8])
         kw["num_experts_per_tok"] = rng.randint(1, count)
         experts = rng.choice([None, "eager", "grouped_mm"])
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         kw.update(num_experts=count, moe_intermediate_size=rng.choice([32, 64]),
                   norm_topk_prob=rng.random() < 0.5, decoder_sparse_step=rng.choice([1, 2, 3]),
                   mlp_only_layers=rng.choice([[], [0], [1], [0, 1]]))  # fmt: skip
+    if family == "qwen2_moe":  # the shared expert beside the routed ones
+        kw["shared_expert_intermediate_size"] = rng.choice([32, 96])
+    if family == "olmoe":
+        kw.update(num_experts=count, norm_topk_prob=rng.random() < 0.5,
+                  clip_qkv=rng.choice([None, 0.05, 8.0]))  # fmt: skip
     if family == "mixtral":
         kw.update(num_local_experts=count, router_jitter_noise=rng.choice([0.0, 0.1]))
     return family, kw, experts

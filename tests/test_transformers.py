@@ -44,7 +44,9 @@ from breakgraph.integrations.transformers.models import check_model  # noqa: E40
 from benchmarks.tiny_models import (  # noqa: E402
     DENSE_FAMILIES,
     MIXTRAL,
+    OLMOE,
     OTHER_DENSE_FAMILIES,
+    QWEN2_MOE,
     QWEN3_MOE,
     TINY_SHAPE,
 )
@@ -67,6 +69,9 @@ COMMON = dict(TINY_SHAPE, vocab_size=VOCAB, max_position_embeddings=512)
 ARCHS = {name: (cls, extra, 0) for name, (cls, extra) in DENSE_FAMILIES.items()}
 ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", dict(QWEN3_MOE, num_experts_per_tok=2), 2)
 ARCHS["mixtral"] = ("MixtralConfig", dict(MIXTRAL, num_experts_per_tok=2), 2)
+ARCHS["qwen2_moe"] = ("Qwen2MoeConfig", dict(QWEN2_MOE, num_experts_per_tok=2), 2)
+ARCHS["olmoe"] = ("OlmoeConfig", dict(OLMOE, num_experts_per_tok=2), 2)
+MOE_ARCHS = [arch for arch, (_, _, moe_layers) in ARCHS.items() if moe_layers]
 # partial RoPE, clip_qkv, qk-norm, Granite's multipliers, biases, LayerNorm, parallel blocks
 ARCHS.update({name: (cls, extra, 0) for name, (cls, extra) in OTHER_DENSE_FAMILIES.items()})
 
@@ -282,6 +287,9 @@ SLIDING = {
     "mistral": dict(),
     # mixed: layer 0 full attention, layer 1 sliding (the window is passed per layer)
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    # mixed: layer 0 sliding, layer 1 full; Qwen2-MoE keeps the window on the module and passes
+    # none (breakgraph's attention read no window: every key)
+    "qwen2_moe": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
 }
 
 
@@ -1023,7 +1031,7 @@ def test_auto_attention_choice(backend, closing):
     assert runner.attention == ("flash" if backend == "cuda" else "reference")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_eager_experts_run_on_the_live_rows_only(arch, backend, closing, monkeypatch):
     """A bucket's padding tail is not routed to the experts: the eager loop of every replay
     gets the prompts' rows only (one prompt, or a packed batch), and the logits still match
@@ -1057,7 +1065,7 @@ def test_eager_experts_run_on_the_live_rows_only(arch, backend, closing, monkeyp
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_grouped_experts_skip_the_padding_rows(arch, backend, closing, monkeypatch):
     """grouped_mm experts inside the graphs route a bucket's padding rows to no expert: on every
     replay (one prompt or a packed batch, fresh lengths in the same graph) the rows given a

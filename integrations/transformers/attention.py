@@ -319,6 +319,21 @@ def refuse_mask_and_softcap(who: str, attention_mask: Any, softcap: Any, why: st
         )
 
 
+def layer_window(module: Any, sliding_window: int | None) -> int | None:
+    """The sliding window of ``module``'s attention call: the ``sliding_window`` its layer
+    passed, else the one the module keeps (Qwen2-MoE sets ``self.sliding_window`` on its
+    sliding layers and passes nothing: its own forward applies the window through the mask,
+    which breakgraph's attention does not read, so its sliding layers attended to every key).
+
+    >>> import types
+    >>> layer_window(types.SimpleNamespace(sliding_window=4), None), layer_window(None, 8)
+    (4, 8)
+    """
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None) or None  # 0: Qwen2-MoE's "off"
+    return sliding_window
+
+
 @torch.compiler.disable  # with PrefillRunner(compile=...), Dynamo's graph breaks here too
 def breakgraph_attention(
     module: Any,
@@ -359,7 +374,8 @@ def breakgraph_attention(
     if capturing:
         state.layers.append((layer, key, value))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    call = LayerAttention(layer, query, key, value, scale, sliding_window, state.kernel)
+    window = layer_window(module, sliding_window)
+    call = LayerAttention(layer, query, key, value, scale, window, state.kernel)
     call.out = state.output_for(layer, call.q)
     if state.inline:  # a single-prompt graph: recorded, not a break
         return call.whole_row(call.out).unsqueeze(0), None

@@ -55,6 +55,7 @@ from . import compat
 from .attention import (
     FLASH_WRITES_IN_PLACE,
     flash_varlen,
+    layer_window,
     reference_attention,
     refuse_mask_and_softcap,
 )
@@ -126,8 +127,7 @@ class CBStep:
         # transformers' decode fast path: a block table instead of index lists (.block_table)
         self.table = kwargs.get(names.block_table)
         self.positions = kwargs[names.position_ids] if self.table is not None else None
-        # one query per sequence (decided once per step, read by every layer); transformers
-        # passes max_q = 1 with a block table too
+        # one query per sequence (once per step, for every layer; max_q = 1 with a block table)
         self.pure_decode = self.max_q == 1 and tokens == self.cu_q.shape[0] - 1
         self._q_bounds = self._no_reads = None
 
@@ -209,9 +209,8 @@ class PagedAttention:
         self.key, self.value = key, value
         self.scaling, self.window, self.kernel = scaling, window, kernel
         self.layer_type = _SLIDING if window is not None else _FULL
-        # the kernels write here (FlashAttention in place on torch >= 2.12, else copied; the
-        # paged decode kernel on any torch), and the break returns this tensor, the one the
-        # graph captured: nothing is copied back or allocated per replay
+        # the kernels write here (FlashAttention in place on torch >= 2.12, else copied; the paged
+        # decode kernel always); the break returns this, the graph's tensor: no per-replay copy
         self.out = None
         if kernel == "flash":
             with torch.inference_mode(False):
@@ -325,6 +324,7 @@ def paged_attention(
         "continuous batching with this key reads the step's exact lengths",
     )  # fmt: skip
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    sliding_window = layer_window(module, sliding_window)  # Qwen2-MoE keeps it on the module
     if step.decode is not None:  # a pure-decode graph is being captured: no break
         out = step.decode.attention(module.layer_idx, query, key, value, scale, sliding_window)
         return out.unsqueeze(0), None
