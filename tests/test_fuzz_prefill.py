@@ -264,7 +264,9 @@ def test_batches_cover_every_kind():
 # -- config variants ------------------------------------------------------------------------------
 _PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm", "glm4", "nemotron")  # read the factor
 _KEYED_ROPE = ("gemma3_text", "olmo3")  # RoPE settings keyed by layer type
-_SLIDING_LAYERS = ("olmo3", "ministral", "exaone4", "cohere2")  # sliding layer_types: a window
+#: a window always: sliding layer_types by default, or (Qwen2-MoE) a sliding mask built whatever
+#: the layers (transformers' own forward fails without a window)
+_SLIDING_LAYERS = ("olmo3", "ministral", "exaone4", "cohere2", "qwen2_moe")
 _HIDDEN_HEADS = ("helium",)  # o_proj maps hidden_size to hidden_size: head_dim = hidden / heads
 
 

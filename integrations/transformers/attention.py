@@ -319,18 +319,25 @@ def refuse_mask_and_softcap(who: str, attention_mask: Any, softcap: Any, why: st
         )
 
 
-def layer_window(module: Any, sliding_window: int | None) -> int | None:
+#: the default of the attention functions' ``sliding_window``: the layer passed none
+NOT_PASSED: Any = type("NotPassed", (), {"__repr__": lambda self: "NOT_PASSED"})()
+
+
+def layer_window(module: Any, sliding_window: Any) -> int | None:
     """The sliding window of ``module``'s attention call: the ``sliding_window`` its layer
-    passed, else the one the module keeps (Qwen2-MoE sets ``self.sliding_window`` on its
-    sliding layers and passes nothing: its own forward applies the window through the mask,
-    which breakgraph's attention does not read, so its sliding layers attended to every key).
+    passed (None: no window, as EXAONE 4 passes for its full layers while its modules all keep
+    the config's window), else, where it passed none (:data:`NOT_PASSED`), the one the module
+    keeps (Qwen2-MoE sets ``self.sliding_window`` on its sliding layers and passes nothing: its
+    own forward applies the window through the mask, which breakgraph's attention does not
+    read, so its sliding layers attended to every key).
 
     >>> import types
-    >>> layer_window(types.SimpleNamespace(sliding_window=4), None), layer_window(None, 8)
-    (4, 8)
+    >>> keeps = types.SimpleNamespace(sliding_window=4)
+    >>> layer_window(keeps, NOT_PASSED), layer_window(keeps, None), layer_window(keeps, 8)
+    (4, None, 8)
     """
-    if sliding_window is None:
-        sliding_window = getattr(module, "sliding_window", None) or None  # 0: Qwen2-MoE's "off"
+    if sliding_window is NOT_PASSED:
+        return getattr(module, "sliding_window", None) or None  # 0: Qwen2-MoE's "off"
     return sliding_window
 
 
@@ -343,7 +350,7 @@ def breakgraph_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    sliding_window: int | None = NOT_PASSED,
     softcap: float | None = None,
     **kwargs: Any,
 ):

@@ -54,6 +54,7 @@ from breakgraph.memory import weak_method
 from . import compat
 from .attention import (
     FLASH_WRITES_IN_PLACE,
+    NOT_PASSED,
     flash_varlen,
     layer_window,
     reference_attention,
@@ -303,7 +304,7 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    sliding_window: int | None = NOT_PASSED,
     softcap: float | None = None,
     **kwargs: Any,
 ):
@@ -381,9 +382,8 @@ class StepRunner:
             self.decode = DecodeGraphs(weak_method(self._record_tokens), layers, q_heads,
                                        backend=self.tokens.backend, debug=debug,
                                        who=who)  # fmt: skip
-        # transformers' decode fast path (a block table, no index lists: .block_table) where
-        # the decode graphs serve its steps: every layer full attention, heads the kernel takes
-        # (else every such step would sync once to materialise its rows for the breaks)
+        # transformers' decode fast path (.block_table) where the decode graphs serve its steps
+        # (all layers full, heads the kernel takes; else each step syncs to materialise rows)
         self.block_tables = False
         # the heads whose decode kernels plan() compiles: the decode graphs launch them where
         # every layer attends fully, with the manager's page; else the attention breaks of
