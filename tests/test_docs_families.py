@@ -61,3 +61,8 @@ def test_counts_of_the_added_families_are_right():
     counts = re.findall(COUNT, page)
     assert len(counts) >= 2, counts
     assert {WORDS.get(word) for word in counts} == {len(ADDED)}, counts
+
+
+def test_the_readme_counts_the_supported_families():
+    shown = re.search(r"\(`SUPPORTED_MODEL_TYPES`, (\d+)\)", _read("README.md"))
+    assert shown and int(shown.group(1)) == len(SUPPORTED)
