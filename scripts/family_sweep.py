@@ -18,7 +18,7 @@ cache can pass a prefill and must still be refused (docs/integration-transformer
 
 Usage::
 
-    python scripts/family_sweep.py                 # every causal LM (about 15 min, 2 CPUs)
+    python scripts/family_sweep.py                 # every causal LM (about 20 min, one at a time)
     python scripts/family_sweep.py llama gpt2      # some
 """
 
