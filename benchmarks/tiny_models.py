@@ -116,6 +116,14 @@ MIXTRAL = dict(head_dim=16, num_local_experts=4)
 QWEN2_MOE = dict(num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=96,
                  decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
 OLMOE = dict(num_experts=4, intermediate_size=64, pad_token_id=None)
+#: family -> (transformers config class name, extra config kwargs), the MoE families: the one
+#: list the prefill, continuous-batching and fuzzer tests take them from
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", QWEN3_MOE),
+    "mixtral": ("MixtralConfig", MIXTRAL),
+    "qwen2_moe": ("Qwen2MoeConfig", QWEN2_MOE),
+    "olmoe": ("OlmoeConfig", OLMOE),
+}
 
 
 def tiny_config(class_name: str, **kwargs):

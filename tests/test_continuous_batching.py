@@ -56,11 +56,9 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import breakgraph  # noqa: E402
 from benchmarks.tiny_models import (  # noqa: E402
     DENSE_FAMILIES,
-    MIXTRAL,
-    OLMOE,
+    MOE_FAMILIES,
     OTHER_DENSE_FAMILIES,
     QWEN2_MOE,
-    QWEN3_MOE,
     TINY_SHAPE,
 )
 from breakgraph.errors import BackendError, InputError, ReplayError  # noqa: E402
@@ -100,10 +98,7 @@ ARCHS["qwen2_hybrid"] = (
     "Qwen2Config",
     dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, num_hidden_layers=3),
 )
-ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", dict(MOE, **QWEN3_MOE))
-ARCHS["mixtral"] = ("MixtralConfig", dict(MOE, **MIXTRAL))
-ARCHS["qwen2_moe"] = ("Qwen2MoeConfig", dict(MOE, **QWEN2_MOE))
-ARCHS["olmoe"] = ("OlmoeConfig", dict(MOE, **OLMOE))
+ARCHS.update({name: (cls, dict(MOE, **extra)) for name, (cls, extra) in MOE_FAMILIES.items()})
 # Qwen2-MoE's sliding layers (0 and 2) keep their window on the module and pass none: it was lost
 ARCHS["qwen2_moe_hybrid"] = ("Qwen2MoeConfig", dict(
     MOE, **QWEN2_MOE, use_sliding_window=True, sliding_window=4, max_window_layers=3,
@@ -116,9 +111,7 @@ ARCHS.update(OTHER_DENSE_FAMILIES)  # Starcoder2's window is shorter than the pr
 STOCK_CB_FAILS = ("stablelm", "nemotron")
 # (arch, experts implementation): MoE families with transformers' default captured experts
 # (grouped_mm) and with the eager loop, which must become an eager break
-CASES = [(arch, None) for arch in ARCHS] + [
-    (arch, "eager") for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
-]
+CASES = [(arch, None) for arch in ARCHS] + [(arch, "eager") for arch in MOE_FAMILIES]
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from breakgraph.integrations.transformers import continuous_batching as cb  # no
 
 from tests.test_continuous_batching import (  # noqa: E402
     ARCHS,
+    CASES,
     _no_full_collections_in_transformers_cleanup,  # noqa: F401 (an autouse fixture)
     _nothing_left_enabled,  # noqa: F401 (an autouse fixture)
     build_model,
@@ -72,7 +73,7 @@ STOCK = os.environ.get("BREAKGRAPH_FUZZ_CB_STOCK")  # triage: None, "graphs" or 
 #: a logprob's distance from generate()'s: on the GPU cuBLAS picks other kernels (other
 #: reduction orders) for a step's many rows than for generate()'s one
 LOGPROB_ATOL = {"cpu": 2e-5, "cuda": 1e-4}
-FAMILIES = list(ARCHS) + ["qwen3_moe-eager", "mixtral-eager", "qwen2_moe-eager", "olmoe-eager"]
+FAMILIES = list(ARCHS) + [f"{arch}-{experts}" for arch, experts in CASES if experts]
 _models: dict = {}
 _references: dict = {}
 

@@ -43,11 +43,8 @@ from breakgraph.integrations.transformers.models import check_model  # noqa: E40
 
 from benchmarks.tiny_models import (  # noqa: E402
     DENSE_FAMILIES,
-    MIXTRAL,
-    OLMOE,
+    MOE_FAMILIES,
     OTHER_DENSE_FAMILIES,
-    QWEN2_MOE,
-    QWEN3_MOE,
     TINY_SHAPE,
 )
 from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
@@ -67,11 +64,9 @@ COMMON = dict(TINY_SHAPE, vocab_size=VOCAB, max_position_embeddings=512)
 # name -> (config class name, extra config kwargs, number of MoE layers); Mistral's window is
 # shorter than the prompts: the runner must apply it like the eager model does
 ARCHS = {name: (cls, extra, 0) for name, (cls, extra) in DENSE_FAMILIES.items()}
-ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", dict(QWEN3_MOE, num_experts_per_tok=2), 2)
-ARCHS["mixtral"] = ("MixtralConfig", dict(MIXTRAL, num_experts_per_tok=2), 2)
-ARCHS["qwen2_moe"] = ("Qwen2MoeConfig", dict(QWEN2_MOE, num_experts_per_tok=2), 2)
-ARCHS["olmoe"] = ("OlmoeConfig", dict(OLMOE, num_experts_per_tok=2), 2)
-MOE_ARCHS = [arch for arch, (_, _, moe_layers) in ARCHS.items() if moe_layers]
+ARCHS.update({name: (cls, dict(extra, num_experts_per_tok=2), 2)
+              for name, (cls, extra) in MOE_FAMILIES.items()})  # fmt: skip
+MOE_ARCHS = list(MOE_FAMILIES)
 # partial RoPE, clip_qkv, qk-norm, Granite's multipliers, biases, LayerNorm, parallel blocks
 ARCHS.update({name: (cls, extra, 0) for name, (cls, extra) in OTHER_DENSE_FAMILIES.items()})
 

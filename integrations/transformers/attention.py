@@ -319,8 +319,13 @@ def refuse_mask_and_softcap(who: str, attention_mask: Any, softcap: Any, why: st
         )
 
 
+class _NotPassed:
+    def __repr__(self) -> str:
+        return "NOT_PASSED"
+
+
 #: the default of the attention functions' ``sliding_window``: the layer passed none
-NOT_PASSED: Any = type("NotPassed", (), {"__repr__": lambda self: "NOT_PASSED"})()
+NOT_PASSED: Any = _NotPassed()
 
 
 def layer_window(module: Any, sliding_window: Any) -> int | None:
