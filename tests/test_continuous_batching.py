@@ -2112,6 +2112,21 @@ def test_a_sliding_window_of_one_token_is_refused(arch):
     assert not cb._enabled and not cb._shared.installed
 
 
+
+@needs_cb
+def test_a_window_the_config_does_not_imply_is_refused_by_cb():
+    """As PrefillRunner's test: a layer given a window its config's ``layer_types`` do not imply
+    is refused when the first step's graphs are captured, from ``generate_batch``, and nothing
+    stays enabled."""
+    model = build_model("qwen2")
+    model.model.layers[1].self_attn.sliding_window = 4
+    with enable_continuous_batching(model, backend="emulated"):
+        with pytest.raises(UnsupportedModelError, match="layer 1 of this 'qwen2' model attends "
+                           "with sliding window 4, but its config implies None"):
+            generate_batch(model, random_prompts()[:2])
+    assert not cb._enabled and not cb._shared.installed
+    assert model.config._attn_implementation == "sdpa"
+
 def test_a_head_wider_than_the_embedding_is_refused():
     """An LM head that scores more tokens than the input embedding holds (a resized head, or
     an embedding swapped for a smaller one) samples ids the next step cannot embed: every

@@ -308,6 +308,24 @@ def test_sliding_window_is_applied(arch, backend, closing):
             assert (full.float() - ref.float()).abs().max().item() > 2 * cuda_tolerance(ref)
 
 
+
+def test_a_window_the_config_does_not_imply_is_refused(backend):
+    """A layer whose attention call gets another window than the config's ``layer_types`` imply
+    (here a full layer's module given a window, which Qwen2 passes on): the model's own forward
+    masks by the config, breakgraph's attention by the window it is passed, so the answer would
+    differ silently. Refused at capture, naming the layer, both windows and the config's
+    fields; the model keeps its attention setting."""
+    model = model_for("qwen2", backend)
+    assert model.config.layer_types[1] == "full_attention"
+    model.model.layers[1].self_attn.sliding_window = 4
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 of this 'qwen2' model attends with "
+                       r"sliding window 4, but its config implies None \(layer_types\[1\] = "
+                       r"'full_attention', sliding_window = None\)"):
+        make_runner(model, backend)
+    assert model.config._attn_implementation == "sdpa"
+    model.model.layers[1].self_attn.sliding_window = None  # as the config says: served
+    make_runner(model, backend).close()
+
 STATIC_ROPE = {
     "linear": dict(factor=2.0),
     "llama3": dict(

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 import breakgraph
 from breakgraph.memory import borrowed
 
+from .errors import UnsupportedModelError
+
 ATTENTION_KEY = "breakgraph"
 
 _flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
@@ -328,13 +330,17 @@ class _NotPassed:
 NOT_PASSED: Any = _NotPassed()
 
 
-def layer_window(module: Any, sliding_window: Any) -> int | None:
+def layer_window(module: Any, sliding_window: Any, check: bool = False) -> int | None:
     """The sliding window of ``module``'s attention call: the ``sliding_window`` its layer
     passed (None: no window, as EXAONE 4 passes for its full layers while its modules all keep
     the config's window), else, where it passed none (:data:`NOT_PASSED`), the one the module
     keeps (Qwen2-MoE sets ``self.sliding_window`` on its sliding layers and passes nothing: its
     own forward applies the window through the mask, which breakgraph's attention does not
-    read, so its sliding layers attended to every key).
+    read, so its sliding layers attended to every key). With ``check`` (at capture: once per
+    layer and graph, never on a replay) the window must be the one the config implies
+    (:func:`config_window`), else :class:`~.errors.UnsupportedModelError`: the model's own
+    forward masks by its config, and a layer that passes one window while its mask applies
+    another would be served a wrong answer, silently.
 
     >>> import types
     >>> keeps = types.SimpleNamespace(sliding_window=4)
@@ -342,8 +348,47 @@ def layer_window(module: Any, sliding_window: Any) -> int | None:
     (4, None, 8)
     """
     if sliding_window is NOT_PASSED:
-        return getattr(module, "sliding_window", None) or None  # 0: Qwen2-MoE's "off"
-    return sliding_window
+        window = getattr(module, "sliding_window", None) or None  # 0: Qwen2-MoE's "off"
+    else:
+        window = sliding_window
+    if check:
+        layer, config = getattr(module, "layer_idx", None), getattr(module, "config", None)
+        expected = config_window(config, layer)
+        if expected is not NOT_PASSED and expected != window:
+            kind = getattr(config, "layer_types", None)
+            kind = f"layer_types[{layer}] = {kind[layer]!r}, " if kind else "no layer_types, "
+            raise UnsupportedModelError(
+                f"breakgraph attention: layer {layer} of this {config.model_type!r} model "
+                f"attends with sliding window {window}, but its config implies {expected} "
+                f"({kind}sliding_window = {config.sliding_window!r}); its own forward masks by "
+                f"the config, so breakgraph's answer would differ. Serve it without breakgraph "
+                f"and report the family (its attention passes the window another way)."
+            )
+    return window
+
+
+def config_window(config: Any, layer: Any) -> Any:
+    """The window ``config`` gives ``layer``, as transformers' masks apply it: by its
+    ``layer_types`` (``"sliding_attention"``: ``sliding_window``; ``"full_attention"``: None), or
+    without them ``sliding_window`` on every layer (Mistral, Mixtral, Phi-3, Qwen3-MoE: one mask
+    function for the model). :data:`NOT_PASSED` where it cannot say: no config or layer index,
+    another kind of layer, a list too short.
+
+    >>> import types
+    >>> config = types.SimpleNamespace(sliding_window=4, layer_types=["sliding_attention",
+    ...                                                               "full_attention"])
+    >>> config_window(config, 0), config_window(config, 1), config_window(config, 2)
+    (4, None, NOT_PASSED)
+    """
+    if config is None or not isinstance(layer, int):
+        return NOT_PASSED
+    window = getattr(config, "sliding_window", None) or None
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        return window
+    if not isinstance(kinds, (list, tuple)) or not 0 <= layer < len(kinds):
+        return NOT_PASSED
+    return {"sliding_attention": window, "full_attention": None}.get(kinds[layer], NOT_PASSED)
 
 
 @torch.compiler.disable  # with PrefillRunner(compile=...), Dynamo's graph breaks here too
@@ -386,7 +431,7 @@ def breakgraph_attention(
     if capturing:
         state.layers.append((layer, key, value))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    window = layer_window(module, sliding_window)
+    window = layer_window(module, sliding_window, check=capturing)
     call = LayerAttention(layer, query, key, value, scale, window, state.kernel)
     call.out = state.output_for(layer, call.q)
     if state.inline:  # a single-prompt graph: recorded, not a break

@@ -320,17 +320,16 @@ def paged_attention(
             "manager only. Call handle.disable() (or leave the `with` block) before "
             "model.generate() or a plain forward."
         )
-    refuse_mask_and_softcap(
-        "breakgraph CB attention", attention_mask, softcap,
-        "continuous batching with this key reads the step's exact lengths",
-    )  # fmt: skip
+    refuse_mask_and_softcap("breakgraph CB attention", attention_mask, softcap,
+                            "continuous batching with this key reads the step's exact lengths")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    sliding_window = layer_window(module, sliding_window)  # Qwen2-MoE keeps it on the module
+    capturing = step.decode is not None or breakgraph.is_capturing()
+    sliding_window = layer_window(module, sliding_window, check=capturing)
     if step.decode is not None:  # a pure-decode graph is being captured: no break
         out = step.decode.attention(module.layer_idx, query, key, value, scale, sliding_window)
         return out.unsqueeze(0), None
     call = PagedAttention(module.layer_idx, query, key, value, scale, sliding_window, step.kernel)
-    if breakgraph.is_capturing():  # a break; an eager step calls it (a decoration costs 7 us)
+    if capturing:  # a break; an eager step calls it (a decoration costs 7 us)
         return breakgraph.eager_on_graph(call)().unsqueeze(0), None
     return call().unsqueeze(0), None
 
