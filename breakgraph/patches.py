@@ -14,7 +14,10 @@ Every process-wide or host-library replacement breakgraph makes goes through thi
 Restoring is exact: an attribute that the owner did not hold itself (an inherited method, a
 method looked up on the class) is deleted again rather than copied onto the owner, and an
 attribute is restored only if it still holds breakgraph's value. If other code replaced it
-meanwhile, theirs stays and a :class:`~breakgraph.BreakgraphWarning` says so.
+meanwhile, theirs stays and a :class:`~breakgraph.BreakgraphWarning` says so. A restore that
+raises (an interrupt in the middle of it, a ``KeyboardInterrupt`` during ``disable()``) does not
+stop the others, and what it left is restored by the next call: a :class:`PatchSet` keeps the
+failed step, a :class:`SharedPatches` keeps its set installed until the restore completes.
 
 Example::
 
@@ -75,7 +78,10 @@ def patch_item(stack: contextlib.ExitStack, mapping: MutableMapping, key: Any, v
     mapping[key] = value
 
     def restore() -> None:
-        if mapping.get(key, _ABSENT) is not value:
+        now = mapping.get(key, _ABSENT)
+        if now is previous:  # restored already (a retry after an interrupt)
+            return
+        if now is not value:
             _warn_replaced(mapping, repr(key))
             return
         if previous is _ABSENT:
@@ -103,7 +109,7 @@ class PatchSet:
     """
 
     def __init__(self) -> None:
-        self._stack = contextlib.ExitStack()
+        self._stack = _UndoSteps()
         # owner -> [(name, weak reference to the value, the owner's own value)]: weak patches
         self._weak: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -127,14 +133,23 @@ class PatchSet:
         patch_item(self._stack, mapping, key, value)
 
     def restore(self) -> None:
-        """Undo every replacement, last first (idempotent)."""
-        try:
-            self._stack.close()
-        finally:
-            while self._weak:
-                owner, entries = self._weak.popitem()
-                for name, value, own in reversed(entries):
+        """Undo every replacement, last first (idempotent). A step that raises stays for the
+        next call, after the others ran; the first error is raised."""
+        failed = self._stack.run()
+        for owner, entries in list(self._weak.items()):
+            kept = []
+            for name, value, own in reversed(entries):
+                try:
                     _restore_attribute(owner, name, value(), own)
+                except BaseException as error:  # noqa: BLE001 (raised below, after the rest)
+                    kept.insert(0, (name, value, own))
+                    failed = failed or error
+            if kept:
+                self._weak[owner] = kept
+            else:
+                del self._weak[owner]
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> PatchSet:
         return self
@@ -209,13 +224,40 @@ class SharedPatches:
 
     def _restore_if_unused(self) -> None:
         if self._users == 0 and self._patches is not None:
-            patches, self._patches = self._patches, None
-            patches.restore()
+            self._patches.restore()  # if it raises, the set stays for the next call to finish
+            self._patches = None
+
+
+class _UndoSteps:
+    """The undo steps of a :class:`PatchSet`, with ``ExitStack``'s ``callback``: a step that
+    raises is kept for the next :meth:`run` (an ``ExitStack`` drops it, and the patch stayed)."""
+
+    def __init__(self) -> None:
+        self._steps: list = []
+
+    def callback(self, undo: Callable, *args: Any) -> None:
+        self._steps.append((undo, args))
+
+    def run(self) -> BaseException | None:
+        """Run every step, last first; keep the ones that raised; return the first error."""
+        failed, kept = None, []
+        while self._steps:
+            undo, args = self._steps.pop()
+            try:
+                undo(*args)
+            except BaseException as error:  # noqa: BLE001 (returned, raised by the caller)
+                kept.append((undo, args))
+                failed = failed or error
+        self._steps[:0] = reversed(kept)
+        return failed
 
 
 def _restore_attribute(owner: Any, name: str, value: Any, own: Any) -> None:
     """Put ``own`` back as ``owner.name`` (delete it where absent) if it still holds ``value``."""
-    if _own_value(owner, name) is not value:
+    now = _own_value(owner, name)
+    if now is own:  # restored already (a retry after an interrupt)
+        return
+    if now is not value:
         _warn_replaced(owner, name)
         return
     if own is _ABSENT:

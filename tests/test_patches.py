@@ -119,3 +119,78 @@ def test_a_shared_install_that_raises_leaves_nothing_installed():
     ok.release_later()  # a user collected without releasing: counted at the next call
     ok.release()  # an extra release: still only the one user goes
     assert box.g is len and not ok.installed
+
+
+class _Interrupted:
+    """An owner whose next ``setattr`` of ``name`` after :meth:`arm` raises ``KeyboardInterrupt``:
+    before the write, or with ``after`` once the value is written (the restore was done)."""
+
+    def __init__(self, name, after=False):
+        object.__setattr__(self, "_trap", None)
+        object.__setattr__(self, "_when", (name, after))
+        object.__setattr__(self, name, len)
+
+    def arm(self):
+        object.__setattr__(self, "_trap", self._when)
+
+    def __setattr__(self, name, value):
+        trap = self._trap
+        if trap is not None and name == trap[0]:
+            object.__setattr__(self, "_trap", None)
+            if trap[1]:
+                object.__setattr__(self, name, value)
+            raise KeyboardInterrupt
+        object.__setattr__(self, name, value)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-the-write", "after-the-write"])
+def test_an_interrupted_restore_undoes_the_others_and_finishes_on_the_next_call(after):
+    """A ``KeyboardInterrupt`` inside one step of a restore (Ctrl-C during ``disable()``): the
+    other steps still run, the interrupt is raised, and the next ``restore()`` finishes the
+    interrupted step (an ``ExitStack`` had dropped it: that patch stayed for good), without a
+    warning where the interrupt came after the value was back."""
+    import warnings
+
+    first, last = types.SimpleNamespace(f=len), types.SimpleNamespace(f=len)
+    trapped = _Interrupted("f", after=after)
+    weak_owner = _Interrupted("f", after=after)
+    patches = PatchSet()
+    patches.attribute(first, "f", abs)
+    patches.attribute(trapped, "f", abs)
+    patches.attribute(last, "f", abs)
+    patches.attribute(weak_owner, "f", abs, weak=True)
+    trapped.arm()
+    weak_owner.arm()
+    with pytest.raises(KeyboardInterrupt):
+        patches.restore()
+    assert first.f is len and last.f is len
+    assert (trapped.f is len, weak_owner.f is len) == (after, after)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patches.restore()
+    assert trapped.f is len and weak_owner.f is len
+    patches.restore()  # idempotent
+
+
+def test_an_interrupted_shared_restore_stays_installed_until_it_finishes():
+    """The last release's restore interrupted: the set stays installed (so no acquire installs
+    a second one over the half-restored first), the next call finishes it, and a later acquire
+    installs afresh."""
+    plain, trapped = types.SimpleNamespace(f=len), _Interrupted("f")
+
+    def install(patches):
+        patches.attribute(plain, "f", abs)
+        patches.attribute(trapped, "f", abs)
+
+    shared = SharedPatches(install)
+    shared.acquire()
+    trapped.arm()
+    with pytest.raises(KeyboardInterrupt):
+        shared.release()
+    assert shared.installed and plain.f is len and trapped.f is abs
+    shared.release()  # no user left: finishes the restore
+    assert not shared.installed and trapped.f is len
+    shared.acquire()
+    assert plain.f is abs and trapped.f is abs
+    shared.release()
+    assert plain.f is len and trapped.f is len and not shared.installed
