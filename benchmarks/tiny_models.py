@@ -123,7 +123,36 @@ MOE_FAMILIES = {
     "mixtral": ("MixtralConfig", MIXTRAL),
     "qwen2_moe": ("Qwen2MoeConfig", QWEN2_MOE),
     "olmoe": ("OlmoeConfig", OLMOE),
-}
+    # grouped routing (two groups, the best one kept), a score-correction bias, scaled routed
+    # weights, a shared expert, qk-norm, half-rotary RoPE
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=0, norm_topk_prob=True,
+        use_qk_norm=True, pad_token_id=None,
+    )),
+    # shared experts, biases, routing with a minimum norm
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+        moe_layer_start_index=0, use_bias=True, pad_token_id=None,
+    )),
+    # a gate in fp32, a shared MLP, qk-norm
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(
+        num_experts=4, moe_topk=2, head_dim=16, pad_token_id=None,
+    )),
+    # Granite's four multipliers
+    "granitemoe": ("GraniteMoeConfig", dict(
+        num_local_experts=4, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.1, logits_scaling=4.0, pad_token_id=None,
+    )),
+    # the same with a shared MLP
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(
+        num_local_experts=4, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.1, logits_scaling=4.0, shared_intermediate_size=48,
+        pad_token_id=None,
+    )),
+    # OLMo-2's norms after each block and qk-norm, with experts
+    "flex_olmo": ("FlexOlmoConfig", dict(num_experts=4, pad_token_id=None)),
+}  # fmt: skip
 
 
 def tiny_config(class_name: str, **kwargs):

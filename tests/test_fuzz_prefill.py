@@ -54,7 +54,13 @@ from breakgraph.integrations.transformers import (  # noqa: E402
 )
 from breakgraph.integrations.transformers.rope import rope_position_limit  # noqa: E402
 
-from benchmarks.tiny_models import DENSE_FAMILIES, MIXTRAL, QWEN3_MOE, tiny_config  # noqa: E402
+from benchmarks.tiny_models import (  # noqa: E402
+    DENSE_FAMILIES,
+    MIXTRAL,
+    MOE_FAMILIES,
+    QWEN3_MOE,
+    tiny_config,
+)
 from breakgraph.errors import InputError  # noqa: E402
 
 pytestmark = pytest.mark.transformers
@@ -262,7 +268,7 @@ def test_batches_cover_every_kind():
 
 
 # -- config variants ------------------------------------------------------------------------------
-_PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm", "glm4", "nemotron")  # read the factor
+_PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm", "glm4", "nemotron", "glm4_moe")  # the factor
 _KEYED_ROPE = ("gemma3_text", "olmo3")  # RoPE settings keyed by layer type
 #: a window always: sliding layer_types by default, or (Qwen2-MoE) a sliding mask built whatever
 #: the layers (transformers' own forward fails without a window)
@@ -356,10 +362,11 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
             if rng.random() < 0.15:
                 kw[knob] = cap
     experts = None
-    if family in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe"):
+    if family in MOE_FAMILIES:
         count = rng.choice([2, 4, 8])
         kw["num_experts_per_tok"] = rng.randint(1, count)
         experts = rng.choice([None, "eager", "grouped_mm"])
+    _session_48_moe(family, kw, rng, count if family in MOE_FAMILIES else 0)
     if family in ("qwen3_moe", "qwen2_moe"):
         kw.update(num_experts=count, moe_intermediate_size=rng.choice([32, 64]),
                   norm_topk_prob=rng.random() < 0.5, decoder_sparse_step=rng.choice([1, 2, 3]),
@@ -372,6 +379,35 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
     if family == "mixtral":
         kw.update(num_local_experts=count, router_jitter_noise=rng.choice([0.0, 0.1]))
     return family, kw, experts
+
+
+def _session_48_moe(family: str, kw: dict, rng: random.Random, count: int) -> None:
+    """The knobs of the MoE families added in session 48: grouped routing, shared experts,
+    dense layers among sparse ones, scaled and normed routing weights, Granite's multipliers."""
+    k = kw.get("num_experts_per_tok")
+    if family == "glm4_moe":
+        groups = rng.choice([g for g in (1, 2, 4) if count % g == 0 and count // g >= 2])
+        kept = rng.choice([g for g in range(1, groups + 1) if g * count // groups >= k])
+        kw.update(n_routed_experts=count, n_group=groups, topk_group=kept,
+                  moe_intermediate_size=rng.choice([32, 64]), n_shared_experts=rng.choice([1, 2]),
+                  routed_scaling_factor=rng.choice([1.0, 2.5]), norm_topk_prob=rng.random() < 0.5,
+                  first_k_dense_replace=rng.choice([0, 0, 1]))  # fmt: skip
+    if family == "ernie4_5_moe":
+        kw.update(moe_num_experts=count, moe_k=k, moe_intermediate_size=rng.choice([32, 64]),
+                  moe_num_shared_experts=rng.choice([0, 1]),
+                  moe_layer_start_index=rng.choice([0, 1]), moe_layer_interval=rng.choice([1, 2]),
+                  moe_norm_min=rng.choice([1e-12, 0.5]))  # fmt: skip
+    if family == "hunyuan_v1_moe":
+        kw.update(num_experts=count, moe_topk=k)
+    if family in ("granitemoe", "granitemoeshared"):
+        kw["num_local_experts"] = count
+        for knob in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                     "logits_scaling"):  # fmt: skip
+            kw[knob] = rng.choice([0.1, 0.5, 2.0, 12.0])
+    if family == "granitemoeshared":
+        kw["shared_intermediate_size"] = rng.choice([0, 32, 96])
+    if family == "flex_olmo":
+        kw.update(num_experts=count, norm_topk_prob=rng.random() < 0.5)
 
 
 def expected_refusal(config, who: str = "PrefillRunner") -> str | None:

@@ -333,10 +333,12 @@ NOT_PASSED: Any = _NotPassed()
 def layer_window(module: Any, sliding_window: Any, check: bool = False) -> int | None:
     """The sliding window of ``module``'s attention call: the ``sliding_window`` its layer
     passed (None: no window, as EXAONE 4 passes for its full layers while its modules all keep
-    the config's window), else, where it passed none (:data:`NOT_PASSED`), the one the module
-    keeps (Qwen2-MoE sets ``self.sliding_window`` on its sliding layers and passes nothing: its
-    own forward applies the window through the mask, which breakgraph's attention does not
-    read, so its sliding layers attended to every key). With ``check`` (at capture: once per
+    the config's window), else, where it passed none (:data:`NOT_PASSED`), the one its config
+    implies (:func:`config_window`), or where that cannot say the one the module keeps. Such a
+    model's own forward applies the window through the mask, which breakgraph's attention does
+    not read: Qwen2-MoE's sliding layers (which keep ``self.sliding_window``) and every layer of
+    Phi-3.5-MoE with a ``sliding_window`` (which keeps none) attended to every key before this
+    was read. With ``check`` (at capture: once per
     layer and graph, never on a replay) the window must be the one the config implies
     (:func:`config_window`), else :class:`~.errors.UnsupportedModelError`: the model's own
     forward masks by its config, and a layer that passes one window while its mask applies
@@ -347,12 +349,13 @@ def layer_window(module: Any, sliding_window: Any, check: bool = False) -> int |
     >>> layer_window(keeps, NOT_PASSED), layer_window(keeps, None), layer_window(keeps, 8)
     (4, None, 8)
     """
-    if sliding_window is NOT_PASSED:
-        window = getattr(module, "sliding_window", None) or None  # 0: Qwen2-MoE's "off"
-    else:
-        window = sliding_window
+    layer, config = getattr(module, "layer_idx", None), getattr(module, "config", None)
+    window = sliding_window
+    if window is NOT_PASSED:  # the model's own forward masks by its config: read the same
+        window = config_window(config, layer)
+        if window is NOT_PASSED:
+            window = getattr(module, "sliding_window", None) or None  # 0: Qwen2-MoE's "off"
     if check:
-        layer, config = getattr(module, "layer_idx", None), getattr(module, "config", None)
         expected = config_window(config, layer)
         if expected is not NOT_PASSED and expected != window:
             kind = getattr(config, "layer_types", None)
