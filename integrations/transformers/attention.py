@@ -336,13 +336,12 @@ def layer_window(module: Any, sliding_window: Any, check: bool = False) -> int |
     the config's window), else, where it passed none (:data:`NOT_PASSED`), the one its config
     implies (:func:`config_window`), or where that cannot say the one the module keeps. Such a
     model's own forward applies the window through the mask, which breakgraph's attention does
-    not read: Qwen2-MoE's sliding layers (which keep ``self.sliding_window``) and every layer of
-    Phi-3.5-MoE with a ``sliding_window`` (which keeps none) attended to every key before this
-    was read. With ``check`` (at capture: once per
-    layer and graph, never on a replay) the window must be the one the config implies
-    (:func:`config_window`), else :class:`~.errors.UnsupportedModelError`: the model's own
-    forward masks by its config, and a layer that passes one window while its mask applies
-    another would be served a wrong answer, silently.
+    not read: Qwen2-MoE's sliding layers (which keep ``self.sliding_window``) attended to every
+    key before this was read, and so would Phi-3.5-MoE's (which keep none; a family left out
+    for its RoPE). With ``check`` (at capture: once per layer and graph, never on a replay) the
+    window must be the one the config implies, else :class:`~.errors.UnsupportedModelError`:
+    the model's own forward masks by its config, and a layer that passes one window while its
+    mask applies another would be served a wrong answer, silently.
 
     >>> import types
     >>> keeps = types.SimpleNamespace(sliding_window=4)
@@ -350,23 +349,24 @@ def layer_window(module: Any, sliding_window: Any, check: bool = False) -> int |
     (4, None, 8)
     """
     layer, config = getattr(module, "layer_idx", None), getattr(module, "config", None)
+    implied = NOT_PASSED  # computed only where needed: eager steps call this on every layer
+    if sliding_window is NOT_PASSED or check:
+        implied = config_window(config, layer)
     window = sliding_window
     if window is NOT_PASSED:  # the model's own forward masks by its config: read the same
-        window = config_window(config, layer)
+        window = implied
         if window is NOT_PASSED:
             window = getattr(module, "sliding_window", None) or None  # 0: Qwen2-MoE's "off"
-    if check:
-        expected = config_window(config, layer)
-        if expected is not NOT_PASSED and expected != window:
-            kind = getattr(config, "layer_types", None)
-            kind = f"layer_types[{layer}] = {kind[layer]!r}, " if kind else "no layer_types, "
-            raise UnsupportedModelError(
-                f"breakgraph attention: layer {layer} of this {config.model_type!r} model "
-                f"attends with sliding window {window}, but its config implies {expected} "
-                f"({kind}sliding_window = {config.sliding_window!r}); its own forward masks by "
-                f"the config, so breakgraph's answer would differ. Serve it without breakgraph "
-                f"and report the family (its attention passes the window another way)."
-            )
+    if check and implied is not NOT_PASSED and implied != window:
+        kind = getattr(config, "layer_types", None)
+        kind = f"layer_types[{layer}] = {kind[layer]!r}, " if kind else "no layer_types, "
+        raise UnsupportedModelError(
+            f"breakgraph attention: layer {layer} of this {config.model_type!r} model "
+            f"attends with sliding window {window}, but its config implies {implied} "
+            f"({kind}sliding_window = {config.sliding_window!r}); its own forward masks by "
+            f"the config, so breakgraph's answer would differ. Serve it without breakgraph "
+            f"and report the family (its attention passes the window another way)."
+        )
     return window
 
 
