@@ -2112,7 +2112,6 @@ def test_a_sliding_window_of_one_token_is_refused(arch):
     assert not cb._enabled and not cb._shared.installed
 
 
-
 @needs_cb
 def test_a_window_the_config_does_not_imply_is_refused_by_cb():
     """As PrefillRunner's test: a layer given a window its config's ``layer_types`` do not imply
@@ -2126,6 +2125,7 @@ def test_a_window_the_config_does_not_imply_is_refused_by_cb():
             generate_batch(model, random_prompts()[:2])
     assert not cb._enabled and not cb._shared.installed
     assert model.config._attn_implementation == "sdpa"
+
 
 def test_a_head_wider_than_the_embedding_is_refused():
     """An LM head that scores more tokens than the input embedding holds (a resized head, or

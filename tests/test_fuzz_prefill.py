@@ -366,7 +366,7 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
         count = rng.choice([2, 4, 8])
         kw["num_experts_per_tok"] = rng.randint(1, count)
         experts = rng.choice([None, "eager", "grouped_mm"])
-    _session_48_moe(family, kw, rng, count if family in MOE_FAMILIES else 0)
+        _routing_knobs(family, kw, rng, count)
     if family in ("qwen3_moe", "qwen2_moe"):
         kw.update(num_experts=count, moe_intermediate_size=rng.choice([32, 64]),
                   norm_topk_prob=rng.random() < 0.5, decoder_sparse_step=rng.choice([1, 2, 3]),
@@ -381,9 +381,10 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
     return family, kw, experts
 
 
-def _session_48_moe(family: str, kw: dict, rng: random.Random, count: int) -> None:
-    """The knobs of the MoE families added in session 48: grouped routing, shared experts,
-    dense layers among sparse ones, scaled and normed routing weights, Granite's multipliers."""
+def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> None:
+    """The routing knobs of the MoE families added in session 48 (``count`` experts): grouped
+    routing, shared experts, dense layers among sparse ones, scaled and normed routing weights,
+    Granite's multipliers."""
     k = kw.get("num_experts_per_tok")
     if family == "glm4_moe":
         groups = rng.choice([g for g in (1, 2, 4) if count % g == 0 and count // g >= 2])

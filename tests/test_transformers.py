@@ -308,7 +308,6 @@ def test_sliding_window_is_applied(arch, backend, closing):
             assert (full.float() - ref.float()).abs().max().item() > 2 * cuda_tolerance(ref)
 
 
-
 def test_a_window_the_config_does_not_imply_is_refused(backend):
     """A layer whose attention call gets another window than the config's ``layer_types`` imply
     (here a full layer's module given a window, which Qwen2 passes on): the model's own forward
@@ -325,6 +324,7 @@ def test_a_window_the_config_does_not_imply_is_refused(backend):
     assert model.config._attn_implementation == "sdpa"
     model.model.layers[1].self_attn.sliding_window = None  # as the config says: served
     make_runner(model, backend).close()
+
 
 STATIC_ROPE = {
     "linear": dict(factor=2.0),

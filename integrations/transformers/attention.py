@@ -348,10 +348,10 @@ def layer_window(module: Any, sliding_window: Any, check: bool = False) -> int |
     >>> layer_window(keeps, NOT_PASSED), layer_window(keeps, None), layer_window(keeps, 8)
     (4, None, 8)
     """
+    if sliding_window is not NOT_PASSED and not check:  # eager steps: every layer, every step
+        return sliding_window
     layer, config = getattr(module, "layer_idx", None), getattr(module, "config", None)
-    implied = NOT_PASSED  # computed only where needed: eager steps call this on every layer
-    if sliding_window is NOT_PASSED or check:
-        implied = config_window(config, layer)
+    implied = config_window(config, layer)
     window = sliding_window
     if window is NOT_PASSED:  # the model's own forward masks by its config: read the same
         window = implied
@@ -363,9 +363,10 @@ def layer_window(module: Any, sliding_window: Any, check: bool = False) -> int |
         raise UnsupportedModelError(
             f"breakgraph attention: layer {layer} of this {config.model_type!r} model "
             f"attends with sliding window {window}, but its config implies {implied} "
-            f"({kind}sliding_window = {config.sliding_window!r}); its own forward masks by "
-            f"the config, so breakgraph's answer would differ. Serve it without breakgraph "
-            f"and report the family (its attention passes the window another way)."
+            f"({kind}sliding_window = {getattr(config, 'sliding_window', None)!r}); its own "
+            f"forward masks by the config, so breakgraph's answer would differ. Serve it "
+            f"without breakgraph and report the family (its attention passes the window "
+            f"another way)."
         )
     return window
 
