@@ -152,7 +152,46 @@ MOE_FAMILIES = {
     )),
     # OLMo-2's norms after each block and qk-norm, with experts
     "flex_olmo": ("FlexOlmoConfig", dict(num_experts=4, pad_token_id=None)),
+    # attention sinks, a sliding and a full layer, YaRN RoPE, biases everywhere, experts with
+    # biases and a clamped gate (loaded with eager attention: no SDPA, see from_config)
+    "gpt_oss": ("GptOssConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128,
+                             rope_theta=150000.0, beta_fast=32.0, beta_slow=1.0, truncate=False),
+    )),
 }  # fmt: skip
+
+#: families transformers serves without SDPA (gpt-oss: attention sinks); their tiny models load
+#: with its eager attention, which breakgraph switches to its own like any other
+EAGER_ATTENTION = ("gpt_oss",)
+
+
+def from_config(config, **options):
+    """``AutoModelForCausalLM.from_config(config, **options)`` in eval mode, with SDPA (eager
+    attention for :data:`EAGER_ATTENTION`) and attention sinks (gpt-oss) drawn from N(0, 2)
+    from the global generator: transformers initialises them near 0 (std 0.02), where a sink
+    adds about 1 to each softmax's denominator, while a checkpoint's spread a few units either
+    way, and a sink of the wrong sign or scale must show.
+
+    >>> from benchmarks.tiny_models import MOE_FAMILIES, TINY, tiny_config
+    >>> model = from_config(tiny_config(MOE_FAMILIES["gpt_oss"][0], **TINY,
+    ...                                 **MOE_FAMILIES["gpt_oss"][1]))
+    >>> model.config._attn_implementation, bool(model.model.layers[0].self_attn.sinks.std() > 0.1)
+    ('eager', True)
+    """
+    import torch
+    import transformers
+
+    attention = "eager" if config.model_type in EAGER_ATTENTION else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attention, **options
+    )
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 2.0)
+    return model.eval()
 
 
 def tiny_config(class_name: str, **kwargs):

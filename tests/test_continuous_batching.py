@@ -60,6 +60,7 @@ from benchmarks.tiny_models import (  # noqa: E402
     OTHER_DENSE_FAMILIES,
     QWEN2_MOE,
     TINY_SHAPE,
+    from_config,
 )
 from breakgraph.errors import BackendError, InputError, ReplayError  # noqa: E402
 from tests.helpers import (  # noqa: E402
@@ -120,9 +121,7 @@ def build_model(arch: str, experts: str | None = None, device="cpu", dtype=torch
     config = getattr(transformers, cls_name)(**{**COMMON, **extra, **kw})
     torch.manual_seed(0)
     options = {"experts_implementation": experts} if experts else {}
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="sdpa", dtype=dtype, **options
-    )
+    model = from_config(config, dtype=dtype, **options)
     return model.to(device).eval()
 
 
@@ -337,17 +336,20 @@ def stand_in_flash(calls: list, in_place: bool = True):
     2.12, as ``flash_varlen`` does)."""
     from breakgraph.integrations.transformers import attention as bg_attention
 
-    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None, causal=True):
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None, causal=True,
+                   sinks=None, rows=None):  # fmt: skip
         assert cu_q.dtype == cu_k.dtype == torch.int32
         cq, ck = cu_q.tolist(), cu_k.tolist()
         assert max_q == max(b - a for a, b in zip(cq, cq[1:]))
         assert max_k == max(b - a for a, b in zip(ck, ck[1:]))
         bounds, kv_bounds = list(zip(cq, cq[1:])), list(zip(ck, ck[1:]))
-        if causal:
-            exact = bg_attention.reference_attention(q, k, v, bounds, scaling, window, kv_bounds)
-        else:  # every query sees every key of its sequence: exact only with one query each
+        if causal or sinks is not None:  # one query each: the causal answer (sinks: the same)
+            exact = bg_attention.reference_attention(q, k, v, bounds, scaling, window, kv_bounds,
+                                                     sinks=sinks)  # fmt: skip
+        if not causal:  # every query sees every key of its sequence: exact with one query each;
             # the kernel's folded path reads row i as sequence i's query and no other row
             assert q.shape[0] == len(cq) - 1 and cq == list(range(len(cq)))
+        if not causal and sinks is None:
             exact = torch.zeros_like(q)
             groups = q.shape[1] // k.shape[1]
             for (start, end), (k_start, k_end) in zip(bounds, kv_bounds):
@@ -416,13 +418,13 @@ def stand_in_paged(calls: list, outs: list | None = None):
     ``(rows, splits)`` per call, and ``outs`` (if given) the ``out`` handed to the kernel."""
     from breakgraph.integrations.transformers import paged_decode as pd
 
-    def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None, splits=None):
+    def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None, splits=None, sinks=None):
         assert q.shape[0] == cu_k.shape[0] - 1 and keys.stride(-1) == 1
         assert read_index.shape[0] >= int(cu_k[-1]), "the kernel would read past the index"
         calls.append((q.shape[0], splits))
         if outs is not None:
             outs.append(out)
-        return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out)
+        return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out, sinks)
 
     return fake_paged
 
@@ -497,10 +499,10 @@ def test_decode_breaks_split_the_keys_of_long_sequences_only(monkeypatch, defaul
     model = build_model("llama")
     kv_heads = model.config.num_key_value_heads
 
-    def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None, splits=None):
+    def fake_paged(q, keys, values, read_index, cu_k, scaling, out=None, splits=None, sinks=None):
         longest = int((cu_k[1:] - cu_k[:-1]).max())
         paged_calls.append((longest, splits))
-        return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out)
+        return pd.paged_decode_reference(q, keys, values, read_index, cu_k, scaling, out, sinks)
 
     def fake_default(batch, heads, device):
         asked.append((batch, heads))
@@ -559,9 +561,9 @@ def test_decode_graphs_follow_the_cache_and_fall_back_where_they_cannot_run(monk
 
     seen = []
 
-    def dense(q, keys, values, read_index, cu_k, scaling):
+    def dense(q, keys, values, read_index, cu_k, scaling, sinks=None):
         seen.append(q.shape[0])
-        return pd.paged_decode_dense(q, keys, values, read_index, cu_k, scaling)
+        return pd.paged_decode_dense(q, keys, values, read_index, cu_k, scaling, sinks)
 
     monkeypatch.setattr(decode_graph, "paged_decode_dense", dense)
     model = build_model("llama")
@@ -746,7 +748,7 @@ def test_a_failed_decode_capture_falls_back_to_the_breaks(monkeypatch, caplog):
     """A decode graph whose capture raises turns the decode graphs off for the model, says why
     (``off``, a warning) and the step, and every later one, takes the breaks: same tokens."""
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(decode_graph, "paged_decode_dense", broken)
@@ -2462,7 +2464,7 @@ def test_the_manager_warms_the_decode_kernels_of_its_buckets(monkeypatch, max_bl
 
     calls = []
     real = cb_step.warm_up
-    monkeypatch.setattr(cb_step, "warm_up", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(cb_step, "warm_up", lambda *a, **k: calls.append(a) or real(*a, **k))
     model = build_model("llama")
     config = model.config
     prompts = random_prompts(seed=5)
@@ -2488,7 +2490,7 @@ def test_decode_kernels_are_warmed_per_page_for_full_attention_and_never_stop_a_
 
     calls = []
 
-    def failing(*args):
+    def failing(*args, **kwargs):
         calls.append(args[-1])
         raise RuntimeError("no shared memory for this tile")
 
@@ -2514,19 +2516,22 @@ def test_decode_kernels_are_warmed_per_page_for_full_attention_and_never_stop_a_
 
 @pytest.mark.parametrize(
     "arch, decode_graphs, page",
-    [("llama", True, 256), ("llama", False, 0), ("qwen2_hybrid", True, 0), ("mistral", True, None)],
-    ids=["decode-graphs", "breaks", "full-beside-sliding", "all-sliding"],
+    [("llama", True, 256), ("llama", False, 0), ("qwen2_hybrid", True, 0), ("mistral", True, None),
+     ("gpt_oss", True, 0)],
+    ids=["decode-graphs", "breaks", "full-beside-sliding", "all-sliding", "sinks"],
 )
 def test_decode_kernels_are_warmed_where_they_launch(monkeypatch, arch, decode_graphs, page):
     """With the flash kernel, the runner warms the decode kernels where they launch: the
     decode graphs' (every layer full attention) with the manager's page; the attention
     breaks' (``decode_graphs=False``, or full-attention layers beside sliding-window ones,
     which no decode graph serves) with their flat read index, page 0, whatever the manager's
-    page; a model whose every layer slides launches none and warms nothing."""
+    page; a model whose every layer slides launches none and warms nothing. A model with
+    attention sinks (gpt-oss) warms the kernels' sinks variant, one without it the plain one."""
     from breakgraph.integrations.transformers import cb_step
 
-    calls = []
-    monkeypatch.setattr(cb_step, "warm_up", lambda *a: calls.append(a) or [1])
+    calls, sinks = [], []
+    monkeypatch.setattr(cb_step, "warm_up",
+                        lambda *a, **k: calls.append(a) or sinks.append(k["sinks"]) or [1])
     model = build_model(arch)
     runner = cb_step.StepRunner(model, backend="emulated", kernel="flash", debug=False,
                                 ranks=None, query_buckets=BUCKETS, who="test",
@@ -2543,6 +2548,7 @@ def test_decode_kernels_are_warmed_where_they_launch(monkeypatch, arch, decode_g
         assert calls == [(*heads, BUCKETS, dtype, device, p) for p in (256, 16)]
     else:  # the breaks: page 0, once
         assert calls == [(*heads, BUCKETS, dtype, device, 0)] and runner.kernels_warmed == [1]
+    assert sinks == [arch == "gpt_oss"] * len(calls)
 
 
 @needs_cb

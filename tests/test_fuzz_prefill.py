@@ -59,6 +59,7 @@ from benchmarks.tiny_models import (  # noqa: E402
     MIXTRAL,
     MOE_FAMILIES,
     QWEN3_MOE,
+    from_config,
     tiny_config,
 )
 from breakgraph.errors import InputError  # noqa: E402
@@ -85,9 +86,7 @@ def build_model(arch: str, seed: int, device: str, dtype: torch.dtype):
     config = tiny_config(cls_name, vocab_size=VOCAB, max_position_embeddings=256, **extra)
     torch.manual_seed(seed)
     options = {"experts_implementation": experts[0]} if experts else {}
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=dtype, attn_implementation="sdpa", **options
-    )
+    model = from_config(config, dtype=dtype, **options)
     return model.to(device).eval()
 
 
@@ -272,7 +271,7 @@ _PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm", "glm4", "nemotron", "glm4_m
 _KEYED_ROPE = ("gemma3_text", "olmo3")  # RoPE settings keyed by layer type
 #: a window always: sliding layer_types by default, or (Qwen2-MoE) a sliding mask built whatever
 #: the layers (transformers' own forward fails without a window)
-_SLIDING_LAYERS = ("olmo3", "ministral", "exaone4", "cohere2", "qwen2_moe")
+_SLIDING_LAYERS = ("olmo3", "ministral", "exaone4", "cohere2", "qwen2_moe", "gpt_oss")
 _HIDDEN_HEADS = ("helium",)  # o_proj maps hidden_size to hidden_size: head_dim = hidden / heads
 
 
@@ -382,7 +381,7 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
 
 
 def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> None:
-    """The routing knobs of the MoE families added in session 48 (``count`` experts): grouped
+    """The routing knobs of the MoE families added in sessions 48-49 (``count`` experts): grouped
     routing, shared experts, dense layers among sparse ones, scaled and normed routing weights,
     Granite's multipliers."""
     k = kw.get("num_experts_per_tok")
@@ -409,6 +408,8 @@ def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> Non
         kw["shared_intermediate_size"] = rng.choice([0, 32, 96])
     if family == "flex_olmo":
         kw.update(num_experts=count, norm_topk_prob=rng.random() < 0.5)
+    if family == "gpt_oss":  # sinks: drawn by from_config; the default layers alternate
+        kw["num_local_experts"] = count
 
 
 def expected_refusal(config, who: str = "PrefillRunner") -> str | None:
@@ -432,10 +433,7 @@ def build_variant(seed: int, dtype: torch.dtype = torch.float32):
     config = transformers.AutoConfig.for_model(family, **kw)
     torch.manual_seed(seed)
     options = {"experts_implementation": experts} if experts else {}
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="sdpa", dtype=dtype, **options
-    )
-    return model.eval()
+    return from_config(config, dtype=dtype, **options)
 
 
 @pytest.mark.parametrize("seed", range(SEED, SEED + CONFIGS))

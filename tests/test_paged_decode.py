@@ -6,6 +6,7 @@ bf16)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -73,6 +74,58 @@ def dense_attention(q, k_cache, v_cache, read_index, cu_k, scaling):
     return out
 
 
+def sink_attention(q, k_cache, v_cache, read_index, cu_k, scaling, sinks):
+    """Attention with sinks as transformers' eager gpt-oss writes it, one head at a time in
+    float64: the scaled scores and the head's sink as one more column, a softmax, the sink's
+    column dropped (an independent path)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bounds = cu_k.tolist()
+    groups = q.shape[1] // k_cache.shape[1]
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        slots = read_index[start:end].long().cpu()
+        for h in range(q.shape[1]):
+            k = k_cache.cpu()[slots, h // groups].double()  # [n, D]
+            v = v_cache.cpu()[slots, h // groups].double()
+            scores = k @ q[i, h].cpu().double() * scaling
+            logits = torch.cat([scores, sinks[h : h + 1].cpu().double()])
+            out[i, h] = logits.softmax(0)[:-1] @ v
+    return out
+
+
+def random_sinks(seed: int, q_heads: int, dtype=torch.float32, device="cpu"):
+    """One sink per query head, of both signs and magnitudes up to 5 (never zero)."""
+    g = torch.Generator().manual_seed(seed)
+    magnitude = 0.25 + 4.75 * torch.rand(q_heads, generator=g)
+    sign = torch.tensor([(-1.0) ** h for h in range(q_heads)])
+    return (sign * magnitude)[torch.randperm(q_heads, generator=g)].to(device, dtype)
+
+
+@pytest.mark.parametrize("heads", [(8, 2, 16), (4, 2, 8), (8, 4, 32)], ids=str)
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_with_sinks_is_a_softmax_with_a_sink_column(heads, sink_dtype):
+    """gpt-oss's attention sinks: each query head's sink joins its softmax unscaled and adds
+    no value; a sequence with no keys still gets zeros; ``sinks=None`` is the plain call."""
+    q_heads, kv_heads, head_dim = heads
+    case = paged_case(6, q_heads, kv_heads, head_dim, [5, 1, 0, 33, 2], torch.float32, "cpu")
+    scaling = head_dim**-0.5
+    sinks = random_sinks(7, q_heads, sink_dtype)
+    assert (sinks > 0).any() and (sinks < 0).any()
+    got = pd.paged_decode_reference(*case, scaling, sinks=sinks)
+    expected = sink_attention(*case, scaling, sinks)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    assert (got[2] == 0).all()  # no keys: zeros
+    plain = pd.paged_decode_reference(*case, scaling)
+    assert torch.equal(pd.paged_decode_reference(*case, scaling, sinks=None), plain)
+    assert not torch.allclose(got, plain, atol=1e-3)  # the sinks took a share
+    q, k_cache, v_cache, read_index, cu_k = case
+    for i, (start, end) in enumerate(zip(cu_k.tolist(), cu_k[1:].tolist())):
+        if end > start:  # out_with_sinks = out_without * sigmoid(lse - sink)
+            k = k_cache[read_index[start:end].long()].repeat_interleave(q_heads // kv_heads, 1)
+            lse = (torch.einsum("hd,nhd->hn", q[i], k) * scaling).logsumexp(-1)
+            share = torch.sigmoid(lse - sinks.float())
+            torch.testing.assert_close(got[i], plain[i] * share[:, None], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("heads", [(8, 2, 16), (4, 4, 8), (6, 2, 32)], ids=str)
 def test_reference_is_attention_over_the_indexed_keys(heads):
     q_heads, kv_heads, head_dim = heads
@@ -104,6 +157,53 @@ def test_dense_reads_the_whole_index_with_fixed_shapes(heads):
     expected = dense_attention(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5)
     assert torch.allclose(got, expected, atol=1e-5)
     assert (got[[2, 4, 5]] == 0).all()
+
+
+@pytest.mark.parametrize("heads", [(8, 2, 16), (4, 2, 8)], ids=str)
+def test_dense_with_sinks_is_the_reference_with_sinks(heads):
+    """The decode-graph kernel of the emulated backend with sinks: the same stale rows past
+    ``cu_k[-1]`` (never written: NaN, inf) and padded sequences (zeros, not NaN) as without."""
+    q_heads, kv_heads, head_dim = heads
+    q, k_cache, v_cache, read_index, cu_k = paged_case(
+        8, q_heads, kv_heads, head_dim, [5, 1, 0, 33, 0, 0], torch.float32, "cpu")  # fmt: skip
+    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    unused[read_index.long()] = False
+    unused = unused.nonzero().flatten()
+    k_cache[unused[::2]], v_cache[unused[::2]] = float("nan"), float("nan")
+    k_cache[unused[1::2]], v_cache[unused[1::2]] = float("inf"), float("-inf")
+    stale = unused[torch.randint(0, unused.numel(), (19,))].to(read_index.dtype)
+    sinks = random_sinks(9, q_heads)
+    got = pd.paged_decode_dense(q, k_cache, v_cache, torch.cat([read_index, stale]).long(),
+                                cu_k, head_dim**-0.5, sinks=sinks)  # fmt: skip
+    expected = pd.paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5,
+                                         sinks=sinks)  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (got[[2, 4, 5]] == 0).all()
+    plain = pd.paged_decode_dense(q, k_cache, v_cache, torch.cat([read_index, stale]).long(),
+                                  cu_k, head_dim**-0.5)  # fmt: skip
+    assert not torch.allclose(got, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "sinks",
+    [torch.zeros(5), torch.zeros(3), torch.zeros(1, 4), torch.tensor(0.5),
+     torch.zeros(4, device="meta")],
+    ids=["too-many", "too-few", "2-d", "0-d", "other-device"],
+)  # fmt: skip
+def test_sinks_of_the_wrong_shape_are_refused_before_anything_runs(sinks):
+    """One sink per query head (``[Hq]``, on ``q``'s device), checked first: ``out`` stays as
+    it was, and the kernel names the shape even where Triton is not installed."""
+    case = paged_case(2, 4, 2, 16, [2, 0, 3], torch.float32, "cpu")
+    expected = re.escape(f"sinks of shape {tuple(sinks.shape)}") + r".*shape \(4,\)"
+    out = torch.full_like(case[0], float("nan"))
+    with pytest.raises(InputError, match="paged_decode_reference: " + expected):
+        pd.paged_decode_reference(*case, 0.1, out=out, sinks=sinks)
+    assert out.isnan().all()
+    with pytest.raises(InputError, match="paged_decode_dense: " + expected):
+        pd.paged_decode_dense(*case, 0.1, sinks=sinks)
+    with pytest.raises(InputError, match="paged_decode: " + expected):
+        pd.paged_decode(*case, 0.1, out=out, sinks=sinks)
+    assert out.isnan().all()
 
 
 def test_reference_writes_into_out():
@@ -258,6 +358,75 @@ def test_kernel_reads_a_block_table_as_its_read_index_cuda_bf16(page):
         assert torch.equal(got, flat), (page, splits)
 
 
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("heads", [(64, 8, 64), (16, 2, 128)], ids=str)
+def test_kernel_with_sinks_matches_reference_cuda_bf16(heads):
+    """Sinks (gpt-oss's heads, and another), float32 and bf16, of both signs plus one so large
+    it takes all the weight (zeros) and one so small it takes none: the single kernel and the
+    combine kernel after splits of 4 and 16, over a flat read index and a block table; no
+    keys still gives zeros."""
+    if pd.triton is None:
+        pytest.skip("Triton is not installed")
+    q_heads, kv_heads, head_dim = heads
+    lengths = [1, 63, 64, 65, 0, 700, 129, 2049, 0]
+    q, k_cache, v_cache, table, read_index, cu_k = paged_table_case(
+        10, q_heads, kv_heads, head_dim, lengths, 16, torch.bfloat16, "cuda")  # fmt: skip
+    scaling = head_dim**-0.5
+    for sink_dtype in (torch.float32, torch.bfloat16):
+        sinks = random_sinks(11, q_heads)
+        sinks[0], sinks[1] = 1e4, -1e4
+        sinks = sinks.to("cuda", sink_dtype)
+        expected = pd.paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling,
+                                             sinks=sinks)  # fmt: skip
+        plain = pd.paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling)
+        for splits in (1, 4, 16):
+            for index, page in ((read_index, 0), (table, 16)):
+                out = torch.full_like(q, float("nan"))
+                got = pd.paged_decode(q, k_cache, v_cache, index, cu_k, scaling, out=out,
+                                      splits=splits, page=page, sinks=sinks)  # fmt: skip
+                where = (sink_dtype, splits, page)
+                assert got is out and (got[[4, 8]] == 0).all(), where
+                assert (got[:, 0] == 0).all(), where  # the sink took all the weight
+                torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(got[:, 1].float(), plain[:, 1].float(), atol=2e-2,
+                                           rtol=2e-2)  # fmt: skip
+
+
+@pytest.mark.requires_cuda
+def test_cuda_warm_up_with_sinks_compiles_the_sink_kernels():
+    """``warm_up(sinks=True)`` compiles the kernels with sinks of its dtype (a model's sinks are
+    parameters of the model's dtype): steps with such sinks, unsplit and at every split count,
+    compile nothing more and match the reference.
+    Heads (24 over 4, size 32) no other test launches with."""
+    from tests.helpers import compiled_decode_kernels
+
+    if pd.triton is None or compiled_decode_kernels() is None:
+        pytest.skip("Triton is not installed, or keeps its kernels where this cannot count")
+    q_heads, kv_heads, head_dim = 24, 4, 32
+    device = torch.device("cuda")
+    before = compiled_decode_kernels()
+    warmed = pd.warm_up(q_heads, kv_heads, head_dim, [1, 4096], torch.bfloat16, device,
+                        sinks=True)  # fmt: skip
+    assert warmed[0] == 1 and warmed[-1] > 1, warmed
+    compiled = compiled_decode_kernels()
+    assert compiled > before, (before, compiled)
+    q, k_cache, v_cache, read_index, cu_k = paged_case(
+        12, q_heads, kv_heads, head_dim, [1, 300, 0, 1500, 129], torch.bfloat16, device
+    )
+    read_index = read_index.long()
+    sinks = random_sinks(13, q_heads, torch.bfloat16, device)
+    expected = pd.paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5,
+                                         sinks=sinks)  # fmt: skip
+    splits = 1
+    while splits <= pd.MAX_SPLITS:
+        got = pd.paged_decode(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5,
+                              splits=splits, sinks=sinks)  # fmt: skip
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        assert (got[2] == 0).all(), splits
+        splits *= 2
+    assert compiled_decode_kernels() == compiled, "a step with sinks compiled a kernel"
+
+
 def test_default_splits_fill_the_gpu_and_stay_a_power_of_two(monkeypatch):
     """The split count follows the grid's size only: many programs already, no split; few,
     up to 16 (132 multiprocessors, as an H200)."""
@@ -335,6 +504,18 @@ def test_kernel_matches_reference_in_triton_interpreter():
                 got = pd.paged_decode(q, k, v, table, cu_k, 0.2, block_n=32, splits=splits,
                                       page=page)
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        from tests.test_paged_decode import random_sinks
+        q, k, v, table, read, cu_k = paged_table_case(  # sinks: both kernels that normalise
+            6, 8, 2, 32, [1, 0, 40, 16, 70], 16, torch.float32, "cpu")
+        sinks = random_sinks(7, 8)
+        sinks[0] = 1e4
+        expected = pd.paged_decode_reference(q, k, v, read, cu_k, 0.2, sinks=sinks)
+        for splits in (1, 2, 4):
+            for index, page in ((read, 0), (table, 16)):
+                got = pd.paged_decode(q, k, v, index, cu_k, 0.2, block_n=16, splits=splits,
+                                      page=page, sinks=sinks)
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+                assert (got[1] == 0).all() and (got[:, 0] == 0).all(), (splits, page)
         print("ok")
         """
     )

@@ -46,6 +46,7 @@ from benchmarks.tiny_models import (  # noqa: E402
     MOE_FAMILIES,
     OTHER_DENSE_FAMILIES,
     TINY_SHAPE,
+    from_config,
 )
 from breakgraph.errors import BreakgraphError, CaptureError, InputError, ReplayError  # noqa: E402
 
@@ -93,9 +94,7 @@ def build_model(
     config = make_config(arch, **overrides)
     torch.manual_seed(seed)
     extra = {"experts_implementation": experts_implementation} if ARCHS[arch][2] else {}
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=dtype, attn_implementation="sdpa", **extra
-    )
+    model = from_config(config, dtype=dtype, **extra)
     return model.to(device).eval()
 
 
@@ -1017,7 +1016,7 @@ def test_one_prompt_runs_causal_sdpa_over_the_row(prompt, window, kernel, monkey
     )
     seen = []
 
-    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None):
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None, sinks=None):
         seen.append("varlen")
         return out.copy_(exact)
 
@@ -1037,6 +1036,81 @@ def test_one_prompt_runs_causal_sdpa_over_the_row(prompt, window, kernel, monkey
     with breakgraph.context_scope(two):
         call()
     assert seen == ["varlen"]
+
+
+def test_sinks_send_one_prompt_to_the_varlen_kernel(monkeypatch):
+    """Attention sinks (gpt-oss) need the kernel's log-sum-exp, which HF's causal SDPA call
+    does not return: with sinks a single prompt runs the varlen kernel too, handed the sinks,
+    and the reference kernel applies them (against softmax with a sink column, per head)."""
+    rows, heads, kv_heads, dim = 12, 4, 2, 16
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(1, h, rows, dim, generator=generator) for h in (heads, kv_heads, kv_heads)
+    )
+    sinks = torch.tensor([-2.0, 0.5, 3.0, -0.25])
+    seen = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None, sinks=None):
+        seen.append(sinks)
+        return out
+
+    monkeypatch.setattr(bg_attention, "flash_varlen", fake_varlen)
+    out = torch.empty(rows, heads, dim)
+    call = bg_attention.LayerAttention(0, q, k, v, 0.25, None, "flash", out, sinks=sinks)
+    with breakgraph.context_scope(bg_attention.PackedBatch([(0, 9), (9, 12)], None, 9, True)):
+        call()
+    call.whole_row(call.out)
+    assert len(seen) == 2 and all(s is sinks for s in seen)
+    # the reference: a softmax over each row's scores and the head's sink, the sink dropped
+    qs, ks, vs = (t[0].transpose(0, 1) for t in (q, k, v))
+    got = bg_attention.reference_attention(qs, ks, vs, [(0, rows)], 0.25, None, sinks=sinks)
+    keys = k[0].repeat_interleave(2, 0)
+    scores = (q[0] @ keys.transpose(1, 2)) * 0.25
+    scores = scores.masked_fill(torch.ones(rows, rows).triu(1).bool(), float("-inf"))
+    column = sinks[:, None, None].expand(heads, rows, 1)
+    weights = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+    expected = (weights @ v[0].repeat_interleave(2, 0)).transpose(0, 1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch<2.12", "in_place"])
+def test_flash_varlen_scales_its_rows_by_the_sinks(monkeypatch, in_place):
+    """``flash_varlen`` with sinks scales the kernel's output by ``sigmoid(lse - sink)`` from the
+    log-sum-exp the kernel returns (``[heads, rows]``), on the first ``rows`` rows only, both
+    where the kernel writes in place and where its result is copied: on the CPU, ATen's kernel
+    stood in for by the exact reference and its log-sum-exp."""
+    rows, live, heads, kv_heads, dim = 10, 7, 4, 2, 8
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(rows, heads, dim, generator=generator)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=generator) for _ in range(2))
+    sinks = torch.tensor([1.5, -0.5, 0.0, 4.0])
+    bounds = [(0, 3), (3, live)]
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, **kw):
+        result = bg_attention.reference_attention(q, k, v, bounds, kw["scale"], None)
+        keys = k.repeat_interleave(2, 1)
+        lse = torch.full((heads, rows), float("nan"))  # rows past the live ones: garbage
+        for start, end in bounds:
+            scores = torch.einsum("qhd,khd->hqk", q[start:end], keys[start:end]) * kw["scale"]
+            causal_mask = torch.ones(end - start, end - start).triu(1).bool()
+            lse[:, start:end] = scores.masked_fill(causal_mask, float("-inf")).logsumexp(-1)
+        return result, lse
+
+    def into(out, *args, **kw):
+        result, lse = kernel(*args, **kw)
+        out[:live] = result[:live]
+        return lse
+
+    monkeypatch.setattr(bg_attention, "_flash", lambda *a, **kw: (*kernel(*a, **kw), None))
+    monkeypatch.setattr(bg_attention, "_flash_into", into)
+    monkeypatch.setattr(bg_attention, "FLASH_WRITES_IN_PLACE", in_place)
+    cu = torch.tensor([0, 3, live], dtype=torch.int32)
+    out = torch.zeros(rows, heads, dim)
+    got = bg_attention.flash_varlen(q, k, v, cu, cu, 4, 4, 0.5, None, out, sinks=sinks, rows=live)
+    expected = bg_attention.reference_attention(q, k, v, bounds, 0.5, None, sinks=sinks)
+    assert got is out
+    torch.testing.assert_close(got[:live], expected[:live], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()  # the garbage log-sum-exp past ``rows`` is never read
 
 
 def test_auto_attention_choice(backend, closing):
@@ -1083,7 +1157,8 @@ def test_grouped_experts_skip_the_padding_rows(arch, backend, closing, monkeypat
     """grouped_mm experts inside the graphs route a bucket's padding rows to no expert: on every
     replay (one prompt or a packed batch, fresh lengths in the same graph) the rows given a
     real expert are the prompts' rows, counted by an operation recorded in the graph itself;
-    the logits still match the model on each prompt alone."""
+    the logits still match the model on each prompt alone. Experts with biases (gpt-oss) keep
+    every row: transformers' grouped_mm indexes the biases by expert id (compat.experts_shape)."""
     from breakgraph.integrations.transformers import experts as experts_module
 
     model = model_for(arch, backend, experts_implementation="grouped_mm")
@@ -1103,12 +1178,14 @@ def test_grouped_experts_skip_the_padding_rows(arch, backend, closing, monkeypat
     runner = closing(make_runner(model, backend))
     layers = model.config.num_hidden_layers
     generator = torch.Generator().manual_seed(11)
+    biased = any(getattr(m, "has_bias", False) is True for m in model.modules())
     for lengths in ([5], [3, 9], [13], [20, 7, 2], [9], [30]):
         prompts = prompts_of(lengths, device, generator)
-        assert runner._runner.bucket_for(sum(lengths)) > sum(lengths)  # a padding tail
+        bucket = runner._runner.bucket_for(sum(lengths))
+        assert bucket > sum(lengths)  # a padding tail
         before = int(routed)
         out = runner.prefill(prompts)
-        assert int(routed) - before == layers * sum(lengths), lengths
+        assert int(routed) - before == layers * (bucket if biased else sum(lengths)), lengths
         for i, p in enumerate(prompts):
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
     assert model.config._experts_implementation == "grouped_mm"  # switched back

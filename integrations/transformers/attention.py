@@ -176,16 +176,19 @@ class LayerAttention:
         window: int | None,
         kernel: str,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         self.__qualname__ = self.__name__ = f"attention[layer {layer}]"
         self.q, self.k, self.v = (t[0].transpose(0, 1) for t in (query, key, value))
-        self.scaling, self.window, self.kernel = scaling, window, kernel
+        self.scaling, self.window, self.kernel, self.sinks = scaling, window, kernel, sinks
         self.contiguous = all(t.stride(-1) == 1 for t in (self.q, self.k, self.v))
         self.out = out
         # one prompt filling the row from 0: plain causal SDPA is exact (the window never
-        # binds when it spans the whole row)
+        # binds when it spans the whole row); sinks need FlashAttention's log-sum-exp
         rows = self.q.shape[0]
-        self.whole_row_causal = kernel == "flash" and (window is None or window >= rows)
+        self.whole_row_causal = (
+            kernel == "flash" and (window is None or window >= rows) and sinks is None
+        )
         self.gqa = self.q.shape[1] != self.k.shape[1]
         self._head_major()
         self._out, self._out_head_major = None, None
@@ -201,8 +204,9 @@ class LayerAttention:
                 return self.causal_sdpa(self.out)
             return self.flash(batch.cu_seqlens, batch.max_seqlen, self.out)
         return reference_attention(
-            self.q, self.k, self.v, batch.bounds, self.scaling, self.window, out=self.out
-        )
+            self.q, self.k, self.v, batch.bounds, self.scaling, self.window, out=self.out,
+            sinks=self.sinks,
+        )  # fmt: skip
 
     def whole_row(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Causal (sliding-window) attention over the whole row as ONE sequence: exact for the
@@ -216,7 +220,7 @@ class LayerAttention:
             cu = torch.arange(0, 2 * n, n, dtype=torch.int32, device=self.q.device)  # [0, n]
             return self.flash(cu, n, out)
         return reference_attention(
-            self.q, self.k, self.v, [(0, n)], self.scaling, self.window, out=out
+            self.q, self.k, self.v, [(0, n)], self.scaling, self.window, out=out, sinks=self.sinks
         )
 
     def causal_sdpa(self, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +243,7 @@ class LayerAttention:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return flash_varlen(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            self.scaling, self.window, out,
+            self.scaling, self.window, out, sinks=self.sinks,
         )  # fmt: skip
 
     def borrow(self) -> None:
@@ -249,7 +253,7 @@ class LayerAttention:
 
 
 def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None,
-                 causal=True) -> torch.Tensor:  # fmt: skip
+                 causal=True, sinks=None, rows=None) -> torch.Tensor:  # fmt: skip
     """Causal varlen attention with ATen's FlashAttention-2 kernel: ``[Tq, Hq, D]`` out.
 
     ``q`` is ``[Tq, Hq, D]``, ``k``/``v`` ``[Tk, Hkv, D]`` (GQA not expanded);
@@ -264,34 +268,63 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, out=None,
     kernel then folds the query heads of each key head into one tile (FlashAttention's
     ``seqlenq_ngroups_swapped``, which a causal or windowed call turns off): a decode step
     runs one tile per key head instead of one per query head.
+
+    ``sinks`` (``[Hq]``, attention sinks as gpt-oss has them) scale the first ``rows`` rows
+    (default: all) by the kernel's log-sum-exp: :func:`apply_sinks`.
     """
     if window is None:
         is_causal, left, right = causal, -1, (0 if causal else -1)
     else:  # a sliding window: local attention, bottom-right aligned
         is_causal, left, right = False, window - 1, 0
     if out is not None and FLASH_WRITES_IN_PLACE:
-        _flash_into(
+        lse = _flash_into(
             out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False,
             scale=scaling, window_size_left=left, window_size_right=right,
         )  # fmt: skip
-        return out
-    result = _flash(
+        return out if sinks is None else apply_sinks(out, lse, sinks, rows)
+    result, lse = _flash(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False,
         scale=scaling, window_size_left=left, window_size_right=right,
-    )[0]  # fmt: skip
+    )[:2]  # fmt: skip
     if out is None:
-        return result
+        return result if sinks is None else apply_sinks(result, lse, sinks, rows)
     out.copy_(result)
+    return out if sinks is None else apply_sinks(out, lse, sinks, rows)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                rows: int | None = None) -> torch.Tensor:  # fmt: skip
+    """Attention sinks (gpt-oss): one learned logit per query head that joins every row's
+    softmax and adds no value, so ``out`` ``[T, Hq, D]`` (the attention without it) shrinks by
+    ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``, ``lse`` ``[Hq, T]`` being the
+    log-sum-exp of each row's scaled scores (FlashAttention's varlen layout). In place, on the
+    first ``rows`` rows (default: all; rows past them have no log-sum-exp of their own).
+
+    >>> import torch
+    >>> out, lse = torch.ones(3, 2, 4), torch.zeros(2, 3)
+    >>> apply_sinks(out, lse, torch.tensor([0.0, float("-inf")]))[0, :, 0]  # sink e^0, none
+    tensor([0.5000, 1.0000])
+    """
+    rows = out.shape[0] if rows is None else rows
+    if lse.shape != (out.shape[1], out.shape[0]):
+        raise breakgraph.BackendError(
+            f"attention sinks: FlashAttention returned a log-sum-exp of shape "
+            f"{tuple(lse.shape)}, not [heads, rows] = {[out.shape[1], out.shape[0]]}; this "
+            f"torch's kernel lays it out another way. Serve the model with attention='reference'."
+        )
+    scale = torch.sigmoid(lse[:, :rows] - sinks[:, None]).t()
+    out[:rows].mul_(scale.unsqueeze(-1))
     return out
 
 
-def reference_attention(q, k, v, bounds, scaling, window, kv_bounds=None, out=None):
+def reference_attention(q, k, v, bounds, scaling, window, kv_bounds=None, out=None,
+                        sinks=None):  # fmt: skip
     """Per-sequence SDPA with a causal (and sliding-window) mask: exact, slow, any device.
 
     ``bounds`` are the query rows of each sequence and ``kv_bounds`` its key rows
     (default: the same rows); with more keys than queries, the queries are the last
     positions of the keys. Rows outside ``bounds`` are zero. With ``out`` the result is
-    written there.
+    written there. ``sinks`` (``[Hq]``): attention sinks, as :func:`apply_sinks`.
     """
     groups = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q) if out is None else out.zero_()
@@ -307,6 +340,10 @@ def reference_attention(q, k, v, bounds, scaling, window, kv_bounds=None, out=No
         out[start:end] = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, scale=scaling
         ).transpose(0, 1)
+        if sinks is not None:  # the scores' log-sum-exp per head and row: [Hq, end - start]
+            scores = (qs.float() @ ks.float().transpose(1, 2)) * scaling
+            lse = scores.masked_fill(~mask, float("-inf")).logsumexp(-1)
+            apply_sinks(out[start:end], lse, sinks.float())
     return out
 
 
@@ -318,6 +355,16 @@ def refuse_mask_and_softcap(who: str, attention_mask: Any, softcap: Any, why: st
     if attention_mask is not None:
         raise breakgraph.CaptureError(
             f"{who}: the model built an attention mask, which must be None here: {why}."
+        )
+
+
+def check_sinks(who: str, layer: Any, sinks: torch.Tensor, query: torch.Tensor) -> None:
+    """At capture: attention sinks are one logit per query head of ``query`` ``[1, Hq, N, D]``."""
+    if sinks.shape != (query.shape[1],):
+        raise UnsupportedModelError(
+            f"{who}: layer {layer} passes attention sinks (s_aux) of shape "
+            f"{tuple(sinks.shape)}, not one per query head ({query.shape[1]}); breakgraph "
+            f"serves sinks as gpt-oss has them. Serve this model without breakgraph."
         )
 
 
@@ -406,10 +453,12 @@ def breakgraph_attention(
     dropout: float = 0.0,
     sliding_window: int | None = NOT_PASSED,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ):
     """The function registered as ``AttentionInterface["breakgraph"]``: each layer's attention
     as a :class:`LayerAttention` break, only inside a :class:`~.prefill.PrefillRunner`'s forwards.
+    ``s_aux``: the layer's attention sinks (gpt-oss), one logit per query head.
 
     Example::
 
@@ -436,7 +485,9 @@ def breakgraph_attention(
         state.layers.append((layer, key, value))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     window = layer_window(module, sliding_window, check=capturing)
-    call = LayerAttention(layer, query, key, value, scale, window, state.kernel)
+    if capturing and s_aux is not None:
+        check_sinks("breakgraph attention", layer, s_aux, query)
+    call = LayerAttention(layer, query, key, value, scale, window, state.kernel, sinks=s_aux)
     call.out = state.output_for(layer, call.q)
     if state.inline:  # a single-prompt graph: recorded, not a break
         return call.whole_row(call.out).unsqueeze(0), None

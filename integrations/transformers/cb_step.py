@@ -55,6 +55,7 @@ from . import compat
 from .attention import (
     FLASH_WRITES_IN_PLACE,
     NOT_PASSED,
+    check_sinks,
     flash_varlen,
     layer_window,
     reference_attention,
@@ -112,9 +113,8 @@ class CBStep:
     def __init__(self, kernel: str, update_takes_kwargs: bool) -> None:
         self.kernel, self.update_takes_kwargs = kernel, update_takes_kwargs
         self.tokens, self.warmup, self.pure_decode = 0, False, False
-        self.cache = self.cu_q = self.max_q = self.cu_k = self.max_k = None
-        self.read_index = self.write_index = None
-        self.table = self.positions = None  # a block-table step's table and position ids
+        self.cache = self.cu_q = self.max_q = self.cu_k = self.max_k = self.read_index = None
+        self.write_index = self.table = self.positions = None  # table, positions: block tables
         self.decode = None  # the DecodeGraphs capturing this step's bucket, if any
         self._q_bounds = self._no_reads = None
 
@@ -184,8 +184,7 @@ class CBStep:
 
 
 def _bounds(cu: torch.Tensor) -> list:
-    cumulative = cu.tolist()
-    return list(zip(cumulative, cumulative[1:]))
+    return list(zip(cumulative := cu.tolist(), cumulative[1:]))
 
 
 class PagedAttention:
@@ -203,9 +202,9 @@ class PagedAttention:
     read index), else calls FlashAttention without the causal mask (:meth:`_decode`).
     """
 
-    def __init__(self, layer: int, query, key, value, scaling: float, window, kernel: str):
+    def __init__(self, layer, query, key, value, scaling: float, window, kernel: str, sinks=None):
         self.__qualname__ = self.__name__ = f"paged attention[layer {layer}]"
-        self.layer = layer
+        self.layer, self.sinks = layer, sinks  # sinks: [Hq] logits (gpt-oss), or None
         self.q = query_rows(query)
         self.key, self.value = key, value
         self.scaling, self.window, self.kernel = scaling, window, kernel
@@ -237,14 +236,13 @@ class PagedAttention:
             step, self.key[:, :, :n], self.value[:, :, :n], self.layer, self.layer_type
         )
         if self.kernel == "reference":
-            return reference_attention(
-                self.q, k, v, step.q_bounds(), self.scaling, self.window, _bounds(cu_k), self.out
-            )
+            return reference_attention(self.q, k, v, step.q_bounds(), self.scaling, self.window,
+                                       _bounds(cu_k), self.out, self.sinks)  # fmt: skip
         if decode:
             return self._decode(k, v, step.cu_q, cu_k, max_k, n)
         out = flash_varlen(
             self.q, k.contiguous(), v.contiguous(), step.cu_q, cu_k, step.max_q, max_k,
-            self.scaling, self.window, self.out,
+            self.scaling, self.window, self.out, sinks=self.sinks, rows=n,
         )  # fmt: skip
         if not FLASH_WRITES_IN_PLACE:
             out[n:].zero_()  # copied from the kernel's result: rows it skipped, uninitialised
@@ -261,7 +259,7 @@ class PagedAttention:
         """
         result = flash_varlen(
             self.q[:n], k.contiguous(), v.contiguous(), cu_q, cu_k, 1, max_k,
-            self.scaling, None, causal=False,
+            self.scaling, None, causal=False, sinks=self.sinks,
         )  # fmt: skip
         self.out[:n].copy_(result)
         return self.out
@@ -284,7 +282,7 @@ class PagedAttention:
         read_index = step.read_index[group]
         splits = break_splits(n, max_k, keys)
         paged_decode(self.q[:n], keys, values, read_index, cu_k, self.scaling,
-                     self.out[:n], splits=splits)  # fmt: skip
+                     self.out[:n], splits=splits, sinks=self.sinks)  # fmt: skip
         return self.out
 
     def _own_keys(self) -> torch.Tensor:
@@ -292,7 +290,7 @@ class PagedAttention:
         rows = self.q.shape[0]
         k, v = self.key[0].transpose(0, 1), self.value[0].transpose(0, 1)
         return reference_attention(self.q, k, v, [(0, rows)], self.scaling, self.window,
-                                   out=self.out)  # fmt: skip
+                                   out=self.out, sinks=self.sinks)  # fmt: skip
 
 
 @torch.compiler.disable
@@ -306,9 +304,10 @@ def paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = NOT_PASSED,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ):
-    """The function registered as ``AttentionInterface[CB_ATTENTION_KEY]``."""
+    """The function registered as ``AttentionInterface[CB_ATTENTION_KEY]``; ``s_aux``: sinks."""
     try:
         step = breakgraph.replay_context()
     except breakgraph.ReplayError:
@@ -325,10 +324,13 @@ def paged_attention(
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     capturing = step.decode is not None or breakgraph.is_capturing()
     sliding_window = layer_window(module, sliding_window, check=capturing)
+    layer = module.layer_idx
+    if capturing and s_aux is not None:
+        check_sinks("breakgraph CB attention", layer, s_aux, query)
     if step.decode is not None:  # a pure-decode graph is being captured: no break
-        out = step.decode.attention(module.layer_idx, query, key, value, scale, sliding_window)
+        out = step.decode.attention(layer, query, key, value, scale, sliding_window, s_aux)
         return out.unsqueeze(0), None
-    call = PagedAttention(module.layer_idx, query, key, value, scale, sliding_window, step.kernel)
+    call = PagedAttention(layer, query, key, value, scale, sliding_window, step.kernel, s_aux)
     if capturing:  # a break; an eager step calls it (a decoration costs 7 us)
         return breakgraph.eager_on_graph(call)().unsqueeze(0), None
     return call().unsqueeze(0), None
@@ -371,8 +373,7 @@ class StepRunner:
         self._order = StepOrder() if self.tokens.backend == "cuda" else None
         self._eager_steps: dict = weakref.WeakKeyDictionary()  # manager -> models.eager_steps
         self._eager_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # pure-decode steps as graphs without attention breaks (not under tensor parallelism;
-        # on CUDA the in-place kernel needs the flash setting: bf16/fp16)
+        # pure-decode steps as graphs without breaks (not under TP; on CUDA bf16/fp16)
         self.decode: DecodeGraphs | None = None
         layers = getattr(model.config, "num_hidden_layers", None)
         q_heads = getattr(model.config, "num_attention_heads", None)
@@ -384,13 +385,13 @@ class StepRunner:
         # transformers' decode fast path (.block_table) where the decode graphs serve its steps
         # (all layers full, heads the kernel takes; else each step syncs to materialise rows)
         self.block_tables = False
-        # the heads whose decode kernels plan() compiles: the decode graphs launch them where
-        # every layer attends fully, with the manager's page; else the attention breaks of
-        # full-attention layers do in pure-decode steps (sliding-window layers beside them, or
-        # decode_graphs=False), always with a flat read index: page 0 (not warmed under
-        # tensor parallelism, whose ranks hold a share of the heads)
+        # the heads whose decode kernels plan() compiles: the decode graphs' (every layer full,
+        # the manager's page), else the full-attention breaks' of pure-decode steps (page 0); not
+        # under tensor parallelism, whose ranks hold a share of the heads. Sinks: their variant
         self.heads: tuple[int, int, int] | None = None  # query heads, key heads, head size
         self._break_kernels = False  # the heads' kernels launch from the breaks (page 0)
+        self._sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in
+                          model.modules())  # attention sinks (gpt-oss)  # fmt: skip
         heads, kinds = attention_heads(model.config), layer_attention(model.config)
         if heads is not None and self.decode is not None and kinds == "full":
             self.heads = heads
@@ -463,7 +464,7 @@ class StepRunner:
         start = time.perf_counter()
         try:
             dtype = next(self.decoder.parameters()).dtype  # the activations' and the cache's
-            warmed = warm_up(*self.heads, sizes, dtype, self.device, page)
+            warmed = warm_up(*self.heads, sizes, dtype, self.device, page, sinks=self._sinks)
         except Exception as exc:  # noqa: BLE001 - a compile problem must not stop serving
             logger.warning("%s: compiling the decode kernels before serving failed (%s: %s); "
                            "the first steps that need them compile them", self.who,

@@ -481,7 +481,7 @@ def enable_continuous_batching(
             glm, gemma3_text, cohere, smollm3, olmo3, ministral, exaone4, cohere2, glm4,
             helium, seed_oss, ernie4_5, hunyuan_v1_dense, apertus, arcee, nemotron; MoE:
             qwen3_moe, mixtral, qwen2_moe, olmoe, glm4_moe, ernie4_5_moe, hunyuan_v1_moe,
-            granitemoe, granitemoeshared, flex_olmo) in eval mode.
+            granitemoe, granitemoeshared, flex_olmo, gpt_oss) in eval mode.
         backend: ``"cuda"`` or ``"emulated"`` (CPU), as for :func:`breakgraph.capture`.
         attention: ``"auto"`` (FlashAttention varlen inside ATen on CUDA in bf16/fp16,
             else the exact per-sequence reference), ``"flash"`` or ``"reference"``.

@@ -309,11 +309,12 @@ class DecodeGraphs:
         graphs.ladder.replay(bucket, step, size=n)
         return True
 
-    def attention(self, layer: int, query, key, value, scaling: float, window) -> torch.Tensor:
+    def attention(self, layer: int, query, key, value, scaling: float, window,
+                  sinks=None) -> torch.Tensor:  # fmt: skip
         """One layer's decode attention inside the graph (the model's attention function calls
         it while a decode graph is captured): write the new rows, read every sequence's rows
         in place. ``query`` ``[1, Hq, B, D]``, ``key``/``value`` ``[1, Hkv, B, D]``; returns
-        ``[B, Hq, D]``."""
+        ``[B, Hq, D]``. ``sinks``: the layer's attention sinks (``[Hq]``), or None."""
         rows = self._layers.get(layer)
         if rows is None or window is not None or query.shape[1] != self.q_heads:
             raise NotDecodable(f"layer {layer} is not a full-attention layer with known rows "
@@ -334,11 +335,11 @@ class DecodeGraphs:
         cu_k = buffers.cu_k[: bucket + 1]
         if buffers.width and not buffers.read:  # CUDA: the kernel reads the table itself
             return paged_decode(q, keys, values, buffers.table[group], cu_k, scaling,
-                                page=buffers.page)  # fmt: skip
+                                page=buffers.page, sinks=sinks)  # fmt: skip
         read = buffers.read[group]
         if self.backend == "cuda":
-            return paged_decode(q, keys, values, read, cu_k, scaling)
-        return paged_decode_dense(q, keys, values, read, cu_k, scaling)
+            return paged_decode(q, keys, values, read, cu_k, scaling, sinks=sinks)
+        return paged_decode_dense(q, keys, values, read, cu_k, scaling, sinks=sinks)
 
     def close(self) -> None:
         """Release every layout's graphs and buffers (the counters stay)."""

@@ -57,6 +57,7 @@ __all__ = [
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
     "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "flex_olmo",
+    "gpt_oss",
     "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm", "gemma3_text",
     "cohere", "smollm3", "olmo3", "ministral", "exaone4", "cohere2", "glm4", "helium", "seed_oss",
     "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee", "nemotron",

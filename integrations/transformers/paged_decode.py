@@ -11,6 +11,12 @@ sequence's keys are split across several programs and a second kernel combines t
 results (flash-decoding). Its shapes depend only on the bucket (the index and the key lengths
 are read on the device), which is what a captured graph needs.
 
+The three attention functions take optional attention *sinks* (gpt-oss): one learned logit
+per query head, ``sinks[h]`` (not scaled), that joins the softmax's denominator as
+``exp(sinks[h])`` and adds no value, so a head can attend to "nothing": the output is the
+sink-free one times ``sigmoid(lse - sinks[h])``, ``lse`` the log-sum-exp of the head's scaled
+scores. ``None`` runs the code without them.
+
 ``paged_decode_reference`` is the same computation in plain torch (loops on the host): the
 tests' oracle, and what runs where Triton does not.
 
@@ -92,12 +98,44 @@ def query_rows(query: torch.Tensor) -> torch.Tensor:
     return q if q.stride(-1) == 1 else q.contiguous()
 
 
-def paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None):
+def _check_sinks(name: str, q, sinks) -> None:
+    """Refuse ``sinks`` other than one per query head on ``q``'s device (before any work)."""
+    if sinks is None:
+        return
+    heads = q.shape[1]
+    if sinks.dim() != 1 or sinks.shape[0] != heads or sinks.device != q.device:
+        raise InputError(
+            f"{name}: sinks of shape {tuple(sinks.shape)} on {sinks.device}; expected one sink "
+            f"per query head, a 1-D tensor of shape ({heads},) on {q.device}"
+        )
+
+
+def paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
+                           sinks=None):  # fmt: skip
     """One query per sequence over its keys ``k_cache[read_index[cu_k[i]:cu_k[i + 1]]]``.
 
     ``q`` ``[B, Hq, D]``, caches ``[slots, Hkv, D]``, ``read_index`` ``[R]``, ``cu_k``
-    ``[B + 1]``. A sequence with no keys gets zeros. Host loop: tests and fallback only.
+    ``[B + 1]``, ``sinks`` ``[Hq]`` or None (the module's attention sinks: an extra softmax
+    term per head, as transformers' eager gpt-oss attention). A sequence with no keys gets
+    zeros. Host loop: tests and fallback only.
+
+    A sink takes its share of the softmax from the keys: a large one leaves almost nothing.
+
+    >>> q = torch.randn(2, 4, 8)
+    >>> k_cache, v_cache = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    >>> read_index, cu_k = torch.tensor([3, 7, 1, 0, 9]), torch.tensor([0, 2, 5])
+    >>> plain = paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, 8**-0.5)
+    >>> same = paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, 8**-0.5, sinks=None)
+    >>> torch.equal(plain, same)
+    True
+    >>> sinks = torch.tensor([-1e4, 0.0, 2.0, 1e4])    # none, some, more, all of the weight
+    >>> sunk = paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, 8**-0.5, sinks=sinks)
+    >>> torch.allclose(sunk[:, 0], plain[:, 0]), bool((sunk[:, 3] == 0).all())
+    (True, True)
+    >>> bool((sunk[:, 1:3].norm(dim=-1) < plain[:, 1:3].norm(dim=-1)).all())
+    True
     """
+    _check_sinks("paged_decode_reference", q, sinks)
     out = torch.zeros_like(q) if out is None else out
     groups = q.shape[1] // k_cache.shape[1]
     bounds = cu_k.tolist()
@@ -109,11 +147,16 @@ def paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, scaling: float
         k = k_cache[slots].float().repeat_interleave(groups, 1)  # [n, Hq, D]
         v = v_cache[slots].float().repeat_interleave(groups, 1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scaling
-        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(out.dtype)
+        if sinks is None:
+            weights = scores.softmax(-1)
+        else:  # the sink's column takes its share of the softmax, then goes
+            weights = torch.cat([scores, sinks.float()[:, None]], -1).softmax(-1)[:, :-1]
+        out[i] = torch.einsum("hn,nhd->hd", weights, v).to(out.dtype)
     return out
 
 
-def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float) -> torch.Tensor:
+def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float,
+                       sinks=None) -> torch.Tensor:  # fmt: skip
     """:func:`paged_decode_reference` with fixed shapes and no host sync: every row of
     ``read_index`` is read, and each sequence keeps its own range ``cu_k[i]:cu_k[i + 1]``
     by a mask (rows past ``cu_k[-1]`` must still be valid cache rows, but may hold anything:
@@ -130,7 +173,10 @@ def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float) ->
     >>> exact = paged_decode_reference(q, k_cache, v_cache, read_index[:5], cu_k, 8**-0.5)
     >>> torch.allclose(dense, exact, atol=1e-6)
     True
+
+    ``sinks`` (``[Hq]``) join each head's softmax as one more column, dropped after it.
     """
+    _check_sinks("paged_decode_dense", q, sinks)
     groups = q.shape[1] // k_cache.shape[1]
     keys = k_cache.index_select(0, read_index).float().repeat_interleave(groups, 1)  # [R, Hq, D]
     values = v_cache.index_select(0, read_index).float().repeat_interleave(groups, 1)
@@ -139,7 +185,12 @@ def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float) ->
     mine = (rows >= cu_k[:-1, None]) & (rows < cu_k[1:, None])  # [B, R]
     scores = scores.masked_fill(~mine[:, None, :], float("-inf"))
     values = values.masked_fill((rows >= cu_k[-1])[:, None, None], 0.0)  # stale rows
+    if sinks is not None:  # one more column per head, no value: dropped after the softmax
+        sink = sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+        scores = torch.cat([scores, sink], -1)
     weights = scores.softmax(-1).nan_to_num(0.0)  # a sequence with no keys: zeros
+    if sinks is not None:
+        weights = weights[..., :-1]
     return torch.einsum("bhr,rhd->bhd", weights, values).to(q.dtype)
 
 
@@ -195,25 +246,40 @@ if triton is not None:
         return top, total, acc
 
     @triton.jit
+    def _sink_share(top, total, sink):
+        """Fold a sink into online-softmax state ``(top, total)``: the factor for the keys'
+        sum and output, and the new total, both relative to ``max(top, sink)`` (0 where
+        both are ``-inf``, so no keys and no sink stay 0, not NaN)."""
+        m = tl.maximum(top, sink)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        rescale = tl.exp(top - m)
+        return rescale, total * rescale + tl.exp(sink - m)
+
+    @triton.jit
     def _paged_decode_kernel(
-        q, k_cache, v_cache, read_index, cu_k, out, scaling,
+        q, k_cache, v_cache, read_index, cu_k, out, sinks, scaling,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
         stride_t,
         GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
-        """One (sequence, key head) over all of the sequence's keys, normalised into ``out``."""
+        """One (sequence, key head) over all of the sequence's keys, normalised into ``out``
+        (with ``HAS_SINKS``, each query head's ``sinks`` entry joins the denominator)."""
         seq, head = tl.program_id(0), tl.program_id(1)
         start = tl.load(cu_k + seq)
-        _, total, acc = _attend(
+        top, total, acc = _attend(
             q, k_cache, v_cache, read_index, seq, head, start, start,
             tl.load(cu_k + seq + 1), scaling, stride_qb, stride_qh, stride_ks, stride_kh,
             stride_vs, stride_vh, stride_t, GROUPS, BLOCK_G, HEAD_DIM, BLOCK_N, PAGE,
         )  # fmt: skip
-        total = tl.where(total > 0, total, 1.0)  # no keys: zeros, not NaN
-        result = acc / total[:, None]
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
+        if HAS_SINKS:
+            sink = tl.load(sinks + head * GROUPS + g, mask=g < GROUPS, other=0.0)
+            rescale, total = _sink_share(top, total, sink.to(tl.float32))
+            acc = acc * rescale[:, None]
+        total = tl.where(total > 0, total, 1.0)  # no keys: zeros, not NaN
+        result = acc / total[:, None]
         tl.store(
             out + seq * stride_ob + (head * GROUPS + g)[:, None] * stride_oh + d[None, :],
             result.to(out.dtype.element_ty), mask=(g < GROUPS)[:, None],
@@ -254,12 +320,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["splits"])
     def _paged_decode_combine_kernel(
-        part_out, part_lse, out, stride_ob, stride_oh, splits,
-        HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        part_out, part_lse, out, sinks, stride_ob, stride_oh, splits,
+        HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         """One (sequence, query head): the ``splits`` partial results weighted by their share
-        of the softmax; zeros where every split was empty. ``splits`` (at most ``MAX_SPLITS``)
-        is a plain argument that Triton does not specialise on: one binary for every count."""
+        of the softmax (with ``HAS_SINKS``, the head's ``sinks`` entry takes a share too);
+        zeros where every split was empty. ``splits`` (at most ``MAX_SPLITS``) is a plain
+        argument that Triton does not specialise on: one binary for every count."""
         seq, head = tl.program_id(0), tl.program_id(1)
         row = seq * tl.num_programs(1) + head
         s = tl.arange(0, MAX_SPLITS)
@@ -271,7 +338,11 @@ if triton is not None:
         parts = tl.load(part_out + (row * splits + s)[:, None] * HEAD_DIM + d[None, :],
                         mask=live[:, None], other=0.0)  # fmt: skip
         total = tl.sum(weights, 0)
-        result = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+        result = tl.sum(weights[:, None] * parts, 0)
+        if HAS_SINKS:
+            rescale, total = _sink_share(top, total, tl.load(sinks + head).to(tl.float32))
+            result = result * rescale
+        result = result / tl.where(total > 0, total, 1.0)
         tl.store(out + seq * stride_ob + head * stride_oh + d, result.to(out.dtype.element_ty))
 
 
@@ -360,7 +431,8 @@ def break_splits(batch: int, longest: int, k_cache: torch.Tensor) -> int:
 
 
 def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None,
-                 block_n: int | None = None, splits: int | None = None, page: int = 0):  # fmt: skip
+                 block_n: int | None = None, splits: int | None = None, page: int = 0,
+                 sinks=None):  # fmt: skip
     """:func:`paged_decode_reference` as Triton kernels: ``B x Hkv x splits`` programs.
 
     With ``page`` > 0, ``read_index`` is a block table instead (``[B, blocks]``, transformers'
@@ -378,10 +450,17 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
     (keys per step of a program's loop, a power of two of at least 16) defaults to
     ``BLOCK_N`` for heads of up to 128 and 64 above.
 
+    ``sinks`` (``[Hq]``, any float dtype, on ``q``'s device) are folded in where the output
+    is normalised (the single kernel, or the combine kernel: the split kernel's partial
+    log-sum-exps are all it needs): with ``m = max(top, sink)``, the output is ``acc *
+    exp(top - m) / (total * exp(top - m) + exp(sink - m))``. A compile-time flag picks the
+    kernels with or without them; :func:`warm_up` compiles the ones for ``float32`` sinks.
+
     Shapes and launch depend on ``q``'s and the caches' shapes only (``read_index`` and
     ``cu_k`` are read on the device), so a graph can capture the call. The last dimension
     of every tensor must be contiguous (:func:`fits` says which heads the kernel tiles).
     """
+    _check_sinks("paged_decode", q, sinks)
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if not fits(q_heads, kv_heads, head_dim):
@@ -415,10 +494,11 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
     block_g = max(16, triton.next_power_of_2(groups))
     if splits == 1:
         _paged_decode_kernel[(batch, kv_heads)](
-            q, k_cache, v_cache, read_index, cu_k, out, scaling,
+            q, k_cache, v_cache, read_index, cu_k, out, q if sinks is None else sinks, scaling,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), stride_t,
             GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page,
+            HAS_SINKS=sinks is not None,
         )  # fmt: skip
         return out
     part_out = torch.empty(batch, q_heads, splits, head_dim, device=q.device,
@@ -431,14 +511,14 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
         GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page,
     )  # fmt: skip
     _paged_decode_combine_kernel[(batch, q_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), splits,
-        HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS,
+        part_out, part_lse, out, out if sinks is None else sinks, out.stride(0), out.stride(1),
+        splits, HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS, HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out
 
 
 def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dtype,
-            device: torch.device, page: int = 0) -> list[int]:  # fmt: skip
+            device: torch.device, page: int = 0, sinks: bool = False) -> list[int]:  # fmt: skip
     """Compile, before serving, the kernels that pure-decode steps of ``batches`` sequences
     will launch; returns the split counts those kernels serve (:func:`default_splits` of
     ``batches``; empty off CUDA or without Triton).
@@ -452,7 +532,10 @@ def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dt
     no keys (nothing is read), laid out as the decode graphs and the attention breaks lay
     out theirs: queries as :func:`query_rows` views, cache rows ``[rows, kv_heads,
     head_dim]``, a block table ``TABLE_WIDTH_MULTIPLE`` entries wide (``page`` > 0) or a flat
-    ``int64`` read index (``page`` 0), ``int32`` key offsets.
+    ``int64`` read index (``page`` 0), ``int32`` key offsets. With ``sinks`` (a model with
+    attention sinks, as gpt-oss), the kernels with sinks instead of those without, on sinks
+    of ``dtype`` (``q_heads`` zeros): a model's sinks are parameters of its dtype, and their
+    dtype is part of what Triton compiles for.
 
     Example (no GPU here: nothing to compile)::
 
@@ -473,6 +556,8 @@ def warm_up(q_heads: int, kv_heads: int, head_dim: int, batches, dtype: torch.dt
         else:
             index = torch.zeros(16, dtype=torch.long, device=device)
         cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)  # no keys
+        sink = torch.zeros(q_heads, dtype=dtype, device=device) if sinks else None
         for count in launches:
-            paged_decode(q, rows, rows, index, cu_k, head_dim**-0.5, splits=count, page=page)
+            paged_decode(q, rows, rows, index, cu_k, head_dim**-0.5, splits=count, page=page,
+                         sinks=sink)  # fmt: skip
     return splits
