@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiny_models import MIXTRAL, TINY, tiny_config
+from .tiny_models import EAGER_ATTENTION, MIXTRAL, MOE_FAMILIES, TINY, tiny_config
 
 
 @dataclass(frozen=True)
@@ -256,6 +256,35 @@ CB_FAMILIES: dict[str, Family] = {
     )
 }
 
+#: Shapes the prefill benchmark runs only when named (``--families``), held out of its default:
+#: gpt-oss-20b's widths cut to 4 layers (attention sinks, sliding layers of 128 beside full ones,
+#: 32 experts top-4 with biases, YaRN RoPE), a family no default was tuned on
+HELD_OUT_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "gpt-oss-20b-4l",
+            lambda: _tf().GptOssConfig(
+                vocab_size=201088,
+                hidden_size=2880,
+                intermediate_size=2880,
+                num_hidden_layers=4,
+                num_attention_heads=64,
+                num_key_value_heads=8,
+                head_dim=64,
+                num_local_experts=32,
+                num_experts_per_tok=4,
+                sliding_window=128,
+                max_position_embeddings=131072,
+                rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                     beta_slow=1.0, truncate=False, rope_theta=150000.0,
+                                     original_max_position_embeddings=4096),
+            ),
+            "gpt-oss-20b cut to 4 layers: sinks, sliding 128 / full, 32 experts top-4, GQA 64/8",
+        ),
+    )
+}
+
 SMOKE_FAMILIES: dict[str, Family] = {  # the tiny models (tiny_models.TINY)
     f.name: f
     for f in (
@@ -265,17 +294,24 @@ SMOKE_FAMILIES: dict[str, Family] = {  # the tiny models (tiny_models.TINY)
             lambda: tiny_config("MixtralConfig", **TINY, **MIXTRAL, num_experts_per_tok=2),
             "2 layers, hidden 64, 4 experts, top-2",
         ),
+        Family(
+            "tiny-gpt-oss",
+            lambda: tiny_config(MOE_FAMILIES["gpt_oss"][0], **TINY, **MOE_FAMILIES["gpt_oss"][1]),
+            "2 layers, hidden 64, attention sinks, a sliding and a full layer, 4 experts",
+        ),
     )
 }
 
 
 def make_model(config, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A random-weight causal LM with HF's own SDPA attention, in eval mode (seed 0)."""
+    """A random-weight causal LM with HF's own SDPA attention (its eager attention for the
+    families transformers serves without SDPA: gpt-oss), in eval mode (seed 0)."""
     transformers = _tf()
     torch.manual_seed(0)
+    attention = "eager" if config.model_type in EAGER_ATTENTION else "sdpa"
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="sdpa"
+            config, dtype=dtype, attn_implementation=attention
         )
     return model.eval()
 

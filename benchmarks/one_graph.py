@@ -59,10 +59,12 @@ def one_graph_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ):
     """The function registered as ``AttentionInterface["breakgraph_one_graph"]``: the
-    FlashAttention varlen kernel over every packed sequence, inside the graph."""
+    FlashAttention varlen kernel over every packed sequence, inside the graph (``s_aux``:
+    attention sinks, as breakgraph's own attention applies them)."""
     state = _running.get()
     if state is None:
         raise breakgraph.CaptureError(
@@ -71,7 +73,7 @@ def one_graph_attention(
     cu_seqlens, cut = state
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = getattr(module, "layer_idx", 0)
-    call = LayerAttention(layer, query, key, value, scale, sliding_window, "flash")
+    call = LayerAttention(layer, query, key, value, scale, sliding_window, "flash", sinks=s_aux)
     out = call.flash(cu_seqlens, query.shape[2])  # max_seqlen: the bucket, an upper bound
     if cut:
         breakgraph.break_graph()

@@ -181,6 +181,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*report_held_out.WHOLE_3B_FILES]
         + [report_held_out.MOE_TRACE_SUMMARY]
         + [report_prefill.OTHER_CARD_FILE, report_prefill.LM_HEAD_FILE]
+        + list(report_prefill.HELD_OUT_FILES)
     )
     loaded = {n: d for n in names if (d := load(n)) is not None}
     suite_data = None
@@ -234,6 +235,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     )
     blocks += report_prefill.lm_head_section(
         loaded.get(report_prefill.LM_HEAD_FILE), loaded.get(report_prefill.OTHER_CARD_FILE)
+    )
+    blocks += report_prefill.held_out_section(
+        [(name, loaded[name]) for name in report_prefill.HELD_OUT_FILES if name in loaded]
     )
     if report_breaks.OVERHEAD_FILE in loaded:
         blocks += report_breaks.overhead_section(

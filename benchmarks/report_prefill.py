@@ -39,6 +39,8 @@ COMPILE_FILE = "h200-prefill-compile.json"  # a run for the torch.compile varian
 TRIED_FILE = "h200-prefill-baselines-5.25.json"  # a release outside the declared range, tried
 NEWEST_FILE = "h200-prefill-baselines-5.24.json"  # the same benchmark on the newest transformers
 OTHER_CARD_FILE = "h100-prefill-baselines.json"  # the same benchmark on an H100, four families
+#: the benchmark on families held out of its default (``families.HELD_OUT_FAMILIES``: gpt-oss)
+HELD_OUT_FILES = ("h200-prefill-gpt-oss-5.17.json", "h200-prefill-gpt-oss-5.24.json")
 #: two of those families again on an H100, after the LM head's rows were sliced per bucket
 LM_HEAD_FILE = "h100-prefill-lmhead.json"
 #: that run's illegal memory access again: its last five families, a device-wide sync per read
@@ -551,6 +553,27 @@ def other_card_section(data: dict | None, main: dict | None) -> list[str]:
     return [fill("prefill.other_card", file=OTHER_CARD_FILE, main_file=FILE,
                  main_gpu=(main or {}).get("meta", {}).get("gpu") or "-",
                  **_beside(data, runs, lambda r: r["meta"].get("gpu") or "-"))]
+
+
+def held_out_section(runs: list) -> list[str]:
+    """The benchmark on a held-out family (:data:`HELD_OUT_FILES`, one run per transformers
+    release, those that exist): each run's table, its agreement with HF eager and its
+    targets; the baseline is HF's eager attention where transformers has no SDPA."""
+    blocks = []
+    for name, data in runs:
+        check_list = checks(data)
+        missed = [c for c in check_list if c.met is False]
+        for fam in data["families"]:
+            blocks.append(fill(
+                "prefill.held_out", file=name, family=fam["family"], **_run_fields(data["meta"]),
+                shape=fam.get("shape", "-"), table=family_table(fam, check_list),
+                correctness=correctness_table(fam), met=sum(c.met is True for c in check_list),
+                missed=len(missed), misses="; ".join(
+                    f"{c.workload}, {target_label(c.target)}: {num(c.value, 3)} "
+                    f"({limit_text(c.target)})" for c in missed) or "none",
+                not_measured=sum(c.met is None for c in check_list),
+            ))  # fmt: skip
+    return blocks
 
 
 def lm_head_section(after: dict | None, before: dict | None) -> list[str]:

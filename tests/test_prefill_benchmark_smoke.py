@@ -101,3 +101,27 @@ def test_budget_skips_work_and_says_so():
     assert results["skipped"] == [
         {"family": "tiny-llama", "what": "family", "reason": "time budget (-1 s) would be exceeded"}
     ]
+
+
+def test_held_out_section_reads_a_run_of_the_benchmark(smoke):
+    """The section of a held-out family (gpt-oss on the GPU) renders any run of the benchmark:
+    its table, its agreement with HF eager, its targets; none without a run."""
+    _, data = smoke
+    (text,) = report_prefill.held_out_section([("run.json", data)])
+    assert text.startswith("## Prefill on a held-out family with attention sinks: tiny-llama")
+    assert "`run.json`: -, torch" in text and "| single 5 | 16 (69%) |" in text
+    assert "greedy tokens agree" in text and "were met and 0 missed" in text
+    assert report_prefill.held_out_section([]) == []
+
+
+def test_held_out_families_are_named_not_default():
+    """gpt-oss's shape runs only when named: the default stays the tuned families, and the
+    held-out names parse."""
+    from benchmarks import families
+
+    assert not set(families.HELD_OUT_FAMILIES) & set(families.FAMILIES)
+    settings, _ = bench_prefill.parse_args([])
+    assert settings.families == list(families.FAMILIES)
+    settings, _ = bench_prefill.parse_args(["--families", "gpt-oss-20b-4l"])
+    assert settings.families == ["gpt-oss-20b-4l"]
+    assert families.HELD_OUT_FAMILIES["gpt-oss-20b-4l"].config().model_type == "gpt_oss"
