@@ -298,7 +298,8 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
     softmax and adds no value, so ``out`` ``[T, Hq, D]`` (the attention without it) shrinks by
     ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``, ``lse`` ``[Hq, T]`` being the
     log-sum-exp of each row's scaled scores (FlashAttention's varlen layout). In place, on the
-    first ``rows`` rows (default: all; rows past them have no log-sum-exp of their own).
+    first ``rows`` rows (default: all; rows past them have no log-sum-exp of their own), and
+    ``lse`` is overwritten (the kernel's, fresh for each call: no allocation per layer).
 
     >>> import torch
     >>> out, lse = torch.ones(3, 2, 4), torch.zeros(2, 3)
@@ -312,8 +313,8 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
             f"{tuple(lse.shape)}, not [heads, rows] = {[out.shape[1], out.shape[0]]}; this "
             f"torch's kernel lays it out another way. Serve the model with attention='reference'."
         )
-    scale = torch.sigmoid(lse[:, :rows] - sinks[:, None]).t()
-    out[:rows].mul_(scale.unsqueeze(-1))
+    scale = lse[:, :rows].sub_(sinks[:, None]).sigmoid_()
+    out[:rows].mul_(scale.t().unsqueeze(-1))
     return out
 
 

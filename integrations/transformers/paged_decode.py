@@ -454,7 +454,7 @@ def paged_decode(q, k_cache, v_cache, read_index, cu_k, scaling: float, out=None
     is normalised (the single kernel, or the combine kernel: the split kernel's partial
     log-sum-exps are all it needs): with ``m = max(top, sink)``, the output is ``acc *
     exp(top - m) / (total * exp(top - m) + exp(sink - m))``. A compile-time flag picks the
-    kernels with or without them; :func:`warm_up` compiles the ones for ``float32`` sinks.
+    kernels with or without them; :func:`warm_up` compiles the ones for sinks of its dtype.
 
     Shapes and launch depend on ``q``'s and the caches' shapes only (``read_index`` and
     ``cu_k`` are read on the device), so a graph can capture the call. The last dimension
