@@ -325,16 +325,18 @@ def run_family(run: Run, family: Family) -> dict:
         if not s.cuda:
             run.skip(family.name, "hf_graph", "torch.cuda.graph needs CUDA (smoke run)")
         else:
+            pool = torch.cuda.graph_pool_handle()
             with attempt(result, "hf_graph"):
-                pool = torch.cuda.graph_pool_handle()
-                window = getattr(config, "sliding_window", None)
+                for n in sorted(singles, reverse=True):  # largest first: the pool is reused
+                    graphs[n] = exact_length_graph(model, singles[n], pool=pool)
+                    closers.append(graphs[n].close)
+            window = getattr(config, "sliding_window", None)
+            with attempt(result, "hf_graph batch"):  # the single prompts' graphs stand alone
                 if window is not None and max(map(len, batch)) > window:
                     raise ValueError("the padded batch's 4-D mask would drop the sliding window")
                 graphs["batch"] = padded.graph(model, pool=pool)
-                for n in sorted(singles, reverse=True):  # largest first: the pool is reused
-                    graphs[n] = exact_length_graph(model, singles[n], pool=pool)
-                result["hf_graph_capture_s"] = {str(k): g.capture_s for k, g in graphs.items()}
-                closers += [g.close for g in graphs.values()]
+                closers.append(graphs["batch"].close)
+            result["hf_graph_capture_s"] = {str(k): g.capture_s for k, g in graphs.items()}
         compiled = compile_variants(run, family, model, result, runners, closers)
         with attempt(result, "correctness"):
             result["correctness"] = correctness(

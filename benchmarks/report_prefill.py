@@ -40,7 +40,7 @@ TRIED_FILE = "h200-prefill-baselines-5.25.json"  # a release outside the declare
 NEWEST_FILE = "h200-prefill-baselines-5.24.json"  # the same benchmark on the newest transformers
 OTHER_CARD_FILE = "h100-prefill-baselines.json"  # the same benchmark on an H100, four families
 #: the benchmark on families held out of its default (``families.HELD_OUT_FAMILIES``: gpt-oss)
-HELD_OUT_FILES = ("h200-prefill-gpt-oss-5.17.json", "h200-prefill-gpt-oss-5.24.json")
+HELD_OUT_FILES = ("h100-prefill-gpt-oss-5.17.json", "h100-prefill-gpt-oss-5.24.json")
 #: two of those families again on an H100, after the LM head's rows were sliced per bucket
 LM_HEAD_FILE = "h100-prefill-lmhead.json"
 #: that run's illegal memory access again: its last five families, a device-wide sync per read
@@ -564,14 +564,21 @@ def held_out_section(runs: list) -> list[str]:
         check_list = checks(data)
         missed = [c for c in check_list if c.met is False]
         for fam in data["families"]:
+            worst = {key: max((w[key]["max_abs_diff"] for w in fam.get("correctness", {}).values()
+                               if key in w), default=None)
+                     for key in ("breakgraph", "bg_one_graph", "hf_eager_padded")}  # fmt: skip
             blocks.append(fill(
                 "prefill.held_out", file=name, family=fam["family"], **_run_fields(data["meta"]),
                 shape=fam.get("shape", "-"), table=family_table(fam, check_list),
                 correctness=correctness_table(fam), met=sum(c.met is True for c in check_list),
                 missed=len(missed), misses="; ".join(
-                    f"{c.workload}, {target_label(c.target)}: {num(c.value, 3)} "
-                    f"({limit_text(c.target)})" for c in missed) or "none",
+                    f"{c.what + ', ' if c.what else ''}{target_label(c.target)}: "
+                    f"{num(c.value, 3)} ({limit_text(c.target)})" for c in missed) or "none",
+                bg_diff=num(worst["breakgraph"], 2) if worst["breakgraph"] is not None else "-",
+                padded_diff=num(worst["hf_eager_padded"], 2)
+                if worst["hf_eager_padded"] is not None else "-",
                 not_measured=sum(c.met is None for c in check_list),
+                errors="; ".join(f"{k}: {v}" for k, v in fam.get("errors", {}).items()) or "none",
             ))  # fmt: skip
     return blocks
 

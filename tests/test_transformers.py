@@ -206,16 +206,55 @@ def test_grouped_mm_experts_are_captured_not_broken(backend, closing):
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"prompt {i}")
 
 
-def test_grouped_mm_experts_that_cannot_be_captured_run_as_breaks(backend, closing, monkeypatch):
+def test_the_grouped_mm_probe_finds_biased_experts_too(monkeypatch):
+    """``grouped_mm_captures`` probes the model's first experts module that ExpertsInterface
+    dispatches, biased ones included (gpt-oss): it looked only at the modules the padding
+    mask's cost model reads, found none in gpt-oss, and answered "captures" unprobed, so fp32
+    gpt-oss on a GPU failed its first capture (the CB fuzzer, session 49). On the CPU the
+    probe's capture is stood in for: what it calls, and what a failed capture answers."""
+    import contextlib
+
+    from breakgraph.integrations.transformers import compat, experts
+
+    model = model_for("gpt_oss", "emulated", experts_implementation="grouped_mm")
+    found = list(compat.experts_modules(model))
+    assert len(found) == model.config.num_hidden_layers and found[0].has_bias
+    assert compat.experts_shape(found[0]) is None  # all the probe looked for before
+    assert list(compat.experts_modules(model_for("llama", "emulated"))) == []
+    called, inside = [], []
+
+    def grouped(module, hidden, index, weights):
+        called.append(module)
+        if inside:  # as transformers' fallback does inside a capture on the GPU
+            raise breakgraph.HostSyncError("the experts' offsets copied to the host")
+        return hidden
+
+    @contextlib.contextmanager
+    def capturing(*args, **kwargs):
+        inside.append(True)
+        yield
+
+    monkeypatch.setattr(compat, "grouped_experts", lambda: grouped)
+    monkeypatch.setattr(breakgraph, "BreakableCUDAGraph", lambda: None)
+    monkeypatch.setattr(breakgraph, "capture", capturing)
+    assert experts._capture_grouped_experts(model, torch.float32) is False
+    assert called == [found[0], found[0]]  # the warm-up call, then the captured one
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_grouped_mm_experts_that_cannot_be_captured_run_as_breaks(arch, backend, closing,
+                                                                  monkeypatch):  # fmt: skip
     """Where transformers' grouped_mm experts cannot be captured (fp32 or fp16 weights on CUDA,
     an A100: torch and transformers copy the experts' offsets to the host there), the runner
     kept them in its segments and the first capture raised ``HostSyncError`` (found by the CB
-    fuzzer on the GPU, fp32). ``grouped_mm_captures`` probes it when the runner is built, and
-    the eager loop then runs as breaks. On the GPU the model is fp32 and the probe answers
-    itself; on the CPU, where there is nothing to probe, it is made to say no."""
+    fuzzer on the GPU, fp32; again in session 49 for gpt-oss, whose biased experts the probe
+    passed by). ``grouped_mm_captures`` probes it when the runner is built, and the eager loop
+    then runs as breaks. On the GPU the model is fp32 and the probe answers itself; on the
+    CPU, where there is nothing to probe, it is made to say no."""
     from breakgraph.integrations.transformers import experts
 
-    model = model_for("qwen3_moe", backend, experts_implementation="grouped_mm")
+    experts._grouped_captures.clear()  # probed afresh, on this model's first experts module
+    model = model_for(arch, backend, experts_implementation="grouped_mm")
     if backend == "cuda":
         model.float()
     else:

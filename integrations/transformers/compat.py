@@ -117,7 +117,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -180,6 +180,15 @@ def grouped_experts() -> Callable:
     """3. The function ``ExpertsInterface`` holds under ``"grouped_mm"`` (public: an instance
     of the registry, indexed by key)."""
     return experts_registry()()["grouped_mm"]
+
+
+def experts_modules(model: Any) -> Iterator[Any]:
+    """3. The model's experts modules that ``ExpertsInterface`` dispatches: those carrying the
+    ``num_experts`` and ``has_bias`` that ``@use_experts_implementation`` sets (biased ones
+    too, which :func:`experts_shape` leaves out)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "num_experts", None), int) and hasattr(module, "has_bias"):
+            yield module
 
 
 def experts_shape(module: Any) -> tuple[int, list] | None:

@@ -238,7 +238,7 @@ def grouped_mm_captures(model: Any) -> bool:
 def _capture_grouped_experts(model: Any, dtype: torch.dtype) -> bool:
     """Capture one call of transformers' ``grouped_mm`` experts function on the model's first
     experts module (two tokens routed to expert 0); False when the capture fails."""
-    module = next((m for m in model.modules() if compat.experts_shape(m) is not None), None)
+    module = next(compat.experts_modules(model), None)  # biased ones too (gpt-oss)
     config = getattr(model, "config", None)
     hidden_size = getattr(config, "hidden_size", None)
     top_k = getattr(config, "num_experts_per_tok", None)
