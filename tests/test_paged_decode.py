@@ -92,6 +92,17 @@ def sink_attention(q, k_cache, v_cache, read_index, cu_k, scaling, sinks):
     return out
 
 
+def poison_stale_rows(k_cache, v_cache, read_index) -> torch.Tensor:
+    """Fill the cache rows no sequence reads with NaN and inf (rows never written hold
+    anything) and return 19 of them: stale rows to append past ``cu_k[-1]``."""
+    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    unused[read_index.long()] = False
+    unused = unused.nonzero().flatten()
+    k_cache[unused[::2]], v_cache[unused[::2]] = float("nan"), float("nan")
+    k_cache[unused[1::2]], v_cache[unused[1::2]] = float("inf"), float("-inf")
+    return unused[torch.randint(0, unused.numel(), (19,))].to(read_index.dtype)
+
+
 def random_sinks(seed: int, q_heads: int, dtype=torch.float32, device="cpu"):
     """One sink per query head, of both signs and magnitudes up to 5 (never zero)."""
     g = torch.Generator().manual_seed(seed)
@@ -146,12 +157,7 @@ def test_dense_reads_the_whole_index_with_fixed_shapes(heads):
     q, k_cache, v_cache, read_index, cu_k = paged_case(
         1, q_heads, kv_heads, head_dim, [5, 1, 0, 33, 0, 0], torch.float32, "cpu"
     )
-    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
-    unused[read_index.long()] = False
-    unused = unused.nonzero().flatten()
-    k_cache[unused[::2]], v_cache[unused[::2]] = float("nan"), float("nan")
-    k_cache[unused[1::2]], v_cache[unused[1::2]] = float("inf"), float("-inf")
-    stale = unused[torch.randint(0, unused.numel(), (19,))].to(read_index.dtype)
+    stale = poison_stale_rows(k_cache, v_cache, read_index)
     got = pd.paged_decode_dense(q, k_cache, v_cache, torch.cat([read_index, stale]).long(),
                                 cu_k, head_dim**-0.5)  # fmt: skip
     expected = dense_attention(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5)
@@ -166,12 +172,7 @@ def test_dense_with_sinks_is_the_reference_with_sinks(heads):
     q_heads, kv_heads, head_dim = heads
     q, k_cache, v_cache, read_index, cu_k = paged_case(
         8, q_heads, kv_heads, head_dim, [5, 1, 0, 33, 0, 0], torch.float32, "cpu")  # fmt: skip
-    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
-    unused[read_index.long()] = False
-    unused = unused.nonzero().flatten()
-    k_cache[unused[::2]], v_cache[unused[::2]] = float("nan"), float("nan")
-    k_cache[unused[1::2]], v_cache[unused[1::2]] = float("inf"), float("-inf")
-    stale = unused[torch.randint(0, unused.numel(), (19,))].to(read_index.dtype)
+    stale = poison_stale_rows(k_cache, v_cache, read_index)
     sinks = random_sinks(9, q_heads)
     got = pd.paged_decode_dense(q, k_cache, v_cache, torch.cat([read_index, stale]).long(),
                                 cu_k, head_dim**-0.5, sinks=sinks)  # fmt: skip

@@ -390,8 +390,7 @@ class StepRunner:
         # under tensor parallelism, whose ranks hold a share of the heads. Sinks: their variant
         self.heads: tuple[int, int, int] | None = None  # query heads, key heads, head size
         self._break_kernels = False  # the heads' kernels launch from the breaks (page 0)
-        self._sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in
-                          model.modules())  # attention sinks (gpt-oss)  # fmt: skip
+        self._sinks = compat.has_attention_sinks(model)  # gpt-oss: the kernels' sinks variant
         heads, kinds = attention_heads(model.config), layer_attention(model.config)
         if heads is not None and self.decode is not None and kinds == "full":
             self.heads = heads

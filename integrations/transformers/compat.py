@@ -32,6 +32,12 @@ prefill
      decorator, found on the module's ``forward`` (through ``__wrapped__``), reads
      ``self.rope_type`` at each call and switches nothing for ``"default"``. Where any of it is
      not found, PrefillRunner refuses the model as it refuses any RoPE it cannot capture.
+ 19. P the ``s_aux`` keyword of an attention call (attention sinks, gpt-oss: served by every
+     attention kernel) and I the attention module's ``sinks`` parameter it passes
+     (:func:`has_attention_sinks`: continuous batching warms the decode kernels' sinks variant
+     for such a model). A release that renamed the parameter would compile that variant in the
+     first step that needs it (once, still exact); one that renamed the keyword would reach
+     breakgraph's attention without sinks, which the gpt-oss tests would show.
 
 continuous batching (transformers keeps its scheduler, paged cache, sampling and request
 lifecycle; breakgraph takes over the model's forward for the CB steps only)
@@ -180,6 +186,11 @@ def grouped_experts() -> Callable:
     """3. The function ``ExpertsInterface`` holds under ``"grouped_mm"`` (public: an instance
     of the registry, indexed by key)."""
     return experts_registry()()["grouped_mm"]
+
+
+def has_attention_sinks(model: Any) -> bool:
+    """19. Whether some attention module of ``model`` holds attention sinks (``sinks``)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
 
 
 def experts_modules(model: Any) -> Iterator[Any]:
