@@ -107,6 +107,24 @@ OTHER_DENSE_FAMILIES = {
     "arcee": ("ArceeConfig", dict(head_dim=16, pad_token_id=None)),
     # LayerNorm1P, ReLU squared, half-rotary RoPE
     "nemotron": ("NemotronConfig", dict(head_dim=16, pad_token_id=None, eos_token_id=None)),
+    # YaRN with Llama 4's query scale by position, its original length so short that the scale
+    # changes at positions 8 and 16 (beta 1.0; checkpoints use 0.1), a window on every layer
+    "ministral3": ("Ministral3Config", dict(
+        head_dim=16, sliding_window=8,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0,
+                             original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0,
+                             mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=1.0),
+    )),
+    # LayerNorm with biases, a gateless ReLU-squared MLP, biases on q/k/v/o and the MLP
+    "jais2": ("Jais2Config", dict(
+        head_dim=16, attention_bias=True, mlp_bias=True, hidden_act="relu2", eos_token_id=None,
+    )),
+    # Granite's multipliers (the logits multiplied, not divided), norms after attention and MLP,
+    # biases
+    "hyperclovax": ("HyperCLOVAXConfig", dict(
+        head_dim=16, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+        logits_scaling=4.0, use_post_norm=True, attention_bias=True, mlp_bias=True,
+    )),
 }  # fmt: skip
 
 #: the MoE families' extra kwargs (each test file adds the routing it needs)
@@ -160,6 +178,61 @@ MOE_FAMILIES = {
         rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128,
                              rope_theta=150000.0, beta_fast=32.0, beta_slow=1.0, truncate=False),
     )),
+    # qk-norm over all heads at once, half-rotary RoPE, sigmoid routing with a score-correction
+    # bias on the MoE block
+    "minimax_m2": ("MiniMaxM2Config", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5),
+        bos_token_id=None, eos_token_id=None,  # its defaults are outside the tiny vocabularies
+    )),
+    # a sliding layer with RoPE and a full one without, qk-norm, a sigmoid gate on the attention
+    # output, biases, muP's embedding scale, norms after the blocks, a dense first layer, sigmoid
+    # routing with an expert bias and a route scale, shared experts
+    "afmoe": ("AfmoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+        num_dense_layers=1, num_shared_experts=2, route_scale=2.5, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], mup_enabled=True,
+        attention_bias=True,
+    )),
+    # a sliding layer with RoPE and a full one without, qk-norm, a dense first layer, grouped
+    # sigmoid routing (two groups, one kept) with a score-correction bias, scaled weights, a
+    # shared expert
+    "exaone_moe": ("ExaoneMoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+        first_k_dense_replace=1, num_shared_experts=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )),
+    # grouped sigmoid routing with a score-correction bias, scaled weights, a shared expert,
+    # q/k/v biases
+    "solar_open": ("SolarOpenConfig", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        attention_bias=True, head_dim=16,
+    )),
+    # Cohere's parallel block from one LayerNorm, interleaved RoPE on the sliding layer and none
+    # on the full one, a dense first layer, a shared expert averaged in, logit_scale, biases
+    "cohere2_moe": ("Cohere2MoeConfig", dict(
+        head_dim=16, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        num_shared_experts=1, prefix_dense_intermediate_size=48,
+        mlp_layer_types=["dense", "sparse"], sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], logit_scale=0.25,
+        attention_bias=True, eos_token_id=None,
+    )),
+    # qk-norm, a dense first layer, fp32 sigmoid routing with a score-correction bias and a
+    # routed scaling factor, a shared expert added in fp32, biases
+    "hy_v3": ("HYV3Config", dict(
+        head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_shared_experts=1, mlp_layer_types=["dense", "sparse"],
+        attention_bias=True, mlp_bias=True,
+    )),
+    # a sliding and a full layer with their own RoPE theta, qk-norm, a dense first layer,
+    # softmax top-k routing renormalised, biases
+    "mellum": ("MellumConfig", dict(
+        head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"], sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+    )),
 }  # fmt: skip
 
 #: families transformers serves without SDPA (gpt-oss: attention sinks); their tiny models load
@@ -172,7 +245,10 @@ def from_config(config, **options):
     attention for :data:`EAGER_ATTENTION`) and attention sinks (gpt-oss) drawn from N(0, 2)
     from the global generator: transformers initialises them near 0 (std 0.02), where a sink
     adds about 1 to each softmax's denominator, while a checkpoint's spread a few units either
-    way, and a sink of the wrong sign or scale must show.
+    way, and a sink of the wrong sign or scale must show. Routing that transformers initialises
+    to zero is drawn too: score-correction and expert biases from N(0, 0.1) (MiniMax-M2,
+    AFMoE, EXAONE-MoE, Solar Open, GLM-4-MoE) and an all-zero router weight from N(0, 0.2)
+    (AFMoE), or every expert would tie and the routing would go untested.
 
     >>> from benchmarks.tiny_models import MOE_FAMILIES, TINY, tiny_config
     >>> model = from_config(tiny_config(MOE_FAMILIES["gpt_oss"][0], **TINY,
@@ -188,9 +264,15 @@ def from_config(config, **options):
         config, attn_implementation=attention, **options
     )
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
             if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
                 module.sinks.normal_(0.0, 2.0)
+            for bias in ("e_score_correction_bias", "expert_bias"):
+                if isinstance(getattr(module, bias, None), torch.Tensor):
+                    getattr(module, bias).normal_(0.0, 0.1)
+            weight = getattr(module, "weight", None)
+            if "router" in name and isinstance(weight, torch.Tensor) and not weight.any():
+                weight.normal_(0.0, 0.2)
     return model.eval()
 
 

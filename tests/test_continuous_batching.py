@@ -314,7 +314,7 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
     windowed = models.layer_attention(model.config) != "full"
     assert (decode.replays > 0) == (not windowed)
     assert log.mixed > 0 and max(sum(q) for q in log.steps) == 24  # mixed steps, full steps
-    eager_experts = model.config.num_hidden_layers if experts == "eager" else 0
+    eager_experts = len(list(compat.experts_modules(model))) if experts == "eager" else 0
     assert {b.breaks for b in stats.buckets.values()} == {
         model.config.num_hidden_layers + eager_experts
     }
@@ -2101,6 +2101,28 @@ def test_unsupported_models_and_arguments():
         with pytest.raises(BackendError, match="emulated"):
             enable_continuous_batching(model)
     assert not cb._enabled and not cb._shared.installed  # failed enables leave nothing
+
+
+@needs_cb
+def test_logits_transformed_in_a_way_breakgraph_does_not_know_are_refused(monkeypatch):
+    """A step computes its logits as ``lm_head`` and what ``logits_head`` reads from the config,
+    not through the causal LM's forward. HyperCLOVAX multiplies by the ``logits_scaling`` Granite
+    divides by: read as Granite's, its logprobs were 0.4 off with equal tokens, silently. Now
+    every enable checks one token's logits against the model's forward and refuses a mismatch
+    (here: HyperCLOVAX with breakgraph's knowledge of it taken away), leaving nothing behind."""
+    from breakgraph.integrations.transformers import logits_head
+
+    model = build_model("hyperclovax")
+    before = transformers_state(model)
+    monkeypatch.setattr(logits_head, "_MULTIPLY_BY_LOGITS_SCALING", ())
+    with pytest.raises(UnsupportedModelError, match=r"HyperCLOVAXForCausalLM's logits are not "
+                       r"its lm_head's after what breakgraph applies to them \(div 4.0\)"):
+        enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS)
+    assert transformers_state(model) == before
+    assert not cb._enabled and not cb._shared.installed
+    monkeypatch.undo()
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert [(op.__name__, v) for op, v in handle.runner.after_head] == [("mul", 4.0)]
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2_hybrid"])

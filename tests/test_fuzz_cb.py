@@ -74,11 +74,12 @@ STOCK = os.environ.get("BREAKGRAPH_FUZZ_CB_STOCK")  # triage: None, "graphs" or 
 #: reduction orders) for a step's many rows than for generate()'s one
 LOGPROB_ATOL = {"cpu": 2e-5, "cuda": 1e-4}
 _ALL = list(ARCHS) + [f"{arch}-{experts}" for arch, experts in CASES if experts]
-#: the MoE families added in sessions 48 and 49, after the fixed seeds below were found: drawn
+#: the MoE families added in sessions 48 to 50, after the fixed seeds below were found: drawn
 #: after the others, so that such a seed (``FIXED_DRAWS``) draws from the families before them and
 #: keeps its scenario
 _ADDED_LATER = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared",
-                "flex_olmo", "gpt_oss")  # fmt: skip
+                "flex_olmo", "gpt_oss", "minimax_m2", "afmoe", "exaone_moe", "solar_open",
+                "cohere2_moe", "hy_v3", "mellum")  # fmt: skip
 _BEFORE_48 = [f for f in _ALL if f.split("-")[0] not in _ADDED_LATER]
 FAMILIES = _BEFORE_48 + [f for f in _ALL if f not in _BEFORE_48]
 _models: dict = {}

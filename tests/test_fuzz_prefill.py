@@ -267,11 +267,13 @@ def test_batches_cover_every_kind():
 
 
 # -- config variants ------------------------------------------------------------------------------
-_PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm", "glm4", "nemotron", "glm4_moe")  # the factor
-_KEYED_ROPE = ("gemma3_text", "olmo3")  # RoPE settings keyed by layer type
+_PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm", "glm4", "nemotron", "glm4_moe",
+                   "minimax_m2")  # the factor  # fmt: skip
+_KEYED_ROPE = ("gemma3_text", "olmo3", "mellum")  # RoPE settings keyed by layer type
 #: a window always: sliding layer_types by default, or (Qwen2-MoE) a sliding mask built whatever
 #: the layers (transformers' own forward fails without a window)
-_SLIDING_LAYERS = ("olmo3", "ministral", "exaone4", "cohere2", "qwen2_moe", "gpt_oss")
+_SLIDING_LAYERS = ("olmo3", "ministral", "exaone4", "cohere2", "qwen2_moe", "gpt_oss", "afmoe",
+                   "exaone_moe", "cohere2_moe")  # fmt: skip
 _HIDDEN_HEADS = ("helium",)  # o_proj maps hidden_size to hidden_size: head_dim = hidden / heads
 
 
@@ -331,6 +333,10 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
                                  for kind in ("sliding_attention", "full_attention")}  # fmt: skip
     elif family in _PARTIAL_ROTARY or rng.random() < 0.6:  # their defaults are partial
         kw["rope_parameters"] = _rope(rng, head_dim, partial, family)
+    if family == "ministral3":  # Llama 4's query scale by position: the model needs both
+        kw.setdefault("rope_parameters", dict(rope_type="default", rope_theta=10000.0))
+        kw["rope_parameters"].update(llama_4_scaling_beta=rng.choice([0.1, 1.0]),
+                                     original_max_position_embeddings=rng.choice([8, 16, 64]))
     for knob in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_qkv_bias", "use_bias",
                  "qk_layernorm", "use_qk_norm", "use_parallel_residual"):  # fmt: skip
         if knob in knobs and rng.random() < 0.7:
@@ -381,7 +387,7 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
 
 
 def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> None:
-    """The routing knobs of the MoE families added in sessions 48-49 (``count`` experts): grouped
+    """The routing knobs of the MoE families added in sessions 48-50 (``count`` experts): grouped
     routing, shared experts, dense layers among sparse ones, scaled and normed routing weights,
     Granite's multipliers."""
     k = kw.get("num_experts_per_tok")
@@ -410,6 +416,33 @@ def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> Non
         kw.update(num_experts=count, norm_topk_prob=rng.random() < 0.5)
     if family == "gpt_oss":  # sinks: drawn by from_config; the default layers alternate
         kw["num_local_experts"] = count
+    if family == "minimax_m2":  # the score-correction bias: drawn by from_config
+        kw["num_local_experts"] = count
+    if family == "afmoe":
+        kw.update(num_experts=count, moe_intermediate_size=rng.choice([32, 64]),
+                  num_dense_layers=rng.choice([0, 0, 1]), num_shared_experts=rng.choice([0, 1, 2]),
+                  route_scale=rng.choice([1.0, 2.5]), mup_enabled=rng.random() < 0.5)  # fmt: skip
+    if family in ("exaone_moe", "solar_open"):  # grouped routing: every group at least 2 experts
+        groups = rng.choice([g for g in (1, 2, 4) if count % g == 0 and count // g >= 2])
+        kept = rng.choice([g for g in range(1, groups + 1) if g * count // groups >= k])
+        kw.update(n_group=groups, topk_group=kept, moe_intermediate_size=rng.choice([32, 64]),
+                  routed_scaling_factor=rng.choice([1.0, 2.5]), norm_topk_prob=rng.random() < 0.5)
+    if family == "exaone_moe":
+        kw.update(num_experts=count, first_k_dense_replace=rng.choice([0, 0, 1]),
+                  num_shared_experts=rng.choice([0, 1]))
+    if family == "solar_open":
+        kw.update(n_routed_experts=count, n_shared_experts=rng.choice([0, 1]))
+    if family in ("cohere2_moe", "hy_v3", "mellum"):  # dense and sparse layers in any order
+        kw.update(num_experts=count, mlp_layer_types=[
+            rng.choice(["dense", "sparse"]) for _ in range(kw["num_hidden_layers"])])
+    if family in ("cohere2_moe", "hy_v3"):  # HunYuan 3 takes 0 shared experts as intermediate_size
+        kw["num_shared_experts"] = rng.choice([1, 2])
+    if family == "cohere2_moe":
+        kw["logit_scale"] = rng.choice([0.0625, 0.5, 3.0])
+    if family in ("hy_v3", "mellum"):
+        kw["moe_intermediate_size"] = rng.choice([32, 64])
+    if family == "mellum":
+        kw["norm_topk_prob"] = rng.random() < 0.5
 
 
 def expected_refusal(config, who: str = "PrefillRunner") -> str | None:

@@ -108,6 +108,12 @@ def model_for(arch: str, backend: str, **overrides):
     return build_model(arch, device, dtype, **overrides)
 
 
+def moe_layers(model) -> int:
+    """The layers whose experts breakgraph dispatches (AFMoE and EXAONE-MoE keep a dense first
+    layer): an eager experts loop is a break in each."""
+    return len(list(compat.experts_modules(model)))
+
+
 def make_runner(model, backend: str, **kwargs) -> PrefillRunner:
     kwargs.setdefault("token_buckets", BUCKETS)
     kwargs.setdefault("max_prompts", MAX_PROMPTS)
@@ -262,7 +268,7 @@ def test_grouped_mm_experts_that_cannot_be_captured_run_as_breaks(arch, backend,
     device = next(model.parameters()).device
     runner = closing(make_runner(model, backend))
     layers = model.config.num_hidden_layers
-    breaks = layers if experts.grouped_mm_captures(model) else 2 * layers
+    breaks = layers + (0 if experts.grouped_mm_captures(model) else moe_layers(model))
     for bucket in runner.buckets:
         assert runner.graph(bucket).num_breaks == breaks
     generator = torch.Generator().manual_seed(8)
@@ -281,18 +287,17 @@ def test_prefill_matches_eager_per_prompt(arch, backend, closing):
     runner = closing(make_runner(model, backend))
 
     # topology: one eager break per attention layer, plus one per MoE layer (experts loop)
-    layers = model.config.num_hidden_layers
-    moe_layers = ARCHS[arch][2]
+    layers, sparse = model.config.num_hidden_layers, moe_layers(model)
     assert runner.buckets == BUCKETS
     for bucket in runner.buckets:
         graph = runner.graph(bucket)
-        assert graph.num_breaks == layers + moe_layers, graph
+        assert graph.num_breaks == layers + sparse, graph
         assert graph.num_segments == graph.num_breaks + 1
         names = graph.break_names
         assert [n for n in names if n.startswith("attention")] == [
             f"attention[layer {i}]" for i in range(layers)
         ]
-        assert sum(n == "experts_loop" for n in names) == moe_layers, names
+        assert sum(n == "experts_loop" for n in names) == sparse, names
 
     generator = torch.Generator().manual_seed(1234)
     # two batches filling each bucket exactly (no tail), then random ones
@@ -421,10 +426,10 @@ def test_single_prompt_graphs_match_the_eager_model(arch, backend, closing):
     model = build_model(arch, device, torch.float32)  # fp32: the KV cache compared tightly
     runner = closing(make_runner(model, backend, single_prompt_graphs=True))
     assert sorted(runner.graphs()) == sorted((b, s) for b in BUCKETS for s in (False, True))
-    layers, moe_layers = model.config.num_hidden_layers, ARCHS[arch][2]
+    layers, sparse = model.config.num_hidden_layers, moe_layers(model)
     for bucket in BUCKETS:
-        assert runner.graph(bucket, single_prompt=True).num_breaks == moe_layers
-        assert runner.graph(bucket).num_breaks == layers + moe_layers
+        assert runner.graph(bucket, single_prompt=True).num_breaks == sparse
+        assert runner.graph(bucket).num_breaks == layers + sparse
         assert runner.graph(bucket, single_prompt=True).pool() == runner.graph(bucket).pool()
     generator = torch.Generator().manual_seed(3)
     lengths = (5, 16, 20, 48, 1)  # tails of 11, 0, 28, 0 and 15 tokens
@@ -1180,13 +1185,13 @@ def test_eager_experts_run_on_the_live_rows_only(arch, backend, closing, monkeyp
         return run
 
     monkeypatch.setattr(experts_module, "_eager_forward", counting)
-    layers = model.config.num_hidden_layers
+    sparse = moe_layers(model)
     for lengths in ([5], [3, 9], [16], [2, 2, 2]):
         prompts = prompts_of(lengths, device)
         bucket = runner._runner.bucket_for(sum(lengths))
         rows.clear()
         out = runner.prefill(prompts)
-        assert rows == [sum(lengths)] * layers, (lengths, bucket, rows)
+        assert rows == [sum(lengths)] * sparse, (lengths, bucket, rows)
         for i, p in enumerate(prompts):
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
 
@@ -1215,7 +1220,7 @@ def test_grouped_experts_skip_the_padding_rows(arch, backend, closing, monkeypat
     monkeypatch.setattr(experts_module, "MASK_COST_FLOP", 0)
     monkeypatch.setattr(experts_module, "COMPUTE_BOUND_ROWS", 0)
     runner = closing(make_runner(model, backend))
-    layers = model.config.num_hidden_layers
+    sparse = moe_layers(model)
     generator = torch.Generator().manual_seed(11)
     biased = any(getattr(m, "has_bias", False) is True for m in model.modules())
     for lengths in ([5], [3, 9], [13], [20, 7, 2], [9], [30]):
@@ -1224,7 +1229,7 @@ def test_grouped_experts_skip_the_padding_rows(arch, backend, closing, monkeypat
         assert bucket > sum(lengths)  # a padding tail
         before = int(routed)
         out = runner.prefill(prompts)
-        assert int(routed) - before == layers * (bucket if biased else sum(lengths)), lengths
+        assert int(routed) - before == sparse * (bucket if biased else sum(lengths)), lengths
         for i, p in enumerate(prompts):
             assert_logits_close(out.logits[i], eager_last_logits(model, p), backend, f"{i}")
     assert model.config._experts_implementation == "grouped_mm"  # switched back

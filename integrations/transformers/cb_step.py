@@ -64,13 +64,13 @@ from .attention import (
 from .block_table import read_slots, write_slots
 from .compiled import CompiledForward
 from .decode_graph import DecodeGraphs, cache_rows
+from .logits_head import logits_after_head
 from .models import (
     UnsupportedModelError,
     attention_heads,
     default_query_buckets,
     key_changed,
     layer_attention,
-    logits_after_head,
 )
 from .paged_decode import break_splits, fits, paged_decode, query_rows, triton_available, warm_up
 from .step_inputs import StepInputs, StepOrder, logits_rows
@@ -353,7 +353,7 @@ class StepRunner:
         self._forward = self.decoder if not self.compiled else CompiledForward(
             self.decoder, compile, backend)  # fmt: skip
         self.lm_head = model.get_output_embeddings()
-        # what the causal LM does after lm_head (Granite divides, Cohere multiplies)
+        # what the causal LM does after lm_head, checked against its forward when enabled
         self.after_head = logits_after_head(model.config)
         self.names = compat.step_kwargs()
         from transformers.modeling_outputs import CausalLMOutputWithPast

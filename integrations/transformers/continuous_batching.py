@@ -83,6 +83,7 @@ from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
 from .compiled import check_compile_option
 from .experts import EXPERTS_KEY, needs_experts_break
 from .experts import register as register_experts
+from .logits_head import checked_logits_after_head
 from .managers import PauseWatch, retired_start, settle_after_reset, watch_pause
 from .models import (
     DEFAULT_MAX_BATCH_TOKENS,
@@ -236,7 +237,8 @@ class ContinuousBatchingHandle:
     def _enable(self) -> None:
         """Install everything; on any failure, nothing stays. Under the model's attention
         lock: not in the middle of a runner's attention switch (see ``attention.switching``)."""
-        with switching(self.model):
+        with switching(self.model):  # the probe's forwards on the model's own attention
+            self.runner.after_head = checked_logits_after_head(self.model, _WHO)
             self._install()
         with _registry:
             _enabled[self.model] = weakref.ref(self)
@@ -479,9 +481,11 @@ def enable_continuous_batching(
         model: a transformers causal LM of a supported family (dense: llama, qwen2,
             qwen3, mistral, gemma, phi3, olmo, olmo2, granite, starcoder2, stablelm, phi,
             glm, gemma3_text, cohere, smollm3, olmo3, ministral, exaone4, cohere2, glm4,
-            helium, seed_oss, ernie4_5, hunyuan_v1_dense, apertus, arcee, nemotron; MoE:
-            qwen3_moe, mixtral, qwen2_moe, olmoe, glm4_moe, ernie4_5_moe, hunyuan_v1_moe,
-            granitemoe, granitemoeshared, flex_olmo, gpt_oss) in eval mode.
+            helium, seed_oss, ernie4_5, hunyuan_v1_dense, apertus, arcee, nemotron,
+            ministral3, jais2, hyperclovax; MoE: qwen3_moe, mixtral, qwen2_moe, olmoe,
+            glm4_moe, ernie4_5_moe, hunyuan_v1_moe, granitemoe, granitemoeshared, flex_olmo,
+            gpt_oss, minimax_m2, afmoe, exaone_moe, solar_open, cohere2_moe, hy_v3,
+            mellum) in eval mode.
         backend: ``"cuda"`` or ``"emulated"`` (CPU), as for :func:`breakgraph.capture`.
         attention: ``"auto"`` (FlashAttention varlen inside ATen on CUDA in bf16/fp16,
             else the exact per-sequence reference), ``"flash"`` or ``"reference"``.

@@ -27,6 +27,7 @@ from breakgraph.errors import InputError, ReplayError
 
 from .compat import SWITCHED_ROPE_TYPES, causal_lm_class_name
 from .errors import UnsupportedModelError
+from .logits_head import logits_after_head
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -57,10 +58,11 @@ __all__ = [
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
     "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "flex_olmo",
-    "gpt_oss",
+    "gpt_oss", "minimax_m2", "afmoe", "exaone_moe", "solar_open", "cohere2_moe", "hy_v3", "mellum",
     "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm", "gemma3_text",
     "cohere", "smollm3", "olmo3", "ministral", "exaone4", "cohere2", "glm4", "helium", "seed_oss",
-    "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee", "nemotron",
+    "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "ministral3", "jais2",
+    "hyperclovax",
 )  # fmt: skip
 # computed once; transformers' dynamic_rope_update switches "dynamic" and "longrope" per call
 # (served by PrefillRunner up to their original length: check_rope)
@@ -230,23 +232,6 @@ def check_rope(model: Any, who: str) -> None:
         f"up to their original length where it finds transformers' rotary modules as it knows "
         f"them); only static RoPE ({', '.join(map(str, _STATIC_ROPE_TYPES[1:]))}) can be captured."
     )
-
-
-def logits_after_head(config: Any) -> list:
-    """What the causal LM does to the logits after ``lm_head``, read from its config, as
-    ``(operation, value)`` pairs in order: Granite divides by ``logits_scaling``, Cohere
-    multiplies by ``logit_scale``. (Logit softcapping is refused by :func:`check_model`.)
-
-    Example::
-
-        >>> from transformers import CohereConfig
-        >>> after = logits_after_head(CohereConfig(logit_scale=0.25))
-        >>> [(op.__name__, value) for op, value in after]
-        [('mul', 0.25)]
-    """
-    ops = (("logits_scaling", torch.div), ("logit_scale", torch.mul))
-    return [(op, getattr(config, name)) for name, op in ops
-            if getattr(config, name, None) is not None]  # fmt: skip
 
 
 def check_model(model: Any, who: str = "PrefillRunner") -> None:
