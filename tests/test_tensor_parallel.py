@@ -37,7 +37,13 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.tiny_models import DENSE_FAMILIES, OTHER_DENSE_FAMILIES, tiny_config
+from benchmarks.tiny_models import (
+    DENSE_FAMILIES,
+    MOE_FAMILIES,
+    OTHER_DENSE_FAMILIES,
+    from_config,
+    tiny_config,
+)
 from tests.helpers import RankDiedWarning
 
 pytest.importorskip("transformers")
@@ -281,9 +287,9 @@ def load_models(
     transformers.utils.logging.disable_progress_bar()
     if rank == 0:
         torch.manual_seed(0)
-        class_name, extra = {**DENSE_FAMILIES, **OTHER_DENSE_FAMILIES}[family]
+        class_name, extra = {**DENSE_FAMILIES, **OTHER_DENSE_FAMILIES, **MOE_FAMILIES}[family]
         config = tiny_config(class_name, vocab_size=VOCAB, max_position_embeddings=256, **extra)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        from_config(config).save_pretrained(path)  # routing biases drawn (tiny_models)
     dist.barrier()
     if dtype is None:
         dtype = torch.bfloat16 if backend == "cuda" else torch.float32
@@ -693,10 +699,13 @@ def scenario_gemma(rank: int, backend: str, path: str) -> dict:
 #: multipliers, Gemma 3's sliding and global layers, Cohere's per-head qk-norm (refused),
 #: EXAONE 4's sliding layers with RoPE and full ones without. (Command R7B matched by hand; after
 #: Gemma 3 in one process, torch 2.10's DTensor failed in transformers' own embedding hook, an
-#: embedding mask cached across same-shaped embeddings: pytorch#185356)
-TP_FAMILIES = ("phi3", "olmo2", "granite", "gemma3_text", "cohere", "olmo3", "exaone4")
+#: embedding mask cached across same-shaped embeddings: pytorch#185356). HyperCLOVA X's logits
+#: multiplied by logits_scaling; MiniMax-M2's experts and its q/k/v gathered for a qk-norm over
+#: every head (continuous batching refused). (Session 50's other eight matched by hand.)
+TP_FAMILIES = ("phi3", "olmo2", "granite", "gemma3_text", "cohere", "olmo3", "exaone4",
+               "hyperclovax", "minimax_m2")  # fmt: skip
 #: the families whose TP plan gathers k_proj: continuous batching refused
-GATHERS_KEYS = ("olmo2", "olmo3")
+GATHERS_KEYS = ("olmo2", "olmo3", "minimax_m2")
 
 
 def scenario_families(rank: int, backend: str, path: str) -> dict:
