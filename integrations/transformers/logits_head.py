@@ -4,7 +4,7 @@ A continuous-batching step runs the model's decoder and its ``lm_head`` in two g
 head over the sampled rows only), not the causal LM's ``forward``, so whatever that forward
 does to the logits after the head, the step must do too: :func:`logits_after_head` reads it from
 the config, and :func:`checked_logits_after_head` checks, once per model, that the causal LM's
-own logits for one token are what the step would compute. A family that transforms its logits
+own logits for three tokens are what the step would compute. A family that transforms its logits
 another way (a scale under another name, a cap) is refused, not served with other logits:
 HyperCLOVAX multiplies by the ``logits_scaling`` that Granite divides by, and its logprobs were
 0.4 off (tokens equal) until this module knew it.
@@ -51,13 +51,14 @@ def logits_after_head(config: Any) -> list:
 
 
 def checked_logits_after_head(model: Any, who: str) -> list:
-    """:func:`logits_after_head` of ``model``, once its causal LM's logits for one token (its
-    ``forward``) are checked against its decoder's last hidden state through ``lm_head`` and
+    """:func:`logits_after_head` of ``model``, once its causal LM's logits for three tokens (its
+    ``forward``) are checked against its decoder's last hidden states through ``lm_head`` and
     those operations; ``UnsupportedModelError`` naming ``who`` where they differ. Two forwards
-    of one token, on every rank of a tensor-parallel model alike (each calls this)."""
+    of three tokens (ids 1-3, not a padding id 0 whose embedding may be zero), on every rank of a
+    tensor-parallel model alike (each calls this)."""
     after = logits_after_head(model.config)
     head = model.get_output_embeddings()
-    ids = torch.zeros(1, 1, dtype=torch.long, device=head.weight.device)
+    ids = torch.arange(1, 4, device=head.weight.device)[None] % model.config.vocab_size
     with torch.no_grad():
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         ours = head(hidden)
@@ -70,7 +71,7 @@ def checked_logits_after_head(model: Any, who: str) -> list:
         applied = ", ".join(f"{op.__name__} {value}" for op, value in after) or "nothing"
         raise UnsupportedModelError(
             f"{who}: {type(model).__name__}'s logits are not its lm_head's after what breakgraph "
-            f"applies to them ({applied}): {worst:.3g} apart for one token (largest logit "
+            f"applies to them ({applied}): {worst:.3g} apart for three tokens (largest logit "
             f"{scale:.3g}). Its forward transforms the logits in a way continuous batching does "
             f"not know; serve it with transformers' own continuous batching."
         )
