@@ -276,6 +276,24 @@ def from_config(config, **options):
     return model.eval()
 
 
+def missing_config(family: str) -> str | None:
+    """The config class of ``family`` (any of this module's family dicts) where the installed
+    transformers lacks it, else None: families that arrived after the oldest supported release
+    (5.17) are tested where they exist (the tests' collection skips them elsewhere).
+
+    >>> missing_config("llama") is None, missing_config("not a family") is None
+    (True, True)
+    """
+    # the auto mapping's names: asking transformers' lazy module for a class it lacks imports
+    # every model module in search of it
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    families = {**DENSE_FAMILIES, **OTHER_DENSE_FAMILIES, **MOE_FAMILIES}
+    class_name = families.get(family, (None,))[0]
+    known = class_name in CONFIG_MAPPING_NAMES.values()
+    return class_name if class_name and not known else None
+
+
 def tiny_config(class_name: str, **kwargs):
     """``transformers.<class_name>(**TINY_SHAPE, **kwargs)``; kwargs override the shape."""
     import transformers

@@ -85,6 +85,25 @@ def test_transformers_tests_are_marked_as_they_are_collected(module, marked):
     assert [m.name for m in added] == (["transformers"] if marked else [])
 
 
+@pytest.mark.parametrize("params, skipped", [({"arch": "ghost"}, True), ({"family": "ghost"}, True),
+                                              ({"arch": "llama"}, False), ({}, False)])
+def test_a_family_the_installed_transformers_lacks_is_skipped(params, skipped, monkeypatch):
+    """A family that arrived after the oldest supported release: its tests are skipped where
+    the installed transformers has no config class for it (a stand-in family whose class no
+    release has); other families and tests without one run."""
+    pytest.importorskip("transformers")
+    from benchmarks import tiny_models
+
+    monkeypatch.setitem(tiny_models.OTHER_DENSE_FAMILIES, "ghost", ("GhostConfig", {}))
+    added = []
+    item = types.SimpleNamespace(module=types.SimpleNamespace(__name__="tests.test_transformers"),
+                                 add_marker=added.append,
+                                 callspec=types.SimpleNamespace(params=params))  # fmt: skip
+    conftest.pytest_itemcollected(item)
+    reasons = [m.kwargs["reason"] for m in added if m.name == "skip"]
+    assert reasons == (["this transformers has no GhostConfig"] if skipped else [])
+
+
 def test_this_sessions_transformers_tests_carry_the_marker(request):
     """Wired end to end, without a second pytest (10 s on two cores): every test of a
     transformers module in this session was marked while it was collected, so ``-m

@@ -22,9 +22,10 @@ lengths; :func:`batch` rebuilds any batch from those.
 
 Config variants (:func:`draw_config`): the fixed tiny configs above are one point per family;
 real checkpoints turn many more knobs. Each seed takes the next family of
-``SUPPORTED_MODEL_TYPES`` with random knobs: RoPE types (linear, dynamic, yarn, llama3,
-longrope, proportional), partial rotary, head sizes unlike ``hidden / heads``, MHA, GQA and
-MQA, odd head counts, tied embeddings, biases, qk-norms, Granite's multipliers, Cohere's
+``SUPPORTED_MODEL_TYPES`` (those the installed transformers has) with random knobs: RoPE
+types (linear, dynamic, yarn, llama3, longrope, proportional), partial rotary, head sizes
+unlike ``hidden / heads``, MHA, GQA and MQA, odd head counts,
+tied embeddings, biases, qk-norms, Granite's multipliers, Cohere's
 logit scale, Gemma 3's layer patterns, windows and scalar, softcapping, sliding windows shorter
 and longer than the prompts, MoE routing (``norm_topk_prob``, top-k up to every expert, dense
 layers among sparse ones), activations, pad and bos ids and vocabulary sizes. A runner must
@@ -60,6 +61,7 @@ from benchmarks.tiny_models import (  # noqa: E402
     MOE_FAMILIES,
     QWEN3_MOE,
     from_config,
+    missing_config,
     tiny_config,
 )
 from breakgraph.errors import InputError  # noqa: E402
@@ -301,12 +303,16 @@ def _rope(rng: random.Random, head_dim: int, partial: float, family: str) -> dic
     return rope
 
 
+#: the supported families the installed transformers has (some arrived after 5.17)
+DRAWN_FAMILIES = [f for f in SUPPORTED_MODEL_TYPES if missing_config(f) is None]
+
+
 def draw_config(seed: int) -> tuple[str, dict, str | None]:
     """``(model_type, config kwargs, experts implementation)``: the family ``seed`` picks
-    (consecutive seeds go through ``SUPPORTED_MODEL_TYPES``) with random knobs of real
+    (consecutive seeds go through ``DRAWN_FAMILIES``) with random knobs of real
     checkpoints on a tiny shape (hidden 48-96, 1-4 layers, vocabulary <= 256)."""
     rng = random.Random(seed)
-    family = SUPPORTED_MODEL_TYPES[seed % len(SUPPORTED_MODEL_TYPES)]
+    family = DRAWN_FAMILIES[seed % len(DRAWN_FAMILIES)]
     config_class = type(transformers.AutoConfig.for_model(family))
     knobs = set(inspect.signature(config_class.__init__).parameters)
     hidden = rng.choice([48, 64, 64, 80, 96])
