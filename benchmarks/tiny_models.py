@@ -125,6 +125,32 @@ OTHER_DENSE_FAMILIES = {
         head_dim=16, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
         logits_scaling=4.0, use_post_norm=True, attention_bias=True, mlp_bias=True,
     )),
+    # from transformers 5.24 (5.23 for the two after it): Llama's code under another type, with
+    # EXAONE 3.5's llama3 RoPE and tied embeddings
+    "exaone": ("ExaoneConfig", dict(
+        head_dim=16, tie_word_embeddings=True, pad_token_id=None, eos_token_id=None,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=64),
+    )),
+    # Llama's code: biases on every projection
+    "internlm3": ("InternLM3Config", dict(
+        head_dim=16, attention_bias=True, mlp_bias=True, pad_token_id=None, eos_token_id=None,
+        rope_parameters=dict(rope_type="default", rope_theta=50000000.0),
+    )),
+    "iquestcoder": ("IQuestCoderConfig", dict(
+        head_dim=16, attention_bias=True, mlp_bias=True,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+    )),
+    # from 5.24: Apertus' decoder (qk-norm, xIELU, llama3 RoPE, biases) and a head over fewer
+    # tokens than the embedding
+    "apertus1p5_text": ("Apertus1p5TextConfig", dict(
+        head_dim=16, attention_bias=True, hidden_act="xielu", output_vocab_size=100,
+        rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0,
+                             original_max_position_embeddings=256, low_freq_factor=1.0,
+                             high_freq_factor=4.0),
+        pad_token_id=None, eos_token_id=None, bos_token_id=None,
+    )),
 }  # fmt: skip
 
 #: the MoE families' extra kwargs (each test file adds the routing it needs)
@@ -232,6 +258,21 @@ MOE_FAMILIES = {
         head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
         num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"], sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+    )),
+    # from transformers 5.20: a sliding layer with RoPE and a full one without, qk-norm, four norms
+    # per layer, sigmoid routing with a score-correction bias, a shared expert
+    "kolibri1": ("Kolibri1Config", dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )),
+    # from 5.24: GLM-4.5's code with qk-norm, full rotary, q/k/v biases, grouped sigmoid routing,
+    # scaled weights and a dense first layer
+    "sarvam_moe": ("SarvamMoEConfig", dict(
+        head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.5,
+        initializer_range=0.02, pad_token_id=None, eos_token_id=None,
     )),
 }  # fmt: skip
 

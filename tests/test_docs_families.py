@@ -12,7 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
            "fourteen fifteen sixteen seventeen eighteen nineteen").split()
 WORDS = {word: n for n, word in enumerate(NUMBERS)}
-WORDS.update({f"twenty-{word}": 20 + n for n, word in enumerate(NUMBERS[1:10], 1)}, twenty=20)
+for tens, name in ((20, "twenty"), (30, "thirty"), (40, "forty")):
+    WORDS.update({f"{name}-{word}": tens + n for n, word in enumerate(NUMBERS[1:10], 1)})
+    WORDS[name] = tens
 
 
 def _read(*path: str) -> str:

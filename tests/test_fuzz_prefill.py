@@ -347,6 +347,8 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
                  "qk_layernorm", "use_qk_norm", "use_parallel_residual"):  # fmt: skip
         if knob in knobs and rng.random() < 0.7:
             kw[knob] = rng.random() < 0.5
+    if family == "internlm3":  # its config refuses a q/k/v bias unlike the other projections'
+        kw["mlp_bias"] = kw["attention_bias"] = kw.get("attention_bias", False)
     if "hidden_act" in knobs and rng.random() < 0.3:
         kw["hidden_act"] = rng.choice(["silu", "gelu", "gelu_pytorch_tanh", "relu"])
     if family == "olmo" and rng.random() < 0.5:
@@ -397,7 +399,7 @@ def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> Non
     routing, shared experts, dense layers among sparse ones, scaled and normed routing weights,
     Granite's multipliers."""
     k = kw.get("num_experts_per_tok")
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "sarvam_moe"):  # Sarvam: GLM-4.5's code, full rotary
         groups = rng.choice([g for g in (1, 2, 4) if count % g == 0 and count // g >= 2])
         kept = rng.choice([g for g in range(1, groups + 1) if g * count // groups >= k])
         kw.update(n_routed_experts=count, n_group=groups, topk_group=kept,
@@ -449,6 +451,10 @@ def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> Non
         kw["moe_intermediate_size"] = rng.choice([32, 64])
     if family == "mellum":
         kw["norm_topk_prob"] = rng.random() < 0.5
+    if family == "kolibri1":  # the score-correction bias: drawn by from_config
+        kw.update(num_experts=count, moe_intermediate_size=rng.choice([32, 64]),
+                  shared_expert_intermediate_size=rng.choice([32, 96]),
+                  norm_topk_prob=rng.random() < 0.5)  # fmt: skip
 
 
 def expected_refusal(config, who: str = "PrefillRunner") -> str | None:

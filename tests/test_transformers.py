@@ -305,7 +305,8 @@ def test_prefill_matches_eager_per_prompt(arch, backend, closing):
     for lengths in batches:
         prompts = prompts_of(lengths, device, generator)
         out = runner.prefill(prompts)
-        assert out.logits.shape == (len(prompts), VOCAB)
+        # a row per head output: Apertus 1.5's head covers fewer tokens than its embedding
+        assert out.logits.shape == (len(prompts), model.get_output_embeddings().weight.shape[0])
         assert out.bounds[-1][1] == sum(lengths)
         for i, p in enumerate(prompts):
             assert_logits_close(

@@ -59,10 +59,11 @@ SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
     "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "flex_olmo",
     "gpt_oss", "minimax_m2", "afmoe", "exaone_moe", "solar_open", "cohere2_moe", "hy_v3", "mellum",
+    "kolibri1", "sarvam_moe",
     "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm", "gemma3_text",
     "cohere", "smollm3", "olmo3", "ministral", "exaone4", "cohere2", "glm4", "helium", "seed_oss",
     "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "ministral3", "jais2",
-    "hyperclovax",
+    "hyperclovax", "exaone", "internlm3", "iquestcoder", "apertus1p5_text",
 )  # fmt: skip
 # computed once; transformers' dynamic_rope_update switches "dynamic" and "longrope" per call
 # (served by PrefillRunner up to their original length: check_rope)
