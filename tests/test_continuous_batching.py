@@ -2108,7 +2108,7 @@ def test_logits_transformed_in_a_way_breakgraph_does_not_know_are_refused(monkey
     """A step computes its logits as ``lm_head`` and what ``logits_head`` reads from the config,
     not through the causal LM's forward. HyperCLOVAX multiplies by the ``logits_scaling`` Granite
     divides by: read as Granite's, its logprobs were 0.4 off with equal tokens, silently. Now
-    every enable checks one token's logits against the model's forward and refuses a mismatch
+    every enable checks three tokens' logits against the model's forward and refuses a mismatch
     (here: HyperCLOVAX with breakgraph's knowledge of it taken away), leaving nothing behind."""
     from breakgraph.integrations.transformers import logits_head
 
