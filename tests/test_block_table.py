@@ -111,7 +111,7 @@ def test_decode_buffers_hold_the_table_and_derive_the_write_rows():
     assert cuda.table[0][:2, :3].tolist() == table[0].tolist()
     # as wide as paged_decode.warm_up's table (a multiple of 16): the kernel it compiled
     assert cuda.table[0].shape == (4, 16) and cuda.table[0][:, 3:].eq(0).all()
-    assert cuda.cu_k.tolist() == [0, 6, 8, 8, 8]
+    assert cuda.cu_k["full_attention"].tolist() == [0, 6, 8, 8, 8]
     assert cuda.write_rows(0, 4).tolist() == [5, 9, 5, 5]  # padded: sequence 0's slot again
     assert cuda.write_rows(0, 2).tolist() == block_table.write_slots(
         table[0], step.positions[0], 4).tolist()  # fmt: skip
@@ -166,7 +166,7 @@ def test_a_cuda_table_step_costs_the_host_two_device_operations():
                                cu_k=cu_k)  # fmt: skip
         for each in (buffers, two):
             each.fill(step, n, size, page=4, rows=n)
-            assert each.cu_k[: size + 1].tolist() == cu_k.tolist() + [cu_k[-1].item()] * (size - n)
+            assert each.cu_k["full_attention"][: size + 1].tolist() == cu_k.tolist() + [cu_k[-1].item()] * (size - n)
         assert buffers.table[0][:n, :blocks].equal(step.table[0])
         assert two.table[0][:n, :blocks].equal(step.table[0])
         assert two.table[1][:n, :blocks].equal(step.table[1])

@@ -307,12 +307,11 @@ def test_greedy_tokens_match_generate_and_paged_sdpa(arch, experts, monkeypatch)
     stats, decode = handle.runner.tokens.stats, handle.decode_graphs.stats
     assert sorted(stats.buckets) == list(BUCKETS)
     assert stats.captures == len(BUCKETS) and stats.eager_steps == 0  # captured before serving
-    # every live step replayed a graph; pure-decode steps one without attention breaks (a
-    # model with sliding-window layers keeps the breaks)
+    # every live step replayed a graph; pure-decode steps one without attention breaks (also
+    # a model with sliding-window layers: their rings read in place)
     assert stats.replays + decode.replays == len(log.steps)
     assert handle.stats.replays == len(log.steps)  # the handle counts both
-    windowed = models.layer_attention(model.config) != "full"
-    assert (decode.replays > 0) == (not windowed)
+    assert decode.replays > 0, handle.decode_graphs.fallbacks
     assert log.mixed > 0 and max(sum(q) for q in log.steps) == 24  # mixed steps, full steps
     eager_experts = len(list(compat.experts_modules(model))) if experts == "eager" else 0
     assert {b.breaks for b in stats.buckets.values()} == {
@@ -399,7 +398,8 @@ def test_flash_path_metadata_on_cpu(monkeypatch, in_place):
     model = build_model("qwen2_hybrid")  # full and sliding layers: two key layouts per step
     prompts = random_prompts(seed=11)
     expected, ref_logprobs = generate_batch(model, prompts, logprobs=True)
-    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
+                                    decode_graphs=False) as handle:  # pure-decode breaks too
         assert handle.kernel == "flash"
         tokens, logprobs = generate_batch(model, prompts, logprobs=True)
     assert tokens == expected
@@ -805,20 +805,23 @@ def test_decode_graph_buffers_grow_with_the_steps_not_the_cache(monkeypatch):
 def test_decode_graphs_check_the_kernel_before_anything_runs(monkeypatch):
     """On CUDA the Triton kernel must run and tile the heads; checked on the cache's layout
     before a warm-up writes anything, with the reason kept."""
-    layers = {0: (0, torch.zeros(8, 2, 24), torch.zeros(8, 2, 24))}
+    layers = {0: (0, torch.zeros(8, 2, 24), torch.zeros(8, 2, 24), None)}
     graphs = decode_graph.DecodeGraphs(None, 1, 4, backend="cuda", debug=False, who="test")
     assert graphs._kernel_problem(layers) == "Triton is not available"
     monkeypatch.setattr(decode_graph, "triton_available", lambda device: True)
     assert "cannot tile 4 query heads over 2 key heads of size 24" in graphs._kernel_problem(layers)
-    layers = {0: (0, torch.zeros(8, 2, 32), torch.zeros(8, 2, 32))}
+    layers = {0: (0, torch.zeros(8, 2, 32), torch.zeros(8, 2, 32), 4)}  # a sliding layer
     assert graphs._kernel_problem(layers) is None
     emulated = decode_graph.DecodeGraphs(None, 1, 3, backend="emulated", debug=False, who="t")
     assert emulated._kernel_problem(layers) is None  # the dense kernel runs any heads
 
 
 def test_layer_kv_rows_refuses_what_it_does_not_know():
-    """Contract item 13 on objects of neither layout, or rows that are not ``[rows, Hkv, D]``."""
+    """Contract items 13 and 13b on objects of neither layout, or rows that are not ``[rows,
+    Hkv, D]``: a full-attention layer's rows from ``layer_kv_rows`` only, a sliding-window
+    layer's (with its window) from ``sliding_kv_rows`` only."""
     assert compat.layer_kv_rows(object(), 0) is None
+    assert compat.sliding_kv_rows(object(), 0) is None
 
     class OldCache:  # 5.17's group mapping without its cache tensors
         layer_index_to_group_indices, sliding_windows = {0: (0, 0)}, [1]
@@ -826,8 +829,12 @@ def test_layer_kv_rows_refuses_what_it_does_not_know():
     assert compat.layer_kv_rows(OldCache(), 0) is None
     OldCache.key_cache = OldCache.value_cache = [torch.zeros(8, 2, 4)]
     assert compat.layer_kv_rows(OldCache(), 0)[0] == 0
+    assert compat.sliding_kv_rows(OldCache(), 0) is None
     OldCache.sliding_windows = [4]
     assert compat.layer_kv_rows(OldCache(), 0) is None
+    assert compat.sliding_kv_rows(OldCache(), 0)[::3] == (0, 4)
+    OldCache.sliding_windows = [None]  # not a window transformers writes
+    assert compat.sliding_kv_rows(OldCache(), 0) is None
 
     class Allocator:  # 5.18 on: filed by attention type (5.18's carry no `layer_type`)
         index = 0
@@ -841,8 +848,42 @@ def test_layer_kv_rows_refuses_what_it_does_not_know():
     Allocator._kv_token_views = {0: (torch.zeros(8, 2, 4), torch.zeros(8, 2, 4))}
     group, keys, values = compat.layer_kv_rows(Cache(), 0)
     assert group == 0 and keys.shape == (8, 2, 4)
+    assert compat.sliding_kv_rows(Cache(), 0) is None
     Cache.cache_allocators = {"sliding_attention": Cache.layer_to_allocator[0]}
     assert compat.layer_kv_rows(Cache(), 0) is None
+    assert compat.sliding_kv_rows(Cache(), 0) is None  # a sliding allocator without its window
+    Allocator.sliding_window = 6
+    group, keys, values, window = compat.sliding_kv_rows(Cache(), 0)
+    assert (group, keys.shape, window) == (0, (8, 2, 4), 6)
+
+
+@needs_cb
+@pytest.mark.parametrize("window, page", [(5, 4), (8, 8), (3, 16)])
+def test_pure_decode_graphs_read_sliding_window_rings_in_place(window, page):
+    """Pure-decode steps of a model mixing sliding-window and full-attention layers replay one
+    graph that writes each sequence's new row into its ring, puts that row where
+    transformers' read index has its sentinel, and reads the ring in place (contract item
+    13b): over twenty decode steps, each ring wrapping several times (windows longer than,
+    equal to and shorter than a page, one not a multiple of it), prompts of one and two tokens
+    among longer ones, the tokens and logprobs equal stock continuous batching's and those of
+    breakgraph's attention breaks (``decode_graphs=False``)."""
+    model = build_model("qwen2_hybrid", sliding_window=window)
+    prompts = random_prompts(seed=21, lengths=(1, 13, 2, 30, 7))
+    gen = generation_config(max_new_tokens=20)
+    cbc = lambda: cb_config(block_size=page, num_blocks=256, return_logprobs=True)  # noqa: E731
+    expected, ref_logprobs = generate_batch(model, prompts, gen=gen, cbc=cbc(), logprobs=True)
+    got = {}
+    for decode_graphs in (True, False):
+        with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS,
+                                        decode_graphs=decode_graphs) as handle:  # fmt: skip
+            got[decode_graphs] = generate_batch(model, prompts, gen=gen, cbc=cbc(), logprobs=True)
+            if decode_graphs:
+                decode = handle.decode_graphs
+                assert decode.off is None and decode.stats.replays >= 15, decode.fallbacks
+    for tokens, logprobs in got.values():
+        assert tokens == expected
+        assert_logprobs_close(logprobs, ref_logprobs)
+    assert_logprobs_close(got[True][1], got[False][1])
 
 
 @needs_cb
@@ -860,7 +901,11 @@ def test_captures_never_touch_the_cache_with_a_sliding_window():
         tokens, logprobs = generate_batch(model, prompts, cbc=ring, logprobs=True, warmup=False)
     assert tokens == expected
     assert_logprobs_close(logprobs, ref_logprobs)
-    assert handle.stats.captures == len(BUCKETS) and handle.stats.replays > 0
+    stats, decode = handle.runner.tokens.stats, handle.decode_graphs.stats
+    assert stats.captures == len(BUCKETS) and stats.replays > 0
+    # the pure-decode steps' graph, captured while serving on a live step, wrote only the
+    # rows that step writes anyway, and read the ring in place
+    assert decode.captures == 1 and decode.replays > 0
 
 
 def run_manager(
@@ -2506,8 +2551,8 @@ def test_decode_kernels_are_warmed_per_page_for_full_attention_and_never_stop_a_
 ):
     """A later manager whose steps come with the other layout (a block table after index
     lists) has its page warmed too, once; a warm-up that raises is logged and the manager
-    serves as without it; a model with sliding-window layers (its decode graphs never launch
-    the kernel) warms nothing."""
+    serves as without it; a model with sliding-window layers (its steps carry index lists)
+    warms page 0 only, whatever the manager's layout."""
     from breakgraph.integrations.transformers import cb_step
 
     calls = []
@@ -2532,23 +2577,26 @@ def test_decode_kernels_are_warmed_per_page_for_full_attention_and_never_stop_a_
     calls.clear()
     hybrid = build_model("qwen2_hybrid")  # full and sliding-window layers
     with enable_continuous_batching(hybrid, backend="emulated", query_buckets=BUCKETS):
-        generate_batch(hybrid, prompts)
-    assert calls == []
+        for blocks in (0, None):
+            generate_batch(hybrid, prompts, cbc=cb_config(max_blocks_per_request=blocks))
+    assert calls == [0]
 
 
 @pytest.mark.parametrize(
     "arch, decode_graphs, page",
-    [("llama", True, 256), ("llama", False, 0), ("qwen2_hybrid", True, 0), ("mistral", True, None),
-     ("gpt_oss", True, 0)],
-    ids=["decode-graphs", "breaks", "full-beside-sliding", "all-sliding", "sinks"],
+    [("llama", True, 256), ("llama", False, 0), ("qwen2_hybrid", True, 0), ("mistral", True, 0),
+     ("mistral", False, None), ("gpt_oss", True, 0)],
+    ids=["decode-graphs", "breaks", "full-beside-sliding", "all-sliding", "all-sliding-breaks",
+         "sinks"],
 )
 def test_decode_kernels_are_warmed_where_they_launch(monkeypatch, arch, decode_graphs, page):
     """With the flash kernel, the runner warms the decode kernels where they launch: the
-    decode graphs' (every layer full attention) with the manager's page; the attention
-    breaks' (``decode_graphs=False``, or full-attention layers beside sliding-window ones,
-    which no decode graph serves) with their flat read index, page 0, whatever the manager's
-    page; a model whose every layer slides launches none and warms nothing. A model with
-    attention sinks (gpt-oss) warms the kernels' sinks variant, one without it the plain one."""
+    decode graphs' with the manager's page where every layer attends fully; with a flat read
+    index, page 0, whatever the manager's page, the decode graphs' beside sliding-window layers
+    (whose steps carry index lists) and the attention breaks' (``decode_graphs=False``); a
+    model whose every layer slides and has no decode graphs launches none and warms nothing.
+    A model with attention sinks (gpt-oss) warms the kernels' sinks variant, one without it
+    the plain one."""
     from breakgraph.integrations.transformers import cb_step
 
     calls, sinks = [], []

@@ -385,17 +385,18 @@ class StepRunner:
         # transformers' decode fast path (.block_table) where the decode graphs serve its steps
         # (all layers full, heads the kernel takes; else each step syncs to materialise rows)
         self.block_tables = False
-        # the heads whose decode kernels plan() compiles: the decode graphs' (every layer full,
-        # the manager's page), else the full-attention breaks' of pure-decode steps (page 0); not
-        # under tensor parallelism, whose ranks hold a share of the heads. Sinks: their variant
+        # the heads whose decode kernels plan() compiles: the decode graphs' (the manager's page;
+        # page 0 beside sliding layers: index lists), else the full-attention breaks' (page 0);
+        # not under tensor parallelism (a rank holds a share of the heads). Sinks: their variant
         self.heads: tuple[int, int, int] | None = None  # query heads, key heads, head size
-        self._break_kernels = False  # the heads' kernels launch from the breaks (page 0)
+        self._break_kernels = False  # the heads' kernels launch with a flat index (page 0)
         self._sinks = compat.has_attention_sinks(model)  # gpt-oss: the kernels' sinks variant
         heads, kinds = attention_heads(model.config), layer_attention(model.config)
         if heads is not None and self.decode is not None and kinds == "full":
             self.heads = heads
             self.block_tables = self.decode.kernel_problem(*heads[1:], self.device) is None
-        elif heads is not None and kernel == "flash" and ranks is None and kinds != "sliding":
+        elif heads is not None and (self.decode is not None or (
+                kernel == "flash" and ranks is None and kinds != "sliding")):  # fmt: skip
             self.heads, self._break_kernels = heads, True
         #: the split counts whose decode kernels :meth:`plan` compiled (every page so far), and
         #: the seconds it took

@@ -72,6 +72,13 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      every tested release), so transformers still writes; a pure-decode *graph*
      (:mod:`.decode_graph`) writes the rows itself as ``update`` does in every tested release
      (``index_copy_`` at ``write_index[group]``) and reads them in place.
+ 13b. I one sliding-window layer's cache rows and window, the same names (5.17: its
+     ``sliding_windows`` entry other than 1; later: the allocator filed under
+     ``"sliding_attention"`` and its ``sliding_window``), read in place by pure-decode *graphs*
+     only (:func:`sliding_kv_rows`; optional as 13): the step reads each sequence's latest
+     ``window - 1`` rows of a ring of ``window`` slots, then a sentinel entry for the new
+     token, last in the sequence's part of ``read_index[group]`` (every tested release), so
+     the graph writes the new row first and puts its row where the sentinel was.
 
  14. I ``initialization.ensure_decode_fast_path_is_available(config, cb_config,
      user_requested)``, which zeroes ``max_blocks_per_request`` unless the model's attention is
@@ -128,11 +135,12 @@ from typing import Any
 
 import torch
 
-from .compat_paged import (  # noqa: F401  (items 13, 15, 16: the paged cache's layouts)
+from .compat_paged import (  # noqa: F401  (items 13, 13b, 15, 16: the paged cache's layouts)
     block_table_filler,
     block_table_page,
     block_table_writers,
     layer_kv_rows,
+    sliding_kv_rows,
 )
 from .errors import UnsupportedModelError
 

@@ -1,5 +1,5 @@
 """Where transformers' paged cache keeps a layer's rows and a request's block table: items 13,
-15 and 16 of the transformers contract, whose list is :mod:`.compat`'s docstring (the single
+13b, 15 and 16 of the transformers contract, whose list is :mod:`.compat`'s docstring (the single
 list of every transformers name breakgraph reads). These probes read a paged cache's layout
 (5.17's, and the allocators of later releases) and answer None where it is neither known one;
 :mod:`.compat` re-exports them, and the rest of the integration calls them through it.
@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["layer_kv_rows", "block_table_page", "block_table_filler", "block_table_writers"]
+__all__ = [
+    "layer_kv_rows",
+    "sliding_kv_rows",
+    "block_table_page",
+    "block_table_filler",
+    "block_table_writers",
+]
 
 
 def layer_kv_rows(cache: Any, layer: int) -> tuple | None:
@@ -26,26 +32,51 @@ def layer_kv_rows(cache: Any, layer: int) -> tuple | None:
     ``keys``/``values`` are ``[rows, Hkv, D]`` tensors (each row contiguous) whose rows the
     step's ``read_index[group]`` and ``write_index[group]`` number; None where the cache has
     neither known layout or the layer is not a full-attention one."""
+    found = _layer_rows(cache, layer)
+    return found[:3] if found is not None and found[3] is None else None
+
+
+def sliding_kv_rows(cache: Any, layer: int) -> tuple | None:
+    """13b. ``(group, keys, values, window)`` of one sliding-window layer of transformers'
+    paged cache, as :func:`layer_kv_rows` (None for a full-attention layer or an unknown
+    layout). Its rows are a ring of ``window`` slots per sequence (a token's slot is its
+    position modulo ``window``); a step reads each sequence's ``window - 1`` latest rows at
+    most, then a sentinel where the new token goes: so a decode step may write the new row
+    first (the slot it overwrites is older than every row it reads), then read in place."""
+    found = _layer_rows(cache, layer)
+    return found if found is not None and found[3] is not None else None
+
+
+def _layer_rows(cache: Any, layer: int) -> tuple | None:
+    """``(group, keys, values, window)`` of one layer (``window`` None: full attention)."""
     allocators = getattr(cache, "layer_to_allocator", None)
     if isinstance(allocators, dict):  # after 5.17: one allocator per attention type
         allocator = allocators.get(layer)
         views = getattr(allocator, "_kv_token_views", None)
         by_type = getattr(cache, "cache_allocators", None)  # 5.18's allocators: no layer_type
-        full = isinstance(by_type, dict) and by_type.get("full_attention") is allocator
-        if not full or not isinstance(views, dict):
+        if not isinstance(by_type, dict) or not isinstance(views, dict):
             return None
-        found = (getattr(allocator, "index", None), *views.get(layer, (None, None)))
+        if by_type.get("full_attention") is allocator:
+            window = None
+        elif by_type.get("sliding_attention") is allocator:
+            window = getattr(allocator, "sliding_window", None)
+            if not isinstance(window, int) or window < 1:
+                return None
+        else:
+            return None
+        found = (getattr(allocator, "index", None), *views.get(layer, (None, None)), window)
     else:  # 5.17: one cache tensor per layer of a group
         groups = getattr(cache, "layer_index_to_group_indices", None)
         windows = getattr(cache, "sliding_windows", None)
         keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
         if not isinstance(groups, dict) or layer not in groups or None in (windows, keys, values):
             return None
-        if windows[layer] != 1:  # transformers' mark of a full-attention layer
+        window = windows[layer]  # 1: transformers' mark of a full-attention layer
+        if not isinstance(window, int) or window < 1:
             return None
         group, index = groups[layer]
-        found = (group, keys[index], values[index])
-    group, keys, values = found
+        found = (group, keys[index], values[index], None if window == 1 else window)
+    group, keys, values, window = found
     if not isinstance(group, int) or not all(_rows(t) for t in (keys, values)):
         return None
     return found

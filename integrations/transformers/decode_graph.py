@@ -82,7 +82,7 @@ from .step_inputs import view
 
 __all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows"]
 
-_FULL = "full_attention"
+_FULL, _SLIDING = "full_attention", "sliding_attention"
 logger = logging.getLogger("breakgraph")
 
 #: transformers' paged cache -> {layer: compat.layer_kv_rows}: each layout looked up once per
@@ -120,8 +120,11 @@ class DecodeBuffers:
     cache, which may hold millions of rows."""
 
     def __init__(self, groups, largest: int, capacity: int, device: torch.device,
-                 width: int = 0, page: int = 0, reads: bool = True) -> None:  # fmt: skip
+                 width: int = 0, page: int = 0, reads: bool = True,
+                 kinds: dict | None = None) -> None:  # fmt: skip
         self.width, self.page = width, page if width else 0
+        # each group's attention type (full unless said): which key offsets its layers read
+        self.kinds = {group: (kinds or {}).get(group, _FULL) for group in groups}
         self.capacity = capacity if reads or not width else 0
         with torch.inference_mode(False):
             zeros = lambda *shape, dtype=torch.long: {  # noqa: E731
@@ -132,7 +135,9 @@ class DecodeBuffers:
             # compiled before serving (extra columns are never read: keys end first)
             padded = -(-width // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
             self.table = zeros(largest, padded, dtype=torch.int32) if width else {}
-            self.cu_k = torch.zeros(largest + 1, dtype=torch.int32, device=device)
+            # the key offsets per attention type (the sliding-window layers' count fewer keys)
+            self.cu_k = {kind: torch.zeros(largest + 1, dtype=torch.int32, device=device)
+                         for kind in dict.fromkeys(self.kinds.values())}  # fmt: skip
             self.source = torch.zeros(largest, dtype=torch.long, device=device)
             self.iota = torch.arange(largest + 1, dtype=torch.long, device=device)
             # the key offsets' gather index for (n, bucket): [0, 1, .., n, n, .., n]
@@ -148,11 +153,14 @@ class DecodeBuffers:
         included, through a static index rewritten where the step's size changed, like the
         write source rows). The views it copies into are made once
         (:func:`.step_inputs.view`): views only, so the cache owns no device memory."""
-        cu_k, views = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k, self._views
-        if cu_k.shape[0] <= n:  # before any copy; on CUDA the gather would assert on the device
-            raise InputError(f"breakgraph decode graphs: the step's key offsets hold "
-                             f"{cu_k.shape[0]} entries for {n} sequences; expected at least "
-                             f"{n + 1}")  # fmt: skip
+        views, live_offsets = self._views, {}
+        for kind in self.cu_k:
+            cu_k = step.cu_k[kind] if isinstance(step.cu_k, dict) else step.cu_k
+            if cu_k.shape[0] <= n:  # before any copy; on CUDA the gather would assert there
+                raise InputError(f"breakgraph decode graphs: the step's key offsets hold "
+                                 f"{cu_k.shape[0]} entries for {n} sequences; expected at "
+                                 f"least {n + 1}")  # fmt: skip
+            live_offsets[kind] = cu_k
         if self._source_for != (n, bucket):  # static buffers, rewritten in stream order
             self.source[:n].copy_(self.iota[:n])
             self.source[n:bucket].zero_()
@@ -169,15 +177,16 @@ class DecodeBuffers:
             live = step.table[group, :n]
             view(views, (group, n), lambda t=table: t[:n, : self.width]).copy_(live)
             if self.read:
-                self.read[group][:rows].copy_(read_slots(live, cu_k, page, rows))
+                self.read[group][:rows].copy_(read_slots(live, live_offsets[_FULL], page, rows))
         # the key offsets, those of the padded sequences (no keys) repeating the last: one
-        # gather through the pad index (its bounds checked first)
+        # gather per attention type through the pad index (its bounds checked first)
         index = view(views, ("pad", bucket), lambda: self.pad[: bucket + 1])
-        offsets = view(views, ("cu_k", bucket), lambda: self.cu_k[: bucket + 1])
-        if cu_k.dtype == offsets.dtype and cu_k.device == offsets.device:
-            torch.index_select(cu_k, 0, index, out=offsets)
-        else:  # not transformers' int32 offsets on the model's device: a temporary
-            offsets.copy_(cu_k.to(offsets.device).index_select(0, index))
+        for kind, cu_k in live_offsets.items():
+            offsets = view(views, (kind, bucket), lambda k=kind: self.cu_k[k][: bucket + 1])
+            if cu_k.dtype == offsets.dtype and cu_k.device == offsets.device:
+                torch.index_select(cu_k, 0, index, out=offsets)
+            else:  # not transformers' int32 offsets on the model's device: a temporary
+                offsets.copy_(cu_k.to(offsets.device).index_select(0, index))
 
     def write_rows(self, group: Any, bucket: int) -> torch.Tensor:
         """Each sequence's write row ``[bucket]`` from the table and the key offsets alone (run
@@ -196,9 +205,33 @@ class DecodeBuffers:
             >>> buffers.write_rows(0, 4).tolist()  # key 5 in block 1, key 0 in block 2, padding
             [5, 8, 5, 5]
         """
-        keys = self.cu_k[1 : bucket + 1] - self.cu_k[:bucket]
+        cu_k = self.cu_k[_FULL]
+        keys = cu_k[1 : bucket + 1] - cu_k[:bucket]
         slots = write_slots(self.table[group][:bucket], (keys - 1).clamp_(min=0), self.page)
         return torch.where(keys > 0, slots, slots[:1])
+
+    def window_reads(self, group: Any, bucket: int) -> torch.Tensor:
+        """A sliding-window group's read index with each sequence's new row in place of the
+        sentinel transformers puts last in its part (contract item 13b; run inside the graph,
+        after the new rows are written). A padded sequence (no keys) targets sequence 0's
+        entry with sequence 0's row, as its write does: equal values, whatever the order.
+
+        Example (window 4: a sequence of 3 cached keys and one of none; bucket 3)::
+
+            >>> from types import SimpleNamespace
+            >>> kinds = {0: "sliding_attention"}
+            >>> buffers = DecodeBuffers((0,), 3, 8, torch.device("cpu"), kinds=kinds)
+            >>> step = SimpleNamespace(cu_k={"sliding_attention": torch.tensor([0, 4, 5])},
+            ...                        read_index=[torch.tensor([5, 6, 7, -1, -1])],
+            ...                        write_index=[torch.tensor([4, 9])])
+            >>> buffers.fill(step, 2, 3)
+            >>> buffers.window_reads(0, 3)[:5].tolist()
+            [5, 6, 7, 4, 9]
+        """
+        cu_k, write = self.cu_k[self.kinds[group]], self.write[group][:bucket]
+        ends = cu_k[1 : bucket + 1].long() - 1
+        ends = torch.where(cu_k[1 : bucket + 1] > cu_k[:bucket], ends, ends[:1])
+        return self.read[group].index_copy_(0, ends, write)
 
 
 class _LayoutGraphs:
@@ -262,11 +295,11 @@ class DecodeGraphs:
                 self._release(key)
         layout = self._layout(step.cache)
         if layout is None:
-            return self._fallback("cache layout unknown or a sliding-window layer")
-        layers, key, groups, page = layout
+            return self._fallback("cache layout unknown")
+        layers, key, groups, page, kinds = layout
         width, reads = 0, self.backend != "cuda"  # the CUDA kernel reads a table itself
         if step.table is not None:
-            if page is None:
+            if page is None or _SLIDING in kinds.values():
                 return self._fallback("block-table layout unknown")
             width = step.table.shape[-1]
             if reads:  # host memory: the exact count (the dense kernel reads every row)
@@ -275,7 +308,10 @@ class DecodeGraphs:
             else:  # no rows to read, no sync: at least the new key of every sequence
                 rows = n
         else:
-            rows = max(step.read_index[group].shape[0] for group in groups)
+            sizes = [step.read_index[group].shape[0] for group in groups]
+            if min(sizes) == 0:  # a first step of one-token prompts: nothing cached
+                return self._fallback("nothing cached yet (empty read index)")
+            rows = max(sizes)
         if rows == 0:  # a first step of one-token prompts: attention over their own keys
             return self._fallback("nothing cached yet (empty read index)")
         key = (key, width, page if width else 0)  # tables and read indices: their own graphs
@@ -286,7 +322,7 @@ class DecodeGraphs:
                 return False
             try:
                 graphs = self._new_graphs(key, layers, groups, largest, _capacity(rows),
-                                          width, page, reads)  # fmt: skip
+                                          width, page, reads, kinds)  # fmt: skip
             except Exception as exc:  # e.g. out of memory: the breaks serve the step
                 return self._turn_off("static buffers failed", exc)
         self._graphs.move_to_end(key)
@@ -314,12 +350,14 @@ class DecodeGraphs:
         """One layer's decode attention inside the graph (the model's attention function calls
         it while a decode graph is captured): write the new rows, read every sequence's rows
         in place. ``query`` ``[1, Hq, B, D]``, ``key``/``value`` ``[1, Hkv, B, D]``; returns
-        ``[B, Hq, D]``. ``sinks``: the layer's attention sinks (``[Hq]``), or None."""
+        ``[B, Hq, D]``. ``sinks``: the layer's attention sinks (``[Hq]``), or None. A
+        sliding-window layer (``window``) reads its ring's rows (contract item 13b): at most
+        ``window - 1`` cached rows and the new one, the window itself."""
         rows = self._layers.get(layer)
-        if rows is None or window is not None or query.shape[1] != self.q_heads:
-            raise NotDecodable(f"layer {layer} is not a full-attention layer with known rows "
+        if rows is None or window != rows[3] or query.shape[1] != self.q_heads:
+            raise NotDecodable(f"layer {layer}'s rows are not known for a window of {window} "
                                f"and {self.q_heads} query heads")  # fmt: skip
-        group, keys, values = rows
+        group, keys, values, _ = rows
         bucket = query.shape[2]
         buffers = self.buffers
         if buffers.width:  # a block-table step: derived once per group in the graph
@@ -332,11 +370,16 @@ class DecodeGraphs:
         keys.index_copy_(0, write, key[0].transpose(0, 1).index_select(0, source))
         values.index_copy_(0, write, value[0].transpose(0, 1).index_select(0, source))
         q = query_rows(query)
-        cu_k = buffers.cu_k[: bucket + 1]
+        cu_k = buffers.cu_k[buffers.kinds[group]][: bucket + 1]
         if buffers.width and not buffers.read:  # CUDA: the kernel reads the table itself
             return paged_decode(q, keys, values, buffers.table[group], cu_k, scaling,
                                 page=buffers.page, sinks=sinks)  # fmt: skip
-        read = buffers.read[group]
+        if window is None:
+            read = buffers.read[group]
+        else:  # the sentinels replaced by the new rows, once per group and pass
+            if ("read", group) not in self._write_rows:
+                self._write_rows["read", group] = buffers.window_reads(group, bucket)
+            read = self._write_rows["read", group]
         if self.backend == "cuda":
             return paged_decode(q, keys, values, read, cu_k, scaling, sinks=sinks)
         return paged_decode_dense(q, keys, values, read, cu_k, scaling, sinks=sinks)
@@ -348,17 +391,22 @@ class DecodeGraphs:
 
     # -- internals ------------------------------------------------------------------------------
     def _layout(self, cache: Any) -> tuple | None:
-        """``(layers, key, groups, block-table page)`` of ``cache`` (looked up once per cache),
-        or None."""
+        """``(layers, key, groups, block-table page, each group's attention type)`` of
+        ``cache`` (looked up once per cache), or None. ``layers``: ``{layer: (group, keys,
+        values, window)}``, ``window`` None for a full-attention layer."""
         try:
             return _LAYOUTS[cache]
         except KeyError:
             pass
-        layers = {layer: cache_rows(cache, layer) for layer in range(self.num_layers)}
+        layers = {layer: _decode_rows(cache, layer) for layer in range(self.num_layers)}
         found = None
-        if None not in layers.values():
-            groups = tuple(dict.fromkeys(group for group, _, _ in layers.values()))
-            found = (layers, _layout_key(layers), groups, compat.block_table_page(cache))
+        kinds = {}  # group -> attention type; a group of both kinds is not a known layout
+        for group, _, _, window in filter(None, layers.values()):
+            kind = _FULL if window is None else _SLIDING
+            kinds[group] = kind if kinds.get(group, kind) == kind else None
+        if None not in layers.values() and None not in kinds.values():
+            groups = tuple(kinds)
+            found = (layers, _layout_key(layers), groups, compat.block_table_page(cache), kinds)
             if self.backend != "cuda":  # these graphs hold the cache: release them with it
                 weakref.finalize(cache, self._dead.append, found[1])
         _LAYOUTS[cache] = found
@@ -366,7 +414,7 @@ class DecodeGraphs:
 
     def _kernel_problem(self, layers: dict[int, tuple]) -> str | None:
         """Why the attention kernel cannot run these layers (checked before anything runs)."""
-        _, keys, _ = next(iter(layers.values()))
+        _, keys, _, _ = next(iter(layers.values()))
         return self.kernel_problem(keys.shape[1], keys.shape[2], keys.device)
 
     def kernel_problem(self, kv_heads: int, head_dim: int, device: torch.device) -> str | None:
@@ -390,8 +438,8 @@ class DecodeGraphs:
             self._write_rows = {}
 
     def _new_graphs(self, key: tuple, layers: dict[int, tuple], groups: tuple, largest: int,
-                    capacity: int, width: int = 0, page: int = 0,
-                    reads: bool = True) -> _LayoutGraphs:  # fmt: skip
+                    capacity: int, width: int = 0, page: int = 0, reads: bool = True,
+                    kinds: dict | None = None) -> _LayoutGraphs:  # fmt: skip
         """Graphs for a new cache layout, or larger buffers for one (its old graphs baked the
         old addresses in: released, and buckets are captured again when needed)."""
         if key in self._graphs:
@@ -402,7 +450,7 @@ class DecodeGraphs:
             while len(self._graphs) >= self.KEEP:
                 self._release(next(iter(self._graphs)))
         device = next(iter(layers.values()))[1].device
-        buffers = DecodeBuffers(groups, largest, capacity, device, width, page, reads)
+        buffers = DecodeBuffers(groups, largest, capacity, device, width, page, reads, kinds)
         ladder = GraphLadder(backend=self.backend, debug=self.debug, on_miss="eager",
                              who=f"{self.who} (decode graphs)")  # fmt: skip
         graphs = self._graphs[key] = _LayoutGraphs(ladder, buffers)
@@ -432,11 +480,17 @@ def _capacity(rows: int) -> int:
     return max(1024, 1 << (2 * rows - 1).bit_length())
 
 
+def _decode_rows(cache: Any, layer: int) -> tuple | None:
+    """``(group, keys, values, window)`` of one layer (``window`` None: full attention)."""
+    full = cache_rows(cache, layer)
+    return (*full, None) if full is not None else compat.sliding_kv_rows(cache, layer)
+
+
 def _layout_key(layers: dict[int, tuple]) -> tuple:
     """What a decode graph baked in of the cache: every layer's tensors' addresses, layout,
-    dtype and device."""
+    dtype and device, and its window."""
     return tuple(
-        (group, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-        for group, keys, values in layers.values()
+        (group, window, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        for group, keys, values, window in layers.values()
         for t in (keys, values)
     )

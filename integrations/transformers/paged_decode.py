@@ -191,7 +191,8 @@ def paged_decode_dense(q, k_cache, v_cache, read_index, cu_k, scaling: float,
     weights = scores.softmax(-1).nan_to_num(0.0)  # a sequence with no keys: zeros
     if sinks is not None:
         weights = weights[..., :-1]
-    return torch.einsum("bhr,rhd->bhd", weights, values).to(q.dtype)
+    # contiguous [B, Hq, D], as the kernels write it (a model may .view() the attention output)
+    return torch.einsum("bhr,rhd->bhd", weights, values).to(q.dtype).contiguous()
 
 
 if triton is not None:
