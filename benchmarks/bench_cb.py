@@ -132,10 +132,12 @@ from benchmarks.environment import environment  # noqa: E402
 from benchmarks.families import (  # noqa: E402
     CB_FAMILIES,
     FAMILIES,
+    HELD_OUT_FAMILIES,
     SMOKE_FAMILIES,
     Family,
     config_summary,
     make_model,
+    stock_attention,
 )
 from breakgraph.patches import PatchSet  # noqa: E402
 
@@ -203,6 +205,7 @@ STOCK = ("stock_sdpa", "stock_graphs", "stock_graphs_async")
 NEW_SHAPE_VARIANTS = ("stock_sdpa", "stock_graphs", "stock_graphs_async", "breakgraph",
                       "breakgraph_sync")  # fmt: skip
 CONTINUITY_VARIANTS = ("stock_sdpa", "breakgraph", "breakgraph_sync")
+SLIDING_VARIANTS = ("stock_sdpa", "stock_graphs", "breakgraph", "breakgraph_breaks")
 SMOKE_VARIANTS = ("stock_sdpa", "stock_graphs", "stock_graphs_async", "breakgraph",
                   "breakgraph_sync", "breakgraph_pow2", "breakgraph_breaks")  # fmt: skip
 
@@ -226,6 +229,10 @@ MODELS = {
     # held out: the whole Qwen2.5-3B (36 layers) and a whole many-expert MoE (Qwen3-30B-A3B)
     "qwen2.5-3b": CBModel(CB_FAMILIES["qwen2.5-3b"], NEW_SHAPE_VARIANTS),
     "qwen3-30b-a3b": CBModel(CB_FAMILIES["qwen3-30b-a3b"], NEW_SHAPE_VARIANTS),
+    # held out: sliding-window layers (pure-decode graphs read their rings in place; the breaks
+    # as before, breakgraph_breaks): a whole Gemma-3-1B, and gpt-oss-20b cut to 4 layers
+    "gemma3-1b": CBModel(CB_FAMILIES["gemma3-1b"], SLIDING_VARIANTS),
+    "gpt-oss-20b-4l": CBModel(HELD_OUT_FAMILIES["gpt-oss-20b-4l"], SLIDING_VARIANTS),
     **{n: CBModel(f, SMOKE_VARIANTS) for n, f in SMOKE_FAMILIES.items()},
 }
 DEFAULT_MODELS = ("qwen2.5-3b-12l", "llama3-8b-4l", "mixtral-1k-8l", "llama-1b", "qwen3-0.6b",
@@ -361,7 +368,7 @@ def run_round(model, variant: Variant, run) -> dict:
                                                 decode_graphs=variant.decode_graphs,
                                                 compile=variant.compile)  # fmt: skip
         else:
-            model.set_attn_implementation("sdpa")
+            model.set_attn_implementation(stock_attention(model))
         run.timer = None
         if not variant.use_cuda_graph:  # never around transformers' own graphs
             run.timer = StepTimer(device.type == "cuda")
@@ -399,7 +406,7 @@ def run_round(model, variant: Variant, run) -> dict:
                 decode = runner.decode  # pure-decode graphs (None with decode_graphs=False)
                 decode_stats = decode.stats if decode is not None else None
                 handle.disable()
-            model.set_attn_implementation("sdpa")
+            model.set_attn_implementation(stock_attention(model))
     if handle is not None:
         result.update(
             graphs=tokens_stats.captures + logits_stats.captures,

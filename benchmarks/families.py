@@ -171,6 +171,13 @@ QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
                  max_position_embeddings=32768, rope_theta=1e6,
                  tie_word_embeddings=True)  # fmt: skip
 #: Qwen3-30B-A3B's config, all 48 layers (``qwen3-moe-8l`` in ``FAMILIES`` cuts it to eight)
+#: Gemma-3-1B's text model (google/gemma-3-1b-pt): five sliding-window layers to one global
+GEMMA3_1B = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                 query_pre_attn_scalar=256, max_position_embeddings=32768,
+                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                  "full_attention": {"rope_type": "default",
+                                                     "rope_theta": 1e6}})  # fmt: skip
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                      moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
                      num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
@@ -218,6 +225,11 @@ CB_FAMILIES: dict[str, Family] = {
             "qwen3-30b-a3b",
             lambda: _tf().Qwen3MoeConfig(**QWEN3_30B_A3B),
             "Qwen3-30B-A3B, all 48 layers: 128 experts top-8, hidden 2048, GQA 32/4",
+        ),
+        Family(  # held out: a whole model whose layers slide (5 of every 6, window 512)
+            "gemma3-1b",
+            lambda: _tf().Gemma3TextConfig(**GEMMA3_1B),
+            "Gemma-3-1B, all 26 layers: sliding window 512 on 5 of 6, MQA 4/1 of 256, vocab 262144",
         ),
         Family(
             "mixtral-1k-8l",
@@ -301,6 +313,12 @@ SMOKE_FAMILIES: dict[str, Family] = {  # the tiny models (tiny_models.TINY)
         ),
     )
 }
+
+
+def stock_attention(model) -> str:
+    """The attention a user of transformers gets for ``model``: its SDPA, or its eager attention
+    for the families transformers serves without SDPA (gpt-oss)."""
+    return "eager" if model.config.model_type in EAGER_ATTENTION else "sdpa"
 
 
 def make_model(config, device: str, dtype: torch.dtype) -> torch.nn.Module:

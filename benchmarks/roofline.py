@@ -10,7 +10,8 @@ The model is a plain roofline, counted from the model's own parameters:
 * a step reads every weight once (the input embedding only by rows, ``lm_head`` whole; a
   MoE layer only the experts its tokens route to: ``1 - (1 - k/E)**tokens`` of them on
   average under uniform routing) and the KV rows of its sequences; its time is at least
-  ``max(bytes / bandwidth, flops / peak)``;
+  ``max(bytes / bandwidth, flops / peak)``; a sliding-window layer reads at most its window
+  of each sequence's keys;
 * a prefill token costs ``2 x active parameters`` FLOPs, plus causal attention
   (``4 x layers x heads x head_dim`` per query-key pair); ``lm_head`` runs once per prompt
   (``logits_to_keep``);
@@ -53,7 +54,8 @@ class Shape:
 
     ``dense_params``: every parameter a token passes through except the input embedding,
     ``lm_head`` and the routed experts; ``expert_params``: all routed experts of all
-    layers; ``head_params``: ``lm_head``'s weight (read whole by every step, tied or not).
+    layers; ``head_params``: ``lm_head``'s weight (read whole by every step, tied or not);
+    ``sliding_layers`` of the ``layers`` attend to the last ``window`` keys only.
     """
 
     layers: int
@@ -66,11 +68,35 @@ class Shape:
     top_k: int
     head_params: int
     bytes_per_param: int
+    sliding_layers: int = 0
+    window: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token keeps in the cache (all layers)."""
         return self.layers * 2 * self.kv_heads * self.head_dim * self.bytes_per_param
+
+    def kv_read_bytes(self, context: float) -> float:
+        """Bytes of keys and values one decode query reads over ``context`` keys (all
+        layers; a sliding-window layer reads at most its window).
+
+        >>> Shape(4, 4, 2, 16, 0, 0, 0, 0, 0, 2, sliding_layers=3, window=8).kv_read_bytes(100)
+        15872.0
+        """
+        per_layer = self.kv_bytes_per_token / self.layers
+        full = self.layers - self.sliding_layers
+        return per_layer * (full * context + self.sliding_layers * min(context, self.window))
+
+    def attended_pairs(self, queries: int) -> float:
+        """Query-key pairs of one causal prompt of ``queries`` tokens, averaged over the
+        layers (a sliding-window layer's queries see at most its window)."""
+        whole = queries * (queries + 1) / 2
+        if not self.sliding_layers:
+            return whole
+        w = min(self.window, queries)
+        windowed = w * (w + 1) / 2 + (queries - w) * w
+        full = self.layers - self.sliding_layers
+        return (full * whole + self.sliding_layers * windowed) / self.layers
 
     def routed_fraction(self, tokens: int) -> float:
         """Expected share of the experts that ``tokens`` tokens read (uniform top-k routing)."""
@@ -109,6 +135,11 @@ def shape_of(model) -> Shape:
         else:
             dense += parameter.numel()
     count = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    types, window = getattr(config, "layer_types", None), getattr(config, "sliding_window", None)
+    if types:
+        sliding = sum(kind == "sliding_attention" for kind in types)
+    else:
+        sliding = config.num_hidden_layers if window else 0
     return Shape(
         layers=config.num_hidden_layers,
         heads=heads,
@@ -120,6 +151,8 @@ def shape_of(model) -> Shape:
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
         head_params=head.numel(),
         bytes_per_param=head.element_size(),
+        sliding_layers=sliding,
+        window=int(window or 0) if sliding else 0,
     )
 
 
@@ -137,9 +170,10 @@ def decode_step_floor(
 ) -> dict:
     """One pure decode step of ``requests`` sequences whose keys number ``context`` each
     (the new token included): bytes, FLOPs and the floor in milliseconds."""
-    data = shape.weight_bytes(requests) + requests * context * shape.kv_bytes_per_token
+    data = shape.weight_bytes(requests) + requests * shape.kv_read_bytes(context)
     flops = 2.0 * (shape.active_params() + shape.head_params) * requests
-    flops += _attention_flops(shape, requests * context)
+    keys = shape.kv_read_bytes(context) / shape.kv_bytes_per_token  # per layer, on average
+    flops += _attention_flops(shape, requests * keys)
     seconds = max(data / hbm_bytes_per_s, flops / peak_flops)
     return {"bytes": round(data), "flops": flops, "floor_ms": 1e3 * seconds,
             "memory_bound": data / hbm_bytes_per_s >= flops / peak_flops}  # fmt: skip
@@ -162,7 +196,7 @@ def workload_floor(
     requests = len(prompt_lengths)
     prefill_steps = max(1, math.ceil(prompt_tokens / max_batch_tokens))
     prefill_flops = 2.0 * shape.active_params() * prompt_tokens
-    prefill_flops += _attention_flops(shape, sum(n * (n + 1) / 2 for n in prompt_lengths))
+    prefill_flops += _attention_flops(shape, sum(shape.attended_pairs(n) for n in prompt_lengths))
     prefill_flops += 2.0 * shape.head_params * requests  # logits of each prompt's last token
     prefill_bytes = prefill_steps * shape.weight_bytes(min(prompt_tokens, max_batch_tokens))
     prefill_bytes += prompt_tokens * shape.kv_bytes_per_token  # the cache written once

@@ -7,6 +7,7 @@ whole ``--smoke`` run (every variant), once, in this process."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import doctest
 import json
 import logging
@@ -64,6 +65,32 @@ def test_workload_floor_adds_the_phases_and_bounds_them():
     assert 0 < floor["bound_s"] <= floor["roofline_s"]
     longer = roofline.workload_floor(SHAPE, [100, 300], new_tokens=50, max_batch_tokens=256)
     assert longer["decode_s"] > 10 * floor["decode_s"]
+
+
+def test_sliding_window_layers_read_at_most_their_window():
+    """A sliding-window layer's decode query reads at most its window of keys (the floor of
+    a Gemma-3-like model is not its full-attention twin's), and its prefill queries attend to
+    at most that many; ``shape_of`` counts the layers from ``layer_types`` (or every layer
+    where the config has a window and no types)."""
+    from benchmarks.families import SMOKE_FAMILIES, TINY
+
+    windowed = dataclasses.replace(SHAPE, sliding_layers=1, window=4)
+    per_layer = SHAPE.kv_bytes_per_token // SHAPE.layers
+    short = roofline.decode_step_floor(windowed, requests=1, context=3, hbm_bytes_per_s=1e3)
+    assert short["bytes"] == roofline.decode_step_floor(SHAPE, 1, 3, hbm_bytes_per_s=1e3)["bytes"]
+    step = roofline.decode_step_floor(windowed, requests=1, context=10, hbm_bytes_per_s=1e3)
+    whole = roofline.decode_step_floor(SHAPE, requests=1, context=10, hbm_bytes_per_s=1e3)
+    assert whole["bytes"] - step["bytes"] == (10 - 4) * per_layer
+    assert windowed.attended_pairs(3) == SHAPE.attended_pairs(3) == 6
+    assert windowed.attended_pairs(10) == (55 + (10 + 6 * 4)) / 2  # full + windowed layer
+    gpt_oss = transformers.AutoModelForCausalLM.from_config(SMOKE_FAMILIES["tiny-gpt-oss"].config())
+    shape = roofline.shape_of(gpt_oss)  # a sliding and a full layer
+    assert (shape.sliding_layers, shape.window) == (1, gpt_oss.config.sliding_window)
+    mistral = transformers.MistralConfig(**TINY, sliding_window=8)
+    shape = roofline.shape_of(transformers.AutoModelForCausalLM.from_config(mistral))
+    assert (shape.sliding_layers, shape.window) == (mistral.num_hidden_layers, 8)
+    llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY))
+    assert roofline.shape_of(llama).sliding_layers == 0
 
 
 def test_shape_of_counts_experts_apart_and_a_tied_head_once():

@@ -166,7 +166,8 @@ def test_a_cuda_table_step_costs_the_host_two_device_operations():
                                cu_k=cu_k)  # fmt: skip
         for each in (buffers, two):
             each.fill(step, n, size, page=4, rows=n)
-            assert each.cu_k["full_attention"][: size + 1].tolist() == cu_k.tolist() + [cu_k[-1].item()] * (size - n)
+            offsets = each.cu_k["full_attention"][: size + 1].tolist()
+            assert offsets == cu_k.tolist() + [cu_k[-1].item()] * (size - n)
         assert buffers.table[0][:n, :blocks].equal(step.table[0])
         assert two.table[0][:n, :blocks].equal(step.table[0])
         assert two.table[1][:n, :blocks].equal(step.table[1])

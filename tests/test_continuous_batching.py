@@ -44,7 +44,6 @@ from breakgraph.integrations.transformers import (  # noqa: E402
     decode_graph,
     enable_continuous_batching,
     index_lists,
-    models,
     step_inputs,
 )
 from breakgraph.integrations.transformers import continuous_batching as cb  # noqa: E402
@@ -3082,6 +3081,35 @@ def test_cuda_decode_graphs_serve_a_second_manager_and_agree_with_breaks():
     assert same_first >= 0.99 and same_whole >= 0.9, (same_first, same_whole)
     agree_first, agree_whole = agreement(first, breaks)
     assert agree_first >= 0.9 and agree_whole >= 0.5, (agree_first, agree_whole)
+
+
+@needs_cb
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("arch, window",
+                         [("qwen2_hybrid", 64), ("gpt_oss", 32), ("mistral", 100)])
+def test_cuda_sliding_window_decode_graphs_agree_with_breaks(arch, window):
+    """Pure-decode graphs of models with sliding-window layers (their rings written and read
+    in place, the Triton kernel over each ring's rows; gpt-oss: with sinks; Mistral: every
+    layer slides), bf16, against the same steps through the attention breaks: windows
+    shorter than most sequences, so the rings wrap; the tokens agree as two runs of one
+    path do."""
+    shape = dict(CUDA_SHAPE, sliding_window=window)
+    if arch == "gpt_oss":  # its tiny config's two layer types, twice
+        shape["layer_types"] = ["sliding_attention", "full_attention"] * 2
+    model = build_model(arch, device="cuda", dtype=torch.bfloat16, **shape)
+    prompts = cuda_prompts(count=64, seed=8)
+    gen = generation_config(max_new_tokens=24, pad_token_id=999)
+    cbc = ContinuousBatchingConfig(block_size=32, num_blocks=1024, max_batch_tokens=1024)
+    with enable_continuous_batching(model, decode_graphs=False) as handle:
+        breaks = generate_batch(model, prompts, gen=gen, cbc=cbc)
+    with enable_continuous_batching(model) as handle:
+        graphs = generate_batch(model, prompts, gen=gen, cbc=cbc)
+    decode = handle.decode_graphs
+    print(f"\n{arch}: decode graphs {decode.stats}, fallbacks {decode.fallbacks}")
+    assert handle.kernel == "flash" and handle.runner.heads is not None
+    assert decode.off is None and decode.stats.replays >= 10, (decode.off, decode.fallbacks)
+    first, whole = agreement(graphs, breaks)  # a ring read wrong agrees on ~1 in 1000
+    assert first >= 0.95 and whole >= 0.5, (first, whole)
 
 
 @needs_cb
