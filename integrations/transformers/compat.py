@@ -67,18 +67,14 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
      before): in 5.17 ``cache.layer_index_to_group_indices``, ``sliding_windows`` and
      ``cache.key_cache`` / ``value_cache``; in later releases ``cache.layer_to_allocator``, the
      allocator filed under ``"full_attention"`` in ``cache.cache_allocators``, and its
-     ``index`` and ``_kv_token_views``. With it, inside a
-     pure-decode break ``update`` is called with empty read indices (its write-only branch, in
-     every tested release), so transformers still writes; a pure-decode *graph*
-     (:mod:`.decode_graph`) writes the rows itself as ``update`` does in every tested release
-     (``index_copy_`` at ``write_index[group]``) and reads them in place.
- 13b. I one sliding-window layer's cache rows and window, the same names (5.17: its
-     ``sliding_windows`` entry other than 1; later: the allocator filed under
-     ``"sliding_attention"`` and its ``sliding_window``), read in place by pure-decode *graphs*
-     only (:func:`sliding_kv_rows`; optional as 13): the step reads each sequence's latest
-     ``window - 1`` rows of a ring of ``window`` slots, then a sentinel entry for the new
-     token, last in the sequence's part of ``read_index[group]`` (every tested release), so
-     the graph writes the new row first and puts its row where the sentinel was.
+     ``index`` and ``_kv_token_views``. With it, inside a pure-decode break ``update`` is called
+     with empty read indices (its write-only branch, in every tested release), so transformers
+     still writes; a pure-decode *graph* (:mod:`.decode_graph`) writes the rows itself as
+     ``update`` does in every tested release (``index_copy_`` at ``write_index[group]``).
+ 13b. I a sliding-window layer's rows and window, the same names (5.17: ``sliding_windows``
+     not 1; later: ``"sliding_attention"``'s allocator, its ``sliding_window``; optional as 13):
+     its read index holds each sequence's latest ``window - 1`` rows of a ring of ``window``,
+     then a sentinel for the new token (every tested release), read by decode *graphs* only.
 
  14. I ``initialization.ensure_decode_fast_path_is_available(config, cb_config,
      user_requested)``, which zeroes ``max_blocks_per_request`` unless the model's attention is

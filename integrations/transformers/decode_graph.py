@@ -39,8 +39,14 @@ The read-index buffers are sized from the steps (twice the first decode step's k
 of two), not from the cache, which may hold millions of rows; a step that outgrows them gets
 buffers twice as large and new graphs.
 
+A sliding-window layer's rows are a ring of ``window`` slots per sequence (contract item
+13b): the step's read index lists the ``window - 1`` latest rows and then a sentinel for the
+new token, and the row the new token overwrites is older than any of them; so the graph
+writes first, puts the new rows where the sentinels are (:meth:`DecodeBuffers.window_reads`)
+and reads the ring in place, from the group's own key offsets.
+
 Not used (the step goes through the query-token ladder): under tensor parallelism, with a
-sliding-window layer or a cache layout contract item 13 does not know, where Triton does not
+cache layout contract items 13 and 13b do not know, where Triton does not
 run on CUDA or cannot tile the heads, when a step's read index is empty (a first step of
 one-token prompts), or after a capture or an allocation failed (``off`` says why; a warning
 is logged once).
