@@ -140,6 +140,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, _, _ in report_cb_decode.DECODE_FOLD_FILES]
         + [name for name, _, _ in report_cb_decode.PAGED_DECODE_FILES]
         + [name for name, _ in report_cb_decode.DECODE_GRAPHS_FILES]
+        + list(report_held_out.SLIDING_FILES)
         + [name for name, _ in report_cb_decode.COMPILED_FILES]
         + [name for name, _ in report_cb_decode.BLOCK_TABLE_FILES]
         + [name for name, _ in report_cb_decode.TABLE_FILL_FILES]
@@ -266,6 +267,9 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         blocks.append(cb_report.tried_section(tried, load(cb_report.TRIED_FILES[1]), prep, serve))
     if (held_out := load(report_held_out.CB_FILE)) is not None:
         blocks.append("\n".join(report_held_out.held_out_cb_section(held_out)))
+    sliding = [(n, d) for n in report_held_out.SLIDING_FILES if (d := load(n)) is not None]
+    if sliding:
+        blocks.append(report_held_out.sliding_section(sliding))
     whole = [(n, d) for n in report_held_out.WHOLE_FILES if (d := load(n)) is not None]
     if whole and whole[0][0] == report_held_out.WHOLE_FILES[0]:
         blocks.append(report_held_out.whole_model_section(whole))

@@ -17,8 +17,8 @@ from __future__ import annotations
 import statistics
 
 from . import targets as T
-from .cb_report import _cell, _model_block
-from .template import fill, num, span, table
+from .cb_report import _cell, _model_block, _release
+from .template import bullets, fill, num, pct, span, table
 
 #: ``bench_cb --models gemma-2b`` on the default workload, stock and breakgraph
 CB_FILE = "h100-cb-gemma-2b.json"
@@ -47,6 +47,13 @@ WHOLE_3B_FILES = ("h100-cb-qwen2.5-3b.json", "h100-cb-qwen2.5-3b-32.json")
 #: (prefill chunks of 2048 tokens beside the decoding requests), on transformers 5.17.0
 MOE_TRACE = "h100-cb-trace-qwen3-30b-a3b-5.17"
 MOE_TRACE_SUMMARY = f"{MOE_TRACE}/summary.json"
+#: session 51: ``bench_cb --models gemma3-1b`` (then ``gpt-oss-20b-4l``), one process each, its
+#: ``breakgraph`` (pure-decode graphs reading sliding-window rings in place) and
+#: ``breakgraph_breaks`` (a break per layer, as every sliding-window model ran before) taking
+#: turns, beside stock; the card's prefix is the run's (either card, whichever came)
+SLIDING_FILES = tuple(f"{card}-cb-sliding-{model}-{release}.json"
+                      for model in ("gemma3-1b", "gpt-oss-20b-4l") for release in ("5.17", "5.24")
+                      for card in ("h200", "h100"))  # fmt: skip
 #: the kernel transformers 5.17's ``grouped_mm`` zeroes expert parallelism's sentinel rows with
 MASKED_FILL = "masked_fill"
 
@@ -256,3 +263,62 @@ def moe_trace_block(summary: dict, results: str, load) -> str:
     layers = runs[0]["models"][0]["config"]["num_hidden_layers"]
     return moe_trace_section(summary, [dict(k) for k in kernels], served, layers)
 
+
+
+def sliding_section(runs: list) -> str:
+    """Pure-decode graphs on models with sliding-window layers (``breakgraph``) against the
+    breaks they took before (``breakgraph_breaks``), in turn, with stock beside them: ``runs``
+    holds ``(file, data)``. A table per variant, then the ratios, each with its rounds."""
+    rows, lines, losses = [], [], []
+    for _, data in runs:
+        m = data["models"][0]
+        for variant, v in m["variants"].items():
+            if "tokens_per_s" not in v:
+                why = v.get("failed") or v.get("skipped") or "not run"
+                rows.append([_release(data), m["model"], f"`{variant}`", f"failed: {why}"[:160],
+                             *["-"] * 7])  # fmt: skip
+                continue
+            rounds = v.get("rounds_tokens_per_s") or [v["tokens_per_s"]]
+            rows.append([
+                _release(data), m["model"], f"`{variant}`",
+                f"{num(v['tokens_per_s'], 0)} ({span(rounds, 0)})",
+                _cell(v, "decode_step_ms", ".2f"), _cell(v, "decode_over_floor", ".1f"),
+                _cell(v, "decode_forward_host_ms", ".2f"),
+                _cell(v, "decode_forward_device_ms", ".2f"),
+                _cell(v, "host_prepare_ms_per_step", ".1f"),
+                pct(v["gpu_forward_fraction"]) if "gpu_forward_fraction" in v else "-",
+                _cell(v, "decode_graph_captures", "d"),
+            ])  # fmt: skip
+        v = m["variants"]
+        graphs, breaks = v.get("breakgraph", {}), v.get("breakgraph_breaks", {})
+        if "tokens_per_s" not in graphs or "tokens_per_s" not in breaks:
+            continue
+        per_round = [a / b for a, b in zip(graphs["rounds_tokens_per_s"],
+                                           breaks["rounds_tokens_per_s"])]  # fmt: skip
+        ratio = statistics.median(per_round)
+        stock = [f"{num(graphs['tokens_per_s'] / v[k]['tokens_per_s'], 2)}× `{k}`"
+                 for k in ("stock_sdpa", "stock_graphs") if "tokens_per_s" in v.get(k, {})]
+        lines.append(
+            f"- {m['model']} on {_release(data)}: tokens/s {num(ratio, 2)}× the breaks' (round by "
+            f"round {span(per_round, 2)}); the pure-decode step "
+            f"{_cell(breaks, 'decode_step_ms', '.2f')} → {_cell(graphs, 'decode_step_ms', '.2f')}"
+            f" ms, its forward's host time {_cell(breaks, 'decode_forward_host_ms', '.2f')} → "
+            f"{_cell(graphs, 'decode_forward_host_ms', '.2f')} ms"
+            + (f"; breakgraph {', '.join(stock)}" if stock else "")
+        )
+        if ratio <= 1:
+            losses.append(f"{m['model']} on {_release(data)} ({num(ratio, 2)}×)")
+    meta = runs[0][1]["meta"]
+    return fill(
+        "cb.sliding",
+        files=", ".join(f"`{name}`" for name, _ in runs),
+        device=meta["device"], torch=meta["torch"], date=meta["date"],
+        hbm=f"{meta['hbm_bytes_per_s'] / 1e12:g}",
+        shapes="; ".join(f"{d['models'][0]['model']}: {d['models'][0]['shape']}"
+                         for _, d in runs if d["meta"]["transformers"] == _release(runs[0][1])),
+        table=table(["transformers", "model", "variant", "tokens/s (rounds)", "decode ms",
+                     "decode x floor", "decode fwd host ms", "decode fwd device ms", "prep ms",
+                     "in forward", "decode graphs captured"], rows),  # fmt: skip
+        ratios=bullets(lines) or "(not measured)",
+        losses=", ".join(losses) or "none",
+    )

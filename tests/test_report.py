@@ -1173,3 +1173,31 @@ def test_cpu_waits_line_reads_its_own_turns_and_says_how_fast_the_vm_ran():
     slow = [(dict(d, wall_s=d["wall_s"] + 40), after, turn) for d, after, turn in waits]
     assert "The VM ran slower on this day" in report_tests.vm_speed_line(cuts, slow)
     assert report_tests.cpu_cuts_line(waits[:3], report_tests.CPU_WAITS_FILES) is None
+
+
+def test_sliding_section_names_the_ratio_and_every_loss(tmp_path):
+    """The sliding-window decode graphs' section (session 51) computes its ratios from the
+    rounds of both variants and names every shape where the graphs were not faster: a run
+    where they lost says so, one where they won says none."""
+    base = {
+        "meta": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-12-07",
+                 "transformers": "5.17.0", "hbm_bytes_per_s": 3.35e12},
+        "models": [{"model": "gemma3-1b", "shape": "Gemma-3-1B", "variants": {
+            "stock_sdpa": {"tokens_per_s": 500.0, "decode_step_ms": 40.0},
+            "breakgraph": {"tokens_per_s": 6000.0, "rounds_tokens_per_s": [6000.0, 5800.0, 6100.0],
+                           "decode_step_ms": 5.0, "decode_forward_host_ms": 0.3},
+            "breakgraph_breaks": {"tokens_per_s": 5000.0,
+                                  "rounds_tokens_per_s": [5000.0, 5000.0, 5000.0],
+                                  "decode_step_ms": 8.0, "decode_forward_host_ms": 3.0},
+        }}],
+    }
+    name = "h100-cb-sliding-gemma3-1b-5.17.json"
+    page = report.render(results_copy(tmp_path, {name: base}))
+    section = page[page.index("### Pure-decode graphs on sliding-window models"):]
+    section = section[: section.index("\n### ", 1)]
+    assert "tokens/s 1.20× the breaks' (round by round 1.16–1.22)" in section
+    assert "8.00 → 5.00 ms" in section and "12.00× `stock_sdpa`" in section
+    assert "not faster than the breaks, round by round: none." in section
+    base["models"][0]["variants"]["breakgraph"]["rounds_tokens_per_s"] = [4000.0, 4900.0, 5100.0]
+    page = report.render(results_copy(tmp_path, {name: base}))
+    assert "round by round: gemma3-1b on 5.17.0 (0.98×)." in page
