@@ -159,14 +159,13 @@ class DecodeBuffers:
         included, through a static index rewritten where the step's size changed, like the
         write source rows). The views it copies into are made once
         (:func:`.step_inputs.view`): views only, so the cache owns no device memory."""
-        views, live_offsets = self._views, {}
+        views = self._views
         for kind in self.cu_k:
-            cu_k = step.cu_k[kind] if isinstance(step.cu_k, dict) else step.cu_k
+            cu_k = _offsets(step, kind)
             if cu_k.shape[0] <= n:  # before any copy; on CUDA the gather would assert there
                 raise InputError(f"breakgraph decode graphs: the step's key offsets hold "
                                  f"{cu_k.shape[0]} entries for {n} sequences; expected at "
                                  f"least {n + 1}")  # fmt: skip
-            live_offsets[kind] = cu_k
         if self._source_for != (n, bucket):  # static buffers, rewritten in stream order
             self.source[:n].copy_(self.iota[:n])
             self.source[n:bucket].zero_()
@@ -183,11 +182,12 @@ class DecodeBuffers:
             live = step.table[group, :n]
             view(views, (group, n), lambda t=table: t[:n, : self.width]).copy_(live)
             if self.read:
-                self.read[group][:rows].copy_(read_slots(live, live_offsets[_FULL], page, rows))
+                self.read[group][:rows].copy_(read_slots(live, _offsets(step, _FULL), page, rows))
         # the key offsets, those of the padded sequences (no keys) repeating the last: one
         # gather per attention type through the pad index (its bounds checked first)
         index = view(views, ("pad", bucket), lambda: self.pad[: bucket + 1])
-        for kind, cu_k in live_offsets.items():
+        for kind in self.cu_k:
+            cu_k = _offsets(step, kind)
             offsets = view(views, (kind, bucket), lambda k=kind: self.cu_k[k][: bucket + 1])
             if cu_k.dtype == offsets.dtype and cu_k.device == offsets.device:
                 torch.index_select(cu_k, 0, index, out=offsets)
@@ -309,8 +309,7 @@ class DecodeGraphs:
                 return self._fallback("block-table layout unknown")
             width = step.table.shape[-1]
             if reads:  # host memory: the exact count (the dense kernel reads every row)
-                cu_k = step.cu_k[_FULL] if isinstance(step.cu_k, dict) else step.cu_k
-                rows = int(cu_k[n])
+                rows = int(_offsets(step, _FULL)[n])
             else:  # no rows to read, no sync: at least the new key of every sequence
                 rows = n
         else:
@@ -484,6 +483,12 @@ def _capacity(rows: int) -> int:
     """Read-index rows to allocate for a step reading ``rows``: room to grow (decode steps add
     one key per sequence), a power of two so that regrowth, which means new graphs, is rare."""
     return max(1024, 1 << (2 * rows - 1).bit_length())
+
+
+def _offsets(step: Any, kind: str) -> torch.Tensor:
+    """The step's key offsets of the layers of one attention type (transformers passes one
+    tensor where every layer has the same type, a dict by type otherwise)."""
+    return step.cu_k[kind] if isinstance(step.cu_k, dict) else step.cu_k
 
 
 def _decode_rows(cache: Any, layer: int) -> tuple | None:
