@@ -886,6 +886,39 @@ def test_pure_decode_graphs_read_sliding_window_rings_in_place(window, page):
 
 
 @needs_cb
+def test_a_sliding_read_index_laid_out_otherwise_keeps_the_breaks(monkeypatch):
+    """Contract item 13b is checked on the first pure-decode step of each cache layout: a
+    release whose sliding-window read index put the new token's sentinel first (attention
+    over a decode step's keys does not depend on their order, so transformers' own update
+    and the breaks still serve it right) turns the decode graphs off, naming the item, and
+    the steps take the breaks: the tokens stay those of the layout as it is."""
+    try:  # 5.18 on, then 5.17
+        from transformers.generation.continuous_batching.cache_allocators import (
+            SlidingAttentionCacheAllocator as Allocator,
+        )
+    except ImportError:
+        from transformers.generation.continuous_batching.cache_manager import (
+            SlidingAttentionCacheAllocator as Allocator,
+        )
+    model = build_model("qwen2_hybrid", sliding_window=5)
+    prompts = random_prompts(seed=22, lengths=(13, 2, 30))
+    gen = generation_config(max_new_tokens=12)
+    expected = generate_batch(model, prompts, gen=gen)
+    original = Allocator.get_read_indices
+
+    def sentinel_first(self, request_id, past_length, query_length):
+        read = original(self, request_id, past_length, query_length)
+        return read[-1:] + read[:-1] if query_length == 1 else read
+
+    monkeypatch.setattr(Allocator, "get_read_indices", sentinel_first)
+    with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS) as handle:
+        assert generate_batch(model, prompts, gen=gen) == expected
+    decode = handle.decode_graphs
+    assert decode.off is not None and "contract item 13b" in decode.off, decode.off
+    assert decode.stats.replays == 0
+
+
+@needs_cb
 def test_captures_never_touch_the_cache_with_a_sliding_window():
     """Buckets are captured when the manager is created (``warmup=False`` too), on fake
     one-sequence steps that read and write no cache: a capture that wrote the cache would

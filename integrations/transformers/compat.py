@@ -74,7 +74,7 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
  13b. I a sliding-window layer's rows and window, the same names (5.17: ``sliding_windows``
      not 1; later: ``"sliding_attention"``'s allocator, its ``sliding_window``; optional as 13):
      its read index holds each sequence's latest ``window - 1`` rows of a ring of ``window``,
-     then a sentinel for the new token (every tested release), read by decode *graphs* only.
+     then a sentinel (every tested release; decode graphs only, ``decode_graph.ring_problem``).
 
  14. I ``initialization.ensure_decode_fast_path_is_available(config, cb_config,
      user_requested)``, which zeroes ``max_blocks_per_request`` unless the model's attention is

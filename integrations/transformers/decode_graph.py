@@ -86,7 +86,7 @@ from .paged_decode import (
 )
 from .step_inputs import view
 
-__all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows"]
+__all__ = ["DecodeBuffers", "DecodeGraphs", "cache_rows", "ring_problem"]
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 logger = logging.getLogger("breakgraph")
@@ -325,6 +325,9 @@ class DecodeGraphs:
             if graphs is None and (problem := self._kernel_problem(layers)) is not None:
                 self.off = problem
                 return False
+            if graphs is None and (problem := ring_problem(step, n, kinds)) is not None:
+                self.off = problem  # checked once per layout (a capture follows: it syncs)
+                return False
             try:
                 graphs = self._new_graphs(key, layers, groups, largest, _capacity(rows),
                                           width, page, reads, kinds)  # fmt: skip
@@ -483,6 +486,35 @@ def _capacity(rows: int) -> int:
     """Read-index rows to allocate for a step reading ``rows``: room to grow (decode steps add
     one key per sequence), a power of two so that regrowth, which means new graphs, is rare."""
     return max(1024, 1 << (2 * rows - 1).bit_length())
+
+
+def ring_problem(step: Any, n: int, kinds: dict) -> str | None:
+    """Why a pure-decode step's sliding-window read indices are not laid out as contract item
+    13b says (None: they are): each of the ``n`` sequences' part ends with one entry of the
+    same sentinel, which appears nowhere else. Reads the step's indices on the host (one sync):
+    run once per cache layout, before its graphs are captured.
+
+    >>> from types import SimpleNamespace
+    >>> read = torch.tensor([5, 6, -1, 7, -1])           # two sequences: 2 rows + new, 1 + new
+    >>> step = SimpleNamespace(read_index=[read], cu_k=torch.tensor([0, 3, 5]))
+    >>> ring_problem(step, 2, {0: "sliding_attention"}) is None
+    True
+    >>> step.read_index = [torch.tensor([5, -1, 6, 7, -1])]  # the sentinel not last
+    >>> ring_problem(step, 2, {0: "sliding_attention"})[:58]
+    "sliding-window group 0's read index is not laid out as con"
+    """
+    for group, kind in kinds.items():
+        if kind != _SLIDING:
+            continue
+        read, offsets = step.read_index[group], _offsets(step, kind)[: n + 1].tolist()
+        if offsets[-1] <= read.shape[0]:  # else indexing would fail (on CUDA: assert)
+            last = read[torch.tensor(offsets[1:], device=read.device) - 1].tolist()
+            if len(set(last)) == 1 and int((read == last[0]).sum()) == n:
+                continue
+        return (f"sliding-window group {group}'s read index is not laid out as contract "
+                f"item 13b says (a sentinel last in each sequence's part, nowhere else); "
+                f"its pure-decode steps take the attention breaks")  # fmt: skip
+    return None
 
 
 def _offsets(step: Any, kind: str) -> torch.Tensor:
