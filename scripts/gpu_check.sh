@@ -133,6 +133,7 @@
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
 # RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
 # RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_HELD_OUT_MOE 2, RUN_FUZZ_CB 1,
+# RUN_SLIDING 6,
 # RUN_RELEASES 1 per wheel (skip other sections
 # to make room).
 # RUN_HELD_OUT=1 (continuous batching on the whole Llama-3-8B, 32 layers, a shape no CB default
@@ -141,6 +142,9 @@
 # an H100), ~4.5 min; copy cb-llama3-8b.json and cb-llama3-8b-32.json to
 # docs/results/<card>-cb-llama3-8b*.json, with .whl holding the 5.24 wheel to
 # <card>-cb-llama3-8b-5.24.json and -32-5.24.json, see report_held_out.WHOLE_FILES),
+# RUN_SLIDING=1 (pure-decode graphs on models with sliding-window layers against the breaks, in
+# turn, stock beside them: bench_cb --models gemma3-1b, then gpt-oss-20b-4l; copy the JSON to
+# docs/results, see report_held_out.SLIDING_FILES)
 # RUN_HELD_OUT_MOE=1 (the same two runs on the whole Qwen3-30B-A3B, 48 layers, 128 experts
 # top-8, 61 GB in bf16, ~4 min; copy cb-qwen3-30b-a3b*.json to docs/results/<card>-cb-qwen3-30b-a3b*.json,
 # see report_held_out.WHOLE_MOE_FILES),
@@ -325,6 +329,17 @@ if [ -n "${RUN_HELD_OUT_MOE:-}" ]; then  # CB on the whole Qwen3-30B-A3B, held o
     --variants $v,stock_graphs --repeat $v --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
     --out "$OUT/cb-qwen3-30b-a3b-32.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[held out, MoE: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_SLIDING:-}" ]; then  # decode graphs on sliding-window models, held out (~6 min)
+  t=$SECONDS  # one process and JSON per model; copy them to docs/results/<card>-cb-sliding-*
+  tbs=4.8; card=h200
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35; card=h100 ;; esac
+  for model in gemma3-1b gpt-oss-20b-4l; do
+    timeout 240 python3 -m benchmarks.bench_cb --models $model --repeat breakgraph,breakgraph_breaks \
+      --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
+      --out "$OUT/$card-cb-sliding-$model-5.17.json" 2>&1 | tee -a "$LOG" || status=1
+  done
+  echo "[sliding: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_RELEASES:-}" ]; then  # the CUDA transformers tests on each release's wheel
   for wheel in "$RUN_RELEASES"/transformers-*.whl; do
