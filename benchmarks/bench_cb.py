@@ -368,7 +368,7 @@ def run_round(model, variant: Variant, run) -> dict:
                                                 decode_graphs=variant.decode_graphs,
                                                 compile=variant.compile)  # fmt: skip
         else:
-            model.set_attn_implementation(stock_attention(model))
+            model.set_attn_implementation(stock_attention(model.config))
         run.timer = None
         if not variant.use_cuda_graph:  # never around transformers' own graphs
             run.timer = StepTimer(device.type == "cuda")
@@ -406,7 +406,7 @@ def run_round(model, variant: Variant, run) -> dict:
                 decode = runner.decode  # pure-decode graphs (None with decode_graphs=False)
                 decode_stats = decode.stats if decode is not None else None
                 handle.disable()
-            model.set_attn_implementation(stock_attention(model))
+            model.set_attn_implementation(stock_attention(model.config))
     if handle is not None:
         result.update(
             graphs=tokens_stats.captures + logits_stats.captures,

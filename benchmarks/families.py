@@ -315,10 +315,10 @@ SMOKE_FAMILIES: dict[str, Family] = {  # the tiny models (tiny_models.TINY)
 }
 
 
-def stock_attention(model) -> str:
-    """The attention a user of transformers gets for ``model``: its SDPA, or its eager attention
-    for the families transformers serves without SDPA (gpt-oss)."""
-    return "eager" if model.config.model_type in EAGER_ATTENTION else "sdpa"
+def stock_attention(config) -> str:
+    """The attention a user of transformers gets for a model of ``config``: its SDPA, or its
+    eager attention for the families transformers serves without SDPA (gpt-oss)."""
+    return "eager" if config.model_type in EAGER_ATTENTION else "sdpa"
 
 
 def make_model(config, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -326,7 +326,7 @@ def make_model(config, device: str, dtype: torch.dtype) -> torch.nn.Module:
     families transformers serves without SDPA: gpt-oss), in eval mode (seed 0)."""
     transformers = _tf()
     torch.manual_seed(0)
-    attention = "eager" if config.model_type in EAGER_ATTENTION else "sdpa"
+    attention = stock_attention(config)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attention

@@ -275,7 +275,9 @@ class DecodeGraphs:
         self._dead: list[tuple] = []  # layouts whose cache was freed (emulated backend)
         self._layers: dict[int, tuple] = {}  # layer -> (group, keys, values), while capturing
         self.buffers: DecodeBuffers | None = None  # the capturing layout's, while capturing
-        self._write_rows: dict = {}  # group -> a block-table step's write rows, while capturing
+        # rows derived inside the graph once per group and pass, while capturing: a block-table
+        # step's write rows (group -> rows), a sliding group's read index (("read", group) -> it)
+        self._derived: dict = {}
 
     @property
     def stats(self) -> LadderStats:
@@ -312,13 +314,12 @@ class DecodeGraphs:
                 rows = int(_offsets(step, _FULL)[n])
             else:  # no rows to read, no sync: at least the new key of every sequence
                 rows = n
-        else:
-            sizes = [step.read_index[group].shape[0] for group in groups]
-            if min(sizes) == 0:  # a first step of one-token prompts: nothing cached
-                return self._fallback("nothing cached yet (empty read index)")
-            rows = max(sizes)
-        if rows == 0:  # a first step of one-token prompts: attention over their own keys
-            return self._fallback("nothing cached yet (empty read index)")
+        else:  # every group's rows; an empty index: a first step of one-token prompts
+            rows = 0
+            for group in groups:
+                if (size := step.read_index[group].shape[0]) == 0:
+                    return self._fallback("nothing cached yet (empty read index)")
+                rows = max(rows, size)
         key = (key, width, page if width else 0)  # tables and read indices: their own graphs
         graphs = self._graphs.get(key)
         if graphs is None or rows > graphs.buffers.capacity > 0:  # new, or more keys to read
@@ -369,9 +370,9 @@ class DecodeGraphs:
         bucket = query.shape[2]
         buffers = self.buffers
         if buffers.width:  # a block-table step: derived once per group in the graph
-            if group not in self._write_rows:
-                self._write_rows[group] = buffers.write_rows(group, bucket)
-            write = self._write_rows[group]
+            if group not in self._derived:
+                self._derived[group] = buffers.write_rows(group, bucket)
+            write = self._derived[group]
         else:
             write = buffers.write[group][:bucket]
         source = buffers.source[:bucket]
@@ -385,9 +386,9 @@ class DecodeGraphs:
         if window is None:
             read = buffers.read[group]
         else:  # the sentinels replaced by the new rows, once per group and pass
-            if ("read", group) not in self._write_rows:
-                self._write_rows["read", group] = buffers.window_reads(group, bucket)
-            read = self._write_rows["read", group]
+            if ("read", group) not in self._derived:
+                self._derived["read", group] = buffers.window_reads(group, bucket)
+            read = self._derived["read", group]
         if self.backend == "cuda":
             return paged_decode(q, keys, values, read, cu_k, scaling, sinks=sinks)
         return paged_decode_dense(q, keys, values, read, cu_k, scaling, sinks=sinks)
@@ -438,12 +439,12 @@ class DecodeGraphs:
         return None
 
     def _record(self, bucket: int) -> Any:
-        """``record(bucket)``, each pass (warm-up, capture) deriving its own write rows."""
-        self._write_rows = {}
+        """``record(bucket)``, each pass (warm-up, capture) deriving its own rows."""
+        self._derived = {}
         try:
             return self.record(bucket)
         finally:
-            self._write_rows = {}
+            self._derived = {}
 
     def _new_graphs(self, key: tuple, layers: dict[int, tuple], groups: tuple, largest: int,
                     capacity: int, width: int = 0, page: int = 0, reads: bool = True,
