@@ -44,6 +44,10 @@ Variants:
   breakgraph_tx_fill  breakgraph with transformers' own ``fill_block_table``: each request's
                       row of the block table written with small tensors, as before breakgraph
                       wrote host tables through numpy
+  breakgraph_tx_rows  breakgraph with transformers' own ``extend_read_and_write_indices``: each
+                      step's cache rows built as Python lists (one int per key of every request
+                      and layer group), as before breakgraph computed them in numpy
+                      (``integrations/transformers/index_rows.py``)
   breakgraph_cold_kernels  breakgraph without ``paged_decode.warm_up`` at the manager's
                       creation: a decode kernel compiles inside the first step that needs it
                       (as before; compare the first rounds, each variant in a process of its
@@ -116,6 +120,7 @@ import transformers  # noqa: E402
 from breakgraph.integrations.transformers import block_table as block_table_module  # noqa: E402
 from breakgraph.integrations.transformers import cb_step as cb_step_module  # noqa: E402
 from breakgraph.integrations.transformers import compat, enable_continuous_batching  # noqa: E402
+from breakgraph.integrations.transformers import index_rows as index_rows_module  # noqa: E402
 from breakgraph.integrations.transformers import paged_decode as paged_decode_module  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
@@ -158,6 +163,7 @@ class Variant:
     decode_splits: bool = True  # paged_decode's split and block (off: one program, 64 keys)
     max_blocks_per_request: int | None = None  # 0: no block table (index lists every step)
     numpy_fill: bool = True  # breakgraph writes block tables through numpy (off: transformers)
+    numpy_rows: bool = True  # breakgraph computes index lists' rows in numpy (off: transformers)
     warm_kernels: bool = True  # decode kernels compiled when the manager is created (off: later)
     break_split_keys: int | None = None  # a break splits from this many keys (None: the rule's)
     needs_cuda: str = ""  # why it cannot run on the CPU (empty: it can)
@@ -192,6 +198,9 @@ VARIANTS = {
         Variant("breakgraph_tx_fill", "breakgraph with transformers' own fill_block_table (the "
                 "block table filled request by request with small tensors, as before)", True,
                 numpy_fill=False),  # fmt: skip
+        Variant("breakgraph_tx_rows", "breakgraph with transformers' own "
+                "extend_read_and_write_indices (each step's cache rows built as Python lists, "
+                "one int per key, as before)", True, numpy_rows=False),  # fmt: skip
         Variant("breakgraph_cold_kernels", "breakgraph without compiling the decode kernels "
                 "when the manager is created (each compiles in the first step that needs it, as "
                 "before)", True, warm_kernels=False),  # fmt: skip
@@ -245,7 +254,8 @@ ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async":
                   "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
                   "breakgraph_breaks": 4000, "breakgraph_compiled": 4000,
                   "breakgraph_unsplit": 4000, "breakgraph_lists": 4000,
-                  "breakgraph_tx_fill": 4000, "breakgraph_cold_kernels": 4000,
+                  "breakgraph_tx_fill": 4000, "breakgraph_tx_rows": 4000,
+                  "breakgraph_cold_kernels": 4000,
                   "breakgraph_breaks_keys2048": 4000}  # fmt: skip
 ESTIMATE_FIXED_S = {"model": 4.0, "manager": 1.5, GENERATE: 6.0}
 
@@ -356,6 +366,8 @@ def run_round(model, variant: Variant, run) -> dict:
                 patches.attribute(paged_decode_module, "BLOCK_N", 64)
             if not variant.numpy_fill:  # transformers' own fill (installed at enable: not made)
                 patches.attribute(block_table_module, "install_fill", lambda patches: False)
+            if not variant.numpy_rows:  # transformers' own index lists (installed at enable)
+                patches.attribute(index_rows_module, "install", lambda patches, lists: False)
             if not variant.warm_kernels:  # nothing compiled at plan: the steps compile
                 patches.attribute(cb_step_module, "warm_up", lambda *args, **kwargs: [])
             if variant.break_split_keys is not None:  # another threshold for the breaks' split

@@ -219,8 +219,9 @@ def test_the_step_indices_and_tables_equal_transformers_own(monkeypatch):
         positions = torch.tensor([past for _, past, _ in states])
         for group in range(groups):
             table = self.block_table[group, :n]
-            assert block_table.read_slots(table, cu_k, page, int(cu_k[-1])).tolist() == reads[group]
-            assert block_table.write_slots(table, positions, page).tolist() == writes[group]
+            rows = int(cu_k[-1])
+            assert block_table.read_slots(table, cu_k, page, rows).tolist() == list(reads[group])
+            assert block_table.write_slots(table, positions, page).tolist() == list(writes[group])
         checked.append(n)
 
     monkeypatch.setattr(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", prepare)

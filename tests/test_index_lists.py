@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from breakgraph.integrations.transformers import compat, index_lists  # noqa: E402
 from breakgraph.integrations.transformers.index_lists import NumpyLists  # noqa: E402
+from breakgraph.integrations.transformers.index_rows import RowChunks  # noqa: E402
 
 from breakgraph.patches import PatchSet  # noqa: E402
 from tests.helpers import needs_continuous_batching  # noqa: E402
@@ -122,7 +123,7 @@ def test_cb_steps_convert_their_index_lists_through_numpy(monkeypatch):
     convert = NumpyLists.tensor
 
     def spy(self, data, *args, **kwargs):
-        if type(data) is list and kwargs.get("dtype") in (torch.int32, torch.int64):
+        if type(data) in (list, RowChunks) and kwargs.get("dtype") in (torch.int32, torch.int64):
             fast_calls.append(len(data))
         return convert(self, data, *args, **kwargs)
 

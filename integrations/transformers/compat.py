@@ -131,10 +131,12 @@ from typing import Any
 
 import torch
 
-from .compat_paged import (  # noqa: F401  (items 13, 13b, 15, 16: the paged cache's layouts)
+from .compat_paged import (  # noqa: F401  (items 13, 13b, 15, 16, 20: the cache's layouts)
     block_table_filler,
     block_table_page,
     block_table_writers,
+    index_groups,
+    index_list_builder,
     layer_kv_rows,
     sliding_kv_rows,
 )

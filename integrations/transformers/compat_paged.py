@@ -1,6 +1,6 @@
 """Where transformers' paged cache keeps a layer's rows and a request's block table: items 13,
-13b, 15 and 16 of the transformers contract, whose list is :mod:`.compat`'s docstring (the single
-list of every transformers name breakgraph reads). These probes read a paged cache's layout
+13b, 15, 16 and 20 of the transformers contract, whose list is :mod:`.compat`'s docstring (the
+single list of every transformers name breakgraph reads). These probes read a paged cache's layout
 (5.17's, and the allocators of later releases) and answer None where it is neither known one;
 :mod:`.compat` re-exports them, and the rest of the integration calls them through it.
 
@@ -24,6 +24,8 @@ __all__ = [
     "block_table_page",
     "block_table_filler",
     "block_table_writers",
+    "index_groups",
+    "index_list_builder",
 ]
 
 
@@ -144,3 +146,53 @@ def block_table_writers(cache: Any) -> list[tuple[int, Any, int, int]] | None:
             return None
         writers.append((row, manager, page, 1))
     return writers or None
+
+
+def index_list_builder() -> Any:
+    """20. The paged cache class whose ``extend_read_and_write_indices`` has the known
+    signature, or None."""
+    try:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    except ImportError:
+        return None
+    method = PagedAttentionCache.__dict__.get("extend_read_and_write_indices")
+    try:
+        parameters = list(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return None
+    known = ["self", "request_id", "past_length", "query_length", "read_index", "write_index"]
+    return PagedAttentionCache if parameters == known else None
+
+
+def index_groups(cache: Any) -> list[tuple[Any, int, int, Any, int, int]] | None:
+    """20. How ``cache.extend_read_and_write_indices`` numbers each group's rows, as
+    ``(owner, page, stride, window, sentinel, trash)`` in the order of its index lists: key
+    ``j`` of a request is in block ``owner.block_table[request_id][j // page]``, at row
+    ``block * stride + j % page``; ``window`` is None for full attention, else the ring's
+    size (a key's slot is its position modulo ``window``), whose read lists end with
+    ``sentinel`` once per new token and whose writes past the ring go to row ``trash``.
+    None where the layout is neither known one."""
+    allocators = getattr(cache, "cache_allocators", None)
+    if isinstance(allocators, dict):  # after 5.17: keyed by attention type
+        found = [(kind, a, getattr(a, "tokens_per_page", None),
+                  getattr(a, "block_physical_stride", None)) for kind, a in allocators.items()]
+    else:  # 5.17: one manager per group of layers
+        managers = getattr(cache, "group_cache_managers", None)
+        if not isinstance(managers, list):
+            return None
+        found = [("sliding_attention" if hasattr(m, "sliding_window") else "full_attention", m,
+                  getattr(m, "block_size", None), getattr(m, "block_size", None))
+                 for m in managers]  # fmt: skip
+    groups = []
+    for kind, owner, page, stride in found:
+        window = getattr(owner, "sliding_window", None) if kind == "sliding_attention" else None
+        sentinel = getattr(owner, "sentinel_index", None) if window is not None else 0
+        trash = getattr(owner, "write_trash_index", None) if window is not None else 0
+        numbers = (page, stride, sentinel, trash) + ((window,) if window is not None else ())
+        if (kind not in ("full_attention", "sliding_attention")
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers)
+                or page <= 0 or stride < page or (window is not None and window < 1)
+                or not isinstance(getattr(owner, "block_table", None), dict)):  # fmt: skip
+            return None
+        groups.append((owner, page, stride, window, sentinel, trash))
+    return groups or None

@@ -76,7 +76,7 @@ from breakgraph.fingerprints import plain_setting
 from breakgraph.ladder import BucketStats, LadderStats
 from breakgraph.patches import PatchSet, SharedPatches
 
-from . import block_table, compat, index_lists
+from . import block_table, compat, index_lists, index_rows
 from .attention import switching
 from .block_table import page_size
 from .cb_step import CB_ATTENTION_KEY, StepRunner, paged_attention
@@ -147,7 +147,8 @@ def _install_shared(patches: PatchSet) -> None:
         return original(self, model, *args, **kwargs)
 
     patches.attribute(manager, "switch_to_cb_friendly_attn", switch_to_cb_friendly_attn)
-    index_lists.install(patches)  # the step's index lists through numpy (where probed)
+    lists = index_lists.install(patches)  # the step's index lists through numpy (where probed)
+    index_rows.install(patches, lists)  # and their rows computed in numpy
     block_table.install(patches, _wants_block_table)  # decode steps without the lists
     block_table.install_fill(patches)  # their tables written through numpy (host tables)
 

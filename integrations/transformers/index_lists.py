@@ -43,6 +43,7 @@ import torch
 from breakgraph.patches import PatchSet
 
 from . import compat
+from .index_rows import RowChunks
 
 __all__ = ["NumpyLists", "install"]
 
@@ -70,15 +71,23 @@ class NumpyLists(types.ModuleType):
         ``OverflowError`` where torch raises ``RuntimeError``). Without a device, only where
         torch's default device is the CPU (``from_numpy`` makes CPU tensors)."""
         kind = _NUMPY_DTYPES.get(dtype)
+        if type(data) is RowChunks:  # a step's rows kept in numpy (:mod:`.index_rows`)
+            if kind is None or args or kwargs:
+                return torch.tensor(data.array(), *args, dtype=dtype, device=device, **kwargs)
+            return self._joined(data.array().astype(kind, copy=False), device)
         if (kind is None or args or kwargs or type(data) is not list or len(data) < _SHORT
                 or type(data[0]) is not int):  # fmt: skip
             return torch.tensor(data, *args, dtype=dtype, device=device, **kwargs)
+        # fromiter: 15 % faster than np.array on a list of ints, the same values and errors
+        return self._joined(np.fromiter(data, dtype=kind, count=len(data)), device)
+
+    @staticmethod
+    def _joined(values: np.ndarray, device: Any) -> torch.Tensor:
         if device is None:
             device = torch.get_default_device()
         elif not isinstance(device, torch.device):
             device = torch.device(device)
-        # fromiter: 15 % faster than np.array on a list of ints, the same values and errors
-        result = torch.from_numpy(np.fromiter(data, dtype=kind, count=len(data)))
+        result = torch.from_numpy(values)
         return result if device.type == "cpu" else result.to(device)
 
 
