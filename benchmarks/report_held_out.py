@@ -265,10 +265,37 @@ def moe_trace_block(summary: dict, results: str, load) -> str:
 
 
 
+def _sliding_ratio(graphs: dict, variants: dict, other: str, ratio: float, per_round) -> str:
+    """One ratio line's text: ``breakgraph`` against ``other`` (with its rounds), then what
+    changed between them, then breakgraph against stock where stock ran."""
+    before = variants[other]
+    if other == "breakgraph_breaks":
+        what = (f"tokens/s {num(ratio, 2)}× the breaks' (round by round {span(per_round, 2)}); "
+                f"the pure-decode step {_cell(before, 'decode_step_ms', '.2f')} → "
+                f"{_cell(graphs, 'decode_step_ms', '.2f')} ms, its forward's host time "
+                f"{_cell(before, 'decode_forward_host_ms', '.2f')} → "
+                f"{_cell(graphs, 'decode_forward_host_ms', '.2f')} ms")  # fmt: skip
+    else:
+        busy = [pct(e["gpu_forward_fraction"]) if "gpu_forward_fraction" in e else "-"
+                for e in (before, graphs)]  # fmt: skip
+        what = (f"tokens/s {num(ratio, 2)}× those with transformers' own index lists (round by "
+                f"round {span(per_round, 2)}); the host's preparation "
+                f"{_cell(before, 'host_prepare_ms_per_step', '.1f')} → "
+                f"{_cell(graphs, 'host_prepare_ms_per_step', '.1f')} ms per step, the device "
+                f"busy in the forward {busy[0]} → {busy[1]} of the time, the pure-decode step "
+                f"{_cell(before, 'decode_step_ms', '.2f')} → "
+                f"{_cell(graphs, 'decode_step_ms', '.2f')} ms")  # fmt: skip
+    stock = [f"{num(graphs['tokens_per_s'] / variants[k]['tokens_per_s'], 2)}× `{k}`"
+             for k in ("stock_sdpa", "stock_graphs") if "tokens_per_s" in variants.get(k, {})]
+    return what + (f"; breakgraph {', '.join(stock)}" if stock and other == "breakgraph_breaks"
+                   else "")  # fmt: skip
+
+
 def sliding_section(runs: list) -> str:
-    """Pure-decode graphs on models with sliding-window layers (``breakgraph``) against the
-    breaks they took before (``breakgraph_breaks``), in turn, with stock beside them: ``runs``
-    holds ``(file, data)``. A table per variant, then the ratios, each with its rounds."""
+    """Models with sliding-window layers: ``breakgraph`` against the breaks pure-decode steps
+    took before (``breakgraph_breaks``) and against transformers' own index lists
+    (``breakgraph_tx_rows``), in turn, with stock beside them: ``runs`` holds ``(file,
+    data)``. A table per variant, then the ratios, each with its rounds."""
     rows, lines, losses = [], [], []
     for _, data in runs:
         m = data["models"][0]
@@ -290,24 +317,18 @@ def sliding_section(runs: list) -> str:
                 _cell(v, "decode_graph_captures", "d"),
             ])  # fmt: skip
         v = m["variants"]
-        graphs, breaks = v.get("breakgraph", {}), v.get("breakgraph_breaks", {})
-        if "tokens_per_s" not in graphs or "tokens_per_s" not in breaks:
-            continue
-        per_round = [a / b for a, b in zip(graphs["rounds_tokens_per_s"],
-                                           breaks["rounds_tokens_per_s"])]  # fmt: skip
-        ratio = statistics.median(per_round)
-        stock = [f"{num(graphs['tokens_per_s'] / v[k]['tokens_per_s'], 2)}× `{k}`"
-                 for k in ("stock_sdpa", "stock_graphs") if "tokens_per_s" in v.get(k, {})]
-        lines.append(
-            f"- {m['model']} on {_release(data)}: tokens/s {num(ratio, 2)}× the breaks' (round by "
-            f"round {span(per_round, 2)}); the pure-decode step "
-            f"{_cell(breaks, 'decode_step_ms', '.2f')} → {_cell(graphs, 'decode_step_ms', '.2f')}"
-            f" ms, its forward's host time {_cell(breaks, 'decode_forward_host_ms', '.2f')} → "
-            f"{_cell(graphs, 'decode_forward_host_ms', '.2f')} ms"
-            + (f"; breakgraph {', '.join(stock)}" if stock else "")
-        )
-        if ratio <= 1:
-            losses.append(f"{m['model']} on {_release(data)} ({num(ratio, 2)}×)")
+        graphs = v.get("breakgraph", {})
+        for other in ("breakgraph_breaks", "breakgraph_tx_rows"):
+            if "tokens_per_s" not in graphs or "tokens_per_s" not in v.get(other, {}):
+                continue
+            per_round = [a / b for a, b in zip(graphs["rounds_tokens_per_s"],
+                                               v[other]["rounds_tokens_per_s"])]  # fmt: skip
+            ratio = statistics.median(per_round)
+            lines.append(f"- {m['model']} on {_release(data)}: "
+                         + _sliding_ratio(graphs, v, other, ratio, per_round))  # fmt: skip
+            if ratio <= 1:
+                losses.append(f"{m['model']} on {_release(data)} against `{other}` "
+                              f"({num(ratio, 2)}×)")  # fmt: skip
     meta = runs[0][1]["meta"]
     return fill(
         "cb.sliding",

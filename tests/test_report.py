@@ -1197,7 +1197,18 @@ def test_sliding_section_names_the_ratio_and_every_loss(tmp_path):
     section = section[: section.index("\n### ", 1)]
     assert "tokens/s 1.20× the breaks' (round by round 1.16–1.22)" in section
     assert "8.00 → 5.00 ms" in section and "12.00× `stock_sdpa`" in section
-    assert "not faster than the breaks, round by round: none." in section
+    assert "the variant it replaces, round by round: none." in section
+    assert "those with transformers' own index lists" not in section  # not run: no line
+    base["models"][0]["variants"]["breakgraph_tx_rows"] = {
+        "tokens_per_s": 1500.0, "rounds_tokens_per_s": [1500.0, 1450.0, 1600.0],
+        "host_prepare_ms_per_step": 33.6, "gpu_forward_fraction": 0.24, "decode_step_ms": 9.0}
+    base["models"][0]["variants"]["breakgraph"].update(host_prepare_ms_per_step=4.7,
+                                                       gpu_forward_fraction=0.96)
+    page = report.render(results_copy(tmp_path, {name: base}))
+    assert ("tokens/s 4.00× those with transformers' own index lists (round by round "
+            "3.81–4.00); the host's preparation 33.6 → 4.7 ms per step, the device busy in the "
+            "forward 24% → 96% of the time, the pure-decode step 9.00 → 5.00 ms") in page
     base["models"][0]["variants"]["breakgraph"]["rounds_tokens_per_s"] = [4000.0, 4900.0, 5100.0]
     page = report.render(results_copy(tmp_path, {name: base}))
-    assert "round by round: gemma3-1b on 5.17.0 (0.98×)." in page
+    assert ("round by round: gemma3-1b on 5.17.0 against `breakgraph_breaks` (0.98×)."
+            in page)  # fmt: skip

@@ -101,6 +101,14 @@ lifecycle; breakgraph takes over the model's forward for the CB steps only)
  17. I ``ContinuousBatchingManager._create_batch_processor()``, which (re)sets the static
      device buffers on the generation thread's stream: wrapped on enabled models' managers
      (optional) so that those writes end before the first upload on transformers' copy stream.
+ 20. I ``PagedAttentionCache.extend_read_and_write_indices(request_id, past_length,
+     query_length, read_index, write_index)``, called once per request of a step with index
+     lists, and its row arithmetic (:func:`index_groups`: the groups in list order; in 5.17
+     ``cache.group_cache_managers``' ``block_size``, ``sliding_window``, ``sentinel_index``,
+     ``write_trash_index``, ``block_table``; later the ``cache.cache_allocators`` values'
+     ``tokens_per_page`` and ``block_physical_stride`` instead of ``block_size``): replaced
+     while a model is enabled by the same rows computed in numpy (:mod:`.index_rows`; optional;
+     checked against transformers' method at run time, and by the tests).
 
 serve (the ``transformers serve`` launcher, :mod:`.serve`)
  11. I ``transformers.cli.serving.model_manager.ModelManager`` (subclassed: the model must be
@@ -131,12 +139,13 @@ from typing import Any
 
 import torch
 
-from .compat_paged import (  # noqa: F401  (items 13, 13b, 15, 16, 20: the cache's layouts)
+from .compat_paged import (  # noqa: F401  (items 12, 13, 13b, 15, 16, 20: layouts)
     block_table_filler,
     block_table_page,
     block_table_writers,
     index_groups,
     index_list_builder,
+    index_lists_module,
     layer_kv_rows,
     sliding_kv_rows,
 )
@@ -431,23 +440,6 @@ def cached_manager(model: Any) -> Any:
 def manager_cache(manager: Any) -> Any:
     """10. The paged cache a manager's steps use, once its batch processor exists."""
     return getattr(getattr(manager, "batch_processor", None), "cache", None)
-
-
-def index_lists_module() -> Any:
-    """12. transformers' ``input_outputs`` module when ``ContinuousBatchingIOs.
-    prepare_batch_tensors`` converts its lists with ``torch.tensor`` through the module's global
-    ``torch`` (source text ``partial(torch.tensor``), still torch itself; else None."""
-    try:
-        from transformers.generation.continuous_batching import input_outputs
-    except ImportError:
-        return None
-    if getattr(input_outputs, "torch", None) is not torch:  # another view installed already
-        return None
-    try:
-        source = inspect.getsource(input_outputs.ContinuousBatchingIOs.prepare_batch_tensors)
-    except (AttributeError, OSError, TypeError):
-        return None
-    return input_outputs if "partial(torch.tensor" in source else None
 
 
 def decode_path_gate() -> tuple[Any, str] | None:

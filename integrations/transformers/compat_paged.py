@@ -1,6 +1,7 @@
-"""Where transformers' paged cache keeps a layer's rows and a request's block table: items 13,
-13b, 15, 16 and 20 of the transformers contract, whose list is :mod:`.compat`'s docstring (the
-single list of every transformers name breakgraph reads). These probes read a paged cache's layout
+"""Where transformers' paged cache keeps a layer's rows and a request's block table, and how a
+step's index lists are built and converted: items 12, 13, 13b, 15, 16 and 20 of the
+transformers contract, whose list is :mod:`.compat`'s docstring (the single list of every
+transformers name breakgraph reads). These probes read a paged cache's layout
 (5.17's, and the allocators of later releases) and answer None where it is neither known one;
 :mod:`.compat` re-exports them, and the rest of the integration calls them through it.
 
@@ -26,6 +27,7 @@ __all__ = [
     "block_table_writers",
     "index_groups",
     "index_list_builder",
+    "index_lists_module",
 ]
 
 
@@ -196,3 +198,20 @@ def index_groups(cache: Any) -> list[tuple[Any, int, int, Any, int, int]] | None
             return None
         groups.append((owner, page, stride, window, sentinel, trash))
     return groups or None
+
+
+def index_lists_module() -> Any:
+    """12. transformers' ``input_outputs`` module when ``ContinuousBatchingIOs.
+    prepare_batch_tensors`` converts its lists with ``torch.tensor`` through the module's global
+    ``torch`` (source text ``partial(torch.tensor``), still torch itself; else None."""
+    try:
+        from transformers.generation.continuous_batching import input_outputs
+    except ImportError:
+        return None
+    if getattr(input_outputs, "torch", None) is not torch:  # another view installed already
+        return None
+    try:
+        source = inspect.getsource(input_outputs.ContinuousBatchingIOs.prepare_batch_tensors)
+    except (AttributeError, OSError, TypeError):
+        return None
+    return input_outputs if "partial(torch.tensor" in source else None
