@@ -269,10 +269,12 @@ def _sliding_ratio(graphs: dict, variants: dict, other: str, ratio: float, per_r
     """One ratio line's text: ``breakgraph`` against ``other`` (with its rounds), then what
     changed between them, then breakgraph against stock where stock ran."""
     before = variants[other]
+    step = (f"the pure-decode step {_cell(before, 'decode_step_ms', '.2f')} → "
+            f"{_cell(graphs, 'decode_step_ms', '.2f')} ms" if "decode_step_ms" in graphs
+            else "no step in which every request decodes")  # fmt: skip
     if other == "breakgraph_breaks":
         what = (f"tokens/s {num(ratio, 2)}× the breaks' (round by round {span(per_round, 2)}); "
-                f"the pure-decode step {_cell(before, 'decode_step_ms', '.2f')} → "
-                f"{_cell(graphs, 'decode_step_ms', '.2f')} ms, its forward's host time "
+                f"{step}, the pure-decode forward's host time "
                 f"{_cell(before, 'decode_forward_host_ms', '.2f')} → "
                 f"{_cell(graphs, 'decode_forward_host_ms', '.2f')} ms")  # fmt: skip
     else:
@@ -282,9 +284,7 @@ def _sliding_ratio(graphs: dict, variants: dict, other: str, ratio: float, per_r
                 f"round {span(per_round, 2)}); the host's preparation "
                 f"{_cell(before, 'host_prepare_ms_per_step', '.1f')} → "
                 f"{_cell(graphs, 'host_prepare_ms_per_step', '.1f')} ms per step, the device "
-                f"busy in the forward {busy[0]} → {busy[1]} of the time, the pure-decode step "
-                f"{_cell(before, 'decode_step_ms', '.2f')} → "
-                f"{_cell(graphs, 'decode_step_ms', '.2f')} ms")  # fmt: skip
+                f"busy in the forward {busy[0]} → {busy[1]} of the time, {step}")  # fmt: skip
     stock = [f"{num(graphs['tokens_per_s'] / variants[k]['tokens_per_s'], 2)}× `{k}`"
              for k in ("stock_sdpa", "stock_graphs") if "tokens_per_s" in variants.get(k, {})]
     return what + (f"; breakgraph {', '.join(stock)}" if stock and other == "breakgraph_breaks"
@@ -303,7 +303,7 @@ def sliding_section(runs: list) -> str:
             if "tokens_per_s" not in v:
                 why = v.get("failed") or v.get("skipped") or "not run"
                 rows.append([_release(data), m["model"], f"`{variant}`", f"failed: {why}"[:160],
-                             *["-"] * 7])  # fmt: skip
+                             *["-"] * 8])  # fmt: skip
                 continue
             rounds = v.get("rounds_tokens_per_s") or [v["tokens_per_s"]]
             rows.append([
@@ -314,7 +314,7 @@ def sliding_section(runs: list) -> str:
                 _cell(v, "decode_forward_device_ms", ".2f"),
                 _cell(v, "host_prepare_ms_per_step", ".1f"),
                 pct(v["gpu_forward_fraction"]) if "gpu_forward_fraction" in v else "-",
-                _cell(v, "decode_graph_captures", "d"),
+                _cell(v, "decode_graph_captures", "d"), _cell(v, "tokens_agree_with_stock", ".2f"),
             ])  # fmt: skip
         v = m["variants"]
         graphs = v.get("breakgraph", {})
@@ -339,7 +339,7 @@ def sliding_section(runs: list) -> str:
                          for _, d in runs if d["meta"]["transformers"] == _release(runs[0][1])),
         table=table(["transformers", "model", "variant", "tokens/s (rounds)", "decode ms",
                      "decode x floor", "decode fwd host ms", "decode fwd device ms", "prep ms",
-                     "in forward", "decode graphs captured"], rows),  # fmt: skip
+                     "in forward", "decode graphs captured", "agree"], rows),  # fmt: skip
         ratios=bullets(lines) or "(not measured)",
         losses=", ".join(losses) or "none",
     )
