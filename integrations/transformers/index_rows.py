@@ -144,7 +144,7 @@ class Group:
 class _CacheRows:
     """One paged cache's groups (None: served by transformers' method) and checks left."""
 
-    __slots__ = ("groups", "checks", "unwrapped", "__weakref__")
+    __slots__ = ("groups", "checks", "unwrapped", "first_wrap", "__weakref__")
 
     def __init__(self, cache: Any) -> None:
         found = compat.index_groups(cache)
@@ -154,6 +154,8 @@ class _CacheRows:
         # and a longer one each get a check
         self.unwrapped = {(i, decode) for i, g in enumerate(self.groups or ())
                           if g.window is not None for decode in (True, False)}  # fmt: skip
+        self.first_wrap = min((g.window for g in self.groups or () if g.window is not None),
+                              default=0)  # a shorter past wraps no ring: nothing to check
 
 
 _caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -194,7 +196,7 @@ def extend_indices(original, cache: Any, request_id: str, past_length: int, quer
         if rows is None:
             return original(cache, request_id, past_length, query_length, read_index, write_index)
         found.append(rows)
-    if state.checks > 0 or (state.unwrapped and reads):
+    if state.checks > 0 or (reads and state.unwrapped and past_length >= state.first_wrap):
         found = _checked(original, state, cache, request_id, past_length, query_length, found,
                          reads)  # fmt: skip
     for g, (write, read) in enumerate(found):
