@@ -167,15 +167,20 @@ def every_call_checked(monkeypatch):
 
 @needs_cb
 @pytest.mark.parametrize("arch, window, page", [("qwen2_hybrid", 5, 4), ("mistral", 8, 8),
-                                                ("llama", None, 4)])  # fmt: skip
+                                                ("llama", None, 4), ("llama", None, 8)])  # fmt: skip
 def test_cb_rows_equal_transformers_own_at_every_call(arch, window, page, every_call_checked,
                                                       caplog):  # fmt: skip
     """Real runs (emulated backend): rings wrapping, prompts chunked past the ring, decode
-    steps; every call of the run computes its rows in numpy, compares them with transformers'
-    method (none differs) and the tokens and logprobs equal stock continuous batching's."""
+    steps, and (full attention, pages of 8) prompts sharing a prefix, whose later requests read
+    the first one's blocks; every call of the run computes its rows in numpy, compares them
+    with transformers' method (none differs) and the tokens and logprobs equal stock
+    continuous batching's."""
     extra = {} if window is None else {"sliding_window": window}
     model = build_model(arch, **extra)
     prompts = random_prompts(seed=31, lengths=(1, 23, 2, 40, 9))
+    if page == 8 and window is None:  # a shared prefix of 33 tokens (4 blocks and one)
+        base = random_prompts(seed=9, lengths=(33,))[0]
+        prompts = [base + tail for tail in random_prompts(seed=10, lengths=(3, 7, 12))] + [base]
     gen = generation_config(max_new_tokens=14)
     cbc = lambda: cb_config(block_size=page, num_blocks=256, return_logprobs=True,  # noqa: E731
                             max_blocks_per_request=0)  # index lists on decode steps too

@@ -106,16 +106,21 @@ def block_table_page(cache: Any) -> int | None:
 
 def block_table_filler() -> Any:
     """16. The paged cache class whose ``fill_block_table`` has the known signature, or None."""
+    return _cache_class_with("fill_block_table", "block_table")
+
+
+def _cache_class_with(method: str, *last: str) -> Any:
+    """``PagedAttentionCache`` where its own ``method`` takes ``(self, request_id, past_length,
+    query_length, *last)``, else None."""
     try:
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
     except ImportError:
         return None
-    method = PagedAttentionCache.__dict__.get("fill_block_table")
     try:
-        parameters = list(inspect.signature(method).parameters)
+        parameters = list(inspect.signature(PagedAttentionCache.__dict__.get(method)).parameters)
     except (TypeError, ValueError):
         return None
-    known = ["self", "request_id", "past_length", "query_length", "block_table"]
+    known = ["self", "request_id", "past_length", "query_length", *last]
     return PagedAttentionCache if parameters == known else None
 
 
@@ -153,17 +158,7 @@ def block_table_writers(cache: Any) -> list[tuple[int, Any, int, int]] | None:
 def index_list_builder() -> Any:
     """20. The paged cache class whose ``extend_read_and_write_indices`` has the known
     signature, or None."""
-    try:
-        from transformers.generation.continuous_batching.cache import PagedAttentionCache
-    except ImportError:
-        return None
-    method = PagedAttentionCache.__dict__.get("extend_read_and_write_indices")
-    try:
-        parameters = list(inspect.signature(method).parameters)
-    except (TypeError, ValueError):
-        return None
-    known = ["self", "request_id", "past_length", "query_length", "read_index", "write_index"]
-    return PagedAttentionCache if parameters == known else None
+    return _cache_class_with("extend_read_and_write_indices", "read_index", "write_index")
 
 
 def index_groups(cache: Any) -> list[tuple[Any, int, int, Any, int, int]] | None:
