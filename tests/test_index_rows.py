@@ -166,8 +166,8 @@ def every_call_checked(monkeypatch):
 
 
 @needs_cb
-@pytest.mark.parametrize("arch, window, page", [("qwen2_hybrid", 5, 4), ("mistral", 8, 8),
-                                                ("llama", None, 4), ("llama", None, 8)])  # fmt: skip
+@pytest.mark.parametrize("arch, window, page", [
+    ("qwen2_hybrid", 5, 4), ("mistral", 8, 8), ("llama", None, 4), ("llama", None, 8)])
 def test_cb_rows_equal_transformers_own_at_every_call(arch, window, page, every_call_checked,
                                                       caplog):  # fmt: skip
     """Real runs (emulated backend): rings wrapping, prompts chunked past the ring, decode
@@ -196,20 +196,51 @@ def test_cb_rows_equal_transformers_own_at_every_call(arch, window, page, every_
     assert not hasattr(cache_class.extend_read_and_write_indices, "__wrapped__")  # restored
 
 
+def _allocator(kind: str):
+    """transformers' ``FullAttentionCacheAllocator`` or ``SlidingAttentionCacheAllocator``
+    (5.18 on, then 5.17)."""
+    try:
+        from transformers.generation.continuous_batching import cache_allocators as module
+    except ImportError:
+        from transformers.generation.continuous_batching import cache_manager as module
+    return getattr(module, f"{kind}AttentionCacheAllocator")
+
+
+@needs_cb
+def test_one_call_in_check_every_is_compared_for_the_cache_s_life(monkeypatch, caplog):
+    """After the first calls, one call in ``CHECK_EVERY`` is still compared: a release whose
+    full-attention rows differ only late in a request (here: a decode step's keys in reverse
+    order past 25 keys, which attention serves the same) is caught there, with the warning,
+    and the tokens stay stock's on that release."""
+    full = _allocator("Full")
+    original = full.get_read_indices
+
+    def reversed_late(self, request_id, past_length, query_length):
+        read = original(self, request_id, past_length, query_length)
+        return read[::-1] if query_length == 1 and past_length > 25 else read
+
+    monkeypatch.setattr(full, "get_read_indices", reversed_late)
+    monkeypatch.setattr(index_rows, "CHECKS", 0)
+    monkeypatch.setattr(index_rows, "CHECK_EVERY", 7)
+    model = build_model("llama")
+    prompts = random_prompts(seed=23, lengths=(20, 3, 9))
+    gen = generation_config(max_new_tokens=14)
+    cbc = lambda: cb_config(max_blocks_per_request=0)  # noqa: E731  (index lists every step)
+    expected = generate_batch(model, prompts, gen=gen, cbc=cbc())
+    with caplog.at_level(logging.WARNING, logger=index_rows.__name__):
+        with enable_continuous_batching(model, backend="emulated", query_buckets=BUCKETS):
+            assert generate_batch(model, prompts, gen=gen, cbc=cbc()) == expected
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "contract item 20" in warned[0], warned
+
+
 @needs_cb
 def test_rows_that_differ_from_transformers_turn_off_for_the_cache(monkeypatch, caplog):
     """A release whose sliding read rows are laid out otherwise (here: the sentinel first on
     decode steps, which transformers' own attention serves as well) is caught by the check:
     a warning naming item 20, transformers' rows from then on, the tokens those of stock on
     that release."""
-    try:  # 5.18 on, then 5.17
-        from transformers.generation.continuous_batching.cache_allocators import (
-            SlidingAttentionCacheAllocator as Allocator,
-        )
-    except ImportError:
-        from transformers.generation.continuous_batching.cache_manager import (
-            SlidingAttentionCacheAllocator as Allocator,
-        )
+    Allocator = _allocator("Sliding")
     original = Allocator.get_read_indices
 
     def sentinel_first(self, request_id, past_length, query_length):

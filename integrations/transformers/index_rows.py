@@ -21,9 +21,10 @@ of block ``block_table[j // page]``; a sliding group's keys live in a ring of ``
 slots (a key's slot: its position modulo ``window``), whose read rows are the latest
 ``window - 1`` keys then a sentinel per new token, and whose writes beyond the ring's
 ``window`` go to a trash row. It is checked, not trusted: the first :data:`CHECKS` calls of
-every cache, and each sliding group's first decode call and first longer one after its ring
-wrapped, also run transformers' method and compare; a difference turns the numpy rows off for
-that cache with a warning (that step keeps transformers' values). Any request, layout or list
+every cache, each sliding group's first decode call and first longer one after its ring
+wrapped, and one call in :data:`CHECK_EVERY` after that also run transformers' method and
+compare; a difference turns the numpy rows off for that cache with a warning (that step keeps
+transformers' values). Any request, layout or list
 the numpy path does not know goes to transformers' method.
 
 Example (one full-attention group, blocks of 4 tokens; a request of 5 cached keys and 1 new)::
@@ -48,12 +49,14 @@ from breakgraph.patches import PatchSet
 
 from . import compat
 
-__all__ = ["CHECKS", "Group", "RowChunks", "install"]
+__all__ = ["CHECKS", "CHECK_EVERY", "Group", "RowChunks", "install"]
 
 logger = logging.getLogger(__name__)
 
 #: Calls per cache checked against transformers' own method (besides the wrapped rings').
 CHECKS = 4
+#: Then one call in this many (a check costs what transformers' method costs: 1/64 of it).
+CHECK_EVERY = 64
 
 
 class RowChunks:
@@ -144,12 +147,13 @@ class Group:
 class _CacheRows:
     """One paged cache's groups (None: served by transformers' method) and checks left."""
 
-    __slots__ = ("groups", "checks", "unwrapped", "first_wrap", "__weakref__")
+    __slots__ = ("groups", "checks", "calls", "unwrapped", "first_wrap", "__weakref__")
 
     def __init__(self, cache: Any) -> None:
         found = compat.index_groups(cache)
         self.groups = None if found is None else [Group(*g) for g in found]
         self.checks = CHECKS
+        self.calls = 0
         # (sliding group, decode step) not yet checked on a wrapped ring: a one-token query
         # and a longer one each get a check
         self.unwrapped = {(i, decode) for i, g in enumerate(self.groups or ())
@@ -196,7 +200,7 @@ def extend_indices(original, cache: Any, request_id: str, past_length: int, quer
         if rows is None:
             return original(cache, request_id, past_length, query_length, read_index, write_index)
         found.append(rows)
-    if state.checks > 0 or (reads and state.unwrapped and past_length >= state.first_wrap):
+    if _due(state, past_length, query_length, reads):
         found = _checked(original, state, cache, request_id, past_length, query_length, found,
                          reads)  # fmt: skip
     for g, (write, read) in enumerate(found):
@@ -209,16 +213,26 @@ def extend_indices(original, cache: Any, request_id: str, past_length: int, quer
                 target.add(chunk)
 
 
+def _due(state: _CacheRows, past: int, query: int, reads: bool) -> bool:
+    """Whether this call is compared with transformers' method (counts it)."""
+    state.calls += 1
+    if state.checks > 0:
+        state.checks -= 1
+        return True
+    if state.calls % CHECK_EVERY == 0:
+        return True
+    if reads and state.unwrapped and past >= state.first_wrap:
+        wrapped = {(i, decode) for i, decode in state.unwrapped
+                   if decode == (query == 1) and past >= state.groups[i].window}  # fmt: skip
+        state.unwrapped -= wrapped
+        return bool(wrapped)
+    return False
+
+
 def _checked(original, state: _CacheRows, cache: Any, request_id: str, past: int, query: int,
              found: list, reads: bool) -> list:  # fmt: skip
     """``found``, or transformers' own rows (numpy rows then off for the cache) where they
-    differ; counts the check."""
-    wrapped = {(i, decode) for i, decode in state.unwrapped
-               if reads and decode == (query == 1) and past >= state.groups[i].window}
-    if state.checks <= 0 and not wrapped:
-        return found
-    state.checks -= 1
-    state.unwrapped -= wrapped
+    differ."""
     theirs_write = [[] for _ in found]
     theirs_read = [[] for _ in found] if reads else None
     original(cache, request_id, past, query, theirs_read, theirs_write)
