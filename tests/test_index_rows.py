@@ -145,6 +145,9 @@ def test_the_layout_probe_knows_only_its_two_layouts():
                                                             (4, 12, 6, 1, 999)]  # fmt: skip
     Cache.cache_allocators = {"chunked_attention": Allocator()}
     assert compat.index_groups(Cache()) is None  # an attention type it does not know
+    Allocator.sliding_window = None
+    Cache.cache_allocators = {"sliding_attention": Allocator()}
+    assert compat.index_groups(Cache()) is None  # a ring without its window
     Sliding.sentinel_index = None
     assert compat.index_groups(Cache517()) is None
     assert compat.index_groups(object()) is None

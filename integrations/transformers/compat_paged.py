@@ -182,10 +182,11 @@ def index_groups(cache: Any) -> list[tuple[Any, int, int, Any, int, int]] | None
                  for m in managers]  # fmt: skip
     groups = []
     for kind, owner, page, stride in found:
-        window = getattr(owner, "sliding_window", None) if kind == "sliding_attention" else None
-        sentinel = getattr(owner, "sentinel_index", None) if window is not None else 0
-        trash = getattr(owner, "write_trash_index", None) if window is not None else 0
-        numbers = (page, stride, sentinel, trash) + ((window,) if window is not None else ())
+        sliding = kind == "sliding_attention"
+        window = getattr(owner, "sliding_window", None) if sliding else None
+        sentinel = getattr(owner, "sentinel_index", None) if sliding else 0
+        trash = getattr(owner, "write_trash_index", None) if sliding else 0
+        numbers = (page, stride, sentinel, trash) + ((window,) if sliding else ())
         if (kind not in ("full_attention", "sliding_attention")
                 or not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers)
                 or page <= 0 or stride < page or (window is not None and window < 1)

@@ -6,8 +6,8 @@ layer group by layer group, as Python lists built by Python loops: one int per c
 every request and group; a sliding-window group reads ``window - 1`` keys of every request
 (511 loop turns for Gemma 3's window of 512) however long the request. On models with sliding
 layers that is most of the step: Gemma-3-1B on transformers 5.17 (13 groups of 2 layers)
-spent 38 ms preparing each step on an H100 server's host against 9 ms on the device
-(``docs/results/h100-cb-sliding-gemma3-1b-5.17.json``).
+spent 28 ms of a 31 ms step preparing it on an H100 server's host, its device busy 28% of the
+time (``breakgraph_tx_rows`` in ``docs/results/h100-cb-sliding-gemma3-1b-5.17.json``).
 
 While continuous batching is enabled, breakgraph computes the same rows with a few numpy
 operations per request and group (the request's blocks, expanded to their rows, then sliced:
@@ -24,8 +24,8 @@ slots (a key's slot: its position modulo ``window``), whose read rows are the la
 every cache, each sliding group's first decode call and first longer one after its ring
 wrapped, and one call in :data:`CHECK_EVERY` after that also run transformers' method and
 compare; a difference turns the numpy rows off for that cache with a warning (that step keeps
-transformers' values). Any request, layout or list
-the numpy path does not know goes to transformers' method.
+transformers' values). Any request, layout or list the numpy path does not know goes to
+transformers' method.
 
 Example (one full-attention group, blocks of 4 tokens; a request of 5 cached keys and 1 new)::
 
