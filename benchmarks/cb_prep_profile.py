@@ -31,11 +31,21 @@ the passes' seconds with and without them), and the parts' means are reported::
 
     python -m benchmarks.cb_prep_profile --out cb-prep-profile.json
     python -m benchmarks.cb_prep_profile --block-table --out cb-prep-profile-table.json
+
+``--sliding`` profiles a tiny model with Gemma-3-1B's layers (sliding-window groups, whose
+index lists read a whole window per request), ``--tx-rows`` with transformers' own index lists
+instead of breakgraph's numpy rows (:mod:`~breakgraph.integrations.transformers.index_rows`);
+every step's medians (``steps_median_ms``) are written whether or not pure-decode steps of
+``MIN_REQUESTS`` came (on 5.17 such a model's steps hold fewer requests)::
+
+    python -m benchmarks.cb_prep_profile --sliding --requests 40 --new-tokens 8 --rounds 1 \
+        --plain-passes 1 --block-table --out cpu-cb-prep-profile-sliding.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -64,18 +74,32 @@ MIN_REQUESTS = 32  # the pure-decode steps reported hold at least this many requ
 PROMPT_LENGTHS = (16, 1024)  # each prompt's length: uniform in this range
 
 
-def build(requests: int, seed: int = 0, block_table: bool = False):
+def build(requests: int, seed: int = 0, block_table: bool = False, sliding: bool = False):
     """A tiny Llama (random weights), its prompts (``PROMPT_LENGTHS``) and a CB config like
     ``bench_cb``'s: pages of 256 tokens, 1024 pages, 2048 tokens per step, synchronous;
-    breakgraph's graphs off (index lists every step) unless ``block_table``."""
-    from transformers import ContinuousBatchingConfig, LlamaConfig, LlamaForCausalLM
+    breakgraph's graphs off (index lists every step) unless ``block_table``. ``sliding``: a
+    tiny model with Gemma-3-1B's layers instead (26, a window of 512 on 5 of 6: transformers
+    5.17 makes 13 layer groups of them, later releases 2), with 256 pages (1024 would not fit
+    a CPU's memory in 5.24's reckoning)."""
+    from transformers import ContinuousBatchingConfig
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=0)  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    small = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, bos_token_id=None,
+                 eos_token_id=None, pad_token_id=0)  # fmt: skip
+    if sliding:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        from benchmarks.families import GEMMA3_1B
+
+        config = Gemma3TextConfig(**{**GEMMA3_1B, **small, "head_dim": 16,
+                                     "query_pre_attn_scalar": 16})  # fmt: skip
+        model = Gemma3ForCausalLM(config).eval()
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**small, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
+        model = LlamaForCausalLM(config).eval()
     low, high = PROMPT_LENGTHS
     lengths = torch.randint(low, high + 1, (requests,), generator=torch.Generator().manual_seed(0))
     prompts = [torch.randint(1, 999, (int(n),)).tolist() for n in lengths]
@@ -83,7 +107,8 @@ def build(requests: int, seed: int = 0, block_table: bool = False):
     size = "page_size" if "page_size" in fields else "block_size"
     extra = {"auto_switch_to_flash": False} if "auto_switch_to_flash" in fields else {}
     cb_config = ContinuousBatchingConfig(
-        **{size: 256}, num_blocks=1024, max_batch_tokens=2048, allow_block_sharing=False,
+        **{size: 256}, num_blocks=256 if sliding else 1024, max_batch_tokens=2048,
+        allow_block_sharing=False,
         use_cuda_graph=None if block_table else False, use_async_batching=False, **extra,
     )  # fmt: skip
     return model, prompts, cb_config
@@ -204,23 +229,37 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="timed passes (steps pooled)")
     parser.add_argument("--plain-passes", type=int, default=2, help="passes without timers")
+    parser.add_argument("--sliding", action="store_true",
+                        help="a tiny model with Gemma-3-1B's 26 layers, 5 of 6 sliding")
+    parser.add_argument("--tx-rows", action="store_true",
+                        help="transformers' own index lists (breakgraph's numpy rows off)")
     parser.add_argument("--block-table", action="store_true",
                         help="serve through breakgraph's graphs: pure-decode steps come with "
                              "transformers' block table instead of index lists")  # fmt: skip
     args = parser.parse_args(argv)
-    from breakgraph.integrations.transformers import enable_continuous_batching
+    from breakgraph.integrations.transformers import enable_continuous_batching, index_rows
 
-    model, prompts, cb_config = build(args.requests, block_table=args.block_table)
+    from breakgraph.patches import PatchSet
+
+    model, prompts, cb_config = build(args.requests, block_table=args.block_table,
+                                      sliding=args.sliding)  # fmt: skip
     meta = environment(cuda=False)
     meta["gpu"] = f"none ({os.cpu_count()} CPU cores)"
     results = {"meta": meta,
                "settings": {"requests": args.requests, "new_tokens": args.new_tokens,
                             "prompt_tokens": sum(map(len, prompts)), "rounds": args.rounds,
                             "prompt_lengths": list(PROMPT_LENGTHS), "min_requests": MIN_REQUESTS,
-                            "model": "tiny Llama, 2 layers, hidden 64", "page_size": 256,
+                            "model": ("tiny Gemma 3, Gemma-3-1B's 26 layers, hidden 64"
+                                      if args.sliding else "tiny Llama, 2 layers, hidden 64"),
+                            "rows": "transformers" if args.tx_rows else "numpy",
+                            "page_size": 256, "pages": 256 if args.sliding else 1024,
                             "max_batch_tokens": 2048, "batching": "synchronous",
                             "block_table": args.block_table}}  # fmt: skip
-    with enable_continuous_batching(model, backend="emulated"), torch.no_grad():
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        if args.tx_rows:  # transformers' own lists (installed at enable: not made)
+            patches = stack.enter_context(PatchSet())
+            patches.attribute(index_rows, "install", lambda patches, lists: False)
+        stack.enter_context(enable_continuous_batching(model, backend="emulated"))
         if args.block_table:  # breakgraph's numpy fill replaced transformers' (contract item 16)?
             from breakgraph.integrations.transformers import compat
 
@@ -236,14 +275,21 @@ def main(argv=None) -> int:
     steps = timers.decode_steps()
     results["steps"] = len(timers.steps)
     results["decode_steps"] = len(steps)
-    if not steps:
+    every = [s for s in timers.steps if "prepare" in s]  # every step, pure-decode or not
+    results["steps_median_ms"] = {part: statistics.median(s.get(part, 0.0) for s in every)
+                                  for part in ("prepare", "index lists", "list conversion")}
+    results["steps_requests_median"] = statistics.median(s["requests"] for s in every)
+    if not steps:  # the steps' medians are still written (transformers 5.17's sliding models)
         print(f"cb_prep_profile: no pure-decode step of {MIN_REQUESTS} requests or more",
               file=sys.stderr)  # fmt: skip
+        print(json.dumps(results["steps_median_ms"]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
         return 1
     results["decode_requests_median"] = statistics.median(s["requests"] for s in steps)
     results["decode_parts_ms"] = timers.decode_parts()
     print(json.dumps({k: results[k] for k in ("pass_s", "decode_steps", "decode_requests_median",
-                                              "decode_parts_ms")},
+                                              "decode_parts_ms", "steps_median_ms")},
                      indent=1), flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
