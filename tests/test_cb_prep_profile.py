@@ -105,3 +105,33 @@ def test_the_fill_views_probe_times_both_trees_on_both_layouts(tmp_path):
     text = report_cb_host._fill_views([data])
     assert "fill_views_probe.py" in text and "µs saved per request" in text
     assert "not measured" in report_cb_host._fill_views([])
+
+
+@needs_cb
+def test_sliding_model_with_transformers_rows_writes_every_steps_medians(monkeypatch, tmp_path):
+    """``--sliding --tx-rows``: a model of Gemma 3's layer kinds (6 layers here), transformers'
+    own index lists while enabled (breakgraph's numpy rows not installed, then nothing left);
+    the JSON holds every step's medians even without pure-decode steps of ``MIN_REQUESTS``."""
+    from breakgraph.integrations.transformers import compat
+
+    from benchmarks import families
+
+    monkeypatch.setattr(families, "GEMMA3_1B", dict(families.GEMMA3_1B, num_hidden_layers=6))
+    installed = []
+    method = compat.index_list_builder().__dict__["extend_read_and_write_indices"]
+    timed = cb_prep_profile.serve
+
+    def serve(*args, **kwargs):
+        current = compat.index_list_builder().__dict__["extend_read_and_write_indices"]
+        installed.append(getattr(current, "__wrapped__", current) is not current)
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(cb_prep_profile, "serve", serve)
+    out = tmp_path / "sliding.json"
+    cb_prep_profile.main(["--out", str(out), "--requests", "3", "--new-tokens", "4", "--rounds",
+                          "1", "--plain-passes", "1", "--sliding", "--tx-rows"])  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["settings"]["rows"] == "transformers" and "Gemma" in data["settings"]["model"]
+    assert data["steps"] >= 4 and data["steps_median_ms"]["prepare"] > 0
+    assert installed == [False, False]  # transformers' own method served every pass
+    assert compat.index_list_builder().__dict__["extend_read_and_write_indices"] is method
