@@ -59,13 +59,14 @@ Variants:
   generate            ``model.generate`` one prompt at a time on a few median-length prompts
                       (tokens/s measured, the queue's time to first token extrapolated)
 
-The three shapes issue 23 asks for (``qwen2.5-3b-12l``, ``llama3-8b-4l``, ``mixtral-1k-8l``)
-run the first five variants; the shapes measured since issue 14 (``llama-1b``,
-``qwen3-0.6b``, ``qwen3-moe``) run stock_sdpa, breakgraph and breakgraph_sync (``--variants``
-replaces both lists). ``breakgraph`` takes ``--rounds`` turns with the variants in
-``--repeat`` (median round reported, with the spread); the others run once (their noise
-cannot move a 2x or 5x target). stock_graphs* capture while serving, so they serve a cold
-pass first (``--cold-new-tokens`` each; captures the keys) and report the warm pass with
+The three shapes issue 23 asks for (``qwen2.5-3b-12l``, ``llama3-8b-4l``, ``mixtral-1k-8l``) run
+the first five variants; the shapes measured since issue 14 (``llama-1b``, ``qwen3-0.6b``,
+``qwen3-moe``) run stock_sdpa, breakgraph and breakgraph_sync; the sliding-window shapes
+(``gemma3-1b``, ``gpt-oss-20b-4l``) stock_sdpa, stock_graphs, breakgraph, breakgraph_breaks and
+breakgraph_tx_rows (``--variants`` replaces every list). ``breakgraph`` takes ``--rounds`` turns
+with the variants in ``--repeat`` (median round reported, with the spread); the others run once
+(their noise cannot move a 2x or 5x target). stock_graphs* capture while serving, so they serve
+a cold pass first (``--cold-new-tokens`` each; captures the keys) and report the warm pass with
 fresh prompts of the same lengths; breakgraph has captured everything before serving.
 
 Dropped since transformers 5.19: ``whole_graph`` (transformers' whole-step graphs around
@@ -214,7 +215,8 @@ STOCK = ("stock_sdpa", "stock_graphs", "stock_graphs_async")
 NEW_SHAPE_VARIANTS = ("stock_sdpa", "stock_graphs", "stock_graphs_async", "breakgraph",
                       "breakgraph_sync")  # fmt: skip
 CONTINUITY_VARIANTS = ("stock_sdpa", "breakgraph", "breakgraph_sync")
-SLIDING_VARIANTS = ("stock_sdpa", "stock_graphs", "breakgraph", "breakgraph_breaks")
+SLIDING_VARIANTS = ("stock_sdpa", "stock_graphs", "breakgraph", "breakgraph_breaks",
+                    "breakgraph_tx_rows")  # fmt: skip
 SMOKE_VARIANTS = ("stock_sdpa", "stock_graphs", "stock_graphs_async", "breakgraph",
                   "breakgraph_sync", "breakgraph_pow2", "breakgraph_breaks")  # fmt: skip
 
@@ -238,8 +240,9 @@ MODELS = {
     # held out: the whole Qwen2.5-3B (36 layers) and a whole many-expert MoE (Qwen3-30B-A3B)
     "qwen2.5-3b": CBModel(CB_FAMILIES["qwen2.5-3b"], NEW_SHAPE_VARIANTS),
     "qwen3-30b-a3b": CBModel(CB_FAMILIES["qwen3-30b-a3b"], NEW_SHAPE_VARIANTS),
-    # held out: sliding-window layers (pure-decode graphs read their rings in place; the breaks
-    # as before, breakgraph_breaks): a whole Gemma-3-1B, and gpt-oss-20b cut to 4 layers
+    # held out: sliding-window layers (pure-decode graphs read their rings in place, the breaks
+    # as before: breakgraph_breaks; the cache rows in numpy, transformers' own lists as before:
+    # breakgraph_tx_rows): a whole Gemma-3-1B, and gpt-oss-20b cut to 4 layers
     "gemma3-1b": CBModel(CB_FAMILIES["gemma3-1b"], SLIDING_VARIANTS),
     "gpt-oss-20b-4l": CBModel(HELD_OUT_FAMILIES["gpt-oss-20b-4l"], SLIDING_VARIANTS),
     **{n: CBModel(f, SMOKE_VARIANTS) for n, f in SMOKE_FAMILIES.items()},

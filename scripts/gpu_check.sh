@@ -142,9 +142,10 @@
 # an H100), ~4.5 min; copy cb-llama3-8b.json and cb-llama3-8b-32.json to
 # docs/results/<card>-cb-llama3-8b*.json, with .whl holding the 5.24 wheel to
 # <card>-cb-llama3-8b-5.24.json and -32-5.24.json, see report_held_out.WHOLE_FILES),
-# RUN_SLIDING=1 (pure-decode graphs on models with sliding-window layers against the breaks, in
-# turn, stock beside them: bench_cb --models gemma3-1b, then gpt-oss-20b-4l; copy the JSON to
-# docs/results, see report_held_out.SLIDING_FILES)
+# RUN_SLIDING=1 (models with sliding-window layers: breakgraph against the breaks and against
+# transformers' own index lists, in turn, stock beside them: bench_cb --models gemma3-1b, then
+# gpt-oss-20b-4l, ~8 min on 5.17, whose stock is slow there; copy the JSON to docs/results, see
+# report_held_out.SLIDING_FILES)
 # RUN_HELD_OUT_MOE=1 (the same two runs on the whole Qwen3-30B-A3B, 48 layers, 128 experts
 # top-8, 61 GB in bf16, ~4 min; copy cb-qwen3-30b-a3b*.json to docs/results/<card>-cb-qwen3-30b-a3b*.json,
 # see report_held_out.WHOLE_MOE_FILES),
@@ -330,12 +331,13 @@ if [ -n "${RUN_HELD_OUT_MOE:-}" ]; then  # CB on the whole Qwen3-30B-A3B, held o
     --out "$OUT/cb-qwen3-30b-a3b-32.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[held out, MoE: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
-if [ -n "${RUN_SLIDING:-}" ]; then  # decode graphs on sliding-window models, held out (~6 min)
+if [ -n "${RUN_SLIDING:-}" ]; then  # sliding-window models, held out (~8 min)
   t=$SECONDS  # one process and JSON per model; copy them to docs/results/<card>-cb-sliding-*
   tbs=4.8; card=h200
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35; card=h100 ;; esac
   for model in gemma3-1b gpt-oss-20b-4l; do
-    timeout 240 python3 -m benchmarks.bench_cb --models $model --repeat breakgraph,breakgraph_breaks \
+    timeout 300 python3 -m benchmarks.bench_cb --models $model \
+      --repeat breakgraph,breakgraph_breaks,breakgraph_tx_rows \
       --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
       --out "$OUT/$card-cb-sliding-$model-5.17.json" 2>&1 | tee -a "$LOG" || status=1
   done
