@@ -274,6 +274,16 @@ MOE_FAMILIES = {
         attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.5,
         initializer_range=0.02, pad_token_id=None, eos_token_id=None,
     )),
+    # query heads per layer (4, then 8, over 2 key heads), a sliding layer and a full one with
+    # their own RoPE (partial on the full one), qk-norm, a softplus gate per head on the
+    # attention output, a dense first layer, sigmoid routing with a score-correction bias,
+    # scaled weights, a shared expert
+    "laguna": ("LagunaConfig", dict(
+        head_dim=16, num_attention_heads_per_layer=[4, 8], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+        moe_routed_scaling_factor=2.5,
+    )),
 }  # fmt: skip
 
 #: families transformers serves without SDPA (gpt-oss: attention sinks); their tiny models load

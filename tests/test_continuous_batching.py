@@ -805,14 +805,33 @@ def test_decode_graphs_check_the_kernel_before_anything_runs(monkeypatch):
     """On CUDA the Triton kernel must run and tile the heads; checked on the cache's layout
     before a warm-up writes anything, with the reason kept."""
     layers = {0: (0, torch.zeros(8, 2, 24), torch.zeros(8, 2, 24), None)}
-    graphs = decode_graph.DecodeGraphs(None, 1, 4, backend="cuda", debug=False, who="test")
+    graphs = decode_graph.DecodeGraphs(None, (4,), backend="cuda", debug=False, who="test")
     assert graphs._kernel_problem(layers) == "Triton is not available"
     monkeypatch.setattr(decode_graph, "triton_available", lambda device: True)
     assert "cannot tile 4 query heads over 2 key heads of size 24" in graphs._kernel_problem(layers)
     layers = {0: (0, torch.zeros(8, 2, 32), torch.zeros(8, 2, 32), 4)}  # a sliding layer
     assert graphs._kernel_problem(layers) is None
-    emulated = decode_graph.DecodeGraphs(None, 1, 3, backend="emulated", debug=False, who="t")
+    per_layer = decode_graph.DecodeGraphs(None, (4, 3), backend="cuda", debug=False, who="t")
+    assert "cannot tile 3 query heads over 2 key heads" in per_layer._kernel_problem(layers)
+    emulated = decode_graph.DecodeGraphs(None, (3,), backend="emulated", debug=False, who="t")
     assert emulated._kernel_problem(layers) is None  # the dense kernel runs any heads
+
+
+def test_decode_graphs_check_each_layers_query_heads():
+    """Each layer's query heads are the config's (Laguna's per layer: ``query_heads``); a layer
+    whose query comes with other heads than its count stops the capture (``NotDecodable``,
+    the decode graphs then turn off and the breaks serve), never a wrong kernel tile."""
+    from breakgraph.integrations.transformers.models import attention_heads, query_heads
+
+    config = build_model("laguna").config
+    assert query_heads(config) == (4, 8)
+    assert attention_heads(config) == ((4, 2, 16), (8, 2, 16))
+    assert attention_heads(build_model("llama").config) == ((4, 2, 16),)
+    graphs = decode_graph.DecodeGraphs(None, (4, 8), backend="emulated", debug=False, who="t")
+    graphs._layers = {1: (0, torch.zeros(8, 2, 16), torch.zeros(8, 2, 16), None)}
+    with pytest.raises(decode_graph.NotDecodable, match="layer 1's rows .* 4 query heads"):
+        graphs.attention(1, torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 16),
+                         torch.randn(1, 2, 2, 16), 0.25, None)  # fmt: skip
 
 
 def test_layer_kv_rows_refuses_what_it_does_not_know():
@@ -1556,7 +1575,7 @@ def test_decode_graph_stats_read_while_a_step_moves_its_layout():
     of that layout moves it."""
     from breakgraph.ladder import GraphLadder
 
-    graphs = decode_graph.DecodeGraphs(None, 1, 4, backend="emulated", debug=False, who="test")
+    graphs = decode_graph.DecodeGraphs(None, (4,), backend="emulated", debug=False, who="test")
     reading, moved, reader, results = threading.Event(), threading.Event(), [], []
 
     class PausingLadder(GraphLadder):  # the reader stops at its first look at the stats
@@ -2617,9 +2636,9 @@ def test_decode_kernels_are_warmed_per_page_for_full_attention_and_never_stop_a_
 @pytest.mark.parametrize(
     "arch, decode_graphs, page",
     [("llama", True, 256), ("llama", False, 0), ("qwen2_hybrid", True, 0), ("mistral", True, 0),
-     ("mistral", False, None), ("gpt_oss", True, 0)],
+     ("mistral", False, None), ("gpt_oss", True, 0), ("laguna", True, 0)],
     ids=["decode-graphs", "breaks", "full-beside-sliding", "all-sliding", "all-sliding-breaks",
-         "sinks"],
+         "sinks", "query-heads-per-layer"],
 )
 def test_decode_kernels_are_warmed_where_they_launch(monkeypatch, arch, decode_graphs, page):
     """With the flash kernel, the runner warms the decode kernels where they launch: the
@@ -2628,7 +2647,8 @@ def test_decode_kernels_are_warmed_where_they_launch(monkeypatch, arch, decode_g
     (whose steps carry index lists) and the attention breaks' (``decode_graphs=False``); a
     model whose every layer slides and has no decode graphs launches none and warms nothing.
     A model with attention sinks (gpt-oss) warms the kernels' sinks variant, one without it
-    the plain one."""
+    the plain one; a model whose layers have different query heads (Laguna) warms each
+    count's."""
     from breakgraph.integrations.transformers import cb_step
 
     calls, sinks = [], []
@@ -2642,14 +2662,17 @@ def test_decode_kernels_are_warmed_where_they_launch(monkeypatch, arch, decode_g
         runner._warm_kernels(BUCKETS, manager_page)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads = (config.num_attention_heads, config.num_key_value_heads, head_dim)
+    counts = getattr(config, "num_attention_heads_per_layer", None) or [config.num_attention_heads]
+    heads = [(q, config.num_key_value_heads, head_dim) for q in dict.fromkeys(counts)]
+    assert len(heads) == (2 if arch == "laguna" else 1)
     dtype, device = torch.float32, torch.device("cpu")
     if page is None:
         assert calls == [] and runner.kernels_warmed == []
     elif page:  # the decode graphs: each manager's page, once
-        assert calls == [(*heads, BUCKETS, dtype, device, p) for p in (256, 16)]
+        assert calls == [(*h, BUCKETS, dtype, device, p) for p in (256, 16) for h in heads]
     else:  # the breaks: page 0, once
-        assert calls == [(*heads, BUCKETS, dtype, device, 0)] and runner.kernels_warmed == [1]
+        assert calls == [(*h, BUCKETS, dtype, device, 0) for h in heads]
+        assert runner.kernels_warmed == [1]
     assert sinks == [arch == "gpt_oss"] * len(calls)
 
 

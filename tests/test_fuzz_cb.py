@@ -82,7 +82,8 @@ _ALL = [f for f in list(ARCHS) + [f"{arch}-{experts}" for arch, experts in CASES
 _ADDED_LATER = ("glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared",
                 "flex_olmo", "gpt_oss", "minimax_m2", "afmoe", "exaone_moe", "solar_open",
                 "cohere2_moe", "hy_v3", "mellum", "kolibri1", "sarvam_moe", "ministral3", "jais2",
-                "hyperclovax", "exaone", "internlm3", "iquestcoder", "apertus1p5_text")  # fmt: skip
+                "hyperclovax", "exaone", "internlm3", "iquestcoder", "apertus1p5_text",
+                "laguna")  # fmt: skip
 _BEFORE_48 = [f for f in _ALL if f.split("-")[0] not in _ADDED_LATER]
 FAMILIES = _BEFORE_48 + [f for f in _ALL if f not in _BEFORE_48]
 _models: dict = {}

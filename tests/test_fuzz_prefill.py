@@ -271,11 +271,11 @@ def test_batches_cover_every_kind():
 # -- config variants ------------------------------------------------------------------------------
 _PARTIAL_ROTARY = ("phi3", "stablelm", "phi", "glm", "glm4", "nemotron", "glm4_moe",
                    "minimax_m2")  # the factor  # fmt: skip
-_KEYED_ROPE = ("gemma3_text", "olmo3", "mellum")  # RoPE settings keyed by layer type
+_KEYED_ROPE = ("gemma3_text", "olmo3", "mellum", "laguna")  # RoPE settings keyed by layer type
 #: a window always: sliding layer_types by default, or (Qwen2-MoE) a sliding mask built whatever
 #: the layers (transformers' own forward fails without a window)
 _SLIDING_LAYERS = ("olmo3", "ministral", "exaone4", "cohere2", "qwen2_moe", "gpt_oss", "afmoe",
-                   "exaone_moe", "cohere2_moe")  # fmt: skip
+                   "exaone_moe", "cohere2_moe", "laguna")  # fmt: skip
 _HIDDEN_HEADS = ("helium",)  # o_proj maps hidden_size to hidden_size: head_dim = hidden / heads
 
 
@@ -397,7 +397,7 @@ def draw_config(seed: int) -> tuple[str, dict, str | None]:
 def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> None:
     """The routing knobs of the MoE families added in sessions 48-50 (``count`` experts): grouped
     routing, shared experts, dense layers among sparse ones, scaled and normed routing weights,
-    Granite's multipliers."""
+    Granite's multipliers; and Laguna's query heads per layer (session 53)."""
     k = kw.get("num_experts_per_tok")
     if family in ("glm4_moe", "sarvam_moe"):  # Sarvam: GLM-4.5's code, full rotary
         groups = rng.choice([g for g in (1, 2, 4) if count % g == 0 and count // g >= 2])
@@ -455,6 +455,17 @@ def _routing_knobs(family: str, kw: dict, rng: random.Random, count: int) -> Non
         kw.update(num_experts=count, moe_intermediate_size=rng.choice([32, 64]),
                   shared_expert_intermediate_size=rng.choice([32, 96]),
                   norm_topk_prob=rng.random() < 0.5)  # fmt: skip
+    if family == "laguna":  # the bias likewise; query heads per layer, any mix of layer types
+        layers = range(kw["num_hidden_layers"])
+        kw.update(num_experts=count, moe_intermediate_size=rng.choice([32, 64]),
+                  shared_expert_intermediate_size=rng.choice([32, 96]),
+                  moe_routed_scaling_factor=rng.choice([1.0, 2.5]),
+                  moe_router_logit_softcapping=rng.choice([0.0, 0.0, 5.0]),
+                  gating=rng.choice([True, "per-element"]),
+                  mlp_layer_types=[rng.choice(["dense", "sparse"]) for _ in layers],
+                  layer_types=[rng.choice(["sliding_attention", "full_attention"]) for _ in layers],
+                  num_attention_heads_per_layer=[kw["num_key_value_heads"] * rng.choice([1, 2, 3])
+                                                 for _ in layers])  # fmt: skip
 
 
 def expected_refusal(config, who: str = "PrefillRunner") -> str | None:

@@ -701,9 +701,10 @@ def scenario_gemma(rank: int, backend: str, path: str) -> dict:
 #: Gemma 3 in one process, torch 2.10's DTensor failed in transformers' own embedding hook, an
 #: embedding mask cached across same-shaped embeddings: pytorch#185356). HyperCLOVA X's logits
 #: multiplied by logits_scaling; MiniMax-M2's experts and its q/k/v gathered for a qk-norm over
-#: every head (continuous batching refused). (Session 50's other eight matched by hand.)
+#: every head (continuous batching refused). Laguna's query heads per layer (4 and 8), each layer's
+#: shared by the ranks. (Session 50's other eight matched by hand.)
 TP_FAMILIES = ("phi3", "olmo2", "granite", "gemma3_text", "cohere", "olmo3", "exaone4",
-               "hyperclovax", "minimax_m2")  # fmt: skip
+               "hyperclovax", "minimax_m2", "laguna")  # fmt: skip
 #: the families whose TP plan gathers k_proj: continuous batching refused
 GATHERS_KEYS = ("olmo2", "olmo3", "minimax_m2")
 
@@ -1054,7 +1055,8 @@ def test_gemma_under_tp_matches_the_unsharded_model(gemma_run):
 
 
 def test_added_families_under_tp_match_or_are_refused(families_run):
-    """Phi-3, OLMo-2, Granite, Gemma 3, OLMo-3 and EXAONE 4 sharded by transformers:
+    """Phi-3, OLMo-2, Granite, Gemma 3, OLMo-3, EXAONE 4, HyperCLOVA X, MiniMax-M2 and Laguna
+    (query heads per layer) sharded by transformers:
     prefill equals the unsharded model; continuous batching gives the unsharded model's tokens
     and transformers' own TP tokens (where its TP continuous batching runs),
     except OLMo-2's and OLMo-3's, refused (their gathered k_proj gives every rank every key
@@ -1109,7 +1111,7 @@ def test_heads_that_do_not_divide_by_the_tp_size_are_refused_up_front(settings_r
         for entry in ("prefill", "cb"):
             message = result["uneven_heads"][entry]
             assert message.startswith("UnsupportedModelError: "), message
-            assert "the model has 3 key/value heads, which do not divide by 2" in message
+            assert "the model's layers have 3 key/value heads, which do not divide by 2" in message
 
 
 def test_different_prompts_raise_the_named_error_on_every_rank(main_run):

@@ -71,6 +71,7 @@ from .models import (
     default_query_buckets,
     key_changed,
     layer_attention,
+    query_heads,
 )
 from .paged_decode import break_splits, fits, paged_decode, query_rows, triton_available, warm_up
 from .step_inputs import StepInputs, StepOrder, logits_rows
@@ -375,11 +376,9 @@ class StepRunner:
         self._eager_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # pure-decode steps as graphs without breaks (not under TP; on CUDA bf16/fp16)
         self.decode: DecodeGraphs | None = None
-        layers = getattr(model.config, "num_hidden_layers", None)
-        q_heads = getattr(model.config, "num_attention_heads", None)
-        wanted = decode_graphs and ranks is None and None not in (layers, q_heads)
+        wanted = decode_graphs and ranks is None and (q_heads := query_heads(model.config))
         if wanted and (self.tokens.backend != "cuda" or kernel == "flash"):
-            self.decode = DecodeGraphs(weak_method(self._record_tokens), layers, q_heads,
+            self.decode = DecodeGraphs(weak_method(self._record_tokens), q_heads,
                                        backend=self.tokens.backend, debug=debug,
                                        who=who)  # fmt: skip
         # transformers' decode fast path (.block_table) where the decode graphs serve its steps
@@ -388,13 +387,13 @@ class StepRunner:
         # the heads whose decode kernels plan() compiles: the decode graphs' (the manager's page;
         # page 0 beside sliding layers: index lists), else the full-attention breaks' (page 0);
         # not under tensor parallelism (a rank holds a share of the heads). Sinks: their variant
-        self.heads: tuple[int, int, int] | None = None  # query heads, key heads, head size
+        self.heads: tuple[tuple[int, int, int], ...] | None = None  # (query, key heads, size)
         self._break_kernels = False  # the heads' kernels launch with a flat index (page 0)
         self._sinks = compat.has_attention_sinks(model)  # gpt-oss: the kernels' sinks variant
         heads, kinds = attention_heads(model.config), layer_attention(model.config)
         if heads is not None and self.decode is not None and kinds == "full":
             self.heads = heads
-            self.block_tables = self.decode.kernel_problem(*heads[1:], self.device) is None
+            self.block_tables = self.decode.kernel_problem(*heads[0][1:], self.device) is None
         elif heads is not None and (self.decode is not None or (
                 kernel == "flash" and ranks is None and kinds != "sliding")):  # fmt: skip
             self.heads, self._break_kernels = heads, True
@@ -464,7 +463,8 @@ class StepRunner:
         start = time.perf_counter()
         try:
             dtype = next(self.decoder.parameters()).dtype  # the activations' and the cache's
-            warmed = warm_up(*self.heads, sizes, dtype, self.device, page, sinks=self._sinks)
+            warmed = [split for heads in self.heads for split in warm_up(
+                *heads, sizes, dtype, self.device, page, sinks=self._sinks)]  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a compile problem must not stop serving
             logger.warning("%s: compiling the decode kernels before serving failed (%s: %s); "
                            "the first steps that need them compile them", self.who,

@@ -479,14 +479,14 @@ def enable_continuous_batching(
     """Run the model's continuous-batching steps as breakable graphs, one per query bucket.
 
     Args:
-        model: a transformers causal LM of a supported family (dense: llama, qwen2,
-            qwen3, mistral, gemma, phi3, olmo, olmo2, granite, starcoder2, stablelm, phi,
-            glm, gemma3_text, cohere, smollm3, olmo3, ministral, exaone4, cohere2, glm4,
-            helium, seed_oss, ernie4_5, hunyuan_v1_dense, apertus, arcee, nemotron,
-            ministral3, jais2, hyperclovax, exaone, internlm3, iquestcoder, apertus1p5_text;
-            MoE: qwen3_moe, mixtral, qwen2_moe, olmoe, glm4_moe, ernie4_5_moe, hunyuan_v1_moe,
-            granitemoe, granitemoeshared, flex_olmo, gpt_oss, minimax_m2, afmoe, exaone_moe,
-            solar_open, cohere2_moe, hy_v3, mellum, kolibri1, sarvam_moe) in eval mode.
+        model: a transformers causal LM of a supported family (dense: llama, qwen2, qwen3,
+            mistral, gemma, phi3, olmo, olmo2, granite, starcoder2, stablelm, phi, glm,
+            gemma3_text, cohere, smollm3, olmo3, ministral, exaone4, cohere2, glm4, helium,
+            seed_oss, ernie4_5, hunyuan_v1_dense, apertus, arcee, nemotron, ministral3, jais2,
+            hyperclovax, exaone, internlm3, iquestcoder, apertus1p5_text; MoE: qwen3_moe,
+            mixtral, qwen2_moe, olmoe, glm4_moe, ernie4_5_moe, hunyuan_v1_moe, granitemoe,
+            granitemoeshared, flex_olmo, gpt_oss, minimax_m2, afmoe, exaone_moe, solar_open,
+            cohere2_moe, hy_v3, mellum, kolibri1, sarvam_moe, laguna) in eval mode.
         backend: ``"cuda"`` or ``"emulated"`` (CPU), as for :func:`breakgraph.capture`.
         attention: ``"auto"`` (FlashAttention varlen inside ATen on CUDA in bf16/fp16,
             else the exact per-sequence reference), ``"flash"`` or ``"reference"``.

@@ -54,7 +54,7 @@ is logged once).
 Example (what :class:`.cb_step.StepRunner` does for a pure-decode step; ``handle.
 decode_graphs`` is this object)::
 
-    graphs = DecodeGraphs(runner._record_tokens, num_layers=2, q_heads=4, backend="emulated",
+    graphs = DecodeGraphs(runner._record_tokens, q_heads=(4, 4), backend="emulated",
                           debug=False, who="enable_continuous_batching")
     if not graphs.replay(step, bucket, n, largest=runner.buckets[-1]):  # False: cannot run
         runner.tokens.replay(bucket, step, size=n)
@@ -65,7 +65,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -262,9 +262,10 @@ class DecodeGraphs:
     #: cache layouts whose graphs are kept (least recently used released first)
     KEEP = 4
 
-    def __init__(self, record: Callable[[int], Any], num_layers: int, q_heads: int,
-                 backend: str, debug: bool, who: str) -> None:  # fmt: skip
-        self.record, self.num_layers, self.q_heads = record, num_layers, q_heads
+    def __init__(self, record: Callable[[int], Any], q_heads: Sequence[int], backend: str,
+                 debug: bool, who: str) -> None:  # fmt: skip
+        # each layer's query heads (Laguna's differ per layer; the kernel tiles each count)
+        self.record, self.q_heads, self.num_layers = record, tuple(q_heads), len(q_heads)
         self.backend, self.debug, self.who = backend, debug, who
         self.off: str | None = None  # why this model's decode steps never run here
         self.fallbacks: dict[str, int] = {}  # decode steps that took the break path, by reason
@@ -363,9 +364,9 @@ class DecodeGraphs:
         sliding-window layer (``window``) reads its ring's rows (contract item 13b): at most
         ``window - 1`` cached rows and the new one, the window itself."""
         rows = self._layers.get(layer)
-        if rows is None or window != rows[3] or query.shape[1] != self.q_heads:
+        if rows is None or window != rows[3] or query.shape[1] != self.q_heads[layer]:
             raise NotDecodable(f"layer {layer}'s rows are not known for a window of {window} "
-                               f"and {self.q_heads} query heads")  # fmt: skip
+                               f"and {query.shape[1]} query heads")  # fmt: skip
         group, keys, values, _ = rows
         bucket = query.shape[2]
         buffers = self.buffers
@@ -433,9 +434,10 @@ class DecodeGraphs:
             return None  # paged_decode_dense runs any heads
         if not triton_available(device):
             return "Triton is not available"
-        if not fits(self.q_heads, kv_heads, head_dim):
-            return (f"the Triton decode kernel cannot tile {self.q_heads} query heads over "
-                    f"{kv_heads} key heads of size {head_dim}")  # fmt: skip
+        for q_heads in dict.fromkeys(self.q_heads):
+            if not fits(q_heads, kv_heads, head_dim):
+                return (f"the Triton decode kernel cannot tile {q_heads} query heads over "
+                        f"{kv_heads} key heads of size {head_dim}")  # fmt: skip
         return None
 
     def _record(self, bucket: int) -> Any:

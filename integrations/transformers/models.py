@@ -38,6 +38,7 @@ __all__ = [
     "default_query_buckets",
     "DEFAULT_MAX_BATCH_TOKENS",
     "attention_heads",
+    "query_heads",
     "layer_attention",
     "check_paged_window",
     "check_paged_heads",
@@ -59,7 +60,7 @@ SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
     "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "flex_olmo",
     "gpt_oss", "minimax_m2", "afmoe", "exaone_moe", "solar_open", "cohere2_moe", "hy_v3", "mellum",
-    "kolibri1", "sarvam_moe",
+    "kolibri1", "sarvam_moe", "laguna",
     "phi3", "olmo", "olmo2", "granite", "starcoder2", "stablelm", "phi", "glm", "gemma3_text",
     "cohere", "smollm3", "olmo3", "ministral", "exaone4", "cohere2", "glm4", "helium", "seed_oss",
     "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "ministral3", "jais2",
@@ -97,23 +98,44 @@ def default_query_buckets(query_buckets: Any, max_batch_tokens: int, who: str) -
     return tuple(s for s in sizes if s < max_batch_tokens) + (max_batch_tokens,)
 
 
-def attention_heads(config: Any) -> tuple[int, int, int] | None:
-    """``(query heads, key heads, head size)`` of a model's attention layers, from its config
-    (None where it names no query heads).
+def query_heads(config: Any) -> tuple[int, ...] | None:
+    """Each layer's query heads, from the config: ``num_attention_heads_per_layer`` where the
+    family sets a count per layer (Laguna), else ``num_attention_heads`` for every layer (None
+    where the config names neither, or no layer count).
+
+    Example::
+
+        >>> from transformers import LlamaConfig
+        >>> query_heads(LlamaConfig(num_hidden_layers=3, num_attention_heads=8))
+        (8, 8, 8)
+    """
+    layers = getattr(config, "num_hidden_layers", None)
+    per_layer = getattr(config, "num_attention_heads_per_layer", None)
+    if per_layer is not None and layers is not None and len(per_layer) == layers:
+        return tuple(int(count) for count in per_layer)
+    heads = getattr(config, "num_attention_heads", None)
+    return None if heads is None or layers is None else (heads,) * layers
+
+
+def attention_heads(config: Any) -> tuple[tuple[int, int, int], ...] | None:
+    """The distinct ``(query heads, key heads, head size)`` of a model's attention layers, from
+    its config, in layer order (one triple unless the layers' query heads differ: Laguna); None
+    where it names no query heads. The decode kernels compile once per triple.
 
     Example::
 
         >>> from transformers import LlamaConfig
         >>> config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2)
         >>> attention_heads(config)
-        (8, 2, 32)
+        ((8, 2, 32),)
     """
     q_heads = getattr(config, "num_attention_heads", None)
     if q_heads is None:
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
-    return q_heads, kv_heads, head_dim
+    counts = query_heads(config) or (q_heads,)
+    return tuple((count, kv_heads, head_dim) for count in dict.fromkeys(counts))
 
 
 def layer_attention(config: Any) -> str:
@@ -334,13 +356,15 @@ def check_tp_heads(model: Any, who: str) -> None:
 
     size = next((p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)), 1)
     plan = getattr(model, "tp_plan", None) or {}
-    for name, count in (("q_proj", heads[0]), ("k_proj", heads[1]), ("v_proj", heads[1])):
+    kv_heads = heads[0][1]  # every layer's (the query heads may differ per layer: Laguna)
+    counts = [("q_proj", q) for q, _, _ in heads] + [("k_proj", kv_heads), ("v_proj", kv_heads)]
+    for name, count in counts:
         split = [k for k, style in plan.items() if k.endswith(f"self_attn.{name}")
                  and style == "colwise"]  # fmt: skip
         if split and count % size:
             raise UnsupportedModelError(
                 f"{who}: under tensor parallelism over {size} ranks the TP plan splits "
-                f"{split[0]} by rows, but the model has {count} "
+                f"{split[0]} by rows, but the model's layers have {count} "
                 f"{'query' if name == 'q_proj' else 'key/value'} heads, which do not divide by "
                 f"{size}: each rank would hold part of a head (the sharded model's own forward "
                 f"fails). Use a TP size that divides the heads."
