@@ -202,6 +202,32 @@ def test_user_dynamic_false_is_honoured(fresh_dynamo):
     assert half and counting.calls == counting.calls[:half] * 2, counting.calls
 
 
+def test_a_capture_state_recompiles_nothing(fresh_dynamo):
+    """A CUDA capture turns autocast's cast cache off (``graph.py``) and Dynamo guards on it:
+    a frame compiled by a warm-up with the cache on compiled again inside every capture, and
+    the new kernels' first launch (Inductor's autotuning, which synchronises) failed the
+    capture on a GPU (Gemma-3-1B). ``CompiledForward`` calls with the cache off, whatever the
+    caller's state: a call as inside a capture compiles nothing more, and the caller's state
+    comes back. Checked outside a capture (the emulated backend runs compiled code eagerly in
+    its captures): the cache's state is what differs."""
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    counting = CountingBackend()
+    forward = CompiledForward(tiny_llama().get_decoder(), {"backend": counting}, "cuda")
+    ids = torch.randint(0, 100, (1, 12))
+    forward(input_ids=ids, use_cache=False)  # a warm-up: the cache on
+    compiled = len(counting.calls)
+    assert compiled and torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)  # as breakgraph.capture does
+    try:
+        forward(input_ids=ids, use_cache=False)
+        assert not torch.is_autocast_cache_enabled()
+    finally:
+        torch.set_autocast_cache_enabled(True)
+    assert len(counting.calls) == compiled, counting.calls
+    assert all(runs == 2 for runs in counting.calls), counting.calls
+
+
 def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
     """``compile={}`` is a dict of ``torch.compile`` keyword arguments (none): it compiles, as
     ``enable_continuous_batching(compile={})`` does; the runner took it for False and ran the

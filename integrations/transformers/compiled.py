@@ -14,7 +14,7 @@ each resume after a break) whose inputs are fresh, unmarked tensors, and each of
 compiled twice all the same (a 2-layer Llama over 3 buckets: 14 graphs with the mark, 7 with
 ``dynamic=True``; parameters stay static either way).
 
-Two Dynamo behaviours would each undo that, so calls go through :meth:`CompiledForward.__call__`:
+Three Dynamo behaviours would each undo that, so calls go through :meth:`CompiledForward.__call__`:
 
 * duck shaping gives input dimensions of equal size one symbol. At the largest bucket the
   token count equals other sizes by construction (the positions' offset in the step buffer,
@@ -25,7 +25,15 @@ Two Dynamo behaviours would each undo that, so calls go through :meth:`CompiledF
   run compiled code: it marks every frame it meets "skip", for good, so no later bucket's
   warm-up would compile. Captures on the emulated backend call the forward under
   ``torch.compiler.set_stance("force_eager")`` instead (compiled code runs eagerly inside
-  emulated segments either way).
+  emulated segments either way);
+* Dynamo guards on autocast's cast cache being on, and a capture turns it off (a cast cached
+  there would be freed while the graph reads it: ``breakgraph.graph``, pytorch#71631). A
+  frame compiled in a warm-up, with the cache on, then compiled again inside every CUDA
+  capture: each compile twice, and the new kernels' first launch inside the capture, where
+  Inductor's autotuning of a reduction with several configurations synchronises and CUDA
+  refuses it (Gemma-3-1B's RMSNorm over 1152 channels, an H100: the manager could not be
+  created). Every call runs with the cache off, as the capture does: one compile per frame,
+  used by warm-ups, captures and eager fallbacks alike.
 
 Example::
 
@@ -133,7 +141,7 @@ class CompiledForward:
             scope = torch.compiler.set_stance("force_eager")
         else:
             scope = _no_duck_shaping()
-        with scope:
+        with scope, _autocast_cache_off():
             return self.fn(**kwargs)
 
 
@@ -147,3 +155,15 @@ def _no_duck_shaping() -> contextlib.AbstractContextManager:
     if not hasattr(config, "use_duck_shape"):
         return contextlib.nullcontext()
     return config.patch(use_duck_shape=False)
+
+
+@contextlib.contextmanager
+def _autocast_cache_off():
+    """Autocast's cast cache off for a call, as inside a capture (Dynamo guards on it: the
+    module docstring), restored after it."""
+    cached = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cached)
