@@ -21,6 +21,7 @@ from . import (
     report_breaks,
     report_cb_decode,
     report_cb_host,
+    report_compile_capture,
     report_compile_fallback,
     report_cudnn_ragged,
     report_decode_forward,
@@ -171,6 +172,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, *_ in report_decode_forward.FLOOR_RERUN_FILES]
         + [*report_decode_kernels.SUMMARY_FILES, report_cudnn_ragged.CAPTURE_FILE]
         + [name for name, *_ in report_cudnn_ragged.PREFILL_FILES]
+        + [name for name, _ in report_compile_capture.PREFILL_FILES]
+        + [report_compile_capture.PREFILL_STEADY_FILE]
+        + [*report_compile_capture.CB_FILES, report_compile_capture.CB_BEFORE_FILE]
+        + [report_compile_capture.TRACE_SUMMARY]
         + [name for name, *_ in (*report_compile_fallback.CPU_FILES,
                                  *report_compile_fallback.GPU_FILES)]  # fmt: skip
         + [*report_decode_step.WARM_KERNELS_FILES]
@@ -223,6 +228,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         if len(fallback) == len(files):  # the GPU's runs once they exist, else the CPU's
             blocks.append(report_compile_fallback.section(fallback, on_gpu))
             break
+    capture = [(loaded[name], tree) for name, tree in report_compile_capture.PREFILL_FILES
+               if name in loaded]  # fmt: skip
+    if len(capture) == len(report_compile_capture.PREFILL_FILES):
+        blocks.append(report_compile_capture.prefill_section(
+            capture, loaded.get(report_compile_capture.PREFILL_STEADY_FILE)))  # fmt: skip
     blocks += report_prefill.newest_release_section(
         loaded.get(report_prefill.NEWEST_FILE), loaded.get(report_prefill.FILE),
         loaded.get(report_prefill.FIXED_FILE),
@@ -270,6 +280,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     sliding = [(n, d) for n in report_held_out.SLIDING_FILES if (d := load(n)) is not None]
     if sliding:
         blocks.append(report_held_out.sliding_section(sliding))
+    compiled = [(n, d) for n in report_compile_capture.CB_FILES if (d := load(n)) is not None]
+    if compiled:
+        blocks.append(report_compile_capture.cb_section(
+            compiled, load(report_compile_capture.CB_BEFORE_FILE),
+            load(report_compile_capture.TRACE_SUMMARY)))  # fmt: skip
     whole = [(n, d) for n in report_held_out.WHOLE_FILES if (d := load(n)) is not None]
     if whole and whole[0][0] == report_held_out.WHOLE_FILES[0]:
         blocks.append(report_held_out.whole_model_section(whole))

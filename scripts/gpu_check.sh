@@ -133,7 +133,7 @@
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
 # RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
 # RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_HELD_OUT_MOE 2, RUN_FUZZ_CB 1,
-# RUN_SLIDING 2,
+# RUN_SLIDING 2, RUN_COMPILED_SLIDING 4,
 # RUN_RELEASES 1 per wheel (skip other sections
 # to make room).
 # RUN_HELD_OUT=1 (continuous batching on the whole Llama-3-8B, 32 layers, a shape no CB default
@@ -146,6 +146,11 @@
 # transformers' own index lists, in turn, stock beside them: bench_cb --models gemma3-1b, then
 # gpt-oss-20b-4l, ~8 min on 5.17, whose stock is slow there; copy the JSON to docs/results, see
 # report_held_out.SLIDING_FILES)
+# RUN_COMPILED_SLIDING=1 (compile=True on the sliding-window shapes: bench_cb gemma3-1b and
+# gpt-oss-20b-4l with breakgraph and breakgraph_compiled in turn, then cb_trace gemma3-1b with
+# 32 requests and both decoders, ~3 min; copy the JSON and the trace folder to
+# docs/results/<card>-cb-compiled-*.json and <card>-cb-trace-gemma3-32-<release>/, see
+# report_compile_capture.CB_FILES)
 # RUN_HELD_OUT_MOE=1 (the same two runs on the whole Qwen3-30B-A3B, 48 layers, 128 experts
 # top-8, 61 GB in bf16, ~4 min; copy cb-qwen3-30b-a3b*.json to docs/results/<card>-cb-qwen3-30b-a3b*.json,
 # see report_held_out.WHOLE_MOE_FILES),
@@ -342,6 +347,22 @@ if [ -n "${RUN_SLIDING:-}" ]; then  # sliding-window models, held out (~8 min)
       --out "$OUT/$card-cb-sliding-$model-5.17.json" 2>&1 | tee -a "$LOG" || status=1
   done
   echo "[sliding: $((SECONDS - t)) s]" | tee -a "$LOG"
+fi
+if [ -n "${RUN_COMPILED_SLIDING:-}" ]; then  # compile=True on the sliding shapes (~3 min)
+  t=$SECONDS
+  tbs=4.8; card=h200
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35; card=h100 ;; esac
+  for model in gemma3-1b gpt-oss-20b-4l; do
+    timeout 240 python3 -m benchmarks.bench_cb --models $model \
+      --variants breakgraph,breakgraph_compiled --repeat breakgraph,breakgraph_compiled \
+      --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
+      --out "$OUT/$card-cb-compiled-$model-5.17.json" 2>&1 | tee -a "$LOG" || status=1
+  done
+  timeout 200 python3 -m benchmarks.cb_trace --model gemma3-1b \
+    --variants breakgraph,breakgraph_compiled --prompts 32 --max-len 1024 --new-tokens 128 \
+    --skip 30 --steps 16 --settle 2 --out "$OUT/$card-cb-trace-gemma3-32-5.17" 2>&1 \
+    | tee -a "$LOG" || status=1
+  echo "[compiled sliding: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_RELEASES:-}" ]; then  # the CUDA transformers tests on each release's wheel
   for wheel in "$RUN_RELEASES"/transformers-*.whl; do

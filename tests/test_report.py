@@ -1215,3 +1215,27 @@ def test_sliding_section_names_the_ratio_and_every_loss(tmp_path):
     page = report.render(results_copy(tmp_path, {name: base}))
     assert ("round by round: gemma3-1b on 5.17.0 against `breakgraph_breaks` (0.98×), "
             in page)  # fmt: skip
+
+
+def test_compile_capture_sections_compute_their_ratios(tmp_path):
+    """Session 53's sections on ``compile=True`` inside captures: the prefill one reads the
+    construction before and after from every turn and states reduce-overhead's first calls
+    against it with the target constant; the CB one computes the compiled decoder's ratio
+    from both variants' rounds, names the failure of the run before the fix, and leaves a
+    section out when its files are gone."""
+    from benchmarks import report_compile_capture as rcc
+
+    page = report.render(results_copy(tmp_path))
+    prefill = page[page.index("### `compile=True` inside a capture"):]
+    prefill = prefill[: prefill.index("\n## ", 1)]
+    assert "Construction took 16.82 s before and 10.42–10.52 s after" in prefill
+    assert f"the first-call target ({T.TARGET_FIRST_CALL_SPEEDUP:g}×)" in prefill
+    cb = page[page.index("### The compiled decoder on sliding-window models"):]
+    cb = cb[: cb.index("\n### ", 1)]
+    assert "round 1: HostSyncError: the CUDA capture failed inside a segment" in cb
+    assert "gemma3-1b on 5.24.0: `breakgraph_compiled` 1.69× `breakgraph`'s tokens/s" in cb
+    assert "| **all kernels** | 6.01 | 2.87 |" in cb
+    gone = {name: None for name in (*rcc.CB_FILES, rcc.PREFILL_FILES[1][0])}
+    page = report.render(results_copy(tmp_path, gone))
+    assert "### The compiled decoder on sliding-window models" not in page
+    assert "### `compile=True` inside a capture" not in page

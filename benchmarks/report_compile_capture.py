@@ -1,0 +1,143 @@
+"""The page's sections on ``compile=True`` inside CUDA captures, before and after session 53.
+
+Why: breakgraph turns autocast's cast cache off inside every capture (``breakgraph.graph``,
+pytorch#71631) and Dynamo guards on that flag, so every frame the warm-ups compiled compiled
+again inside the first CUDA capture. On Gemma-3-1B's shape the new kernels' first launch
+autotuned there, a synchronisation, and the capture failed; elsewhere the second compile
+cost construction time. ``CompiledForward`` now calls with the cache off
+(:mod:`breakgraph.integrations.transformers.compiled`).
+
+The runs (an H100, the device tool's; one process each):
+
+* :data:`PREFILL_FILES`: ``bench_prefill --families mistral-7b-4l --compile-families
+  mistral-7b-4l --sizes 32``, session 52's tree and this one taking turns, Inductor's and AOT
+  autograd's caches off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0``);
+* :data:`CB_FILES`: ``bench_cb --variants breakgraph,breakgraph_compiled`` (gpt-oss with
+  ``breakgraph_breaks`` too) on the held-out sliding-window shapes, the variants in turn, and
+  :data:`CB_BEFORE_FILE`, the same on the tree before, where ``breakgraph_compiled`` failed;
+* :data:`TRACE_SUMMARY`: ``cb_trace --model gemma3-1b --prompts 32`` with both decoders.
+
+Example (the committed runs)::
+
+    python -m benchmarks.report   # the whole page, these sections included
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from . import targets as T
+from .cb_report import _cell, _release
+from .template import fill, num, span, table
+
+#: (file, tree) in the order the processes ran
+PREFILL_FILES = (("h100-prefill-compile-head53-1.json", "after"),
+                 ("h100-prefill-compile-head52-1.json", "before"),
+                 ("h100-prefill-compile-head53-2.json", "after"))  # fmt: skip
+#: a whole ``bench_prefill --compile-families mistral-7b-4l`` run on this tree, the same card
+PREFILL_STEADY_FILE = "h100-prefill-compile-mistral-5.17.json"
+CB_FILES = ("h100-cb-compiled-gemma3-1b-5.17.json", "h100-cb-compiled-gemma3-1b-5.24.json",
+            "h100-cb-compiled-gpt-oss-20b-4l-5.17.json")  # fmt: skip
+CB_BEFORE_FILE = "h100-cb-compiled-gemma3-1b-5.24-before.json"
+TRACE_SUMMARY = "h100-cb-trace-gemma3-32-5.24/summary.json"
+COMPILED = "breakgraph_compiled"
+
+
+def prefill_section(runs: list, steady: dict | None) -> str:
+    """``runs``: ``(data, tree)`` in the order they ran: construction of the compiled runner
+    split as the benchmark splits it, and the frames and graphs Dynamo compiled; ``steady``:
+    :data:`PREFILL_STEADY_FILE`, whose steady-state ratios close the section (None: left out)."""
+    rows, after, before = [], [], []
+    for data, tree in runs:
+        bg = data["families"][0]["compile"]["bg_compiled"]
+        split, dynamo = bg["breakdown"], bg["dynamo"]
+        ro = data["families"][0]["compile"]["compile_ro"]["lengths"]
+        ro_total = sum(length["ready_s"] for length in ro)
+        (after if tree == "after" else before).append((bg["construction_s"], ro_total))
+        rows.append([tree, num(bg["construction_s"]), num(split["compile_s"]),
+                     num(split["capture_s"]), str(dynamo["frames"]), str(dynamo["graphs"]),
+                     num(ro_total), num(ro_total / bg["construction_s"])])  # fmt: skip
+    meta = runs[0][0]["meta"]
+    return fill(
+        "prefill.compile_capture",
+        files="`, `".join(name for name, _ in PREFILL_FILES),
+        device=meta["gpu"], torch=meta["torch"], transformers=meta["transformers"],
+        date=meta["date"], family=runs[0][0]["families"][0]["family"],
+        table=table(["tree", "construction s", "compiling s", "capturing s", "frames compiled",
+                     "graphs compiled", "torch.compile: first calls at 5 lengths s",
+                     "first calls / construction"], rows),
+        before=span([c for c, _ in before]), after=span([c for c, _ in after]),
+        ratio=span([r / c for c, r in after]), target=f"{T.TARGET_FIRST_CALL_SPEEDUP:g}",
+        steady=_steady(steady) if steady is not None else "",
+    )  # fmt: skip
+
+
+def _steady(data: dict) -> str:
+    """The compiled runner's median time over reduce-overhead's, per single-prompt length."""
+    rows = [r for r in data["families"][0]["rows"] if r["kind"] == "single"
+            and {"bg_compiled", "compile_ro"} <= set(r["ms"])]  # fmt: skip
+    cells = ", ".join(f"{num(r['ms']['bg_compiled'] / r['ms']['compile_ro'], 2)} at "
+                      f"{r['tokens']} tokens" for r in rows)  # fmt: skip
+    return fill("prefill.compile_capture.steady", file=PREFILL_STEADY_FILE, ratios=cells)
+
+
+def cb_section(runs: list, before: dict | None, trace: dict | None) -> str:
+    """``runs``: ``(file, data)`` of :data:`CB_FILES`; ``before``: the failed run on the tree
+    before; ``trace``: the 32-request trace's summary, or None."""
+    rows, lines = [], []
+    for _, data in runs:
+        m = data["models"][0]
+        v = m["variants"]
+        for variant, e in v.items():
+            rounds = e.get("rounds_tokens_per_s") or [e["tokens_per_s"]]
+            manager = e.get("rounds_manager_s") or [e.get("manager_s", 0.0)]
+            rows.append([_release(data), m["model"], f"`{variant}`",
+                         f"{num(e['tokens_per_s'], 0)} ({span(rounds, 0)})",
+                         _cell(e, "decode_step_ms", ".2f"), _cell(e, "decode_over_floor", ".1f"),
+                         _cell(e, "host_prepare_ms_per_step", ".1f"),
+                         num(manager[0], 1)])  # fmt: skip
+        if COMPILED in v and "breakgraph" in v:
+            per_round = [a / b for a, b in zip(v[COMPILED]["rounds_tokens_per_s"],
+                                               v["breakgraph"]["rounds_tokens_per_s"])]  # fmt: skip
+            step = (f"; the pure-decode step {_cell(v['breakgraph'], 'decode_step_ms', '.2f')} → "
+                    f"{_cell(v[COMPILED], 'decode_step_ms', '.2f')} ms "
+                    f"({_cell(v['breakgraph'], 'decode_over_floor', '.1f')} → "
+                    f"{_cell(v[COMPILED], 'decode_over_floor', '.1f')}× its floor)"
+                    if "decode_step_ms" in v[COMPILED] else
+                    "; no step in which every request decodes")  # fmt: skip
+            lines.append(f"- {m['model']} on {_release(data)}: `{COMPILED}` "
+                         f"{num(statistics.median(per_round), 2)}× `breakgraph`'s tokens/s "
+                         f"(round by round {span(per_round, 2)}){step}")  # fmt: skip
+    failed = (before or {}).get("models", [{}])[0].get("variants", {}).get(COMPILED, {})
+    why = failed.get("failed", "not run").split("(")[0].strip()
+    meta = runs[0][1]["meta"]
+    return fill(
+        "cb.compile_capture",
+        files=", ".join(f"`{name}`" for name, _ in runs), before_file=CB_BEFORE_FILE,
+        device=meta["device"], torch=meta["torch"], date=meta["date"],
+        hbm=f"{meta['hbm_bytes_per_s'] / 1e12:g}", why=why,
+        table=table(["transformers", "model", "variant", "tokens/s (rounds)", "decode ms",
+                     "× floor", "prep ms", "first manager s"], rows),
+        ratios="\n".join(lines),
+        trace=_trace_block(trace) if trace is not None else "",
+    )  # fmt: skip
+
+
+def _trace_block(summary: dict) -> str:
+    """Device ms per pure-decode step by kind of kernel, both decoders, from the trace."""
+    variants = summary["variants"]
+    kinds = sorted({k for e in variants.values() for k in e["device_ms_per_step_by_kind"]},
+                   key=lambda k: -variants["breakgraph"]["device_ms_per_step_by_kind"].get(k, 0))
+    rows = [[k] + [num(e["device_ms_per_step_by_kind"].get(k, 0.0)) for e in variants.values()]
+            for k in kinds]  # fmt: skip
+    rows.append(["**all kernels**"] + [num(sum(e["device_ms_per_step_by_kind"].values()))
+                                       for e in variants.values()])  # fmt: skip
+    rows.append(["wall ms per step (profiled)"] + [num(e["wall_ms_per_step"])
+                                                   for e in variants.values()])  # fmt: skip
+    args = summary["meta"]["args"]
+    return fill(
+        "cb.compile_capture.trace", file=TRACE_SUMMARY, requests=args["prompts"],
+        transformers=summary["meta"]["transformers"],
+        steps=next(iter(variants.values()))["steps"],
+        table=table(["device ms per step", *(f"`{v}`" for v in variants)], rows),
+    )  # fmt: skip
