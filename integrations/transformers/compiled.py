@@ -28,7 +28,7 @@ Three Dynamo behaviours would each undo that, so calls go through :meth:`Compile
   emulated segments either way);
 * Dynamo guards on autocast's cast cache being on, and a capture turns it off (a cast cached
   there would be freed while the graph reads it: ``breakgraph.graph``, pytorch#71631). A
-  frame compiled in a warm-up, with the cache on, then compiled again inside every CUDA
+  frame compiled in a warm-up, with the cache on, then compiled again inside the first CUDA
   capture: each compile twice, and the new kernels' first launch inside the capture, where
   Inductor's autotuning of a reduction with several configurations synchronises and CUDA
   refuses it (Gemma-3-1B's RMSNorm over 1152 channels, an H100: the manager could not be
