@@ -176,6 +176,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_compile_capture.PREFILL_STEADY_FILE]
         + [*report_compile_capture.CB_FILES, report_compile_capture.CB_BEFORE_FILE]
         + [report_compile_capture.TRACE_SUMMARY]
+        + [name for name, _ in report_compile_capture.REGION_FILES]
+        + list(report_compile_capture.DEEP_FILES)
         + [name for name, *_ in (*report_compile_fallback.CPU_FILES,
                                  *report_compile_fallback.GPU_FILES)]  # fmt: skip
         + [*report_decode_step.WARM_KERNELS_FILES]
@@ -233,6 +235,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if len(capture) == len(report_compile_capture.PREFILL_FILES):
         blocks.append(report_compile_capture.prefill_section(
             capture, loaded.get(report_compile_capture.PREFILL_STEADY_FILE)))  # fmt: skip
+    regions = [(loaded[name], what) for name, what in report_compile_capture.REGION_FILES
+               if name in loaded]  # fmt: skip
+    if len(regions) == len(report_compile_capture.REGION_FILES):
+        blocks.append(report_compile_capture.regions_section(
+            regions, [loaded[n] for n in report_compile_capture.DEEP_FILES if n in loaded]))
     blocks += report_prefill.newest_release_section(
         loaded.get(report_prefill.NEWEST_FILE), loaded.get(report_prefill.FILE),
         loaded.get(report_prefill.FIXED_FILE),

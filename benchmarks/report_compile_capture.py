@@ -15,7 +15,11 @@ The runs (an H100, the device tool's; one process each):
 * :data:`CB_FILES`: ``bench_cb --variants breakgraph,breakgraph_compiled`` (gpt-oss with
   ``breakgraph_breaks`` too) on the held-out sliding-window shapes, the variants in turn, and
   :data:`CB_BEFORE_FILE`, the same on the tree before, where ``breakgraph_compiled`` failed;
-* :data:`TRACE_SUMMARY`: ``cb_trace --model gemma3-1b --prompts 32`` with both decoders.
+* :data:`TRACE_SUMMARY`: ``cb_trace --model gemma3-1b --prompts 32`` with both decoders;
+* :data:`REGION_FILES` (session 54): the same prefill run on llama-1b and mistral-7b-4l, the
+  whole-model compile (session 53's tree) and the compile by region taking turns, each process
+  with empty Triton and Inductor cache folders (a cold start), and :data:`DEEP_FILES`, the
+  whole-model compile on two deep families (a first run on a fresh machine each).
 
 Example (the committed runs)::
 
@@ -41,6 +45,13 @@ CB_FILES = ("h100-cb-compiled-gemma3-1b-5.17.json", "h100-cb-compiled-gemma3-1b-
 CB_BEFORE_FILE = "h100-cb-compiled-gemma3-1b-5.24-before.json"
 TRACE_SUMMARY = "h100-cb-trace-gemma3-32-5.24/summary.json"
 COMPILED = "breakgraph_compiled"
+#: (file, what compile=True compiled) in the order the processes ran
+REGION_FILES = (("h100-prefill-compile-cold-head54-llama-1b.json", "whole model"),
+                ("h100-prefill-compile-cold-head54b-llama-1b.json", "by region"),
+                ("h100-prefill-compile-cold-head54b-mistral-7b-4l.json", "by region"),
+                ("h100-prefill-compile-cold-head54-mistral-7b-4l.json", "whole model"))  # fmt: skip
+DEEP_FILES = ("h100-prefill-compile-deep-llama-1b.json",
+              "h100-prefill-compile-deep-qwen2-1.5b.json")  # fmt: skip
 
 
 def prefill_section(runs: list, steady: dict | None) -> str:
@@ -141,3 +152,54 @@ def _trace_block(summary: dict) -> str:
         steps=next(iter(variants.values()))["steps"],
         table=table(["device ms per step", *(f"`{v}`" for v in variants)], rows),
     )  # fmt: skip
+
+
+def regions_section(runs: list, deep: list) -> str:
+    """``runs``: ``(data, compiled)`` of :data:`REGION_FILES`; ``deep``: the data of
+    :data:`DEEP_FILES` (an empty list leaves their sentence out)."""
+    rows, by = [], {}
+    for data, what in runs:
+        fam = data["families"][0]
+        bg, ro = fam["compile"]["bg_compiled"], fam["compile"]["compile_ro"]["lengths"]
+        phases = bg["dynamo"]["compile_s"]
+        ro_total = sum(length["ready_s"] for length in ro)
+        row = next(r for r in fam["rows"] if r["kind"] == "single")
+        single, tokens = row["ms"], row["tokens"]
+        by.setdefault(fam["family"], {})[what] = (bg["construction_s"], phases["dynamo_s"])
+        rows.append([fam["family"], str(fam["config"]["num_hidden_layers"]), what,
+                     num(bg["construction_s"], 1), num(phases["compile_s"], 1),
+                     num(phases["dynamo_s"], 1), str(bg["dynamo"]["frames"]),
+                     str(bg["dynamo"]["graphs"]), num(ro_total, 1),
+                     num(ro_total / bg["construction_s"], 1), num(single["bg_compiled"]),
+                     num(single["bg_compiled"] / single["compile_ro"])])  # fmt: skip
+    changes = "; ".join(
+        f"{family}: construction {num(v['whole model'][0], 1)} → {num(v['by region'][0], 1)} s, "
+        f"Dynamo {num(v['whole model'][1], 1)} → {num(v['by region'][1], 1)} s"
+        for family, v in by.items() if {"whole model", "by region"} <= set(v))  # fmt: skip
+    meta = runs[0][0]["meta"]
+    return fill(
+        "prefill.compile_regions",
+        files="`, `".join(name for name, _ in REGION_FILES), device=meta["gpu"],
+        torch=meta["torch"], transformers=meta["transformers"], date=meta["date"],
+        table=table(["family", "layers", "compile=True compiles", "construction s",
+                     "compiling s", "Dynamo s", "frames", "graphs",
+                     "torch.compile: first calls at 5 lengths s", "first calls / construction",
+                     f"compiled ms, {tokens} tokens",
+                     f"compiled / reduce-overhead, {tokens} tokens"], rows), tokens=tokens,
+        changes=changes, target=f"{T.TARGET_FIRST_CALL_SPEEDUP:g}",
+        deep=_deep(deep) if deep else "",
+    )  # fmt: skip
+
+
+def _deep(runs: list) -> str:
+    """The whole-model compile's first calls against reduce-overhead's on the deep families."""
+    cells = []
+    for data in runs:
+        fam = data["families"][0]
+        bg, ro = fam["compile"]["bg_compiled"], fam["compile"]["compile_ro"]["lengths"]
+        ro_total = sum(length["ready_s"] for length in ro)
+        cells.append(f"{fam['family']} ({fam['config']['num_hidden_layers']} layers) "
+                     f"{num(bg['construction_s'], 1)} s against {num(ro_total, 1)} s "
+                     f"({num(ro_total / bg['construction_s'], 1)}×)")  # fmt: skip
+    return fill("prefill.compile_regions.deep", files="`, `".join(DEEP_FILES),
+                cells="; ".join(cells))  # fmt: skip

@@ -195,9 +195,8 @@ def test_user_dynamic_false_is_honoured(fresh_dynamo):
     counting = CountingBackend()
     model = tiny_llama()
     runner = build(model, {"backend": counting, "dynamic": False}, token_buckets=(40, 64))
-    assert model._is_torch_compile  # torch.compile's mark, set through its wrapper
     runner.close()
-    assert "_is_torch_compile" not in vars(model)  # closed: the model as it was
+    assert not any("_compiled_call_impl" in vars(m) for m in model.modules())  # as it was
     half = len(counting.calls) // 2
     assert half and counting.calls == counting.calls[:half] * 2, counting.calls
 
@@ -216,7 +215,7 @@ def test_a_capture_state_recompiles_nothing(fresh_dynamo):
     forward = CompiledForward(tiny_llama().get_decoder(), {"backend": counting}, "cuda")
     ids = torch.randint(0, 100, (1, 12))
     forward(input_ids=ids, use_cache=False)  # a warm-up: the cache on
-    compiled = len(counting.calls)
+    compiled, runs = len(counting.calls), list(counting.calls)
     assert compiled and torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)  # as breakgraph.capture does
     try:
@@ -225,7 +224,8 @@ def test_a_capture_state_recompiles_nothing(fresh_dynamo):
     finally:
         torch.set_autocast_cache_enabled(True)
     assert len(counting.calls) == compiled, counting.calls
-    assert all(runs == 2 for runs in counting.calls), counting.calls
+    assert counting.calls == [2 * n for n in runs], (runs, counting.calls)  # each ran again
+    forward.close()
 
 
 def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
@@ -244,7 +244,7 @@ def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
     runner = build(tiny_llama(), {}, token_buckets=(16,))
     try:
         assert isinstance(runner._forward_model, CompiledForward)
-        assert calls == [{"dynamic": True}]
+        assert calls and all(options == {"dynamic": True} for options in calls), calls
         runner.prefill([torch.randint(128, (5,))])
     finally:
         runner.close()
@@ -361,3 +361,72 @@ def test_a_compiled_runner_whose_constructor_fails_leaves_the_model_unmarked(mon
         expected = model(prompt[None]).logits[0, -1]
     torch.testing.assert_close(runner.prefill([prompt]).logits[0], expected, atol=1e-4, rtol=1e-4)
     runner.close()
+
+
+def test_regions_compile_the_layers_and_the_decoders_modules_not_the_outer_forward(fresh_dynamo):
+    """``compile=True`` compiles each decoder layer and the decoder's other modules, not the
+    causal LM's forward whole: Dynamo traced the outer frames (the LM's forward, the
+    decoder's, transformers' wrappers) down to the first attention break, restarted and gave
+    up on them, about two thirds of its time, for nothing compiled. One compiled function per
+    kind of module, shared by every model and runner (a code object per runner would compile
+    a second model all over again); the model itself is called as it is."""
+    from breakgraph.integrations.transformers.compiled import (
+        CompiledForward,
+        _call_of,
+        compile_regions,
+    )
+
+    model = tiny_llama()
+    regions = compile_regions(model)
+    decoder = model.get_decoder()
+    assert regions == [*decoder.layers, decoder.norm, decoder.rotary_emb, decoder.embed_tokens]
+    assert compile_regions(decoder) == regions  # continuous batching passes the decoder
+    counting = CountingBackend()
+    first = CompiledForward(model, {"backend": counting}, "cuda")
+    second = CompiledForward(tiny_llama(), {"backend": counting}, "cuda")
+    try:
+        assert first.fn is model and set(first.compiled_calls) == {type(m) for m in regions}
+        kinds = list(first.compiled_calls)
+        assert len({_call_of(kind).__code__ for kind in kinds}) == len(kinds) == len(regions) - 1
+        assert all(_call_of(kind) is _call_of(kind) for kind in kinds)
+        ids = torch.randint(0, 100, (1, 12))
+        with torch.no_grad():
+            first(input_ids=ids, use_cache=False)
+            compiled = len(counting.calls)
+            second(input_ids=ids, use_cache=False)  # another model: nothing compiles again
+        assert compiled and len(counting.calls) == compiled, counting.calls
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_plain_call_meanwhile_runs_the_model_as_it_is(fresh_dynamo):
+    """The regions' compiled calls are active only inside a ``CompiledForward`` call: the
+    model called directly (``generate``, another runner) while a compiled runner is open runs
+    nothing compiled and gives its own result. Two compiled forwards of one model (a prefill
+    runner passes the causal LM, continuous batching the decoder) share the regions' dispatch:
+    closed in the order they were opened, they leave no module changed."""
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    counting = CountingBackend()
+    prefill = CompiledForward(model, {"backend": counting}, "cuda")
+    decoder = CompiledForward(model.get_decoder(), {"backend": counting}, "cuda")
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(prefill(input_ids=ids, use_cache=False).logits, want)
+            runs = list(counting.calls)
+            torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, want)
+            assert counting.calls == runs  # the plain call ran nothing compiled
+            prefill.close()  # the first opened closes first: the other's regions stay
+            decoder(input_ids=ids, use_cache=False)
+            assert sum(counting.calls) > sum(runs)
+    finally:
+        prefill.close()
+        decoder.close()
+    assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, want)

@@ -1239,3 +1239,20 @@ def test_compile_capture_sections_compute_their_ratios(tmp_path):
     page = report.render(results_copy(tmp_path, gone))
     assert "### The compiled decoder on sliding-window models" not in page
     assert "### `compile=True` inside a capture" not in page
+
+
+def test_compile_regions_section_compares_the_turns(tmp_path):
+    """Session 54's section: each family's construction and Dynamo time, whole model → by
+    region, from the turns' files; reduce-overhead's first calls over the construction per
+    row; the deep families' sentence; the section left out when a turn is gone."""
+    from benchmarks import report_compile_capture as rcc
+
+    page = report.render(results_copy(tmp_path))
+    section = page[page.index("### `compile=True` by region"):]
+    section = section[: section.index("\n## ", 1)]
+    assert "llama-1b: construction 24.7 → 19.4 s, Dynamo 8.0 → 4.0 s" in section
+    assert "| llama-1b | 22 | by region | 19.4 | 10.4 | 4.0 | 8 | 7 | 53.2 | 2.7 |" in section
+    assert "qwen2-1.5b (28 layers) 29.9 s against 62.4 s (2.1×)" in section
+    assert f"the target of {T.TARGET_FIRST_CALL_SPEEDUP:g}×" in section
+    page = report.render(results_copy(tmp_path, {rcc.REGION_FILES[0][0]: None}))
+    assert "### `compile=True` by region" not in page

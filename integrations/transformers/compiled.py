@@ -1,5 +1,20 @@
 """``PrefillRunner(compile=...)``: the model's forward under ``torch.compile``, compiled once.
 
+What is compiled: each decoder layer and the decoder's other modules (final norm, rotary
+embedding, token embedding), one by one ("regional" compilation, :func:`compile_regions`), not
+the model's forward whole. Why: a whole-model compile traces the model's outer frames (the
+causal LM's forward, the decoder's, transformers' output-capturing wrappers) down to the first
+attention break, restarts, and gives up on them after compiling nothing; those frames were about
+two thirds of Dynamo's time (a tiny Llama on a CPU: 17 frames in 5.2 s whole, 6 in 1.6 s by
+region; on an H100 with cold caches, llama-1b's Dynamo time went from 8.0 to 4.0 s and the
+compiled runner's construction from 24.7 to 19.4 s, ``docs/performance.md``). The layers
+share one compiled graph per kind of layer whatever the depth, as before. What runs eagerly
+instead (the decoder's loop, its masks and position bookkeeping, the LM head) is captured in
+breakgraph's graphs like everything else, so it costs launches at capture only.
+The compiled calls are active only inside a :class:`CompiledForward` call (a ``ContextVar``): a
+plain call of the model meanwhile, or another runner's, runs the modules as they are. A model
+whose decoder has no ``layers`` list is compiled whole.
+
 The runner calls the compiled forward in the warm-up of every bucket, largest first. Left to
 torch's default (``dynamic=None``), Dynamo compiles the first bucket at static shapes, then,
 seeing a second size, compiles every frame again with a dynamic token dimension ("automatic
@@ -49,16 +64,20 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
+import threading
+import types
+import weakref
 from typing import Any
 
 import torch
 
 import breakgraph
 from breakgraph.errors import InputError
-from breakgraph.patches import PatchSet
+from breakgraph.patches import PatchSet, SharedPatches
 
-__all__ = ["CompiledForward", "check_compile_option"]
+__all__ = ["CompiledForward", "check_compile_option", "compile_regions"]
 
 
 # torch.compile's modes that turn on Inductor's CUDA graphs (CUDA graph trees)
@@ -112,37 +131,165 @@ def check_compile_option(compile: Any, who: str) -> None:
 
 
 class CompiledForward:
-    """``torch.compile(model, **options)`` with the token dimension dynamic from the first
-    compile (unless ``options`` has ``dynamic``), called (keyword arguments only, as the
-    runner does) without duck shaping, and eagerly inside emulated captures. ``compile`` is
-    ``True`` or a dict of ``torch.compile`` keyword arguments; ``backend`` the breakgraph
-    backend name (``"cuda"``, ``"emulated"``). Not on a replay path: the runner calls it in
-    warm-ups, captures and eager fallbacks only."""
+    """``torch.compile`` of a model's regions (:func:`compile_regions`; the model whole where
+    it has none) with ``options``, the token dimension dynamic from the first compile (unless
+    ``options`` has ``dynamic``), called (keyword arguments only, as the runner does) without
+    duck shaping, and eagerly inside emulated captures. ``compile`` is ``True`` or a dict of
+    ``torch.compile`` keyword arguments; ``backend`` the breakgraph backend name (``"cuda"``,
+    ``"emulated"``). Not on a replay path: the runner calls it in warm-ups, captures and eager
+    fallbacks only."""
 
     def __init__(self, model: Any, compile: Any, backend: str):
         options = dict(compile) if isinstance(compile, dict) else {}
         options.setdefault("dynamic", True)
         self.options = options
-        # torch.compile marks the module it wraps (``_is_torch_compile``, set through the
-        # wrapper onto the model): ours until close(), so that the model ends as it was
-        self._patches = PatchSet()
-        if isinstance(model, torch.nn.Module):
-            self._patches.attribute(model, "_is_torch_compile", True)
-        self.fn = torch.compile(model, **options)
+        self.model = model
         self.emulated = backend != "cuda"
+        self._patches = PatchSet()
+        self._regions: SharedPatches | None = None
+        regions = compile_regions(model)
+        if regions is None:
+            # torch.compile marks the module it wraps (``_is_torch_compile``, set through the
+            # wrapper onto the model): ours until close(), so that the model ends as it was
+            if isinstance(model, torch.nn.Module):
+                self._patches.attribute(model, "_is_torch_compile", True)
+            self.fn = torch.compile(model, **options)
+            self.compiled_calls: dict[type, Any] = {}
+            return
+        # one compiled function per kind of module (Dynamo's recompile limit counts per code
+        # object: a layer, a norm and an embedding sharing one would spend it together)
+        self.compiled_calls = {
+            kind: torch.compile(_call_of(kind), **options)
+            for kind in dict.fromkeys(type(module) for module in regions)
+        }
+        self._regions = _installed_regions(regions)
+        self._regions.acquire()
+        self.fn = model
 
     def close(self) -> None:
-        """Take torch.compile's mark off the model (idempotent); the compiled code stays
-        cached in torch, as any compile's does."""
+        """Take torch.compile's mark, or the regions' compiled calls, off the model
+        (idempotent); the compiled code stays cached in torch, as any compile's does."""
         self._patches.restore()
+        if self._regions is not None:
+            self._regions.release()
+            self._regions = None
 
     def __call__(self, **kwargs: Any) -> Any:
         if self.emulated and breakgraph.is_capturing():
             scope = torch.compiler.set_stance("force_eager")
         else:
             scope = _no_duck_shaping()
-        with scope, _autocast_cache_off():
-            return self.fn(**kwargs)
+        active = _ACTIVE.set(self.compiled_calls)
+        try:
+            with scope, _autocast_cache_off():
+                return self.fn(**kwargs)
+        finally:
+            _ACTIVE.reset(active)
+
+
+def compile_regions(model: Any) -> list[torch.nn.Module] | None:
+    """The modules ``compile=True`` compiles one by one: every decoder layer, then the
+    decoder's other modules (its final norm, rotary embedding, token embedding), found through
+    transformers' ``get_decoder()`` and the decoder's ``layers``; None where there is no such
+    list (or this torch's ``nn.Module`` calls no ``_compiled_call_impl``): compiled whole.
+
+    Example::
+
+        >>> import transformers
+        >>> from breakgraph.integrations.transformers.compiled import compile_regions
+        >>> config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32,
+        ...     intermediate_size=64, num_attention_heads=4, vocab_size=64)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> [type(m).__name__.removeprefix("Llama") for m in compile_regions(model)]
+        ['DecoderLayer', 'DecoderLayer', 'RMSNorm', 'RotaryEmbedding', 'Embedding']
+    """
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers) or not _REGIONS_WORK:
+        return None
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+    others = [module for module in decoder.children()
+              if module is not layers and not isinstance(module, containers)]  # fmt: skip
+    return [*layers, *sorted(others, key=lambda m: isinstance(m, torch.nn.Embedding))]
+
+
+#: the compiled calls of the :class:`CompiledForward` call in progress (None: outside one)
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("breakgraph_compiled", default=None)
+
+
+def _call_module(module, *args, **kwargs):
+    """What is compiled for one kind of region: the module's call, hooks and all."""
+    return module._call_impl(*args, **kwargs)
+
+
+def _call_of(kind: type) -> types.FunctionType:
+    """:func:`_call_module` on a code object of its own for ``kind``, the same one for every
+    model and runner (Dynamo keys its cache and its recompile limit on code objects: a code
+    object per runner would compile a second model of the family all over again)."""
+    call = _calls.get(kind)
+    if call is None:
+        code = _call_module.__code__.replace(co_name=f"compiled_{kind.__name__}")
+        call = _calls.setdefault(kind, types.FunctionType(code, _call_module.__globals__))
+    return call
+
+
+_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kind -> its call
+
+
+class _RegionCall:
+    """A region's ``_compiled_call_impl`` (what ``nn.Module.__call__`` runs when set): inside a
+    :class:`CompiledForward` call the compiled call for the module's kind, else the module's
+    own call. Holds the module weakly (the module holds this)."""
+
+    __slots__ = ("module", "kind", "__weakref__")
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = weakref.ref(module)
+        self.kind = type(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module()
+        calls = None if torch.compiler.is_compiling() else _ACTIVE.get()
+        compiled = calls.get(self.kind) if calls else None
+        if compiled is None:  # a plain call of the model, or inside another compile's trace
+            return module._call_impl(*args, **kwargs)
+        return compiled(module, *args, **kwargs)
+
+
+#: per model, keyed by its first layer (a prefill runner passes the causal LM, continuous
+#: batching the decoder): its regions' dispatch, installed while a CompiledForward of it is open
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_installed_lock = threading.Lock()
+
+
+def _installed_regions(regions: list) -> SharedPatches:
+    """The regions' dispatch, shared by every :class:`CompiledForward` of their model: the
+    first to open installs it, the last to close removes it (two sets of their own, closed in
+    the order they were opened, would each restore what the other had put there)."""
+
+    def install(patches: PatchSet) -> None:
+        for module in regions:
+            patches.attribute(module, "_compiled_call_impl", _RegionCall(module), weak=True)
+
+    with _installed_lock:
+        shared = _installed.get(regions[0])
+        if shared is None:
+            shared = _installed[regions[0]] = SharedPatches(install)
+        return shared
+
+
+def _regions_work() -> bool:
+    """Probe: ``nn.Module.__call__`` runs an instance's ``_compiled_call_impl`` (torch's own
+    hook for ``Module.compile``), the one private name this module reads."""
+    probe = torch.nn.Identity()
+    if getattr(probe, "_compiled_call_impl", ...) is not None:
+        return False
+    probe._compiled_call_impl = lambda x: "compiled"
+    return probe(0) == "compiled"
+
+
+_REGIONS_WORK = _regions_work()
 
 
 def _no_duck_shaping() -> contextlib.AbstractContextManager:

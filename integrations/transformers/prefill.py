@@ -108,9 +108,9 @@ class PrefillRunner:
             per-sequence reference), ``"flash"`` (the same) or ``"reference"``.
         pad_token_id: token id written into the bucket tail.
         warmup: eager runs of the forward before the first (largest) bucket is captured.
-        compile: ``torch.compile`` the model's forward (True, or a dict of
-            ``torch.compile`` keyword arguments) so segments hold fused kernels;
-            attention and MoE experts stay eager breaks (Dynamo breaks its graph
+        compile: ``torch.compile`` the decoder's layers and other modules one by one
+            (True, or a dict of ``torch.compile`` keyword arguments) so segments hold fused
+            kernels; attention and MoE experts stay eager breaks (Dynamo breaks its graph
             there too). Every bucket is warmed up through the compiled forward, but each
             Dynamo frame compiles once, at the first (largest) bucket: the token dimension
             is dynamic from that first compile (``dynamic=True`` unless the dict sets
