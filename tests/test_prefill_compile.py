@@ -430,3 +430,20 @@ def test_a_plain_call_meanwhile_runs_the_model_as_it_is(fresh_dynamo):
     assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, want)
+
+
+def test_a_compiled_forward_dropped_unclosed_gives_its_share_back(fresh_dynamo):
+    """A compiled forward collected without ``close()`` (a runner dropped unclosed) counts its
+    share of the regions' dispatch off at the model's next open or close: the last one closed
+    leaves no module changed."""
+    import gc
+
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    model = tiny_llama()
+    dropped = CompiledForward(model, {"backend": CountingBackend()}, "cuda")
+    kept = CompiledForward(model, {"backend": CountingBackend()}, "cuda")
+    del dropped
+    gc.collect()
+    kept.close()
+    assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]

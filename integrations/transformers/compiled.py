@@ -143,7 +143,6 @@ class CompiledForward:
         options = dict(compile) if isinstance(compile, dict) else {}
         options.setdefault("dynamic", True)
         self.options = options
-        self.model = model
         self.emulated = backend != "cuda"
         self._patches = PatchSet()
         self._regions: SharedPatches | None = None
@@ -164,6 +163,8 @@ class CompiledForward:
         }
         self._regions = _installed_regions(regions)
         self._regions.acquire()
+        # dropped unclosed: its share is counted off at the model's next acquire or release
+        self._release = weakref.finalize(self, self._regions.release_later)
         self.fn = model
 
     def close(self) -> None:
@@ -171,6 +172,7 @@ class CompiledForward:
         (idempotent); the compiled code stays cached in torch, as any compile's does."""
         self._patches.restore()
         if self._regions is not None:
+            self._release.detach()
             self._regions.release()
             self._regions = None
 
