@@ -447,3 +447,22 @@ def test_a_compiled_forward_dropped_unclosed_gives_its_share_back(fresh_dynamo):
     gc.collect()
     kept.close()
     assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]
+
+
+def test_a_closed_compiled_forwards_model_is_collected(fresh_dynamo):
+    """The table of the regions' dispatch outlives every model: it must not keep a dropped
+    model (its weights) alive, neither while a compiled forward was open nor after."""
+    import gc
+    import weakref
+
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    model = tiny_llama()
+    forward = CompiledForward(model, {"backend": CountingBackend()}, "cuda")
+    with torch.no_grad():
+        forward(input_ids=torch.randint(0, 100, (1, 6)), use_cache=False)
+    forward.close()
+    gone = [weakref.ref(model), weakref.ref(model.get_decoder().layers[0])]
+    del model, forward
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]  # the layers hold the weights

@@ -270,9 +270,13 @@ def _installed_regions(regions: list) -> SharedPatches:
     first to open installs it, the last to close removes it (two sets of their own, closed in
     the order they were opened, would each restore what the other had put there)."""
 
+    # weakly: the table below keys on the first region and outlives the model
+    refs = [weakref.ref(module) for module in regions]
+
     def install(patches: PatchSet) -> None:
-        for module in regions:
-            patches.attribute(module, "_compiled_call_impl", _RegionCall(module), weak=True)
+        for ref in refs:
+            if (module := ref()) is not None:
+                patches.attribute(module, "_compiled_call_impl", _RegionCall(module), weak=True)
 
     with _installed_lock:
         shared = _installed.get(regions[0])
@@ -282,10 +286,13 @@ def _installed_regions(regions: list) -> SharedPatches:
 
 
 def _regions_work() -> bool:
-    """Probe: ``nn.Module.__call__`` runs an instance's ``_compiled_call_impl`` (torch's own
-    hook for ``Module.compile``), the one private name this module reads."""
+    """Probe of the two torch names the regions rely on: ``nn.Module.__call__`` runs an
+    instance's ``_compiled_call_impl`` (torch's own hook for ``Module.compile``), and
+    ``_call_impl`` is the module's call with its hooks (what ``_call_module`` compiles)."""
     probe = torch.nn.Identity()
-    if getattr(probe, "_compiled_call_impl", ...) is not None:
+    if getattr(probe, "_compiled_call_impl", ...) is not None or not callable(
+        getattr(probe, "_call_impl", None)
+    ):
         return False
     probe._compiled_call_impl = lambda x: "compiled"
     return probe(0) == "compiled"
