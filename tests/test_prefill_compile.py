@@ -232,7 +232,7 @@ def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
     """``compile={}`` is a dict of ``torch.compile`` keyword arguments (none): it compiles, as
     ``enable_continuous_batching(compile={})`` does; the runner took it for False and ran the
     model uncompiled, silently. (``torch.compile`` is recorded here, not run: no Inductor.)"""
-    from breakgraph.integrations.transformers.compiled import CompiledForward
+    from breakgraph.integrations.transformers.compiled import CompiledForward, compile_regions
 
     calls = []
 
@@ -244,7 +244,8 @@ def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
     runner = build(tiny_llama(), {}, token_buckets=(16,))
     try:
         assert isinstance(runner._forward_model, CompiledForward)
-        assert calls and all(options == {"dynamic": True} for options in calls), calls
+        kinds = {type(module) for module in compile_regions(runner.model)}  # one compile each
+        assert calls == [{"dynamic": True}] * len(kinds), calls
         runner.prefill([torch.randint(128, (5,))])
     finally:
         runner.close()
@@ -354,6 +355,8 @@ def test_a_compiled_runner_whose_constructor_fails_leaves_the_model_unmarked(mon
         PrefillRunner(model, token_buckets=(16, 32), max_prompts=2, warmup=1, compile=True,
                       backend="emulated", tune_buckets=True)  # fmt: skip
     assert "_is_torch_compile" not in vars(model)
+    # nor the regions' dispatch (compile=True compiles by region since session 54)
+    assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]
     monkeypatch.undo()
     runner = build(model, False, token_buckets=(16,))  # the model serves as before
     prompt = torch.randint(128, (5,))
@@ -466,3 +469,22 @@ def test_a_closed_compiled_forwards_model_is_collected(fresh_dynamo):
     del model, forward
     gc.collect()
     assert [ref() for ref in gone] == [None, None]  # the layers hold the weights
+
+
+def test_a_model_without_a_layers_list_is_compiled_whole(fresh_dynamo):
+    """Where the decoder holds no ``layers`` list there are no regions: the model is compiled
+    whole, as before session 54, with torch.compile's mark on it until ``close()``."""
+    from breakgraph.integrations.transformers.compiled import CompiledForward, compile_regions
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    assert compile_regions(model) is None
+    counting = CountingBackend()
+    forward = CompiledForward(model, {"backend": counting}, "cuda")
+    x = torch.randn(2, 4)
+    try:
+        assert forward.fn is not model and model._is_torch_compile
+        torch.testing.assert_close(forward.fn(x), model(x))
+        assert len(counting.calls) == 1 and counting.calls[0] == 1
+    finally:
+        forward.close()
+    assert "_is_torch_compile" not in vars(model)
