@@ -707,6 +707,8 @@ def test_an_enable_that_fails_with_compile_leaves_the_decoder_unmarked(monkeypat
         enable_continuous_batching(model, backend="emulated", compile=True)
     assert "_is_torch_compile" not in vars(model.get_decoder())
     assert "_is_torch_compile" not in vars(model)
+    # nor the regions' dispatch (compile=True compiles by region since session 54)
+    assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]
 
 
 def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
@@ -735,6 +737,7 @@ def test_compiled_decoder_compiles_once_for_every_layer_and_bucket():
             assert handle.runner.compiled and handle.stats.eager_steps == 0
             assert handle.decode_graphs.stats.replays > 0
             assert "_is_torch_compile" not in vars(model.get_decoder())  # disabled: as it was
+            assert not [m for m in model.modules() if "_compiled_call_impl" in vars(m)]
             graphs[layers] = len(counting.calls)
     finally:
         torch._dynamo.reset()
