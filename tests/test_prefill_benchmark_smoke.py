@@ -106,11 +106,27 @@ def test_budget_skips_work_and_says_so():
 def test_held_out_section_reads_a_run_of_the_benchmark(smoke):
     """The section of a held-out family (gpt-oss on the GPU) renders any run of the benchmark:
     its table, its agreement with HF eager, its targets; none without a run."""
+    import copy
+
+    from benchmarks import targets
+
     _, data = smoke
-    (text,) = report_prefill.held_out_section([("run.json", data)])
+    # the one target a CPU smoke run measures is a time (capture s per extra bucket), which a
+    # loaded CI machine can push past its limit: the verdict is checked on pinned times, both
+    # ways, not on how busy the machine was (no timed assertions in unit tests)
+    limit = targets.TARGET_CAPTURE_S_PER_EXTRA_BUCKET
+    verdicts = []
+    for extra_s in (limit / 2, limit * 2):
+        pinned = copy.deepcopy(data)
+        captured = pinned["families"][0]["runner"]["capture_seconds"]
+        captured[1:] = [[bucket, extra_s] for bucket, _ in captured[1:]]
+        (text,) = report_prefill.held_out_section([("run.json", pinned)])
+        verdicts.append(text)
+    text, missed = verdicts
     assert text.startswith("## Prefill on a held-out family with attention sinks: tiny-llama")
     assert "`run.json`: -, torch" in text and "| single 5 | 16 (69%) |" in text
-    assert "greedy tokens agree" in text and "were met and 0 missed" in text
+    assert "greedy tokens agree" in text and "1 were met and 0 missed" in text
+    assert "0 were met and 1 missed" in missed and "capture s per bucket after the first" in missed
     assert report_prefill.held_out_section([]) == []
 
 
