@@ -13,6 +13,10 @@ L2), one graph replaying the layers' GEMMs:
 * ``fused``: q/k/v as one GEMM and gate/up as one (what an engine that owns the weights runs);
 
 and the tied or untied head (``head``: vocabulary x hidden) alone, for ``B`` in ``--rows``.
+With ``--autotune``, also ``separate_autotuned`` and ``head_autotuned``: the same GEMMs, each
+through ``torch.compile(mode="max-autotune-no-cudagraphs")`` at static shapes, where Inductor
+times cuBLAS against its Triton GEMM templates for each shape and keeps the faster (what
+``compile={"mode": "max-autotune-no-cudagraphs", "dynamic": False}`` would give a decoder).
 Each variant is replayed ``--reps`` times, the variants taking turns; medians of CUDA-event
 times per replay, reported per layer, with the achieved bytes per second and its share of
 ``--hbm-tbs``.
@@ -56,15 +60,26 @@ def layer_weights(hidden, heads, kv_heads, dim, inter, fused: bool) -> list[torc
             w(inter, hidden), w(inter, hidden), w(hidden, inter)]  # fmt: skip
 
 
-def build(rows: int, layers: list[list[torch.Tensor]]) -> torch.cuda.CUDAGraph:
+def autotuned_linear():
+    """``F.linear`` under Inductor's max-autotune, one compile per shape (static)."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 256  # one entry per GEMM shape and row count
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    return torch.compile(torch.nn.functional.linear, mode="max-autotune-no-cudagraphs",
+                         dynamic=False)  # fmt: skip
+
+
+def build(rows: int, layers: list[list[torch.Tensor]], linear=None) -> torch.cuda.CUDAGraph:
     """One graph of every layer's GEMMs at ``rows`` rows (inputs of the right widths, reused)."""
     widths = {w.shape[1] for ws in layers for w in ws}
     inputs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k in widths}
+    linear = linear or torch.nn.functional.linear
 
     def run():
         for ws in layers:
             for w in ws:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
+                linear(inputs[w.shape[1]], w)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -94,7 +109,7 @@ def time_graphs(graphs: dict, reps: int) -> dict[str, list[float]]:
     return times
 
 
-def probe(shape: tuple, rows_list, reps: int, hbm: float) -> dict:
+def probe(shape: tuple, rows_list, reps: int, hbm: float, autotune: bool = False) -> dict:
     name, hidden, heads, kv_heads, dim, inter, vocab, count = shape
     results = {"shape": name, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
                "head_dim": dim, "intermediate": inter, "vocab": vocab, "layers": count,
@@ -109,14 +124,19 @@ def probe(shape: tuple, rows_list, reps: int, hbm: float) -> dict:
     for rows in rows_list:
         graphs = {"separate": build(rows, weights[False]), "fused": build(rows, weights[True]),
                   "head": build(rows, head)}  # fmt: skip
+        if autotune:
+            linear = autotuned_linear()
+            graphs["separate_autotuned"] = build(rows, weights[False], linear)
+            graphs["head_autotuned"] = build(rows, head, linear)
         times = time_graphs(graphs, reps)
         row = {}
         for variant, ms in times.items():
-            div = 1 if variant == "head" else count  # head: one GEMM; layers: per layer
+            is_head = variant.startswith("head")
+            div = 1 if is_head else count  # head: one GEMM; layers: per layer
             per, quartiles = statistics.median(ms) / div, statistics.quantiles(ms, n=4)
-            size = head_bytes if variant == "head" else layer_bytes
+            size = head_bytes if is_head else layer_bytes
             row[variant] = {
-                "ms_per_layer" if variant != "head" else "ms": per,
+                "ms_per_layer" if not is_head else "ms": per,
                 "p25_p75_ms": [quartiles[0] / div, quartiles[2] / div],
                 "floor_ms": size / hbm * 1e3,
                 "bandwidth_share": size / hbm * 1e3 / per,
@@ -134,6 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="32,64,100,128")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--hbm-tbs", type=float, default=4.8)
+    parser.add_argument("--autotune", action="store_true",
+                        help="also each GEMM through Inductor's max-autotune (minutes)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_gemm_probe: no CUDA device here: nothing to measure")
@@ -145,9 +167,11 @@ def main(argv=None) -> int:
             "torch": torch.__version__,
             "hbm_bytes_per_s": args.hbm_tbs * 1e12,
             "reps": args.reps,
+            "autotune": args.autotune,
             "date": datetime.date.today().isoformat(),
         },  # fmt: skip
-        "shapes": [probe(shape, rows, args.reps, args.hbm_tbs * 1e12) for shape in SHAPES],
+        "shapes": [probe(shape, rows, args.reps, args.hbm_tbs * 1e12, args.autotune)
+                   for shape in SHAPES],
     }
     for shape in out["shapes"]:
         for r, row in shape["rows"].items():
@@ -158,6 +182,11 @@ def main(argv=None) -> int:
                 f"{row['fused']['ms_per_layer']:.4f} ({row['fused']['bandwidth_share']:.0%}), "
                 f"head {row['head']['ms']:.4f} ms ({row['head']['bandwidth_share']:.0%})"
             )
+            if "separate_autotuned" in row:
+                tuned, head = row["separate_autotuned"], row["head_autotuned"]
+                print(f"  autotuned: separate {tuned['ms_per_layer']:.4f} ms/layer "
+                      f"({tuned['bandwidth_share']:.0%}), head {head['ms']:.4f} ms "
+                      f"({head['bandwidth_share']:.0%})")  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0
