@@ -295,8 +295,9 @@ def test_cuda_warm_up_compiles_the_kernel_a_decode_graph_launches(width):
     buffers.fill(step, len(lengths), bucket, page=page)
     query = torch.zeros(1, q_heads, bucket, head_dim, dtype=torch.bfloat16, device=device)
     query[0, :, : len(lengths)] = q.transpose(0, 1)
-    got = pd.paged_decode(pd.query_rows(query), k_cache, v_cache, buffers.table[0],
-                          buffers.cu_k[: bucket + 1], head_dim**-0.5, page=page)  # fmt: skip
+    offsets = buffers.cu_k[buffers.kinds[0]][: bucket + 1]  # group 0's attention type's
+    got = pd.paged_decode(pd.query_rows(query), k_cache, v_cache, buffers.table[0], offsets,
+                          head_dim**-0.5, page=page)  # fmt: skip
     assert compiled_decode_kernels() == compiled, "the step compiled a kernel of its own"
     expected = pd.paged_decode_reference(q, k_cache, v_cache, read_index, cu_k, head_dim**-0.5)
     torch.testing.assert_close(got[: len(lengths)].float(), expected.float(), atol=2e-2,
