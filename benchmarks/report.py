@@ -158,6 +158,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [*report_tests.SUITE_SIX_FILES, report_tests.SUITE_LAYOUT_FIRST_FILE]
         + [report_tests.SUITE_COST_FILE, report_tests.SUITE_DEALT_FILE]
         + [report_tests.SUITE_SESSION32_FILE, report_tests.SUITE_NEWEST_EARLIER_FILE]
+        + list(report_tests.SUITE_OTHER_CARD_FILES)
         + [name for name, *_ in report_tests.CPU_LAYOUT_FILES]
         + [name for name, *_ in report_tests.CPU_CUTS_FILES]
         + [name for name, *_ in report_tests.CPU_WAITS_FILES]
@@ -439,6 +440,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
          if (d := loaded.get(name)) is not None],  # fmt: skip
         loaded.get(report_tests.SUITE_SESSION32_FILE),
         loaded.get(report_tests.SUITE_NEWEST_EARLIER_FILE),
+        [d for name in report_tests.SUITE_OTHER_CARD_FILES if (d := loaded.get(name))],
     )
     blocks.append(fill("sources", sources=sources_table(loaded)))
     body = "\n\n".join(b.strip("\n") for b in blocks if b)

@@ -33,6 +33,10 @@ SUITE_COST_FILE = "h200-cuda-suite-times-cost.json"
 SUITE_DEALT_FILE = "h200-cuda-suite-times-dealt.json"
 #: session 32's run, on its own tests (the latest, SUITE_FILE, is session 35's)
 SUITE_SESSION32_FILE = "h200-cuda-suite-times-session32.json"
+#: session 55's runs on an H100 (no H200 came), transformers 5.17.0 then 5.24.0: the suite as
+#: it is now, on another card than the target names (the table's rows, and a line each)
+SUITE_OTHER_CARD_FILES = ("h100-cuda-suite-times-session55.json",
+                          "h100-cuda-suite-times-5.24-session55.json")  # fmt: skip
 AGAIN_MIN_S = 1.0  # tests compared between a run and a later one: at least this long in the first
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
@@ -164,6 +168,18 @@ def suite_verdict_line(run: dict) -> str:
         over_pct=pct(over / target),
         slowest=slowest,
     )
+
+
+def other_card_line(runs: list) -> str:
+    """The runs on another card than the target names: each against the target, and what
+    failed in them (empty without runs)."""
+    if not runs:
+        return ""
+    lines = " ".join(suite_verdict_line(r).strip("\n") for r in runs)
+    failed = [f"*{r['label']}*: {r['counts'].get('failed', 0)}" for r in runs
+              if r["counts"].get("failed", 0)]  # fmt: skip
+    return fill("tests.suite.other_card", gpu=(runs[0].get("meta") or {}).get("gpu") or "-",
+                lines=lines, failed="; ".join(failed) or "none").strip("\n")  # fmt: skip
 
 
 def gc_paragraph(before: dict | None, run: dict) -> str:
@@ -426,6 +442,7 @@ def suite_time_section(
     six: tuple = (None, None), cpu_layout: list = (), layout_first: dict | None = None,
     cost: dict | None = None, dealt: dict | None = None, cpu_cuts: list = (),
     cpu_waits: list = (), session32: dict | None = None, newest_earlier: dict | None = None,
+    other_card: list = (),
 ) -> list[str]:  # fmt: skip
     """The "Test-suite time" section: ``run`` the latest CUDA run, ``before`` the run before
     captures stopped collecting garbage, ``whole`` a run of the whole suite on the same kind of
@@ -437,8 +454,9 @@ def suite_time_section(
     ``layout_first`` the run of the layout's first version, ``cost`` of its version by cost and
     ``dealt`` of its last version before ``run``, ``cpu_cuts`` the README's command before and
     after session 32's cuts, ``cpu_waits`` before and after session 33's, ``session32`` the
-    latest run before ``run`` and ``newest_earlier`` the run before ``newest`` (any may be
-    missing: not measured)."""
+    latest run before ``run``, ``newest_earlier`` the run before ``newest`` and
+    ``other_card`` the runs of :data:`SUITE_OTHER_CARD_FILES` found (any may be missing: not
+    measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -453,7 +471,7 @@ def suite_time_section(
              (SUITE_LAYOUT_FIRST_FILE, layout_first), (SUITE_SIX_FILES[1], six[1]),
              (SUITE_COST_FILE, cost), (SUITE_DEALT_FILE, dealt),
              (SUITE_SESSION32_FILE, session32), (SUITE_NEWEST_FILE, newest),
-             (SUITE_FILE, run))  # fmt: skip
+             (SUITE_FILE, run), *zip(SUITE_OTHER_CARD_FILES, other_card))  # fmt: skip
     runs = [r for _, r in named if r]
     names = [n for n, r in named if r]
     dates = sorted({(r.get("meta") or {}).get("date") or "-" for r in runs})
@@ -463,7 +481,7 @@ def suite_time_section(
             "tests.suite",
             selection=run["selection"] or "(everything)",
             files="`, `".join(names),
-            gpu=meta.get("gpu") or "-",
+            gpu=", ".join(dict.fromkeys((r.get("meta") or {}).get("gpu") or "-" for r in runs)),
             torch=meta.get("torch") or "-",
             transformers=", ".join(releases),
             date=", ".join(dates),
@@ -473,9 +491,10 @@ def suite_time_section(
                 filter(
                     None,
                     [suite_verdict_line(run), newest and suite_verdict_line(newest),
+                     other_card_line(list(other_card)),
                      earlier and again_line(earlier, again),
                      workers_paragraph([(again, layout_first), six],
-                                       [cost, dealt, session32, newest, run]),
+                                       [cost, dealt, session32, newest, run, *other_card]),
                      whole_suite_line(whole),
                      cpu_suite_line(cpu, cpu_serial), cpu_layout_line(cpu, list(cpu_layout)),
                      cpu_cuts_line(list(cpu_cuts)),

@@ -1256,3 +1256,23 @@ def test_compile_regions_section_compares_the_turns(tmp_path):
     assert f"the target of {T.TARGET_FIRST_CALL_SPEEDUP:g}×" in section
     page = report.render(results_copy(tmp_path, {rcc.REGION_FILES[0][0]: None}))
     assert "### `compile=True` by region" not in page
+
+
+def test_other_card_suite_runs_are_rows_and_a_line_that_names_their_failures(tmp_path):
+    """Session 55's CUDA suite runs on an H100: a row each in the runs table, a verdict line
+    each, the failed count of the run that had failures, the card named; left out (rows and
+    line) when their files are gone."""
+    from benchmarks import report_tests as rt
+
+    page = report.render(results_copy(tmp_path))
+    section = page[page.index("## Test-suite time"):]
+    assert "NVIDIA H200, NVIDIA H100 80GB HBM3, torch" in section
+    assert "| 114.0 | 370.8 | 14.4 | 4% | 9783 | 677 | 78 | 2 | met |" in section
+    line = section[section.index("The suite as it is now, on another card"):]
+    line = line[: line.index("\n\n")]
+    assert "(NVIDIA H100 80GB HBM3;" in line
+    assert "meets the target: 114.8 s of wall time against 180 s" in line
+    assert "fixed after this run)*: 2." in line
+    page = report.render(results_copy(tmp_path, dict.fromkeys(rt.SUITE_OTHER_CARD_FILES)))
+    section = page[page.index("## Test-suite time"):]
+    assert "on another card" not in section and "session 55" not in section
