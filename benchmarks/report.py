@@ -179,6 +179,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [report_compile_capture.TRACE_SUMMARY]
         + [name for name, _ in report_compile_capture.REGION_FILES]
         + list(report_compile_capture.DEEP_FILES)
+        + [name for name, _ in report_compile_capture.CB_REGION_FILES]
         + [name for name, *_ in (*report_compile_fallback.CPU_FILES,
                                  *report_compile_fallback.GPU_FILES)]  # fmt: skip
         + [*report_decode_step.WARM_KERNELS_FILES]
@@ -241,6 +242,10 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
     if len(regions) == len(report_compile_capture.REGION_FILES):
         blocks.append(report_compile_capture.regions_section(
             regions, [loaded[n] for n in report_compile_capture.DEEP_FILES if n in loaded]))
+    cb_regions = [(loaded[name], what) for name, what in report_compile_capture.CB_REGION_FILES
+                  if name in loaded]  # fmt: skip
+    if len(cb_regions) == len(report_compile_capture.CB_REGION_FILES):
+        blocks.append(report_compile_capture.cb_regions_section(cb_regions))
     blocks += report_prefill.newest_release_section(
         loaded.get(report_prefill.NEWEST_FILE), loaded.get(report_prefill.FILE),
         loaded.get(report_prefill.FIXED_FILE),

@@ -19,7 +19,11 @@ The runs (an H100, the device tool's; one process each):
 * :data:`REGION_FILES` (session 54): the same prefill run on llama-1b and mistral-7b-4l, the
   whole-model compile (session 53's tree) and the compile by region taking turns, each process
   with empty Triton and Inductor cache folders (a cold start), and :data:`DEEP_FILES`, the
-  whole-model compile on two deep families (a first run on a fresh machine each).
+  whole-model compile on two deep families (a first run on a fresh machine each);
+* :data:`CB_REGION_FILES` (session 55): ``bench_cb --models llama3-8b-4l --variants
+  breakgraph_compiled --prompts 32``, the whole-model compile (``9b928ae``) and the compile by
+  region taking turns, one process each with empty Triton and Inductor caches (one round each:
+  the first manager holds the compile).
 
 Example (the committed runs)::
 
@@ -50,6 +54,11 @@ REGION_FILES = (("h100-prefill-compile-cold-head54-llama-1b.json", "whole model"
                 ("h100-prefill-compile-cold-head54b-llama-1b.json", "by region"),
                 ("h100-prefill-compile-cold-head54b-mistral-7b-4l.json", "by region"),
                 ("h100-prefill-compile-cold-head54-mistral-7b-4l.json", "whole model"))  # fmt: skip
+#: (file, what compile=True compiled) in the order the processes ran: continuous batching
+CB_REGION_FILES = (("h100-cb-compile-regions-now-1.json", "by region"),
+                   ("h100-cb-compile-regions-before-1.json", "whole model"),
+                   ("h100-cb-compile-regions-before-2.json", "whole model"),
+                   ("h100-cb-compile-regions-now-2.json", "by region"))  # fmt: skip
 DEEP_FILES = ("h100-prefill-compile-deep-llama-1b.json",
               "h100-prefill-compile-deep-qwen2-1.5b.json")  # fmt: skip
 
@@ -206,3 +215,41 @@ def _deep(runs: list) -> str:
                      f"({num(ro_total / bg['construction_s'], 1)}×)")  # fmt: skip
     return fill("prefill.compile_regions.deep", files="`, `".join(DEEP_FILES),
                 cells="; ".join(cells))  # fmt: skip
+
+
+def cb_regions_section(runs: list) -> str:
+    """``runs``: ``(data, compiled)`` of :data:`CB_REGION_FILES` in the order they ran: each
+    process's first manager (the compile and the captures), its round's tokens/s and its
+    pure-decode step, then the medians of each side."""
+    rows, by = [], {}
+    for turn, (data, what) in enumerate(runs, 1):
+        e = data["models"][0]["variants"][COMPILED]
+        manager = (e.get("rounds_manager_s") or [e["manager_s"]])[0]
+        side = by.setdefault(what, {"manager": [], "device": [], "step": [], "tokens": []})
+        side["manager"].append(manager)
+        side["device"].append(e["decode_forward_device_ms"])
+        side["step"].append(e["decode_step_ms"])
+        side["tokens"].append(e["tokens_per_s"])
+        rows.append([str(turn), what, num(manager, 1), num(e["capture_s"], 1),
+                     num(e["tokens_per_s"], 0), num(e["decode_step_ms"], 2),
+                     num(e["decode_forward_device_ms"], 2),
+                     num(e["host_prepare_ms_per_step"], 2)])  # fmt: skip
+    med = {w: {k: statistics.median(v) for k, v in side.items()} for w, side in by.items()}
+    num_range = lambda values: f"{num(min(values), 2)}–{num(max(values), 2)}"  # noqa: E731
+    whole, region = med["whole model"], med["by region"]
+    data, model = runs[0][0], runs[0][0]["models"][0]
+    meta = data["meta"]
+    return fill(
+        "cb.compile_regions",
+        files="`, `".join(name for name, _ in CB_REGION_FILES), device=meta["gpu"],
+        torch=meta["torch"], transformers=meta["transformers"], date=meta["date"],
+        model=model["model"], prompts=model["prompts"], new_tokens=model["new_tokens"],
+        table=table(["turn", "compile=True compiles", "first manager s", "captures s",
+                     "tokens/s", "pure-decode step ms", "its forward on the device ms",
+                     "prep ms per step"], rows),
+        manager=f"{num(whole['manager'], 1)} → {num(region['manager'], 1)} s",
+        on_device=f"{num(whole['device'], 2)} → {num(region['device'], 2)} ms",
+        step=f"{num(whole['step'], 2)} → {num(region['step'], 2)} ms",
+        tokens=f"{num(whole['tokens'], 0)} → {num(region['tokens'], 0)}",
+        steps=num_range(by["by region"]["step"] + by["whole model"]["step"]),
+    )  # fmt: skip

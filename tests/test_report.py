@@ -520,8 +520,10 @@ def two_runs_text(tmp_path, run: dict, before: dict | None = None) -> str:
     from benchmarks import report_tests
 
     before = before or dict(committed(report_tests.SUITE_BEFORE_FILE), label="before")
+    other_card = dict.fromkeys(report_tests.SUITE_OTHER_CARD_FILES)  # other cards: their test
     return suite_text(
-        tmp_path, {report_tests.SUITE_FILE: run, report_tests.SUITE_BEFORE_FILE: before}
+        tmp_path,
+        {report_tests.SUITE_FILE: run, report_tests.SUITE_BEFORE_FILE: before, **other_card},
     )
 
 
@@ -539,7 +541,8 @@ def test_suite_time_section_from_the_committed_runs():
         "`h200-cuda-suite-times-layout-first.json`, `h200-cuda-suite-times-six.json`, "
         "`h200-cuda-suite-times-cost.json`, `h200-cuda-suite-times-dealt.json`, "
         "`h200-cuda-suite-times-session32.json`, `h200-cuda-suite-times-5.24-session35.json`, "
-        "`h200-cuda-suite-times.json`: NVIDIA H200"
+        "`h200-cuda-suite-times.json`, `h100-cuda-suite-times-session55.json`, "
+        "`h100-cuda-suite-times-5.24-session55.json`: NVIDIA H200, NVIDIA H100 80GB HBM3"
     ) in text
     again = committed(report_tests.SUITE_AGAIN_FILE)  # the same command later: its row, its line
     again_verdict = "met" if again["wall_s"] <= T.TARGET_CUDA_SUITE_S else "missed"
@@ -1276,3 +1279,21 @@ def test_other_card_suite_runs_are_rows_and_a_line_that_names_their_failures(tmp
     page = report.render(results_copy(tmp_path, dict.fromkeys(rt.SUITE_OTHER_CARD_FILES)))
     section = page[page.index("## Test-suite time"):]
     assert "on another card" not in section and "session 55" not in section
+
+
+def test_cb_compile_regions_section_reads_the_turns_in_order(tmp_path):
+    """Session 55's continuous-batching turns: a row per process in the order they ran, the
+    medians of each side (first manager, device, step, tokens/s); left out when a turn is
+    gone."""
+    from benchmarks import report_compile_capture as rcc
+
+    page = report.render(results_copy(tmp_path))
+    section = page[page.index("### The compiled continuous-batching decoder by region"):]
+    section = section[: section.index("\n## ", 1)]
+    assert "| 2 | whole model | 23.6 | 20.9 | 9559 | 2.13 | 1.56 | 0.96 |" in section
+    assert "| 4 | by region | 16.0 | 13.7 | 13341 | 1.44 | 1.38 | 0.61 |" in section
+    assert "the first manager 22.5 → 18.0 s" in section
+    assert "device time 1.56 → 1.46 ms" in section
+    assert "steps of 1.44–2.13 ms" in section
+    page = report.render(results_copy(tmp_path, {rcc.CB_REGION_FILES[1][0]: None}))
+    assert "### The compiled continuous-batching decoder by region" not in page
