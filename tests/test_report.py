@@ -471,6 +471,12 @@ def test_suite_times_cli_writes_totals_per_file_and_slowest(tmp_path):
     assert data["slowest"][2] == {"test": "tests/a.py::z", "seconds": 0.5, "gc_s": None}
 
 
+def page_section(page: str, heading: str) -> str:
+    """``page`` from ``heading`` up to the next top-level (``## ``) section."""
+    section = page[page.index(heading):]
+    return section[: section.index("\n## ", 1)]
+
+
 def suite_text(tmp_path, replace: dict | None = None) -> str:
     text = report.render(results_copy(tmp_path, replace))
     assert text.count("## Test-suite time") == 1
@@ -1250,9 +1256,7 @@ def test_compile_regions_section_compares_the_turns(tmp_path):
     row; the deep families' sentence; the section left out when a turn is gone."""
     from benchmarks import report_compile_capture as rcc
 
-    page = report.render(results_copy(tmp_path))
-    section = page[page.index("### `compile=True` by region"):]
-    section = section[: section.index("\n## ", 1)]
+    section = page_section(report.render(results_copy(tmp_path)), "### `compile=True` by region")
     assert "llama-1b: construction 24.7 → 19.4 s, Dynamo 8.0 → 4.0 s" in section
     assert "| llama-1b | 22 | by region | 19.4 | 10.4 | 4.0 | 8 | 7 | 53.2 | 2.7 |" in section
     assert "qwen2-1.5b (28 layers) 29.9 s against 62.4 s (2.1×)" in section
@@ -1287,13 +1291,12 @@ def test_cb_compile_regions_section_reads_the_turns_in_order(tmp_path):
     gone."""
     from benchmarks import report_compile_capture as rcc
 
-    page = report.render(results_copy(tmp_path))
-    section = page[page.index("### The compiled continuous-batching decoder by region"):]
-    section = section[: section.index("\n## ", 1)]
+    heading = "### The compiled continuous-batching decoder by region"
+    section = page_section(report.render(results_copy(tmp_path)), heading)
     assert "| 2 | whole model | 23.6 | 20.9 | 9559 | 2.13 | 1.56 | 0.96 |" in section
     assert "| 4 | by region | 16.0 | 13.7 | 13341 | 1.44 | 1.38 | 0.61 |" in section
     assert "the first manager 22.5 → 18.0 s" in section
     assert "device time 1.56 → 1.46 ms" in section
     assert "steps of 1.44–2.13 ms" in section
     page = report.render(results_copy(tmp_path, {rcc.CB_REGION_FILES[1][0]: None}))
-    assert "### The compiled continuous-batching decoder by region" not in page
+    assert heading not in page
