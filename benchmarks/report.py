@@ -445,7 +445,7 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
          if (d := loaded.get(name)) is not None],  # fmt: skip
         loaded.get(report_tests.SUITE_SESSION32_FILE),
         loaded.get(report_tests.SUITE_NEWEST_EARLIER_FILE),
-        [d for name in report_tests.SUITE_OTHER_CARD_FILES if (d := loaded.get(name))],
+        [loaded.get(name) for name in report_tests.SUITE_OTHER_CARD_FILES],
     )
     blocks.append(fill("sources", sources=sources_table(loaded)))
     body = "\n\n".join(b.strip("\n") for b in blocks if b)

@@ -455,8 +455,8 @@ def suite_time_section(
     ``dealt`` of its last version before ``run``, ``cpu_cuts`` the README's command before and
     after session 32's cuts, ``cpu_waits`` before and after session 33's, ``session32`` the
     latest run before ``run``, ``newest_earlier`` the run before ``newest`` and
-    ``other_card`` the runs of :data:`SUITE_OTHER_CARD_FILES` found (any may be missing: not
-    measured)."""
+    ``other_card`` the data of :data:`SUITE_OTHER_CARD_FILES`, file by file (any may be
+    missing, None: not measured)."""
     targets = dict(
         cuda_target=f"{T.TARGET_CUDA_SUITE_S:g}",
         cpu_target=f"{T.TARGET_CPU_SUITE_S:g}",
@@ -491,7 +491,7 @@ def suite_time_section(
                 filter(
                     None,
                     [suite_verdict_line(run), newest and suite_verdict_line(newest),
-                     other_card_line(list(other_card)),
+                     other_card_line([r for r in other_card if r]),
                      earlier and again_line(earlier, again),
                      workers_paragraph([(again, layout_first), six],
                                        [cost, dealt, session32, newest, run, *other_card]),

@@ -1300,3 +1300,15 @@ def test_cb_compile_regions_section_reads_the_turns_in_order(tmp_path):
     assert "steps of 1.44–2.13 ms" in section
     page = report.render(results_copy(tmp_path, {rcc.CB_REGION_FILES[1][0]: None}))
     assert heading not in page
+
+
+def test_other_card_suite_runs_keep_their_own_file_names_when_one_is_missing(tmp_path):
+    """The second other-card run alone: its own file is named in the section's sources, not
+    the first's, and its row and line are there."""
+    from benchmarks import report_tests as rt
+
+    first, second = rt.SUITE_OTHER_CARD_FILES
+    section = page_section(report.render(results_copy(tmp_path, {first: None})),
+                           "## Test-suite time")  # fmt: skip
+    assert f"`{second}`" in section.split("\n\n")[1] and f"`{first}`" not in section
+    assert "| 114.8 | 375.4 |" in section and "| 114.0 | 370.8 |" not in section
