@@ -57,6 +57,13 @@
 # benchmarks/decode_forward_probe.py, git revision REV (in /tmp/breakgraph-before-forward) and
 # this tree, one process each in turn, ~25 s a process; writes forward-{before,now}-N.json, see
 # report_decode_forward.FILES),
+# RUN_CB_REGIONS=DIR (enable_continuous_batching(compile=True): the older checkout in DIR, e.g.
+# `git archive 9b928ae` (the whole-model compile), against this tree (the compile by region),
+# bench_cb llama3-8b-4l with 32 prompts and breakgraph_compiled, one process each with empty
+# Triton and Inductor caches, ABBA, ~3.5 min; HBM_TBS=3.35 on an H100 for its floors; writes
+# cb-compile-regions-{now,before}-N.json; session 55's runs, one round each and without
+# HBM_TBS, are docs/results/h100-cb-compile-regions-*.json, see
+# report_compile_capture.CB_REGION_FILES),
 # RUN_FLOOR_TURNS=DIR (the pure-decode step of llama3-8b-4l at 32 requests against its floor, both
 # decoders, the older checkout in DIR (e.g. `mkdir .baseline && git archive 73533b7 | tar -x -C
 # .baseline`, carried with the call) and this tree, one process each in turn, twice, ~4 min;
@@ -131,7 +138,7 @@
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
-# RUN_FLOOR_TURNS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
+# RUN_FLOOR_TURNS 4, RUN_CB_REGIONS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
 # RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_HELD_OUT_MOE 2, RUN_FUZZ_CB 1,
 # RUN_SLIDING 2, RUN_COMPILED_SLIDING 4,
 # RUN_RELEASES 1 per wheel (skip other sections
@@ -503,6 +510,24 @@ if [ -n "${RUN_FLOOR_TURNS:-}" ]; then  # the pure-decode step at 32 requests, D
         --models llama3-8b-4l --prompts 32 --variants $v --repeat $v --rounds 3 --budget-s 0 \
         --keep-going --out "$OUT/floor-32-$tree-$turn.json" > /dev/null 2>&1 || status=1
       echo "[floor $tree $turn: $(python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['models'][0]; print(', '.join(f\"{k} {v['decode_step_ms']:.2f} ms ({v['decode_over_floor']:.2f}x)\" for k, v in m['variants'].items()))" "$OUT/floor-32-$tree-$turn.json")]" | tee -a "$LOG"
+    done
+  done
+fi
+if [ -n "${RUN_CB_REGIONS:-}" ]; then  # compile=True in CB, DIR's compile against this tree's (~3.5 min)
+  before=$(cd "$RUN_CB_REGIONS" && pwd)
+  for turn in 1 2; do
+    order="now before"; [ "$turn" = 2 ] && order="before now"  # ABBA
+    for tree in $order; do
+      first=""; [ "$tree" = before ] && first="sys.path.insert(0, '$before'); "
+      # a cold start each: empty Triton and Inductor caches, Inductor's and AOT autograd's off
+      TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \
+        TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 timeout 170 \
+        python3 -c "import sys; ${first}from benchmarks.bench_cb import main; main()" \
+        --models llama3-8b-4l --prompts 32 --variants breakgraph_compiled \
+        --repeat breakgraph_compiled --rounds 3 \
+        --hbm-tbs "${HBM_TBS:-4.8}" --budget-s 0 --keep-going \
+        --out "$OUT/cb-compile-regions-$tree-$turn.json" > /dev/null 2>&1 || status=1
+      echo "[cb regions $tree $turn: $(python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['models'][0]['variants']['breakgraph_compiled']; print(f\"first manager {e['rounds_manager_s'][0]:.1f} s, decode {e['decode_step_ms']:.2f} ms\")" "$OUT/cb-compile-regions-$tree-$turn.json")]" | tee -a "$LOG"
     done
   done
 fi
