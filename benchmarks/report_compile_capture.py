@@ -235,7 +235,7 @@ def cb_regions_section(runs: list) -> str:
                      num(e["decode_forward_device_ms"], 2),
                      num(e["host_prepare_ms_per_step"], 2)])  # fmt: skip
     med = {w: {k: statistics.median(v) for k, v in side.items()} for w, side in by.items()}
-    num_range = lambda values: f"{num(min(values), 2)}–{num(max(values), 2)}"  # noqa: E731
+    steps = by["by region"]["step"] + by["whole model"]["step"]
     whole, region = med["whole model"], med["by region"]
     data, model = runs[0][0], runs[0][0]["models"][0]
     meta = data["meta"]
@@ -251,5 +251,5 @@ def cb_regions_section(runs: list) -> str:
         on_device=f"{num(whole['device'], 2)} → {num(region['device'], 2)} ms",
         step=f"{num(whole['step'], 2)} → {num(region['step'], 2)} ms",
         tokens=f"{num(whole['tokens'], 0)} → {num(region['tokens'], 0)}",
-        steps=num_range(by["by region"]["step"] + by["whole model"]["step"]),
+        steps=f"{num(min(steps), 2)}–{num(max(steps), 2)}",
     )  # fmt: skip
