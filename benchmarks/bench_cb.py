@@ -36,6 +36,8 @@ Variants:
   breakgraph_compiled breakgraph with ``compile=True``: the decoder under ``torch.compile``,
                       so every graph holds Inductor's fused kernels (compiled when the first
                       round's manager captures; *manager s* holds that compile)
+  breakgraph_autotuned breakgraph with ``compile={"mode": "max-autotune-no-cudagraphs"}``:
+                      Inductor times candidate kernels for each GEMM (a longer compile)
   breakgraph_unsplit  breakgraph with ``paged_decode`` as before the flash-decoding split:
                       one program per sequence and key head reads all of its keys, 64 a block
   breakgraph_lists    breakgraph with ``max_blocks_per_request=0``: pure-decode steps carry
@@ -160,7 +162,7 @@ class Variant:
     use_async_batching: bool | None = None
     pow2: bool = False  # breakgraph's earlier query buckets
     decode_graphs: bool = True  # breakgraph's pure-decode graphs (off: every layer a break)
-    compile: bool = False  # breakgraph's decoder under torch.compile (Inductor)
+    compile: bool | str = False  # breakgraph's decoder under torch.compile (a str: its mode)
     decode_splits: bool = True  # paged_decode's split and block (off: one program, 64 keys)
     max_blocks_per_request: int | None = None  # 0: no block table (index lists every step)
     numpy_fill: bool = True  # breakgraph writes block tables through numpy (off: transformers)
@@ -190,6 +192,9 @@ VARIANTS = {
         Variant("breakgraph_compiled", "breakgraph with compile=True (the decoder under "
                 "torch.compile: Inductor's fused kernels in every graph)", True,
                 compile=True),  # fmt: skip
+        Variant("breakgraph_autotuned", "breakgraph with compile={'mode': "
+                "'max-autotune-no-cudagraphs'} (Inductor picks each GEMM's kernel by timing)",
+                True, compile="max-autotune-no-cudagraphs"),  # fmt: skip
         Variant("breakgraph_unsplit", "breakgraph with paged_decode as before (one program per "
                 "sequence and key head, blocks of 64 keys)", True,
                 decode_splits=False),  # fmt: skip
@@ -256,7 +261,8 @@ CONFIGS = {name: m.family.config for name, m in MODELS.items()}  # (benchmarks.c
 ESTIMATE_TOK_S = {"stock_sdpa": 750, "stock_graphs": 1300, "stock_graphs_async": 1500,
                   "breakgraph": 4000, "breakgraph_sync": 3000, "breakgraph_pow2": 4000,
                   "breakgraph_breaks": 4000, "breakgraph_compiled": 4000,
-                  "breakgraph_unsplit": 4000, "breakgraph_lists": 4000,
+                  "breakgraph_autotuned": 4000, "breakgraph_unsplit": 4000,
+                  "breakgraph_lists": 4000,
                   "breakgraph_tx_fill": 4000, "breakgraph_tx_rows": 4000,
                   "breakgraph_cold_kernels": 4000,
                   "breakgraph_breaks_keys2048": 4000}  # fmt: skip
@@ -352,6 +358,11 @@ def cb_config(args, variant: Variant):
 
 
 # -- one variant, one round -------------------------------------------------------------------
+def compile_argument(variant: Variant):
+    """``enable_continuous_batching``'s ``compile``: ``True``/``False``, or a mode as a dict."""
+    return {"mode": variant.compile} if isinstance(variant.compile, str) else variant.compile
+
+
 def run_round(model, variant: Variant, run) -> dict:
     """A manager of ``variant``: created (breakgraph captures here), warmed up, then the
     passes (stock graphs: cold, then warm; else warm), stopped and destroyed."""
@@ -381,7 +392,7 @@ def run_round(model, variant: Variant, run) -> dict:
                 buckets = [8 * 2**i for i in range(20) if 8 * 2**i < args.max_batch_tokens]
             handle = enable_continuous_batching(model, backend=run.backend, query_buckets=buckets,
                                                 decode_graphs=variant.decode_graphs,
-                                                compile=variant.compile)  # fmt: skip
+                                                compile=compile_argument(variant))  # fmt: skip
         else:
             model.set_attn_implementation(stock_attention(model.config))
         run.timer = None

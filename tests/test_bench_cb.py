@@ -485,6 +485,16 @@ def test_a_cpu_run_on_a_gpu_machine_skips_transformers_graphs(monkeypatch):
     assert not bench_cb.cpu_run_with_a_gpu(graphs, cpu)
 
 
+def test_a_variants_compile_mode_reaches_enable_continuous_batching_as_an_accepted_dict():
+    from integrations.transformers.compiled import check_compile_option
+
+    autotuned = bench_cb.compile_argument(bench_cb.VARIANTS["breakgraph_autotuned"])
+    assert autotuned == {"mode": "max-autotune-no-cudagraphs"}
+    check_compile_option(autotuned, "bench_cb")  # not one of the modes refused in CB
+    assert bench_cb.compile_argument(bench_cb.VARIANTS["breakgraph_compiled"]) is True
+    assert bench_cb.compile_argument(bench_cb.VARIANTS["breakgraph"]) is False
+
+
 def test_in_process_run_restores_transformers(smoke_json):
     assert vars(cb_instruments._processor_class())["prepare_next_batch"] is smoke_json.original
     logger = logging.getLogger(cb_instruments.GraphLog.LOGGER)
