@@ -33,10 +33,12 @@ SUITE_COST_FILE = "h200-cuda-suite-times-cost.json"
 SUITE_DEALT_FILE = "h200-cuda-suite-times-dealt.json"
 #: session 32's run, on its own tests (the latest, SUITE_FILE, is session 35's)
 SUITE_SESSION32_FILE = "h200-cuda-suite-times-session32.json"
-#: session 55's runs on an H100 (no H200 came), transformers 5.17.0 then 5.24.0: the suite as
-#: it is now, on another card than the target names (the table's rows, and a line each)
+#: sessions 55's and 56's runs on an H100 (no H200 came), transformers 5.17.0 then 5.24.0 each:
+#: the suite as it is now, on another card than the target names (the table's rows, a line each)
 SUITE_OTHER_CARD_FILES = ("h100-cuda-suite-times-session55.json",
-                          "h100-cuda-suite-times-5.24-session55.json")  # fmt: skip
+                          "h100-cuda-suite-times-5.24-session55.json",
+                          "h100-cuda-suite-times-session56.json",
+                          "h100-cuda-suite-times-5.24-session56.json")  # fmt: skip
 AGAIN_MIN_S = 1.0  # tests compared between a run and a later one: at least this long in the first
 PROFILE_FILE = "h200-capture-profile.json"
 #: the whole suite on a CPU machine like CI's: the README's command (pytest-xdist, two workers)
