@@ -180,6 +180,8 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
         + [name for name, _ in report_compile_capture.REGION_FILES]
         + list(report_compile_capture.DEEP_FILES)
         + [name for name, _ in report_compile_capture.CB_REGION_FILES]
+        + [name for name, _ in report_compile_capture.AUTOTUNE_FILES]
+        + [report_compile_capture.AUTOTUNE_GEMM_FILE]
         + [name for name, *_ in (*report_compile_fallback.CPU_FILES,
                                  *report_compile_fallback.GPU_FILES)]  # fmt: skip
         + [*report_decode_step.WARM_KERNELS_FILES]
@@ -246,6 +248,11 @@ def render(results: str = RESULTS, suite: str | None = SUITE_JSON) -> str:
                   if name in loaded]  # fmt: skip
     if len(cb_regions) == len(report_compile_capture.CB_REGION_FILES):
         blocks.append(report_compile_capture.cb_regions_section(cb_regions))
+    autotuned = [(loaded[name], mode) for name, mode in report_compile_capture.AUTOTUNE_FILES
+                 if name in loaded]  # fmt: skip
+    gemm_probe = loaded.get(report_compile_capture.AUTOTUNE_GEMM_FILE)
+    if len(autotuned) == len(report_compile_capture.AUTOTUNE_FILES) and gemm_probe:
+        blocks.append(report_compile_capture.autotune_section(autotuned, gemm_probe))
     blocks += report_prefill.newest_release_section(
         loaded.get(report_prefill.NEWEST_FILE), loaded.get(report_prefill.FILE),
         loaded.get(report_prefill.FIXED_FILE),

@@ -23,7 +23,11 @@ The runs (an H100, the device tool's; one process each):
 * :data:`CB_REGION_FILES` (session 55): ``bench_cb --models llama3-8b-4l --variants
   breakgraph_compiled --prompts 32``, the whole-model compile (``9b928ae``) and the compile by
   region taking turns, one process each with empty Triton and Inductor caches (one round each:
-  the first manager holds the compile).
+  the first manager holds the compile);
+* :data:`AUTOTUNE_FILES` (session 56): the same workload, ``compile=True`` against
+  ``compile={"mode": "max-autotune-no-cudagraphs"}`` (``breakgraph_autotuned``) taking turns,
+  three rounds a process, with :data:`AUTOTUNE_GEMM_FILE`, the decode GEMMs alone through
+  cuBLAS and through Inductor's autotuned kernels (``decode_gemm_probe --autotune --rows 32``).
 
 Example (the committed runs)::
 
@@ -36,7 +40,7 @@ import statistics
 
 from . import targets as T
 from .cb_report import _cell, _release
-from .template import fill, num, span, table
+from .template import fill, num, pct, span, table
 
 #: (file, tree) in the order the processes ran
 PREFILL_FILES = (("h100-prefill-compile-head53-1.json", "after"),
@@ -59,6 +63,15 @@ CB_REGION_FILES = (("h100-cb-compile-regions-now-1.json", "by region"),
                    ("h100-cb-compile-regions-before-1.json", "whole model"),
                    ("h100-cb-compile-regions-before-2.json", "whole model"),
                    ("h100-cb-compile-regions-now-2.json", "by region"))  # fmt: skip
+#: (file, mode) in the order the processes ran: compile=True against Inductor's max-autotune
+AUTOTUNE_FILES = (("h100-cb-autotuned-1.json", "max-autotune"),
+                  ("h100-cb-compiled-1.json", "default"),
+                  ("h100-cb-compiled-2.json", "default"),
+                  ("h100-cb-autotuned-2.json", "max-autotune"),
+                  ("h100-cb-autotuned-3.json", "max-autotune"),
+                  ("h100-cb-compiled-3.json", "default"))  # fmt: skip
+AUTOTUNE_VARIANTS = {"default": COMPILED, "max-autotune": "breakgraph_autotuned"}
+AUTOTUNE_GEMM_FILE = "h100-decode-gemm-autotune.json"
 DEEP_FILES = ("h100-prefill-compile-deep-llama-1b.json",
               "h100-prefill-compile-deep-qwen2-1.5b.json")  # fmt: skip
 
@@ -252,4 +265,74 @@ def cb_regions_section(runs: list) -> str:
         step=f"{num(whole['step'], 2)} → {num(region['step'], 2)} ms",
         tokens=f"{num(whole['tokens'], 0)} → {num(region['tokens'], 0)}",
         steps=f"{num(min(steps), 2)}–{num(max(steps), 2)}",
+    )  # fmt: skip
+
+
+def _gemm_rows(probe: dict) -> list:
+    """The probe's rows: per shape and row count, cuBLAS against Inductor's autotuned kernel
+    (a layer's separate GEMMs, then the LM head), with each one's share of HBM bandwidth."""
+    rows = []
+    for shape in probe["shapes"]:
+        for count, r in shape["rows"].items():
+            for part, key, unit in (("a layer's GEMMs", "separate", "ms_per_layer"),
+                                    ("LM head", "head", "ms")):  # fmt: skip
+                plain, tuned = r[key], r[f"{key}_autotuned"]
+                rows.append([shape["shape"], count, part,
+                             f"{num(plain[unit], 3)} ({pct(plain['bandwidth_share'])})",
+                             f"{num(tuned[unit], 3)} ({pct(tuned['bandwidth_share'])})",
+                             num(tuned[unit] / plain[unit], 2)])  # fmt: skip
+    return rows
+
+
+def autotune_section(runs: list, probe: dict) -> str:
+    """``runs``: ``(data, mode)`` of :data:`AUTOTUNE_FILES` in the order they ran: each
+    process's first manager, its median round's tokens/s, its pure-decode step against the
+    floor and the step's forward on the device, then the medians of each side; ``probe``: the
+    decode GEMMs alone, cuBLAS against autotuned."""
+    rows, by = [], {}
+    for turn, (data, mode) in enumerate(runs, 1):
+        e = data["models"][0]["variants"][AUTOTUNE_VARIANTS[mode]]
+        side = by.setdefault(mode, {"manager": [], "device": [], "step": [], "tokens": []})
+        side["manager"].append(e["rounds_manager_s"][0])
+        side["device"].append(e["decode_forward_device_ms"])
+        side["step"].append(e["decode_step_ms"])
+        side["tokens"].append(e["tokens_per_s"])
+        rows.append([str(turn), mode, num(e["rounds_manager_s"][0], 1), num(e["tokens_per_s"], 0),
+                     num(e["decode_step_ms"], 2), num(e["decode_over_floor"], 2),
+                     num(e["decode_forward_device_ms"], 2),
+                     num(e["host_prepare_ms_per_step"], 2)])  # fmt: skip
+    med = {m: {k: statistics.median(v) for k, v in side.items()} for m, side in by.items()}
+    plain, tuned = med["default"], med["max-autotune"]
+    data, model = runs[0][0], runs[0][0]["models"][0]
+    meta, e = data["meta"], data["models"][0]["variants"][AUTOTUNE_VARIANTS[runs[0][1]]]
+    gemm_ratios = [r["separate_autotuned"]["ms_per_layer"] / r["separate"]["ms_per_layer"]
+                   for shape in probe["shapes"] for r in shape["rows"].values()]  # fmt: skip
+    if tuned["device"] < plain["device"] * 0.97:
+        verdict = "Max-autotune shortens the step's device time: a lever worth its compile."
+    else:
+        verdict = ("Max-autotune does not shorten the step's device time, and its compile "
+                   "is longer: cuBLAS already picks kernels as good as Inductor's for these "
+                   "shapes, so this lever is closed.")  # fmt: skip
+    return fill(
+        "cb.autotune",
+        files="`, `".join(name for name, _ in AUTOTUNE_FILES), probe_file=AUTOTUNE_GEMM_FILE,
+        device=meta["gpu"], torch=meta["torch"], transformers=meta["transformers"],
+        date=meta["date"], model=model["model"], prompts=model["prompts"],
+        new_tokens=model["new_tokens"], hbm=num(meta["hbm_bytes_per_s"] / 1e12, 2),
+        floor=num(e["decode_floor_ms"], 3), requests=e["decode_requests"],
+        gemm_table=table(["shape", "rows", "part", "cuBLAS ms (share of HBM)",
+                          "autotuned ms (share of HBM)", "autotuned / cuBLAS"],
+                         _gemm_rows(probe)),  # fmt: skip
+        gemm_span=span(gemm_ratios, 2),
+        table=table(["turn", "compile mode", "first manager s", "tokens/s (median round)",
+                     "pure-decode step ms", "× floor", "its forward on the device ms",
+                     "prep ms per step"], rows),  # fmt: skip
+        manager=f"{num(plain['manager'], 1)} → {num(tuned['manager'], 1)} s",
+        on_device=f"{num(plain['device'], 2)} → {num(tuned['device'], 2)} ms",
+        step=f"{num(plain['step'], 2)} → {num(tuned['step'], 2)} ms",
+        tokens=f"{num(plain['tokens'], 0)} → {num(tuned['tokens'], 0)}",
+        over_floor=num(plain["step"] / e["decode_floor_ms"], 2),
+        verdict=verdict, rounds=meta["args"]["rounds"],
+        prep_span=span([d["models"][0]["variants"][AUTOTUNE_VARIANTS[m]]
+                        ["host_prepare_ms_per_step"] for d, m in runs], 2),
     )  # fmt: skip

@@ -1303,6 +1303,35 @@ def test_cb_compile_regions_section_reads_the_turns_in_order(tmp_path):
     assert heading not in page
 
 
+def test_autotune_section_reads_the_turns_and_computes_its_verdict(tmp_path):
+    """Session 56's max-autotune turns: the GEMM probe's rows (cuBLAS against autotuned), a row
+    per process in the order they ran, the medians of each side; the verdict follows the
+    device times (an autotuned decoder made faster turns it); left out when a turn is gone."""
+    from benchmarks import report_compile_capture as rcc
+
+    heading = "### The compiled decoder under Inductor's max-autotune, tried"
+    section = page_section(report.render(results_copy(tmp_path)), heading)
+    assert "| llama3-8b-4l | 32 | a layer's GEMMs | 0.179 (73%) | 0.196 (66%) | 1.09 |" in section
+    assert "| 4 | max-autotune | 99.4 | 11364 | 2.19 | 2.39 | 1.69 | 0.93 |" in section
+    assert "the first manager 17.1 → 86.1 s" in section
+    assert "device time 1.38 → 1.54 ms" in section and "take 0.98–1.09× cuBLAS's time" in section
+    text = section.replace("\n", " ")
+    assert "does not shorten the step's device time" in text and "1.58× its floor" in text
+    faster = {}
+    for name, mode in rcc.AUTOTUNE_FILES:
+        data = committed(name)
+        if mode == "max-autotune":
+            entry = data["models"][0]["variants"]["breakgraph_autotuned"]
+            entry["decode_forward_device_ms"] = 1.0
+        faster[name] = data
+    text = page_section(report.render(results_copy(tmp_path, faster)), heading)
+    assert "device time 1.38 → 1.00 ms" in text and "Max-autotune shortens" in text
+    page = report.render(results_copy(tmp_path, {rcc.AUTOTUNE_FILES[2][0]: None}))
+    assert heading not in page
+    page = report.render(results_copy(tmp_path, {rcc.AUTOTUNE_GEMM_FILE: None}))
+    assert heading not in page
+
+
 def test_other_card_suite_runs_keep_their_own_file_names_when_one_is_missing(tmp_path):
     """A later other-card run without the first: its own file is named in the section's
     sources, not the first's, and its row and line are there."""
