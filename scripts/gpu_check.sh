@@ -64,6 +64,13 @@
 # cb-compile-regions-{now,before}-N.json; session 55's runs, one round each and without
 # HBM_TBS, are docs/results/h100-cb-compile-regions-*.json, see
 # report_compile_capture.CB_REGION_FILES),
+# RUN_AUTOTUNE=1 (compile={"mode": "max-autotune-no-cudagraphs"} in CB against compile=True:
+# decode_gemm_probe --autotune --rows 32 (the GEMMs alone, cuBLAS against Inductor's autotuned
+# kernels, ~25 s), then bench_cb llama3-8b-4l, 32 prompts, breakgraph_autotuned and
+# breakgraph_compiled taking turns A B B A A B, 3 rounds a process, empty Triton and Inductor
+# caches, ~8 min (a call of its own; HBM_TBS=3.35 on an H100); writes decode-gemm-autotune.json
+# and cb-{autotuned,compiled}-N.json, N the side's turn: to docs/results/<card>-..., see
+# report_compile_capture.AUTOTUNE_FILES),
 # RUN_FLOOR_TURNS=DIR (the pure-decode step of llama3-8b-4l at 32 requests against its floor, both
 # decoders, the older checkout in DIR (e.g. `mkdir .baseline && git archive 73533b7 | tar -x -C
 # .baseline`, carried with the call) and this tree, one process each in turn, twice, ~4 min;
@@ -138,7 +145,7 @@
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
-# RUN_FLOOR_TURNS 4, RUN_CB_REGIONS 4, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
+# RUN_FLOOR_TURNS 4, RUN_CB_REGIONS 4, RUN_AUTOTUNE 8, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
 # RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_HELD_OUT_MOE 2, RUN_FUZZ_CB 1,
 # RUN_SLIDING 2, RUN_COMPILED_SLIDING 4,
 # RUN_RELEASES 1 per wheel (skip other sections
@@ -529,6 +536,20 @@ if [ -n "${RUN_CB_REGIONS:-}" ]; then  # compile=True in CB, DIR's compile again
         --out "$OUT/cb-compile-regions-$tree-$turn.json" > /dev/null 2>&1 || status=1
       echo "[cb regions $tree $turn: $(python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['models'][0]['variants']['breakgraph_compiled']; print(f\"first manager {e['rounds_manager_s'][0]:.1f} s, decode {e['decode_step_ms']:.2f} ms\")" "$OUT/cb-compile-regions-$tree-$turn.json")]" | tee -a "$LOG"
     done
+  done
+fi
+if [ -n "${RUN_AUTOTUNE:-}" ]; then  # Inductor's max-autotune in CB against compile=True
+  timeout 130 python3 -m benchmarks.decode_gemm_probe --autotune --rows 32 \
+    --hbm-tbs "${HBM_TBS:-4.8}" --out "$OUT/decode-gemm-autotune.json" > /dev/null 2>&1 || status=1
+  declare -A turns=([autotuned]=0 [compiled]=0)
+  for variant in autotuned compiled compiled autotuned autotuned compiled; do  # ABBAAB
+    turns[$variant]=$((turns[$variant] + 1)); turn=${turns[$variant]}
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout 210 \
+      python3 -m benchmarks.bench_cb --models llama3-8b-4l --prompts 32 \
+      --variants "breakgraph_$variant" --repeat "breakgraph_$variant" --rounds 3 \
+      --hbm-tbs "${HBM_TBS:-4.8}" --budget-s 0 --keep-going \
+      --out "$OUT/cb-$variant-$turn.json" > /dev/null 2>&1 || status=1
+    echo "[autotune $variant $turn: $(grep -o '"decode_forward_device_ms": [0-9.]*' "$OUT/cb-$variant-$turn.json")]" | tee -a "$LOG"
   done
 fi
 if [ -n "${RUN_SUITE:-}" ]; then
