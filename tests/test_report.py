@@ -1326,6 +1326,7 @@ def test_autotune_section_reads_the_turns_and_computes_its_verdict(tmp_path):
         faster[name] = data
     text = page_section(report.render(results_copy(tmp_path, faster)), heading)
     assert "device time 1.38 → 1.00 ms" in text and "Max-autotune shortens" in text
+    assert "lever is closed" not in text
     page = report.render(results_copy(tmp_path, {rcc.AUTOTUNE_FILES[2][0]: None}))
     assert heading not in page
     page = report.render(results_copy(tmp_path, {rcc.AUTOTUNE_GEMM_FILE: None}))
