@@ -765,10 +765,11 @@ def parse_args(argv=None):
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--generate-prompts", type=int, default=2)
     parser.add_argument("--generate-new-tokens", type=int, default=32)
-    parser.add_argument("--hbm-tbs", type=float, default=roofline.H200_HBM_BYTES_PER_S / 1e12,
-                        help="HBM bandwidth of the floor, TB/s")  # fmt: skip
-    parser.add_argument("--peak-tflops", type=float, default=roofline.H200_PEAK_FLOPS / 1e12,
-                        help="dense bf16 peak of the floor, TFLOP/s")  # fmt: skip
+    parser.add_argument("--hbm-tbs", type=float, default=None,
+                        help="HBM bandwidth of the floor, TB/s (default: the card's, "
+                        "roofline.CARDS; an H200's on the CPU)")  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="dense bf16 peak of the floor, TFLOP/s (default: the card's)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="skip a model whose estimate would end the run past this many "
                         "seconds (0: no budget)")  # fmt: skip
@@ -820,7 +821,9 @@ def main(argv=None) -> dict:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {device}; "
           f"estimate on an H200: {sum(estimates.values()):.0f} s "
           f"({', '.join(f'{n} {s:.0f}' for n, s in estimates.items())})", flush=True)  # fmt: skip
-    peaks = (args.hbm_tbs * 1e12, args.peak_tflops * 1e12)
+    card = torch.cuda.get_device_name() if cuda else None
+    peaks = roofline.floor_peaks(args.hbm_tbs, args.peak_tflops, card)
+    args.hbm_tbs, args.peak_tflops = peaks[0] / 1e12, peaks[1] / 1e12  # recorded with the args
     gen = generation_config(args.new_tokens)
     run = types.SimpleNamespace(
         args=args, device=device, dtype=dtype, backend="cuda" if cuda else "emulated", gen=gen,

@@ -19,7 +19,7 @@ times cuBLAS against its Triton GEMM templates for each shape and keeps the fast
 ``compile={"mode": "max-autotune-no-cudagraphs", "dynamic": False}`` would give a decoder).
 Each variant is replayed ``--reps`` times, the variants taking turns; medians of CUDA-event
 times per replay, reported per layer, with the achieved bytes per second and its share of
-``--hbm-tbs``.
+the card's HBM bandwidth (``roofline.CARDS``; ``--hbm-tbs`` for another card).
 
 On an H200 (about 20 s)::
 
@@ -38,6 +38,8 @@ import statistics
 import sys
 
 import torch
+
+from benchmarks import roofline
 
 # (name, hidden, q heads, kv heads, head dim, intermediate, vocabulary, layers replayed)
 SHAPES = (
@@ -153,7 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="decode-gemm.json")
     parser.add_argument("--rows", default="32,64,100,128")
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--hbm-tbs", type=float, default=4.8)
+    parser.add_argument("--hbm-tbs", type=float, default=None,
+                        help="HBM bandwidth for the shares, TB/s (default: the card's)")
     parser.add_argument("--autotune", action="store_true",
                         help="also each GEMM through Inductor's max-autotune (minutes)")
     args = parser.parse_args(argv)
@@ -161,16 +164,17 @@ def main(argv=None) -> int:
         print("decode_gemm_probe: no CUDA device here: nothing to measure")
         return 0
     rows = [int(r) for r in args.rows.split(",")]
+    hbm = roofline.floor_peaks(args.hbm_tbs, None, torch.cuda.get_device_name())[0]
     out = {
         "meta": {
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
-            "hbm_bytes_per_s": args.hbm_tbs * 1e12,
+            "hbm_bytes_per_s": hbm,
             "reps": args.reps,
             "autotune": args.autotune,
             "date": datetime.date.today().isoformat(),
         },  # fmt: skip
-        "shapes": [probe(shape, rows, args.reps, args.hbm_tbs * 1e12, args.autotune)
+        "shapes": [probe(shape, rows, args.reps, hbm, args.autotune)
                    for shape in SHAPES],
     }
     for shape in out["shapes"]:

@@ -40,12 +40,51 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-#: H200 SXM: HBM3e bandwidth and dense bf16 tensor-core peak (the defaults of ``bench_cb``).
+#: H200 SXM: HBM3e bandwidth and dense bf16 tensor-core peak (the floors' default where the card
+#: is not known: the CPU, a card not in :data:`CARDS`).
 H200_HBM_BYTES_PER_S = 4.8e12
 H200_PEAK_FLOPS = 990e12
+#: ``(part of torch.cuda.get_device_name(), HBM bytes/s, dense bf16 FLOP/s)`` of the cards the
+#: benchmarks run on: a floor takes its card's bandwidth unless told otherwise (a run on an
+#: H100 once took an H200's by default, and its floors were 30% too short)
+CARDS = (
+    ("H200", H200_HBM_BYTES_PER_S, H200_PEAK_FLOPS),
+    ("H100 80GB HBM3", 3.35e12, 990e12),  # the SXM card; the PCIe card is "H100 PCIe"
+)
+
+
+def card_peaks(name: str | None) -> tuple[float, float] | None:
+    """``(HBM bytes/s, dense bf16 FLOP/s)`` of the card named ``name`` (a CUDA device name),
+    or None for a card not in :data:`CARDS` (and for no card).
+
+    >>> card_peaks("NVIDIA H100 80GB HBM3")
+    (3350000000000.0, 990000000000000.0)
+    >>> card_peaks("NVIDIA A10G") is None
+    True
+    """
+    return next(((hbm, flops) for part, hbm, flops in CARDS if name and part in name), None)
+
+
+def floor_peaks(hbm_tbs: float | None, peak_tflops: float | None, card: str | None) -> tuple:
+    """A floor's ``(HBM bytes/s, peak FLOP/s)``: what the benchmark was told (TB/s, TFLOP/s;
+    None: not told), else the card's (:func:`card_peaks`), else an H200's, with a warning on
+    stderr where a GPU that is not in :data:`CARDS` ran it without a bandwidth given (a CPU
+    run's floors are nominal).
+
+    >>> floor_peaks(None, None, "NVIDIA H100 80GB HBM3")[0], floor_peaks(2.0, None, None)[0]
+    (3350000000000.0, 2000000000000.0)
+    """
+    known = card_peaks(card)
+    if known is None and card and hbm_tbs is None:
+        print(f"warning: no HBM bandwidth known for {card!r}: the floors take an H200's; "
+              f"pass --hbm-tbs", file=sys.stderr)  # fmt: skip
+    hbm, flops = known or (H200_HBM_BYTES_PER_S, H200_PEAK_FLOPS)
+    return (hbm if hbm_tbs is None else hbm_tbs * 1e12,
+            flops if peak_tflops is None else peak_tflops * 1e12)  # fmt: skip
 
 
 @dataclass(frozen=True)

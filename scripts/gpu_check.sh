@@ -60,7 +60,8 @@
 # RUN_CB_REGIONS=DIR (enable_continuous_batching(compile=True): the older checkout in DIR, e.g.
 # `git archive 9b928ae` (the whole-model compile), against this tree (the compile by region),
 # bench_cb llama3-8b-4l with 32 prompts and breakgraph_compiled, one process each with empty
-# Triton and Inductor caches, ABBA, ~3.5 min; HBM_TBS=3.35 on an H100 for its floors; writes
+# Triton and Inductor caches, ABBA, ~3.5 min; HBM_TBS=3.35 on an H100: the older tree's bench_cb
+# takes an H200's bandwidth unless told (this tree's takes the card's, roofline.CARDS); writes
 # cb-compile-regions-{now,before}-N.json; session 55's runs, one round each and without
 # HBM_TBS, are docs/results/h100-cb-compile-regions-*.json, see
 # report_compile_capture.CB_REGION_FILES),
@@ -68,7 +69,7 @@
 # decode_gemm_probe --autotune --rows 32 (the GEMMs alone, cuBLAS against Inductor's autotuned
 # kernels, ~25 s), then bench_cb llama3-8b-4l, 32 prompts, breakgraph_autotuned and
 # breakgraph_compiled taking turns A B B A A B, 3 rounds a process, empty Triton and Inductor
-# caches, ~8 min (a call of its own; HBM_TBS=3.35 on an H100); writes decode-gemm-autotune.json
+# caches, ~8 min (a call of its own; floors at the card's bandwidth); writes decode-gemm-autotune.json
 # and cb-{autotuned,compiled}-N.json, N the side's turn: to docs/results/<card>-..., see
 # report_compile_capture.AUTOTUNE_FILES),
 # RUN_FLOOR_TURNS=DIR (the pure-decode step of llama3-8b-4l at 32 requests against its floor, both
@@ -328,48 +329,44 @@ if [ -n "${RUN_SPLIT_THRESHOLD:-}" ]; then  # the break path's split threshold, 
 fi
 if [ -n "${RUN_HELD_OUT:-}" ]; then  # CB on the whole Llama-3-8B, held out (~4.5 min)
   t=$SECONDS
-  tbs=4.8; case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35 ;; esac
   timeout 150 python3 -m benchmarks.bench_cb --models llama3-8b --num-blocks 512 \
     --variants breakgraph,stock_sdpa,stock_graphs --repeat breakgraph --rounds 3 --budget-s 0 \
-    --keep-going --hbm-tbs $tbs --out "$OUT/cb-llama3-8b.json" 2>&1 | tee -a "$LOG" || status=1
+    --keep-going --out "$OUT/cb-llama3-8b.json" 2>&1 | tee -a "$LOG" || status=1
   v=breakgraph,breakgraph_compiled
   timeout 200 python3 -m benchmarks.bench_cb --models llama3-8b --num-blocks 512 --prompts 32 \
-    --variants $v,stock_graphs --repeat $v --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
+    --variants $v,stock_graphs --repeat $v --rounds 3 --budget-s 0 --keep-going \
     --out "$OUT/cb-llama3-8b-32.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[held out: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_HELD_OUT_MOE:-}" ]; then  # CB on the whole Qwen3-30B-A3B, held out (~4 min)
   t=$SECONDS  # 61 GB of weights: 384 blocks of KV cache keep it within an 80 GB card
-  tbs=4.8; case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35 ;; esac
   timeout 270 python3 -m benchmarks.bench_cb --models qwen3-30b-a3b --num-blocks 384 \
     --variants breakgraph,stock_sdpa,stock_graphs --repeat breakgraph --rounds 3 --budget-s 0 \
-    --keep-going --hbm-tbs $tbs --out "$OUT/cb-qwen3-30b-a3b.json" 2>&1 | tee -a "$LOG" || status=1
+    --keep-going --out "$OUT/cb-qwen3-30b-a3b.json" 2>&1 | tee -a "$LOG" || status=1
   v=breakgraph,breakgraph_compiled
   timeout 270 python3 -m benchmarks.bench_cb --models qwen3-30b-a3b --num-blocks 384 --prompts 32 \
-    --variants $v,stock_graphs --repeat $v --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
+    --variants $v,stock_graphs --repeat $v --rounds 3 --budget-s 0 --keep-going \
     --out "$OUT/cb-qwen3-30b-a3b-32.json" 2>&1 | tee -a "$LOG" || status=1
   echo "[held out, MoE: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_SLIDING:-}" ]; then  # sliding-window models, held out (~8 min)
   t=$SECONDS  # one process and JSON per model; copy them to docs/results/<card>-cb-sliding-*
-  tbs=4.8; card=h200
-  case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35; card=h100 ;; esac
+  card=h200; case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) card=h100 ;; esac
   for model in gemma3-1b gpt-oss-20b-4l; do
     timeout 300 python3 -m benchmarks.bench_cb --models $model \
       --repeat breakgraph,breakgraph_breaks,breakgraph_tx_rows \
-      --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
+      --rounds 3 --budget-s 0 --keep-going \
       --out "$OUT/$card-cb-sliding-$model-5.17.json" 2>&1 | tee -a "$LOG" || status=1
   done
   echo "[sliding: $((SECONDS - t)) s]" | tee -a "$LOG"
 fi
 if [ -n "${RUN_COMPILED_SLIDING:-}" ]; then  # compile=True on the sliding shapes (~3 min)
   t=$SECONDS
-  tbs=4.8; card=h200
-  case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) tbs=3.35; card=h100 ;; esac
+  card=h200; case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) card=h100 ;; esac
   for model in gemma3-1b gpt-oss-20b-4l; do
     timeout 240 python3 -m benchmarks.bench_cb --models $model \
       --variants breakgraph,breakgraph_compiled --repeat breakgraph,breakgraph_compiled \
-      --rounds 3 --budget-s 0 --keep-going --hbm-tbs $tbs \
+      --rounds 3 --budget-s 0 --keep-going \
       --out "$OUT/$card-cb-compiled-$model-5.17.json" 2>&1 | tee -a "$LOG" || status=1
   done
   timeout 200 python3 -m benchmarks.cb_trace --model gemma3-1b \
@@ -532,7 +529,7 @@ if [ -n "${RUN_CB_REGIONS:-}" ]; then  # compile=True in CB, DIR's compile again
         python3 -c "import sys; ${first}from benchmarks.bench_cb import main; main()" \
         --models llama3-8b-4l --prompts 32 --variants breakgraph_compiled \
         --repeat breakgraph_compiled --rounds 3 \
-        --hbm-tbs "${HBM_TBS:-4.8}" --budget-s 0 --keep-going \
+        ${HBM_TBS:+--hbm-tbs $HBM_TBS} --budget-s 0 --keep-going \
         --out "$OUT/cb-compile-regions-$tree-$turn.json" > /dev/null 2>&1 || status=1
       echo "[cb regions $tree $turn: $(python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['models'][0]['variants']['breakgraph_compiled']; print(f\"first manager {e['rounds_manager_s'][0]:.1f} s, decode {e['decode_step_ms']:.2f} ms\")" "$OUT/cb-compile-regions-$tree-$turn.json")]" | tee -a "$LOG"
     done
@@ -540,14 +537,14 @@ if [ -n "${RUN_CB_REGIONS:-}" ]; then  # compile=True in CB, DIR's compile again
 fi
 if [ -n "${RUN_AUTOTUNE:-}" ]; then  # Inductor's max-autotune in CB against compile=True
   timeout 130 python3 -m benchmarks.decode_gemm_probe --autotune --rows 32 \
-    --hbm-tbs "${HBM_TBS:-4.8}" --out "$OUT/decode-gemm-autotune.json" > /dev/null 2>&1 || status=1
+    ${HBM_TBS:+--hbm-tbs $HBM_TBS} --out "$OUT/decode-gemm-autotune.json" > /dev/null 2>&1 || status=1
   declare -A turns=([autotuned]=0 [compiled]=0)
   for variant in autotuned compiled compiled autotuned autotuned compiled; do  # ABBAAB
     turns[$variant]=$((turns[$variant] + 1)); turn=${turns[$variant]}
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout 210 \
       python3 -m benchmarks.bench_cb --models llama3-8b-4l --prompts 32 \
       --variants "breakgraph_$variant" --repeat "breakgraph_$variant" --rounds 3 \
-      --hbm-tbs "${HBM_TBS:-4.8}" --budget-s 0 --keep-going \
+      ${HBM_TBS:+--hbm-tbs $HBM_TBS} --budget-s 0 --keep-going \
       --out "$OUT/cb-$variant-$turn.json" > /dev/null 2>&1 || status=1
     echo "[autotune $variant $turn: $(grep -o '"decode_forward_device_ms": [0-9.]*' "$OUT/cb-$variant-$turn.json")]" | tee -a "$LOG"
   done

@@ -48,6 +48,22 @@ def test_docstring_examples(module):
     assert result.attempted > 0 and result.failed == 0
 
 
+def test_a_floor_takes_the_cards_bandwidth_unless_told_and_warns_for_an_unknown_card(capsys):
+    """Session 55 ran bench_cb on an H100 without --hbm-tbs and its floors took an H200's
+    bandwidth: the card now decides, the flags still win, and a card not in CARDS says so."""
+    h100 = roofline.floor_peaks(None, None, "NVIDIA H100 80GB HBM3")
+    assert h100 == (3.35e12, 990e12)
+    assert roofline.floor_peaks(None, None, "NVIDIA H200") == (4.8e12, 990e12)
+    assert roofline.floor_peaks(2.0, 500.0, "NVIDIA H100 80GB HBM3") == (2.0e12, 500e12)
+    assert capsys.readouterr().err == ""
+    assert roofline.floor_peaks(None, None, None) == (4.8e12, 990e12)  # the CPU: nominal
+    assert capsys.readouterr().err == ""
+    assert roofline.floor_peaks(None, None, "NVIDIA A10G") == (4.8e12, 990e12)
+    assert "no HBM bandwidth known for 'NVIDIA A10G'" in capsys.readouterr().err
+    roofline.floor_peaks(0.6, None, "NVIDIA A10G")  # told: no warning
+    assert capsys.readouterr().err == ""
+
+
 def test_decode_step_floor_counts_weights_routed_experts_and_kv_rows():
     one = roofline.decode_step_floor(SHAPE, requests=1, context=10, hbm_bytes_per_s=1e3)
     # one token reads 2 of 8 experts: 800 * 2/8 = 200 expert parameters
