@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 
+from . import roofline
 from .cb_report import _cell, _release, _run_of
 from .report_cb_host import _in_turn
 from .template import bullets, fill, num, pct, span, table
@@ -92,8 +93,9 @@ TABLE_FILL_TRACE_FILES = ("h200-cb-trace-block-table-5.17/summary.json",
 #: ``benchmarks/graph_launch.py`` and ``benchmarks/decode_launch_probe.py`` (H200)
 GRAPH_LAUNCH_FILE = "h200-graph-launch.json"
 LAUNCH_PROBE_FILE = "h200-decode-launch-probe.json"
-#: HBM bytes/s of the cards the CB runs used; bench_cb's floors assume an H200's
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+#: the cards' short names in the tables; the bandwidth a floor is corrected to is the card's
+#: (``roofline.CARDS``): until session 56 bench_cb divided by an H200's whatever the card
+CARD_LABELS = ("H200", "H100")
 #: multiprocessors of the GPU the sweep ran on, where its JSON does not say (an H200's)
 H200_MULTIPROCESSORS = 132
 
@@ -713,18 +715,26 @@ def block_table_section(runs: list) -> str:
     )
 
 
+def _gpu(data: dict) -> str:
+    return data["meta"].get("gpu", data["meta"].get("device", "")) or ""
+
+
 def _card(data: dict) -> str:
-    """``H200`` or ``H100`` (the card's HBM decides its floor), from the run's GPU name."""
-    gpu = data["meta"].get("gpu", data["meta"].get("device", ""))
-    return next((card for card in HBM_BYTES_PER_S if card in gpu), gpu)
+    """``H200`` or ``H100``, from the run's GPU name (the name itself for another card)."""
+    return next((card for card in CARD_LABELS if card in _gpu(data)), _gpu(data))
+
+
+def card_floor_scale(data: dict) -> float:
+    """The card's HBM bandwidth over the one the run's floors divided by (``bench_cb`` took an
+    H200's whatever the card until session 56; 1.0 for a run that took its card's, or for a
+    card not in ``roofline.CARDS``)."""
+    assumed = data["meta"].get("hbm_bytes_per_s", roofline.H200_HBM_BYTES_PER_S)
+    return (roofline.card_peaks(_gpu(data)) or (assumed,))[0] / assumed
 
 
 def _over_floor(data: dict, entry: dict) -> float:
-    """A pure-decode step over its HBM floor on the card it ran on (``bench_cb`` divides by an
-    H200's bandwidth whatever the card)."""
-    assumed = data["meta"].get("hbm_bytes_per_s", HBM_BYTES_PER_S["H200"])
-    actual = HBM_BYTES_PER_S.get(_card(data), assumed)
-    return entry["decode_over_floor"] * actual / assumed
+    """A pure-decode step over its HBM floor on the card it ran on."""
+    return entry["decode_over_floor"] * card_floor_scale(data)
 
 
 def table_fill_section(runs: list, traces: list, launch: dict | None,

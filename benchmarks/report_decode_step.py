@@ -18,7 +18,7 @@ import statistics
 
 from . import targets as T
 from .cb_report import _release, _run_of
-from .report_cb_decode import HBM_BYTES_PER_S, _card
+from .report_cb_decode import card_floor_scale
 from .split_kernel_ab import WARM_UP_BATCHES
 from .template import bullets, fill, num, span, table
 
@@ -120,10 +120,9 @@ def write_rows_section(runs: list) -> str:
 
 
 def _floor_ms(data: dict, entry: dict) -> float:
-    """A pure-decode step's HBM floor on the card the run had (``bench_cb`` divides by its
-    ``--hbm-tbs``, an H200's by default, whatever the card)."""
-    assumed = data["meta"].get("hbm_bytes_per_s", HBM_BYTES_PER_S["H200"])
-    return entry["decode_floor_ms"] * assumed / HBM_BYTES_PER_S.get(_card(data), assumed)
+    """A pure-decode step's HBM floor on the card the run had (``bench_cb`` divided by its
+    ``--hbm-tbs``, an H200's by default whatever the card until session 56)."""
+    return entry["decode_floor_ms"] / card_floor_scale(data)
 
 
 def _gemm_ms(probe: dict | None, model: str, requests: int, layers: int) -> tuple:

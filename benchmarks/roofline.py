@@ -53,7 +53,9 @@ H200_PEAK_FLOPS = 990e12
 #: H100 once took an H200's by default, and its floors were 30% too short)
 CARDS = (
     ("H200", H200_HBM_BYTES_PER_S, H200_PEAK_FLOPS),
-    ("H100 80GB HBM3", 3.35e12, 990e12),  # the SXM card; the PCIe card is "H100 PCIe"
+    ("H100 80GB HBM3", 3.35e12, 990e12),  # the SXM card
+    ("H100 NVL", 3.9e12, 835e12),
+    ("H100 PCIe", 2.0e12, 756e12),
 )
 
 

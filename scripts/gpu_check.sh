@@ -60,8 +60,8 @@
 # RUN_CB_REGIONS=DIR (enable_continuous_batching(compile=True): the older checkout in DIR, e.g.
 # `git archive 9b928ae` (the whole-model compile), against this tree (the compile by region),
 # bench_cb llama3-8b-4l with 32 prompts and breakgraph_compiled, one process each with empty
-# Triton and Inductor caches, ABBA, ~3.5 min; HBM_TBS=3.35 on an H100: the older tree's bench_cb
-# takes an H200's bandwidth unless told (this tree's takes the card's, roofline.CARDS); writes
+# Triton and Inductor caches, ABBA, ~3.5 min; both trees' floors at this card's bandwidth
+# (HBM_TBS overrides; an older bench_cb took an H200's unless told); writes
 # cb-compile-regions-{now,before}-N.json; session 55's runs, one round each and without
 # HBM_TBS, are docs/results/h100-cb-compile-regions-*.json, see
 # report_compile_capture.CB_REGION_FILES),
@@ -146,7 +146,7 @@
 # RUN_SUITE adds 2, RUN_CAPTURE 1, RUN_TRACE 4, RUN_DECODE_ATTENTION 1, RUN_SPLIT 2, RUN_HOST_PATH 2,
 # RUN_PREFILL_REPRO 1,
 # RUN_DECODE_GRAPHS 4, RUN_BLOCK_TABLE 5, RUN_DECODE_FLOOR 3, RUN_FILL_VIEWS 1, RUN_WARM_KERNELS 4, RUN_SPLIT_AB 1, RUN_FORWARD_PARTS 4,
-# RUN_FLOOR_TURNS 4, RUN_CB_REGIONS 4, RUN_AUTOTUNE 8, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
+# RUN_FLOOR_TURNS 4, RUN_CB_REGIONS 4, RUN_AUTOTUNE 7, RUN_STRESS 4, RUN_CUDNN_RAGGED 5, RUN_DECODE_KERNELS 3,
 # RUN_COMPILE_FALLBACK 5, RUN_SPLIT_THRESHOLD 1, RUN_HELD_OUT 2, RUN_HELD_OUT_MOE 2, RUN_FUZZ_CB 1,
 # RUN_SLIDING 2, RUN_COMPILED_SLIDING 4,
 # RUN_RELEASES 1 per wheel (skip other sections
@@ -183,6 +183,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -c "import torch, transformers; print('gpu:', torch.cuda.get_device_name(), '| torch', torch.__version__, '| transformers', transformers.__version__)"
+# this card's HBM bandwidth in TB/s (benchmarks.roofline.CARDS), for runs of an older tree whose
+# bench_cb took an H200's whatever the card: both trees' floors then divide by the same
+card_tbs() { python3 -c "import torch; from benchmarks import roofline; print(roofline.floor_peaks(None, None, torch.cuda.get_device_name())[0] / 1e12)"; }
 
 # cb_bench OUTFILE: benchmarks/bench_cb.py (stock sdpa CB, stock CUDA graphs, breakgraph; six
 # shapes) into OUTFILE on the transformers this call has; it prints its H200 estimate first
@@ -506,19 +509,21 @@ fi
 if [ -n "${RUN_FLOOR_TURNS:-}" ]; then  # the pure-decode step at 32 requests, DIR against this tree (~4 min)
   before=$(cd "$RUN_FLOOR_TURNS" && pwd)
   v=breakgraph,breakgraph_compiled
+  tbs=${HBM_TBS:-$(card_tbs)}
   for turn in 1 2; do
     order="now before"; [ "$turn" = 2 ] && order="before now"  # ABBA: neither tree always goes first
     for tree in $order; do
       first=""; [ "$tree" = before ] && first="sys.path.insert(0, '$before'); "
       timeout 100 python3 -c "import sys; ${first}from benchmarks.bench_cb import main; main()" \
         --models llama3-8b-4l --prompts 32 --variants $v --repeat $v --rounds 3 --budget-s 0 \
-        --keep-going --out "$OUT/floor-32-$tree-$turn.json" > /dev/null 2>&1 || status=1
+        --keep-going --hbm-tbs "$tbs" --out "$OUT/floor-32-$tree-$turn.json" > /dev/null 2>&1 || status=1
       echo "[floor $tree $turn: $(python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['models'][0]; print(', '.join(f\"{k} {v['decode_step_ms']:.2f} ms ({v['decode_over_floor']:.2f}x)\" for k, v in m['variants'].items()))" "$OUT/floor-32-$tree-$turn.json")]" | tee -a "$LOG"
     done
   done
 fi
 if [ -n "${RUN_CB_REGIONS:-}" ]; then  # compile=True in CB, DIR's compile against this tree's (~3.5 min)
   before=$(cd "$RUN_CB_REGIONS" && pwd)
+  tbs=${HBM_TBS:-$(card_tbs)}
   for turn in 1 2; do
     order="now before"; [ "$turn" = 2 ] && order="before now"  # ABBA
     for tree in $order; do
@@ -529,7 +534,7 @@ if [ -n "${RUN_CB_REGIONS:-}" ]; then  # compile=True in CB, DIR's compile again
         python3 -c "import sys; ${first}from benchmarks.bench_cb import main; main()" \
         --models llama3-8b-4l --prompts 32 --variants breakgraph_compiled \
         --repeat breakgraph_compiled --rounds 3 \
-        ${HBM_TBS:+--hbm-tbs $HBM_TBS} --budget-s 0 --keep-going \
+        --hbm-tbs "$tbs" --budget-s 0 --keep-going \
         --out "$OUT/cb-compile-regions-$tree-$turn.json" > /dev/null 2>&1 || status=1
       echo "[cb regions $tree $turn: $(python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['models'][0]['variants']['breakgraph_compiled']; print(f\"first manager {e['rounds_manager_s'][0]:.1f} s, decode {e['decode_step_ms']:.2f} ms\")" "$OUT/cb-compile-regions-$tree-$turn.json")]" | tee -a "$LOG"
     done
@@ -546,7 +551,7 @@ if [ -n "${RUN_AUTOTUNE:-}" ]; then  # Inductor's max-autotune in CB against com
       --variants "breakgraph_$variant" --repeat "breakgraph_$variant" --rounds 3 \
       ${HBM_TBS:+--hbm-tbs $HBM_TBS} --budget-s 0 --keep-going \
       --out "$OUT/cb-$variant-$turn.json" > /dev/null 2>&1 || status=1
-    echo "[autotune $variant $turn: $(grep -o '"decode_forward_device_ms": [0-9.]*' "$OUT/cb-$variant-$turn.json")]" | tee -a "$LOG"
+    echo "[autotune $variant $turn: $(python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['models'][0]['variants']['breakgraph_$variant']; print(f\"first manager {e['rounds_manager_s'][0]:.1f} s, decode forward on the device {e['decode_forward_device_ms']:.2f} ms\")" "$OUT/cb-$variant-$turn.json")]" | tee -a "$LOG"
   done
 fi
 if [ -n "${RUN_SUITE:-}" ]; then

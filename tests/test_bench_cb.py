@@ -502,7 +502,7 @@ def test_a_cpu_run_on_a_gpu_machine_skips_transformers_graphs(monkeypatch):
 
 
 def test_a_variants_compile_mode_reaches_enable_continuous_batching_as_an_accepted_dict():
-    from integrations.transformers.compiled import check_compile_option
+    from breakgraph.integrations.transformers.compiled import check_compile_option
 
     autotuned = bench_cb.compile_argument(bench_cb.VARIANTS["breakgraph_autotuned"])
     assert autotuned == {"mode": "max-autotune-no-cudagraphs"}
