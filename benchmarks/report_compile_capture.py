@@ -230,25 +230,33 @@ def _deep(runs: list) -> str:
                 cells="; ".join(cells))  # fmt: skip
 
 
+def _turns(runs: list, variant_of) -> tuple[list, dict, dict]:
+    """``runs``: ``(data, label)`` in the order the processes ran, ``variant_of(label)`` the
+    ``bench_cb`` variant each served: ``[(turn, label, entry, first manager s)]``, then per
+    label the lists of first manager, pure-decode device time, step and tokens/s, and their
+    medians."""
+    turns, by = [], {}
+    for turn, (data, label) in enumerate(runs, 1):
+        e = data["models"][0]["variants"][variant_of(label)]
+        manager = (e.get("rounds_manager_s") or [e["manager_s"]])[0]
+        side = by.setdefault(label, {"manager": [], "device": [], "step": [], "tokens": []})
+        for key, value in (("manager", manager), ("device", e["decode_forward_device_ms"]),
+                           ("step", e["decode_step_ms"]), ("tokens", e["tokens_per_s"])):
+            side[key].append(value)
+        turns.append((turn, label, e, manager))
+    med = {w: {k: statistics.median(v) for k, v in side.items()} for w, side in by.items()}
+    return turns, by, med
+
+
 def cb_regions_section(runs: list) -> str:
     """``runs``: ``(data, compiled)`` of :data:`CB_REGION_FILES` in the order they ran: each
     process's first manager (the compile and the captures), its round's tokens/s and its
     pure-decode step, then the medians of each side."""
-    rows, by = [], {}
-    for turn, (data, what) in enumerate(runs, 1):
-        e = data["models"][0]["variants"][COMPILED]
-        manager = (e.get("rounds_manager_s") or [e["manager_s"]])[0]
-        side = by.setdefault(what, {"manager": [], "device": [], "step": [], "tokens": []})
-        side["manager"].append(manager)
-        side["device"].append(e["decode_forward_device_ms"])
-        side["step"].append(e["decode_step_ms"])
-        side["tokens"].append(e["tokens_per_s"])
-        rows.append([str(turn), what, num(manager, 1), num(e["capture_s"], 1),
-                     num(e["tokens_per_s"], 0), num(e["decode_step_ms"], 2),
-                     num(e["decode_forward_device_ms"], 2),
-                     num(e["host_prepare_ms_per_step"], 2)])  # fmt: skip
-    med = {w: {k: statistics.median(v) for k, v in side.items()} for w, side in by.items()}
-    steps = by["by region"]["step"] + by["whole model"]["step"]
+    turns, by, med = _turns(runs, lambda _: COMPILED)
+    rows = [[str(turn), what, num(manager, 1), num(e["capture_s"], 1), num(e["tokens_per_s"], 0),
+             num(e["decode_step_ms"], 2), num(e["decode_forward_device_ms"], 2),
+             num(e["host_prepare_ms_per_step"], 2)]
+            for turn, what, e, manager in turns]  # fmt: skip
     whole, region = med["whole model"], med["by region"]
     data, model = runs[0][0], runs[0][0]["models"][0]
     meta = data["meta"]
@@ -264,7 +272,7 @@ def cb_regions_section(runs: list) -> str:
         on_device=f"{num(whole['device'], 2)} → {num(region['device'], 2)} ms",
         step=f"{num(whole['step'], 2)} → {num(region['step'], 2)} ms",
         tokens=f"{num(whole['tokens'], 0)} → {num(region['tokens'], 0)}",
-        steps=f"{num(min(steps), 2)}–{num(max(steps), 2)}",
+        steps=span(by["by region"]["step"] + by["whole model"]["step"], 2),
     )  # fmt: skip
 
 
@@ -289,23 +297,14 @@ def autotune_section(runs: list, probe: dict) -> str:
     process's first manager, its median round's tokens/s, its pure-decode step against the
     floor and the step's forward on the device, then the medians of each side; ``probe``: the
     decode GEMMs alone, cuBLAS against autotuned."""
-    rows, by = [], {}
-    for turn, (data, mode) in enumerate(runs, 1):
-        e = data["models"][0]["variants"][AUTOTUNE_VARIANTS[mode]]
-        side = by.setdefault(mode, {"manager": [], "device": [], "step": [], "tokens": []})
-        side["manager"].append(e["rounds_manager_s"][0])
-        side["device"].append(e["decode_forward_device_ms"])
-        side["step"].append(e["decode_step_ms"])
-        side["tokens"].append(e["tokens_per_s"])
-        rows.append([str(turn), mode, num(e["rounds_manager_s"][0], 1), num(e["tokens_per_s"], 0),
-                     num(e["decode_step_ms"], 2), num(e["decode_over_floor"], 2),
-                     num(e["decode_forward_device_ms"], 2),
-                     num(e["host_prepare_ms_per_step"], 2)])  # fmt: skip
-    med = {m: {k: statistics.median(v) for k, v in side.items()} for m, side in by.items()}
+    turns, by, med = _turns(runs, lambda mode: AUTOTUNE_VARIANTS[mode])
+    rows = [[str(turn), mode, num(manager, 1), num(e["tokens_per_s"], 0),
+             num(e["decode_step_ms"], 2), num(e["decode_over_floor"], 2),
+             num(e["decode_forward_device_ms"], 2), num(e["host_prepare_ms_per_step"], 2)]
+            for turn, mode, e, manager in turns]  # fmt: skip
     plain, tuned = med["default"], med["max-autotune"]
-    data, mode = runs[0]
-    meta, model = data["meta"], data["models"][0]
-    e = model["variants"][AUTOTUNE_VARIANTS[mode]]
+    data, model = runs[0][0], runs[0][0]["models"][0]
+    meta, e = data["meta"], turns[0][2]
     rows_of = [r for shape in probe["shapes"] for r in shape["rows"].values()]
     layer_ratios = [r["separate_autotuned"]["ms_per_layer"] / r["separate"]["ms_per_layer"]
                     for r in rows_of]  # fmt: skip
@@ -345,6 +344,5 @@ def autotune_section(runs: list, probe: dict) -> str:
         tokens=f"{num(plain['tokens'], 0)} → {num(tuned['tokens'], 0)}",
         over_floor=num(plain["step"] / e["decode_floor_ms"], 2),
         verdict=verdict, rounds=meta["args"]["rounds"],
-        prep_span=span([d["models"][0]["variants"][AUTOTUNE_VARIANTS[m]]
-                        ["host_prepare_ms_per_step"] for d, m in runs], 2),
+        prep_span=span([e["host_prepare_ms_per_step"] for _, _, e, _ in turns], 2),
     )  # fmt: skip
