@@ -129,11 +129,11 @@ class PaddingRows:
     smaller bucket), which decides whether masking them pays. The mask is computed on first
     use, inside the forward (so inside the graph), once for all layers.
 
-    Example::
+    Example (a bucket of 8 rows; two prompts end at rows 2 and 5, entry 2 unused)::
 
-        rows = PaddingRows(torch.arange(bucket, device=dev), last_index, expected=16)
-        with padding_rows(rows):
-            logits = model(input_ids=ids, position_ids=positions).logits
+        >>> rows = PaddingRows(torch.arange(8), torch.tensor([2, 5, 0]), expected=3)
+        >>> rows.mask().flatten().tolist()
+        [False, False, False, False, False, False, True, True]
     """
 
     __slots__ = ("row_ids", "last_index", "expected", "_mask")
@@ -151,7 +151,18 @@ class PaddingRows:
 
 @contextlib.contextmanager
 def padding_rows(rows: PaddingRows | None) -> Iterator[None]:
-    """For the block, ``rows`` tells :func:`grouped_skipping_padding` which rows are padding."""
+    """For the block, ``rows`` tells :func:`grouped_skipping_padding` which rows are padding
+    (a context variable: the forward run or captured inside the block, on this thread).
+
+    Example (see :func:`grouped_skipping_padding` for the experts call)::
+
+        >>> rows = PaddingRows(torch.arange(8), torch.tensor([5]), expected=3)
+        >>> with padding_rows(rows):
+        ...     _padding.get() is rows
+        True
+        >>> _padding.get() is None
+        True
+    """
     token = _padding.set(rows)
     try:
         yield
@@ -163,7 +174,22 @@ def worth_skipping(module: Any, rows: int, top_k: int, expected: float) -> bool:
     """Whether routing ``expected`` padding rows (of ``rows``) to no expert saves more than the
     mask costs (:data:`MASK_COST_FLOP`, :data:`COMPUTE_BOUND_ROWS`); never for experts with
     biases: transformers' ``grouped_mm`` indexes them by expert id, and an id past the last
-    expert would be out of range there."""
+    expert would be out of range there.
+
+    Example (Mixtral's experts at widths 1024, on the meta device: only their shapes count)::
+
+        >>> import transformers
+        >>> config = transformers.MixtralConfig(hidden_size=1024, intermediate_size=2816)
+        >>> with torch.device("meta"):
+        ...     model = transformers.AutoModelForCausalLM.from_config(config)
+        >>> experts = next(compat.experts_modules(model))
+        >>> worth_skipping(experts, rows=4096, top_k=2, expected=128)
+        True
+        >>> worth_skipping(experts, rows=4096, top_k=2, expected=16)  # too few padding rows
+        False
+        >>> worth_skipping(experts, rows=128, top_k=2, expected=32)  # memory-bound: no saving
+        False
+    """
     shape = compat.experts_shape(module)
     if shape is None:
         return False
@@ -179,7 +205,22 @@ def grouped_skipping_padding(module: Any, hidden: torch.Tensor, index: torch.Ten
     ``grouped_mm`` experts with the padding rows of :func:`padding_rows` given expert id
     ``num_experts``, which no expert owns (the grouped GEMMs skip them), and zero output.
     Without padding rows for this forward, or where it does not pay (:func:`worth_skipping`),
-    it is ``grouped_mm`` itself."""
+    it is ``grouped_mm`` itself.
+
+    Example (a bucket of 1024 rows whose two prompts end at rows 9 and 23)::
+
+        >>> import transformers
+        >>> config = transformers.MixtralConfig(vocab_size=32, hidden_size=64, num_hidden_layers=1,
+        ...     intermediate_size=4096, num_attention_heads=2, num_local_experts=4)
+        >>> model = transformers.AutoModelForCausalLM.from_config(config)
+        >>> experts = next(compat.experts_modules(model))
+        >>> hidden, index = torch.randn(1024, 64), torch.randint(0, 4, (1024, 2))
+        >>> rows = PaddingRows(torch.arange(1024), torch.tensor([9, 23]), expected=1000)
+        >>> with padding_rows(rows):
+        ...     out = grouped_skipping_padding(experts, hidden, index, torch.full((1024, 2), 0.5))
+        >>> bool(out[24:].eq(0).all()), bool(out[:24].ne(0).any())  # padding rows: no expert
+        (True, True)
+    """
     grouped = _grouped or compat.grouped_experts()
     rows = _padding.get()
     n = hidden.shape[0]
@@ -195,7 +236,21 @@ def grouped_skipping_padding(module: Any, hidden: torch.Tensor, index: torch.Ten
 def needs_experts_break(model: Any) -> bool:
     """True when the model's experts run transformers' eager loop (``nonzero``: not capturable),
     or ``grouped_mm`` where it cannot be captured (:func:`grouped_mm_captures`): the eager loop
-    then runs as breaks instead (the same experts, per-expert GEMMs)."""
+    then runs as breaks instead (the same experts, per-expert GEMMs).
+
+    Example::
+
+        >>> import transformers
+        >>> config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+        ...     intermediate_size=32, num_attention_heads=2, num_local_experts=4)
+        >>> auto = transformers.AutoModelForCausalLM
+        >>> model = auto.from_config(config, experts_implementation="eager")
+        >>> needs_experts_break(model)
+        True
+        >>> model.set_experts_implementation("grouped_mm")  # captured as it is (on the CPU)
+        >>> needs_experts_break(model)
+        False
+    """
     key = compat.experts_key(model)
     return key in ("eager", EXPERTS_KEY) or (key == "grouped_mm" and not grouped_mm_captures(model))
 
@@ -263,7 +318,20 @@ def _capture_grouped_experts(model: Any, dtype: torch.dtype) -> bool:
 @contextlib.contextmanager
 def experts_for_prefill(model: Any, skip_padding: bool) -> Iterator[None]:
     """A prefill's experts for the block: the eager loop as breaks (:func:`experts_as_breaks`),
-    and with ``skip_padding`` transformers' ``grouped_mm`` as :data:`GROUPED_KEY`; then back."""
+    and with ``skip_padding`` transformers' ``grouped_mm`` as :data:`GROUPED_KEY`; then back.
+
+    Example::
+
+        >>> import transformers
+        >>> config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+        ...     intermediate_size=32, num_attention_heads=2, num_local_experts=4)
+        >>> model = transformers.AutoModelForCausalLM.from_config(config)  # grouped_mm
+        >>> with experts_for_prefill(model, skip_padding=True):
+        ...     model.config._experts_implementation
+        'breakgraph_grouped_mm'
+        >>> model.config._experts_implementation
+        'grouped_mm'
+    """
     if not (skip_padding and compat.experts_key(model) == "grouped_mm"):
         with experts_as_breaks(model):
             yield
@@ -278,7 +346,21 @@ def experts_for_prefill(model: Any, skip_padding: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def experts_as_breaks(model: Any) -> Iterator[None]:
-    """Run the model's eager experts loop as eager breaks inside the block (then restore)."""
+    """Run the model's eager experts loop as eager breaks inside the block (then restore).
+
+    Example::
+
+        >>> import transformers
+        >>> config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+        ...     intermediate_size=32, num_attention_heads=2, num_local_experts=4)
+        >>> auto = transformers.AutoModelForCausalLM
+        >>> model = auto.from_config(config, experts_implementation="eager")
+        >>> with experts_as_breaks(model):
+        ...     model.config._experts_implementation
+        'breakgraph_eager_loop'
+        >>> model.config._experts_implementation
+        'eager'
+    """
     if not needs_experts_break(model):
         yield
         return
