@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 import weakref
@@ -119,14 +120,19 @@ class PatchSet:
         ``weak``: the set keeps neither ``owner`` nor ``value`` alive, for objects made while
         it lives (a manager per call of a long-lived handle): held strongly, each stayed in
         memory until :meth:`restore`. A collected owner has nothing left to restore; one still
-        alive is restored as any other (after them). ``owner`` must be weak-referenceable.
+        alive is restored as any other (after them). ``owner`` must be weak-referenceable; a
+        ``value`` that cannot be (``True``, a number, a string) is held as it is.
         """
         if not weak:
             patch_attribute(self._stack, owner, name, value)
             return
+        try:
+            held = weakref.ref(value)
+        except TypeError:  # a plain value keeps nothing else alive
+            held = functools.partial(_same, value)
         own = _own_value(owner, name)
         setattr(owner, name, value)
-        self._weak.setdefault(owner, []).append((name, weakref.ref(value), own))
+        self._weak.setdefault(owner, []).append((name, held, own))
 
     def item(self, mapping: MutableMapping, key: Any, value: Any) -> None:
         """``mapping[key] = value`` until :meth:`restore` (see :func:`patch_item`)."""
@@ -156,6 +162,11 @@ class PatchSet:
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
+
+
+def _same(value: Any) -> Any:
+    """A strong stand-in for ``weakref.ref(value)()``."""
+    return value
 
 
 class SharedPatches:

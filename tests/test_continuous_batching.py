@@ -691,19 +691,29 @@ def test_ids_and_positions_of_separate_tensors_and_all_rows_are_staged():
 
 
 @needs_cb
-def test_an_enable_that_fails_with_compile_leaves_the_decoder_unmarked(monkeypatch):
-    """``enable_continuous_batching(compile=...)`` builds its step runner (and with it
-    torch.compile's ``_is_torch_compile`` mark on the decoder) before it installs; an install
-    that raised restored the model's patches but left the mark, with no handle to disable.
-    (``torch.compile`` is recorded here, not run.)"""
+@pytest.mark.parametrize("fails_at", ["install", "logits check"])
+def test_an_enable_that_fails_with_compile_leaves_the_decoder_unmarked(monkeypatch, fails_at):
+    """``enable_continuous_batching(compile=...)`` builds its step runner (and with it the
+    compiled regions' dispatch on the decoder) before it installs; an install that raised
+    restored the model's patches but left the mark, with no handle to disable. So did a
+    model refused by the logits check before the install (a forward hook that changes the
+    logits), which left the dispatch on every layer. (``torch.compile`` is recorded here, not
+    run.)"""
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)
     model = build_model("llama")
+    if fails_at == "install":
+        def refused(*args, **kwargs):
+            raise RuntimeError("attention refused")
 
-    def refused(*args, **kwargs):
-        raise RuntimeError("attention refused")
+        monkeypatch.setattr(model, "set_attn_implementation", refused)
+        expected = pytest.raises(RuntimeError, match="attention refused")
+    else:
+        def doubled(module, args, out):
+            out.logits = 2 * out.logits
 
-    monkeypatch.setattr(model, "set_attn_implementation", refused)
-    with pytest.raises(RuntimeError, match="attention refused"):
+        model.register_forward_hook(doubled)
+        expected = pytest.raises(UnsupportedModelError)
+    with expected:
         enable_continuous_batching(model, backend="emulated", compile=True)
     assert "_is_torch_compile" not in vars(model.get_decoder())
     assert "_is_torch_compile" not in vars(model)

@@ -99,6 +99,23 @@ def test_weak_patches_of_a_collected_owner_restore_nothing_and_others_as_usual()
     patches.restore()  # idempotent
 
 
+def test_a_weak_patch_holds_a_value_that_cannot_be_weakly_referenced_and_restores_it():
+    """``True`` (torch.compile's mark on a model) cannot be weakly referenced: held as it is,
+    restored only while still the value set (the same object put back counts as ours)."""
+
+    class Owner:
+        pass
+
+    owner, other = Owner(), Owner()
+    other.mark = False
+    patches = PatchSet()
+    patches.attribute(owner, "mark", True, weak=True)
+    patches.attribute(other, "mark", 7, weak=True)
+    owner.mark = True  # torch.compile sets the same mark again
+    patches.restore()
+    assert not hasattr(owner, "mark") and other.mark is False
+
+
 def test_a_shared_install_that_raises_leaves_nothing_installed():
     """The first acquire's install raised after one replacement: that one is undone, nobody
     holds the set, and a later release does not go below zero users."""

@@ -232,12 +232,14 @@ def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
     """``compile={}`` is a dict of ``torch.compile`` keyword arguments (none): it compiles, as
     ``enable_continuous_batching(compile={})`` does; the runner took it for False and ran the
     model uncompiled, silently. (``torch.compile`` is recorded here, not run: no Inductor.)"""
+    from breakgraph.integrations.transformers import compiled
     from breakgraph.integrations.transformers.compiled import CompiledForward, compile_regions
 
     calls = []
 
     def recording_compile(model, **options):
-        calls.append(options)
+        if model is not compiled._check_call:  # check_compile_option's check of the dict
+            calls.append(options)
         return model
 
     monkeypatch.setattr(torch, "compile", recording_compile)
@@ -255,16 +257,22 @@ def test_an_empty_dict_compiles_with_torchs_defaults(monkeypatch):
     ({"bogus": 1}, r"not torch.compile keyword arguments: 'bogus'; use some of .*dynamic"),
     ({1: 2}, "not torch.compile keyword arguments: 1;"),
     ({"fullgraph": True}, r"'fullgraph': True\} cannot work: attention .* eager break"),
-    ({"mode": "reduce-overhead"}, r"Inductor capture CUDA graphs of its own.*'default'"),
+    ({"mode": "reduce-overhead"}, r"torch capture CUDA graphs of its own.*'default'"),
     ({"mode": "max-autotune"}, "max-autotune-no-cudagraphs"),
     ({"options": {"triton.cudagraphs": True}}, "without 'triton.cudagraphs'"),
+    ({"backend": "cudagraphs"}, "a backend other than 'cudagraphs'"),
+    ({"mode": "bogus"}, r"refused by torch.compile \(RuntimeError: Unrecognized mode=bogus"),
+    ({"mode": "default", "options": {}}, r"refused by torch.compile .*Either mode or options"),
+    ({"backend": "no_such_backend"}, r"refused by torch.compile \(InvalidBackend: .*no_such"),
+    ({"options": {"no_such.option": 1}}, r"refused by .*no_such.option.* \.\.\.\); pass a mode"),
 ])  # fmt: skip
 def test_a_compile_dict_torch_would_refuse_is_an_input_error(bad, match):
     """Keys ``torch.compile`` does not take were its raw ``TypeError`` from the constructor,
     and ``fullgraph=True`` Dynamo's ``Unsupported`` at the first warm-up (the attention breaks
     are Dynamo graph breaks): now an ``InputError`` before anything is built. So are the modes
-    that turn on Inductor's own CUDA graphs: their first recording synchronises the device inside
-    breakgraph's capture."""
+    and the backend that turn on torch's own CUDA graphs (their first recording synchronises
+    the device inside breakgraph's capture), and values torch.compile itself refuses (its raw
+    ``RuntimeError`` or ``InvalidBackend`` from the constructor, after the rank group was made)."""
     from breakgraph.errors import InputError
 
     model = tiny_llama()
@@ -388,10 +396,11 @@ def test_regions_compile_the_layers_and_the_decoders_modules_not_the_outer_forwa
     first = CompiledForward(model, {"backend": counting}, "cuda")
     second = CompiledForward(tiny_llama(), {"backend": counting}, "cuda")
     try:
-        assert first.fn is model and set(first.compiled_calls) == {type(m) for m in regions}
-        kinds = list(first.compiled_calls)
-        assert len({_call_of(kind).__code__ for kind in kinds}) == len(kinds) == len(regions) - 1
-        assert all(_call_of(kind) is _call_of(kind) for kind in kinds)
+        assert first.fn is model
+        assert {kind for kind, _ in first.compiled_calls} == {type(m) for m in regions}
+        keys = list(first.compiled_calls)  # the two layers: one kind, one shape
+        assert len({_call_of(*key).__code__ for key in keys}) == len(keys) == len(regions) - 1
+        assert all(_call_of(*key) is _call_of(*key) for key in keys)
         ids = torch.randint(0, 100, (1, 12))
         with torch.no_grad():
             first(input_ids=ids, use_cache=False)
@@ -488,3 +497,111 @@ def test_a_model_without_a_layers_list_is_compiled_whole(fresh_dynamo):
     finally:
         forward.close()
     assert "_is_torch_compile" not in vars(model)
+
+
+def test_a_whole_model_compile_torch_refuses_or_two_of_them_leave_the_model_unmarked(
+    fresh_dynamo,
+):
+    """torch.compile's mark on a model compiled whole was put there before torch.compile ran
+    and stayed when it raised; and two compiled forwards of one model each restored the mark
+    on its own, so the first to close took it off under the second, whose close then warned
+    that other code had replaced it. The mark is now shared, as the regions' dispatch is."""
+    import warnings
+
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match="Either mode or options"):  # torch.compile's own
+        CompiledForward(model, {"mode": "default", "options": {}}, "cuda")
+    assert "_is_torch_compile" not in vars(model)
+    first = CompiledForward(model, {"backend": CountingBackend()}, "cuda")
+    second = CompiledForward(model, {"backend": CountingBackend()}, "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "replaced by other code" was a warning
+        first.close()
+        assert vars(model)["_is_torch_compile"] is True  # the second is still open
+        second.close()
+    assert "_is_torch_compile" not in vars(model)
+
+
+def test_a_close_retried_after_an_interrupted_one_leaves_another_forward_open(
+    fresh_dynamo, monkeypatch
+):
+    """``close()`` counted its share off, then the restore was interrupted (Ctrl-C); a second
+    forward of the model opened, finishing that restore and installing the dispatch again; the
+    first forward's retried ``close()`` counted off the second's share and took the dispatch
+    away under it: its regions then ran uncompiled, silently."""
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    from breakgraph import patches as patches_module
+
+    model = tiny_llama()
+    layer = model.get_decoder().layers[0]
+    first = CompiledForward(model, {"backend": CountingBackend()}, "cuda")
+    restore = patches_module._restore_attribute
+    interrupted = []
+
+    def interrupt_once(*args, **kwargs):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(patches_module, "_restore_attribute", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        first.close()
+    second = CompiledForward(model, {"backend": CountingBackend()}, "cuda")
+    try:
+        first.close()  # retried: nothing of the second's
+        assert "_compiled_call_impl" in vars(layer)
+    finally:
+        second.close()
+    assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]
+
+
+def test_a_region_replaced_between_two_opens_gets_the_dispatch_and_the_old_one_not(
+    fresh_dynamo,
+):
+    """The dispatch was shared per model (keyed by its first layer) with the module list of
+    the first open: an embedding replaced afterwards (``resize_token_embeddings``) ran
+    uncompiled at the next open, and the detached old one was patched instead."""
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    model = tiny_llama()
+    CompiledForward(model, {"backend": CountingBackend()}, "cuda").close()
+    old = model.get_input_embeddings()
+    model.set_input_embeddings(torch.nn.Embedding(160, 64))
+    forward = CompiledForward(model, {"backend": CountingBackend()}, "cuda")
+    try:
+        assert "_compiled_call_impl" in vars(model.get_input_embeddings())
+        assert "_compiled_call_impl" not in vars(old)
+    finally:
+        forward.close()
+    assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]
+
+
+def test_models_of_other_widths_do_not_share_dynamos_recompile_limit(fresh_dynamo, monkeypatch):
+    """One compiled function per kind of region spent Dynamo's recompile limit (8 graphs per
+    code object) over every model of the class in the process: the ninth width ran
+    uncompiled, with only torch's log warning. A region's code object is now per kind and
+    shapes: shown here with the limit lowered to one graph, where a second width compiled
+    nothing before."""
+    from breakgraph.integrations.transformers.compiled import CompiledForward
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    counting, counts = CountingBackend(), []  # one backend: another would recompile anyway
+    for hidden in (64, 32):
+        torch.manual_seed(0)
+        config = tiny_config("LlamaConfig", **{**TINY, "hidden_size": hidden}, head_dim=16)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        forward = CompiledForward(model.eval(), {"backend": counting}, "cuda")
+        before = len(counting.calls)
+        try:
+            with torch.no_grad():
+                forward(input_ids=torch.randint(0, 100, (1, 6)), use_cache=False)
+        finally:
+            forward.close()
+        counts.append(len(counting.calls) - before)
+    # the second width: every region but the rotary embedding (its buffers are the first's:
+    # it reuses that graph) compiles a graph of its own
+    assert counts[0] > 1 and counts[1] == counts[0] - 1, counts

@@ -349,10 +349,7 @@ class StepRunner:
                  who: str, decode_graphs: bool = True, compile: Any = False) -> None:  # fmt: skip
         self.model, self.who, self.query_buckets = model, who, query_buckets
         self.decoder = model.get_decoder()
-        # the decoder under torch.compile (attention a Dynamo graph break), at the first warm-up
         self.compiled = compile is not False  # True or a dict (an empty one: the defaults)
-        self._forward = self.decoder if not self.compiled else CompiledForward(
-            self.decoder, compile, backend)  # fmt: skip
         self.lm_head = model.get_output_embeddings()
         # what the causal LM does after lm_head, checked against its forward when enabled
         self.after_head = logits_after_head(model.config)
@@ -405,6 +402,9 @@ class StepRunner:
         #: steps that came with a block table: {"graph": served by a decode graph, "break":
         #: materialised (one device sync) for the query-token graph's breaks}
         self.block_table_steps = {"graph": 0, "break": 0}
+        # the decoder under torch.compile (attention a Dynamo graph break); opened last
+        self._forward = CompiledForward(self.decoder, compile, backend) if self.compiled else (
+            self.decoder)  # fmt: skip
 
     @property
     def stats(self):

@@ -87,8 +87,10 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 def check_compile_option(compile: Any, who: str) -> None:
     """Refuse a ``compile=`` that is neither a bool nor a dict of ``torch.compile`` keyword
     arguments (a truthy string would otherwise compile with the defaults), a dict with other
-    keys, ``fullgraph=True`` (the breaks are Dynamo graph breaks), and a mode or option that
-    turns on Inductor's own CUDA graphs (captured inside breakgraph's). An empty dict compiles
+    keys, ``fullgraph=True`` (the breaks are Dynamo graph breaks), a mode, option or backend
+    that turns on CUDA graphs of torch's own (captured inside breakgraph's), and values that
+    ``torch.compile`` itself refuses (an unknown mode, backend or Inductor option; ``mode``
+    together with ``options``), here rather than at the first warm-up. An empty dict compiles
     with torch's defaults, as ``True`` does.
 
     Example::
@@ -96,6 +98,9 @@ def check_compile_option(compile: Any, who: str) -> None:
         >>> check_compile_option("yes", "demo")
         Traceback (most recent call last):
         breakgraph.errors.InputError: demo: compile must be True, False or a dict of ...
+        >>> check_compile_option({"backend": "no_such_backend"}, "demo")
+        Traceback (most recent call last):
+        breakgraph.errors.InputError: demo: compile={'backend': 'no_such_backend'} is refused by ...
     """
     if not isinstance(compile, (bool, dict)):
         raise InputError(
@@ -111,16 +116,18 @@ def check_compile_option(compile: Any, who: str) -> None:
                 f"{who}: compile has keys that are not torch.compile keyword arguments: "
                 f"{', '.join(map(repr, unknown))}; use some of {', '.join(known)}."
             )
-        cudagraphs = compile.get("mode") in _CUDAGRAPH_MODES or (
-            isinstance(compile.get("options"), dict)
-            and compile["options"].get("triton.cudagraphs")
-        )
-        if cudagraphs:  # Inductor would begin a capture of its own inside breakgraph's
+        cudagraphs = (
+            compile.get("mode") in _CUDAGRAPH_MODES
+            or compile.get("backend") == "cudagraphs"  # Dynamo's CUDA graph trees, no Inductor
+            or (isinstance(compile.get("options"), dict)
+                and compile["options"].get("triton.cudagraphs"))
+        )  # fmt: skip
+        if cudagraphs:  # torch would begin a capture of its own inside breakgraph's
             raise InputError(
-                f"{who}: compile={compile!r} makes Inductor capture CUDA graphs of its own, "
+                f"{who}: compile={compile!r} makes torch capture CUDA graphs of its own, "
                 f"inside breakgraph's captures; breakgraph's graphs already take the launches "
                 f"away: use mode 'default' or 'max-autotune-no-cudagraphs' (or options "
-                f"without 'triton.cudagraphs')."
+                f"without 'triton.cudagraphs', a backend other than 'cudagraphs')."
             )
         if compile.get("fullgraph"):
             raise InputError(
@@ -128,6 +135,19 @@ def check_compile_option(compile: Any, who: str) -> None:
                 f"experts' eager loop) runs as an eager break, a Dynamo graph break; leave "
                 f"fullgraph out."
             )
+        try:  # torch.compile checks its mode, options and backend when called, compiling nothing
+            torch.compile(_check_call, **compile)
+        except Exception as exc:
+            reason = (str(exc).splitlines() or [""])[0]  # an unknown option lists every one
+            reason = reason if len(reason) <= 200 else reason[:200] + " ..."
+            raise InputError(
+                f"{who}: compile={compile!r} is refused by torch.compile ({type(exc).__name__}: "
+                f"{reason}); pass a mode, backend and options that torch.compile accepts."
+            ) from exc
+
+
+def _check_call() -> None:
+    """What :func:`check_compile_option` hands ``torch.compile`` (never called)."""
 
 
 class CompiledForward:
@@ -144,37 +164,38 @@ class CompiledForward:
         options.setdefault("dynamic", True)
         self.options = options
         self.emulated = backend != "cuda"
-        self._patches = PatchSet()
-        self._regions: SharedPatches | None = None
         regions = compile_regions(model)
         if regions is None:
             # torch.compile marks the module it wraps (``_is_torch_compile``, set through the
-            # wrapper onto the model): ours until close(), so that the model ends as it was
-            if isinstance(model, torch.nn.Module):
-                self._patches.attribute(model, "_is_torch_compile", True)
-            self.fn = torch.compile(model, **options)
-            self.compiled_calls: dict[type, Any] = {}
-            return
-        # one compiled function per kind of module (Dynamo's recompile limit counts per code
-        # object: a layer, a norm and an embedding sharing one would spend it together)
-        self.compiled_calls = {
-            kind: torch.compile(_call_of(kind), **options)
-            for kind in dict.fromkeys(type(module) for module in regions)
-        }
-        self._regions = _installed_regions(regions)
-        self._regions.acquire()
-        # dropped unclosed: its share is counted off at the model's next acquire or release
-        self._release = weakref.finalize(self, self._regions.release_later)
-        self.fn = model
+            # wrapper onto the model): taken off by the last CompiledForward of the model to
+            # close, so that the model ends as it was (marked first: torch.compile sets it)
+            self._shared = _opened([_shared_patches(model, _mark)])
+            try:
+                self.fn = torch.compile(model, **options)
+            except BaseException:
+                self.close()
+                raise
+            self.compiled_calls: dict[tuple, Any] = {}
+        else:
+            # one compiled function per kind and shapes of module (:func:`_region_key`)
+            self.compiled_calls = {
+                key: torch.compile(_call_of(*key), **options)
+                for key in dict.fromkeys(_region_key(module) for module in regions)
+            }
+            self._shared = _opened([_shared_patches(module, _dispatch) for module in regions])
+            self.fn = model
+        # dropped unclosed: its shares are counted off at each one's next acquire or release
+        self._release = weakref.finalize(self, _release_later, self._shared)
 
     def close(self) -> None:
-        """Take torch.compile's mark, or the regions' compiled calls, off the model
-        (idempotent); the compiled code stays cached in torch, as any compile's does."""
-        self._patches.restore()
-        if self._regions is not None:
-            self._release.detach()
-            self._regions.release()
-            self._regions = None
+        """Take torch.compile's mark, or the regions' compiled calls, off the model once no
+        other :class:`CompiledForward` of it is open (idempotent, also after an interrupted
+        close); the compiled code stays cached in torch, as any compile's does."""
+        shared, self._shared = self._shared, []
+        if shared:
+            if hasattr(self, "_release"):  # not when torch.compile raised in __init__
+                self._release.detach()
+            _released(shared)
 
     def __call__(self, **kwargs: Any) -> Any:
         if self.emulated and breakgraph.is_capturing():
@@ -225,18 +246,29 @@ def _call_module(module, *args, **kwargs):
     return module._call_impl(*args, **kwargs)
 
 
-def _call_of(kind: type) -> types.FunctionType:
-    """:func:`_call_module` on a code object of its own for ``kind``, the same one for every
-    model and runner (Dynamo keys its cache and its recompile limit on code objects: a code
-    object per runner would compile a second model of the family all over again)."""
-    call = _calls.get(kind)
+def _region_key(module: torch.nn.Module) -> tuple[type, tuple]:
+    """What a region's compiled function is shared by: its kind, and its parameters' and
+    buffers' names, shapes, dtypes and devices (Dynamo guards on them: a region of another
+    shape compiles a graph of its own)."""
+    tensors = (*module.named_parameters(), *module.named_buffers())
+    return type(module), tuple((n, tuple(t.shape), t.dtype, t.device.type) for n, t in tensors)
+
+
+def _call_of(kind: type, shapes: tuple) -> types.FunctionType:
+    """:func:`_call_module` on a code object of its own for ``kind`` at ``shapes``
+    (:func:`_region_key`), the same one for every model and runner of that kind and shape.
+    Dynamo keys its cache and its recompile limit (8 graphs) on code objects: one per runner
+    would compile a second model of the family all over again, and one per kind would spend
+    the limit on as many models of other widths, then run the next ones uncompiled."""
+    calls = _calls.setdefault(kind, {})
+    call = calls.get(shapes)
     if call is None:
         code = _call_module.__code__.replace(co_name=f"compiled_{kind.__name__}")
-        call = _calls.setdefault(kind, types.FunctionType(code, _call_module.__globals__))
+        call = calls.setdefault(shapes, types.FunctionType(code, _call_module.__globals__))
     return call
 
 
-_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kind -> its call
+_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kind -> {shapes: its call}
 
 
 class _RegionCall:
@@ -244,45 +276,84 @@ class _RegionCall:
     :class:`CompiledForward` call the compiled call for the module's kind, else the module's
     own call. Holds the module weakly (the module holds this)."""
 
-    __slots__ = ("module", "kind", "__weakref__")
+    __slots__ = ("module", "key", "__weakref__")
 
     def __init__(self, module: torch.nn.Module):
         self.module = weakref.ref(module)
-        self.kind = type(module)
+        self.key = _region_key(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module()
         calls = None if torch.compiler.is_compiling() else _ACTIVE.get()
-        compiled = calls.get(self.kind) if calls else None
+        compiled = calls.get(self.key) if calls else None
         if compiled is None:  # a plain call of the model, or inside another compile's trace
             return module._call_impl(*args, **kwargs)
         return compiled(module, *args, **kwargs)
 
 
-#: per model, keyed by its first layer (a prefill runner passes the causal LM, continuous
-#: batching the decoder): its regions' dispatch, installed while a CompiledForward of it is open
+#: per module (a region, or a model compiled whole): what a CompiledForward of it installs
+#: there, shared by every one open (two sets of their own, closed in the order they were
+#: opened, would each restore what the other had put there)
 _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _installed_lock = threading.Lock()
 
 
-def _installed_regions(regions: list) -> SharedPatches:
-    """The regions' dispatch, shared by every :class:`CompiledForward` of their model: the
-    first to open installs it, the last to close removes it (two sets of their own, closed in
-    the order they were opened, would each restore what the other had put there)."""
+def _dispatch(module: torch.nn.Module, patches: PatchSet) -> None:
+    """A region's dispatch (:class:`_RegionCall`): its compiled call inside a CompiledForward
+    call."""
+    patches.attribute(module, "_compiled_call_impl", _RegionCall(module), weak=True)
 
-    # weakly: the table below keys on the first region and outlives the model
-    refs = [weakref.ref(module) for module in regions]
 
-    def install(patches: PatchSet) -> None:
-        for ref in refs:
-            if (module := ref()) is not None:
-                patches.attribute(module, "_compiled_call_impl", _RegionCall(module), weak=True)
+def _mark(model: Any, patches: PatchSet) -> None:
+    """torch.compile's mark on a model compiled whole."""
+    if isinstance(model, torch.nn.Module):
+        patches.attribute(model, "_is_torch_compile", True, weak=True)
+
+
+def _shared_patches(module: Any, install: Any) -> SharedPatches:
+    """``install(module, patches)`` on ``module``, shared by every CompiledForward of it: the
+    first to open installs it, the last to close restores it. Per module, so a module
+    replaced between two opens (a resized embedding) gets its own."""
+    ref = weakref.ref(module)  # the table outlives no module: weakly
+
+    def install_on(patches: PatchSet) -> None:
+        if (target := ref()) is not None:
+            install(target, patches)
 
     with _installed_lock:
-        shared = _installed.get(regions[0])
+        shared = _installed.get(module)
         if shared is None:
-            shared = _installed[regions[0]] = SharedPatches(install)
+            shared = _installed[module] = SharedPatches(install_on)
         return shared
+
+
+def _opened(shared: list[SharedPatches]) -> list[SharedPatches]:
+    """Acquire every one of ``shared``, or, if one raises, none."""
+    for i, one in enumerate(shared):
+        try:
+            one.acquire()
+        except BaseException:
+            _released(shared[:i])
+            raise
+    return shared
+
+
+def _released(shared: list[SharedPatches]) -> None:
+    """Release every one of ``shared``, the first error raised after all were released."""
+    error = None
+    for one in shared:
+        try:
+            one.release()
+        except BaseException as exc:  # its restore stays pending: it finishes at its next call
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _release_later(shared: list[SharedPatches]) -> None:
+    """A dropped CompiledForward's shares, counted off at each one's next acquire or release."""
+    for one in shared:
+        one.release_later()
 
 
 def _regions_work() -> bool:

@@ -239,7 +239,6 @@ class ContinuousBatchingHandle:
         """Install everything; on any failure, nothing stays. Under the model's attention
         lock: not in the middle of a runner's attention switch (see ``attention.switching``)."""
         with switching(self.model):  # the probe's forwards on the model's own attention
-            self.runner.after_head = checked_logits_after_head(self.model, _WHO)
             self._install()
         with _registry:
             _enabled[self.model] = weakref.ref(self)
@@ -251,7 +250,8 @@ class ContinuousBatchingHandle:
     def _install(self) -> None:
         model = self.model
         _shared.acquire()
-        try:
+        try:  # a model refused by the logits check too: the runner closed below
+            self.runner.after_head = checked_logits_after_head(model, _WHO)
             config = model.config
             private = copy.copy(config)  # models sharing `config` keep their attention key
             for module in model.modules():
@@ -270,7 +270,7 @@ class ContinuousBatchingHandle:
         except BaseException:
             self._patches.restore()
             _shared.release()
-            self.runner.close()  # nothing captured yet; torch.compile's mark off the decoder
+            self.runner.close()  # nothing captured yet; the compiled regions off the decoder
             raise
 
     def disable(self) -> None:

@@ -278,13 +278,13 @@ class PrefillRunner:
                 "parallelism; leave it at None (off there)."
             )
         _attention.register()
-        if compiled:  # dynamic tokens (see .compiled); its mark on the model goes in close()
-            self._forward_model = CompiledForward(model, compile, backend_name)  # or _abandon()
         # the runners hold this one's methods weakly: bound, they would make a reference cycle
         # (self -> runner -> method -> self) that keeps a dropped runner's graphs and their
         # pool memory until Python's cyclic collector runs (see breakgraph.memory)
         forward, capture_batch = weak_method(self._forward), weak_method(self._capture_batch)
         try:
+            if compiled:  # dynamic tokens (see .compiled); off the model in close()/_abandon()
+                self._forward_model = CompiledForward(model, compile, backend_name)
             self._runner = BucketedRunner(
                 forward,
                 token_buckets,
