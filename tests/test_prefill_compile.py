@@ -580,7 +580,7 @@ def test_a_region_replaced_between_two_opens_gets_the_dispatch_and_the_old_one_n
     assert not [n for n, m in model.named_modules() if "_compiled_call_impl" in vars(m)]
 
 
-def test_models_of_other_widths_do_not_share_dynamos_recompile_limit(fresh_dynamo, monkeypatch):
+def test_models_of_other_widths_do_not_share_dynamos_recompile_limit(fresh_dynamo):
     """One compiled function per kind of region spent Dynamo's recompile limit (8 graphs per
     code object) over every model of the class in the process: the ninth width ran
     uncompiled, with only torch's log warning. A region's code object is now per kind and
@@ -588,8 +588,8 @@ def test_models_of_other_widths_do_not_share_dynamos_recompile_limit(fresh_dynam
     nothing before."""
     from breakgraph.integrations.transformers.compiled import CompiledForward
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     counting, counts = CountingBackend(), []  # one backend: another would recompile anyway
+    limit = torch._dynamo.config.patch(recompile_limit=1)  # torch's own scoped patch
     for hidden in (64, 32):
         torch.manual_seed(0)
         config = tiny_config("LlamaConfig", **{**TINY, "hidden_size": hidden}, head_dim=16)
@@ -597,7 +597,7 @@ def test_models_of_other_widths_do_not_share_dynamos_recompile_limit(fresh_dynam
         forward = CompiledForward(model.eval(), {"backend": counting}, "cuda")
         before = len(counting.calls)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), limit:
                 forward(input_ids=torch.randint(0, 100, (1, 6)), use_cache=False)
         finally:
             forward.close()
