@@ -350,11 +350,10 @@ def experts_as_breaks(model: Any) -> Iterator[None]:
 
     Example::
 
-        >>> import transformers
-        >>> config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
-        ...     intermediate_size=32, num_attention_heads=2, num_local_experts=4)
-        >>> auto = transformers.AutoModelForCausalLM
-        >>> model = auto.from_config(config, experts_implementation="eager")
+        >>> from transformers import MixtralConfig, MixtralForCausalLM
+        >>> model = MixtralForCausalLM(MixtralConfig(num_hidden_layers=1, hidden_size=16,
+        ...     intermediate_size=32, num_attention_heads=2, vocab_size=32, num_local_experts=4))
+        >>> model.set_experts_implementation("eager")  # transformers' loop over the experts
         >>> with experts_as_breaks(model):
         ...     model.config._experts_implementation
         'breakgraph_eager_loop'
